@@ -1,0 +1,35 @@
+# pdpush: `make demo` runs the main job, `make test` runs the tests. Each installs what it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pdpush-installed
+export UCX_WARN_UNUSED_ENV_VARS ?= n
+
+.PHONY: install test demo bench soak lint clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -m "not slow"
+
+demo: install
+	$(VENV)/bin/pdpush bench --scenario goodput --layers 8 --tokens 1024 --requests 2
+
+bench: install
+	$(VENV)/bin/pdpush bench --scenario goodput --layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
+		--tokens 4096 --chunk-tokens 256 --json bench-out/goodput.json
+
+lint: install
+	$(VENV)/bin/ruff check pdpush tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench-out

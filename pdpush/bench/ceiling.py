@@ -1,0 +1,93 @@
+"""Reference speeds measured in the same run: raw UCX put+flush between two processes, and memcpy.
+
+``python -m pdpush.bench.ceiling`` is the passive side: it allocates a region
+through UCX exactly as the receiver does, prints one JSON line (port, address,
+rkey) and waits for stdin to close. ``measure_put`` is the active side and
+uses the same transport code and pattern as the sender: one put+flush per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _serve(nbytes: int) -> None:
+    from pdpush.transport.ucx import UcxWorker
+
+    w = UcxWorker()
+    peers = []
+    port = w.listen(0, peers.append)
+    region = w.alloc(nbytes)
+    print(json.dumps({"port": port, "address": region.address, "rkey": region.pack_rkey().hex()}), flush=True)
+    os.set_blocking(sys.stdin.fileno(), False)
+    while True:
+        w.progress()
+        try:
+            if sys.stdin.buffer.read() == b"":
+                break
+        except (BlockingIOError, TypeError):
+            pass
+        time.sleep(0.0005)  # passive side: one-sided puts need no receiver work beyond progress
+    region.close()
+
+
+def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
+    """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes."""
+    from pdpush.shm import array_at
+    from pdpush.transport.ucx import PutOp, UcxWorker
+
+    total = layer_bytes * layers
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdpush.bench.ceiling", str(total)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        line = proc.stdout.readline()
+        info = json.loads(line)
+        w = UcxWorker()
+        ep = w.connect("127.0.0.1", info["port"])
+        ep.set_rkey(bytes.fromhex(info["rkey"]))
+        src = w.alloc(total)
+        array_at(src.address, total)[:] = 1  # fault the pages in, as a real staging area would be
+        rates = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            for layer in range(layers):
+                off = layer * layer_bytes
+                ep.put_many([PutOp(src.address + off, info["address"] + off, layer_bytes)], 30.0)
+            rates.append(total / (time.perf_counter() - t) / 1e9)
+        ep.close()
+        src.close()
+        rates = rates[1:]  # first pass touches the remote pages
+        return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def measure_memcpy(layer_bytes: int, layers: int, reps: int = 5) -> dict:
+    a = np.ones(layer_bytes * layers, dtype=np.uint8)
+    b = np.empty_like(a)
+    rates = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        for layer in range(layers):
+            s = slice(layer * layer_bytes, (layer + 1) * layer_bytes)
+            np.copyto(b[s], a[s])
+        rates.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+    rates = rates[1:]
+    return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))

@@ -1,0 +1,183 @@
+"""``pdpush bench --scenario goodput``: PrefillClient -> sender -> receiver -> DecodeClient, every byte verified.
+
+Goodput = new bytes of a request / (time from ``begin`` until the decode side
+sees every layer). The ceiling is a raw UCX put+flush of the same layer sizes
+between two processes, and the memcpy of the same bytes, both in this run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdpush import launch
+from pdpush.bench import ceiling
+from pdpush.client import DecodeClient, PrefillClient
+from pdpush.errors import PdpushError
+from pdpush.layout import KVLayout
+
+
+class _Source:
+    """Synthetic KV for one request: random bytes, [layers, tokens, H, D] per K and V."""
+
+    def __init__(self, layout: KVLayout, token_ids: list[int], rng: np.random.Generator,
+                 prefix_of: _Source | None = None, shared_tokens: int = 0) -> None:
+        self.token_ids = token_ids
+        n = len(token_ids)
+        shape = (layout.layers, n, layout.kv_heads, layout.head_dim * layout.dtype_bytes)
+        size = int(np.prod(shape))
+        self.k = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
+        self.v = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
+        if prefix_of is not None and shared_tokens:  # same prefix -> same KV, as a real model would give
+            self.k[:, :shared_tokens] = prefix_of.k[:, :shared_tokens]
+            self.v[:, :shared_tokens] = prefix_of.v[:, :shared_tokens]
+
+
+def _verify(req, src: _Source, layout: KVLayout) -> bool:
+    row = layout.kv_heads * layout.head_dim * layout.dtype_bytes
+    T = layout.chunk_tokens
+    n = len(src.token_ids)
+    for layer in range(layout.layers):
+        pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, row)
+                                for r in req.layer_runs(layer, wait=True)])
+        k = pages[:, 0].reshape(-1, row)[:n]
+        v = pages[:, 1].reshape(-1, row)[:n]
+        if not (np.array_equal(k, src.k[layer].reshape(n, row)) and np.array_equal(v, src.v[layer].reshape(n, row))):
+            return False
+    return True
+
+
+def _push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: _Source, layout: KVLayout) -> dict:
+    seen: dict = {}
+
+    def decode_side() -> None:
+        try:
+            req = dc.open(req_id, timeout_s=60)
+            for layer in range(layout.layers):
+                req.wait_layer(layer, timeout_s=60)
+            seen["t_visible"] = time.perf_counter()
+            req.wait_committed(60)
+            seen["verified"] = _verify(req, src, layout)
+            req.release()
+        except PdpushError as e:
+            seen["error"] = f"{type(e).__name__}: {e}"
+
+    th = threading.Thread(target=decode_side, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    h = pc.begin(req_id, src.token_ids)
+    for layer in range(layout.layers):
+        h.put_layer(layer, src.k[layer], src.v[layer])
+    done = h.finish(timeout_s=60)
+    th.join(120)
+    if "error" in seen or th.is_alive():
+        raise PdpushError(f"decode side of {req_id}: {seen.get('error', 'timed out')}")
+    dt = seen["t_visible"] - t0
+    return {"req_id": req_id, "bytes_sent": done.bytes_sent, "puts": done.puts, "chunks_skipped": done.chunks_skipped,
+            "seconds": dt, "goodput_gbps": done.bytes_sent / dt / 1e9 if done.bytes_sent else 0.0,
+            "verified": bool(seen.get("verified"))}
+
+
+def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, chunk_tokens: int, requests: int,
+        prefix_shared: float, receiver_config: Path | None = None, sender_config: Path | None = None) -> dict:
+    layout = KVLayout(layers, kv_heads, head_dim, dtype, chunk_tokens)  # type: ignore[arg-type]
+    chunks = layout.num_chunks(tokens)
+    request_bytes = layers * chunks * layout.page_bytes
+    daemons: list[launch.Daemon] = []
+    wd = launch.scratch_dir("pdpush-bench-")
+    try:
+        if receiver_config is not None:
+            from pdpush import config as cfgmod
+
+            rcfg = cfgmod.load(cfgmod.ReceiverConfig, receiver_config)
+            scfg = cfgmod.load(cfgmod.SenderConfig, sender_config)
+            layout = rcfg.layout
+            chunks = layout.num_chunks(tokens)
+            request_bytes = layout.layers * chunks * layout.page_bytes
+            rx_local, tx_ingress = rcfg.local_socket_path(), scfg.ingress_socket_path()
+            receiver = f"tcp://{rcfg.host}:{rcfg.control_port}"
+        else:
+            rx = launch.start_receiver(wd, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                       chunk_tokens=chunk_tokens, pool_pages=chunks * 3)
+            daemons.append(rx)
+            tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"],
+                                     staging_bytes=max(1 << 20, 2 * request_bytes + (1 << 20)))
+            daemons.append(tx)
+            rx_local = rx.info["local_endpoint"].removeprefix("ipc://")
+            tx_ingress = tx.info["ingress_endpoint"].removeprefix("ipc://")
+            receiver = rx.info["control_endpoint"]
+        pc = PrefillClient(layout, tx_ingress, receiver=receiver, timeout_s=60)
+        dc = DecodeClient(rx_local, timeout_s=60)
+        rng = np.random.default_rng(1234)
+        tag = f"{time.time_ns():x}"
+
+        def fresh_ids(n: int) -> list[int]:
+            return rng.integers(0, 1 << 31, size=n).tolist()
+
+        results = []
+        for i in range(requests + 1):  # the first one warms up connections and page faults
+            src = _Source(layout, fresh_ids(tokens), rng)
+            r = _push_one(pc, dc, f"bench-{tag}-{i}", src, layout)
+            if i:
+                results.append(r)
+        # Incremental: a first request, then one sharing its first prefix_shared of tokens.
+        shared = int(tokens * prefix_shared)
+        first = _Source(layout, fresh_ids(tokens), rng)
+        r1 = _push_one(pc, dc, f"bench-{tag}-p1", first, layout)
+        second = _Source(layout, first.token_ids[:shared] + fresh_ids(tokens - shared), rng, first, shared)
+        r2 = _push_one(pc, dc, f"bench-{tag}-p2", second, layout)
+        pc.close()
+        dc.close()
+        layer_bytes = chunks * layout.page_bytes
+        put = ceiling.measure_put(layer_bytes, layout.layers)
+        mem = ceiling.measure_memcpy(layer_bytes, layout.layers)
+    finally:
+        for d in daemons:
+            d.stop()
+    good = statistics.median(r["goodput_gbps"] for r in results)
+    return {
+        "scenario": "goodput",
+        "layout": layout.to_dict(), "tokens": tokens, "requests": requests,
+        "verified": all(r["verified"] for r in results) and r1["verified"] and r2["verified"],
+        "bytes_total": sum(r["bytes_sent"] for r in results),
+        "bytes_per_request": request_bytes,
+        "layer_bytes": layer_bytes,
+        "goodput_gbps": good,
+        "goodput_samples_gbps": [r["goodput_gbps"] for r in results],
+        "ceiling_gbps": put["median_gbps"],
+        "ceiling_samples_gbps": put["samples_gbps"],
+        "memcpy_gbps": mem["median_gbps"],
+        "ratio": good / put["median_gbps"],
+        "ratio_memcpy": good / mem["median_gbps"],
+        "puts_per_layer": statistics.median(r["puts"] / layout.layers for r in results),
+        "prefix_shared": prefix_shared,
+        "bytes_sent_first": r1["bytes_sent"],
+        "bytes_sent_second": r2["bytes_sent"],
+        "chunks_skipped_second": r2["chunks_skipped"],
+        "requests_detail": results + [r1, r2],
+    }
+
+
+def print_table(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"pdpush goodput ({res['layout']['layers']} layers, {res['tokens']} tokens, "
+                    f"{res['layout']['dtype']}, {res['layer_bytes'] / 2**20:.1f} MiB/layer)")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    t.add_row("verified (every byte, decode side)", str(res["verified"]))
+    t.add_row("goodput, median GB/s", f"{res['goodput_gbps']:.2f}")
+    t.add_row("raw UCX put+flush ceiling, median GB/s", f"{res['ceiling_gbps']:.2f}")
+    t.add_row("memcpy, median GB/s", f"{res['memcpy_gbps']:.2f}")
+    t.add_row("ratio to ceiling", f"{res['ratio']:.2f}")
+    t.add_row("ratio to memcpy", f"{res['ratio_memcpy']:.2f}")
+    t.add_row("puts per layer", f"{res['puts_per_layer']:.1f}")
+    t.add_row("bytes sent: first / second (prefix-shared)",
+              f"{res['bytes_sent_first']:,} / {res['bytes_sent_second']:,}")
+    t.add_row("chunks skipped by second", str(res["chunks_skipped_second"]))
+    Console().print(t)

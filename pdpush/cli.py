@@ -1,0 +1,199 @@
+"""Command-line entry points (typer): parse -> config -> run, nothing else.
+
+``pdpush-receiver``, ``pdpush-sender`` and ``pdpush {bench,status,...}``.
+Keeps ``--help`` fast: torch and ucxx are imported only inside commands.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pdpush.errors import ConfigError, PdpushError
+
+receiver_app = typer.Typer(add_completion=False, help="pdpush decode-side receiver daemon.")
+sender_app = typer.Typer(add_completion=False, help="pdpush prefill-side sender daemon.")
+app = typer.Typer(add_completion=False, help="pdpush: push KV cache from prefill to decode, layer by layer.",
+                  no_args_is_help=True)
+
+_CONFIG = typer.Option(None, "--config", "-c", help="TOML config file.")
+_BIND = typer.Option(None, "--bind", help="Address for the network-facing endpoints (overrides 'host').")
+_READY = typer.Option(None, "--ready-file", help="Write a JSON file with the bound endpoints once serving.")
+_LEVEL = typer.Option(None, "--log-level", help="debug, info, warning or error.")
+_FMT = typer.Option(None, "--log-format", help="text or json.")
+_PREFAULT = typer.Option(None, "--prefault/--no-prefault", help="Fault the shared region in at start-up.")
+
+
+def _fail_config(e: Exception) -> None:
+    typer.echo(f"pdpush: configuration error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+@receiver_app.command()
+def receiver(
+    config: Optional[Path] = _CONFIG,
+    bind: Optional[str] = _BIND,
+    control_port: Optional[int] = typer.Option(None, help="ZMQ control port (0 = any)."),
+    ucx_port: Optional[int] = typer.Option(None, help="UCX listener port (0 = any)."),
+    local_socket: Optional[str] = typer.Option(None, help="Unix socket for the local decode engine."),
+    layers: Optional[int] = typer.Option(None), kv_heads: Optional[int] = typer.Option(None),
+    head_dim: Optional[int] = typer.Option(None), dtype: Optional[str] = typer.Option(None),
+    chunk_tokens: Optional[int] = typer.Option(None), model_id: Optional[str] = typer.Option(None),
+    pool_pages: Optional[int] = typer.Option(None, help="Pages in the pool."),
+    prefault: Optional[bool] = _PREFAULT,
+    ready_file: Optional[str] = _READY, log_level: Optional[str] = _LEVEL, log_format: Optional[str] = _FMT,
+) -> None:
+    """Run the receiver daemon."""
+    from pdpush import config as cfgmod
+    from pdpush import daemon
+
+    try:
+        cfg = cfgmod.load(cfgmod.ReceiverConfig, config, host=bind, control_port=control_port, ucx_port=ucx_port,
+                          local_socket=local_socket, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                          dtype=dtype, chunk_tokens=chunk_tokens, model_id=model_id, pool_pages=pool_pages,
+                          prefault=prefault, ready_file=ready_file, log_level=log_level, log_format=log_format)
+    except ConfigError as e:
+        _fail_config(e)
+    daemon.setup_logging(cfg.log_level, cfg.log_format, "receiver")
+    from pdpush.receiver import Receiver
+
+    _serve(Receiver(cfg), cfg)
+
+
+@sender_app.command()
+def sender(
+    config: Optional[Path] = _CONFIG,
+    bind: Optional[str] = _BIND,
+    ingress_socket: Optional[str] = typer.Option(None, help="Unix socket for the local prefill engine."),
+    staging_bytes: Optional[int] = typer.Option(None, help="Shared staging memory, bytes."),
+    default_receiver: Optional[str] = typer.Option(None, help="Receiver control endpoint, e.g. tcp://h:5710."),
+    checksums: Optional[bool] = typer.Option(None, help="Send per-layer checksums."),
+    prefault: Optional[bool] = _PREFAULT,
+    ready_file: Optional[str] = _READY, log_level: Optional[str] = _LEVEL, log_format: Optional[str] = _FMT,
+) -> None:
+    """Run the sender daemon."""
+    from pdpush import config as cfgmod
+    from pdpush import daemon
+
+    try:
+        cfg = cfgmod.load(cfgmod.SenderConfig, config, host=bind, ingress_socket=ingress_socket,
+                          staging_bytes=staging_bytes, default_receiver=default_receiver, checksums=checksums,
+                          prefault=prefault, ready_file=ready_file, log_level=log_level, log_format=log_format)
+    except ConfigError as e:
+        _fail_config(e)
+    daemon.setup_logging(cfg.log_level, cfg.log_format, "sender")
+    from pdpush.sender import Sender
+
+    _serve(Sender(cfg), cfg)
+
+
+def _serve(server, cfg) -> None:
+    import logging
+
+    from pdpush import daemon
+
+    try:
+        code = daemon.run(server, cfg.ready_file, cfg.drain_timeout_s)
+    except ConfigError as e:
+        logging.getLogger("pdpush").error("%s", e)
+        raise typer.Exit(int(daemon.ExitCode.CONFIG)) from None
+    except PdpushError as e:
+        logging.getLogger("pdpush").error("start-up failed: %s", e)
+        raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    config: Path = typer.Option(..., "--config", "-c", help="The daemon's TOML config."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    timeout: float = typer.Option(2.0, help="Seconds to wait for the daemon."),
+) -> None:
+    """Query the local daemon that CONFIG configures (receiver or sender)."""
+    import tomllib
+
+    from pdpush import client
+    from pdpush import config as cfgmod
+
+    try:
+        raw = tomllib.loads(config.read_text())
+        if "pool_pages" in raw or "control_port" in raw or "layers" in raw:
+            cfg = cfgmod.load(cfgmod.ReceiverConfig, config)
+            sock = cfg.local_socket_path()
+        else:
+            cfg = cfgmod.load(cfgmod.SenderConfig, config)
+            sock = cfg.ingress_socket_path()
+    except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
+        _fail_config(e)
+    try:
+        stats = client.status(sock, timeout)
+    except PdpushError as e:
+        typer.echo(f"pdpush: daemon at {sock} did not answer: {e}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(stats, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"pdpush {stats.get('role', '?')} ({sock})")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k in sorted(stats):
+        t.add_row(k, str(stats[k]))
+    Console().print(t)
+
+
+@app.command()
+def bench(
+    scenario: str = typer.Option("goodput", help="goodput"),
+    layers: int = typer.Option(32), kv_heads: int = typer.Option(8), head_dim: int = typer.Option(128),
+    dtype: str = typer.Option("bfloat16", help="float16, bfloat16 or float32"),
+    tokens: int = typer.Option(4096), chunk_tokens: int = typer.Option(256),
+    requests: int = typer.Option(3, help="Requests to push (after one warm-up)."),
+    prefix_shared: float = typer.Option(0.5, help="Fraction of tokens a second request shares with the first."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
+    receiver_config: Optional[Path] = typer.Option(None, help="Use a running receiver with this config."),
+    sender_config: Optional[Path] = typer.Option(None, help="Use a running sender with this config."),
+) -> None:
+    """Measure pdpush against raw UCX put+flush and memcpy, verifying every byte."""
+    from pdpush.bench import goodput
+
+    if scenario != "goodput":
+        typer.echo(f"pdpush bench: scenario {scenario!r} is not implemented yet (available: goodput)", err=True)
+        raise typer.Exit(2)
+    if (receiver_config is None) != (sender_config is None):
+        typer.echo("pdpush bench: give both --receiver-config and --sender-config, or neither", err=True)
+        raise typer.Exit(2)
+    try:
+        result = goodput.run(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, tokens=tokens,
+                             chunk_tokens=chunk_tokens, requests=requests, prefix_shared=prefix_shared,
+                             receiver_config=receiver_config, sender_config=sender_config)
+    except PdpushError as e:
+        typer.echo(f"pdpush bench: {type(e).__name__}: {e}", err=True)
+        raise typer.Exit(1) from None
+    goodput.print_table(result)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2))
+    if not result["verified"]:
+        raise typer.Exit(1)
+
+
+def receiver_main() -> None:
+    receiver_app()
+
+
+def sender_main() -> None:
+    sender_app()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""Clients used inside engines: PrefillClient (to the sender) and DecodeClient (to the receiver).
+
+Canonical KV input/output at this API: per layer, K and V each shaped
+``[tokens, kv_heads, head_dim]`` (token-major). Engine layouts (HF
+``[B, H, S, D]``, vLLM paged blocks) are converted by the integrations.
+
+In-page layout: ``page[2, chunk_tokens, kv_heads, head_dim]`` (see layout.py).
+Zero-copy: the prefill side writes straight into the sender's staging
+memory; the decode side gets views straight into the receiver's pool.
+
+Imports numpy and zmq; torch only when a torch tensor is passed or asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from pdpush import control, protocol
+from pdpush.config import runtime_dir
+from pdpush.errors import ErrorCode, PdpushError, ProtocolError, TransportTimeout, error_from_code
+from pdpush.layout import KVLayout, chunk_keys, runs
+from pdpush.protocol import (
+    Abort,
+    Begin,
+    BeginOk,
+    Committed,
+    Done,
+    Error,
+    Finish,
+    LayerAvailable,
+    LayerReady,
+    LayoutSpec,
+    Msg,
+    Open,
+    OpenOk,
+    Query,
+    QueryReply,
+    Release,
+    StatusReply,
+    StatusRequest,
+)
+from pdpush.shm import Attached
+
+_NP_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+
+
+def _endpoint(sock: str | Path) -> str:
+    s = str(sock)
+    return s if "://" in s else f"ipc://{s}"
+
+
+def _as_bytes_array(x) -> np.ndarray:
+    """A numpy view of a tensor's raw bytes (torch tensors are moved to CPU if needed)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return t.view(torch.uint8).numpy() if t.is_contiguous() else t.contiguous().view(torch.uint8).numpy()
+    a = np.asarray(x)
+    return a.view(np.uint8) if a.flags.c_contiguous else np.ascontiguousarray(a).view(np.uint8)
+
+
+def _raise(msg: Msg) -> None:
+    if isinstance(msg, Error):
+        err = error_from_code(msg.code, msg.message)
+        if msg.retry_after_ms is not None:
+            err.retry_after_ms = msg.retry_after_ms  # type: ignore[attr-defined]
+        raise err
+
+
+class _Conn:
+    """A DEALER to a local daemon, with request/reply helpers and a per-request mailbox."""
+
+    def __init__(self, sock_path: str | Path, max_frame: int = protocol.DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self.sock = control.dealer(_endpoint(sock_path), max_frame)
+        self.mail: dict[str | None, list[Msg]] = {}
+
+    def send(self, msg: Msg, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        frame = protocol.encode(msg)
+        while True:
+            try:
+                self.sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    raise TransportTimeout("local daemon is not accepting messages") from None
+                self.sock.poll(10, zmq.POLLOUT)
+
+    def recv_for(self, req_id: str | None, deadline: float) -> Msg:
+        """Next message about ``req_id`` (others are kept for their owners)."""
+        box = self.mail.get(req_id)
+        if box:
+            return box.pop(0)
+        while True:
+            msg = control.recv_until(self.sock, deadline, self.max_frame)
+            rid = getattr(msg, "req_id", None)
+            if rid == req_id:
+                return msg
+            self.mail.setdefault(rid, []).append(msg)
+
+    def call(self, msg: Msg, req_id: str | None, timeout_s: float) -> Msg:
+        self.send(msg, timeout_s)
+        reply = self.recv_for(req_id, time.monotonic() + timeout_s)
+        _raise(reply)
+        return reply
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def status(sock_path: str | Path, timeout_s: float = 2.0) -> dict:
+    """Ask a local daemon for its stats."""
+    c = _Conn(sock_path)
+    try:
+        reply = c.call(StatusRequest(), None, timeout_s)
+        assert isinstance(reply, StatusReply)
+        return dict(reply.stats)
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------- prefill side
+
+class PushHandle:
+    """One request being pushed. Write layers (in any order, as they finish), then ``finish()``."""
+
+    def __init__(self, client: PrefillClient, req_id: str, tokens: int, ok: BeginOk) -> None:
+        self.client = client
+        self.req_id = req_id
+        self.tokens = tokens
+        lay = client.layout
+        self.already_sent_indexes: list[int] = list(ok.already_sent_indexes)
+        held = set(self.already_sent_indexes)
+        self.new_chunk_indexes = [i for i in range(lay.num_chunks(tokens)) if i not in held]
+        self.new_runs = runs(self.new_chunk_indexes)  # contiguous chunk-index ranges
+        st = client._staging(ok.staging_shmid, ok.staging_bytes)
+        self._layer_bytes = len(self.new_chunk_indexes) * lay.page_bytes
+        self._base = st.array[ok.staging_offset: ok.staging_offset + lay.layers * self._layer_bytes]
+        self._sent: set[int] = set()
+        self._done: Done | None = None
+
+    @property
+    def skipped_tokens(self) -> int:
+        """Tokens in leading chunks the receiver already holds (the engine may skip computing them)."""
+        n = 0
+        for i in range(len(self.already_sent_indexes)):
+            if self.already_sent_indexes[i] != i:
+                break
+            n += 1
+        return min(self.tokens, n * self.client.layout.chunk_tokens)
+
+    def staging_layer(self, layer: int) -> np.ndarray:
+        """Raw writable view of layer ``layer``'s new pages: ``[new_chunks, 2, T, H, D]`` of storage dtype."""
+        lay = self.client.layout
+        b = self._base[layer * self._layer_bytes:(layer + 1) * self._layer_bytes]
+        return b.view(_NP_STORAGE[lay.dtype]).reshape(len(self.new_chunk_indexes), *lay.page_shape)
+
+    def put_layer(self, layer: int, k, v) -> None:
+        """Copy layer ``layer``'s new chunks of K and V (each ``[tokens, H, D]``) into staging, then push."""
+        self._check_open()
+        lay = self.client.layout
+        row = lay.kv_heads * lay.head_dim * lay.dtype_bytes
+        kb = _as_bytes_array(k).reshape(-1, row)
+        vb = _as_bytes_array(v).reshape(-1, row)
+        if kb.shape[0] < self.tokens or vb.shape[0] < self.tokens:
+            raise ValueError(f"layer {layer}: got {kb.shape[0]}/{vb.shape[0]} token rows, need {self.tokens}")
+        T = lay.chunk_tokens
+        dst = self._base[layer * self._layer_bytes:(layer + 1) * self._layer_bytes].reshape(-1, 2, T, row)
+        for j0, c0, n in self.new_runs:  # one vectorised copy per contiguous run of chunks (usually one)
+            t0 = c0 * T
+            t1 = min(self.tokens, (c0 + n) * T)
+            full = (t1 - t0) // T
+            if full:
+                dst[j0:j0 + full, 0] = kb[t0:t0 + full * T].reshape(full, T, row)
+                dst[j0:j0 + full, 1] = vb[t0:t0 + full * T].reshape(full, T, row)
+            rest = t1 - t0 - full * T
+            if rest:
+                dst[j0 + full, 0, :rest] = kb[t0 + full * T:t1]
+                dst[j0 + full, 1, :rest] = vb[t0 + full * T:t1]
+        self.layer_ready(layer)
+
+    def layer_ready(self, layer: int) -> None:
+        """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
+        self._check_open()
+        if layer in self._sent:
+            raise ValueError(f"layer {layer} already handed over")
+        self._sent.add(layer)
+        self.client._conn.send(LayerReady(req_id=self.req_id, layer=layer), self.client.timeout_s)
+
+    def _check_open(self) -> None:
+        if self._done is not None:
+            raise PdpushError(f"request {self.req_id!r} is finished")
+        box = self.client._conn.mail.get(self.req_id)
+        if box:  # an asynchronous failure (receiver died, lease expired...) surfaces here
+            _raise(box.pop(0))
+
+    def finish(self, timeout_s: float | None = None) -> Done:
+        """Commit; returns once the receiver acknowledged every byte (or raises a typed error)."""
+        if self._done is not None:
+            return self._done
+        t = timeout_s if timeout_s is not None else self.client.timeout_s
+        reply = self.client._conn.call(Finish(req_id=self.req_id), self.req_id, t)
+        if not isinstance(reply, Done):
+            raise ProtocolError(f"unexpected {reply.type} while finishing {self.req_id!r}")
+        self._done = reply
+        return reply
+
+    def abort(self, reason: str = "") -> None:
+        self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
+        self._done = Done(req_id=self.req_id, bytes_sent=0, puts=0, layers=0, chunks_skipped=0, layer_done_ms=[])
+
+
+class PrefillClient:
+    """Hands finished layers to the local sender daemon through shared staging memory."""
+
+    def __init__(self, layout: KVLayout, sender_socket: str | Path | None = None, *,
+                 receiver: str = "", timeout_s: float = 30.0) -> None:
+        self.layout = layout
+        self.spec = LayoutSpec(**layout.to_dict())
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+        self._conn = _Conn(sender_socket or runtime_dir() / "sender.sock")
+        self._attached: dict[int, Attached] = {}
+
+    def _staging(self, shmid: int, nbytes: int) -> Attached:
+        a = self._attached.get(shmid)
+        if a is None:
+            a = self._attached[shmid] = Attached(shmid, nbytes)
+        return a
+
+    def begin(self, req_id: str, token_ids, receiver: str | None = None) -> PushHandle:
+        """Allocate on the receiver; returns a handle that says which chunks to send."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("empty prompt")
+        keys = chunk_keys(ids, self.layout)
+        msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,
+                    last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)))
+        reply = self._conn.call(msg, req_id, self.timeout_s)
+        if not isinstance(reply, BeginOk):
+            raise ProtocolError(f"unexpected {reply.type} in reply to begin")
+        return PushHandle(self, req_id, len(ids), reply)
+
+    def status(self) -> dict:
+        reply = self._conn.call(StatusRequest(), None, self.timeout_s)
+        return dict(reply.stats)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        for a in self._attached.values():
+            a.close()
+        self._attached.clear()
+        self._conn.close()
+
+
+# ----------------------------------------------------------------------------- decode side
+
+class DecodeRequest:
+    """An opened request: zero-copy views of each layer as it lands in the pool."""
+
+    def __init__(self, client: DecodeClient, ok: OpenOk) -> None:
+        self.client = client
+        self.req_id = ok.req_id
+        self.layout = KVLayout(**ok.layout.model_dump())
+        self.pages = list(ok.pages)
+        self.tokens = (len(self.pages) - 1) * self.layout.chunk_tokens + ok.last_chunk_tokens
+        self.ready: set[int] = set(ok.layers_ready)
+        self.committed = ok.committed
+        self.pool_pages = ok.pool_pages
+        self._pool = client._attach(ok.shmid, self.layout.layers * ok.pool_pages * self.layout.page_bytes)
+        self.page_runs = runs(self.pages)
+        self._released = False
+
+    def _pump(self, deadline: float) -> None:
+        msg = self.client._conn.recv_for(self.req_id, deadline)
+        if isinstance(msg, LayerAvailable):
+            self.ready.add(msg.layer)
+        elif isinstance(msg, Committed):
+            self.committed = True
+        else:
+            _raise(msg)
+
+    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        if not 0 <= layer < self.layout.layers:
+            raise ValueError(f"layer {layer} out of range")
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
+        box = self.client._conn.mail.get(self.req_id)
+        while box:
+            self._apply(box.pop(0))
+        while layer not in self.ready:
+            try:
+                self._pump(deadline)
+            except TransportTimeout:
+                raise TransportTimeout(f"layer {layer} of {self.req_id!r} did not arrive in time") from None
+
+    def _apply(self, msg: Msg) -> None:
+        if isinstance(msg, LayerAvailable):
+            self.ready.add(msg.layer)
+        elif isinstance(msg, Committed):
+            self.committed = True
+        else:
+            _raise(msg)
+
+    def wait_committed(self, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
+        while not self.committed:
+            self._pump(deadline)
+
+    def layer_runs(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> list[np.ndarray]:
+        """Zero-copy views, one per run of consecutive pages: ``[n, 2, T, H, D]`` (storage dtype)."""
+        if wait:
+            self.wait_layer(layer, timeout_s)
+        elif layer not in self.ready:
+            raise PdpushError(f"layer {layer} of {self.req_id!r} is not ready", code=ErrorCode.UNEXPECTED)
+        lay = self.layout
+        pb = lay.page_bytes
+        out = []
+        for _, p, n in self.page_runs:
+            off = (layer * self.pool_pages + p) * pb
+            out.append(self._pool.array[off:off + n * pb].view(_NP_STORAGE[lay.dtype]).reshape(n, *lay.page_shape))
+        return out
+
+    def layer_kv(self, layer: int, wait: bool = True, timeout_s: float | None = None):
+        """K and V of one layer as torch tensors ``[tokens, H, D]`` (one gather copy)."""
+        import torch
+
+        lay = self.layout
+        parts = [torch.from_numpy(r) for r in self.layer_runs(layer, wait, timeout_s)]
+        pages = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if lay.dtype == "bfloat16":
+            pages = pages.view(torch.bfloat16)
+        kv = pages.transpose(0, 1).reshape(2, -1, lay.kv_heads, lay.head_dim)[:, :self.tokens]
+        return kv[0].clone(), kv[1].clone()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            try:
+                self.client._conn.call(Release(req_id=self.req_id), self.req_id, self.client.timeout_s)
+            finally:
+                self.client._conn.mail.pop(self.req_id, None)
+
+    def __enter__(self) -> DecodeRequest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class DecodeClient:
+    """Reads pushed KV from the local receiver's pool, zero-copy."""
+
+    def __init__(self, receiver_socket: str | Path, *, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._conn = _Conn(receiver_socket)
+        self._attached: dict[int, Attached] = {}
+
+    def _attach(self, shmid: int, nbytes: int) -> Attached:
+        a = self._attached.get(shmid)
+        if a is None:
+            a = self._attached[shmid] = Attached(shmid, nbytes)
+        return a
+
+    def open(self, req_id: str, timeout_s: float | None = None) -> DecodeRequest:
+        """Open a request (waits until its allocation exists on the receiver)."""
+        reply = self._conn.call(Open(req_id=req_id), req_id, timeout_s if timeout_s is not None else self.timeout_s)
+        if not isinstance(reply, OpenOk):
+            raise ProtocolError(f"unexpected {reply.type} in reply to open")
+        return DecodeRequest(self, reply)
+
+    def held_prefix(self, token_ids, layout: KVLayout) -> int:
+        """How many leading chunks of this prompt the receiver holds complete."""
+        reply = self._conn.call(Query(chunk_keys=chunk_keys([int(t) for t in token_ids], layout)), None,
+                                self.timeout_s)
+        assert isinstance(reply, QueryReply)
+        return reply.held_prefix
+
+    def close(self) -> None:
+        for a in self._attached.values():
+            a.close()
+        self._attached.clear()
+        self._conn.close()

@@ -1,0 +1,168 @@
+"""Daemon configuration: pydantic settings from flags, PDPUSH_* env, a TOML file, defaults.
+
+Precedence: CLI flags > ``PDPUSH_*`` environment > the TOML file > defaults.
+Unknown keys are an error that names the key. Imports no zmq, ucxx or torch.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from pdpush.errors import ConfigError
+from pdpush.layout import KVLayout
+
+_toml_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("pdpush_toml", default=None)
+
+
+def runtime_dir() -> Path:
+    """Where local sockets live: $XDG_RUNTIME_DIR/pdpush, else /tmp/pdpush-<uid> (mode 0700)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    d = Path(base) / "pdpush" if base else Path(f"/tmp/pdpush-{os.getuid()}")
+    return d
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PDPUSH_", extra="forbid", validate_default=True)
+
+    host: str = "127.0.0.1"
+    """Address the network-facing endpoints bind to. Loopback by default."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log verbosity."""
+    log_format: Literal["text", "json"] = "text"
+    """'text' for people, 'json' for log pipelines."""
+    ready_file: str | None = None
+    """If set, a JSON file with the bound endpoints is written here once the daemon can serve."""
+    max_frame_bytes: int = Field(8 << 20, ge=4096, le=256 << 20)
+    """Largest control frame accepted; larger frames get a typed error."""
+    prefault: bool = True
+    """Touch every page of the shared region at start-up, so the first transfers do not pay
+    for page faults (about 1 s per GiB here). Turn off for very large pools on fast-start hosts."""
+    ucx_env: dict[str, str] = Field(default_factory=dict)
+    """Extra UCX_* variables (UCX_TLS, UCX_NET_DEVICES, ...), applied before UCX starts."""
+    drain_timeout_s: float = Field(10.0, gt=0)
+    """On SIGTERM, how long in-flight work may take before it is aborted."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource):
+        path = _toml_path.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    @model_validator(mode="after")
+    def _check_ucx_env(self):
+        for k in self.ucx_env:
+            if not k.startswith("UCX_"):
+                raise ValueError(f"ucx_env key {k!r} must start with UCX_")
+        return self
+
+
+class ReceiverConfig(_Base):
+    control_port: int = Field(5710, ge=0, le=65535)
+    """ZMQ ROUTER port for senders (0 = any free port; see ready_file)."""
+    ucx_port: int = Field(5711, ge=0, le=65535)
+    """UCX listener port for senders' data plane (0 = any free port)."""
+    local_socket: str = ""
+    """Unix socket for the local decode engine; default <runtime dir>/receiver-<control_port>.sock."""
+    layers: int = Field(32, ge=1)
+    """Layout: number of layers the pool holds."""
+    kv_heads: int = Field(8, ge=1)
+    """Layout: KV heads per layer."""
+    head_dim: int = Field(128, ge=1)
+    """Layout: dimension of one head."""
+    dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
+    """Layout: element type of K and V."""
+    chunk_tokens: int = Field(256, ge=1)
+    """Layout: tokens per chunk (one page per chunk per layer)."""
+    model_id: str = "default"
+    """Layout: model identity; senders of another model are refused."""
+    pool_pages: int = Field(64, ge=1)
+    """Pages in the pool; the pool is layers x pool_pages x page_bytes bytes."""
+    lease_ms: int = Field(30_000, ge=10)
+    """Upper bound on any lease; an uncommitted allocation is reclaimed after it."""
+    quarantine_ms: int = Field(2_000, ge=0)
+    """Grace period before reclaimed pages are reused (late one-sided writes)."""
+    committed_ttl_ms: int = Field(600_000, ge=1)
+    """Committed requests no decode client has opened are dropped after this."""
+    max_chunks_per_request: int = Field(65536, ge=1)
+    """Cap on chunk keys in one AllocRequest."""
+    verify_checksums: bool = False
+    """Verify per-layer xxhash checksums sent in LayerDone (costs a pass over the bytes)."""
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, self.chunk_tokens, self.model_id)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.layers * self.pool_pages * self.layout.page_bytes
+
+    def local_socket_path(self) -> Path:
+        return Path(self.local_socket) if self.local_socket else runtime_dir() / f"receiver-{self.control_port}.sock"
+
+    @model_validator(mode="after")
+    def _check_pool(self):
+        if self.pool_bytes > (1 << 40):
+            raise ValueError(f"pool_pages: pool would be {self.pool_bytes} bytes (> 1 TiB)")
+        return self
+
+
+class SenderConfig(_Base):
+    ingress_socket: str = ""
+    """Unix socket for the local prefill engine; default <runtime dir>/sender.sock."""
+    staging_bytes: int = Field(1 << 30, ge=1 << 20)
+    """Shared staging memory the prefill engine writes layers into."""
+    default_receiver: str = "tcp://127.0.0.1:5710"
+    """Receiver control endpoint used when a request names none."""
+    lease_ms: int = Field(30_000, ge=10)
+    """Lease asked for each request."""
+    control_timeout_ms: int = Field(5_000, ge=10)
+    """Deadline for each control reply (HelloAck, AllocResponse, CommitAck)."""
+    layer_timeout_ms: int = Field(10_000, ge=10)
+    """Deadline for one layer's put+flush."""
+    checksums: bool = False
+    """Send an xxhash checksum of each layer's bytes in LayerDone."""
+
+    def ingress_socket_path(self) -> Path:
+        return Path(self.ingress_socket) if self.ingress_socket else runtime_dir() / "sender.sock"
+
+
+def load(cls: type[_Base], path: str | os.PathLike | None = None, **overrides: Any):
+    """Build a config; a bad file or value raises ConfigError naming the field."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    p = Path(path) if path else None
+    if p is not None and not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    token = _toml_path.set(p)
+    try:
+        return cls(**overrides)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            field = ".".join(str(x) for x in err.get("loc", ())) or "<config>"
+            msgs.append(f"{field}: {err.get('msg')}")
+        where = f" in {p}" if p else ""
+        raise ConfigError(f"invalid {cls.__name__}{where}: " + "; ".join(msgs)) from None
+    except ValueError as e:  # TOML syntax errors
+        raise ConfigError(f"cannot read {p}: {e}") from None
+    finally:
+        _toml_path.reset(token)

@@ -1,0 +1,106 @@
+"""ZeroMQ sockets for the control plane and the local endpoints: bytes in/out, caps, errors.
+
+The only module that creates zmq sockets. zmq exceptions are mapped to pdpush
+errors here; ``zmq.Again`` never escapes. Imports no ucxx or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import zmq
+
+from pdpush import protocol
+from pdpush.errors import ConfigError, ConnectError, TransportTimeout
+from pdpush.protocol import Msg
+
+# zmq drops a peer that sends a frame over MAXMSGSIZE; keep some slack over our own cap so
+# that an oversized-but-plausible frame still gets a typed error reply instead of silence.
+_ZMQ_SLACK = 1 << 20
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def _harden(sock: zmq.Socket, max_frame: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame + _ZMQ_SLACK)
+
+
+def bind_router(endpoint_host: str, port: int, max_frame: int) -> tuple[zmq.Socket, str]:
+    """A ROUTER on tcp://host:port (port 0 = any free port). Returns (socket, endpoint)."""
+    sock = context().socket(zmq.ROUTER)
+    _harden(sock, max_frame)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    host = f"[{endpoint_host}]" if ":" in endpoint_host else endpoint_host
+    if ":" in endpoint_host:
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as e:
+        sock.close()
+        raise ConfigError(f"cannot bind control endpoint tcp://{host}:{port}: {e}") from e
+    return sock, f"tcp://{host}:{port}"
+
+
+def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
+    """A ROUTER on a unix socket only this user can reach (socket 0600; a directory we create is 0700)."""
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700)
+    if path.exists() or path.is_symlink():
+        path.unlink()  # a stale socket from a killed daemon
+    sock = context().socket(zmq.ROUTER)
+    _harden(sock, max_frame)
+    ep = f"ipc://{path}"
+    try:
+        sock.bind(ep)
+    except zmq.ZMQError as e:
+        sock.close()
+        raise ConfigError(f"cannot bind local endpoint {ep}: {e}") from e
+    os.chmod(path, 0o600)  # connecting to a unix socket needs write permission on it
+    return sock, ep
+
+
+def dealer(endpoint: str, max_frame: int) -> zmq.Socket:
+    sock = context().socket(zmq.DEALER)
+    _harden(sock, max_frame)
+    # Frames queue until the peer connects; every caller waits with a deadline, and a peer
+    # declared dead gets a fresh socket, so nothing stale is replayed to a restarted peer.
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close()
+        raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Msg, identity: bytes | None = None) -> bool:
+    """Send without blocking; False if the peer cannot take it now (gone or full)."""
+    frames = [protocol.encode(msg)]
+    if identity is not None:
+        frames.insert(0, identity)
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+    except zmq.ZMQError:
+        return False
+
+
+def recv_until(sock: zmq.Socket, deadline: float, max_frame: int) -> Msg:
+    """Receive one message on a DEALER before ``deadline`` (monotonic seconds)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportTimeout("no reply before the deadline")
+        if sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            return protocol.decode(frames[-1], max_frame)

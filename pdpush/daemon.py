@@ -1,0 +1,131 @@
+"""Daemon plumbing shared by both daemons: logging, signals, readiness, exit codes.
+
+``run(server)`` = startup, main loop, drain, shutdown. The first SIGTERM/SIGINT
+drains; a second forces exit. Readiness is a ready-file (JSON, written
+atomically) and ``READY=1`` to $NOTIFY_SOCKET under systemd, never a sleep.
+Imports no ucxx or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from enum import IntEnum
+from pathlib import Path
+from typing import Protocol
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILURE = 1
+    CONFIG = 2
+    STARTUP = 3
+    FORCED = 130
+
+
+class Server(Protocol):
+    def start(self) -> dict: ...
+    def step(self, timeout_ms: int) -> None: ...
+    def begin_drain(self) -> None: ...
+    def drained(self) -> bool: ...
+    def abort_all(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        req_id = getattr(record, "req_id", None)
+        if req_id is not None:
+            out["req_id"] = req_id
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str, fmt: str, role: str) -> None:
+    h = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        h.setFormatter(_JsonFormatter())
+    else:
+        h.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [h]
+    root.setLevel(level.upper())
+
+
+def sd_notify(state: str) -> None:
+    """Send a systemd notify datagram if $NOTIFY_SOCKET is set; never raises."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as e:
+        logging.getLogger("pdpush.daemon").warning("sd_notify(%s) failed: %s", state, e)
+
+
+def write_ready_file(path: str, info: dict) -> None:
+    p = Path(path)
+    tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, p)
+
+
+def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
+    log = logging.getLogger("pdpush.daemon")
+    signals = {"count": 0}
+
+    def on_signal(signum, _frame) -> None:
+        signals["count"] += 1
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    info = server.start()
+    info["pid"] = os.getpid()
+    if ready_file:
+        write_ready_file(ready_file, info)
+    sd_notify("READY=1\nSTATUS=serving")
+    log.info("ready: %s", json.dumps(info))
+    watchdog_us = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+    last_wd = time.monotonic()
+    code = ExitCode.OK
+    drain_deadline: float | None = None
+    try:
+        while True:
+            server.step(20)
+            if watchdog_us and time.monotonic() - last_wd > watchdog_us / 2e6:
+                sd_notify("WATCHDOG=1")
+                last_wd = time.monotonic()
+            if signals["count"] >= 2:
+                log.warning("second signal: forcing exit")
+                server.abort_all("forced shutdown")
+                code = ExitCode.FORCED
+                break
+            if signals["count"] == 1 and drain_deadline is None:
+                log.info("draining (up to %.1fs)", drain_timeout_s)
+                sd_notify("STOPPING=1")
+                server.begin_drain()
+                drain_deadline = time.monotonic() + drain_timeout_s
+            if drain_deadline is not None:
+                if server.drained():
+                    break
+                if time.monotonic() > drain_deadline:
+                    log.warning("drain timeout: aborting in-flight work")
+                    server.abort_all("drain timeout")
+                    break
+    finally:
+        server.close()
+        if ready_file:
+            Path(ready_file).unlink(missing_ok=True)
+    return int(code)

@@ -1,0 +1,109 @@
+"""Start the real daemons as subprocesses and stop them by pid (tests, bench, demo).
+
+Readiness comes from the daemon's ready-file, never from a sleep; every wait
+has a deadline, and ``stop()`` escalates SIGTERM -> SIGKILL by pid.
+Imports no ucxx or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdpush.errors import TransportTimeout
+
+QUIET_UCX = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+class Daemon:
+    def __init__(self, role: str, args: list[str], workdir: Path, env: dict | None = None,
+                 ready_timeout_s: float = 60.0) -> None:
+        self.role = role
+        self.workdir = workdir
+        self.ready_path = workdir / f"{role}-{os.getpid()}-{time.monotonic_ns()}.ready.json"
+        self.log_path = workdir / f"{role}-{time.monotonic_ns()}.log"
+        full_env = {**os.environ, **QUIET_UCX, **(env or {})}
+        exe = [sys.executable, "-m", "pdpush.cli_entry", role]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(exe + args + ["--ready-file", str(self.ready_path)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        self.pid = self.proc.pid
+        self.info = self._wait_ready(ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_path.exists():
+                return json.loads(self.ready_path.read_text())
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} exited with {self.proc.returncode} before ready:\n{self.log()}")
+            time.sleep(0.02)  # polling a file the daemon writes once; bounded by the deadline
+        self.stop()
+        raise TransportTimeout(f"{self.role} not ready within {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-20000:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_receiver(workdir: Path, *, config: Path | None = None, env: dict | None = None, **opts) -> Daemon:
+    args = ["--config", str(config)] if config else []
+    opts.setdefault("control_port", 0)
+    opts.setdefault("ucx_port", 0)
+    opts.setdefault("local_socket", str(workdir / f"rx-{time.monotonic_ns()}.sock"))
+    args += _flags(opts)
+    return Daemon("receiver", args, workdir, env)
+
+
+def start_sender(workdir: Path, *, config: Path | None = None, env: dict | None = None, **opts) -> Daemon:
+    args = ["--config", str(config)] if config else []
+    opts.setdefault("ingress_socket", str(workdir / f"tx-{time.monotonic_ns()}.sock"))
+    args += _flags(opts)
+    return Daemon("sender", args, workdir, env)
+
+
+def _flags(opts: dict) -> list[str]:
+    out: list[str] = []
+    for k, v in opts.items():
+        if v is None:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def scratch_dir(prefix: str = "pdpush-") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))

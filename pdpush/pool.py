@@ -1,0 +1,283 @@
+"""Page allocator, leases, quarantine and the chunk index (pure logic).
+
+Every page is in exactly one place at any time (``check()`` asserts it):
+  free        -> can be handed out
+  leased      -> allocated to an uncommitted request; a sender may be writing it
+  indexed     -> a complete chunk in the index (prefix cache), refcounted, LRU
+  private     -> committed, but its key was indexed meanwhile by another request;
+                 owned by the request until it is dropped
+  quarantine  -> reclaimed from an expired or aborted lease; a one-sided write
+                 cannot be revoked, so it waits out a grace period before reuse
+
+Time comes in as ``now_ms`` arguments (no clock here); no I/O. Imports numpy only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from pdpush.errors import ErrorCode, PoolExhausted, RemoteProtocolError, RequestTooLarge
+
+
+class PoolReqState(Enum):
+    LEASED = "leased"
+    COMMITTED = "committed"
+
+
+@dataclass
+class _Entry:
+    page: int
+    refs: int = 0
+
+
+@dataclass
+class PoolRequest:
+    req_id: str
+    keys: list[bytes]
+    pages: list[int]            # one page per chunk, in chunk order
+    new_idx: list[int]          # chunk indexes this request writes
+    held_idx: list[int]         # chunk indexes already in the index at alloc time
+    lease_id: int
+    expires_at_ms: int
+    state: PoolReqState = PoolReqState.LEASED
+    committed_at_ms: int = 0
+    opens: int = 0
+    pinned: list[bytes] = field(default_factory=list)
+    private: list[int] = field(default_factory=list)
+
+    @property
+    def new_pages(self) -> list[int]:
+        return [self.pages[i] for i in self.new_idx]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    req_id: str
+    already_sent_indexes: list[int]
+    new_pages: list[int]
+    lease_id: int
+    expires_at_ms: int
+
+
+class PagePool:
+    def __init__(self, num_pages: int, *, quarantine_ms: int = 2000, committed_ttl_ms: int = 600_000,
+                 retry_after_ms: int = 50) -> None:
+        if num_pages <= 0:
+            raise ValueError("num_pages must be positive")
+        self.num_pages = num_pages
+        self.quarantine_ms = quarantine_ms
+        self.committed_ttl_ms = committed_ttl_ms
+        self.retry_after_ms = retry_after_ms
+        self._free = np.ones(num_pages, dtype=bool)
+        self._nfree = num_pages
+        self._quarantine: list[tuple[int, list[int]]] = []  # (release_at_ms, pages)
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        self.requests: dict[str, PoolRequest] = {}
+        self._next_lease = 1
+        self.counters = {"leases_expired": 0, "chunks_evicted": 0, "chunks_hit": 0, "exhausted": 0}
+
+    # ---- queries ----
+    @property
+    def free_pages(self) -> int:
+        return self._nfree
+
+    @property
+    def quarantined_pages(self) -> int:
+        return sum(len(p) for _, p in self._quarantine)
+
+    @property
+    def chunks_cached(self) -> int:
+        return len(self._index)
+
+    @property
+    def leases_active(self) -> int:
+        return sum(1 for r in self.requests.values() if r.state is PoolReqState.LEASED)
+
+    def held_prefix(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self._index:
+                break
+            n += 1
+        return n
+
+    # ---- allocation ----
+    def allocate(self, req_id: str, keys: list[bytes], now_ms: int, lease_ms: int) -> Allocation:
+        if req_id in self.requests:
+            raise RemoteProtocolError(f"request {req_id!r} already exists", code=ErrorCode.DUPLICATE_REQUEST)
+        if len(set(keys)) != len(keys):
+            raise RemoteProtocolError(f"request {req_id!r} repeats a chunk key", code=ErrorCode.BAD_MESSAGE)
+        held = [i for i, k in enumerate(keys) if k in self._index]
+        new = [i for i, k in enumerate(keys) if k not in self._index]
+        if len(new) > self.num_pages:
+            raise RequestTooLarge(f"request {req_id!r} needs {len(new)} pages; the pool has {self.num_pages}")
+        if len(new) > self._nfree:
+            self._evict(len(new) - self._nfree, protect={keys[i] for i in held})
+        if len(new) > self._nfree:
+            self.counters["exhausted"] += 1
+            raise PoolExhausted(
+                f"pool exhausted: request {req_id!r} needs {len(new)} pages, {self._nfree} free, "
+                f"{self.quarantined_pages} quarantined", retry_after_ms=self.retry_after_ms)
+        new_pages = self._take(len(new))
+        pages = [0] * len(keys)
+        for i, p in zip(new, new_pages, strict=False):
+            pages[i] = p
+        pinned = []
+        for i in held:
+            e = self._index[keys[i]]
+            e.refs += 1
+            self._index.move_to_end(keys[i])
+            pages[i] = e.page
+            pinned.append(keys[i])
+        self.counters["chunks_hit"] += len(held)
+        lease_id = self._next_lease
+        self._next_lease += 1
+        req = PoolRequest(req_id, list(keys), pages, new, held, lease_id, now_ms + lease_ms, pinned=pinned)
+        self.requests[req_id] = req
+        return Allocation(req_id, held, new_pages, lease_id, req.expires_at_ms)
+
+    def _take(self, n: int) -> list[int]:
+        """n free pages, as few runs as possible: first fit, else largest runs first."""
+        if n == 0:
+            return []
+        idx = np.flatnonzero(self._free)
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [len(idx)]))
+        lengths = ends - starts
+        fit = np.flatnonzero(lengths >= n)
+        if len(fit):
+            s = idx[starts[fit[0]]]
+            chosen = list(range(int(s), int(s) + n))
+        else:
+            chosen = []
+            for r in np.argsort(-lengths, kind="stable"):
+                take = min(int(lengths[r]), n - len(chosen))
+                s = int(idx[starts[r]])
+                chosen.extend(range(s, s + take))
+                if len(chosen) == n:
+                    break
+        self._free[chosen] = False
+        self._nfree -= n
+        return chosen
+
+    def _give(self, pages: list[int]) -> None:
+        if pages:
+            assert not self._free[pages].any(), "double free"
+            self._free[pages] = True
+            self._nfree += len(pages)
+
+    def _evict(self, need: int, protect: set[bytes]) -> None:
+        victims = []
+        for k, e in self._index.items():
+            if len(victims) >= need:
+                break
+            if e.refs == 0 and k not in protect:
+                victims.append(k)
+        for k in victims:
+            self._give([self._index.pop(k).page])
+        self.counters["chunks_evicted"] += len(victims)
+
+    # ---- lifecycle ----
+    def commit(self, req_id: str, now_ms: int) -> int:
+        req = self._get(req_id)
+        if req.state is not PoolReqState.LEASED:
+            raise RemoteProtocolError(f"request {req_id!r} is already committed", code=ErrorCode.UNEXPECTED)
+        n = 0
+        for i in req.new_idx:
+            k = req.keys[i]
+            if k in self._index:  # another request committed the same chunk meanwhile
+                req.private.append(req.pages[i])  # this request keeps reading its own copy
+                continue
+            self._index[k] = _Entry(req.pages[i], refs=1)
+            req.pinned.append(k)
+            n += 1
+        req.state = PoolReqState.COMMITTED
+        req.committed_at_ms = now_ms
+        return n
+
+    def abort(self, req_id: str, now_ms: int) -> None:
+        """Reclaim an uncommitted lease: its pages go to quarantine."""
+        req = self._get(req_id)
+        if req.state is PoolReqState.COMMITTED:
+            raise RemoteProtocolError(f"request {req_id!r} is committed; cannot abort", code=ErrorCode.UNEXPECTED)
+        self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages))
+        self._unpin(req)
+        del self.requests[req_id]
+
+    def open(self, req_id: str) -> PoolRequest:
+        req = self._get(req_id)
+        req.opens += 1
+        return req
+
+    def release(self, req_id: str) -> None:
+        """A reader is done. A committed request with no readers left is dropped."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        req.opens = max(0, req.opens - 1)
+        if req.opens == 0 and req.state is PoolReqState.COMMITTED:
+            self._drop(req)
+
+    def _drop(self, req: PoolRequest) -> None:
+        self._unpin(req)
+        self._give(req.private)
+        del self.requests[req.req_id]
+
+    def _unpin(self, req: PoolRequest) -> None:
+        for k in req.pinned:
+            e = self._index.get(k)
+            if e is not None:
+                e.refs -= 1
+        req.pinned = []
+
+    def tick(self, now_ms: int) -> list[str]:
+        """Expire leases and TTLs, release quarantine. Returns expired lease req_ids."""
+        expired = [r.req_id for r in self.requests.values()
+                   if r.state is PoolReqState.LEASED and now_ms >= r.expires_at_ms]
+        for rid in expired:
+            self.abort(rid, now_ms)
+        self.counters["leases_expired"] += len(expired)
+        stale = [r for r in self.requests.values() if r.state is PoolReqState.COMMITTED
+                 and r.opens == 0 and now_ms >= r.committed_at_ms + self.committed_ttl_ms]
+        for r in stale:
+            self._drop(r)
+        if self._quarantine:
+            keep = []
+            for at, pages in self._quarantine:
+                if now_ms >= at:
+                    self._give(pages)
+                else:
+                    keep.append((at, pages))
+            self._quarantine = keep
+        return expired
+
+    def _get(self, req_id: str) -> PoolRequest:
+        req = self.requests.get(req_id)
+        if req is None:
+            raise RemoteProtocolError(f"unknown request {req_id!r}", code=ErrorCode.UNKNOWN_REQUEST)
+        return req
+
+    def check(self) -> None:
+        """Assert the accounting invariant: every page in exactly one place."""
+        owner = np.zeros(self.num_pages, dtype=np.int32)
+        owner[self._free] += 1
+        for _, pages in self._quarantine:
+            owner[pages] += 1
+        for e in self._index.values():
+            owner[e.page] += 1
+        for r in self.requests.values():
+            if r.state is PoolReqState.LEASED:
+                owner[r.new_pages] += 1
+            else:
+                owner[r.private] += 1
+        bad = np.flatnonzero(owner != 1)
+        assert len(bad) == 0, f"pages not in exactly one place: {bad[:10].tolist()} counts {owner[bad[:10]].tolist()}"
+        assert self._nfree == int(self._free.sum())
+        for k, e in self._index.items():
+            expect = sum(r.pinned.count(k) for r in self.requests.values())
+            assert e.refs == expect, f"refcount drift on a chunk: {e.refs} != {expect}"

@@ -1,0 +1,90 @@
+"""Shared-memory regions: find the SysV segment behind a UCX allocation, attach it.
+
+UCX allocates the pool (``ucp_mem_map`` + ALLOCATE, SysV by default). The
+segment is IPC_PRIVATE and already marked for removal, so nothing leaks on any
+crash; another process of the same uid can still ``shmat`` it by shmid while
+anyone is attached. The shmid is the inode column of the owner's
+``/proc/self/maps`` line for the region (notes/ucx.md).
+
+Imports numpy and ctypes only. Pinning with cudaHostRegister is attempted
+where torch reports CUDA; otherwise the mapping stays plain host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+
+from pdpush.errors import ResourceError
+
+log = logging.getLogger("pdpush.shm")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_libc.shmat.restype = ctypes.c_void_p
+_libc.shmdt.argtypes = [ctypes.c_void_p]
+_libc.shmdt.restype = ctypes.c_int
+
+
+def shmid_of(address: int) -> int:
+    """The SysV shmid backing ``address`` in this process, from /proc/self/maps."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                if len(parts) >= 6 and parts[5].startswith("/SYSV"):
+                    return int(parts[4])
+                raise ResourceError(
+                    f"region at {address:#x} is not SysV shared memory ({' '.join(parts[5:]) or 'anonymous'}); "
+                    "set UCX_ALLOC_PRIO=md:sysv")
+    raise ResourceError(f"address {address:#x} is not mapped")
+
+
+class Attached:
+    """A SysV segment attached in this process, exposed as a numpy uint8 array."""
+
+    def __init__(self, shmid: int, nbytes: int) -> None:
+        addr = _libc.shmat(shmid, None, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise ResourceError(f"shmat({shmid}) failed: errno {err}; is the owning daemon alive "
+                                "and running as the same user?")
+        self.address: int = addr
+        self.nbytes = nbytes
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+    def close(self) -> None:
+        if self.address:
+            self.array = None  # views handed out keep their own reference to the buffer
+            _libc.shmdt(self.address)
+            self.address = 0
+
+
+def array_at(address: int, nbytes: int) -> np.ndarray:
+    """A numpy view over memory this process owns (e.g. a UCX allocation)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
+    """Fault every page of a fresh region in (writes zeros; only for memory nobody uses yet)."""
+    a = array_at(address, nbytes)
+    for off in range(0, nbytes, step):
+        a[off:off + step] = 0
+
+
+def pin_if_cuda(address: int, nbytes: int) -> bool:
+    """Page-lock a host mapping for fast H2D copies where CUDA exists; False otherwise."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(rc) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (%s); using pageable memory", nbytes, rc)
+        return False
+    return True

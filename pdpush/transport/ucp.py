@@ -1,0 +1,238 @@
+"""Thin ctypes binding to the libucp bundled with ucxx: memory map, rkey, put, flush.
+
+ucxx's Python API has no one-sided RMA, so this module binds exactly the calls
+we need. Struct layouts and flag values come from the headers of the installed
+libucx (1.21): ``site-packages/libucx/include/ucp/api/ucp.h``; the unit tests
+check the binding against that version.
+
+Imports ucxx (to load the same libucp instance) lazily; imported only by the
+transport layer, never by ``import pdpush``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, byref, c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
+
+UCS_OK = 0
+UCS_INPROGRESS = 1
+UCS_ERR_LAST = -100
+
+# ucp_mem_map_params_t field mask and flags (ucp.h)
+UCP_MEM_MAP_PARAM_FIELD_ADDRESS = 1 << 0
+UCP_MEM_MAP_PARAM_FIELD_LENGTH = 1 << 1
+UCP_MEM_MAP_PARAM_FIELD_FLAGS = 1 << 2
+UCP_MEM_MAP_PARAM_FIELD_PROT = 1 << 3
+UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE = 1 << 4
+UCP_MEM_MAP_ALLOCATE = 1 << 1
+UCP_MEM_MAP_PROT_LOCAL_READ = 1 << 0
+UCP_MEM_MAP_PROT_LOCAL_WRITE = 1 << 1
+UCP_MEM_MAP_PROT_REMOTE_READ = 1 << 8
+UCP_MEM_MAP_PROT_REMOTE_WRITE = 1 << 9
+# ucp_mem_attr_t field mask (ucp_def.h)
+UCP_MEM_ATTR_FIELD_ADDRESS = 1 << 0
+UCP_MEM_ATTR_FIELD_LENGTH = 1 << 1
+
+UCS_STATUS_NAMES = {
+    -1: "NO_MESSAGE", -2: "NO_RESOURCE", -3: "IO_ERROR", -4: "NO_MEMORY",
+    -5: "INVALID_PARAM", -6: "UNREACHABLE", -7: "INVALID_ADDR", -8: "NOT_IMPLEMENTED",
+    -9: "MESSAGE_TRUNCATED", -10: "NO_PROGRESS", -11: "BUFFER_TOO_SMALL", -12: "NO_ELEM",
+    -13: "SOME_CONNECTS_FAILED", -14: "NO_DEVICE", -15: "BUSY", -16: "CANCELED",
+    -17: "SHMEM_SEGMENT", -18: "ALREADY_EXISTS", -19: "OUT_OF_RANGE", -20: "TIMED_OUT",
+    -21: "EXCEEDS_LIMIT", -22: "UNSUPPORTED", -23: "REJECTED", -24: "NOT_CONNECTED",
+    -25: "CONNECTION_RESET", -80: "ENDPOINT_TIMEOUT",
+}
+
+
+class MemMapParams(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("address", c_void_p),
+        ("length", c_size_t),
+        ("flags", c_uint),
+        ("prot", c_uint),
+        ("memory_type", c_int),
+        ("exported_memh_buffer", c_void_p),
+    ]
+
+
+class MemAttr(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("address", c_void_p),
+        ("length", c_size_t),
+        ("mem_type", c_int),
+    ]
+
+
+class RequestParam(ctypes.Structure):
+    _fields_ = [
+        ("op_attr_mask", c_uint32),
+        ("flags", c_uint32),
+        ("request", c_void_p),
+        ("cb", c_void_p),
+        ("datatype", c_uint64),
+        ("user_data", c_void_p),
+        ("reply_buffer", c_void_p),
+        ("memory_type", c_int),
+        ("recv_info", c_void_p),
+        ("memh", c_void_p),
+    ]
+
+
+def status_name(status: int) -> str:
+    return f"{UCS_STATUS_NAMES.get(status, 'UCS_ERR')}({status})"
+
+
+class UcpError(Exception):
+    """Raised by this binding; mapped to pdpush errors by the transport layer."""
+
+    def __init__(self, what: str, status: int) -> None:
+        super().__init__(f"{what} failed: {status_name(status)}")
+        self.status = status
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def lib() -> ctypes.CDLL:
+    """The libucp that ucxx loaded (same path, so dlopen returns the same instance)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    import libucx  # noqa: F401  (ships the .so files)
+    import ucxx  # noqa: F401  (loads libucp with its own flags first)
+
+    path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+    L = ctypes.CDLL(path)
+    L.ucp_mem_map.argtypes = [c_void_p, POINTER(MemMapParams), POINTER(c_void_p)]
+    L.ucp_mem_map.restype = c_int
+    L.ucp_mem_unmap.argtypes = [c_void_p, c_void_p]
+    L.ucp_mem_unmap.restype = c_int
+    L.ucp_mem_query.argtypes = [c_void_p, POINTER(MemAttr)]
+    L.ucp_mem_query.restype = c_int
+    L.ucp_rkey_pack.argtypes = [c_void_p, c_void_p, POINTER(c_void_p), POINTER(c_size_t)]
+    L.ucp_rkey_pack.restype = c_int
+    L.ucp_rkey_buffer_release.argtypes = [c_void_p]
+    L.ucp_rkey_buffer_release.restype = None
+    L.ucp_ep_rkey_unpack.argtypes = [c_void_p, c_void_p, POINTER(c_void_p)]
+    L.ucp_ep_rkey_unpack.restype = c_int
+    L.ucp_rkey_destroy.argtypes = [c_void_p]
+    L.ucp_rkey_destroy.restype = None
+    L.ucp_put_nbx.argtypes = [c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, POINTER(RequestParam)]
+    L.ucp_put_nbx.restype = c_void_p
+    L.ucp_ep_flush_nbx.argtypes = [c_void_p, POINTER(RequestParam)]
+    L.ucp_ep_flush_nbx.restype = c_void_p
+    L.ucp_request_check_status.argtypes = [c_void_p]
+    L.ucp_request_check_status.restype = c_int
+    L.ucp_request_free.argtypes = [c_void_p]
+    L.ucp_request_free.restype = None
+    L.ucp_worker_progress.argtypes = [c_void_p]
+    L.ucp_worker_progress.restype = c_uint
+    _lib = L
+    return L
+
+
+def _check(what: str, status: int) -> None:
+    if status != UCS_OK:
+        raise UcpError(what, status)
+
+
+_MASK = (1 << 64) - 1
+
+
+def _ptr_status(ptr: int | None) -> tuple[int, int | None]:
+    """Decode a ucs_status_ptr_t: (status, request pointer or None)."""
+    if not ptr:
+        return UCS_OK, None
+    if ptr >= (UCS_ERR_LAST & _MASK):
+        return ptr - (1 << 64), None
+    return UCS_INPROGRESS, ptr
+
+
+class MemRegion:
+    """Memory allocated (or registered) through ``ucp_mem_map``."""
+
+    def __init__(self, context: int, length: int, address: int | None = None) -> None:
+        L = lib()
+        p = MemMapParams()
+        p.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_PROT
+        p.length = length
+        p.prot = (UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE
+                  | UCP_MEM_MAP_PROT_REMOTE_READ | UCP_MEM_MAP_PROT_REMOTE_WRITE)
+        if address is None:
+            p.flags = UCP_MEM_MAP_ALLOCATE
+        else:
+            p.field_mask |= UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            p.address = address
+            p.flags = 0
+        memh = c_void_p()
+        _check("ucp_mem_map", L.ucp_mem_map(context, byref(p), byref(memh)))
+        self._context = context
+        self.memh = memh.value
+        attr = MemAttr()
+        attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH
+        _check("ucp_mem_query", L.ucp_mem_query(self.memh, byref(attr)))
+        self.address: int = attr.address
+        self.length: int = attr.length
+
+    def pack_rkey(self) -> bytes:
+        L = lib()
+        buf = c_void_p()
+        size = c_size_t()
+        _check("ucp_rkey_pack", L.ucp_rkey_pack(self._context, self.memh, byref(buf), byref(size)))
+        try:
+            return ctypes.string_at(buf.value, size.value)
+        finally:
+            L.ucp_rkey_buffer_release(buf)
+
+    def close(self) -> None:
+        if self.memh:
+            lib().ucp_mem_unmap(self._context, self.memh)
+            self.memh = None
+
+
+class RemoteKey:
+    """An unpacked rkey, bound to one endpoint."""
+
+    def __init__(self, ep: int, packed: bytes) -> None:
+        rk = c_void_p()
+        buf = ctypes.create_string_buffer(packed, len(packed))
+        _check("ucp_ep_rkey_unpack", lib().ucp_ep_rkey_unpack(ep, buf, byref(rk)))
+        self.handle: int | None = rk.value
+
+    def destroy(self) -> None:
+        if self.handle:
+            lib().ucp_rkey_destroy(self.handle)
+            self.handle = None
+
+
+_NO_PARAM = RequestParam()  # op_attr_mask 0: defaults, no callback
+
+
+def put_nbx(ep: int, src: int, nbytes: int, remote_addr: int, rkey: int) -> int | None:
+    """Post one put; returns a request to wait on, or None if it completed at once."""
+    status, req = _ptr_status(lib().ucp_put_nbx(ep, src, nbytes, remote_addr, rkey, byref(_NO_PARAM)))
+    if status < 0:
+        raise UcpError("ucp_put_nbx", status)
+    return req
+
+
+def flush_nbx(ep: int) -> int | None:
+    status, req = _ptr_status(lib().ucp_ep_flush_nbx(ep, byref(_NO_PARAM)))
+    if status < 0:
+        raise UcpError("ucp_ep_flush_nbx", status)
+    return req
+
+
+def request_status(req: int) -> int:
+    return lib().ucp_request_check_status(req)
+
+
+def request_free(req: int) -> None:
+    lib().ucp_request_free(req)
+
+
+def worker_progress(worker: int) -> int:
+    return lib().ucp_worker_progress(worker)

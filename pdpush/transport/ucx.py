@@ -1,0 +1,295 @@
+"""UCX data plane: one worker per daemon, a listener, endpoints, coalesced puts.
+
+Built on ucxx's low-level synchronous API (context, worker, listener, endpoint,
+tag send/recv, close callbacks) plus ``ucp.py`` for one-sided RMA. Progress
+runs on the thread that issues the work (a separate progress thread cost
+2.5-8x bandwidth here, see notes/ucx.md).
+
+Every ucxx/UcpError is mapped to a pdpush TransportError here; none escapes.
+Imports ucxx lazily (inside ``UcxWorker.__init__``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from pdpush.errors import ConnectError, TransferError, TransportError, TransportTimeout
+
+log = logging.getLogger("pdpush.ucx")
+
+# Safe *and* fast on one host (notes/ucx.md): error handling stays on for every
+# endpoint, shm transports keep their own error handling on, the receiver pool
+# is allocated by UCX in SysV shm, and unused-variable warnings stay quiet.
+SAFE_DEFAULTS: dict[str, str] = {
+    "UCX_SYSV_ERROR_HANDLING": "y",
+    "UCX_POSIX_ERROR_HANDLING": "y",
+    "UCX_ALLOC_PRIO": "md:sysv",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+MAX_PUT_BYTES = (4 << 30) - (1 << 20)  # a single put above 4 GiB falls back to tcp
+
+
+def configure_env(overrides: Mapping[str, str] | None = None) -> None:
+    """Set UCX_* variables before the first UCX context is created.
+
+    Precedence: explicit overrides (config) > the process environment > SAFE_DEFAULTS.
+    """
+    for k, v in SAFE_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    for k, v in (overrides or {}).items():
+        os.environ[k] = str(v)
+
+
+@dataclass(frozen=True)
+class PutOp:
+    """One contiguous put: local address -> remote address, ``nbytes`` long."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+class Endpoint:
+    """A UCX endpoint with error handling on, plus the peer's unpacked rkey."""
+
+    def __init__(self, worker: UcxWorker, ep, name: str) -> None:
+        self._worker = worker
+        self._ep = ep
+        self.name = name
+        self.error: str | None = None
+        self.rkey = None
+        self._on_close: list[Callable[[Endpoint], None]] = []
+        ep.set_close_callback(self._closed)
+
+    @property
+    def handle(self) -> int:
+        return self._ep.handle
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def on_close(self, cb: Callable[[Endpoint], None]) -> None:
+        self._on_close.append(cb)
+
+    def _closed(self) -> None:
+        # Runs inside ucxx's callback: only record it. Tearing the endpoint down from
+        # here deadlocked; the owner runs the callbacks from dispatch_closed().
+        if self.error is None:
+            self.error = "endpoint closed or peer died"
+        self._worker._closed.append(self)
+
+    def _run_close_callbacks(self) -> None:
+        log.info("ucx endpoint %s closed: %s", self.name, self.error)
+        cbs, self._on_close = self._on_close, []
+        for cb in cbs:
+            cb(self)
+
+    def set_rkey(self, packed: bytes, timeout_s: float = 5.0) -> None:
+        """Unpack the peer's rkey once wire-up is complete.
+
+        An rkey unpacked while the endpoint is still wiring up goes stale when
+        UCX reconfigures the lanes (a later put segfaulted here), so flush
+        first: the flush completes only once the endpoint is connected.
+        """
+        from pdpush.transport import ucp
+
+        self.flush(timeout_s)
+        try:
+            self.rkey = ucp.RemoteKey(self._ep.handle, packed)
+        except ucp.UcpError as e:
+            raise TransferError(f"cannot unpack rkey from {self.name}: {e}") from e
+
+    def tag_send(self, payload: bytes, tag: int, timeout_s: float) -> None:
+        import numpy as np
+        from ucxx._lib.arr import Array
+        from ucxx._lib.libucxx import UCXXTag
+
+        buf = np.frombuffer(bytearray(payload), dtype=np.uint8)
+        req = self._ep.tag_send(Array(buf), UCXXTag(tag))
+        self._worker.wait_ucxx(req, timeout_s, f"tag send to {self.name}")
+
+    def flush(self, timeout_s: float) -> None:
+        from pdpush.transport import ucp
+
+        if self.error is not None:
+            raise TransferError(f"endpoint {self.name} is dead: {self.error}")
+        try:
+            r = ucp.flush_nbx(self._ep.handle)
+        except ucp.UcpError as e:
+            raise TransferError(f"flush to {self.name} failed: {e}") from e
+        self._worker.wait_raw([r] if r is not None else [], timeout_s, f"flush to {self.name}")
+        if self.error is not None:
+            raise TransferError(f"endpoint {self.name} died: {self.error}")
+
+    def put_many(self, ops: Iterable[PutOp], timeout_s: float) -> int:
+        """Post the puts, then one flush; return the number of puts posted.
+
+        Returns only when the flush completed; raises TransferError if the
+        peer died or TransportTimeout past ``timeout_s``. A successful flush
+        does NOT prove delivery: the caller still needs the receiver's ack.
+        """
+        from pdpush.transport import ucp
+
+        if self.error is not None:
+            raise TransferError(f"endpoint {self.name} is dead: {self.error}")
+        if self.rkey is None or self.rkey.handle is None:
+            raise TransferError(f"endpoint {self.name} has no rkey")
+        ep = self._ep.handle
+        rk = self.rkey.handle
+        reqs: list[int] = []
+        n = 0
+        try:
+            for op in ops:
+                off = 0
+                while off < op.nbytes:
+                    size = min(MAX_PUT_BYTES, op.nbytes - off)
+                    r = ucp.put_nbx(ep, op.src + off, size, op.dst + off, rk)
+                    if r is not None:
+                        reqs.append(r)
+                    off += size
+                    n += 1
+            r = ucp.flush_nbx(ep)
+            if r is not None:
+                reqs.append(r)
+        except ucp.UcpError as e:
+            for r in reqs:
+                ucp.request_free(r)
+            raise TransferError(f"put to {self.name} failed: {e}") from e
+        self._worker.wait_raw(reqs, timeout_s, f"put+flush to {self.name}")
+        if self.error is not None:
+            raise TransferError(f"endpoint {self.name} died during put: {self.error}")
+        return n
+
+    def close(self) -> None:
+        if self.rkey is not None:
+            self.rkey.destroy()
+            self.rkey = None
+        try:
+            self._ep.remove_close_callback()
+        except Exception:  # noqa: BLE001 - best effort on teardown of a foreign object
+            pass
+        self._ep = None  # dropping the last reference closes the ucxx endpoint
+
+
+class UcxWorker:
+    """A UCX context + worker, progressed by the owning thread.
+
+    ``epoll_fd`` can be put in a zmq.Poller; call ``arm()`` before sleeping.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        configure_env(env)
+        from ucxx._lib import libucxx as L
+
+        self._L = L
+        feats = (L.Feature.TAG, L.Feature.RMA, L.Feature.WAKEUP)
+        try:
+            self.context = L.UCXContext({}, feature_flags=feats)
+            self.worker = L.UCXWorker(self.context)
+            self.worker.init_blocking_progress_mode()
+        except L.UCXError as e:
+            raise TransportError(f"cannot initialise UCX: {e}") from e
+        self.listener = None
+        self._closed: list[Endpoint] = []
+
+    def dispatch_closed(self) -> None:
+        """Run on_close callbacks of endpoints that closed since the last call."""
+        while self._closed:
+            self._closed.pop(0)._run_close_callbacks()
+
+    @property
+    def epoll_fd(self) -> int:
+        return self.worker.epoll_file_descriptor
+
+    def progress(self) -> None:
+        while self.worker.progress_once():
+            pass
+
+    def arm(self) -> bool:
+        """True if it is safe to sleep on ``epoll_fd``; False means progress again."""
+        return bool(self.worker.arm())
+
+    def listen(self, port: int, on_endpoint: Callable[[Endpoint], None]) -> int:
+        """Accept peers; ``on_endpoint`` is called from ``progress()``."""
+
+        def accept(ucxx_ep) -> None:
+            on_endpoint(Endpoint(self, ucxx_ep, "peer"))
+
+        try:
+            self.listener = self._L.UCXListener.create(self.worker, port, accept, deliver_endpoint=True)
+        except self._L.UCXError as e:
+            raise TransportError(f"cannot listen for UCX on port {port}: {e}") from e
+        return self.listener.port
+
+    def connect(self, host: str, port: int) -> Endpoint:
+        try:
+            ep = self._L.UCXEndpoint.create(self.worker, host, port, True)
+        except self._L.UCXError as e:
+            raise ConnectError(f"cannot connect UCX to {host}:{port}: {e}") from e
+        return Endpoint(self, ep, f"{host}:{port}")
+
+    def alloc(self, nbytes: int):
+        """Allocate a region through UCX (SysV shm by default), readable by peers."""
+        from pdpush.transport import ucp
+
+        try:
+            return ucp.MemRegion(self.context.handle, nbytes)
+        except ucp.UcpError as e:
+            raise TransportError(f"cannot allocate {nbytes} bytes through UCX: {e}") from e
+
+    def wait_raw(self, reqs: list[int], timeout_s: float, what: str) -> None:
+        """Progress until every raw ucp request completes; free them all."""
+        from pdpush.transport import ucp
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(reqs)
+        failure: str | None = None
+        try:
+            while pending:
+                ucp.worker_progress(self.worker.handle)
+                still = []
+                for r in pending:
+                    st = ucp.request_status(r)
+                    if st == ucp.UCS_INPROGRESS:
+                        still.append(r)
+                        continue
+                    ucp.request_free(r)
+                    if st != ucp.UCS_OK and failure is None:
+                        failure = ucp.status_name(st)
+                pending = still
+                if pending and time.monotonic() > deadline:
+                    raise TransportTimeout(f"{what} did not complete within {timeout_s:.1f}s")
+        finally:
+            for r in pending:
+                ucp.request_free(r)  # UCX completes it later; we just drop our ref
+        if failure is not None:
+            raise TransferError(f"{what} failed: {failure}")
+
+    def wait_ucxx(self, req, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not req.completed:
+            self.worker.progress()
+            if time.monotonic() > deadline:
+                raise TransportTimeout(f"{what} did not complete within {timeout_s:.1f}s")
+        try:
+            req.check_error()
+        except self._L.UCXError as e:
+            raise TransferError(f"{what} failed: {e}") from e
+
+    def post_tag_recv(self, nbytes: int, tag: int):
+        """Post a receive on the worker; returns (request, buffer)."""
+        import numpy as np
+        from ucxx._lib.arr import Array
+        from ucxx._lib.libucxx import UCXXTag
+
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        return self.worker.tag_recv(Array(buf), UCXXTag(tag)), buf
+
+    def close(self) -> None:
+        self.listener = None

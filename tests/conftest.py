@@ -1,0 +1,46 @@
+"""Shared fixtures: real daemons as subprocesses, always stopped by pid."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdpush import launch
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    """Factory: daemons.receiver(**opts) / daemons.sender(**opts); all stopped at teardown."""
+    started: list[launch.Daemon] = []
+
+    class Factory:
+        workdir = tmp_path
+
+        def receiver(self, **opts) -> launch.Daemon:
+            opts.setdefault("prefault", False)
+            d = launch.start_receiver(tmp_path, **opts)
+            started.append(d)
+            return d
+
+        def sender(self, receiver: launch.Daemon | None = None, **opts) -> launch.Daemon:
+            if receiver is not None:
+                opts.setdefault("default_receiver", receiver.info["control_endpoint"])
+            opts.setdefault("staging_bytes", 64 << 20)
+            opts.setdefault("prefault", False)
+            d = launch.start_sender(tmp_path, **opts)
+            started.append(d)
+            return d
+
+    try:
+        yield Factory()
+    finally:
+        for d in reversed(started):
+            d.stop()
+
+
+def sock(d: launch.Daemon) -> str:
+    info = d.info
+    return (info.get("local_endpoint") or info["ingress_endpoint"]).removeprefix("ipc://")
