@@ -78,16 +78,18 @@ class Daemon:
 
 def start_receiver(workdir: Path, *, config: Path | None = None, env: dict | None = None, **opts) -> Daemon:
     args = ["--config", str(config)] if config else []
-    opts.setdefault("control_port", 0)
-    opts.setdefault("ucx_port", 0)
-    opts.setdefault("local_socket", str(workdir / f"rx-{time.monotonic_ns()}.sock"))
+    if config is None:  # private ports and socket, so that tests never collide
+        opts.setdefault("control_port", 0)
+        opts.setdefault("ucx_port", 0)
+        opts.setdefault("local_socket", str(workdir / f"rx-{time.monotonic_ns()}.sock"))
     args += _flags(opts)
     return Daemon("receiver", args, workdir, env)
 
 
 def start_sender(workdir: Path, *, config: Path | None = None, env: dict | None = None, **opts) -> Daemon:
     args = ["--config", str(config)] if config else []
-    opts.setdefault("ingress_socket", str(workdir / f"tx-{time.monotonic_ns()}.sock"))
+    if config is None:
+        opts.setdefault("ingress_socket", str(workdir / f"tx-{time.monotonic_ns()}.sock"))
     args += _flags(opts)
     return Daemon("sender", args, workdir, env)
 

@@ -1,0 +1,108 @@
+"""Codec round trip, bounded decoding, and the receiver's request state machine (no sockets)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdpush import protocol as P
+from pdpush.errors import ErrorCode, RemoteProtocolError
+
+KEY = b"\x01" * 16
+SPEC = P.LayoutSpec(layers=2, kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)
+
+SAMPLES = [
+    P.Hello(version=1, fingerprint="ab", layout=SPEC, sender_id="s"),
+    P.HelloAck(version=1, fingerprint="ab", layout=SPEC, pool_base=1 << 40, pool_pages=8, page_bytes=4096,
+               rkey=b"\x00\xff" * 20, ucx_host="127.0.0.1", ucx_port=5711),
+    P.AllocRequest(req_id="r", chunk_keys=[KEY, b"\x02" * 16], last_chunk_tokens=3, lease_ms=100),
+    P.AllocResponse(req_id="r", already_sent_indexes=[0], page_runs=[(4, 1)], lease_id=7, expires_at_ms=99),
+    P.LayerDone(req_id="r", layer=1, checksum=(1 << 64) - 1),
+    P.LayerDone(req_id="r", layer=0),
+    P.Commit(req_id="r"), P.CommitAck(req_id="r", chunks_committed=1), P.Abort(req_id="r", reason="x"),
+    P.Error(code=ErrorCode.POOL_EXHAUSTED, message="full", req_id="r", retry_after_ms=50),
+    P.StatusRequest(), P.StatusReply(stats={"a": 1, "b": "x", "c": 1.5, "d": True}),
+    P.Begin(req_id="r", receiver="tcp://h:1", layout=SPEC, chunk_keys=[KEY], last_chunk_tokens=16),
+    P.BeginOk(req_id="r", already_sent_indexes=[], staging_shmid=3, staging_bytes=1 << 20, staging_offset=0,
+              new_chunks=1),
+    P.LayerReady(req_id="r", layer=0), P.Finish(req_id="r"),
+    P.Done(req_id="r", bytes_sent=10, puts=1, layers=2, chunks_skipped=0, layer_done_ms=[1.0, 2.0]),
+    P.Open(req_id="r"),
+    P.OpenOk(req_id="r", shmid=1, pool_base=5, pool_pages=8, layout=SPEC, pages=[1, 2], last_chunk_tokens=4,
+             layers_ready=[0], committed=False),
+    P.LayerAvailable(req_id="r", layer=1), P.Committed(req_id="r"), P.Release(req_id="r"),
+    P.Query(chunk_keys=[KEY]), P.QueryReply(held_prefix=1), P.Ok(req_id=None),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.type)
+def test_round_trip(msg):
+    assert P.decode(P.encode(msg)) == msg
+
+
+def test_every_message_type_is_sampled():
+    sampled = {m.type for m in SAMPLES}
+    declared = {cls.model_fields["type"].default for cls in P.Msg.__subclasses__() if "type" in cls.model_fields}
+    assert declared <= sampled
+
+
+def test_messages_are_frozen():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        SAMPLES[0].version = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", msgpack.packb(None), msgpack.packb([]), msgpack.packb({"type": 3}),
+    msgpack.packb({"type": "alloc", "req_id": "", "chunk_keys": [KEY], "last_chunk_tokens": 1, "lease_ms": 1}),
+    msgpack.packb({"type": "layer_done", "req_id": "r", "layer": -1}),
+    msgpack.packb({"type": "commit", "req_id": "r", "extra": 1}),
+    msgpack.packb({"type": "hello", "version": 1, "fingerprint": "x", "layout": {"layers": 0}}),
+    msgpack.packb({1: 2}),
+])
+def test_garbage_is_a_remote_protocol_error(frame):
+    with pytest.raises(RemoteProtocolError):
+        P.decode(frame)
+
+
+def test_frame_cap():
+    frame = P.encode(P.Query(chunk_keys=[KEY] * 1000))
+    with pytest.raises(RemoteProtocolError) as e:
+        P.decode(frame, max_frame=len(frame) - 1)
+    assert e.value.code is ErrorCode.TOO_LARGE
+    assert P.decode(frame, max_frame=len(frame)).chunk_keys[0] == KEY
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_escape_the_taxonomy(data):
+    try:
+        P.decode(data)
+    except RemoteProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["type", "req_id", "layer", "chunk_keys", "code", "message", "x"]),
+                       st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.text(max_size=8), st.binary(max_size=20),
+                                 st.sampled_from(["alloc", "commit", "layer_done", "error", "hello"])),
+                       max_size=6))
+def test_random_maps_never_escape_the_taxonomy(obj):
+    try:
+        P.decode(msgpack.packb(obj))
+    except RemoteProtocolError:
+        pass
+
+
+def test_state_machine_table():
+    S, E = P.ReqState, P.ReqEvent
+    s = P.transition(S.ALLOCATED, E.LAYER_DONE, "r")
+    assert s is S.STREAMING
+    assert P.transition(s, E.COMMIT, "r") is S.COMMITTED
+    with pytest.raises(RemoteProtocolError, match="receiver: request 'r' is committed; layer_done"):
+        P.transition(S.COMMITTED, E.LAYER_DONE, "r")
+    with pytest.raises(RemoteProtocolError):
+        P.transition(S.ABORTED, E.COMMIT, "r")

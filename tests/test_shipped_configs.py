@@ -1,0 +1,42 @@
+"""The shipped configs work as is on one host, `pdpush status` reads them, and the bench can use them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pdpush import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_daemons_with_shipped_configs_and_bench_against_them(tmp_path):
+    rx = tx = None
+    try:
+        rx = launch.start_receiver(tmp_path, config=ROOT / "configs/receiver.toml")
+        tx = launch.start_sender(tmp_path, config=ROOT / "configs/sender.toml")
+        assert rx.info["control_endpoint"] == "tcp://127.0.0.1:5710" and rx.info["ucx_port"] == 5711
+        for cfg, role in (("receiver", "receiver"), ("sender", "sender")):
+            r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "status", "--config",
+                                str(ROOT / f"configs/{cfg}.toml"), "--json"], capture_output=True, text=True,
+                               timeout=60)
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["role"] == role
+        out = tmp_path / "b.json"
+        r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "bench", "--tokens", "700", "--requests", "1",
+                            "--receiver-config", str(ROOT / "configs/receiver.toml"),
+                            "--sender-config", str(ROOT / "configs/sender.toml"), "--json", str(out)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        res = json.loads(out.read_text())
+        assert res["verified"] and res["layout"]["layers"] == 32
+    finally:
+        for d in (tx, rx):
+            if d is not None:
+                d.stop()
+    # with the daemons gone, status fails (non-zero), it does not hang
+    r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "status", "--config",
+                        str(ROOT / "configs/receiver.toml")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "did not answer" in r.stderr

@@ -1,0 +1,88 @@
+"""The ctypes binding matches the installed libucx headers (sizes, offsets, flag values)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+
+import libucx
+
+from pdpush.transport import ucp
+
+C_PROBE = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <ucp/api/ucp.h>
+#define F(T, m) printf("%s.%s %zu\n", #T, #m, offsetof(T, m))
+int main(void) {
+  printf("sizeof.ucp_mem_map_params_t %zu\n", sizeof(ucp_mem_map_params_t));
+  printf("sizeof.ucp_mem_attr_t %zu\n", sizeof(ucp_mem_attr_t));
+  printf("sizeof.ucp_request_param_t %zu\n", sizeof(ucp_request_param_t));
+  F(ucp_mem_map_params_t, address); F(ucp_mem_map_params_t, length); F(ucp_mem_map_params_t, flags);
+  F(ucp_mem_map_params_t, prot); F(ucp_mem_map_params_t, memory_type);
+  F(ucp_mem_map_params_t, exported_memh_buffer);
+  F(ucp_mem_attr_t, address); F(ucp_mem_attr_t, length); F(ucp_mem_attr_t, mem_type);
+  F(ucp_request_param_t, flags); F(ucp_request_param_t, request); F(ucp_request_param_t, cb);
+  F(ucp_request_param_t, datatype); F(ucp_request_param_t, user_data); F(ucp_request_param_t, reply_buffer);
+  F(ucp_request_param_t, memory_type); F(ucp_request_param_t, recv_info); F(ucp_request_param_t, memh);
+  printf("flag.UCP_MEM_MAP_ALLOCATE %d\n", (int)UCP_MEM_MAP_ALLOCATE);
+  printf("flag.UCP_MEM_MAP_PROT_REMOTE_WRITE %d\n", (int)UCP_MEM_MAP_PROT_REMOTE_WRITE);
+  printf("flag.UCP_MEM_MAP_PARAM_FIELD_PROT %d\n", (int)UCP_MEM_MAP_PARAM_FIELD_PROT);
+  printf("flag.UCP_MEM_ATTR_FIELD_LENGTH %d\n", (int)UCP_MEM_ATTR_FIELD_LENGTH);
+  return 0;
+}
+"""
+
+
+def test_struct_layouts_match_headers(tmp_path):
+    inc = os.path.join(os.path.dirname(libucx.__file__), "include")
+    src = tmp_path / "probe.c"
+    src.write_text(C_PROBE)
+    exe = tmp_path / "probe"
+    subprocess.run(["cc", "-I", inc, "-o", str(exe), str(src)], check=True, capture_output=True)
+    got = dict(line.split() for line in subprocess.run([str(exe)], capture_output=True, text=True,
+                                                         check=True).stdout.splitlines())
+    want = {
+        "sizeof.ucp_mem_map_params_t": ctypes.sizeof(ucp.MemMapParams),
+        "sizeof.ucp_mem_attr_t": ctypes.sizeof(ucp.MemAttr),
+        "sizeof.ucp_request_param_t": ctypes.sizeof(ucp.RequestParam),
+        "flag.UCP_MEM_MAP_ALLOCATE": ucp.UCP_MEM_MAP_ALLOCATE,
+        "flag.UCP_MEM_MAP_PROT_REMOTE_WRITE": ucp.UCP_MEM_MAP_PROT_REMOTE_WRITE,
+        "flag.UCP_MEM_MAP_PARAM_FIELD_PROT": ucp.UCP_MEM_MAP_PARAM_FIELD_PROT,
+        "flag.UCP_MEM_ATTR_FIELD_LENGTH": ucp.UCP_MEM_ATTR_FIELD_LENGTH,
+    }
+    names = {"ucp_mem_map_params_t": ucp.MemMapParams, "ucp_mem_attr_t": ucp.MemAttr,
+             "ucp_request_param_t": ucp.RequestParam}
+    for key in got:
+        if key.startswith("ucp_"):
+            t, field = key.split(".")
+            want[key] = getattr(names[t], field).offset
+    assert {k: int(v) for k, v in got.items()} == want
+
+
+def test_ptr_status_decoding():
+    assert ucp._ptr_status(None) == (ucp.UCS_OK, None)
+    assert ucp._ptr_status((1 << 64) - 25) == (-25, None)
+    assert ucp._ptr_status(0x7F0000001000) == (ucp.UCS_INPROGRESS, 0x7F0000001000)
+
+
+def test_alloc_is_sysv_and_attachable():
+    """The region UCX allocates is SysV shm that a third party can attach zero-copy."""
+    from pdpush import shm
+    from pdpush.transport.ucx import UcxWorker
+
+    w = UcxWorker()
+    region = w.alloc(1 << 20)
+    try:
+        shmid = shm.shmid_of(region.address)
+        mine = shm.array_at(region.address, 1 << 20)
+        other = shm.Attached(shmid, 1 << 20)
+        mine[:8] = [1, 2, 3, 4, 5, 6, 7, 8]
+        assert other.array[:8].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+        other.array[100] = 42
+        assert mine[100] == 42
+        assert len(region.pack_rkey()) > 0
+        other.close()
+    finally:
+        region.close()
