@@ -22,9 +22,11 @@ test: install
 	$(PY) -m pytest -q -m "not slow"
 
 demo: install
-	$(VENV)/bin/pdpush bench --scenario goodput --layers 8 --tokens 1024 --requests 2
+	mkdir -p bench-out
+	$(VENV)/bin/pdpush demo --json bench-out/demo.json
 
 bench: install
+	mkdir -p bench-out
 	$(VENV)/bin/pdpush bench --scenario goodput --layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
 		--tokens 4096 --chunk-tokens 256 --json bench-out/goodput.json
 

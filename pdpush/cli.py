@@ -149,6 +149,28 @@ def status(
 
 
 @app.command()
+def demo(
+    layers: int = typer.Option(8), hidden: int = typer.Option(256), heads: int = typer.Option(4),
+    kv_heads: int = typer.Option(2), prompt_tokens: int = typer.Option(1000), new_tokens: int = typer.Option(16),
+    dtype: str = typer.Option("float32", help="float32 (exact logits) or bfloat16/float16"),
+    chunk_tokens: int = typer.Option(64),
+    layer_compute_ms: float = typer.Option(25.0, help="Emulated GPU compute per layer (a sleep), ms."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
+) -> None:
+    """Prefill on one process, decode on another, KV pushed layer by layer; compare with colocated."""
+    from pdpush.demo.run import main_cli
+
+    try:
+        code = main_cli(json_path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                        prompt_tokens=prompt_tokens, new_tokens=new_tokens, dtype=dtype, chunk_tokens=chunk_tokens,
+                        layer_compute_ms=layer_compute_ms)
+    except PdpushError as e:
+        typer.echo(f"pdpush demo: {type(e).__name__}: {e}", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+@app.command()
 def bench(
     scenario: str = typer.Option("goodput", help="goodput"),
     layers: int = typer.Option(32), kv_heads: int = typer.Option(8), head_dim: int = typer.Option(128),

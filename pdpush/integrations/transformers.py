@@ -1,0 +1,175 @@
+"""transformers adapter: push each layer's K/V as the prefill produces it; rebuild the cache on decode.
+
+Prefill side: ``PushingCache`` (a ``DynamicCache``) sees every layer's new K/V in
+``update()``, right after that layer's k/v projection and RoPE, before its
+attention and MLP. In pipelined mode it hands the layer to ``PrefillClient``
+there and then; in eager mode the layers are handed over after the forward.
+
+Decode side: ``cache_from_pool`` builds a ``DynamicCache`` from ``DecodeClient``
+reads, layer by layer as each lands; ``greedy`` continues generation.
+
+HF layout is ``[B, kv_heads, S, head_dim]``; pdpush's is token-major
+``[S, kv_heads, head_dim]`` (B = 1). The conversion lives here and nowhere else.
+Imports torch and transformers (this module is only imported by engines and the demo).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from pdpush.client import DecodeRequest, PrefillClient, PushHandle
+from pdpush.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A small Llama built from a config with a fixed seed: identical weights in every process."""
+
+    layers: int = 8
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 688
+    vocab: int = 1000
+    dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def model_id(self) -> str:
+        return (f"tiny-llama-L{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}-i{self.intermediate}"
+                f"-v{self.vocab}-seed{self.seed}")
+
+    def layout(self, chunk_tokens: int) -> KVLayout:
+        return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, chunk_tokens,  # type: ignore[arg-type]
+                        self.model_id)
+
+
+def build_model(spec: ModelSpec) -> LlamaForCausalLM:
+    # initializer_range=0.1: with the default 0.02 the random model repeats one token, and a
+    # token-equality check would prove nothing (notes/transformers.md).
+    cfg = LlamaConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                      num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, vocab_size=spec.vocab,
+                      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      max_position_embeddings=8192)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(cfg).to(getattr(torch, spec.dtype)).eval()
+
+
+def to_tokens_major(x: torch.Tensor) -> torch.Tensor:
+    """HF ``[1, H, S, D]`` -> pdpush ``[S, H, D]`` (a view; put_layer copies it into staging)."""
+    return x[0].transpose(0, 1)
+
+
+def to_hf(x: torch.Tensor) -> torch.Tensor:
+    """pdpush ``[S, H, D]`` -> HF ``[1, H, S, D]``."""
+    return x.transpose(0, 1).unsqueeze(0).contiguous()
+
+
+class PushingCache(DynamicCache):
+    """A DynamicCache that hands each layer's K/V to pdpush as soon as the layer produces it."""
+
+    def __init__(self, config, handle: PushHandle | None, pipelined: bool) -> None:
+        super().__init__(config=config)
+        self.handle = handle
+        self.pipelined = pipelined
+        self.push_times: list[float] = []
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.pipelined and self.handle is not None:
+            self.handle.put_layer(layer_idx, to_tokens_major(key_states), to_tokens_major(value_states))
+            self.push_times.append(time.monotonic())
+        return out
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    last_logits: torch.Tensor
+    t_start: float
+    t_end: float  # the forward (all layers + lm_head) is done
+    layer_end: list[float]  # monotonic end time of each decoder layer
+    bytes_sent: int = 0
+    puts: int = 0
+    chunks_skipped: int = 0
+    already_sent_indexes: list[int] = field(default_factory=list)
+    t_committed: float = 0.0
+
+
+def prefill_and_push(model, prompt: list[int], client: PrefillClient, req_id: str, *, pipelined: bool = True,
+                     layer_compute_ms: float = 0.0, receiver: str | None = None) -> PrefillResult:
+    """Run the prefill and push its KV. ``layer_compute_ms`` adds a sleep after each decoder layer,
+    standing in for GPU compute (a sleep costs the host no CPU, as GPU compute does not)."""
+    layer_end: list[float] = []
+
+    def after_layer(_mod, _args, _out):
+        if layer_compute_ms:
+            time.sleep(layer_compute_ms / 1000)
+        layer_end.append(time.monotonic())
+
+    hooks = [layer.register_forward_hook(after_layer) for layer in model.model.layers]
+    try:
+        t_start = time.monotonic()
+        handle = client.begin(req_id, prompt, receiver)
+        cache = PushingCache(model.config, handle, pipelined)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
+        t_end = time.monotonic()
+        if not pipelined:
+            for i, layer in enumerate(cache.layers):
+                handle.put_layer(i, to_tokens_major(layer.keys), to_tokens_major(layer.values))
+        done = handle.finish()
+        t_committed = time.monotonic()
+    finally:
+        for h in hooks:
+            h.remove()
+    logits = out.logits[0, -1].float()
+    return PrefillResult(int(logits.argmax()), logits, t_start, t_end, layer_end, done.bytes_sent, done.puts,
+                         done.chunks_skipped, handle.already_sent_indexes, t_committed)
+
+
+def cache_from_pool(model, req: DecodeRequest, timeout_s: float = 60.0,
+                    arrivals: list[float] | None = None) -> DynamicCache:
+    """Build the decode-side cache from the pool, layer by layer as each lands."""
+    cache = DynamicCache(config=model.config)
+    dtype = next(model.parameters()).dtype
+    for layer in range(req.layout.layers):
+        k, v = req.layer_kv(layer, wait=True, timeout_s=timeout_s)
+        if arrivals is not None:
+            arrivals.append(time.monotonic())
+        cache.update(to_hf(k).to(dtype), to_hf(v).to(dtype), layer)
+    return cache
+
+
+def greedy(model, cache: DynamicCache, first_token: int, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Continue greedy decoding from ``first_token``; returns the tokens after it and each step's logits."""
+    tokens: list[int] = []
+    logits: list[torch.Tensor] = []
+    tok = first_token
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True)
+            lg = out.logits[0, -1].float()
+            logits.append(lg)
+            tok = int(lg.argmax())
+            tokens.append(tok)
+    return tokens, logits
+
+
+def colocated(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Reference: prefill and decode in one process. Returns all tokens and all logits (prefill first)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
+    first = out.logits[0, -1].float()
+    rest, rest_logits = greedy(model, cache, int(first.argmax()), new_tokens - 1)
+    return [int(first.argmax()), *rest], [first, *rest_logits]
