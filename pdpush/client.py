@@ -13,6 +13,7 @@ Imports numpy and zmq; torch only when a torch tensor is passed or asked for.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -21,7 +22,14 @@ import zmq
 
 from pdpush import control, protocol
 from pdpush.config import runtime_dir
-from pdpush.errors import ErrorCode, PdpushError, ProtocolError, TransportTimeout, error_from_code
+from pdpush.errors import (
+    BrokenResourceError,
+    ErrorCode,
+    PdpushError,
+    ProtocolError,
+    TransportTimeout,
+    error_from_code,
+)
 from pdpush.layout import KVLayout, chunk_keys, runs
 from pdpush.protocol import (
     Abort,
@@ -64,6 +72,20 @@ def _as_bytes_array(x) -> np.ndarray:
         return t.view(torch.uint8).numpy() if t.is_contiguous() else t.contiguous().view(torch.uint8).numpy()
     a = np.asarray(x)
     return a.view(np.uint8) if a.flags.c_contiguous else np.ascontiguousarray(a).view(np.uint8)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _raise(msg: Msg) -> None:
@@ -277,15 +299,26 @@ class DecodeRequest:
         self._pool = client._attach(ok.shmid, self.layout.layers * ok.pool_pages * self.layout.page_bytes)
         self.page_runs = runs(self.pages)
         self._released = False
+        self.receiver_pid = ok.receiver_pid
+        self.broken: str | None = None
 
     def _pump(self, deadline: float) -> None:
-        msg = self.client._conn.recv_for(self.req_id, deadline)
-        if isinstance(msg, LayerAvailable):
-            self.ready.add(msg.layer)
-        elif isinstance(msg, Committed):
-            self.committed = True
-        else:
-            _raise(msg)
+        """Take the next event for this request, checking the receiver's liveness every 250 ms."""
+        while True:
+            try:
+                msg = self.client._conn.recv_for(self.req_id, min(deadline, time.monotonic() + 0.25))
+                break
+            except TransportTimeout:
+                self._check_receiver()
+                if time.monotonic() >= deadline:
+                    raise
+        self._apply(msg)
+
+    def _check_receiver(self) -> None:
+        if self.broken is None and self.receiver_pid and not _pid_alive(self.receiver_pid):
+            self.broken = f"receiver (pid {self.receiver_pid}) died"
+        if self.broken is not None:
+            raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
         if not 0 <= layer < self.layout.layers:
@@ -306,6 +339,8 @@ class DecodeRequest:
         elif isinstance(msg, Committed):
             self.committed = True
         else:
+            if isinstance(msg, Error):
+                self.broken = f"{msg.code.value}: {msg.message}"
             _raise(msg)
 
     def wait_committed(self, timeout_s: float | None = None) -> None:
@@ -317,7 +352,8 @@ class DecodeRequest:
         """Zero-copy views, one per run of consecutive pages: ``[n, 2, T, H, D]`` (storage dtype)."""
         if wait:
             self.wait_layer(layer, timeout_s)
-        elif layer not in self.ready:
+        self._check_receiver()  # never hand out pages of a dead receiver as if they were valid
+        if layer not in self.ready:
             raise PdpushError(f"layer {layer} of {self.req_id!r} is not ready", code=ErrorCode.UNEXPECTED)
         lay = self.layout
         pb = lay.page_bytes

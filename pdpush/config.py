@@ -137,6 +137,8 @@ class SenderConfig(_Base):
     """Lease asked for each request."""
     control_timeout_ms: int = Field(5_000, ge=10)
     """Deadline for each control reply (HelloAck, AllocResponse, CommitAck)."""
+    alloc_retry_budget_ms: int = Field(2_000, ge=0)
+    """When a receiver answers pool_exhausted, retry (after its retry_after_ms) for at most this long."""
     layer_timeout_ms: int = Field(10_000, ge=10)
     """Deadline for one layer's put+flush."""
     checksums: bool = False

@@ -23,13 +23,14 @@ QUIET_UCX = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 class Daemon:
     def __init__(self, role: str, args: list[str], workdir: Path, env: dict | None = None,
-                 ready_timeout_s: float = 60.0) -> None:
+                 ready_timeout_s: float = 60.0, prefix: list[str] | None = None) -> None:
         self.role = role
         self.workdir = workdir
         self.ready_path = workdir / f"{role}-{os.getpid()}-{time.monotonic_ns()}.ready.json"
         self.log_path = workdir / f"{role}-{time.monotonic_ns()}.log"
-        full_env = {**os.environ, **QUIET_UCX, **(env or {})}
-        exe = [sys.executable, "-m", "pdpush.cli_entry", role]
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("PDPUSH_")}
+        full_env = {**inherited, **QUIET_UCX, **(env or {})}
+        exe = [*(prefix or []), sys.executable, "-m", "pdpush.cli_entry", role]  # prefix: e.g. ip netns exec
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(exe + args + ["--ready-file", str(self.ready_path)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
@@ -76,34 +77,35 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_receiver(workdir: Path, *, config: Path | None = None, env: dict | None = None, **opts) -> Daemon:
+def start_receiver(workdir: Path, *, config: Path | None = None, env: dict | None = None,
+                   prefix: list[str] | None = None, **opts) -> Daemon:
     args = ["--config", str(config)] if config else []
     if config is None:  # private ports and socket, so that tests never collide
         opts.setdefault("control_port", 0)
         opts.setdefault("ucx_port", 0)
         opts.setdefault("local_socket", str(workdir / f"rx-{time.monotonic_ns()}.sock"))
-    args += _flags(opts)
-    return Daemon("receiver", args, workdir, env)
+    return Daemon("receiver", args, workdir, {**_settings_env(opts), **(env or {})}, prefix=prefix)
 
 
-def start_sender(workdir: Path, *, config: Path | None = None, env: dict | None = None, **opts) -> Daemon:
+def start_sender(workdir: Path, *, config: Path | None = None, env: dict | None = None,
+                 prefix: list[str] | None = None, **opts) -> Daemon:
     args = ["--config", str(config)] if config else []
     if config is None:
         opts.setdefault("ingress_socket", str(workdir / f"tx-{time.monotonic_ns()}.sock"))
-    args += _flags(opts)
-    return Daemon("sender", args, workdir, env)
+    return Daemon("sender", args, workdir, {**_settings_env(opts), **(env or {})}, prefix=prefix)
 
 
-def _flags(opts: dict) -> list[str]:
-    out: list[str] = []
+def _settings_env(opts: dict) -> dict[str, str]:
+    """Settings as PDPUSH_* variables: every config field can be set, and they override the file."""
+    out: dict[str, str] = {}
     for k, v in opts.items():
         if v is None:
             continue
-        flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
-            out.append(flag if v else "--no-" + k.replace("_", "-"))
-        else:
-            out += [flag, str(v)]
+            v = "true" if v else "false"
+        elif isinstance(v, dict):
+            v = json.dumps(v)
+        out[f"PDPUSH_{k.upper()}"] = str(v)
     return out
 
 

@@ -184,6 +184,7 @@ class OpenOk(Msg):
     last_chunk_tokens: U32
     layers_ready: list[U32]
     committed: bool
+    receiver_pid: int = 0  # the decode engine has no UCX endpoint: it watches this pid for liveness
 
 
 class LayerAvailable(Msg):

@@ -14,6 +14,7 @@ through pdpush.transport.ucx, when started.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -96,8 +97,7 @@ class Receiver:
         cfg = self.cfg
         env = dict(cfg.ucx_env)
         self.ucx = UcxWorker(env)
-        self.region = self.ucx.alloc(cfg.pool_bytes)
-        self.shmid = shm.shmid_of(self.region.address)
+        self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
         if cfg.prefault:
             shm.prefault(self.region.address, self.region.length)
         self.pinned = shm.pin_if_cuda(self.region.address, self.region.length)
@@ -110,7 +110,7 @@ class Receiver:
         self.poller.register(self.local, zmq.POLLIN)
         self.poller.register(self.ucx.epoll_fd, zmq.POLLIN)
         return {"role": "receiver", "control_endpoint": self.control_endpoint, "local_endpoint": self.local_endpoint,
-                "ucx_port": self.ucx_port, "pool_bytes": cfg.pool_bytes, "shmid": self.shmid,
+                "ucx_port": self.ucx_port, "pool_bytes": cfg.pool_bytes, "shmid": self.shmid, "backing": self.backing,
                 "fingerprint": self.layout.fingerprint()}
 
     def close(self) -> None:
@@ -373,7 +373,8 @@ class Receiver:
         reply = OpenOk(req_id=req_id, shmid=self.shmid, pool_base=self.region.address,
                        pool_pages=self.cfg.pool_pages, layout=self.spec, pages=preq.pages,
                        last_chunk_tokens=r.last_chunk_tokens,
-                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED)
+                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
+                       receiver_pid=os.getpid())
         control.send(self.local, reply, ident)
 
     def stats(self) -> dict:

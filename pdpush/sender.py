@@ -21,7 +21,7 @@ import zmq
 
 from pdpush import control, protocol
 from pdpush.config import SenderConfig
-from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, ProtocolError
+from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, ProtocolError, TransportError
 from pdpush.layout import KVLayout
 from pdpush.protocol import (
     Abort,
@@ -57,6 +57,7 @@ class PeerState(Enum):
 class TxState(Enum):
     WAIT_PEER = "wait_peer"
     ALLOCATING = "allocating"
+    ALLOC_BACKOFF = "alloc_backoff"  # receiver said pool_exhausted; retrying within a budget
     STREAMING = "streaming"
     COMMITTING = "committing"
 
@@ -91,6 +92,7 @@ class TxRequest:
     puts: int = 0
     bytes_sent: int = 0
     layer_done_ms: list[float] = field(default_factory=list)
+    alloc_attempts: int = 0
 
 
 class Sender:
@@ -100,7 +102,7 @@ class Sender:
         self.reqs: dict[str, TxRequest] = {}
         self.draining = False
         self.counters = {"requests_total": 0, "requests_done": 0, "requests_failed": 0, "bytes_pushed": 0,
-                         "puts": 0, "layers_pushed": 0, "chunks_skipped": 0}
+                         "puts": 0, "layers_pushed": 0, "chunks_skipped": 0, "alloc_retries": 0}
         self._poller_dirty = True
 
     # ---- lifecycle ----
@@ -109,8 +111,7 @@ class Sender:
         from pdpush.transport.ucx import UcxWorker
 
         self.ucx = UcxWorker(dict(self.cfg.ucx_env))
-        self.region = self.ucx.alloc(self.cfg.staging_bytes)
-        self.shmid = shm.shmid_of(self.region.address)
+        self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)
         if self.cfg.prefault:
             shm.prefault(self.region.address, self.region.length)
         self.staging = StagingAllocator(self.region.length)
@@ -178,7 +179,9 @@ class Sender:
             if p.state is PeerState.HELLO_SENT and now > p.deadline:
                 self._peer_failed(p, ErrorCode.TIMEOUT, f"receiver {p.endpoint} did not answer hello")
         for r in list(self.reqs.values()):
-            if r.state in (TxState.ALLOCATING, TxState.COMMITTING, TxState.WAIT_PEER) and now > r.deadline:
+            if r.state is TxState.ALLOC_BACKOFF and now >= r.deadline:
+                self._send_alloc(r)
+            elif r.state in (TxState.ALLOCATING, TxState.COMMITTING, TxState.WAIT_PEER) and now > r.deadline:
                 self._fail(r, ErrorCode.TIMEOUT, f"no {r.state.value} reply from {r.peer.endpoint} within "
                            f"{self.cfg.control_timeout_ms} ms", tell_receiver=True)
             elif r.state is TxState.STREAMING and now > r.deadline:
@@ -257,6 +260,7 @@ class Sender:
     def _send_alloc(self, r: TxRequest) -> None:
         b = r.begin
         r.state = TxState.ALLOCATING
+        r.alloc_attempts += 1
         r.deadline = time.monotonic() + self.cfg.control_timeout_ms / 1000
         msg = AllocRequest(req_id=r.req_id, chunk_keys=b.chunk_keys, last_chunk_tokens=b.last_chunk_tokens,
                            lease_ms=self.cfg.lease_ms)
@@ -271,10 +275,13 @@ class Sender:
             raise ProtocolError(f"layer {msg.layer} out of range or already sent", code=ErrorCode.BAD_MESSAGE)
         try:
             self._push_layer(r, msg.layer)
+        except TransportError as e:
+            # a put that failed or did not flush in time: this endpoint is not trustworthy any more;
+            # fail its requests and start afresh (hello, new endpoint) on the next request
+            self._fail(r, e.code, str(e), tell_receiver=True)
+            self._peer_failed(r.peer, e.code, f"data plane to {r.peer.endpoint} failed: {e}")
         except PdpushError as e:
             self._fail(r, e.code, str(e), tell_receiver=True)
-            if r.peer.ep is not None and not r.peer.ep.alive:
-                self._peer_failed(r.peer, ErrorCode.PEER_DEAD, f"receiver {r.peer.endpoint} died: {e}")
 
     def _push_layer(self, r: TxRequest, layer: int) -> None:
         from pdpush.transport.ucx import PutOp
@@ -337,6 +344,9 @@ class Sender:
                 self._done(r)
         elif isinstance(msg, Error):
             r = self.reqs.get(msg.req_id) if msg.req_id else None
+            if (r is not None and r.peer is p and r.state is TxState.ALLOCATING
+                    and msg.code is ErrorCode.POOL_EXHAUSTED and self._backoff(r, msg.retry_after_ms or 20)):
+                return
             if r is not None and r.peer is p:
                 self._fail(r, msg.code, f"receiver: {msg.message}", retry_after_ms=msg.retry_after_ms)
             elif p.state is PeerState.HELLO_SENT:
@@ -347,6 +357,20 @@ class Sender:
             pass
         else:
             log.warning("unexpected %s from receiver %s", msg.type, p.endpoint)
+
+    def _backoff(self, r: TxRequest, retry_after_ms: int) -> bool:
+        """Retry an exhausted allocation later, within ``alloc_retry_budget_ms`` of the first try."""
+        now = time.monotonic()
+        retry_at = now + retry_after_ms / 1000
+        if retry_at - r.t0 > self.cfg.alloc_retry_budget_ms / 1000:
+            self._fail(r, ErrorCode.POOL_EXHAUSTED,
+                       f"receiver pool exhausted; gave up after {r.alloc_attempts} attempts in "
+                       f"{(now - r.t0) * 1000:.0f} ms (alloc_retry_budget_ms={self.cfg.alloc_retry_budget_ms})")
+            return True
+        r.state = TxState.ALLOC_BACKOFF
+        r.deadline = retry_at
+        self.counters["alloc_retries"] += 1
+        return True
 
     def _on_hello_ack(self, p: Peer, ack: HelloAck) -> None:
         if p.state is not PeerState.HELLO_SENT:

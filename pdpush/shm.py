@@ -26,6 +26,11 @@ _libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 _libc.shmat.restype = ctypes.c_void_p
 _libc.shmdt.argtypes = [ctypes.c_void_p]
 _libc.shmdt.restype = ctypes.c_int
+_libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+_libc.shmget.restype = ctypes.c_int
+_libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+_libc.shmctl.restype = ctypes.c_int
+_IPC_PRIVATE, _IPC_CREAT, _IPC_RMID = 0, 0o1000, 0
 
 
 def shmid_of(address: int) -> int:
@@ -61,6 +66,25 @@ class Attached:
             self.array = None  # views handed out keep their own reference to the buffer
             _libc.shmdt(self.address)
             self.address = 0
+
+
+def create_private(nbytes: int) -> tuple[int, int]:
+    """A fresh IPC_PRIVATE SysV segment (mode 0600), attached here and already marked for removal,
+    exactly like UCX's own sysv allocation: nothing leaks on a crash. Returns (shmid, address)."""
+    shmid = _libc.shmget(_IPC_PRIVATE, nbytes, _IPC_CREAT | 0o600)
+    if shmid < 0:
+        raise ResourceError(f"shmget({nbytes}) failed: errno {ctypes.get_errno()} (check kernel.shmmax/shmall)")
+    addr = _libc.shmat(shmid, None, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        _libc.shmctl(shmid, _IPC_RMID, None)
+        raise ResourceError(f"shmat({shmid}) failed: errno {err}")
+    _libc.shmctl(shmid, _IPC_RMID, None)
+    return shmid, addr
+
+
+def detach(address: int) -> None:
+    _libc.shmdt(address)
 
 
 def array_at(address: int, nbytes: int) -> np.ndarray:

@@ -171,6 +171,7 @@ class MemRegion:
         _check("ucp_mem_map", L.ucp_mem_map(context, byref(p), byref(memh)))
         self._context = context
         self.memh = memh.value
+        self.on_close = None  # set by the owner of memory we only registered
         attr = MemAttr()
         attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH
         _check("ucp_mem_query", L.ucp_mem_query(self.memh, byref(attr)))
@@ -191,6 +192,8 @@ class MemRegion:
         if self.memh:
             lib().ucp_mem_unmap(self._context, self.memh)
             self.memh = None
+            if self.on_close is not None:
+                self.on_close()
 
 
 class RemoteKey:

@@ -29,6 +29,8 @@ SAFE_DEFAULTS: dict[str, str] = {
     "UCX_POSIX_ERROR_HANDLING": "y",
     "UCX_ALLOC_PRIO": "md:sysv",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+    # A restarted receiver must get its listener port back while old connections sit in TIME_WAIT.
+    "UCX_TCP_CM_REUSEADDR": "y",
 }
 
 MAX_PUT_BYTES = (4 << 30) - (1 << 20)  # a single put above 4 GiB falls back to tcp
@@ -242,6 +244,35 @@ class UcxWorker:
             return ucp.MemRegion(self.context.handle, nbytes)
         except ucp.UcpError as e:
             raise TransportError(f"cannot allocate {nbytes} bytes through UCX: {e}") from e
+
+    def alloc_shared(self, nbytes: int):
+        """Shared memory other local processes can attach by shmid, usable as a put target/source.
+
+        First choice: UCX allocates it (SysV via UCX_ALLOC_PRIO=md:sysv), which is what makes
+        intra-host puts memcpy-fast with error handling on. Where UCX cannot (e.g. UCX_TLS=tcp
+        loads no sysv memory domain), we create the SysV segment ourselves and register it.
+        Returns (region, shmid, backing).
+        """
+        from pdpush import shm
+        from pdpush.errors import ResourceError
+        from pdpush.transport import ucp
+
+        try:
+            region = ucp.MemRegion(self.context.handle, nbytes)
+            try:
+                return region, shm.shmid_of(region.address), "ucx-sysv"
+            except ResourceError:
+                region.close()
+        except ucp.UcpError as e:
+            log.info("UCX cannot allocate shared memory (%s); registering a SysV segment instead", e)
+        shmid, addr = shm.create_private(nbytes)
+        try:
+            region = ucp.MemRegion(self.context.handle, nbytes, address=addr)
+        except ucp.UcpError as e:
+            shm.detach(addr)
+            raise TransportError(f"cannot register {nbytes} bytes with UCX: {e}") from e
+        region.on_close = lambda: shm.detach(addr)
+        return region, shmid, "sysv-registered"
 
     def wait_raw(self, reqs: list[int], timeout_s: float, what: str) -> None:
         """Progress until every raw ucp request completes; free them all."""

@@ -1,0 +1,241 @@
+"""Leases, backpressure, checksums, peer death and shutdown, with real daemons and real kills."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from pdpush import protocol
+from pdpush.client import DecodeClient, PrefillClient, status
+from pdpush.errors import BrokenResourceError, ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
+from pdpush.layout import KVLayout, chunk_keys
+from tests.conftest import sock
+from tests.test_push_integration import _kv, _push, _read_back, _rx_opts
+
+LAY = KVLayout(4, 2, 64, "float16", 16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _until(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)  # polling a daemon's status; bounded by the deadline
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(daemons):
+    rx = daemons.receiver(**_rx_opts(LAY, pool_pages=16), lease_ms=800, quarantine_ms=700)
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    k, v = _kv(LAY, 100, 1)
+    h = pc.begin("doomed", list(range(100)))
+    h.put_layer(0, k[0], v[0])
+    h.put_layer(1, k[1], v[1])
+    assert status(sock(rx))["leases_active"] == 1
+    tx.kill()
+    pc.close()
+    t0 = time.monotonic()
+    st = _until(lambda: (s := status(sock(rx)))["leases_expired"] == 1 and s, 10, "lease expiry")
+    assert st["pool_pages_quarantined"] == 7 and st["pool_pages_free"] == 9  # 100 tokens = 7 chunks
+    st = _until(lambda: (s := status(sock(rx)))["pool_pages_free"] == 16 and s, 10, "quarantine release")
+    assert st["leases_active"] == 0 and st["requests_failed"] == 1 and st["chunks_cached"] == 0
+    assert time.monotonic() - t0 < 5
+    # the receiver still serves a new sender
+    tx2 = daemons.sender(rx)
+    pc2 = PrefillClient(LAY, sock(tx2), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    try:
+        _push(pc2, "after", list(range(100)), k, v)
+        k2, v2 = _read_back(dc, "after", LAY, 100)
+        assert np.array_equal(k2, k) and np.array_equal(v2, v)
+    finally:
+        pc2.close()
+        dc.close()
+
+
+def test_receiver_killed_midway_fails_requests_fast_other_receivers_unaffected_and_reconnect(daemons):
+    cport, uport = _free_port(), _free_port()
+    rx1 = daemons.receiver(**_rx_opts(LAY), control_port=cport, ucx_port=uport)
+    rx2 = daemons.receiver(**_rx_opts(LAY))
+    tx = daemons.sender(rx1)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    k, v = _kv(LAY, 60, 2)
+    try:
+        h1 = pc.begin("to-rx1", list(range(60)), receiver=rx1.info["control_endpoint"])
+        h1.put_layer(0, k[0], v[0])
+        h2 = pc.begin("to-rx2", list(range(60)), receiver=rx2.info["control_endpoint"])
+        h2.put_layer(0, k[0], v[0])
+        rx1.kill()
+        t0 = time.monotonic()
+        with pytest.raises(PdpushError) as e:
+            for layer in range(1, LAY.layers):
+                h1.put_layer(layer, k[layer], v[layer])
+                time.sleep(0.05)  # the engine computing its next layer
+            h1.finish(timeout_s=10)
+        detect = time.monotonic() - t0
+        assert e.value.code in (ErrorCode.PEER_DEAD, ErrorCode.TRANSFER_FAILED, ErrorCode.TIMEOUT)
+        assert detect < 5.0, detect
+        for layer in range(1, LAY.layers):  # the other receiver's request is unaffected
+            h2.put_layer(layer, k[layer], v[layer])
+        h2.finish(timeout_s=10)
+        st = status(sock(tx))
+        assert st["requests_failed"] == 1 and st["requests_done"] == 1 and tx.alive()
+        # the receiver comes back on the same ports: the sender reconnects
+        daemons.receiver(**_rx_opts(LAY), control_port=cport, ucx_port=uport)
+        _push(pc, "after-restart", list(range(60)), k, v)
+    finally:
+        pc.close()
+    print(f"receiver death detected by the prefill engine in {detect * 1000:.0f} ms")
+
+
+def test_decode_wait_times_out_with_typed_error(daemons):
+    rx = daemons.receiver(**_rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    k, v = _kv(LAY, 40, 3)
+    try:
+        h = pc.begin("partial", list(range(40)))
+        h.put_layer(0, k[0], v[0])
+        req = dc.open("partial")
+        req.wait_layer(0, timeout_s=5)
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout, match="layer 1"):
+            req.wait_layer(1, timeout_s=1.0)
+        assert 0.9 < time.monotonic() - t0 < 4
+        with pytest.raises(PdpushError, match="not ready"):
+            req.layer_runs(2, wait=False)
+        # a request that never arrives: open times out too
+        with pytest.raises(TransportTimeout):
+            dc.open("never-sent", timeout_s=0.5)
+    finally:
+        pc.close()
+        dc.close()
+
+
+def test_decode_notices_dead_receiver(daemons):
+    rx = daemons.receiver(**_rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    k, v = _kv(LAY, 40, 4)
+    try:
+        h = pc.begin("orphan", list(range(40)))
+        h.put_layer(0, k[0], v[0])
+        req = dc.open("orphan")
+        req.wait_layer(0, timeout_s=5)
+        rx.kill()
+        t0 = time.monotonic()
+        with pytest.raises(BrokenResourceError, match="died"):
+            req.wait_layer(1, timeout_s=30)
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(BrokenResourceError):  # not even the layer that did arrive is handed out now
+            req.layer_runs(0, wait=False)
+    finally:
+        pc.close()
+        dc.close()
+
+
+def test_pool_exhausted_bounded_retry_then_clear_error_and_too_large(daemons):
+    rx = daemons.receiver(**_rx_opts(LAY, pool_pages=8))
+    tx = daemons.sender(rx, alloc_retry_budget_ms=600)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    try:
+        k, v = _kv(LAY, 96, 5)
+        h = pc.begin("hog", list(range(96)))  # 6 of 8 pages, held (not committed)
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhausted, match="gave up after"):
+            pc.begin("starved", list(range(500, 548)))  # needs 3
+        assert 0.5 < time.monotonic() - t0 < 3
+        assert status(sock(tx))["alloc_retries"] >= 2
+        with pytest.raises(RequestTooLarge):
+            pc.begin("whale", list(range(1000, 1000 + 16 * 9)))
+        # backpressure resolves itself once the hog commits: its chunks become evictable after release
+        for layer in range(LAY.layers):
+            h.put_layer(layer, k[layer], v[layer])
+        h.finish()
+        dc = DecodeClient(sock(rx), timeout_s=10)
+        _read_back(dc, "hog", LAY, 96)
+        dc.close()
+        pc.begin("starved-2", list(range(500, 548))).abort("test done")
+    finally:
+        pc.close()
+
+
+def test_checksums_pass_and_a_wrong_checksum_is_detected(daemons):
+    rx = daemons.receiver(**_rx_opts(LAY), verify_checksums=True)
+    tx = daemons.sender(rx, checksums=True)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = _kv(LAY, 50, 6)
+        _push(pc, "summed", list(range(50)), k, v)
+        k2, _ = _read_back(dc, "summed", LAY, 50)
+        assert np.array_equal(k2, k)
+    finally:
+        pc.close()
+        dc.close()
+    # a LayerDone whose checksum does not match the pool's bytes (a torn or late write)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(rx.info["control_endpoint"])
+    try:
+        def ask(m):
+            s.send(protocol.encode(m))
+            assert s.poll(5000)
+            return protocol.decode(s.recv())
+
+        ask(protocol.Hello(version=1, fingerprint=LAY.fingerprint(), layout=protocol.LayoutSpec(**LAY.to_dict())))
+        ask(protocol.AllocRequest(req_id="torn", chunk_keys=chunk_keys(list(range(900, 932)), LAY),
+                                  last_chunk_tokens=16, lease_ms=5000))
+        reply = ask(protocol.LayerDone(req_id="torn", layer=0, checksum=12345))
+        assert isinstance(reply, protocol.Error) and reply.code is ErrorCode.CHECKSUM_MISMATCH
+        st = status(sock(rx))
+        assert st["checksum_failures"] == 1 and st["leases_active"] == 0 and st["pool_pages_quarantined"] == 2
+    finally:
+        s.close(0)
+
+
+def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
+    rx = daemons.receiver(**_rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    k, v = _kv(LAY, 40, 7)
+    try:
+        h = pc.begin("inflight", list(range(40)))
+        h.put_layer(0, k[0], v[0])
+        tx.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(PdpushError) as e:  # draining: no new work
+            pc.begin("late", list(range(100, 140)))
+        assert e.value.code is ErrorCode.SHUTTING_DOWN
+        for layer in range(1, LAY.layers):  # ... but the in-flight request completes
+            h.put_layer(layer, k[layer], v[layer])
+        h.finish()
+        assert tx.proc.wait(10) == 0
+    finally:
+        pc.close()
+    # second signal: forced exit with the named code, in-flight work aborted
+    tx2 = daemons.sender(rx)
+    pc2 = PrefillClient(LAY, sock(tx2), timeout_s=10)
+    try:
+        h = pc2.begin("stuck", list(range(200, 240)))
+        tx2.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # let the first signal be handled separately from the second
+        tx2.proc.send_signal(signal.SIGTERM)
+        assert tx2.proc.wait(10) == 130
+        _until(lambda: status(sock(rx))["leases_active"] == 0, 10, "abort of the stuck lease")
+    finally:
+        pc2.close()
