@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdpush-installed
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 
-.PHONY: install test demo bench soak lint clean
+.PHONY: install test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -29,6 +29,13 @@ bench: install
 	mkdir -p bench-out
 	$(VENV)/bin/pdpush bench --scenario goodput --layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
 		--tokens 4096 --chunk-tokens 256 --json bench-out/goodput.json
+
+soak: install
+	mkdir -p bench-out
+	$(PY) -m pdpush.bench.soak --seconds $${SOAK_SECONDS:-600} --json bench-out/soak.json
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
 
 lint: install
 	$(VENV)/bin/ruff check pdpush tests

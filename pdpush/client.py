@@ -103,6 +103,7 @@ class _Conn:
         self.max_frame = max_frame
         self.sock = control.dealer(_endpoint(sock_path), max_frame)
         self.mail: dict[str | None, list[Msg]] = {}
+        self.peer_pid = 0  # learnt from BeginOk/OpenOk: the local daemon's pid, watched while waiting
 
     def send(self, msg: Msg, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -122,7 +123,17 @@ class _Conn:
         if box:
             return box.pop(0)
         while True:
-            msg = control.recv_until(self.sock, deadline, self.max_frame)
+            try:  # wait in 250 ms slices, checking that the daemon is still alive between them
+                msg = control.recv_until(self.sock, min(deadline, time.monotonic() + 0.25), self.max_frame)
+            except TransportTimeout:
+                if self.peer_pid and not _pid_alive(self.peer_pid):
+                    raise BrokenResourceError(f"the local pdpush daemon (pid {self.peer_pid}) died") from None
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            pid = getattr(msg, "daemon_pid", 0)
+            if pid:
+                self.peer_pid = pid
             rid = getattr(msg, "req_id", None)
             if rid == req_id:
                 return msg
@@ -136,6 +147,38 @@ class _Conn:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+class _Attachments:
+    """Attached shm segments with a count of live users each.
+
+    A restarted daemon hands out a new shmid; the old segment is detached as soon
+    as nothing uses it, so a dead daemon's memory is not kept alive by its clients.
+    """
+
+    def __init__(self) -> None:
+        self._segs: dict[int, Attached] = {}
+        self._users: dict[int, int] = {}
+
+    def hold(self, shmid: int, nbytes: int) -> Attached:
+        a = self._segs.get(shmid)
+        if a is None:
+            for old in [i for i in self._segs if not self._users.get(i)]:
+                self._segs.pop(old).close()
+                self._users.pop(old, None)
+            a = self._segs[shmid] = Attached(shmid, nbytes)
+        self._users[shmid] = self._users.get(shmid, 0) + 1
+        return a
+
+    def drop(self, shmid: int) -> None:
+        if self._users.get(shmid):
+            self._users[shmid] -= 1
+
+    def close(self) -> None:
+        for a in self._segs.values():
+            a.close()
+        self._segs.clear()
+        self._users.clear()
 
 
 def status(sock_path: str | Path, timeout_s: float = 2.0) -> dict:
@@ -163,7 +206,8 @@ class PushHandle:
         held = set(self.already_sent_indexes)
         self.new_chunk_indexes = [i for i in range(lay.num_chunks(tokens)) if i not in held]
         self.new_runs = runs(self.new_chunk_indexes)  # contiguous chunk-index ranges
-        st = client._staging(ok.staging_shmid, ok.staging_bytes)
+        self._shmid = ok.staging_shmid
+        st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
         self._layer_bytes = len(self.new_chunk_indexes) * lay.page_bytes
         self._base = st.array[ok.staging_offset: ok.staging_offset + lay.layers * self._layer_bytes]
         self._sent: set[int] = set()
@@ -218,24 +262,34 @@ class PushHandle:
         self.client._conn.send(LayerReady(req_id=self.req_id, layer=layer), self.client.timeout_s)
 
     def _check_open(self) -> None:
-        if self._done is not None:
-            raise PdpushError(f"request {self.req_id!r} is finished")
+        if self._done is not None or self._base is None:
+            raise PdpushError(f"request {self.req_id!r} has ended", code=ErrorCode.UNEXPECTED)
         box = self.client._conn.mail.get(self.req_id)
         if box:  # an asynchronous failure (receiver died, lease expired...) surfaces here
+            self._end()
             _raise(box.pop(0))
+
+    def _end(self) -> None:
+        if self._base is not None:
+            self._base = None
+            self.client._segments.drop(self._shmid)
 
     def finish(self, timeout_s: float | None = None) -> Done:
         """Commit; returns once the receiver acknowledged every byte (or raises a typed error)."""
         if self._done is not None:
             return self._done
         t = timeout_s if timeout_s is not None else self.client.timeout_s
-        reply = self.client._conn.call(Finish(req_id=self.req_id), self.req_id, t)
+        try:
+            reply = self.client._conn.call(Finish(req_id=self.req_id), self.req_id, t)
+        finally:
+            self._end()
         if not isinstance(reply, Done):
             raise ProtocolError(f"unexpected {reply.type} while finishing {self.req_id!r}")
         self._done = reply
         return reply
 
     def abort(self, reason: str = "") -> None:
+        self._end()
         self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
         self._done = Done(req_id=self.req_id, bytes_sent=0, puts=0, layers=0, chunks_skipped=0, layer_done_ms=[])
 
@@ -250,13 +304,7 @@ class PrefillClient:
         self.receiver = receiver
         self.timeout_s = timeout_s
         self._conn = _Conn(sender_socket or runtime_dir() / "sender.sock")
-        self._attached: dict[int, Attached] = {}
-
-    def _staging(self, shmid: int, nbytes: int) -> Attached:
-        a = self._attached.get(shmid)
-        if a is None:
-            a = self._attached[shmid] = Attached(shmid, nbytes)
-        return a
+        self._segments = _Attachments()
 
     def begin(self, req_id: str, token_ids, receiver: str | None = None) -> PushHandle:
         """Allocate on the receiver; returns a handle that says which chunks to send."""
@@ -276,9 +324,7 @@ class PrefillClient:
         return dict(reply.stats)  # type: ignore[union-attr]
 
     def close(self) -> None:
-        for a in self._attached.values():
-            a.close()
-        self._attached.clear()
+        self._segments.close()
         self._conn.close()
 
 
@@ -296,22 +342,19 @@ class DecodeRequest:
         self.ready: set[int] = set(ok.layers_ready)
         self.committed = ok.committed
         self.pool_pages = ok.pool_pages
-        self._pool = client._attach(ok.shmid, self.layout.layers * ok.pool_pages * self.layout.page_bytes)
+        self._shmid = ok.shmid
+        self._pool = client._segments.hold(ok.shmid, self.layout.layers * ok.pool_pages * self.layout.page_bytes)
         self.page_runs = runs(self.pages)
         self._released = False
-        self.receiver_pid = ok.receiver_pid
+        self.receiver_pid = ok.daemon_pid
         self.broken: str | None = None
 
     def _pump(self, deadline: float) -> None:
-        """Take the next event for this request, checking the receiver's liveness every 250 ms."""
-        while True:
-            try:
-                msg = self.client._conn.recv_for(self.req_id, min(deadline, time.monotonic() + 0.25))
-                break
-            except TransportTimeout:
-                self._check_receiver()
-                if time.monotonic() >= deadline:
-                    raise
+        try:
+            msg = self.client._conn.recv_for(self.req_id, deadline)
+        except BrokenResourceError as e:
+            self.broken = str(e)
+            raise BrokenResourceError(f"request {self.req_id!r}: {e}; its pages are not valid") from None
         self._apply(msg)
 
     def _check_receiver(self) -> None:
@@ -378,6 +421,10 @@ class DecodeRequest:
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self.client._segments.drop(self._shmid)  # views handed out must not be used after this
+            if self.broken is not None:
+                self.client._conn.mail.pop(self.req_id, None)
+                return
             try:
                 self.client._conn.call(Release(req_id=self.req_id), self.req_id, self.client.timeout_s)
             finally:
@@ -396,13 +443,7 @@ class DecodeClient:
     def __init__(self, receiver_socket: str | Path, *, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
         self._conn = _Conn(receiver_socket)
-        self._attached: dict[int, Attached] = {}
-
-    def _attach(self, shmid: int, nbytes: int) -> Attached:
-        a = self._attached.get(shmid)
-        if a is None:
-            a = self._attached[shmid] = Attached(shmid, nbytes)
-        return a
+        self._segments = _Attachments()
 
     def open(self, req_id: str, timeout_s: float | None = None) -> DecodeRequest:
         """Open a request (waits until its allocation exists on the receiver)."""
@@ -419,7 +460,5 @@ class DecodeClient:
         return reply.held_prefix
 
     def close(self) -> None:
-        for a in self._attached.values():
-            a.close()
-        self._attached.clear()
+        self._segments.close()
         self._conn.close()

@@ -143,6 +143,7 @@ class BeginOk(Msg):
     staging_bytes: U64
     staging_offset: U64
     new_chunks: U32
+    daemon_pid: int = 0  # the prefill engine watches the sender's pid while it waits
 
 
 class LayerReady(Msg):
@@ -184,7 +185,7 @@ class OpenOk(Msg):
     last_chunk_tokens: U32
     layers_ready: list[U32]
     committed: bool
-    receiver_pid: int = 0  # the decode engine has no UCX endpoint: it watches this pid for liveness
+    daemon_pid: int = 0  # the decode engine has no UCX endpoint: it watches this pid for liveness
 
 
 class LayerAvailable(Msg):

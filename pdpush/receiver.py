@@ -374,7 +374,7 @@ class Receiver:
                        pool_pages=self.cfg.pool_pages, layout=self.spec, pages=preq.pages,
                        last_chunk_tokens=r.last_chunk_tokens,
                        layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
-                       receiver_pid=os.getpid())
+                       daemon_pid=os.getpid())
         control.send(self.local, reply, ident)
 
     def stats(self) -> dict:

@@ -12,6 +12,7 @@ Imports ucxx only through pdpush.transport.ucx, when started.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -432,7 +433,7 @@ class Sender:
         control.send(self.ingress, BeginOk(req_id=r.req_id, already_sent_indexes=a.already_sent_indexes,
                                            staging_shmid=self.shmid, staging_bytes=self.region.length,
                                            staging_offset=r.staging_off,
-                                           new_chunks=r.n_new), r.client)
+                                           new_chunks=r.n_new, daemon_pid=os.getpid()), r.client)
 
     def _done(self, r: TxRequest) -> None:
         self._release(r)

@@ -218,6 +218,7 @@ def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
         h = pc.begin("inflight", list(range(40)))
         h.put_layer(0, k[0], v[0])
         tx.proc.send_signal(signal.SIGTERM)
+        _until(lambda: status(sock(tx))["draining"], 10, "the sender to start draining")
         with pytest.raises(PdpushError) as e:  # draining: no new work
             pc.begin("late", list(range(100, 140)))
         assert e.value.code is ErrorCode.SHUTTING_DOWN
@@ -233,9 +234,19 @@ def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
     try:
         h = pc2.begin("stuck", list(range(200, 240)))
         tx2.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # let the first signal be handled separately from the second
+        _until(lambda: status(sock(tx2))["draining"], 10, "the sender to start draining")
         tx2.proc.send_signal(signal.SIGTERM)
         assert tx2.proc.wait(10) == 130
         _until(lambda: status(sock(rx))["leases_active"] == 0, 10, "abort of the stuck lease")
     finally:
         pc2.close()
+
+
+@pytest.mark.slow
+def test_soak_short():
+    """A shortened soak (make soak runs 10 minutes): zero mismatches, zero leaked pages."""
+    from pdpush.bench import soak
+
+    res = soak.run(60)
+    assert res["requests_ok"] > 0 and res["kills"] >= 3
+    assert res["mismatches"] == 0 and res["leaked_pages"] == 0
