@@ -45,6 +45,7 @@ def receiver(
     chunk_tokens: Optional[int] = typer.Option(None), model_id: Optional[str] = typer.Option(None),
     pool_pages: Optional[int] = typer.Option(None, help="Pages in the pool."),
     prefault: Optional[bool] = _PREFAULT,
+    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback bind without CURVE auth."),
     ready_file: Optional[str] = _READY, log_level: Optional[str] = _LEVEL, log_format: Optional[str] = _FMT,
 ) -> None:
     """Run the receiver daemon."""
@@ -55,7 +56,8 @@ def receiver(
         cfg = cfgmod.load(cfgmod.ReceiverConfig, config, host=bind, control_port=control_port, ucx_port=ucx_port,
                           local_socket=local_socket, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                           dtype=dtype, chunk_tokens=chunk_tokens, model_id=model_id, pool_pages=pool_pages,
-                          prefault=prefault, ready_file=ready_file, log_level=log_level, log_format=log_format)
+                          prefault=prefault, insecure=True if insecure else None, ready_file=ready_file,
+                          log_level=log_level, log_format=log_format)
     except ConfigError as e:
         _fail_config(e)
     daemon.setup_logging(cfg.log_level, cfg.log_format, "receiver")
@@ -146,6 +148,19 @@ def status(
     for k in sorted(stats):
         t.add_row(k, str(stats[k]))
     Console().print(t)
+
+
+@app.command()
+def keygen(
+    name: str = typer.Argument(..., help="Key name, e.g. receiver or sender-a."),
+    directory: Path = typer.Option(Path("keys"), "--dir", help="Where to write NAME.key and NAME.key_secret."),
+) -> None:
+    """Write a CURVE key pair: NAME.key (public, share it) and NAME.key_secret (mode 0600, keep it)."""
+    from pdpush import auth
+
+    pub, sec = auth.keygen(directory, name)
+    public = auth.load_public_keys(str(pub))[0].decode()
+    typer.echo(f"public key:  {pub}\nsecret key:  {sec}\nZ85 public:  {public}")
 
 
 @app.command()

@@ -12,14 +12,13 @@ import sys
 def main() -> None:
     from pdpush import cli
 
-    role = sys.argv.pop(1) if len(sys.argv) > 1 else ""
-    sys.argv[0] = f"pdpush-{role}"
-    if role == "receiver":
-        cli.receiver_main()
-    elif role == "sender":
-        cli.sender_main()
+    role = sys.argv[1] if len(sys.argv) > 1 else ""
+    if role in ("receiver", "sender"):
+        del sys.argv[1]
+        sys.argv[0] = f"pdpush-{role}"
+        (cli.receiver_main if role == "receiver" else cli.sender_main)()
     else:
-        sys.argv.insert(1, role) if role else None
+        sys.argv[0] = "pdpush"
         cli.main()
 
 

@@ -107,6 +107,18 @@ class ReceiverConfig(_Base):
     """Cap on chunk keys in one AllocRequest."""
     verify_checksums: bool = False
     """Verify per-layer xxhash checksums sent in LayerDone (costs a pass over the bytes)."""
+    max_leases_per_sender: int = Field(1024, ge=1)
+    """Cap on uncommitted allocations one sender connection may hold."""
+    max_inflight_bytes_per_sender: int = Field(0, ge=0)
+    """Cap on pool bytes one sender connection may hold uncommitted (0 = the whole pool)."""
+    curve_secret_key_file: str | None = None
+    """This receiver's CURVE secret key (``.key_secret`` from ``pdpush keygen``): turns on authentication."""
+    allowed_senders: list[str] = Field(default_factory=list)
+    """Sender public keys admitted with CURVE: Z85 keys, ``.key`` files, or directories of them."""
+    insecure: bool = False
+    """Allow binding a non-loopback address without CURVE authentication (logs a warning)."""
+    ucx_token_timeout_ms: int = Field(5000, ge=10)
+    """A UCX peer must present its one-time session token within this, or it is dropped."""
 
     @property
     def layout(self) -> KVLayout:
@@ -123,6 +135,17 @@ class ReceiverConfig(_Base):
     def _check_pool(self):
         if self.pool_bytes > (1 << 40):
             raise ValueError(f"pool_pages: pool would be {self.pool_bytes} bytes (> 1 TiB)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_exposure(self):
+        if self.curve_secret_key_file and not self.allowed_senders:
+            raise ValueError("allowed_senders: CURVE authentication needs an allowlist of sender public keys")
+        if not is_loopback(self.host) and not self.curve_secret_key_file and not self.insecure:
+            raise ValueError(
+                f"host: refusing to expose the control plane on {self.host!r} without authentication. Either "
+                "run `pdpush keygen receiver --dir KEYS` and set curve_secret_key_file and allowed_senders, or "
+                "pass --insecure (insecure = true) to accept unauthenticated senders on this network")
         return self
 
 
@@ -143,6 +166,18 @@ class SenderConfig(_Base):
     """Deadline for one layer's put+flush."""
     checksums: bool = False
     """Send an xxhash checksum of each layer's bytes in LayerDone."""
+    curve_secret_key_file: str | None = None
+    """This sender's CURVE secret key (``.key_secret`` from ``pdpush keygen``)."""
+    receiver_public_key: str | None = None
+    """The receivers' CURVE public key (Z85 or a ``.key`` file), for every receiver without its own entry."""
+    receiver_keys: dict[str, str] = Field(default_factory=dict)
+    """Per-receiver CURVE public keys: control endpoint -> Z85 key or ``.key`` file."""
+
+    @model_validator(mode="after")
+    def _check_curve(self):
+        if (self.receiver_public_key or self.receiver_keys) and not self.curve_secret_key_file:
+            raise ValueError("curve_secret_key_file: receiver keys are set but this sender has no key pair")
+        return self
 
     def ingress_socket_path(self) -> Path:
         return Path(self.ingress_socket) if self.ingress_socket else runtime_dir() / "sender.sock"
@@ -164,7 +199,7 @@ def load(cls: type[_Base], path: str | os.PathLike | None = None, **overrides: A
             msgs.append(f"{field}: {err.get('msg')}")
         where = f" in {p}" if p else ""
         raise ConfigError(f"invalid {cls.__name__}{where}: " + "; ".join(msgs)) from None
-    except ValueError as e:  # TOML syntax errors
-        raise ConfigError(f"cannot read {p}: {e}") from None
+    except ValueError as e:  # TOML syntax errors, unparsable PDPUSH_* values
+        raise ConfigError(f"invalid {cls.__name__}{f' ({p})' if p else ''}: {e}") from None
     finally:
         _toml_path.reset(token)

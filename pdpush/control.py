@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -30,10 +31,16 @@ def _harden(sock: zmq.Socket, max_frame: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame + _ZMQ_SLACK)
 
 
-def bind_router(endpoint_host: str, port: int, max_frame: int) -> tuple[zmq.Socket, str]:
-    """A ROUTER on tcp://host:port (port 0 = any free port). Returns (socket, endpoint)."""
+def bind_router(endpoint_host: str, port: int, max_frame: int,
+                configure: Callable[[zmq.Socket], None] | None = None) -> tuple[zmq.Socket, str]:
+    """A ROUTER on tcp://host:port (port 0 = any free port). Returns (socket, endpoint).
+
+    ``configure`` runs before bind (CURVE server options must be set before it).
+    """
     sock = context().socket(zmq.ROUTER)
     _harden(sock, max_frame)
+    if configure is not None:
+        configure(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     host = f"[{endpoint_host}]" if ":" in endpoint_host else endpoint_host
     if ":" in endpoint_host:
@@ -67,9 +74,11 @@ def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
     return sock, ep
 
 
-def dealer(endpoint: str, max_frame: int) -> zmq.Socket:
+def dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
     sock = context().socket(zmq.DEALER)
     _harden(sock, max_frame)
+    if configure is not None:  # CURVE client options must be set before connect
+        configure(sock)
     # Frames queue until the peer connects; every caller waits with a deadline, and a peer
     # declared dead gets a fresh socket, so nothing stale is replayed to a restarted peer.
     sock.setsockopt(zmq.SNDHWM, 10000)

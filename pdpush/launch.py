@@ -103,7 +103,7 @@ def _settings_env(opts: dict) -> dict[str, str]:
             continue
         if isinstance(v, bool):
             v = "true" if v else "false"
-        elif isinstance(v, dict):
+        elif isinstance(v, (dict, list)):
             v = json.dumps(v)
         out[f"PDPUSH_{k.upper()}"] = str(v)
     return out

@@ -63,6 +63,7 @@ class HelloAck(Msg):
     rkey: Annotated[bytes, Field(max_length=65536)]
     ucx_host: str
     ucx_port: Annotated[int, Field(ge=0, le=65535)]
+    ucx_token: Annotated[bytes, Field(min_length=32, max_length=32)]  # one-time: binds the UCX endpoint to this session
 
 
 class AllocRequest(Msg):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import xxhash
 import zmq
 
 from pdpush import control, protocol
-from pdpush.config import ReceiverConfig
+from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, ProtocolError
 from pdpush.layout import runs
 from pdpush.pool import PagePool
@@ -55,6 +56,8 @@ from pdpush.protocol import (
 log = logging.getLogger("pdpush.receiver")
 
 PARKED_OPEN_MS = 120_000
+TOKEN_BYTES = 32
+MAX_TOKENS = 4096
 
 
 def now_ms() -> int:
@@ -82,11 +85,14 @@ class Receiver:
         self.sessions: set[bytes] = set()  # sender identities that completed Hello
         self.parked: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> [(decode identity, since)]
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
-        self.ucx_peers: list = []
+        self.ucx_peers: list = []  # endpoints that presented a valid session token
+        self.ucx_pending: list = []  # (endpoint, stream request, buffer, deadline) awaiting their token
+        self.tokens: dict[bytes, bytes] = {}  # one-time UCX session token -> control identity
+        self.auth = None
         self.draining = False
         self.counters = {"requests_total": 0, "requests_committed": 0, "requests_failed": 0,
                          "bad_messages": 0, "bytes_received": 0, "layers_received": 0,
-                         "checksum_failures": 0}
+                         "checksum_failures": 0, "ucx_peers_rejected": 0}
         self._last_tick = 0
 
     # ---- lifecycle ----
@@ -103,7 +109,22 @@ class Receiver:
         self.pinned = shm.pin_if_cuda(self.region.address, self.region.length)
         self.rkey = self.region.pack_rkey()
         self.ucx_port = self.ucx.listen(cfg.ucx_port, self._on_ucx_peer)
-        self.router, self.control_endpoint = control.bind_router(cfg.host, cfg.control_port, cfg.max_frame_bytes)
+        configure = None
+        if cfg.curve_secret_key_file:
+            from pdpush import auth
+
+            keys = auth.load_keypair(cfg.curve_secret_key_file)
+            allowed = [k for spec in cfg.allowed_senders for k in auth.load_public_keys(spec)]
+            self.auth = auth.Authenticator(allowed)
+
+            def configure(sock):
+                auth.make_server(sock, keys)
+
+            log.info("CURVE authentication on: %d sender key(s) allowed", len(allowed))
+        elif cfg.insecure and not is_loopback(cfg.host):
+            log.warning("INSECURE: control plane exposed on %s without authentication", cfg.host)
+        self.router, self.control_endpoint = control.bind_router(cfg.host, cfg.control_port, cfg.max_frame_bytes,
+                                                                 configure)
         self.local, self.local_endpoint = control.bind_local(cfg.local_socket_path(), cfg.max_frame_bytes)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
@@ -111,16 +132,18 @@ class Receiver:
         self.poller.register(self.ucx.epoll_fd, zmq.POLLIN)
         return {"role": "receiver", "control_endpoint": self.control_endpoint, "local_endpoint": self.local_endpoint,
                 "ucx_port": self.ucx_port, "pool_bytes": cfg.pool_bytes, "shmid": self.shmid, "backing": self.backing,
-                "fingerprint": self.layout.fingerprint()}
+                "fingerprint": self.layout.fingerprint(), "auth": "curve" if self.auth else "none"}
 
     def close(self) -> None:
         for s in ("router", "local"):
             sock = getattr(self, s, None)
             if sock is not None:
                 sock.close(0)
-        for ep in self.ucx_peers:
+        for ep in self.ucx_peers + [p[0] for p in self.ucx_pending]:
             ep.close()
-        self.ucx_peers = []
+        self.ucx_peers, self.ucx_pending = [], []
+        if self.auth is not None:
+            self.auth.stop()
         if getattr(self, "region", None) is not None:
             self.region.close()
         if getattr(self, "ucx", None) is not None:
@@ -152,6 +175,8 @@ class Receiver:
         for _ in range(256):
             if not self._drain_one(self.local, self._on_local):
                 break
+        if self.ucx_pending:
+            self._check_ucx_peers()
         t = now_ms()
         if t - self._last_tick >= 10 or events:
             self._tick(t)
@@ -163,21 +188,24 @@ class Receiver:
             return False
         if len(frames) < 2:
             return True  # nothing to reply to
-        ident, payload = frames[0], frames[-1]
+        reply = self.handle_frame(frames[0], frames[-1], handler)
+        if reply is not None:
+            control.send(sock, reply, frames[0])
+        return True
+
+    def handle_frame(self, ident: bytes, payload: bytes, handler) -> Msg | None:
+        """Bytes from a peer -> reply. Any pdpush error becomes a typed Error reply; state is untouched."""
         msg = None
         try:
             msg = protocol.decode(payload, self.cfg.max_frame_bytes)
-            reply = handler(ident, msg)
+            return handler(ident, msg)
         except PdpushError as e:
             if isinstance(e, ProtocolError):
                 self.counters["bad_messages"] += 1
             retry = e.retry_after_ms if isinstance(e, PoolExhausted) else None
             log.info("error reply to peer: %s: %s", e.code.value, e)
             rid = getattr(e, "req_id", None) or getattr(msg, "req_id", None)
-            reply = protocol.error(e.code, str(e), rid, retry)
-        if reply is not None:
-            control.send(sock, reply, ident)
-        return True
+            return protocol.error(e.code, str(e), rid, retry)
 
     def _tick(self, t: int) -> None:
         self._last_tick = t
@@ -195,8 +223,35 @@ class Receiver:
 
     # ---- UCX ----
     def _on_ucx_peer(self, ep) -> None:
-        self.ucx_peers.append(ep)
-        ep.on_close(lambda e: self.ucx_peers.remove(e) if e in self.ucx_peers else None)
+        """A new UCX peer must send a one-time token from a HelloAck on its stream, or be dropped."""
+        req, buf = ep.post_stream_recv(TOKEN_BYTES)
+        self.ucx_pending.append((ep, req, buf, time.monotonic() + self.cfg.ucx_token_timeout_ms / 1000))
+
+    def _check_ucx_peers(self) -> None:
+        now = time.monotonic()
+        still, rejected = [], []
+        for ep, req, buf, deadline in self.ucx_pending:
+            if req.completed:
+                token = buf.tobytes()
+                if ep.request_ok(req) and self.tokens.pop(token, None) is not None:
+                    self.ucx_peers.append(ep)
+                    ep.on_close(lambda e: self.ucx_peers.remove(e) if e in self.ucx_peers else None)
+                else:
+                    rejected.append((ep, "invalid session token"))
+            elif now > deadline or not ep.alive:
+                rejected.append((ep, "no session token in time"))
+            else:
+                still.append((ep, req, buf, deadline))
+        # drop every reference to the pending receives first: a live request keeps its endpoint open
+        self.ucx_pending = still
+        del req, buf
+        for ep, why in rejected:
+            self._reject_ucx_peer(ep, why)
+
+    def _reject_ucx_peer(self, ep, why: str) -> None:
+        log.warning("dropping UCX peer: %s", why)
+        self.counters["ucx_peers_rejected"] += 1
+        ep.close()
 
     # ---- sender control ----
     def _on_control(self, ident: bytes, msg: Msg) -> Msg | None:
@@ -229,7 +284,11 @@ class Receiver:
             raise ProtocolError(f"layout mismatch: sender {msg.layout.model_dump()} (fp {msg.fingerprint}) vs "
                                 f"receiver {self.spec.model_dump()} (fp {mine})", code=ErrorCode.INCOMPATIBLE_PEER)
         self.sessions.add(ident)
-        return HelloAck(version=protocol.PROTOCOL_VERSION, fingerprint=mine, layout=self.spec,
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self.tokens[token] = ident
+        while len(self.tokens) > MAX_TOKENS:  # unused tokens of peers that never connected
+            self.tokens.pop(next(iter(self.tokens)))
+        return HelloAck(ucx_token=token, version=protocol.PROTOCOL_VERSION, fingerprint=mine, layout=self.spec,
                         pool_base=self.region.address, pool_pages=self.cfg.pool_pages,
                         page_bytes=self.layout.page_bytes, rkey=self.rkey,
                         ucx_host=self.cfg.host, ucx_port=self.ucx_port)
@@ -244,6 +303,7 @@ class Receiver:
             raise ProtocolError("last_chunk_tokens exceeds chunk_tokens")
         if msg.req_id in self.reqs:
             raise ProtocolError(f"request {msg.req_id!r} already exists", code=ErrorCode.DUPLICATE_REQUEST)
+        self._check_sender_caps(ident, msg)
         lease = min(msg.lease_ms, self.cfg.lease_ms)
         t = now_ms()
         try:
@@ -262,6 +322,20 @@ class Receiver:
         return AllocResponse(req_id=msg.req_id, already_sent_indexes=a.already_sent_indexes,
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=a.lease_id,
                              expires_at_ms=a.expires_at_ms)
+
+    def _check_sender_caps(self, ident: bytes, msg: AllocRequest) -> None:
+        mine = [r for r in self.reqs.values()
+                if r.sender == ident and r.state in (ReqState.ALLOCATED, ReqState.STREAMING)]
+        if len(mine) >= self.cfg.max_leases_per_sender:
+            raise PdpushError(f"sender holds {len(mine)} leases (max_leases_per_sender)",
+                              code=ErrorCode.POOL_EXHAUSTED)
+        cap = self.cfg.max_inflight_bytes_per_sender
+        if cap:
+            page_set = self.layout.layers * self.layout.page_bytes  # one page index in every layer
+            held = sum(n for r in mine for _, _, n in r.new_runs) * page_set
+            if held + len(msg.chunk_keys) * page_set > cap:
+                raise PdpushError(f"sender would hold {held + len(msg.chunk_keys) * page_set} bytes uncommitted "
+                                  f"(max_inflight_bytes_per_sender={cap})", code=ErrorCode.POOL_EXHAUSTED)
 
     def _owned(self, ident: bytes, req_id: str) -> RxRequest:
         r = self.reqs.get(req_id)
@@ -386,4 +460,5 @@ class Receiver:
                 "leases_expired": p.counters["leases_expired"],
                 "requests_inflight": sum(1 for r in self.reqs.values()
                                          if r.state in (ReqState.ALLOCATED, ReqState.STREAMING)),
-                "ucx_peers": len(self.ucx_peers), "draining": self.draining, **self.counters}
+                "ucx_peers": len(self.ucx_peers), "ucx_peers_pending": len(self.ucx_pending),
+                "auth": "curve" if self.auth else "none", "draining": self.draining, **self.counters}

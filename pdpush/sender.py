@@ -105,6 +105,11 @@ class Sender:
         self.counters = {"requests_total": 0, "requests_done": 0, "requests_failed": 0, "bytes_pushed": 0,
                          "puts": 0, "layers_pushed": 0, "chunks_skipped": 0, "alloc_retries": 0}
         self._poller_dirty = True
+        self.keys = None
+        if cfg.curve_secret_key_file:
+            from pdpush import auth
+
+            self.keys = auth.load_keypair(cfg.curve_secret_key_file)
 
     # ---- lifecycle ----
     def start(self) -> dict:
@@ -178,7 +183,8 @@ class Sender:
         now = time.monotonic()
         for p in self.peers.values():
             if p.state is PeerState.HELLO_SENT and now > p.deadline:
-                self._peer_failed(p, ErrorCode.TIMEOUT, f"receiver {p.endpoint} did not answer hello")
+                self._peer_failed(p, ErrorCode.TIMEOUT, f"receiver {p.endpoint} did not answer hello within "
+                                  f"{self.cfg.control_timeout_ms} ms (down, unreachable, or refusing our CURVE key)")
         for r in list(self.reqs.values()):
             if r.state is TxState.ALLOC_BACKOFF and now >= r.deadline:
                 self._send_alloc(r)
@@ -245,10 +251,27 @@ class Sender:
     def _peer(self, endpoint: str) -> Peer:
         p = self.peers.get(endpoint)
         if p is None:
-            p = Peer(endpoint, control.dealer(endpoint, self.cfg.max_frame_bytes))
+            p = Peer(endpoint, self._dealer(endpoint))
             self.peers[endpoint] = p
             self._poller_dirty = True
         return p
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        configure = None
+        if self.keys is not None:
+            from pdpush import auth
+
+            spec = self.cfg.receiver_keys.get(endpoint) or self.cfg.receiver_public_key
+            if not spec:
+                raise PdpushError(f"no CURVE public key configured for receiver {endpoint} (receiver_keys or "
+                                  "receiver_public_key)", code=ErrorCode.INCOMPATIBLE_PEER)
+            server_key = auth.load_public_keys(spec)[0]
+            keys = self.keys
+
+            def configure(sock):
+                auth.make_client(sock, keys, server_key)
+
+        return control.dealer(endpoint, self.cfg.max_frame_bytes, configure)
 
     def _hello(self, peer: Peer, begin: Begin) -> None:
         layout = KVLayout(**begin.layout.model_dump())
@@ -346,7 +369,7 @@ class Sender:
         elif isinstance(msg, Error):
             r = self.reqs.get(msg.req_id) if msg.req_id else None
             if (r is not None and r.peer is p and r.state is TxState.ALLOCATING
-                    and msg.code is ErrorCode.POOL_EXHAUSTED and self._backoff(r, msg.retry_after_ms or 20)):
+                    and msg.code is ErrorCode.POOL_EXHAUSTED and self._backoff(r, msg.retry_after_ms or 20, msg.message)):
                 return
             if r is not None and r.peer is p:
                 self._fail(r, msg.code, f"receiver: {msg.message}", retry_after_ms=msg.retry_after_ms)
@@ -359,14 +382,15 @@ class Sender:
         else:
             log.warning("unexpected %s from receiver %s", msg.type, p.endpoint)
 
-    def _backoff(self, r: TxRequest, retry_after_ms: int) -> bool:
+    def _backoff(self, r: TxRequest, retry_after_ms: int, why: str) -> bool:
         """Retry an exhausted allocation later, within ``alloc_retry_budget_ms`` of the first try."""
         now = time.monotonic()
         retry_at = now + retry_after_ms / 1000
         if retry_at - r.t0 > self.cfg.alloc_retry_budget_ms / 1000:
             self._fail(r, ErrorCode.POOL_EXHAUSTED,
                        f"receiver pool exhausted; gave up after {r.alloc_attempts} attempts in "
-                       f"{(now - r.t0) * 1000:.0f} ms (alloc_retry_budget_ms={self.cfg.alloc_retry_budget_ms})")
+                       f"{(now - r.t0) * 1000:.0f} ms (alloc_retry_budget_ms={self.cfg.alloc_retry_budget_ms}); "
+                       f"receiver: {why}")
             return True
         r.state = TxState.ALLOC_BACKOFF
         r.deadline = retry_at
@@ -379,6 +403,7 @@ class Sender:
         try:
             self._drop_peer_transport(p)
             ep = self.ucx.connect(self._ucx_host(p.endpoint, ack.ucx_host), ack.ucx_port)
+            ep.stream_send(ack.ucx_token, self.cfg.control_timeout_ms / 1000)  # binds the endpoint to this session
             ep.set_rkey(ack.rkey, self.cfg.control_timeout_ms / 1000)
             ep.on_close(lambda _e, p=p: self._on_ep_closed(p))
         except PdpushError as e:
@@ -469,7 +494,7 @@ class Sender:
         p.waiting = []
         if dead:  # a fresh socket next time: the old one may hold queued frames for a dead peer
             p.sock.close(0)
-            p.sock = control.dealer(p.endpoint, self.cfg.max_frame_bytes)
+            p.sock = self._dealer(p.endpoint)
             self._poller_dirty = True
 
     def _drop_peer_transport(self, p: Peer) -> None:

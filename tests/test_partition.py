@@ -62,7 +62,7 @@ def test_link_down_mid_transfer_is_detected_on_both_sides(two_hosts, tmp_path):
     rx = tx = None
     try:
         rx = launch.start_receiver(tmp_path, prefix=["ip", "netns", "exec", two_hosts["d"]], host=two_hosts["d_addr"],
-                                   ucx_env=tcp_only, lease_ms=3000, quarantine_ms=500, prefault=False,
+                                   ucx_env=tcp_only, lease_ms=3000, quarantine_ms=500, prefault=False, insecure=True,
                                    **_rx_opts(LAY, pool_pages=32))
         tx = launch.start_sender(tmp_path, prefix=["ip", "netns", "exec", two_hosts["p"]],
                                  default_receiver=rx.info["control_endpoint"], ucx_env=tcp_only,

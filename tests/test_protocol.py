@@ -16,7 +16,7 @@ SPEC = P.LayoutSpec(layers=2, kv_heads=2, head_dim=64, dtype="float16", chunk_to
 SAMPLES = [
     P.Hello(version=1, fingerprint="ab", layout=SPEC, sender_id="s"),
     P.HelloAck(version=1, fingerprint="ab", layout=SPEC, pool_base=1 << 40, pool_pages=8, page_bytes=4096,
-               rkey=b"\x00\xff" * 20, ucx_host="127.0.0.1", ucx_port=5711),
+               rkey=b"\x00\xff" * 20, ucx_host="127.0.0.1", ucx_port=5711, ucx_token=b"t" * 32),
     P.AllocRequest(req_id="r", chunk_keys=[KEY, b"\x02" * 16], last_chunk_tokens=3, lease_ms=100),
     P.AllocResponse(req_id="r", already_sent_indexes=[0], page_runs=[(4, 1)], lease_id=7, expires_at_ms=99),
     P.LayerDone(req_id="r", layer=1, checksum=(1 << 64) - 1),
@@ -26,7 +26,7 @@ SAMPLES = [
     P.StatusRequest(), P.StatusReply(stats={"a": 1, "b": "x", "c": 1.5, "d": True}),
     P.Begin(req_id="r", receiver="tcp://h:1", layout=SPEC, chunk_keys=[KEY], last_chunk_tokens=16),
     P.BeginOk(req_id="r", already_sent_indexes=[], staging_shmid=3, staging_bytes=1 << 20, staging_offset=0,
-              new_chunks=1),
+              new_chunks=1, daemon_pid=42),
     P.LayerReady(req_id="r", layer=0), P.Finish(req_id="r"),
     P.Done(req_id="r", bytes_sent=10, puts=1, layers=2, chunks_skipped=0, layer_done_ms=[1.0, 2.0]),
     P.Open(req_id="r"),

@@ -107,14 +107,29 @@ class Endpoint:
         except ucp.UcpError as e:
             raise TransferError(f"cannot unpack rkey from {self.name}: {e}") from e
 
-    def tag_send(self, payload: bytes, tag: int, timeout_s: float) -> None:
+    def stream_send(self, payload: bytes, timeout_s: float) -> None:
+        """Send bytes on this endpoint's stream (used for the one-time session token)."""
         import numpy as np
         from ucxx._lib.arr import Array
-        from ucxx._lib.libucxx import UCXXTag
 
         buf = np.frombuffer(bytearray(payload), dtype=np.uint8)
-        req = self._ep.tag_send(Array(buf), UCXXTag(tag))
-        self._worker.wait_ucxx(req, timeout_s, f"tag send to {self.name}")
+        req = self._ep.stream_send(Array(buf))
+        self._worker.wait_ucxx(req, timeout_s, f"stream send to {self.name}")
+
+    def post_stream_recv(self, nbytes: int):
+        """Post a receive on this endpoint's stream; returns (request, buffer). Poll ``request.completed``."""
+        import numpy as np
+        from ucxx._lib.arr import Array
+
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        return self._ep.stream_recv(Array(buf)), buf
+
+    def request_ok(self, req) -> bool:
+        try:
+            req.check_error()
+            return True
+        except self._worker._L.UCXError:
+            return False
 
     def flush(self, timeout_s: float) -> None:
         from pdpush.transport import ucp
@@ -172,11 +187,18 @@ class Endpoint:
         if self.rkey is not None:
             self.rkey.destroy()
             self.rkey = None
+        if self._ep is None:
+            return
         try:
             self._ep.remove_close_callback()
-        except Exception:  # noqa: BLE001 - best effort on teardown of a foreign object
-            pass
-        self._ep = None  # dropping the last reference closes the ucxx endpoint
+            # An explicit close cancels the endpoint's in-flight requests (a pending receive keeps
+            # it alive otherwise, so the peer would never notice); keep the close request until done.
+            # An endpoint that already failed is only dropped: closing it again crashed ucxx here.
+            if self.error is None:
+                self._worker._closing.append(self._ep.close())
+        except self._worker._L.UCXError as e:
+            log.debug("closing endpoint %s: %s", self.name, e)
+        self._ep = None
 
 
 class UcxWorker:
@@ -190,7 +212,7 @@ class UcxWorker:
         from ucxx._lib import libucxx as L
 
         self._L = L
-        feats = (L.Feature.TAG, L.Feature.RMA, L.Feature.WAKEUP)
+        feats = (L.Feature.TAG, L.Feature.RMA, L.Feature.WAKEUP, L.Feature.STREAM)
         try:
             self.context = L.UCXContext({}, feature_flags=feats)
             self.worker = L.UCXWorker(self.context)
@@ -199,6 +221,7 @@ class UcxWorker:
             raise TransportError(f"cannot initialise UCX: {e}") from e
         self.listener = None
         self._closed: list[Endpoint] = []
+        self._closing: list = []  # close requests of endpoints we closed
 
     def dispatch_closed(self) -> None:
         """Run on_close callbacks of endpoints that closed since the last call."""
@@ -212,6 +235,8 @@ class UcxWorker:
     def progress(self) -> None:
         while self.worker.progress_once():
             pass
+        if self._closing:
+            self._closing = [r for r in self._closing if not r.completed]
 
     def arm(self) -> bool:
         """True if it is safe to sleep on ``epoll_fd``; False means progress again."""
@@ -312,15 +337,6 @@ class UcxWorker:
             req.check_error()
         except self._L.UCXError as e:
             raise TransferError(f"{what} failed: {e}") from e
-
-    def post_tag_recv(self, nbytes: int, tag: int):
-        """Post a receive on the worker; returns (request, buffer)."""
-        import numpy as np
-        from ucxx._lib.arr import Array
-        from ucxx._lib.libucxx import UCXXTag
-
-        buf = np.zeros(nbytes, dtype=np.uint8)
-        return self.worker.tag_recv(Array(buf), UCXXTag(tag)), buf
 
     def close(self) -> None:
         self.listener = None

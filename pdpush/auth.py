@@ -1,0 +1,91 @@
+"""CurveZMQ authentication for the control plane: key files, the sender allowlist, ZAP.
+
+``pdpush keygen NAME --dir DIR`` writes ``DIR/NAME.key`` (public certificate, share
+it) and ``DIR/NAME.key_secret`` (mode 0600, keep it). A receiver with a secret
+key runs as a CURVE server and admits only senders whose public keys are on
+its allowlist; a sender needs its own key pair and the receiver's public key.
+Imports zmq only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+from pdpush.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    public: bytes
+    secret: bytes
+
+
+def keygen(directory: Path, name: str) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    pub, sec = zmq.auth.create_certificates(directory, name)
+    os.chmod(sec, 0o600)
+    return Path(pub), Path(sec)
+
+
+def load_keypair(path: str) -> KeyPair:
+    try:
+        pub, sec = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read CURVE secret key file {path}: {e}") from None
+    if sec is None:
+        raise ConfigError(f"{path} holds no secret key (use the .key_secret file from `pdpush keygen`)")
+    return KeyPair(pub, sec)
+
+
+def load_public_keys(spec: str) -> list[bytes]:
+    """A Z85 public key, a certificate file, or a directory of ``*.key`` certificates."""
+    p = Path(spec)
+    if p.is_dir():
+        return [zmq.auth.load_certificate(str(f))[0] for f in sorted(p.glob("*.key"))]
+    if p.is_file():
+        try:
+            return [zmq.auth.load_certificate(str(p))[0]]
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read public key file {p}: {e}") from None
+    if len(spec) == 40:
+        return [spec.encode()]
+    raise ConfigError(f"{spec!r} is neither a 40-character Z85 public key, a key file nor a directory")
+
+
+class _Allowlist:
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+class Authenticator:
+    """A ZAP handler (in its own thread, as pyzmq runs it) admitting allowlisted CURVE keys only."""
+
+    def __init__(self, allowed: list[bytes]) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._auth = ThreadAuthenticator(zmq.Context.instance())
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=_Allowlist(set(allowed)))
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+def make_server(sock: zmq.Socket, keys: KeyPair) -> None:
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_server = True
+
+
+def make_client(sock: zmq.Socket, keys: KeyPair, server_public: bytes) -> None:
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = server_public
