@@ -171,14 +171,20 @@ def demo(
     chunk_tokens: int = typer.Option(64),
     layer_compute_ms: float = typer.Option(25.0, help="Emulated GPU compute per layer (a sleep), ms."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
+    receiver_config: Optional[Path] = typer.Option(None, help="Use a running receiver with this config."),
+    sender_config: Optional[Path] = typer.Option(None, help="Use a running sender with this config."),
 ) -> None:
     """Prefill on one process, decode on another, KV pushed layer by layer; compare with colocated."""
+    if (receiver_config is None) != (sender_config is None):
+        typer.echo("pdpush demo: give both --receiver-config and --sender-config, or neither", err=True)
+        raise typer.Exit(2)
     from pdpush.demo.run import main_cli
 
     try:
         code = main_cli(json_path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                         prompt_tokens=prompt_tokens, new_tokens=new_tokens, dtype=dtype, chunk_tokens=chunk_tokens,
-                        layer_compute_ms=layer_compute_ms)
+                        layer_compute_ms=layer_compute_ms, receiver_config=receiver_config,
+                        sender_config=sender_config)
     except PdpushError as e:
         typer.echo(f"pdpush demo: {type(e).__name__}: {e}", err=True)
         raise typer.Exit(1) from None

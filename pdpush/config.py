@@ -57,6 +57,8 @@ class _Base(BaseSettings):
     """Extra UCX_* variables (UCX_TLS, UCX_NET_DEVICES, ...), applied before UCX starts."""
     drain_timeout_s: float = Field(10.0, gt=0)
     """On SIGTERM, how long in-flight work may take before it is aborted."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the Prometheus /metrics endpoint (loopback by default)."""
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -77,6 +79,8 @@ class _Base(BaseSettings):
 
 
 class ReceiverConfig(_Base):
+    metrics_port: int = Field(9710, ge=-1, le=65535)
+    """Prometheus /metrics port (0 = any free port, -1 = off)."""
     control_port: int = Field(5710, ge=0, le=65535)
     """ZMQ ROUTER port for senders (0 = any free port; see ready_file)."""
     ucx_port: int = Field(5711, ge=0, le=65535)
@@ -150,6 +154,8 @@ class ReceiverConfig(_Base):
 
 
 class SenderConfig(_Base):
+    metrics_port: int = Field(9711, ge=-1, le=65535)
+    """Prometheus /metrics port (0 = any free port, -1 = off)."""
     ingress_socket: str = ""
     """Unix socket for the local prefill engine; default <runtime dir>/sender.sock."""
     staging_bytes: int = Field(1 << 30, ge=1 << 20)

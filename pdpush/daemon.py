@@ -49,12 +49,22 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class _ReqIdSuffix(logging.Filter):
+    """Text logs: every line about a request ends with its req_id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = getattr(record, "req_id", None)
+        record.req_suffix = f" [req_id={rid}]" if rid is not None else ""
+        return True
+
+
 def setup_logging(level: str, fmt: str, role: str) -> None:
     h = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         h.setFormatter(_JsonFormatter())
     else:
-        h.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
+        h.addFilter(_ReqIdSuffix())
+        h.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s%(req_suffix)s"))
     root = logging.getLogger()
     root.handlers[:] = [h]
     root.setLevel(level.upper())

@@ -84,6 +84,7 @@ def start_receiver(workdir: Path, *, config: Path | None = None, env: dict | Non
         opts.setdefault("control_port", 0)
         opts.setdefault("ucx_port", 0)
         opts.setdefault("local_socket", str(workdir / f"rx-{time.monotonic_ns()}.sock"))
+        opts.setdefault("metrics_port", 0)
     return Daemon("receiver", args, workdir, {**_settings_env(opts), **(env or {})}, prefix=prefix)
 
 
@@ -92,6 +93,7 @@ def start_sender(workdir: Path, *, config: Path | None = None, env: dict | None 
     args = ["--config", str(config)] if config else []
     if config is None:
         opts.setdefault("ingress_socket", str(workdir / f"tx-{time.monotonic_ns()}.sock"))
+        opts.setdefault("metrics_port", 0)
     return Daemon("sender", args, workdir, {**_settings_env(opts), **(env or {})}, prefix=prefix)
 
 

@@ -73,6 +73,7 @@ class RxRequest:
     watchers: set[bytes] = field(default_factory=set)
     new_runs: list[tuple[int, int, int]] = field(default_factory=list)
     last_chunk_tokens: int = 0
+    t_alloc: float = 0.0
 
 
 class Receiver:
@@ -126,13 +127,17 @@ class Receiver:
         self.router, self.control_endpoint = control.bind_router(cfg.host, cfg.control_port, cfg.max_frame_bytes,
                                                                  configure)
         self.local, self.local_endpoint = control.bind_local(cfg.local_socket_path(), cfg.max_frame_bytes)
+        from pdpush.metrics import Metrics
+
+        self.metrics = Metrics("receiver", cfg.metrics_host, cfg.metrics_port)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.local, zmq.POLLIN)
         self.poller.register(self.ucx.epoll_fd, zmq.POLLIN)
         return {"role": "receiver", "control_endpoint": self.control_endpoint, "local_endpoint": self.local_endpoint,
                 "ucx_port": self.ucx_port, "pool_bytes": cfg.pool_bytes, "shmid": self.shmid, "backing": self.backing,
-                "fingerprint": self.layout.fingerprint(), "auth": "curve" if self.auth else "none"}
+                "fingerprint": self.layout.fingerprint(), "auth": "curve" if self.auth else "none",
+                "metrics_endpoint": self.metrics.endpoint}
 
     def close(self) -> None:
         for s in ("router", "local"):
@@ -144,6 +149,8 @@ class Receiver:
         self.ucx_peers, self.ucx_pending = [], []
         if self.auth is not None:
             self.auth.stop()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
         if getattr(self, "region", None) is not None:
             self.region.close()
         if getattr(self, "ucx", None) is not None:
@@ -203,11 +210,13 @@ class Receiver:
             if isinstance(e, ProtocolError):
                 self.counters["bad_messages"] += 1
             retry = e.retry_after_ms if isinstance(e, PoolExhausted) else None
-            log.info("error reply to peer: %s: %s", e.code.value, e)
             rid = getattr(e, "req_id", None) or getattr(msg, "req_id", None)
+            log.info("error reply to peer: %s: %s", e.code.value, e, extra={"req_id": rid})
             return protocol.error(e.code, str(e), rid, retry)
 
     def _tick(self, t: int) -> None:
+        if t // 100 != self._last_tick // 100:  # gauges ~10 times a second
+            self.metrics.refresh(self.stats())
         self._last_tick = t
         for rid in self.pool.tick(t):
             r = self.reqs.get(rid)
@@ -311,7 +320,9 @@ class Receiver:
         except PdpushError as e:
             e.req_id = msg.req_id  # type: ignore[attr-defined]
             raise
-        r = RxRequest(msg.req_id, ident, ReqState.ALLOCATED, last_chunk_tokens=msg.last_chunk_tokens)
+        r = RxRequest(msg.req_id, ident, ReqState.ALLOCATED, last_chunk_tokens=msg.last_chunk_tokens,
+                      t_alloc=time.monotonic())
+        self.metrics.chunks_hit.inc(len(a.already_sent_indexes))
         r.new_runs = runs(a.new_pages)
         self.reqs[msg.req_id] = r
         self.counters["requests_total"] += 1
@@ -356,8 +367,11 @@ class Receiver:
                 return protocol.error(ErrorCode.CHECKSUM_MISMATCH, f"layer {msg.layer} checksum mismatch", r.req_id)
         if msg.layer not in r.layers_done:
             r.layers_done.add(msg.layer)
+            nbytes = sum(n for _, _, n in r.new_runs) * self.layout.page_bytes
             self.counters["layers_received"] += 1
-            self.counters["bytes_received"] += sum(n for _, _, n in r.new_runs) * self.layout.page_bytes
+            self.counters["bytes_received"] += nbytes
+            self.metrics.layers.inc()
+            self.metrics.bytes.inc(nbytes)
             for w in r.watchers:
                 control.send(self.local, LayerAvailable(req_id=r.req_id, layer=msg.layer), w)
         return None  # LayerDone is not acknowledged: the Commit ack covers it
@@ -384,6 +398,8 @@ class Receiver:
         r.state = protocol.transition(r.state, ReqEvent.COMMIT, r.req_id)
         n = self.pool.commit(r.req_id, now_ms())
         self.counters["requests_committed"] += 1
+        self.metrics.requests.inc()
+        self.metrics.request_seconds.observe(time.monotonic() - r.t_alloc)
         if not r.new_runs:
             for w in r.watchers:
                 for layer in range(self.layout.layers):
@@ -398,6 +414,9 @@ class Receiver:
         if r.state in (ReqState.ALLOCATED, ReqState.STREAMING):
             r.state = ReqState.EXPIRED if code is ErrorCode.LEASE_EXPIRED else ReqState.ABORTED
             self.counters["requests_failed"] += 1
+            self.metrics.failures.labels(code.value).inc()
+            if code is ErrorCode.LEASE_EXPIRED:
+                self.metrics.leases_expired.inc()
             if not pool_done:
                 self.pool.abort(r.req_id, now_ms())
         for w in r.watchers:
@@ -461,4 +480,5 @@ class Receiver:
                 "requests_inflight": sum(1 for r in self.reqs.values()
                                          if r.state in (ReqState.ALLOCATED, ReqState.STREAMING)),
                 "ucx_peers": len(self.ucx_peers), "ucx_peers_pending": len(self.ucx_pending),
-                "auth": "curve" if self.auth else "none", "draining": self.draining, **self.counters}
+                "auth": "curve" if self.auth else "none", "draining": self.draining,
+                "metrics_endpoint": self.metrics.endpoint, **self.counters}

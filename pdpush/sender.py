@@ -94,6 +94,7 @@ class TxRequest:
     bytes_sent: int = 0
     layer_done_ms: list[float] = field(default_factory=list)
     alloc_attempts: int = 0
+    t_alloc: float = 0.0
 
 
 class Sender:
@@ -123,8 +124,12 @@ class Sender:
         self.staging = StagingAllocator(self.region.length)
         self.ingress, self.ingress_endpoint = control.bind_local(self.cfg.ingress_socket_path(),
                                                                  self.cfg.max_frame_bytes)
+        from pdpush.metrics import Metrics
+
+        self.metrics = Metrics("sender", self.cfg.metrics_host, self.cfg.metrics_port)
+        self._last_refresh = 0.0
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, "staging_bytes": self.region.length,
-                "shmid": self.shmid}
+                "shmid": self.shmid, "backing": self.backing, "metrics_endpoint": self.metrics.endpoint}
 
     def close(self) -> None:
         for p in self.peers.values():
@@ -134,6 +139,8 @@ class Sender:
             self.ingress.close(0)
         if getattr(self, "region", None) is not None:
             self.region.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -178,6 +185,10 @@ class Sender:
             if len(frames) >= 2:
                 self._on_ingress(frames[0], frames[-1])
         self._check_deadlines()
+        now = time.monotonic()
+        if now - self._last_refresh > 0.1:  # gauges ~10 times a second
+            self._last_refresh = now
+            self.metrics.refresh(self.stats())
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -285,6 +296,7 @@ class Sender:
         b = r.begin
         r.state = TxState.ALLOCATING
         r.alloc_attempts += 1
+        r.t_alloc = time.monotonic()
         r.deadline = time.monotonic() + self.cfg.control_timeout_ms / 1000
         msg = AllocRequest(req_id=r.req_id, chunk_keys=b.chunk_keys, last_chunk_tokens=b.last_chunk_tokens,
                            lease_ms=self.cfg.lease_ms)
@@ -317,16 +329,20 @@ class Sender:
             src_layer = self.region.address + r.staging_off + layer * r.n_new * pb
             ops = [PutOp(src_layer + idx * pb, ack.pool_base + (layer * ack.pool_pages + page) * pb, n * pb)
                    for idx, page, n in r.runs]
+            t = time.monotonic()
             r.puts += r.peer.ep.put_many(ops, self.cfg.layer_timeout_ms / 1000)
+            self.metrics.layer_seconds.observe(time.monotonic() - t)
             nbytes = r.n_new * pb
             r.bytes_sent += nbytes
             self.counters["bytes_pushed"] += nbytes
+            self.metrics.bytes.inc(nbytes)
             if self.cfg.checksums:
                 from pdpush.shm import array_at
 
                 checksum = xxhash.xxh3_64_intdigest(array_at(src_layer, nbytes))
         r.layers_sent.add(layer)
         self.counters["layers_pushed"] += 1
+        self.metrics.layers.inc()
         if not control.send(r.peer.sock, LayerDone(req_id=r.req_id, layer=layer, checksum=checksum)):
             raise PdpushError(f"receiver {r.peer.endpoint} is not reachable", code=ErrorCode.PEER_DEAD)
         r.layer_done_ms.append((time.monotonic() - r.t0) * 1000)
@@ -376,7 +392,8 @@ class Sender:
             elif p.state is PeerState.HELLO_SENT:
                 self._peer_failed(p, msg.code, f"receiver refused hello: {msg.message}", dead=False)
             else:
-                log.warning("error from receiver %s: %s %s", p.endpoint, msg.code.value, msg.message)
+                log.warning("error from receiver %s: %s %s", p.endpoint, msg.code.value, msg.message,
+                            extra={"req_id": msg.req_id})
         elif isinstance(msg, Ok):
             pass
         else:
@@ -433,6 +450,8 @@ class Sender:
             self._peer_failed(p, ErrorCode.PEER_DEAD, f"UCX endpoint to {p.endpoint} closed (receiver died?)")
 
     def _on_alloc(self, r: TxRequest, a: AllocResponse) -> None:
+        self.metrics.alloc_rtt.observe(time.monotonic() - r.t_alloc)
+        self.metrics.chunks_hit.inc(len(a.already_sent_indexes))
         layout = r.layout
         n_chunks = len(r.begin.chunk_keys)
         r.skipped = len(a.already_sent_indexes)
@@ -463,6 +482,8 @@ class Sender:
     def _done(self, r: TxRequest) -> None:
         self._release(r)
         self.counters["requests_done"] += 1
+        self.metrics.requests.inc()
+        self.metrics.request_seconds.observe(time.monotonic() - r.t0)
         control.send(self.ingress, Done(req_id=r.req_id, bytes_sent=r.bytes_sent, puts=r.puts,
                                         layers=len(r.layers_sent), chunks_skipped=r.skipped,
                                         layer_done_ms=r.layer_done_ms), r.client)
@@ -482,6 +503,7 @@ class Sender:
             control.send(r.peer.sock, Abort(req_id=r.req_id, reason=why[:1000]))
         self._release(r)
         self.counters["requests_failed"] += 1
+        self.metrics.failures.labels(code.value).inc()
         control.send(self.ingress, protocol.error(code, why, r.req_id, retry_after_ms), r.client)
 
     def _peer_failed(self, p: Peer, code: ErrorCode, why: str, dead: bool = True) -> None:
@@ -506,7 +528,8 @@ class Sender:
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint,
                 "requests_inflight": len(self.reqs),
                 "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
-                "staging_bytes_free": self.staging.free_bytes, "draining": self.draining, **self.counters}
+                "staging_bytes_free": self.staging.free_bytes, "draining": self.draining,
+                "metrics_endpoint": self.metrics.endpoint, **self.counters}
 
 
 __all__ = ["Sender", "PoolExhausted"]

@@ -60,3 +60,36 @@ def test_demo_cli_help(flag):
 
     r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "demo", flag], capture_output=True, text=True)
     assert r.returncode == 0 and "--layer-compute-ms" in r.stdout
+
+
+def test_demo_against_running_daemons(tmp_path):
+    """What the compose `demo` service does: the demo uses daemons someone else started."""
+    import socket
+
+    from pdpush import launch
+
+    spec = ModelSpec(layers=2, hidden=128, heads=4, kv_heads=2, dtype="float32")
+    lay = spec.layout(16)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    rx_cfg, tx_cfg = tmp_path / "rx.toml", tmp_path / "tx.toml"
+    rx_cfg.write_text(f'control_port = {ports[0]}\nucx_port = {ports[1]}\nlocal_socket = "{tmp_path}/rx.sock"\n'
+                      f'model_id = "{lay.model_id}"\nlayers = 2\nkv_heads = 2\nhead_dim = 32\ndtype = "float32"\n'
+                      f'chunk_tokens = 16\npool_pages = 64\nprefault = false\nmetrics_port = -1\n')
+    tx_cfg.write_text(f'ingress_socket = "{tmp_path}/tx.sock"\nstaging_bytes = 16777216\nprefault = false\n'
+                      f'default_receiver = "tcp://127.0.0.1:{ports[0]}"\nmetrics_port = -1\n')
+    rx = launch.start_receiver(tmp_path, config=rx_cfg)
+    tx = launch.start_sender(tmp_path, config=tx_cfg)
+    try:
+        res = demo.run_demo(layers=2, hidden=128, heads=4, kv_heads=2, prompt_tokens=90, new_tokens=4,
+                            chunk_tokens=16, layer_compute_ms=5.0, receiver_config=rx_cfg, sender_config=tx_cfg)
+        assert res["tokens_match"] and res["logits_match"] and res["chunks_skipped_second"] == 4
+        with pytest.raises(Exception, match="demo model needs"):  # a layout the receiver does not serve
+            demo.run_demo(layers=3, hidden=128, heads=4, kv_heads=2, prompt_tokens=90, new_tokens=4,
+                          chunk_tokens=16, receiver_config=rx_cfg, sender_config=tx_cfg)
+    finally:
+        tx.stop()
+        rx.stop()

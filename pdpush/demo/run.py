@@ -77,28 +77,40 @@ def _logits(b64: str) -> np.ndarray:
 class Cluster:
     """Daemons + one prefill and one decode engine process, all stopped on close()."""
 
-    def __init__(self, spec, chunk_tokens: int, workdir: Path, pool_pages: int, staging_bytes: int) -> None:
+    def __init__(self, spec, chunk_tokens: int, workdir: Path, pool_pages: int, staging_bytes: int,
+                 receiver_config: Path | None = None, sender_config: Path | None = None) -> None:
         self.spec = spec
         self.procs: list = []
-        rcfg = ROOT_CONFIGS / "receiver.toml"
-        scfg = ROOT_CONFIGS / "sender.toml"
         lay = spec.layout(chunk_tokens)
         try:
-            self.rx = launch.start_receiver(
-                workdir, config=rcfg if rcfg.exists() else None, control_port=0, ucx_port=0,
-                local_socket=str(workdir / "receiver.sock"), layers=lay.layers, kv_heads=lay.kv_heads,
-                head_dim=lay.head_dim, dtype=lay.dtype, chunk_tokens=chunk_tokens, model_id=lay.model_id,
-                pool_pages=pool_pages, prefault=True)
-            self.procs.append(self.rx)
-            self.tx = launch.start_sender(
-                workdir, config=scfg if scfg.exists() else None, ingress_socket=str(workdir / "sender.sock"),
-                staging_bytes=staging_bytes, default_receiver=self.rx.info["control_endpoint"], prefault=True)
-            self.procs.append(self.tx)
+            if receiver_config is not None and sender_config is not None:  # daemons already running
+                from pdpush import config as cfgmod
+
+                rcfg = cfgmod.load(cfgmod.ReceiverConfig, receiver_config)
+                scfg = cfgmod.load(cfgmod.SenderConfig, sender_config)
+                if rcfg.layout.fingerprint() != lay.fingerprint():
+                    raise PdpushError(f"the receiver serves {rcfg.layout}, the demo model needs {lay}: "
+                                      "adjust the receiver config or the demo's model flags")
+                rx_sock, tx_sock, receiver = str(rcfg.local_socket_path()), str(scfg.ingress_socket_path()), ""
+            else:
+                rcfg_file, scfg_file = ROOT_CONFIGS / "receiver.toml", ROOT_CONFIGS / "sender.toml"
+                rx_sock, tx_sock = str(workdir / "receiver.sock"), str(workdir / "sender.sock")
+                self.rx = launch.start_receiver(
+                    workdir, config=rcfg_file if rcfg_file.exists() else None, control_port=0, ucx_port=0,
+                    local_socket=rx_sock, layers=lay.layers, kv_heads=lay.kv_heads, head_dim=lay.head_dim,
+                    dtype=lay.dtype, chunk_tokens=chunk_tokens, model_id=lay.model_id, pool_pages=pool_pages,
+                    prefault=True, metrics_port=0)
+                self.procs.append(self.rx)
+                self.tx = launch.start_sender(
+                    workdir, config=scfg_file if scfg_file.exists() else None, ingress_socket=tx_sock,
+                    staging_bytes=staging_bytes, default_receiver=self.rx.info["control_endpoint"], prefault=True,
+                    metrics_port=0)
+                self.procs.append(self.tx)
+                receiver = self.rx.info["control_endpoint"]
             sd = asdict(spec)
-            self.decode = Worker("decode", sd, chunk_tokens, str(workdir / "receiver.sock"), workdir)
+            self.decode = Worker("decode", sd, chunk_tokens, rx_sock, workdir)
             self.procs.append(self.decode)
-            self.prefill = Worker("prefill", sd, chunk_tokens, str(workdir / "sender.sock"), workdir,
-                                  self.rx.info["control_endpoint"])
+            self.prefill = Worker("prefill", sd, chunk_tokens, tx_sock, workdir, receiver)
             self.procs.append(self.prefill)
             self.decode.read()
             self.prefill.read()
@@ -151,12 +163,13 @@ def compare(ref: tuple[list[int], list[np.ndarray]], got: dict) -> tuple[bool, b
 
 def run_demo(*, layers: int = 8, hidden: int = 256, heads: int = 4, kv_heads: int = 2, prompt_tokens: int = 1000,
              new_tokens: int = 16, dtype: str = "float32", chunk_tokens: int = 64, layer_compute_ms: float = 25.0,
-             prefix_fraction: float = 0.75, seed: int = 0, console=None) -> dict:
+             prefix_fraction: float = 0.75, seed: int = 0, console=None, receiver_config: Path | None = None,
+             sender_config: Path | None = None) -> dict:
     from pdpush.integrations.transformers import ModelSpec
 
     spec = ModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, dtype=dtype, seed=seed)
     lay = spec.layout(chunk_tokens)
-    rng = np.random.default_rng(seed + 1)
+    rng = np.random.default_rng(seed + 1 if receiver_config is None else time.time_ns() % (1 << 32))
     p_eager = rng.integers(0, spec.vocab, prompt_tokens).tolist()
     p_pipe = rng.integers(0, spec.vocab, prompt_tokens).tolist()
     shared = int(prompt_tokens * prefix_fraction)
@@ -166,9 +179,11 @@ def run_demo(*, layers: int = 8, hidden: int = 256, heads: int = 4, kv_heads: in
     say = (lambda m: console.log(m)) if console is not None else (lambda m: None)
     say(f"model {spec.model_id}, {dtype}; KV {lay.token_bytes * prompt_tokens / 2**20:.2f} MiB per layer "
         f"for a {prompt_tokens}-token prompt ({chunks} chunks of {chunk_tokens})")
-    say("starting receiver + sender daemons and the prefill/decode engine processes")
+    say("using the running daemons" if receiver_config else
+        "starting receiver + sender daemons and the prefill/decode engine processes")
     cluster = Cluster(spec, chunk_tokens, workdir, pool_pages=chunks * 4,
-                      staging_bytes=max(4 << 20, 2 * lay.layers * chunks * lay.page_bytes))
+                      staging_bytes=max(4 << 20, 2 * lay.layers * chunks * lay.page_bytes),
+                      receiver_config=receiver_config, sender_config=sender_config)
     try:
         say("computing the colocated reference")
         refs = reference(spec, [p_eager, p_pipe, p_second], new_tokens)

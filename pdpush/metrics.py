@@ -1,0 +1,71 @@
+"""Prometheus metrics for both daemons, served on /metrics (loopback by default).
+
+Counters and histograms are updated where the events happen; gauges are
+refreshed from the daemon's own state by its loop (``refresh``), so the HTTP
+thread never reads structures the loop is changing. prometheus_client is
+imported only when metrics are enabled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self, role: str, host: str, port: int) -> None:
+        """``port`` -1 keeps the metrics in-process only (no HTTP server); 0 picks a free port."""
+        import prometheus_client as pc
+
+        self.registry = pc.CollectorRegistry()
+        r = self.registry
+        self.role = role
+        self.bytes = pc.Counter(f"pdpush_bytes_{'pushed' if role == 'sender' else 'received'}",
+                                f"KV bytes {'pushed to receivers' if role == 'sender' else 'received into the pool'}",
+                                registry=r)
+        self.layers = pc.Counter("pdpush_layers", "Layers transferred", registry=r)
+        self.layer_seconds = pc.Histogram("pdpush_layer_transfer_seconds", "Put+flush of one layer (sender) "
+                                          "or alloc-to-LayerDone spacing (receiver)", buckets=_LAT, registry=r)
+        self.alloc_rtt = pc.Histogram("pdpush_alloc_rtt_seconds", "AllocRequest -> AllocResponse round trip",
+                                      buckets=_LAT, registry=r)
+        self.request_seconds = pc.Histogram("pdpush_request_seconds", "End-to-end latency of a request "
+                                            "(sender: begin to commit ack; receiver: alloc to commit)",
+                                            buckets=_LAT, registry=r)
+        self.requests = pc.Counter("pdpush_requests", "Requests completed", registry=r)
+        self.failures = pc.Counter("pdpush_failures", "Failed requests by typed reason", ["reason"], registry=r)
+        self.inflight = pc.Gauge("pdpush_requests_inflight", "Requests in flight", registry=r)
+        self.chunks_hit = pc.Counter("pdpush_chunks_hit", "Chunks skipped because the receiver already held them "
+                                     "(already_sent_indexes)", registry=r)
+        if role == "receiver":
+            self.pool_pages = pc.Gauge("pdpush_pool_pages", "Pool pages by state", ["state"], registry=r)
+            self.chunks_cached = pc.Gauge("pdpush_chunks_cached", "Complete chunks in the index", registry=r)
+            self.leases_active = pc.Gauge("pdpush_leases_active", "Uncommitted allocations", registry=r)
+            self.leases_expired = pc.Counter("pdpush_leases_expired", "Leases reclaimed at their deadline",
+                                             registry=r)
+        else:
+            self.receivers = pc.Gauge("pdpush_receivers_connected", "Receivers with a live session", registry=r)
+            self.staging_free = pc.Gauge("pdpush_staging_free_bytes", "Free staging bytes", registry=r)
+        self._server = None
+        self.endpoint = ""
+        if port >= 0:
+            self._server, _ = pc.start_http_server(port, addr=host, registry=r)
+            self.endpoint = f"http://{host}:{self._server.server_port}/metrics"
+
+    def refresh(self, stats: dict[str, Any]) -> None:
+        """Set gauges from a stats snapshot (called on the daemon's own thread)."""
+        self.inflight.set(stats["requests_inflight"])
+        if self.role == "receiver":
+            self.pool_pages.labels("total").set(stats["pool_pages_total"])
+            self.pool_pages.labels("free").set(stats["pool_pages_free"])
+            self.pool_pages.labels("quarantined").set(stats["pool_pages_quarantined"])
+            self.chunks_cached.set(stats["chunks_cached"])
+            self.leases_active.set(stats["leases_active"])
+        else:
+            self.receivers.set(stats["receivers_connected"])
+            self.staging_free.set(stats["staging_bytes_free"])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
