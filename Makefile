@@ -26,9 +26,9 @@ demo: install
 	$(VENV)/bin/pdpush demo --json bench-out/demo.json
 
 bench: install
-	mkdir -p bench-out
-	$(VENV)/bin/pdpush bench --scenario goodput --layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
-		--tokens 4096 --chunk-tokens 256 --json bench-out/goodput.json
+	mkdir -p bench-out docs/bench
+	$(VENV)/bin/pdpush bench --scenario all --json bench-out/bench.json --plot docs/bench/bench.png \
+		--report BENCHMARKS.md
 
 soak: install
 	mkdir -p bench-out

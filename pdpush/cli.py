@@ -193,34 +193,59 @@ def demo(
 
 @app.command()
 def bench(
-    scenario: str = typer.Option("goodput", help="goodput"),
+    scenario: str = typer.Option("goodput", help="goodput, pipeline, incremental, concurrency, control or all"),
     layers: int = typer.Option(32), kv_heads: int = typer.Option(8), head_dim: int = typer.Option(128),
     dtype: str = typer.Option("bfloat16", help="float16, bfloat16 or float32"),
     tokens: int = typer.Option(4096), chunk_tokens: int = typer.Option(256),
-    requests: int = typer.Option(3, help="Requests to push (after one warm-up)."),
+    requests: int = typer.Option(3, help="Requests to push (after the warm-up)."),
     prefix_shared: float = typer.Option(0.5, help="Fraction of tokens a second request shares with the first."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
-    receiver_config: Optional[Path] = typer.Option(None, help="Use a running receiver with this config."),
-    sender_config: Optional[Path] = typer.Option(None, help="Use a running sender with this config."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="With --scenario all: write the figures here (PNG)."),
+    report: Optional[Path] = typer.Option(None, "--report", help="With --scenario all: write BENCHMARKS.md here."),
+    receiver_config: Optional[Path] = typer.Option(None, help="goodput: use a running receiver with this config."),
+    sender_config: Optional[Path] = typer.Option(None, help="goodput: use a running sender with this config."),
 ) -> None:
     """Measure pdpush against raw UCX put+flush and memcpy, verifying every byte."""
-    from pdpush.bench import goodput
+    from pdpush.layout import KVLayout
 
-    if scenario != "goodput":
-        typer.echo(f"pdpush bench: scenario {scenario!r} is not implemented yet (available: goodput)", err=True)
+    known = ("goodput", "pipeline", "incremental", "concurrency", "control", "all")
+    if scenario not in known:
+        typer.echo(f"pdpush bench: unknown scenario {scenario!r} (one of {', '.join(known)})", err=True)
         raise typer.Exit(2)
     if (receiver_config is None) != (sender_config is None):
         typer.echo("pdpush bench: give both --receiver-config and --sender-config, or neither", err=True)
         raise typer.Exit(2)
+    shape = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens)
     try:
-        result = goodput.run(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, tokens=tokens,
-                             chunk_tokens=chunk_tokens, requests=requests, prefix_shared=prefix_shared,
-                             receiver_config=receiver_config, sender_config=sender_config)
+        if scenario == "goodput":
+            from pdpush.bench import goodput
+
+            result = goodput.run(**shape, tokens=tokens, requests=requests, prefix_shared=prefix_shared,
+                                 receiver_config=receiver_config, sender_config=sender_config)
+            goodput.print_table(result)
+        elif scenario == "all":
+            from pdpush.bench import report as rep
+
+            result = rep.run_all(shape, tokens)
+            result["verified"] = all(result[k]["verified"] for k in ("goodput", "pipeline", "incremental",
+                                                                     "concurrency", "control"))
+            rep.write(result, None, plot, report)
+            typer.echo(rep.markdown(result, str(plot or "")))
+        else:
+            from pdpush.bench import scenarios
+
+            layout = KVLayout(**shape)
+            fn = {"pipeline": lambda: scenarios.pipeline(layout, tokens),
+                  "incremental": lambda: scenarios.incremental(layout, tokens),
+                  "concurrency": lambda: scenarios.concurrency(layout, tokens),
+                  "control": lambda: scenarios.control()}[scenario]
+            result = fn()
+            typer.echo(json.dumps({k: v for k, v in result.items() if k not in ("curve", "rows")}, indent=2))
     except PdpushError as e:
         typer.echo(f"pdpush bench: {type(e).__name__}: {e}", err=True)
         raise typer.Exit(1) from None
-    goodput.print_table(result)
     if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2))
     if not result["verified"]:
         raise typer.Exit(1)

@@ -57,7 +57,8 @@ def test_metrics_move_after_a_transfer(daemons):
     while True:  # gauges refresh ~10 times a second
         after_rx, after_tx = _scrape(rx_ep), _scrape(tx_ep)
         if after_rx.get("pdpush_chunks_cached") == 3 and after_rx.get("pdpush_leases_active") == 0 and \
-                after_tx.get('pdpush_failures_total{reason="aborted"}'):
+                after_tx.get('pdpush_failures_total{reason="aborted"}') and \
+                after_tx.get("pdpush_receivers_connected") == 1:
             break
         assert time.monotonic() < deadline, (after_rx, after_tx)
         time.sleep(0.05)  # polling the scrape; bounded

@@ -8,7 +8,6 @@ between two processes, and the memcpy of the same bytes, both in this run.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -16,70 +15,9 @@ import numpy as np
 
 from pdpush import launch
 from pdpush.bench import ceiling
+from pdpush.bench.common import Source, push_one
 from pdpush.client import DecodeClient, PrefillClient
-from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
-
-
-class _Source:
-    """Synthetic KV for one request: random bytes, [layers, tokens, H, D] per K and V."""
-
-    def __init__(self, layout: KVLayout, token_ids: list[int], rng: np.random.Generator,
-                 prefix_of: _Source | None = None, shared_tokens: int = 0) -> None:
-        self.token_ids = token_ids
-        n = len(token_ids)
-        shape = (layout.layers, n, layout.kv_heads, layout.head_dim * layout.dtype_bytes)
-        size = int(np.prod(shape))
-        self.k = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
-        self.v = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
-        if prefix_of is not None and shared_tokens:  # same prefix -> same KV, as a real model would give
-            self.k[:, :shared_tokens] = prefix_of.k[:, :shared_tokens]
-            self.v[:, :shared_tokens] = prefix_of.v[:, :shared_tokens]
-
-
-def _verify(req, src: _Source, layout: KVLayout) -> bool:
-    row = layout.kv_heads * layout.head_dim * layout.dtype_bytes
-    T = layout.chunk_tokens
-    n = len(src.token_ids)
-    for layer in range(layout.layers):
-        pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, row)
-                                for r in req.layer_runs(layer, wait=True)])
-        k = pages[:, 0].reshape(-1, row)[:n]
-        v = pages[:, 1].reshape(-1, row)[:n]
-        if not (np.array_equal(k, src.k[layer].reshape(n, row)) and np.array_equal(v, src.v[layer].reshape(n, row))):
-            return False
-    return True
-
-
-def _push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: _Source, layout: KVLayout) -> dict:
-    seen: dict = {}
-
-    def decode_side() -> None:
-        try:
-            req = dc.open(req_id, timeout_s=60)
-            for layer in range(layout.layers):
-                req.wait_layer(layer, timeout_s=60)
-            seen["t_visible"] = time.perf_counter()
-            req.wait_committed(60)
-            seen["verified"] = _verify(req, src, layout)
-            req.release()
-        except PdpushError as e:
-            seen["error"] = f"{type(e).__name__}: {e}"
-
-    th = threading.Thread(target=decode_side, daemon=True)
-    th.start()
-    t0 = time.perf_counter()
-    h = pc.begin(req_id, src.token_ids)
-    for layer in range(layout.layers):
-        h.put_layer(layer, src.k[layer], src.v[layer])
-    done = h.finish(timeout_s=60)
-    th.join(120)
-    if "error" in seen or th.is_alive():
-        raise PdpushError(f"decode side of {req_id}: {seen.get('error', 'timed out')}")
-    dt = seen["t_visible"] - t0
-    return {"req_id": req_id, "bytes_sent": done.bytes_sent, "puts": done.puts, "chunks_skipped": done.chunks_skipped,
-            "seconds": dt, "goodput_gbps": done.bytes_sent / dt / 1e9 if done.bytes_sent else 0.0,
-            "verified": bool(seen.get("verified"))}
 
 
 def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, chunk_tokens: int, requests: int,
@@ -120,21 +58,25 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         def fresh_ids(n: int) -> list[int]:
             return rng.integers(0, 1 << 31, size=n).tolist()
 
+        metrics_ep = daemons[1].info.get("metrics_endpoint") if len(daemons) > 1 else None
         results = []
         # Warm-up: enough requests to touch every pool page once, so that the measured ones see the
         # steady state (each process faults a shared page in once per mapping; ~0.1 s per GiB here).
         warmup = max(1, -(-pool_pages // chunks)) if pool_pages else 1
         for i in range(requests + warmup):
-            src = _Source(layout, fresh_ids(tokens), rng)
-            r = _push_one(pc, dc, f"bench-{tag}-{i}", src, layout)
+            src = Source(layout, fresh_ids(tokens), rng)
+            r = push_one(pc, dc, f"bench-{tag}-{i}", src, layout)
+            if i == warmup - 1:
+                put_before = _put_seconds(metrics_ep)
             if i >= warmup:
                 results.append(r)
+        put_after = _put_seconds(metrics_ep)
         # Incremental: a first request, then one sharing its first prefix_shared of tokens.
         shared = int(tokens * prefix_shared)
-        first = _Source(layout, fresh_ids(tokens), rng)
-        r1 = _push_one(pc, dc, f"bench-{tag}-p1", first, layout)
-        second = _Source(layout, first.token_ids[:shared] + fresh_ids(tokens - shared), rng, first, shared)
-        r2 = _push_one(pc, dc, f"bench-{tag}-p2", second, layout)
+        first = Source(layout, fresh_ids(tokens), rng)
+        r1 = push_one(pc, dc, f"bench-{tag}-p1", first, layout)
+        second = Source(layout, first.token_ids[:shared] + fresh_ids(tokens - shared), rng, first, shared)
+        r2 = push_one(pc, dc, f"bench-{tag}-p2", second, layout)
         pc.close()
         dc.close()
         layer_bytes = chunks * layout.page_bytes
@@ -164,8 +106,25 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         "bytes_sent_second": r2["bytes_sent"],
         "chunks_skipped_second": r2["chunks_skipped"],
         "warmup_requests": warmup,
+        "client_copy_ms_per_layer": statistics.median(r["client_copy_s"] for r in results) * 1000 / layout.layers,
+        "sender_put_ms_per_layer": ((put_after[0] - put_before[0]) / (put_after[1] - put_before[1]) * 1000
+                                    if put_before and put_after and put_after[1] > put_before[1] else float("nan")),
         "requests_detail": results + [r1, r2],
     }
+
+
+def _put_seconds(endpoint: str | None) -> tuple[float, float] | None:
+    """(sum, count) of the sender's pdpush_layer_transfer_seconds histogram."""
+    if not endpoint:
+        return None
+    import urllib.request
+
+    vals = {}
+    for line in urllib.request.urlopen(endpoint, timeout=5).read().decode().splitlines():
+        if line.startswith("pdpush_layer_transfer_seconds_sum") or line.startswith("pdpush_layer_transfer_seconds_count"):
+            name, v = line.rsplit(" ", 1)
+            vals[name] = float(v)
+    return vals.get("pdpush_layer_transfer_seconds_sum", 0.0), vals.get("pdpush_layer_transfer_seconds_count", 0.0)
 
 
 def print_table(res: dict) -> None:
@@ -183,6 +142,8 @@ def print_table(res: dict) -> None:
     t.add_row("ratio to ceiling", f"{res['ratio']:.2f}")
     t.add_row("ratio to memcpy", f"{res['ratio_memcpy']:.2f}")
     t.add_row("puts per layer", f"{res['puts_per_layer']:.1f}")
+    t.add_row("per layer: engine copy into staging / sender put+flush, ms",
+              f"{res['client_copy_ms_per_layer']:.2f} / {res['sender_put_ms_per_layer']:.2f}")
     t.add_row("bytes sent: first / second (prefix-shared)",
               f"{res['bytes_sent_first']:,} / {res['bytes_sent_second']:,}")
     t.add_row("chunks skipped by second", str(res["chunks_skipped_second"]))

@@ -1,0 +1,95 @@
+"""Shared pieces of the benchmarks: synthetic KV, and one timed request through the real daemons.
+
+The decode side runs in a thread with its own DecodeClient and records when each
+layer becomes visible; the prefill side can emulate per-layer compute with a
+sleep (a GPU's compute costs the host no CPU) and push pipelined or eager.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from pdpush.client import DecodeClient, PrefillClient
+from pdpush.errors import PdpushError
+from pdpush.layout import KVLayout
+
+
+class Source:
+    """Synthetic KV for one request: random bytes, [layers, tokens, H, D*dtype] per K and V."""
+
+    def __init__(self, layout: KVLayout, token_ids: list[int], rng: np.random.Generator,
+                 prefix_of: Source | None = None, shared_tokens: int = 0) -> None:
+        self.token_ids = token_ids
+        n = len(token_ids)
+        shape = (layout.layers, n, layout.kv_heads, layout.head_dim * layout.dtype_bytes)
+        size = int(np.prod(shape))
+        self.k = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
+        self.v = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
+        if prefix_of is not None and shared_tokens:  # same prefix -> same KV, as a real model would give
+            self.k[:, :shared_tokens] = prefix_of.k[:, :shared_tokens]
+            self.v[:, :shared_tokens] = prefix_of.v[:, :shared_tokens]
+
+
+def verify(req, src: Source, layout: KVLayout) -> bool:
+    row = layout.kv_heads * layout.head_dim * layout.dtype_bytes
+    T = layout.chunk_tokens
+    n = len(src.token_ids)
+    for layer in range(layout.layers):
+        pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, row)
+                                for r in req.layer_runs(layer, wait=True)])
+        k = pages[:, 0].reshape(-1, row)[:n]
+        v = pages[:, 1].reshape(-1, row)[:n]
+        if not (np.array_equal(k, src.k[layer].reshape(n, row)) and np.array_equal(v, src.v[layer].reshape(n, row))):
+            return False
+    return True
+
+
+def push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layout: KVLayout, *,
+             compute_s: float = 0.0, pipelined: bool = True, check: bool = True) -> dict:
+    """Push one request; the decode side verifies every byte. Times are monotonic seconds."""
+    seen: dict = {"arrivals": []}
+
+    def decode_side() -> None:
+        try:
+            req = dc.open(req_id, timeout_s=60)
+            for layer in range(layout.layers):
+                req.wait_layer(layer, timeout_s=60)
+                seen["arrivals"].append(time.perf_counter())
+            req.wait_committed(60)
+            seen["verified"] = verify(req, src, layout) if check else None
+            req.release()
+        except PdpushError as e:
+            seen["error"] = f"{type(e).__name__}: {e}"
+
+    th = threading.Thread(target=decode_side, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    h = pc.begin(req_id, src.token_ids)
+    copy_s = 0.0
+    layer_end = []
+    for layer in range(layout.layers):
+        if compute_s:
+            time.sleep(compute_s)  # emulated GPU compute of this layer
+        layer_end.append(time.perf_counter())
+        if pipelined:
+            t = time.perf_counter()
+            h.put_layer(layer, src.k[layer], src.v[layer])
+            copy_s += time.perf_counter() - t
+    t_end = layer_end[-1]  # prefill compute is over; what the decode side still waits for is exposed
+    if not pipelined:
+        for layer in range(layout.layers):
+            t = time.perf_counter()
+            h.put_layer(layer, src.k[layer], src.v[layer])
+            copy_s += time.perf_counter() - t
+    done = h.finish(timeout_s=60)
+    th.join(120)
+    if "error" in seen or th.is_alive():
+        raise PdpushError(f"decode side of {req_id}: {seen.get('error', 'timed out')}")
+    t_vis = seen["arrivals"][-1]
+    return {"req_id": req_id, "bytes_sent": done.bytes_sent, "puts": done.puts, "chunks_skipped": done.chunks_skipped,
+            "seconds": t_vis - t0, "goodput_gbps": done.bytes_sent / (t_vis - t0) / 1e9 if done.bytes_sent else 0.0,
+            "exposed_s": t_vis - t_end, "client_copy_s": copy_s, "layer_end": layer_end,
+            "arrivals": seen["arrivals"], "verified": seen.get("verified")}

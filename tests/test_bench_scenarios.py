@@ -1,0 +1,30 @@
+"""The benchmark scenarios run end to end on tiny shapes (real daemons; speed is not asserted)."""
+
+from __future__ import annotations
+
+from pdpush.bench import goodput, report, scenarios
+from pdpush.layout import KVLayout
+
+LAY = KVLayout(4, 2, 64, "float16", 32)
+
+
+def test_scenarios_and_report(tmp_path):
+    res = {"machine": report.machine()}
+    res["goodput"] = goodput.run(layers=4, kv_heads=2, head_dim=64, dtype="float16", tokens=256, chunk_tokens=32,
+                                 requests=2, prefix_shared=0.5)
+    res["goodput_sweep"] = [{k: res["goodput"][k] for k in ("layer_bytes", "goodput_gbps", "ceiling_gbps",
+                                                            "memcpy_gbps", "ratio", "verified")}]
+    res["pipeline"] = scenarios.pipeline(LAY, 256, ratios=(0.5, 2.0), reps=1)
+    res["incremental"] = scenarios.incremental(LAY, 256, hits=(0.0, 0.5))
+    res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2)
+    res["control"] = scenarios.control(n=50)
+    for k in ("goodput", "pipeline", "incremental", "concurrency", "control"):
+        assert res[k]["verified"], k
+    assert res["incremental"]["target_met"]  # bytes are exact; this is not a speed claim
+    assert [r["chunks_skipped"] for r in res["incremental"]["rows"]] == [0, 4]
+    assert res["concurrency"]["completed"] == 4 and not res["concurrency"]["errors"]
+    assert res["control"]["alloc_rtt_p50_ms"] > 0
+    png, md = tmp_path / "b.png", tmp_path / "B.md"
+    report.write(res, tmp_path / "b.json", png, md)
+    text = md.read_text()
+    assert png.stat().st_size > 10_000 and "## Targets" in text and "b.png" in text
