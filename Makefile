@@ -5,6 +5,8 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdpush-installed
 export UCX_WARN_UNUSED_ENV_VARS ?= n
+# `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
+BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
 .PHONY: install test test-slow demo bench soak lint clean
 
@@ -28,7 +30,7 @@ demo: install
 bench: install
 	mkdir -p bench-out docs/bench
 	$(VENV)/bin/pdpush bench --scenario all --json bench-out/bench.json --plot docs/bench/bench.png \
-		--report BENCHMARKS.md
+		--report BENCHMARKS.md $(BENCH_COMPARE)
 
 soak: install
 	mkdir -p bench-out

@@ -204,8 +204,12 @@ def bench(
     report: Optional[Path] = typer.Option(None, "--report", help="With --scenario all: write BENCHMARKS.md here."),
     receiver_config: Optional[Path] = typer.Option(None, help="goodput: use a running receiver with this config."),
     sender_config: Optional[Path] = typer.Option(None, help="goodput: use a running sender with this config."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="nixl: also measure NIXL's raw write."),
 ) -> None:
     """Measure pdpush against raw UCX put+flush and memcpy, verifying every byte."""
+    if compare not in (None, "nixl"):
+        typer.echo(f"pdpush bench: --compare {compare!r}: only 'nixl' is supported", err=True)
+        raise typer.Exit(2)
     from pdpush.layout import KVLayout
 
     known = ("goodput", "pipeline", "incremental", "concurrency", "control", "all")
@@ -221,12 +225,13 @@ def bench(
             from pdpush.bench import goodput
 
             result = goodput.run(**shape, tokens=tokens, requests=requests, prefix_shared=prefix_shared,
-                                 receiver_config=receiver_config, sender_config=sender_config)
+                                 receiver_config=receiver_config, sender_config=sender_config,
+                                 compare_nixl=compare == "nixl")
             goodput.print_table(result)
         elif scenario == "all":
             from pdpush.bench import report as rep
 
-            result = rep.run_all(shape, tokens)
+            result = rep.run_all(shape, tokens, compare_nixl=compare == "nixl")
             result["verified"] = all(result[k]["verified"] for k in ("goodput", "pipeline", "incremental",
                                                                      "concurrency", "control"))
             rep.write(result, None, plot, report)

@@ -21,7 +21,8 @@ from pdpush.layout import KVLayout
 
 
 def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, chunk_tokens: int, requests: int,
-        prefix_shared: float, receiver_config: Path | None = None, sender_config: Path | None = None) -> dict:
+        prefix_shared: float, receiver_config: Path | None = None, sender_config: Path | None = None,
+        compare_nixl: bool = False) -> dict:
     layout = KVLayout(layers, kv_heads, head_dim, dtype, chunk_tokens)  # type: ignore[arg-type]
     chunks = layout.num_chunks(tokens)
     request_bytes = layers * chunks * layout.page_bytes
@@ -82,6 +83,12 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         layer_bytes = chunks * layout.page_bytes
         put = ceiling.measure_put(layer_bytes, layout.layers)
         mem = ceiling.measure_memcpy(layer_bytes, layout.layers)
+        nixl = None
+        if compare_nixl:
+            from pdpush.bench import nixl_ref
+
+            nixl = (nixl_ref.measure(layer_bytes, layout.layers) if nixl_ref.available()
+                    else {"error": "nixl is not installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)"})
     finally:
         for d in daemons:
             d.stop()
@@ -106,6 +113,9 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         "bytes_sent_second": r2["bytes_sent"],
         "chunks_skipped_second": r2["chunks_skipped"],
         "warmup_requests": warmup,
+        "nixl": nixl,
+        "nixl_gbps": nixl.get("median_gbps") if nixl else None,
+        "ratio_nixl": good / nixl["median_gbps"] if nixl and "median_gbps" in nixl else None,
         "client_copy_ms_per_layer": statistics.median(r["client_copy_s"] for r in results) * 1000 / layout.layers,
         "sender_put_ms_per_layer": ((put_after[0] - put_before[0]) / (put_after[1] - put_before[1]) * 1000
                                     if put_before and put_after and put_after[1] > put_before[1] else float("nan")),
@@ -141,6 +151,10 @@ def print_table(res: dict) -> None:
     t.add_row("memcpy, median GB/s", f"{res['memcpy_gbps']:.2f}")
     t.add_row("ratio to ceiling", f"{res['ratio']:.2f}")
     t.add_row("ratio to memcpy", f"{res['ratio_memcpy']:.2f}")
+    if res.get("nixl"):
+        n = res["nixl"]
+        t.add_row("NIXL raw DRAM->DRAM WRITE, median GB/s",
+                  f"{n['median_gbps']:.2f} (ratio {res['ratio_nixl']:.2f})" if "median_gbps" in n else n["error"])
     t.add_row("puts per layer", f"{res['puts_per_layer']:.1f}")
     t.add_row("per layer: engine copy into staging / sender put+flush, ms",
               f"{res['client_copy_ms_per_layer']:.2f} / {res['sender_put_ms_per_layer']:.2f}")

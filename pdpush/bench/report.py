@@ -13,13 +13,13 @@ from pdpush.layout import KVLayout
 SHAPE = dict(layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=256)
 
 
-def run_all(shape: dict | None = None, tokens: int = 4096) -> dict:
+def run_all(shape: dict | None = None, tokens: int = 4096, compare_nixl: bool = False) -> dict:
     from pdpush.bench import goodput, scenarios
 
     shape = {**SHAPE, **(shape or {})}
     layout = KVLayout(shape["layers"], shape["kv_heads"], shape["head_dim"], shape["dtype"], shape["chunk_tokens"])
     out: dict = {"machine": machine()}
-    out["goodput"] = goodput.run(**shape, tokens=tokens, requests=5, prefix_shared=0.5)
+    out["goodput"] = goodput.run(**shape, tokens=tokens, requests=5, prefix_shared=0.5, compare_nixl=compare_nixl)
     # goodput over layer sizes (tokens per request), each against its own ceiling, for the plot
     out["goodput_sweep"] = []
     for t in (256, 1024, 2048):
@@ -95,6 +95,10 @@ def _met(ok: bool) -> str:
 
 def markdown(res: dict, plot_rel: str) -> str:
     g, p, inc, c, ctl, m = (res[k] for k in ("goodput", "pipeline", "incremental", "concurrency", "control", "machine"))
+    n = g.get("nixl") or {}
+    nixl_row = ([f"| pdpush vs NIXL 1.5.1 raw DRAM->DRAM WRITE (same bytes, progress thread off) | "
+                 f"{g['ratio_nixl']:.2f}x ({n['median_gbps']:.2f} GB/s, verified {n['verified']}) | |"]
+                if "median_gbps" in n else [f"| NIXL comparison | {n.get('error', 'not run (--compare nixl)')} | |"])
     inc_summary = ", ".join(f"h={r['h']}: {r['ratio_to_ideal']:.3f}" for r in inc["rows"])
     lines = [
         "# pdpush benchmarks",
@@ -117,6 +121,7 @@ def markdown(res: dict, plot_rel: str) -> str:
         "|---|---|---|",
         f"| goodput >= 0.9x raw UCX put+flush (layers >= 8 MiB) | {g['ratio']:.2f}x ({g['goodput_gbps']:.2f} vs "
         f"{g['ceiling_gbps']:.2f} GB/s; {g['ratio_memcpy']:.2f}x memcpy) | {_met(g['ratio'] >= 0.9)} |",
+        *nixl_row,
         f"| pipelined exposed <= t + 2 ms for c >= t | worst {p['exposed_ms_pipelined_worst_c_ge_t']:.2f} ms, "
         f"t = {p['layer_transfer_ms']:.2f} ms; eager {p['exposed_ms_eager']:.1f} ms | {_met(p['target_met'])} |",
         f"| puts per layer <= page runs (1) | {g['puts_per_layer']:.1f} | {_met(g['puts_per_layer'] <= 1)} |",
