@@ -101,6 +101,10 @@ def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
 
 def pin_if_cuda(address: int, nbytes: int) -> bool:
     """Page-lock a host mapping for fast H2D copies where CUDA exists; False otherwise."""
+    import os
+
+    if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA driver: do not pay for importing torch (~1 s)
+        return False
     try:
         import torch
     except ImportError:
