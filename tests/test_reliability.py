@@ -250,3 +250,34 @@ def test_soak_short():
     res = soak.run(60)
     assert res["requests_ok"] > 0 and res["kills"] >= 3
     assert res["mismatches"] == 0 and res["leaked_pages"] == 0
+
+
+def test_sender_deadline_before_the_lease_and_committed_ttl(daemons):
+    """The sender aborts a stalled request before the receiver's lease would; unopened commits expire."""
+    rx = daemons.receiver(**_rx_opts(LAY), lease_ms=5000, committed_ttl_ms=600)
+    tx = daemons.sender(rx, lease_ms=1000)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    k, v = _kv(LAY, 40, 8)
+    try:
+        h = pc.begin("stalled", list(range(40)))
+        h.put_layer(0, k[0], v[0])  # ... and the engine never hands over the rest
+        t0 = time.monotonic()
+        st = _until(lambda: (s := status(sock(rx)))["leases_active"] == 0 and s, 10, "the sender's abort")
+        assert 0.7 < time.monotonic() - t0 < 3  # ~0.9 x the sender's 1 s lease, long before the receiver's 5 s
+        assert st["leases_expired"] == 0 and st["requests_failed"] == 1  # aborted by the sender, not expired
+        with pytest.raises(TransportTimeout, match="lease deadline"):  # the engine is told, with a typed error
+            h.finish(timeout_s=5)
+        # a committed request nobody opens is dropped after committed_ttl_ms; its chunks stay cached
+        _push(pc, "unopened", list(range(500, 540)), k, v)
+        with dc.open("unopened", timeout_s=5):
+            pass  # opened and released: dropped at once
+        _push(pc, "never-opened", list(range(600, 640)), k, v)
+        _until(lambda: status(sock(rx))["requests_committed"] == 2, 5, "commit")
+        time.sleep(1.0)  # past committed_ttl_ms (0.6 s)
+        with pytest.raises(PdpushError, match="gone"):
+            dc.open("never-opened", timeout_s=5)
+        assert status(sock(rx))["chunks_cached"] == 6
+    finally:
+        pc.close()
+        dc.close()
