@@ -231,6 +231,11 @@ class PushHandle:
 
     def put_layer(self, layer: int, k, v) -> None:
         """Copy layer ``layer``'s new chunks of K and V (each ``[tokens, H, D]``) into staging, then push."""
+        self.stage_layer(layer, k, v)
+        self.layer_ready(layer)
+
+    def stage_layer(self, layer: int, k, v) -> None:
+        """Copy layer ``layer``'s new chunks into staging without handing it over yet."""
         self._check_open()
         lay = self.client.layout
         row = lay.kv_heads * lay.head_dim * lay.dtype_bytes
@@ -251,7 +256,6 @@ class PushHandle:
             if rest:
                 dst[j0 + full, 0, :rest] = kb[t0 + full * T:t1]
                 dst[j0 + full, 1, :rest] = vb[t0 + full * T:t1]
-        self.layer_ready(layer)
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""

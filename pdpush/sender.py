@@ -208,6 +208,7 @@ class Sender:
 
     # ---- ingress (prefill engine) ----
     def _on_ingress(self, ident: bytes, payload: bytes) -> None:
+        msg = None
         try:
             msg = protocol.decode(payload, self.cfg.max_frame_bytes)
             if isinstance(msg, Begin):
@@ -224,7 +225,7 @@ class Sender:
             else:
                 raise ProtocolError(f"sender does not accept {msg.type} on the ingress", code=ErrorCode.UNEXPECTED)
         except PdpushError as e:
-            rid = getattr(msg, "req_id", None) if "msg" in locals() else None
+            rid = getattr(msg, "req_id", None)
             control.send(self.ingress, protocol.error(e.code, str(e), rid), ident)
 
     def _client_req(self, ident: bytes, req_id: str) -> TxRequest:
