@@ -161,9 +161,9 @@ def markdown(res: dict, plot_rel: str) -> str:
               "  `PushHandle.staging_layer(l)` (as a GPU's device-to-host copy would) skips it. The",
               "  \"transport only\" row measures exactly that path: from hand-over to decode-visible.",
               "- A py-spy profile of the whole goodput run (`py-spy record --subprocesses`, 2026-11-30) put the",
-              "  sender's steady-state time in `ucp_put_nbx` (UCX's shared-memory copy, called from",
-              "  `Endpoint.put_many`); the daemons' Python loops (`Sender.step`, zmq sends) were under 5 % of",
-              "  its samples. On 2 cores the engine's staging copy and the sender's put compete for the same",
+              "  sender's steady-state samples about 60 % in `ucp_put_nbx` (UCX's shared-memory copy, called from",
+              "  `Endpoint.put_many`); its Python loop (`Sender.step`, zmq sends, request polling) about 15 % of",
+              "  them. On 2 cores the engine's staging copy and the sender's put compete for the same",
               "  cores and memory bandwidth, which is the gap between the first two rows above.",
               "",
               "Raw results: `bench-out/bench.json`."]
