@@ -114,6 +114,7 @@ def status(
     config: Path = typer.Option(..., "--config", "-c", help="The daemon's TOML config."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     timeout: float = typer.Option(2.0, help="Seconds to wait for the daemon."),
+    role: Optional[str] = typer.Option(None, help="receiver or sender (default: guessed from the config's keys)."),
 ) -> None:
     """Query the local daemon that CONFIG configures (receiver or sender)."""
     import tomllib
@@ -121,9 +122,13 @@ def status(
     from pdpush import client
     from pdpush import config as cfgmod
 
+    sender_keys = {"ingress_socket", "staging_bytes", "default_receiver", "receiver_public_key", "receiver_keys",
+                   "alloc_retry_budget_ms", "layer_timeout_ms", "control_timeout_ms", "checksums"}
     try:
         raw = tomllib.loads(config.read_text())
-        if "pool_pages" in raw or "control_port" in raw or "layers" in raw:
+        if role not in (None, "receiver", "sender"):
+            raise ConfigError(f"--role must be receiver or sender, not {role!r}")
+        if role == "receiver" or (role is None and not sender_keys & set(raw)):
             cfg = cfgmod.load(cfgmod.ReceiverConfig, config)
             sock = cfg.local_socket_path()
         else:
