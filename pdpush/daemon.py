@@ -92,6 +92,18 @@ def write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, p)
 
 
+def die_with_launcher(signals: dict) -> None:
+    """Started by pdpush.launch (tests, bench, demo): drain when the launcher dies (Linux prctl)."""
+    launcher = os.environ.get("PDPUSH_LAUNCHER_PID")
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):  # it died before the prctl took effect
+        signals["count"] += 1
+
+
 def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     log = logging.getLogger("pdpush.daemon")
     signals = {"count": 0}
@@ -101,6 +113,7 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    die_with_launcher(signals)
     info = server.start()
     info["pid"] = os.getpid()
     if ready_file:

@@ -1,7 +1,9 @@
 """Start the real daemons as subprocesses and stop them by pid (tests, bench, demo).
 
 Readiness comes from the daemon's ready-file, never from a sleep; every wait
-has a deadline, and ``stop()`` escalates SIGTERM -> SIGKILL by pid.
+has a deadline, and ``stop()`` escalates SIGTERM -> SIGKILL by pid. A daemon
+started here also drains when its launcher dies (PR_SET_PDEATHSIG, which fires
+when the launching *thread* exits: launch from a thread that outlives the daemon).
 Imports no ucxx or torch.
 """
 
@@ -29,7 +31,9 @@ class Daemon:
         self.ready_path = workdir / f"{role}-{os.getpid()}-{time.monotonic_ns()}.ready.json"
         self.log_path = workdir / f"{role}-{time.monotonic_ns()}.log"
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("PDPUSH_")}
-        full_env = {**inherited, **QUIET_UCX, **(env or {})}
+        # the daemon asks the kernel for SIGTERM when we die (daemon.die_with_parent): a runner
+        # that is itself killed or crashes must not leave daemons running in their own sessions
+        full_env = {**inherited, **QUIET_UCX, "PDPUSH_LAUNCHER_PID": str(os.getpid()), **(env or {})}
         exe = [*(prefix or []), sys.executable, "-m", "pdpush.cli_entry", role]  # prefix: e.g. ip netns exec
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(exe + args + ["--ready-file", str(self.ready_path)], stdout=self._log,

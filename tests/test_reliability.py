@@ -281,3 +281,26 @@ def test_sender_deadline_before_the_lease_and_committed_ttl(daemons):
     finally:
         pc.close()
         dc.close()
+
+
+def test_daemons_die_with_a_crashed_launcher(tmp_path):
+    """A test runner or bench that is itself SIGKILLed must not leave daemons running."""
+    import subprocess
+    import sys
+
+    from pdpush.client import _pid_alive
+
+    code = ("import sys, time; from pathlib import Path; from pdpush import launch; "
+            f"d = launch.start_receiver(Path({str(tmp_path)!r}), layers=2, kv_heads=1, head_dim=8, pool_pages=2, "
+            "prefault=False); print(d.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert _pid_alive(pid)
+        parent.kill()
+        parent.wait(10)
+        _until(lambda: not _pid_alive(pid), 20, "the orphaned daemon to exit")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
