@@ -350,7 +350,6 @@ class DecodeRequest:
         self._pool = client._segments.hold(ok.shmid, self.layout.layers * ok.pool_pages * self.layout.page_bytes)
         self.page_runs = runs(self.pages)
         self._released = False
-        self.receiver_pid = ok.daemon_pid
         self.broken: str | None = None
 
     def _pump(self, deadline: float) -> None:
@@ -362,8 +361,9 @@ class DecodeRequest:
         self._apply(msg)
 
     def _check_receiver(self) -> None:
-        if self.broken is None and self.receiver_pid and not _pid_alive(self.receiver_pid):
-            self.broken = f"receiver (pid {self.receiver_pid}) died"
+        pid = self.client._conn.peer_pid  # learnt from OpenOk
+        if self.broken is None and pid and not _pid_alive(pid):
+            self.broken = f"receiver (pid {pid}) died"
         if self.broken is not None:
             raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
 

@@ -73,9 +73,9 @@ def test_alloc_is_sysv_and_attachable():
     from pdpush.transport.ucx import UcxWorker
 
     w = UcxWorker()
-    region = w.alloc(1 << 20)
+    region, shmid, backing = w.alloc_shared(1 << 20)
     try:
-        shmid = shm.shmid_of(region.address)
+        assert backing == "ucx-sysv" and shm.shmid_of(region.address) == shmid
         mine = shm.array_at(region.address, 1 << 20)
         other = shm.Attached(shmid, 1 << 20)
         mine[:8] = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -1,7 +1,7 @@
 """Reference speeds measured in the same run: raw UCX put+flush between two processes, and memcpy.
 
 ``python -m pdpush.bench.ceiling`` is the passive side: it allocates a region
-through UCX exactly as the receiver does, prints one JSON line (port, address,
+exactly as the receiver does, prints one JSON line (port, address,
 rkey) and waits for stdin to close. ``measure_put`` is the active side and
 uses the same transport code and pattern as the sender: one put+flush per layer.
 """
@@ -24,7 +24,7 @@ def _serve(nbytes: int) -> None:
     w = UcxWorker()
     peers = []
     port = w.listen(0, peers.append)
-    region = w.alloc(nbytes)
+    region, _, _ = w.alloc_shared(nbytes)  # the same memory the receiver's pool uses
     print(json.dumps({"port": port, "address": region.address, "rkey": region.pack_rkey().hex()}), flush=True)
     os.set_blocking(sys.stdin.fileno(), False)
     while True:
@@ -53,7 +53,7 @@ def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
         w = UcxWorker()
         ep = w.connect("127.0.0.1", info["port"])
         ep.set_rkey(bytes.fromhex(info["rkey"]))
-        src = w.alloc(total)
+        src, _, _ = w.alloc_shared(total)  # the same memory the sender's staging uses
         array_at(src.address, total)[:] = 1  # fault the pages in, as a real staging area would be
         rates = []
         for _ in range(reps + 1):

@@ -261,15 +261,6 @@ class UcxWorker:
             raise ConnectError(f"cannot connect UCX to {host}:{port}: {e}") from e
         return Endpoint(self, ep, f"{host}:{port}")
 
-    def alloc(self, nbytes: int):
-        """Allocate a region through UCX (SysV shm by default), readable by peers."""
-        from pdpush.transport import ucp
-
-        try:
-            return ucp.MemRegion(self.context.handle, nbytes)
-        except ucp.UcpError as e:
-            raise TransportError(f"cannot allocate {nbytes} bytes through UCX: {e}") from e
-
     def alloc_shared(self, nbytes: int):
         """Shared memory other local processes can attach by shmid, usable as a put target/source.
 
