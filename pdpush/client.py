@@ -212,6 +212,7 @@ class PushHandle:
         self._base = st.array[ok.staging_offset: ok.staging_offset + lay.layers * self._layer_bytes]
         self._sent: set[int] = set()
         self._done: Done | None = None
+        self._finishing = False
 
     @property
     def skipped_tokens(self) -> int:
@@ -287,6 +288,30 @@ class PushHandle:
             reply = self.client._conn.call(Finish(req_id=self.req_id), self.req_id, t)
         finally:
             self._end()
+        if not isinstance(reply, Done):
+            raise ProtocolError(f"unexpected {reply.type} while finishing {self.req_id!r}")
+        self._done = reply
+        return reply
+
+    def finish_nowait(self) -> None:
+        """Ask for the commit without waiting; collect the outcome with ``poll_done()``."""
+        if self._done is None and not self._finishing:
+            self._check_open()
+            self._finishing = True
+            self.client._conn.send(Finish(req_id=self.req_id), self.client.timeout_s)
+
+    def poll_done(self, timeout_s: float = 0.0) -> Done | None:
+        """The commit's outcome if it has come (raises its typed error if it failed), else None."""
+        if self._done is not None:
+            return self._done
+        if not self._finishing:
+            raise PdpushError(f"request {self.req_id!r}: poll_done before finish_nowait", code=ErrorCode.UNEXPECTED)
+        try:
+            reply = self.client._conn.recv_for(self.req_id, time.monotonic() + timeout_s)
+        except TransportTimeout:
+            return None
+        self._end()
+        _raise(reply)
         if not isinstance(reply, Done):
             raise ProtocolError(f"unexpected {reply.type} while finishing {self.req_id!r}")
         self._done = reply
@@ -410,6 +435,19 @@ class DecodeRequest:
             out.append(self._pool.array[off:off + n * pb].view(_NP_STORAGE[lay.dtype]).reshape(n, *lay.page_shape))
         return out
 
+    def layer_pool(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """Zero-copy view of layer ``layer`` of the whole pool, ``[pool_pages, 2, T, H, D]`` (storage
+        dtype); this request's chunks are at ``self.pages``. For gathers straight into engine caches."""
+        if wait:
+            self.wait_layer(layer, timeout_s)
+        self._check_receiver()
+        if layer not in self.ready:
+            raise PdpushError(f"layer {layer} of {self.req_id!r} is not ready", code=ErrorCode.UNEXPECTED)
+        lay = self.layout
+        n = self.pool_pages * lay.page_bytes
+        return self._pool.array[layer * n:(layer + 1) * n].view(_NP_STORAGE[lay.dtype]).reshape(
+            self.pool_pages, *lay.page_shape)
+
     def layer_kv(self, layer: int, wait: bool = True, timeout_s: float | None = None):
         """K and V of one layer as torch tensors ``[tokens, H, D]`` (one gather copy)."""
         import torch
@@ -458,10 +496,17 @@ class DecodeClient:
 
     def held_prefix(self, token_ids, layout: KVLayout) -> int:
         """How many leading chunks of this prompt the receiver holds complete."""
-        reply = self._conn.call(Query(chunk_keys=chunk_keys([int(t) for t in token_ids], layout)), None,
-                                self.timeout_s)
-        assert isinstance(reply, QueryReply)
-        return reply.held_prefix
+        return self.query(token_ids, layout).held_prefix
+
+    def query(self, token_ids, layout: KVLayout, req_id: str | None = None,
+              timeout_s: float | None = None) -> QueryReply:
+        """Ask the chunk index about a prompt: chunks held complete, and (with ``req_id``) how many
+        of its leading chunks that pushed request, possibly still arriving, carries."""
+        msg = Query(chunk_keys=chunk_keys([int(t) for t in token_ids], layout), req_id=req_id)
+        reply = self._conn.call(msg, None, timeout_s if timeout_s is not None else self.timeout_s)
+        if not isinstance(reply, QueryReply):
+            raise ProtocolError(f"unexpected {reply.type} in reply to query")
+        return reply
 
     def close(self) -> None:
         self._segments.close()

@@ -108,8 +108,8 @@ def recv_until(sock: zmq.Socket, deadline: float, max_frame: int) -> Msg:
     """Receive one message on a DEALER before ``deadline`` (monotonic seconds)."""
     while True:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransportTimeout("no reply before the deadline")
-        if sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+        if sock.poll(int(left * 1000) + 1 if left > 0 else 0, zmq.POLLIN):  # a past deadline still looks once
             frames = sock.recv_multipart(zmq.NOBLOCK)
             return protocol.decode(frames[-1], max_frame)
+        if left <= 0:
+            raise TransportTimeout("no reply before the deadline")

@@ -105,6 +105,18 @@ class PagePool:
             n += 1
         return n
 
+    def request_prefix(self, req_id: str | None, keys: list[bytes]) -> int:
+        """How many leading ``keys`` the live request ``req_id`` carries (0 if it is not here)."""
+        req = self.requests.get(req_id) if req_id else None
+        if req is None or req.state not in (PoolReqState.LEASED, PoolReqState.COMMITTED):
+            return 0
+        n = 0
+        for a, b in zip(req.keys, keys):
+            if a != b:
+                break
+            n += 1
+        return n
+
     # ---- allocation ----
     def allocate(self, req_id: str, keys: list[bytes], now_ms: int, lease_ms: int) -> Allocation:
         if req_id in self.requests:

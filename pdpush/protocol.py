@@ -208,11 +208,13 @@ class Release(Msg):
 class Query(Msg):
     type: Literal["query"] = "query"
     chunk_keys: Annotated[list[Key], Field(max_length=MAX_CHUNKS)]
+    req_id: ReqId | None = None  # also count how far this live (maybe still arriving) request covers the keys
 
 
 class QueryReply(Msg):
     type: Literal["query_ok"] = "query_ok"
-    held_prefix: U32
+    held_prefix: U32  # leading keys held complete in the chunk index
+    request_chunks: U32 = 0  # leading keys that the request named in the query carries (0: not live here)
 
 
 class Ok(Msg):

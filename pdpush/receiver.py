@@ -453,7 +453,8 @@ class Receiver:
                 self._forget(msg.req_id, "committed and released")
             return Ok(req_id=msg.req_id)
         if isinstance(msg, Query):
-            return QueryReply(held_prefix=self.pool.held_prefix(msg.chunk_keys))
+            return QueryReply(held_prefix=self.pool.held_prefix(msg.chunk_keys),
+                              request_chunks=self.pool.request_prefix(msg.req_id, msg.chunk_keys))
         if isinstance(msg, StatusRequest):
             return StatusReply(stats=self.stats())
         raise ProtocolError(f"receiver does not accept {msg.type} on the local endpoint",

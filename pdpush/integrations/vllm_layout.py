@@ -1,0 +1,159 @@
+"""vLLM paged KV <-> pdpush canonical pages: the one place that knows vLLM's block layouts.
+
+vLLM (0.32+, RFC #42082) hands connectors a per-layer view shaped ``[B, H, N, C]``
+(blocks, KV heads, slots per kernel block, content), whose physical strides follow
+the resolved ``KVCacheLayout``. Where K and V of one token sit inside that is the
+attention backend's business:
+
+* ``CPU_ATTN``: each (block, head) tile of ``N * C`` elements holds K then V, packed by
+  the kernel for its ISA (the ``vec`` kernel stores K dimension-major, ``[D, N]``, and V
+  token-major). pdpush does not guess this packing: ``learn_tile_map`` writes known
+  values through the backend's own cache-write op into a scratch tile and reads back
+  where each (token, dim) landed.
+* ``FLASH_ATTN`` / ``TRITON_ATTN``: per slot, ``C = [K | V]`` (they split the last dim).
+
+``PagedKV`` gathers the K and V of given slots as ``[tokens, H, D]`` (prefill) and
+scatters them back (decode): one indexed copy each per layer. pdpush's side is
+token-major ``page[2, T, H, D]``. Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pdpush.errors import ConfigError
+
+TILE = "tile"        # K and V packed by the kernel inside each (block, head) tile
+CHANNEL = "channel"  # K and V side by side in each slot's channels
+BACKENDS = {"CPU_ATTN": TILE, "FLASH_ATTN": CHANNEL, "TRITON_ATTN": CHANNEL}
+TESTED_BACKENDS = ("CPU_ATTN",)  # the others follow their vLLM source; no GPU here to run them
+
+# writer(key [T, H, D], value [T, H, D], kv_layer [B, H, N, C], slots [T]): the backend's own cache write
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def learn_tile_map(slots: int, head_size: int, dtype: torch.dtype, writer: Writer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where K[n, d] and V[n, d] of one (block, head) tile live: two ``[N, D]`` maps of element offsets.
+
+    Values are written as base-64 digits plus one (small integers, exact in fp16 and bf16),
+    one digit per pass, so every element's index is recovered exactly whatever the dtype.
+    """
+    N, D = slots, head_size
+    count = N * D
+    digits = 1
+    while 64 ** digits < count:
+        digits += 1
+    idx = torch.arange(count, dtype=torch.int64)
+    maps = []
+    for which in (0, 1):  # 0: K, 1: V
+        found = torch.zeros(2 * count, dtype=torch.int64)
+        written = torch.zeros(2 * count, dtype=torch.bool)
+        for j in range(digits):
+            kv = torch.zeros(1, 1, N, 2 * D, dtype=dtype)
+            val = ((idx // 64 ** j) % 64 + 1).to(dtype).reshape(N, 1, D)
+            zero = torch.zeros_like(val)
+            writer(val if which == 0 else zero, zero if which == 0 else val, kv, torch.arange(N))
+            flat = kv.reshape(-1).to(torch.int64)
+            written |= flat != 0
+            found += torch.where(flat != 0, flat - 1, 0) * 64 ** j
+        pos = torch.full((count,), -1, dtype=torch.int64)
+        where = written.nonzero().flatten()
+        if len(where) != count or found[where].unique().numel() != count:
+            raise ConfigError("could not learn the attention backend's KV tile packing")
+        pos[found[where]] = where
+        maps.append(pos.reshape(N, D))
+    return maps[0], maps[1]
+
+
+class PagedKV:
+    """Reads and writes given slots of one layer's paged cache as ``[tokens, H, D]`` K and V."""
+
+    def __init__(self, backend: str, head_size: int, tile_maps: tuple[torch.Tensor, torch.Tensor] | None = None):
+        kind = BACKENDS.get(backend)
+        if kind is None:
+            raise ConfigError(f"pdpush does not know the KV layout of vLLM attention backend {backend!r}; "
+                              f"supported: {sorted(BACKENDS)}")
+        if kind == TILE and tile_maps is None:
+            raise ConfigError(f"{backend}: a tile map is needed (learn_tile_map)")
+        self.kind = kind
+        self.backend = backend
+        self.head_size = head_size
+        self.tile_maps = tile_maps
+
+    def check(self, kv_layer: torch.Tensor) -> None:
+        if kv_layer.dim() != 4:
+            raise ConfigError(f"expected a [blocks, heads, slots, content] KV view, got {tuple(kv_layer.shape)}")
+        B, H, N, C = kv_layer.shape
+        if C != 2 * self.head_size:
+            raise ConfigError(f"KV content dim {C} is not 2 x head_size {self.head_size} (MLA and packed caches "
+                              "are not supported)")
+        if self.kind == TILE:
+            _, _, sN, sC = kv_layer.stride()
+            if sC != 1 or sN != C:
+                raise ConfigError(f"{self.backend}: a (slots, content) tile is not contiguous: {kv_layer.stride()}")
+            if self.tile_maps[0].shape != (N, self.head_size):
+                raise ConfigError(f"{self.backend}: tile map {tuple(self.tile_maps[0].shape)} does not fit "
+                                  f"{N} slots x {self.head_size}")
+
+    def slots_per_block(self, kv_layer: torch.Tensor) -> int:
+        return kv_layer.shape[2]
+
+    def _index(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor):
+        B, H, N, C = kv_layer.shape
+        sB, sH = kv_layer.stride()[:2]
+        tiles = kv_layer.as_strided((B, H, N * C), (sB, sH, 1), kv_layer.storage_offset())
+        b = blk[:, None, None]
+        h = torch.arange(H)[None, :, None]
+        kmap, vmap = self.tile_maps  # type: ignore[misc]
+        return tiles, (b, h, kmap[off][:, None, :]), (b, h, vmap[off][:, None, :])
+
+    def gather(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == CHANNEL:
+            D = self.head_size
+            return kv_layer[blk, :, off, :D], kv_layer[blk, :, off, D:]
+        tiles, ki, vi = self._index(kv_layer, blk, off)
+        return tiles[ki], tiles[vi]
+
+    def scatter(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor) -> None:
+        k, v = k.to(kv_layer.dtype), v.to(kv_layer.dtype)
+        if self.kind == CHANNEL:
+            D = self.head_size
+            kv_layer[blk, :, off, :D] = k
+            kv_layer[blk, :, off, D:] = v
+            return
+        tiles, ki, vi = self._index(kv_layer, blk, off)
+        tiles[ki] = k
+        tiles[vi] = v
+
+
+class SlotMap:
+    """Where some tokens of a request live in vLLM's paged cache and in pdpush pages.
+
+    ``block_ids`` are the scheduler's (manager) blocks of ``block_size`` tokens; a layer's
+    tensor may split each into kernel blocks (virtual block splitting), hence ``addresses``.
+    ``chunk_idx``/``chunk_rows`` give each token's chunk index and row in pdpush's pages.
+    """
+
+    def __init__(self, block_ids: list[int], block_size: int, tokens: torch.Tensor, chunk_tokens: int) -> None:
+        t = tokens.to(torch.int64)
+        if len(t) and int(t.min()) < 0:
+            raise ValueError("negative token position")
+        if len(t) and int(t.max()) >= len(block_ids) * block_size:
+            raise ValueError(f"token {int(t.max())} does not fit in {len(block_ids)} blocks of {block_size}")
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        self.slots = blocks[t // block_size] * block_size + t % block_size  # flat slot of each token
+        self.chunk_idx = t // chunk_tokens
+        self.chunk_rows = t % chunk_tokens
+        self.block_ids = sorted({block_ids[i] for i in (t // block_size).unique().tolist()})
+        self.tokens = len(t)
+        self._addr: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def addresses(self, kernel_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel block, slot in it) of each token, for a layer whose blocks hold ``kernel_slots``."""
+        a = self._addr.get(kernel_slots)
+        if a is None:
+            a = self._addr[kernel_slots] = (self.slots // kernel_slots, self.slots % kernel_slots)
+        return a

@@ -1,0 +1,117 @@
+"""One real vLLM engine (``vllm.LLM``) in its own process, driven by JSON lines on stdin.
+
+Run with the vLLM venv's python (``make vllm-env``):
+
+    python tests/vllm_engine.py --model DIR --role {colocated,kv_producer,kv_consumer} [--extra JSON]
+
+Commands (one JSON object per line; one JSON reply per line on stdout):
+    {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": [{...}|null, ...]}
+    {"cmd": "stats"}
+    {"cmd": "quit"}
+Also: ``--build-model DIR`` writes the tiny Llama + tokenizer used by the tests and exits.
+Exits on stdin EOF, so a dead test never leaves an engine behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+MODEL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 512
+
+
+def build_model(out_dir: str) -> None:
+    """A random-init Llama and a BPE tokenizer trained here: nothing is downloaded."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    # initializer_range=0.1: with the default 0.02 a random model repeats one token (notes/transformers.md)
+    cfg = LlamaConfig(**MODEL, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      torch_dtype="float32")
+    LlamaForCausalLM(cfg).eval().save_pretrained(out_dir)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = [f"w{i} x{i % 7} y{i % 13}" for i in range(2000)]
+    tok.train_from_iterator(words, trainers.BpeTrainer(vocab_size=MODEL["vocab_size"],
+                                                       special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(out_dir)
+
+
+def make_llm(model: str, role: str, extra: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if role != "colocated":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="PdpushConnector", kv_connector_module_path="pdpush.integrations.vllm",
+            kv_role=role, kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute")  # a failed load is recomputed, never used
+    return LLM(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+               enforce_eager=True, seed=0, **kw)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--role", default="colocated")
+    ap.add_argument("--extra", default="{}")
+    ap.add_argument("--build-model")
+    a = ap.parse_args()
+    if a.build_model:
+        build_model(a.build_model)
+        return 0
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = os.fdopen(os.dup(1), "w")  # replies go to the real stdout; vLLM's prints go to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    t0 = time.monotonic()
+    llm = make_llm(a.model, a.role, json.loads(a.extra))
+    stats = {}
+    if a.role != "colocated":
+        from pdpush.integrations import vllm as connector
+
+        stats = connector.STATS
+    out.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        if cmd["cmd"] == "stats":
+            out.write(json.dumps({"stats": dict(stats)}) + "\n")
+            out.flush()
+            continue
+        prompts = cmd["prompts"]
+        params = cmd.get("kv_transfer_params") or [None] * len(prompts)
+        results = []
+        for ids, p in zip(prompts, params):  # one at a time: each request's timing is its own
+            sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], detokenize=False, ignore_eos=True,
+                                extra_args={"kv_transfer_params": p} if p else None)
+            t = time.monotonic()
+            r = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+            results.append({"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
+                            "ms": (time.monotonic() - t) * 1000})
+        out.write(json.dumps({"outputs": results, "stats": dict(stats)}) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
