@@ -261,6 +261,39 @@ def bench(
         raise typer.Exit(1)
 
 
+@app.command()
+def proxy(
+    prefill: list[str] = typer.Option(..., "--prefill", help="Prefill vLLM instance base URL (repeat for several)."),
+    decode: list[str] = typer.Option(..., "--decode", help="Decode vLLM instance base URL (repeat for several)."),
+    decode_receiver: Optional[list[str]] = typer.Option(
+        None, "--decode-receiver",
+        help="Receiver control endpoint next to each --decode instance, same order (the prefill pushes there)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8100, "--port", help="Port to listen on."),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", help="Deadline for each upstream call."),
+) -> None:
+    """Disaggregation proxy: prefill with max_tokens=1, then decode with the prefill's kv_transfer_params."""
+    import logging
+
+    from pdpush.proxy import ProxyConfig, make_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
+    try:
+        cfg = ProxyConfig(prefill=list(prefill), decode=list(decode), decode_receivers=list(decode_receiver or []),
+                          host=host, port=port, timeout_s=timeout_s)
+    except ValueError as e:
+        _fail_config(e)
+    srv = make_server(cfg)
+    typer.echo(f"pdpush proxy on http://{host}:{srv.server_address[1]} -> prefill {cfg.prefill}, decode {cfg.decode}",
+               err=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+
+
 def receiver_main() -> None:
     receiver_app()
 
