@@ -1,0 +1,103 @@
+"""Pure logic of the vLLM edge: slot maps, tile-map learning, gather/scatter round trips.
+
+The real CPU_ATTN kernel is exercised by tests/test_vllm.py (real engines); here synthetic
+writers with known packings check that whatever packing a backend uses is learnt exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdpush.errors import ConfigError
+from pdpush.integrations import vllm_layout as vl
+
+
+def transposed_k_writer(key, value, kv, slots):
+    """Like the CPU 'vec' kernel: K stored dimension-major [D, N], V token-major [N, D] per tile."""
+    B, H, N, C = kv.shape
+    D = C // 2
+    tiles = kv.view(B, H, N * C)
+    for i, s in enumerate(slots.tolist()):
+        b, n = divmod(s, N)
+        for h in range(H):
+            tiles[b, h, n: N * D: N] = key[i, h]            # K[n, d] at d * N + n
+            tiles[b, h, N * D + n * D: N * D + (n + 1) * D] = value[i, h]
+
+
+def token_major_writer(key, value, kv, slots):
+    B, H, N, C = kv.shape
+    D = C // 2
+    t = kv.view(B, H, 2, N, D)
+    for i, s in enumerate(slots.tolist()):
+        b, n = divmod(s, N)
+        t[b, :, 0, n] = key[i]
+        t[b, :, 1, n] = value[i]
+
+
+@pytest.mark.parametrize("writer", [transposed_k_writer, token_major_writer])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_learnt_tile_map_round_trips_through_the_writer(writer, dtype):
+    N, D, H, B = 8, 16, 3, 5
+    kmap, vmap = vl.learn_tile_map(N, D, dtype, writer)
+    paged = vl.PagedKV("CPU_ATTN", D, (kmap, vmap))
+    kv = torch.zeros(B, H, N, 2 * D, dtype=dtype)
+    paged.check(kv)
+    torch.manual_seed(0)
+    tokens = 13
+    key, value = torch.randn(tokens, H, D).to(dtype), torch.randn(tokens, H, D).to(dtype)
+    slots = torch.tensor([9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 3])  # blocks 1, 3 and 0
+    writer(key, value, kv, slots)  # what the backend's forward would write
+    sm = vl.SlotMap([0, 1, 2, 3, 4], N, slots, chunk_tokens=6)  # manager blocks = kernel blocks here
+    blk, off = sm.addresses(N)
+    k, v = paged.gather(kv, blk, off)
+    assert torch.equal(k, key) and torch.equal(v, value)
+    out = torch.zeros_like(kv)
+    paged.scatter(out, blk, off, key, value)
+    assert torch.equal(out, kv)  # byte-identical to the backend's own write: no other element touched
+
+
+def test_a_writer_that_loses_elements_is_refused():
+    def lossy(key, value, kv, slots):
+        token_major_writer(key, value, kv, slots)
+        kv.view(-1)[0] = 0
+
+    with pytest.raises(ConfigError, match="tile packing"):
+        vl.learn_tile_map(4, 8, torch.float32, lossy)
+
+
+def test_channel_backend_round_trip_and_partial_blocks_stay_untouched():
+    B, H, N, D = 4, 2, 16, 8
+    kv = torch.randn(B, H, N, 2 * D)
+    keep = kv.clone()
+    paged = vl.PagedKV("FLASH_ATTN", D)
+    paged.check(kv)
+    sm = vl.SlotMap([2, 0], N, torch.arange(5, 20), chunk_tokens=8)  # tokens 5..19: block 2 then block 0
+    blk, off = sm.addresses(N)
+    k, v = paged.gather(kv, blk, off)
+    assert torch.equal(k[0], kv[2, :, 5, :D]) and torch.equal(v[-1], kv[0, :, 3, D:])
+    new_k, new_v = torch.ones_like(k), -torch.ones_like(v)
+    paged.scatter(kv, blk, off, new_k, new_v)
+    assert torch.equal(kv[2, :, 5:, :D], torch.ones(H, 11, D))
+    assert torch.equal(kv[2, :, :5], keep[2, :, :5])  # tokens before the range are not touched
+    assert torch.equal(kv[0, :, 4:], keep[0, :, 4:])   # nor after it
+    assert torch.equal(kv[1], keep[1]) and torch.equal(kv[3], keep[3])
+
+
+def test_slot_map_with_virtual_block_splitting():
+    # manager blocks of 64 tokens, kernel blocks of 32: manager block 3 = kernel blocks 6 and 7
+    sm = vl.SlotMap([3, 1], 64, torch.arange(60, 70), chunk_tokens=48)
+    blk, off = sm.addresses(32)
+    assert blk.tolist() == [7] * 4 + [2] * 6
+    assert off.tolist() == [28, 29, 30, 31, 0, 1, 2, 3, 4, 5]
+    assert sm.chunk_idx.tolist() == [1] * 10 and sm.chunk_rows.tolist() == list(range(12, 22))
+    assert sm.block_ids == [1, 3]
+
+
+def test_bad_geometry_is_a_clear_error():
+    with pytest.raises(ConfigError, match="backend"):
+        vl.PagedKV("SOME_MLA_BACKEND", 64)
+    with pytest.raises(ConfigError, match="2 x head_size"):
+        vl.PagedKV("FLASH_ATTN", 64).check(torch.zeros(2, 1, 16, 64))
+    with pytest.raises(ValueError, match="does not fit"):
+        vl.SlotMap([0], 16, torch.arange(0, 17), chunk_tokens=8)
