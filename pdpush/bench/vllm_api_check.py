@@ -45,6 +45,20 @@ def main() -> int:
     src = inspect.getsource(factory)
     if "kv_connector_module_path" not in src:
         problems.append("factory no longer reads kv_connector_module_path")
+    # the shipped --kv-transfer-config examples parse as vLLM's KVTransferConfig and as our settings
+    from pathlib import Path
+
+    from vllm.config import KVTransferConfig
+
+    from pdpush.integrations.vllm import ConnectorSettings
+
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs" / "vllm").glob("*.json")):
+        try:
+            ktc = KVTransferConfig(**json.loads(path.read_text()))
+            ConnectorSettings(**ktc.kv_connector_extra_config)
+            checked.append(path.name)
+        except Exception as e:  # report every problem, not just the first
+            problems.append(f"{path.name}: {type(e).__name__}: {e}")
     print(json.dumps({"vllm": vllm.__version__, "base_file": base.__file__, "checked": sorted(checked),
                       "problems": problems}))
     return 1 if problems else 0

@@ -158,6 +158,10 @@ class _Pending:  # scheduler side, prefill: a marked request until its prompt is
     block_ids: list[int] = field(default_factory=list)
 
 
+# What one request's push or load may raise without taking the engine down: pdpush's typed errors,
+# and torch/numpy errors from a malformed transfer (logged with the request, then recomputed).
+_REQUEST_ERRORS = (PdpushError, ValueError, RuntimeError, IndexError)
+
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -215,6 +219,12 @@ class PdpushConnector(KVConnectorBase_V1):
         self._finishing: list[PushHandle] = []
         self._loads: list[_Load] = []
         self._load_errors: set[int] = set()
+        # connect at start-up: a wrong path or config fails here, with its name, not on a request
+        # (ZMQ connects lazily: the daemons may start after the engine)
+        if self.is_producer and role == KVConnectorRole.WORKER:
+            self._sender()
+        if self.is_consumer:
+            self._receiver()
         log.info("PdpushConnector %s role=%s producer=%s consumer=%s layout=%s", self.engine_tag, role.name,
                  self.is_producer, self.is_consumer, self.layout)
 
@@ -326,7 +336,7 @@ class PdpushConnector(KVConnectorBase_V1):
         lay = self.layout
         try:
             handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None)
-        except PdpushError as e:
+        except _REQUEST_ERRORS as e:
             STATS["push_failures"] += 1
             log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
             return
@@ -343,7 +353,13 @@ class PdpushConnector(KVConnectorBase_V1):
             STATS["push_requests"] += 1
             return
         tokens = torch.cat(toks)
-        src = vl.SlotMap(spec.block_ids, self.block_size, tokens, T)
+        try:
+            src = vl.SlotMap(spec.block_ids, self.block_size, tokens, T)
+        except ValueError as e:  # vLLM's blocks do not cover the prompt: a bug, loud but not fatal
+            log.exception("pdpush: push of %s (%s): %s", spec.req_id, spec.push_id, e)
+            STATS["push_failures"] += 1
+            handle.abort(str(e)[:200])
+            return
         self._pushes.append(_Push(spec, handle, src, torch.cat(slot_of_chunk)))
         STATS["push_requests"] += 1
         STATS["push_tokens_staged"] += len(tokens)
@@ -363,7 +379,7 @@ class PdpushConnector(KVConnectorBase_V1):
                 p.handle.layer_ready(layer)
                 p.layers_sent += 1
                 STATS["push_layers"] += 1
-            except PdpushError as e:
+            except _REQUEST_ERRORS as e:
                 self._fail_push(p, f"layer {layer}: {e}")
         STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
 
@@ -408,13 +424,19 @@ class PdpushConnector(KVConnectorBase_V1):
     # ---- decode: load ----
     def _open_load(self, spec: LoadSpec) -> None:
         lay = self.layout
-        dst = vl.SlotMap(spec.block_ids, self.block_size, torch.arange(spec.start, spec.end), lay.chunk_tokens)
+        try:
+            dst = vl.SlotMap(spec.block_ids, self.block_size, torch.arange(spec.start, spec.end), lay.chunk_tokens)
+        except ValueError as e:  # the blocks do not cover the load: a bug, loud but not fatal
+            log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
+            STATS["load_failures"] += 1
+            self._load_errors.update(spec.block_ids)
+            return
         load_ = _Load(spec, None, dst, torch.empty(0, dtype=torch.int64))
         self._loads.append(load_)
         t0 = time.perf_counter()
         try:
             req = self._receiver().open(spec.push_id, timeout_s=self.settings.load_timeout_s)
-        except PdpushError as e:
+        except _REQUEST_ERRORS as e:
             load_.failed = f"open: {e}"
             return
         finally:
@@ -444,7 +466,7 @@ class PdpushConnector(KVConnectorBase_V1):
                                     pool[ld.src_page, 1, ld.dst.chunk_rows])
                 ld.layers_done += 1
                 STATS["load_layers"] += 1
-            except PdpushError as e:
+            except _REQUEST_ERRORS as e:
                 ld.failed = f"layer {layer}: {e}"
         STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
 
