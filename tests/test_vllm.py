@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdpush import launch
-from pdpush.bench.vllm_engines import ROOT, VLLM_PY, Engine, build_model
+from pdpush.bench.vllm_engines import ROOT, VLLM_PY, Engine, build_model, push_timeline
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
 
@@ -122,6 +122,21 @@ def test_decode_tokens_equal_colocated_and_only_new_chunks_move(cluster):
     assert pstats["push_chunks_skipped"] >= 2
 
 
+def test_layers_are_handed_over_during_the_prefill_forward(cluster):
+    """save_kv_layer hands layer l over as the forward produces it, in layer order, before the
+    forward ends (wait_for_save), and the sender pushes every layer."""
+    rnd = random.Random(29)
+    prompt = [rnd.randrange(3, 500) for _ in range(200)]
+    pre, _ = cluster["prefill"].generate(prompt, 1, {"do_remote_decode": True})
+    push_id = pre["kv_transfer_params"]["pdpush_req_id"]
+    cluster["prefill"].generate(prompt[:10], 1)  # a next step collects the commit (and its layer times)
+    tl = push_timeline(cluster["prefill"].events(), push_id)
+    layers = LAYOUT["layers"]
+    assert tl["ready_layers"] == list(range(layers)), tl
+    assert tl["ready_s"] == sorted(tl["ready_s"]) and tl["handed_over_before_forward_end"] == layers, tl
+    assert tl["sender_layers"] == layers, tl
+
+
 def test_decode_uses_the_pushed_kv(cluster):
     """Negative control: flip the pushed KV in the receiver's pool and the decode output changes."""
     rnd = random.Random(11)
@@ -173,6 +188,18 @@ def test_a_push_that_never_arrives_is_recomputed(cluster):
     assert out["tokens"] == ref
 
 
+def test_a_receiver_outside_the_allowlist_is_not_pushed_to(cluster):
+    """pdpush_receiver comes from the client: the prefill pushes only to receivers it was configured for."""
+    rnd = random.Random(31)
+    prompt = [rnd.randrange(3, 500) for _ in range(50)]
+    p0 = cluster["prefill"].stats()
+    out, stats = cluster["prefill"].generate(prompt, 1, {"do_remote_decode": True,
+                                                         "pdpush_receiver": "tcp://198.51.100.7:5710"})
+    d = delta(stats, p0)
+    assert out["kv_transfer_params"] is None
+    assert d["push_refused"] == 1 and d["push_requests"] == 0, d
+
+
 def test_decode_steps_and_unmarked_requests_push_nothing(cluster):
     rnd = random.Random(19)
     prompt = [rnd.randrange(3, 500) for _ in range(40)]
@@ -207,7 +234,8 @@ class Server:
 
     def __init__(self, args: list[str], log: Path, python: Path = VLLM_PY, env: dict | None = None) -> None:
         self.log = log
-        self.proc = subprocess.Popen([str(python), *args], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([str(python), *args], stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=ROOT, start_new_session=True, env={**os.environ, **(env or {})})
 
     def wait_http(self, url: str, timeout_s: float = 240) -> None:
@@ -235,6 +263,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +276,8 @@ def served(cluster, tmp_path_factory):
     try:
         for role, port, extra in (
                 ("kv_consumer", ports[1], {**COMMON, "receiver_socket": cluster["rx_sock"]}),
-                ("kv_producer", ports[0], {**COMMON, "sender_socket": cluster["tx_sock"]})):
+                ("kv_producer", ports[0], {**COMMON, "sender_socket": cluster["tx_sock"],
+                                            "allowed_receivers": [cluster["rx"].info["control_endpoint"]]})):
             ktc = {"kv_connector": "PdpushConnector", "kv_connector_module_path": "pdpush.integrations.vllm",
                    "kv_role": role, "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
             servers.append((Server(["-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",

@@ -91,11 +91,12 @@ def main() -> int:
     sys.stdout = sys.stderr
     t0 = time.monotonic()
     llm = make_llm(a.model, a.role, json.loads(a.extra))
-    stats = {}
+    stats: dict = {}
+    events: list = []
     if a.role != "colocated":
         from pdpush.integrations import vllm as connector
 
-        stats = connector.STATS
+        stats, events = connector.STATS, connector.EVENTS
     out.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -103,7 +104,7 @@ def main() -> int:
         if cmd["cmd"] == "quit":
             break
         if cmd["cmd"] == "stats":
-            out.write(json.dumps({"stats": dict(stats)}) + "\n")
+            out.write(json.dumps({"stats": dict(stats), "events": list(events)}) + "\n")
             out.flush()
             continue
         prompts = cmd["prompts"]

@@ -63,6 +63,11 @@ class Engine:
     def stats(self) -> dict:
         return self.call({"cmd": "stats"})["stats"]
 
+    def events(self) -> list[tuple[str, str, int, float]]:
+        """The connector's recent push events: (kind, push id, layer, monotonic s or ms)."""
+        return [tuple(e) for e in self.call({"cmd": "stats"})["events"]]
+
+
     def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> tuple[dict, dict]:
         r = self.call({"cmd": "generate", "prompts": [prompt], "max_tokens": max_tokens,
                        "kv_transfer_params": [params]})
@@ -75,4 +80,20 @@ class Engine:
         except (subprocess.TimeoutExpired, OSError):
             self.proc.kill()
             self.proc.wait(10)
+        self.proc.stdout.close()
         self._log.close()
+
+
+def push_timeline(events, push_id: str) -> dict:
+    """One push seen from the prefill engine: when each layer was handed over, when the forward
+    ended, and how many layers the sender had already put, flushed and announced by then."""
+    mine = [e for e in events if e[1] == push_id]
+    begun = next(e[3] for e in mine if e[0] == "begun")
+    forward_done = next(e[3] for e in mine if e[0] == "forward_done")
+    ready = [(e[2], e[3]) for e in mine if e[0] == "layer_ready"]
+    # the sender's clock starts when it receives the begin, before `begun` (taken after the reply):
+    # begun + ms is an upper bound of when the layer was done
+    done_by = [begun + e[3] / 1000 for e in mine if e[0] == "sender_layer_done_ms"]
+    return {"ready_layers": [layer for layer, _ in ready], "ready_s": [t - begun for _, t in ready],
+            "forward_s": forward_done - begun, "handed_over_before_forward_end": sum(t <= forward_done for _, t in ready),
+            "delivered_before_forward_end": sum(t <= forward_done for t in done_by), "sender_layers": len(done_by)}

@@ -22,11 +22,10 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from pdpush import launch
-from pdpush.bench.vllm_engines import Engine, build_model
+from pdpush.bench.vllm_engines import Engine, build_model, push_timeline
 
 # pdpush.bench.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
 LAYOUT = dict(layers=12, kv_heads=6, head_dim=128, dtype="float32", chunk_tokens=64, model_id="bench-vllm")
@@ -52,6 +51,7 @@ def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
         decode, prefill, colocated = engines
         rnd = random.Random(0)
         rows = []
+        pushes: list[str] = []
         for i in range(prompts + 2):  # two warm-up requests first
             prompt = [rnd.randrange(3, 2000) for _ in range(tokens)]
             ref, _ = colocated.generate(prompt, new_tokens)
@@ -62,13 +62,17 @@ def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
             dec, d1 = decode.generate(prompt, new_tokens, pre["kv_transfer_params"])
             if i < 2:
                 continue
+            pushes.append(pre["kv_transfer_params"]["pdpush_req_id"])
             rows.append({"recompute_ms": rec["ms"], "prefill_push_ms": pre["ms"], "colocated_total_ms": ref["ms"],
                          "decode_total_ms": dec["ms"], "push_stage_ms": (p1["push_stage_us"] - p0["push_stage_us"]) / 1000,
                          "load_wait_ms": (d1["load_wait_us"] - d0["load_wait_us"]) / 1000,
                          "loaded_tokens": d1["load_tokens"] - d0["load_tokens"],
                          "tokens_match": dec["tokens"] == ref["tokens"]})
+        colocated.generate([5, 6, 7], 1)
+        prefill.generate([5, 6, 7], 1)  # a next step collects the last commit
         pstats = prefill.stats()
-        time.sleep(0.1)
+        events = prefill.events()
+        timelines = [push_timeline(events, p) for p in pushes]
     finally:
         for e in engines:
             e.stop()
@@ -81,7 +85,11 @@ def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
             "kv_bytes_per_request": LAYOUT["layers"] * -(-tokens // LAYOUT["chunk_tokens"]) * page,
             "prompts": prompts, "median": med, "rows": rows,
             "load_wait_over_recompute": med["load_wait_ms"] / med["recompute_ms"],
-            "tokens_match": all(r["tokens_match"] for r in rows), "prefill_stats": pstats}
+            "tokens_match": all(r["tokens_match"] for r in rows), "prefill_stats": pstats,
+            "forward_ms_median": statistics.median(t["forward_s"] for t in timelines) * 1000,
+            "delivered_before_forward_end_median": statistics.median(t["delivered_before_forward_end"]
+                                                                     for t in timelines),
+            "layers": LAYOUT["layers"], "timelines": timelines}
 
 
 def main() -> int:
@@ -97,6 +105,8 @@ def main() -> int:
     print(f"  recompute (colocated prefill, time to first token): {m['recompute_ms']:.1f} ms")
     print(f"  prefill instance with pushing:                      {m['prefill_push_ms']:.1f} ms")
     print(f"    of which beginning the push and staging layers:  {m['push_stage_ms']:.1f} ms")
+    print(f"    layers pushed, flushed and announced before the prefill forward ended: "
+          f"{res['delivered_before_forward_end_median']} of {res['layers']} (forward {res['forward_ms_median']:.1f} ms)")
     print(f"  colocated, {a.new_tokens} tokens:                             {m['colocated_total_ms']:.1f} ms")
     print(f"  decode instance with pushed KV, {a.new_tokens} tokens:        {m['decode_total_ms']:.1f} ms")
     print(f"    of which waiting for / copying the pushed KV:     {m['load_wait_ms']:.2f} ms "

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,12 +66,16 @@ log = logging.getLogger("pdpush.vllm")
 # Per-process counters (the worker and, without multiprocessing, the scheduler live here).
 STATS: dict[str, int] = {
     "push_requests": 0, "push_layers": 0, "push_tokens_staged": 0, "push_failures": 0, "push_committed": 0,
-    "push_bytes_sent": 0, "push_chunks_skipped": 0,
+    "push_bytes_sent": 0, "push_chunks_skipped": 0, "push_refused": 0,
     "load_requests": 0, "load_tokens": 0, "load_layers": 0, "load_failures": 0, "load_blocks_failed": 0,
     "match_queries": 0, "match_tokens": 0, "match_missing": 0,
     "load_wait_us": 0,  # time the decode forward spent opening loads and waiting for / copying layers
     "push_stage_us": 0,  # time the prefill forward spent beginning pushes and copying layers into staging
 }
+
+# The last events of this process's pushes (kind, push id, layer, monotonic seconds): how the
+# handovers interleave with the forward, for tests and benchmarks.
+EVENTS: deque[tuple[str, str, int, float]] = deque(maxlen=512)
 
 
 class ConnectorSettings(BaseModel):
@@ -85,6 +90,10 @@ class ConnectorSettings(BaseModel):
     receiver: str = ""
     """Prefill node: receiver control endpoint to push to (a request's kv_transfer_params may name
     another as ``pdpush_receiver``); default: the sender's default_receiver."""
+    allowed_receivers: list[str] = Field(default_factory=list)
+    """Prefill node: receivers a request may name as ``pdpush_receiver`` (it comes from the client's
+    kv_transfer_params); ``"*"`` allows any. The configured receiver is always allowed. A request
+    naming another is not pushed (its decode side recomputes) and a warning is logged."""
     receiver_config: str = ""
     """Decode node: the receiver daemon's TOML (socket, chunk_tokens and model_id come from it)."""
     receiver_socket: str = ""
@@ -211,6 +220,7 @@ class PdpushConnector(KVConnectorBase_V1):
         self._planned: dict[str, tuple[str, int, int]] = {}  # req_id -> (push_id, start, end)
         self._first_ask: dict[str, float] = {}
         self._next_ask: dict[str, float] = {}
+        self._planned_once: set[str] = set()
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
@@ -361,6 +371,7 @@ class PdpushConnector(KVConnectorBase_V1):
             handle.abort(str(e)[:200])
             return
         self._pushes.append(_Push(spec, handle, src, torch.cat(slot_of_chunk)))
+        EVENTS.append(("begun", spec.push_id, -1, time.monotonic()))
         STATS["push_requests"] += 1
         STATS["push_tokens_staged"] += len(tokens)
 
@@ -377,6 +388,7 @@ class PdpushConnector(KVConnectorBase_V1):
                 staging[p.dst_chunk, 0, p.src.chunk_rows] = ks.to(staging.dtype)
                 staging[p.dst_chunk, 1, p.src.chunk_rows] = vs.to(staging.dtype)
                 p.handle.layer_ready(layer)
+                EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
                 p.layers_sent += 1
                 STATS["push_layers"] += 1
             except _REQUEST_ERRORS as e:
@@ -393,6 +405,8 @@ class PdpushConnector(KVConnectorBase_V1):
             pass
 
     def wait_for_save(self) -> None:
+        for p in self._pushes:
+            EVENTS.append(("forward_done", p.spec.push_id, -1, time.monotonic()))
         for p in list(self._pushes):
             if p.layers_sent != self.layout.layers:
                 self._fail_push(p, f"only {p.layers_sent} of {self.layout.layers} layers were produced")
@@ -416,6 +430,8 @@ class PdpushConnector(KVConnectorBase_V1):
                 self._finishing.remove(h)
                 continue
             if done is not None:
+                for i, ms in enumerate(done.layer_done_ms):  # sender clock: ms after it got the begin
+                    EVENTS.append(("sender_layer_done_ms", h.req_id, i, ms))
                 STATS["push_committed"] += 1
                 STATS["push_bytes_sent"] += done.bytes_sent
                 STATS["push_chunks_skipped"] += done.chunks_skipped
@@ -506,10 +522,16 @@ class PdpushConnector(KVConnectorBase_V1):
         rid = request.request_id
         if self.is_producer and params.get("do_remote_decode") and rid not in self._pending:
             receiver = str(params.get("pdpush_receiver") or self.settings.receiver or "")
-            self._pending[rid] = _Pending(f"{self.engine_tag}-{rid}", receiver, list(request.prompt_token_ids or []))
+            if self._receiver_allowed(receiver):
+                self._pending[rid] = _Pending(f"{self.engine_tag}-{rid}", receiver,
+                                              list(request.prompt_token_ids or []))
+            else:
+                STATS["push_refused"] += 1
+                log.warning("pdpush: request %s names receiver %r, which is not in allowed_receivers; "
+                            "not pushing it", rid, receiver)
         push_id = params.get("pdpush_req_id")
-        if not (self.is_consumer and push_id):
-            return 0, False
+        if not (self.is_consumer and push_id) or rid in self._planned_once:
+            return 0, False  # a request planned before (then preempted) recomputes: its push was released
         prompt = list(request.prompt_token_ids or [])
         want = len(prompt) - 1  # the last prompt token is computed here, giving the first sampled token
         if want <= num_computed_tokens:
@@ -542,6 +564,14 @@ class PdpushConnector(KVConnectorBase_V1):
         STATS["match_tokens"] += end - num_computed_tokens
         return end - num_computed_tokens, False
 
+    def _receiver_allowed(self, receiver: str) -> bool:
+        s = self.settings
+        if not receiver or receiver == s.receiver or "*" in s.allowed_receivers or receiver in s.allowed_receivers:
+            return True
+        if s.sender_config and receiver == load(SenderConfig, s.sender_config).default_receiver:
+            return True
+        return False
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         plan = self._planned.get(request.request_id)
         if plan is not None and plan[2] - plan[1] != num_external_tokens:
@@ -558,6 +588,7 @@ class PdpushConnector(KVConnectorBase_V1):
             plan = self._planned.pop(rid, None)
             if plan is not None:
                 meta.loads.append(LoadSpec(rid, plan[0], list(new.block_ids[0]), plan[1], plan[2]))
+                self._planned_once.add(rid)
             st = self._pending.get(rid)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
@@ -586,6 +617,7 @@ class PdpushConnector(KVConnectorBase_V1):
         self._planned.pop(rid, None)
         self._first_ask.pop(rid, None)
         self._next_ask.pop(rid, None)
+        self._planned_once.discard(rid)
         st = self._pushed.pop(rid, None)
         if st is None:
             return False, None
