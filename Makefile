@@ -56,7 +56,7 @@ soak: install
 # real vLLM engines: the decode instance's wait for pushed KV against recomputing the prefill
 bench-vllm: install vllm-env
 	mkdir -p bench-out
-	$(PY) -m pdpush.bench.vllm_ttft --json bench-out/vllm.json
+	$(PY) -m pdpush.bench.vllm_ttft --json bench-out/vllm.json --report docs/bench/vllm.md
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

@@ -166,6 +166,9 @@ def markdown(res: dict, plot_rel: str) -> str:
               "  them. On 2 cores the engine's staging copy and the sender's put compete for the same",
               "  cores and memory bandwidth, which is the gap between the first two rows above.",
               "",
+              "Real vLLM engines (prefill and decode instances with PdpushConnector): `make bench-vllm`, results in",
+              "[docs/bench/vllm.md](docs/bench/vllm.md).",
+              "",
               "Raw results: `bench-out/bench.json`."]
     return "\n".join(lines) + "\n"
 
