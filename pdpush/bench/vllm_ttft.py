@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from pdpush import launch
-from pdpush.bench.vllm_engines import Engine, build_model, push_timeline
+from pdpush.bench.vllm_engines import build_model, cluster, push_timeline
 
 # pdpush.bench.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
 LAYOUT = dict(layers=12, kv_heads=6, head_dim=128, dtype="float32", chunk_tokens=64, model_id="bench-vllm")
@@ -34,21 +34,8 @@ LAYOUT = dict(layers=12, kv_heads=6, head_dim=128, dtype="float32", chunk_tokens
 def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
     model = build_model(workdir / "model", "bench")
     common = {"chunk_tokens": LAYOUT["chunk_tokens"], "model_id": LAYOUT["model_id"], "load_timeout_s": 30.0}
-    wd = launch.scratch_dir()
-    rx = tx = None
-    engines: list[Engine] = []
-    try:
-        rx = launch.start_receiver(wd, pool_pages=64, prefault=True, **LAYOUT)
-        tx = launch.start_sender(wd, staging_bytes=512 << 20, prefault=True)
-        rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
-        tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
-        engines = [Engine("kv_consumer", model, {**common, "receiver_socket": rx_sock}, workdir / "decode.log"),
-                   Engine("kv_producer", model, {**common, "sender_socket": tx_sock,
-                                                 "receiver": rx.info["control_endpoint"]}, workdir / "prefill.log"),
-                   Engine("colocated", model, {}, workdir / "colocated.log")]
-        for e in engines:
-            e.ready()
-        decode, prefill, colocated = engines
+    with cluster(workdir, model, LAYOUT, common, staging_bytes=512 << 20, prefault=True) as c:
+        decode, prefill, colocated = c["decode"], c["prefill"], c["colocated"]
         rnd = random.Random(0)
         rows = []
         pushes: list[str] = []
@@ -73,12 +60,6 @@ def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
         pstats = prefill.stats()
         events = prefill.events()
         timelines = [push_timeline(events, p) for p in pushes]
-    finally:
-        for e in engines:
-            e.stop()
-        for d in (tx, rx):
-            if d is not None:
-                d.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens_match"}
     page = LAYOUT["chunk_tokens"] * 2 * LAYOUT["kv_heads"] * LAYOUT["head_dim"] * 4
     return {"model": "llama 12 layers, hidden 768, 6 KV heads x 128, fp32 (random init)", "prompt_tokens": tokens,
