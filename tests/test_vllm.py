@@ -180,6 +180,27 @@ def test_a_receiver_outside_the_allowlist_is_not_pushed_to(cluster):
     assert d["push_refused"] == 1 and d["push_requests"] == 0, d
 
 
+def test_a_dead_receiver_costs_one_short_query_then_none(cluster, tmp_path):
+    """The decode scheduler asks its receiver with a short deadline; when it does not answer, the
+    request is recomputed and the next ones do not ask again for receiver_retry_s."""
+    from pdpush.bench.vllm_engines import Engine
+
+    eng = Engine("kv_consumer", cluster["model"], {**COMMON, "receiver_socket": str(tmp_path / "nobody.sock"),
+                                                   "query_timeout_s": 0.3, "receiver_retry_s": 60.0},
+                 tmp_path / "orphan-decode.log")
+    try:
+        eng.ready()
+        rnd = random.Random(37)
+        for n in (70, 90):
+            prompt = [rnd.randrange(3, 500) for _ in range(n)]
+            out, stats = eng.generate(prompt, NEW_TOKENS, {"pdpush_req_id": "somewhere"})
+            assert out["tokens"] == cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+        assert stats["match_queries"] == 1 and stats["match_missing"] == 2, stats
+        assert stats["load_requests"] == 0
+    finally:
+        eng.stop()
+
+
 def test_decode_steps_and_unmarked_requests_push_nothing(cluster):
     rnd = random.Random(19)
     prompt = [rnd.randrange(3, 500) for _ in range(40)]

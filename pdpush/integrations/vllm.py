@@ -107,6 +107,11 @@ class ConnectorSettings(BaseModel):
     """Deadline for each call to the local daemon (begin, open, query)."""
     load_timeout_s: float = Field(10.0, gt=0)
     """Decode: how long one layer may take to arrive before the load is given up (and recomputed)."""
+    query_timeout_s: float = Field(0.5, gt=0)
+    """Decode, scheduler: deadline for asking the local receiver about a prompt (it answers in well
+    under a millisecond; the scheduler loop waits for it)."""
+    receiver_retry_s: float = Field(5.0, ge=0)
+    """Decode, scheduler: after the receiver failed to answer, recompute without asking for this long."""
     push_wait_s: float = Field(2.0, ge=0)
     """Decode: how long a request whose push has not reached the receiver yet waits before it is
     recomputed instead."""
@@ -221,6 +226,7 @@ class PdpushConnector(KVConnectorBase_V1):
         self._first_ask: dict[str, float] = {}
         self._next_ask: dict[str, float] = {}
         self._planned_once: set[str] = set()
+        self._receiver_down_until = 0.0
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
@@ -276,6 +282,11 @@ class PdpushConnector(KVConnectorBase_V1):
                 receiver = receiver or sc.default_receiver
             self._prefill = PrefillClient(self.layout, sock or None, receiver=receiver, timeout_s=s.timeout_s)
         return self._prefill
+
+    def _reset_receiver(self) -> None:
+        if self._decode is not None:
+            self._decode.close()
+            self._decode = None
 
     def _receiver(self) -> DecodeClient:
         if self._decode is None:
@@ -505,6 +516,8 @@ class PdpushConnector(KVConnectorBase_V1):
                     ld.req.release()
                 except PdpushError as e:
                     log.warning("pdpush: release of %s: %s", ld.spec.push_id, e)
+        if any(ld.failed for ld in self._loads) and self._role == KVConnectorRole.WORKER:
+            self._reset_receiver()  # late replies to a failed open must not linger for the next request
         self._loads.clear()
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -539,11 +552,20 @@ class PdpushConnector(KVConnectorBase_V1):
         if time.monotonic() < self._next_ask.get(rid, 0.0):
             return None, False  # asked very recently; the scheduler loop spins faster than pushes arrive
         self._next_ask.pop(rid, None)
+        if time.monotonic() < self._receiver_down_until:  # it did not answer recently: do not ask now
+            STATS["match_missing"] += 1
+            return 0, False
         STATS["match_queries"] += 1
         try:
-            reply = self._receiver().query(prompt, self.layout, req_id=str(push_id), timeout_s=self.settings.timeout_s)
+            reply = self._receiver().query(prompt, self.layout, req_id=str(push_id),
+                                           timeout_s=self.settings.query_timeout_s)
         except PdpushError as e:
-            log.error("pdpush: receiver query for %s failed, recomputing: %s", rid, e)
+            # the scheduler loop must not stall on a dead receiver: recompute, and stop asking for a while;
+            # a fresh connection next time, so a late reply to this query can never answer another
+            log.error("pdpush: receiver query for %s failed; recomputing it, and not asking for %.0f s: %s", rid,
+                      self.settings.receiver_retry_s, e)
+            self._receiver_down_until = time.monotonic() + self.settings.receiver_retry_s
+            self._reset_receiver()
             STATS["match_missing"] += 1
             return 0, False
         if reply.request_chunks == 0:  # not on the receiver (yet): ask again in a later step, for a while
