@@ -215,6 +215,7 @@ class QueryReply(Msg):
     type: Literal["query_ok"] = "query_ok"
     held_prefix: U32  # leading keys held complete in the chunk index
     request_chunks: U32 = 0  # leading keys that the request named in the query carries (0: not live here)
+    request_gone: bool = False  # the named request was here and has ended (failed, expired or released)
 
 
 class Ok(Msg):

@@ -454,7 +454,9 @@ class Receiver:
             return Ok(req_id=msg.req_id)
         if isinstance(msg, Query):
             return QueryReply(held_prefix=self.pool.held_prefix(msg.chunk_keys),
-                              request_chunks=self.pool.request_prefix(msg.req_id, msg.chunk_keys))
+                              request_chunks=self.pool.request_prefix(msg.req_id, msg.chunk_keys),
+                              request_gone=msg.req_id is not None and msg.req_id not in self.reqs
+                              and msg.req_id in self.finished)
         if isinstance(msg, StatusRequest):
             return StatusReply(stats=self.stats())
         raise ProtocolError(f"receiver does not accept {msg.type} on the local endpoint",

@@ -29,6 +29,21 @@ def test_allocate_commit_reuse_release():
     p.check()
 
 
+def test_request_prefix_counts_matching_leading_keys_of_a_live_request():
+    p = PagePool(8)
+    p.allocate("a", keys(1, 3), now_ms=0, lease_ms=1000)
+    assert p.request_prefix("a", keys(1, 3)) == 3           # leased: still arriving, but it carries them
+    assert p.request_prefix("a", keys(1, 2) + keys(9, 4)) == 2  # a longer prompt diverging after chunk 1
+    assert p.request_prefix("a", keys(9, 3)) == 0           # another prompt: nothing
+    assert p.request_prefix("zz", keys(1, 3)) == 0 and p.request_prefix(None, keys(1, 3)) == 0
+    p.commit("a", 1)
+    assert p.request_prefix("a", keys(1, 1)) == 1
+    p.open("a")
+    p.release("a")  # committed and released: gone
+    assert p.request_prefix("a", keys(1, 3)) == 0
+    p.check()
+
+
 def test_contiguous_first_fit_and_runs():
     p = PagePool(10)
     p.allocate("a", keys(1, 3), 0, 1000)

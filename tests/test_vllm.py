@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,31 @@ def test_a_load_that_times_out_is_recomputed(cluster):
         pc.close()
     d = delta(stats, d0)
     assert d["load_failures"] == 1 and d["load_blocks_failed"] >= 1, d
+    assert out["tokens"] == ref
+
+
+def test_a_push_that_failed_is_recomputed_without_waiting(cluster):
+    rnd = random.Random(43)
+    prompt = [rnd.randrange(3, 500) for _ in range(66)]
+    ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+    lay = KVLayout(**LAYOUT)
+    pc = PrefillClient(lay, cluster["tx_sock"], receiver=cluster["rx"].info["control_endpoint"])
+    dc = DecodeClient(cluster["rx_sock"])
+    try:
+        pc.begin("aborted-push", prompt).abort("prefill failed")
+        deadline = time.monotonic() + 5
+        st = dc.query(prompt, lay, req_id="aborted-push")
+        while not st.request_gone and time.monotonic() < deadline:  # the abort travels via the sender
+            time.sleep(0.02)
+            st = dc.query(prompt, lay, req_id="aborted-push")
+    finally:
+        pc.close()
+        dc.close()
+    assert st.request_gone
+    d0 = cluster["decode"].stats()
+    out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, {"pdpush_req_id": "aborted-push"})
+    d = delta(stats, d0)
+    assert d["match_queries"] == 1 and d["match_missing"] == 1 and d["load_requests"] == 0, d  # one look, no wait
     assert out["tokens"] == ref
 
 

@@ -568,6 +568,10 @@ class PdpushConnector(KVConnectorBase_V1):
             self._reset_receiver()
             STATS["match_missing"] += 1
             return 0, False
+        if reply.request_chunks == 0 and reply.request_gone:  # it failed or was already used: recompute now
+            STATS["match_missing"] += 1
+            log.warning("pdpush: push %s for %s has ended on the receiver; recomputing", push_id, rid)
+            return 0, False
         if reply.request_chunks == 0:  # not on the receiver (yet): ask again in a later step, for a while
             now = time.monotonic()
             first = self._first_ask.setdefault(rid, now)
