@@ -396,8 +396,9 @@ class PdpushConnector(KVConnectorBase_V1):
             try:
                 staging = _storage_tensor(p.handle.staging_layer(layer), self.layout.dtype)
                 ks, vs = self._paged.gather(kv_layer, *p.src.addresses(n))
-                staging[p.dst_chunk, 0, p.src.chunk_rows] = ks.to(staging.dtype)
-                staging[p.dst_chunk, 1, p.src.chunk_rows] = vs.to(staging.dtype)
+                # a GPU cache: one device-to-host copy of the gathered tokens (synchronous; never run here)
+                staging[p.dst_chunk, 0, p.src.chunk_rows] = ks.to("cpu", staging.dtype)
+                staging[p.dst_chunk, 1, p.src.chunk_rows] = vs.to("cpu", staging.dtype)
                 p.handle.layer_ready(layer)
                 EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
                 p.layers_sent += 1

@@ -127,7 +127,7 @@ class PagedKV:
 
     def scatter(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor) -> None:
-        k, v = k.to(kv_layer.dtype), v.to(kv_layer.dtype)
+        k, v = k.to(kv_layer.device, kv_layer.dtype), v.to(kv_layer.device, kv_layer.dtype)
         if self.kind == CHANNEL:
             D = self.head_size
             kv_layer[blk, :, off, :D] = k
