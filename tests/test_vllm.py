@@ -247,6 +247,25 @@ def test_a_dead_receiver_costs_one_short_query_then_none(cluster, tmp_path):
         eng.stop()
 
 
+def test_a_missing_sender_costs_one_begin_then_none(cluster, tmp_path):
+    from pdpush.bench.vllm_engines import Engine
+
+    eng = Engine("kv_producer", cluster["model"], {**COMMON, "sender_socket": str(tmp_path / "nobody.sock"),
+                                                   "timeout_s": 0.5, "sender_retry_s": 60.0},
+                 tmp_path / "orphan-prefill.log")
+    try:
+        eng.ready()
+        rnd = random.Random(47)
+        for n in (40, 50):
+            prompt = [rnd.randrange(3, 500) for _ in range(n)]
+            out, stats = eng.generate(prompt, 3, {"do_remote_decode": True})
+            assert out["tokens"] == cluster["colocated"].generate(prompt, 3)[0]["tokens"]  # served all the same
+        assert stats["push_failures"] == 2 and stats["push_skipped_sender_down"] == 1, stats
+        assert stats["push_layers"] == 0
+    finally:
+        eng.stop()
+
+
 def test_decode_steps_and_unmarked_requests_push_nothing(cluster):
     rnd = random.Random(19)
     prompt = [rnd.randrange(3, 500) for _ in range(40)]

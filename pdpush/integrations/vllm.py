@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdpush.client import DecodeClient, DecodeRequest, PrefillClient, PushHandle
 from pdpush.config import ReceiverConfig, SenderConfig, load
-from pdpush.errors import ConfigError, PdpushError
+from pdpush.errors import BrokenResourceError, ConfigError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
 from pdpush.layout import KVLayout
 
@@ -66,7 +66,7 @@ log = logging.getLogger("pdpush.vllm")
 # Per-process counters (the worker and, without multiprocessing, the scheduler live here).
 STATS: dict[str, int] = {
     "push_requests": 0, "push_layers": 0, "push_tokens_staged": 0, "push_failures": 0, "push_committed": 0,
-    "push_bytes_sent": 0, "push_chunks_skipped": 0, "push_refused": 0,
+    "push_bytes_sent": 0, "push_chunks_skipped": 0, "push_refused": 0, "push_skipped_sender_down": 0,
     "load_requests": 0, "load_tokens": 0, "load_layers": 0, "load_failures": 0, "load_blocks_failed": 0,
     "match_queries": 0, "match_tokens": 0, "match_missing": 0,
     "load_wait_us": 0,  # time the decode forward spent opening loads and waiting for / copying layers
@@ -107,6 +107,9 @@ class ConnectorSettings(BaseModel):
     """Deadline for each call to the local daemon (begin, open, query)."""
     load_timeout_s: float = Field(10.0, gt=0)
     """Decode: how long one layer may take to arrive before the load is given up (and recomputed)."""
+    sender_retry_s: float = Field(5.0, ge=0)
+    """Prefill: after the sender did not answer (or died), requests are not pushed for this long (their
+    decode side recomputes), so the forward never waits on a missing sender."""
     query_timeout_s: float = Field(0.5, gt=0)
     """Decode, scheduler: deadline for asking the local receiver about a prompt (it answers in well
     under a millisecond; the scheduler loop waits for it)."""
@@ -235,6 +238,7 @@ class PdpushConnector(KVConnectorBase_V1):
         self._finishing: list[PushHandle] = []
         self._loads: list[_Load] = []
         self._load_errors: set[int] = set()
+        self._sender_down_until = 0.0
         # connect at start-up: a wrong path or config fails here, with its name, not on a request
         # (ZMQ connects lazily: the daemons may start after the engine)
         if self.is_producer and role == KVConnectorRole.WORKER:
@@ -355,9 +359,22 @@ class PdpushConnector(KVConnectorBase_V1):
 
     def _begin_push_timed(self, spec: PushSpec) -> None:
         lay = self.layout
+        if time.monotonic() < self._sender_down_until:  # the forward must not wait on a sender that is not there
+            STATS["push_failures"] += 1
+            STATS["push_skipped_sender_down"] += 1
+            return
         try:
             handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None)
-        except _REQUEST_ERRORS as e:
+        except (TransportError, BrokenResourceError) as e:  # no sender, or it died: stop asking for a while
+            STATS["push_failures"] += 1
+            log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
+                      self.settings.sender_retry_s, e)
+            self._sender_down_until = time.monotonic() + self.settings.sender_retry_s
+            if self._prefill is not None:  # a fresh connection: a late reply must not answer another begin
+                self._prefill.close()
+                self._prefill = None
+            return
+        except _REQUEST_ERRORS as e:  # the receiver refused this one (pool exhausted, too large, ...)
             STATS["push_failures"] += 1
             log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
             return
