@@ -108,7 +108,7 @@ class PagePool:
     def request_prefix(self, req_id: str | None, keys: list[bytes]) -> int:
         """How many leading ``keys`` the live request ``req_id`` carries (0 if it is not here)."""
         req = self.requests.get(req_id) if req_id else None
-        if req is None or req.state not in (PoolReqState.LEASED, PoolReqState.COMMITTED):
+        if req is None:
             return 0
         n = 0
         for a, b in zip(req.keys, keys, strict=False):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdpush import launch
-from pdpush.bench.vllm_engines import ROOT, VLLM_PY, build_model, push_timeline
+from pdpush.bench.vllm_engines import ROOT, VLLM_PY, Engine, build_model, push_timeline
 from pdpush.bench.vllm_engines import cluster as vllm_cluster
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
@@ -229,13 +229,9 @@ def test_a_receiver_outside_the_allowlist_is_not_pushed_to(cluster):
 def test_a_dead_receiver_costs_one_short_query_then_none(cluster, tmp_path):
     """The decode scheduler asks its receiver with a short deadline; when it does not answer, the
     request is recomputed and the next ones do not ask again for receiver_retry_s."""
-    from pdpush.bench.vllm_engines import Engine
-
-    eng = Engine("kv_consumer", cluster["model"], {**COMMON, "receiver_socket": str(tmp_path / "nobody.sock"),
-                                                   "query_timeout_s": 0.3, "receiver_retry_s": 60.0},
-                 tmp_path / "orphan-decode.log")
-    try:
-        eng.ready()
+    with Engine("kv_consumer", cluster["model"], {**COMMON, "receiver_socket": str(tmp_path / "nobody.sock"),
+                                                  "query_timeout_s": 0.3, "receiver_retry_s": 60.0},
+                tmp_path / "orphan-decode.log") as eng:
         rnd = random.Random(37)
         for n in (70, 90):
             prompt = [rnd.randrange(3, 500) for _ in range(n)]
@@ -243,18 +239,12 @@ def test_a_dead_receiver_costs_one_short_query_then_none(cluster, tmp_path):
             assert out["tokens"] == cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
         assert stats["match_queries"] == 1 and stats["match_missing"] == 2, stats
         assert stats["load_requests"] == 0
-    finally:
-        eng.stop()
 
 
 def test_a_missing_sender_costs_one_begin_then_none(cluster, tmp_path):
-    from pdpush.bench.vllm_engines import Engine
-
-    eng = Engine("kv_producer", cluster["model"], {**COMMON, "sender_socket": str(tmp_path / "nobody.sock"),
-                                                   "timeout_s": 0.5, "sender_retry_s": 60.0},
-                 tmp_path / "orphan-prefill.log")
-    try:
-        eng.ready()
+    with Engine("kv_producer", cluster["model"], {**COMMON, "sender_socket": str(tmp_path / "nobody.sock"),
+                                                  "timeout_s": 0.5, "sender_retry_s": 60.0},
+                tmp_path / "orphan-prefill.log") as eng:
         rnd = random.Random(47)
         for n in (40, 50):
             prompt = [rnd.randrange(3, 500) for _ in range(n)]
@@ -262,8 +252,6 @@ def test_a_missing_sender_costs_one_begin_then_none(cluster, tmp_path):
             assert out["tokens"] == cluster["colocated"].generate(prompt, 3)[0]["tokens"]  # served all the same
         assert stats["push_failures"] == 2 and stats["push_skipped_sender_down"] == 1, stats
         assert stats["push_layers"] == 0
-    finally:
-        eng.stop()
 
 
 def test_decode_steps_and_unmarked_requests_push_nothing(cluster):

@@ -83,6 +83,17 @@ class Engine:
                        "kv_transfer_params": params or [None] * len(prompts)})
         return r["outputs"], r["stats"]
 
+    def __enter__(self) -> Engine:
+        try:
+            self.ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         try:
             self.proc.stdin.close()  # the engine exits on EOF

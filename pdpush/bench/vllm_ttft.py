@@ -55,7 +55,6 @@ def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
                          "load_wait_ms": (d1["load_wait_us"] - d0["load_wait_us"]) / 1000,
                          "loaded_tokens": d1["load_tokens"] - d0["load_tokens"],
                          "tokens_match": dec["tokens"] == ref["tokens"]})
-        colocated.generate([5, 6, 7], 1)
         prefill.generate([5, 6, 7], 1)  # a next step collects the last commit
         pstats = prefill.stats()
         events = prefill.events()

@@ -239,6 +239,7 @@ class PdpushConnector(KVConnectorBase_V1):
         self._loads: list[_Load] = []
         self._load_errors: set[int] = set()
         self._sender_down_until = 0.0
+        self._resolve_endpoints()
         # connect at start-up: a wrong path or config fails here, with its name, not on a request
         # (ZMQ connects lazily: the daemons may start after the engine)
         if self.is_producer and role == KVConnectorRole.WORKER:
@@ -276,15 +277,23 @@ class PdpushConnector(KVConnectorBase_V1):
                     f"kv_heads={lay.kv_heads} head_dim={lay.head_dim} dtype={lay.dtype}")
         return lay
 
+    def _resolve_endpoints(self) -> None:
+        """Sockets and receivers from the settings and the daemons' TOML files, read once."""
+        s = self.settings
+        self._sender_sock, self._default_receiver = s.sender_socket, s.receiver
+        if s.sender_config:
+            sc = load(SenderConfig, s.sender_config)
+            self._sender_sock = self._sender_sock or str(sc.ingress_socket_path())
+            self._default_receiver = self._default_receiver or sc.default_receiver
+        self._receiver_sock = s.receiver_socket
+        if not self._receiver_sock and s.receiver_config:
+            self._receiver_sock = str(load(ReceiverConfig, s.receiver_config).local_socket_path())
+        self._allowed_receivers = {r for r in (s.receiver, self._default_receiver, *s.allowed_receivers) if r}
+
     def _sender(self) -> PrefillClient:
         if self._prefill is None:
-            s = self.settings
-            sock, receiver = s.sender_socket, s.receiver
-            if s.sender_config:
-                sc = load(SenderConfig, s.sender_config)
-                sock = sock or str(sc.ingress_socket_path())
-                receiver = receiver or sc.default_receiver
-            self._prefill = PrefillClient(self.layout, sock or None, receiver=receiver, timeout_s=s.timeout_s)
+            self._prefill = PrefillClient(self.layout, self._sender_sock or None, receiver=self._default_receiver,
+                                          timeout_s=self.settings.timeout_s)
         return self._prefill
 
     def _reset_receiver(self) -> None:
@@ -294,13 +303,9 @@ class PdpushConnector(KVConnectorBase_V1):
 
     def _receiver(self) -> DecodeClient:
         if self._decode is None:
-            s = self.settings
-            sock = s.receiver_socket
-            if not sock and s.receiver_config:
-                sock = str(load(ReceiverConfig, s.receiver_config).local_socket_path())
-            if not sock:
+            if not self._receiver_sock:
                 raise ConfigError("PdpushConnector (kv_consumer) needs receiver_config or receiver_socket")
-            self._decode = DecodeClient(sock, timeout_s=s.timeout_s)
+            self._decode = DecodeClient(self._receiver_sock, timeout_s=self.settings.timeout_s)
         return self._decode
 
     @classmethod
@@ -609,12 +614,7 @@ class PdpushConnector(KVConnectorBase_V1):
         return end - num_computed_tokens, False
 
     def _receiver_allowed(self, receiver: str) -> bool:
-        s = self.settings
-        if not receiver or receiver == s.receiver or "*" in s.allowed_receivers or receiver in s.allowed_receivers:
-            return True
-        if s.sender_config and receiver == load(SenderConfig, s.sender_config).default_receiver:
-            return True
-        return False
+        return not receiver or "*" in self._allowed_receivers or receiver in self._allowed_receivers
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         plan = self._planned.get(request.request_id)
