@@ -196,9 +196,22 @@ def demo(
     raise typer.Exit(code)
 
 
+def _latency(layout):
+    from pdpush.bench import latency
+
+    return latency.run(layout)
+
+
+def _isolation(layout):
+    from pdpush.bench import isolation
+
+    return isolation.run(layout)
+
+
 @app.command()
 def bench(
-    scenario: str = typer.Option("goodput", help="goodput, pipeline, incremental, concurrency, control or all"),
+    scenario: str = typer.Option("goodput", help="goodput, latency, pipeline, incremental, concurrency, control, "
+                                                 "isolation or all"),
     layers: int = typer.Option(32), kv_heads: int = typer.Option(8), head_dim: int = typer.Option(128),
     dtype: str = typer.Option("bfloat16", help="float16, bfloat16 or float32"),
     tokens: int = typer.Option(4096), chunk_tokens: int = typer.Option(256),
@@ -217,7 +230,7 @@ def bench(
         raise typer.Exit(2)
     from pdpush.layout import KVLayout
 
-    known = ("goodput", "pipeline", "incremental", "concurrency", "control", "all")
+    known = ("goodput", "latency", "pipeline", "incremental", "concurrency", "control", "isolation", "all")
     if scenario not in known:
         typer.echo(f"pdpush bench: unknown scenario {scenario!r} (one of {', '.join(known)})", err=True)
         raise typer.Exit(2)
@@ -245,10 +258,12 @@ def bench(
             from pdpush.bench import scenarios
 
             layout = KVLayout(**shape)
-            fn = {"pipeline": lambda: scenarios.pipeline(layout, tokens),
+            fn = {"latency": lambda: _latency(layout),
+                  "isolation": lambda: _isolation(layout),
+                  "pipeline": lambda: scenarios.pipeline(layout, tokens),
                   "incremental": lambda: scenarios.incremental(layout, tokens),
                   "concurrency": lambda: scenarios.concurrency(layout, tokens),
-                  "control": lambda: scenarios.control()}[scenario]
+                  "control": lambda: scenarios.control(layout)}[scenario]
             result = fn()
             typer.echo(json.dumps({k: v for k, v in result.items() if k not in ("curve", "rows")}, indent=2))
     except PdpushError as e:

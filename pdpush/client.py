@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +24,11 @@ import zmq
 from pdpush import control, protocol
 from pdpush.config import runtime_dir
 from pdpush.errors import (
+    Aborted,
     BrokenResourceError,
-    ErrorCode,
-    PdpushError,
     ProtocolError,
     TransportTimeout,
+    UnexpectedMessage,
     error_from_code,
 )
 from pdpush.layout import KVLayout, chunk_keys, runs
@@ -90,10 +91,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _raise(msg: Msg) -> None:
     if isinstance(msg, Error):
-        err = error_from_code(msg.code, msg.message)
-        if msg.retry_after_ms is not None:
-            err.retry_after_ms = msg.retry_after_ms  # type: ignore[attr-defined]
-        raise err
+        raise error_from_code(msg.code, msg.message, msg.req_id, msg.retry_after_ms)
 
 
 class _Conn:
@@ -103,6 +101,7 @@ class _Conn:
         self.max_frame = max_frame
         self.sock = control.dealer(_endpoint(sock_path), max_frame)
         self.mail: dict[str | None, list[Msg]] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # requests this side gave up on: late mail is dropped
         self.peer_pid = 0  # learnt from BeginOk/OpenOk: the local daemon's pid, watched while waiting
 
     def send(self, msg: Msg, timeout_s: float) -> None:
@@ -137,7 +136,20 @@ class _Conn:
             rid = getattr(msg, "req_id", None)
             if rid == req_id:
                 return msg
-            self.mail.setdefault(rid, []).append(msg)
+            if rid not in self._ended:
+                self.mail.setdefault(rid, []).append(msg)
+
+    def end(self, req_id: str) -> None:
+        """This side is done with ``req_id``: drop its mail now and whatever arrives for it later."""
+        self.mail.pop(req_id, None)
+        self._ended[req_id] = None
+        self._ended.move_to_end(req_id)
+        while len(self._ended) > 4096:
+            self._ended.popitem(last=False)
+
+    def begin(self, req_id: str) -> None:
+        """A new request under ``req_id``: its mail is wanted again."""
+        self._ended.pop(req_id, None)
 
     def call(self, msg: Msg, req_id: str | None, timeout_s: float) -> Msg:
         self.send(msg, timeout_s)
@@ -212,17 +224,8 @@ class PushHandle:
         self._base = st.array[ok.staging_offset: ok.staging_offset + lay.layers * self._layer_bytes]
         self._sent: set[int] = set()
         self._done: Done | None = None
+        self._aborted: str | None = None
         self._finishing = False
-
-    @property
-    def skipped_tokens(self) -> int:
-        """Tokens in leading chunks the receiver already holds (the engine may skip computing them)."""
-        n = 0
-        for i in range(len(self.already_sent_indexes)):
-            if self.already_sent_indexes[i] != i:
-                break
-            n += 1
-        return min(self.tokens, n * self.client.layout.chunk_tokens)
 
     def staging_layer(self, layer: int) -> np.ndarray:
         """Raw writable view of layer ``layer``'s new pages: ``[new_chunks, 2, T, H, D]`` of storage dtype."""
@@ -267,8 +270,9 @@ class PushHandle:
         self.client._conn.send(LayerReady(req_id=self.req_id, layer=layer), self.client.timeout_s)
 
     def _check_open(self) -> None:
+        self._check_not_aborted()
         if self._done is not None or self._base is None:
-            raise PdpushError(f"request {self.req_id!r} has ended", code=ErrorCode.UNEXPECTED)
+            raise UnexpectedMessage(f"request {self.req_id!r} has ended")
         box = self.client._conn.mail.get(self.req_id)
         if box:  # an asynchronous failure (receiver died, lease expired...) surfaces here
             self._end()
@@ -281,6 +285,7 @@ class PushHandle:
 
     def finish(self, timeout_s: float | None = None) -> Done:
         """Commit; returns once the receiver acknowledged every byte (or raises a typed error)."""
+        self._check_not_aborted()
         if self._done is not None:
             return self._done
         t = timeout_s if timeout_s is not None else self.client.timeout_s
@@ -302,10 +307,11 @@ class PushHandle:
 
     def poll_done(self, timeout_s: float = 0.0) -> Done | None:
         """The commit's outcome if it has come (raises its typed error if it failed), else None."""
+        self._check_not_aborted()
         if self._done is not None:
             return self._done
         if not self._finishing:
-            raise PdpushError(f"request {self.req_id!r}: poll_done before finish_nowait", code=ErrorCode.UNEXPECTED)
+            raise UnexpectedMessage(f"request {self.req_id!r}: poll_done before finish_nowait")
         try:
             reply = self.client._conn.recv_for(self.req_id, time.monotonic() + timeout_s)
         except TransportTimeout:
@@ -317,10 +323,18 @@ class PushHandle:
         self._done = reply
         return reply
 
+    def _check_not_aborted(self) -> None:
+        if self._aborted is not None:
+            raise Aborted(f"request {self.req_id!r} was aborted here: {self._aborted}", req_id=self.req_id)
+
     def abort(self, reason: str = "") -> None:
+        """Give the request up. The sender's late reply is dropped; ``finish()`` then raises ``Aborted``."""
+        if self._done is not None or self._aborted is not None:
+            return
+        self._aborted = reason or "aborted"
         self._end()
+        self.client._conn.end(self.req_id)
         self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
-        self._done = Done(req_id=self.req_id, bytes_sent=0, puts=0, layers=0, chunks_skipped=0, layer_done_ms=[])
 
 
 class PrefillClient:
@@ -341,6 +355,7 @@ class PrefillClient:
         if not ids:
             raise ValueError("empty prompt")
         keys = chunk_keys(ids, self.layout)
+        self._conn.begin(req_id)
         msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,
                     last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)))
         reply = self._conn.call(msg, req_id, self.timeout_s)
@@ -426,7 +441,7 @@ class DecodeRequest:
             self.wait_layer(layer, timeout_s)
         self._check_receiver()  # never hand out pages of a dead receiver as if they were valid
         if layer not in self.ready:
-            raise PdpushError(f"layer {layer} of {self.req_id!r} is not ready", code=ErrorCode.UNEXPECTED)
+            raise UnexpectedMessage(f"layer {layer} of {self.req_id!r} is not ready")
         lay = self.layout
         pb = lay.page_bytes
         out = []
@@ -442,7 +457,7 @@ class DecodeRequest:
             self.wait_layer(layer, timeout_s)
         self._check_receiver()
         if layer not in self.ready:
-            raise PdpushError(f"layer {layer} of {self.req_id!r} is not ready", code=ErrorCode.UNEXPECTED)
+            raise UnexpectedMessage(f"layer {layer} of {self.req_id!r} is not ready")
         lay = self.layout
         n = self.pool_pages * lay.page_bytes
         return self._pool.array[layer * n:(layer + 1) * n].view(_NP_STORAGE[lay.dtype]).reshape(
@@ -465,12 +480,12 @@ class DecodeRequest:
             self._released = True
             self.client._segments.drop(self._shmid)  # views handed out must not be used after this
             if self.broken is not None:
-                self.client._conn.mail.pop(self.req_id, None)
+                self.client._conn.end(self.req_id)
                 return
             try:
                 self.client._conn.call(Release(req_id=self.req_id), self.req_id, self.client.timeout_s)
             finally:
-                self.client._conn.mail.pop(self.req_id, None)
+                self.client._conn.end(self.req_id)
 
     def __enter__(self) -> DecodeRequest:
         return self
@@ -489,6 +504,7 @@ class DecodeClient:
 
     def open(self, req_id: str, timeout_s: float | None = None) -> DecodeRequest:
         """Open a request (waits until its allocation exists on the receiver)."""
+        self._conn.begin(req_id)
         reply = self._conn.call(Open(req_id=req_id), req_id, timeout_s if timeout_s is not None else self.timeout_s)
         if not isinstance(reply, OpenOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to open")

@@ -1,7 +1,11 @@
 """The pdpush exception taxonomy.
 
-Every error that crosses a module boundary is one of these. Foreign exceptions
-(zmq, ucxx, OSError, pydantic) are mapped once, where the I/O call happens.
+Every error that crosses a module boundary is one of these classes. The wire
+code of an error is derived from its class (``type(err).code``), never passed
+around separately; ``error_from_code`` is the one inverse, used where an
+``Error`` message is received. Foreign exceptions (zmq, ucxx, OSError,
+pydantic) are mapped once, where the I/O call happens.
+
 Imports nothing from pdpush.
 """
 
@@ -31,19 +35,27 @@ class ErrorCode(str, Enum):
 
 
 class PdpushError(Exception):
-    """Root of every pdpush error."""
+    """Root of every pdpush error. ``code`` is a class attribute: the class is the reason."""
 
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+    def __init__(self, message: str, *, req_id: str | None = None, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
-        if code is not None:
-            self.code = code
+        self.req_id = req_id  # the request it concerns, where there is one
+        self.retry_after_ms = retry_after_ms  # a hint from the peer: try again after this long
+
+
+class InternalError(PdpushError):
+    """A bug on our side while handling one message or request; the daemon keeps serving."""
+
+    code = ErrorCode.INTERNAL
 
 
 class ConfigError(PdpushError):
     """Invalid configuration: raised at start-up, names the field."""
 
+
+# ---- protocol ----------------------------------------------------------------------------
 
 class ProtocolError(PdpushError):
     code = ErrorCode.BAD_MESSAGE
@@ -54,28 +66,66 @@ class LocalProtocolError(ProtocolError):
 
 
 class RemoteProtocolError(ProtocolError):
-    """The peer sent something malformed or unexpected, or replied with an Error."""
+    """The peer sent something malformed (undecodable, invalid fields)."""
+
+
+class FrameTooLarge(RemoteProtocolError):
+    """A frame over the configured cap; refused before decoding."""
+
+    code = ErrorCode.TOO_LARGE
+
+
+class UnexpectedMessage(RemoteProtocolError):
+    """A valid message that the request's or peer's state does not allow."""
+
+    code = ErrorCode.UNEXPECTED
+
+
+class UnknownRequest(RemoteProtocolError):
+    code = ErrorCode.UNKNOWN_REQUEST
+
+
+class DuplicateRequest(RemoteProtocolError):
+    code = ErrorCode.DUPLICATE_REQUEST
 
 
 class IncompatiblePeer(ProtocolError):
+    """Version or layout mismatch between the two sides."""
+
     code = ErrorCode.INCOMPATIBLE_PEER
 
+
+# ---- transport ---------------------------------------------------------------------------
 
 class TransportError(PdpushError):
     code = ErrorCode.TRANSFER_FAILED
 
 
-class ConnectError(TransportError):
-    code = ErrorCode.PEER_DEAD
-
-
 class TransferError(TransportError):
+    """A put, flush or send failed."""
+
     code = ErrorCode.TRANSFER_FAILED
 
 
+class ConnectError(TransportError):
+    """The peer could not be reached."""
+
+    code = ErrorCode.PEER_DEAD
+
+
 class TransportTimeout(TransportError):
+    """An operation or reply did not complete before its deadline."""
+
     code = ErrorCode.TIMEOUT
 
+
+class ChecksumMismatch(TransportError):
+    """The bytes that landed are not the bytes that were sent."""
+
+    code = ErrorCode.CHECKSUM_MISMATCH
+
+
+# ---- resources and request outcomes ------------------------------------------------------
 
 class ResourceError(PdpushError):
     pass
@@ -84,17 +134,9 @@ class ResourceError(PdpushError):
 class PoolExhausted(ResourceError):
     code = ErrorCode.POOL_EXHAUSTED
 
-    def __init__(self, message: str, *, retry_after_ms: int = 0) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
-
 
 class RequestTooLarge(ResourceError):
     code = ErrorCode.TOO_LARGE
-
-
-class ClosedResourceError(ResourceError):
-    """We closed it ourselves."""
 
 
 class BrokenResourceError(ResourceError):
@@ -103,27 +145,49 @@ class BrokenResourceError(ResourceError):
     code = ErrorCode.PEER_DEAD
 
 
+class ShuttingDown(ResourceError):
+    """The daemon is draining and takes no new work."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
 class RequestFailed(PdpushError):
-    """A request failed; ``code`` carries the typed reason the peer reported."""
+    """A request ended without delivering."""
 
 
+class LeaseExpired(RequestFailed):
+    code = ErrorCode.LEASE_EXPIRED
+
+
+class Aborted(RequestFailed):
+    code = ErrorCode.ABORTED
+
+
+# The one class built for each wire code (every code has exactly one).
 _BY_CODE: dict[ErrorCode, type[PdpushError]] = {
     ErrorCode.BAD_MESSAGE: RemoteProtocolError,
-    ErrorCode.UNEXPECTED: RemoteProtocolError,
+    ErrorCode.UNEXPECTED: UnexpectedMessage,
     ErrorCode.INCOMPATIBLE_PEER: IncompatiblePeer,
     ErrorCode.POOL_EXHAUSTED: PoolExhausted,
     ErrorCode.TOO_LARGE: RequestTooLarge,
+    ErrorCode.UNKNOWN_REQUEST: UnknownRequest,
+    ErrorCode.DUPLICATE_REQUEST: DuplicateRequest,
+    ErrorCode.LEASE_EXPIRED: LeaseExpired,
+    ErrorCode.ABORTED: Aborted,
+    ErrorCode.CHECKSUM_MISMATCH: ChecksumMismatch,
+    ErrorCode.TRANSFER_FAILED: TransferError,
     ErrorCode.TIMEOUT: TransportTimeout,
     ErrorCode.PEER_DEAD: BrokenResourceError,
-    ErrorCode.TRANSFER_FAILED: TransferError,
+    ErrorCode.SHUTTING_DOWN: ShuttingDown,
+    ErrorCode.INTERNAL: InternalError,
 }
 
 
-def error_from_code(code: ErrorCode, message: str) -> PdpushError:
+def error_class(code: ErrorCode) -> type[PdpushError]:
+    return _BY_CODE[code]
+
+
+def error_from_code(code: ErrorCode, message: str, req_id: str | None = None,
+                    retry_after_ms: int | None = None) -> PdpushError:
     """Build the local exception for a typed error received on the wire."""
-    cls = _BY_CODE.get(code, RequestFailed)
-    if cls is PoolExhausted:
-        return PoolExhausted(message)
-    err = cls(message)
-    err.code = code
-    return err
+    return _BY_CODE[code](message, req_id=req_id, retry_after_ms=retry_after_ms)

@@ -65,6 +65,15 @@ class Metrics:
             self.receivers.set(stats["receivers_connected"])
             self.staging_free.set(stats["staging_bytes_free"])
 
+    def count(self, c) -> None:
+        """A session's ``Count`` action."""
+        m = getattr(self, c.name)
+        (m.labels(c.label) if c.label is not None else m).inc(c.n)
+
+    def observe(self, o) -> None:
+        """A session's ``Observe`` action."""
+        getattr(self, o.name).observe(o.seconds)
+
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()

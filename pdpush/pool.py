@@ -1,4 +1,4 @@
-"""Page allocator, leases, quarantine and the chunk index (pure logic).
+"""Page allocator, quarantine and the chunk index (pure logic): who owns each page.
 
 Every page is in exactly one place at any time (``check()`` asserts it):
   free        -> can be handed out
@@ -9,23 +9,27 @@ Every page is in exactly one place at any time (``check()`` asserts it):
   quarantine  -> reclaimed from an expired or aborted lease; a one-sided write
                  cannot be revoked, so it waits out a grace period before reuse
 
-Time comes in as ``now_ms`` arguments (no clock here); no I/O. Imports numpy only.
+The pool knows which pages a request holds, not where the request is in its
+life: leases, deadlines, readers and TTLs belong to the receiver session, which
+calls ``commit``/``abort``/``drop`` as they happen. Time comes in as ``now_ms``
+arguments (no clock here); no I/O. Imports numpy only.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
 
-from pdpush.errors import ErrorCode, PoolExhausted, RemoteProtocolError, RequestTooLarge
-
-
-class PoolReqState(Enum):
-    LEASED = "leased"
-    COMMITTED = "committed"
+from pdpush.errors import (
+    DuplicateRequest,
+    PoolExhausted,
+    RemoteProtocolError,
+    RequestTooLarge,
+    UnexpectedMessage,
+    UnknownRequest,
+)
 
 
 @dataclass
@@ -41,11 +45,7 @@ class PoolRequest:
     pages: list[int]            # one page per chunk, in chunk order
     new_idx: list[int]          # chunk indexes this request writes
     held_idx: list[int]         # chunk indexes already in the index at alloc time
-    lease_id: int
-    expires_at_ms: int
-    state: PoolReqState = PoolReqState.LEASED
-    committed_at_ms: int = 0
-    opens: int = 0
+    indexed: bool = False       # committed: its new pages went to the index (or stayed private)
     pinned: list[bytes] = field(default_factory=list)
     private: list[int] = field(default_factory=list)
 
@@ -54,31 +54,19 @@ class PoolRequest:
         return [self.pages[i] for i in self.new_idx]
 
 
-@dataclass(frozen=True)
-class Allocation:
-    req_id: str
-    already_sent_indexes: list[int]
-    new_pages: list[int]
-    lease_id: int
-    expires_at_ms: int
-
-
 class PagePool:
-    def __init__(self, num_pages: int, *, quarantine_ms: int = 2000, committed_ttl_ms: int = 600_000,
-                 retry_after_ms: int = 50) -> None:
+    def __init__(self, num_pages: int, *, quarantine_ms: int = 2000, retry_after_ms: int = 50) -> None:
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
         self.quarantine_ms = quarantine_ms
-        self.committed_ttl_ms = committed_ttl_ms
         self.retry_after_ms = retry_after_ms
         self._free = np.ones(num_pages, dtype=bool)
         self._nfree = num_pages
         self._quarantine: list[tuple[int, list[int]]] = []  # (release_at_ms, pages)
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self.requests: dict[str, PoolRequest] = {}
-        self._next_lease = 1
-        self.counters = {"leases_expired": 0, "chunks_evicted": 0, "chunks_hit": 0, "exhausted": 0}
+        self.counters = {"chunks_evicted": 0, "chunks_hit": 0, "exhausted": 0}
 
     # ---- queries ----
     @property
@@ -93,10 +81,6 @@ class PagePool:
     def chunks_cached(self) -> int:
         return len(self._index)
 
-    @property
-    def leases_active(self) -> int:
-        return sum(1 for r in self.requests.values() if r.state is PoolReqState.LEASED)
-
     def held_prefix(self, keys: list[bytes]) -> int:
         n = 0
         for k in keys:
@@ -105,35 +89,25 @@ class PagePool:
             n += 1
         return n
 
-    def request_prefix(self, req_id: str | None, keys: list[bytes]) -> int:
-        """How many leading ``keys`` the live request ``req_id`` carries (0 if it is not here)."""
-        req = self.requests.get(req_id) if req_id else None
-        if req is None:
-            return 0
-        n = 0
-        for a, b in zip(req.keys, keys, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
-
     # ---- allocation ----
-    def allocate(self, req_id: str, keys: list[bytes], now_ms: int, lease_ms: int) -> Allocation:
+    def allocate(self, req_id: str, keys: list[bytes]) -> PoolRequest:
+        """Pages for the chunks not held complete; held ones are pinned for this request."""
         if req_id in self.requests:
-            raise RemoteProtocolError(f"request {req_id!r} already exists", code=ErrorCode.DUPLICATE_REQUEST)
+            raise DuplicateRequest(f"request {req_id!r} already exists")
         if len(set(keys)) != len(keys):
-            raise RemoteProtocolError(f"request {req_id!r} repeats a chunk key", code=ErrorCode.BAD_MESSAGE)
+            raise RemoteProtocolError(f"request {req_id!r} repeats a chunk key")
         held = [i for i, k in enumerate(keys) if k in self._index]
         new = [i for i, k in enumerate(keys) if k not in self._index]
         if len(new) > self.num_pages:
-            raise RequestTooLarge(f"request {req_id!r} needs {len(new)} pages; the pool has {self.num_pages}")
+            raise RequestTooLarge(f"request {req_id!r} needs {len(new)} pages; the pool has {self.num_pages}",
+                                  req_id=req_id)
         if len(new) > self._nfree:
             self._evict(len(new) - self._nfree, protect={keys[i] for i in held})
         if len(new) > self._nfree:
             self.counters["exhausted"] += 1
             raise PoolExhausted(
                 f"pool exhausted: request {req_id!r} needs {len(new)} pages, {self._nfree} free, "
-                f"{self.quarantined_pages} quarantined", retry_after_ms=self.retry_after_ms)
+                f"{self.quarantined_pages} quarantined", req_id=req_id, retry_after_ms=self.retry_after_ms)
         new_pages = self._take(len(new))
         pages = [0] * len(keys)
         for i, p in zip(new, new_pages, strict=False):
@@ -146,11 +120,9 @@ class PagePool:
             pages[i] = e.page
             pinned.append(keys[i])
         self.counters["chunks_hit"] += len(held)
-        lease_id = self._next_lease
-        self._next_lease += 1
-        req = PoolRequest(req_id, list(keys), pages, new, held, lease_id, now_ms + lease_ms, pinned=pinned)
+        req = PoolRequest(req_id, list(keys), pages, new, held, pinned=pinned)
         self.requests[req_id] = req
-        return Allocation(req_id, held, new_pages, lease_id, req.expires_at_ms)
+        return req
 
     def _take(self, n: int) -> list[int]:
         """n free pages, as few runs as possible: first fit, else largest runs first."""
@@ -194,11 +166,12 @@ class PagePool:
             self._give([self._index.pop(k).page])
         self.counters["chunks_evicted"] += len(victims)
 
-    # ---- lifecycle ----
-    def commit(self, req_id: str, now_ms: int) -> int:
+    # ---- ownership changes, called by the session as the request's life goes on ----
+    def commit(self, req_id: str) -> int:
+        """The leased pages hold complete chunks: index them. Returns how many were indexed."""
         req = self._get(req_id)
-        if req.state is not PoolReqState.LEASED:
-            raise RemoteProtocolError(f"request {req_id!r} is already committed", code=ErrorCode.UNEXPECTED)
+        if req.indexed:
+            raise UnexpectedMessage(f"request {req_id!r} is already committed")
         n = 0
         for i in req.new_idx:
             k = req.keys[i]
@@ -208,37 +181,26 @@ class PagePool:
             self._index[k] = _Entry(req.pages[i], refs=1)
             req.pinned.append(k)
             n += 1
-        req.state = PoolReqState.COMMITTED
-        req.committed_at_ms = now_ms
+        req.indexed = True
         return n
 
     def abort(self, req_id: str, now_ms: int) -> None:
         """Reclaim an uncommitted lease: its pages go to quarantine."""
         req = self._get(req_id)
-        if req.state is PoolReqState.COMMITTED:
-            raise RemoteProtocolError(f"request {req_id!r} is committed; cannot abort", code=ErrorCode.UNEXPECTED)
+        if req.indexed:
+            raise UnexpectedMessage(f"request {req_id!r} is committed; cannot abort")
         self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages))
         self._unpin(req)
         del self.requests[req_id]
 
-    def open(self, req_id: str) -> PoolRequest:
+    def drop(self, req_id: str) -> None:
+        """A committed request nobody reads any more: unpin its chunks, free its private pages."""
         req = self._get(req_id)
-        req.opens += 1
-        return req
-
-    def release(self, req_id: str) -> None:
-        """A reader is done. A committed request with no readers left is dropped."""
-        req = self.requests.get(req_id)
-        if req is None:
-            return
-        req.opens = max(0, req.opens - 1)
-        if req.opens == 0 and req.state is PoolReqState.COMMITTED:
-            self._drop(req)
-
-    def _drop(self, req: PoolRequest) -> None:
+        if not req.indexed:
+            raise UnexpectedMessage(f"request {req_id!r} is not committed; abort it instead")
         self._unpin(req)
         self._give(req.private)
-        del self.requests[req.req_id]
+        del self.requests[req_id]
 
     def _unpin(self, req: PoolRequest) -> None:
         for k in req.pinned:
@@ -247,17 +209,8 @@ class PagePool:
                 e.refs -= 1
         req.pinned = []
 
-    def tick(self, now_ms: int) -> list[str]:
-        """Expire leases and TTLs, release quarantine. Returns expired lease req_ids."""
-        expired = [r.req_id for r in self.requests.values()
-                   if r.state is PoolReqState.LEASED and now_ms >= r.expires_at_ms]
-        for rid in expired:
-            self.abort(rid, now_ms)
-        self.counters["leases_expired"] += len(expired)
-        stale = [r for r in self.requests.values() if r.state is PoolReqState.COMMITTED
-                 and r.opens == 0 and now_ms >= r.committed_at_ms + self.committed_ttl_ms]
-        for r in stale:
-            self._drop(r)
+    def tick(self, now_ms: int) -> None:
+        """Release quarantined pages whose grace period is over."""
         if self._quarantine:
             keep = []
             for at, pages in self._quarantine:
@@ -266,12 +219,14 @@ class PagePool:
                 else:
                     keep.append((at, pages))
             self._quarantine = keep
-        return expired
+
+    def get(self, req_id: str) -> PoolRequest:
+        return self._get(req_id)
 
     def _get(self, req_id: str) -> PoolRequest:
         req = self.requests.get(req_id)
         if req is None:
-            raise RemoteProtocolError(f"unknown request {req_id!r}", code=ErrorCode.UNKNOWN_REQUEST)
+            raise UnknownRequest(f"unknown request {req_id!r}")
         return req
 
     def check(self) -> None:
@@ -283,7 +238,7 @@ class PagePool:
         for e in self._index.values():
             owner[e.page] += 1
         for r in self.requests.values():
-            if r.state is PoolReqState.LEASED:
+            if not r.indexed:
                 owner[r.new_pages] += 1
             else:
                 owner[r.private] += 1

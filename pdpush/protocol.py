@@ -16,9 +16,16 @@ from typing import Annotated, Literal, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from pdpush.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from pdpush.errors import (
+    ErrorCode,
+    FrameTooLarge,
+    LocalProtocolError,
+    PdpushError,
+    RemoteProtocolError,
+    UnexpectedMessage,
+)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_CHUNKS = 1 << 20  # absolute ceiling; daemons enforce a smaller configured cap
 
@@ -46,10 +53,8 @@ class LayoutSpec(Msg):
 class Hello(Msg):
     type: Literal["hello"] = "hello"
     version: int
-    role: Literal["sender"] = "sender"
     fingerprint: Annotated[str, Field(max_length=64)]
     layout: LayoutSpec
-    sender_id: Annotated[str, Field(max_length=256)] = ""
 
 
 class HelloAck(Msg):
@@ -243,8 +248,7 @@ def encode(msg: Msg) -> bytes:
 def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
     """Bytes -> validated message, or RemoteProtocolError. Never anything else."""
     if len(frame) > max_frame:
-        raise RemoteProtocolError(f"frame of {len(frame)} bytes exceeds the {max_frame}-byte cap",
-                                  code=ErrorCode.TOO_LARGE)
+        raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the {max_frame}-byte cap")
     try:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises many unrelated types on garbage
@@ -259,8 +263,30 @@ def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
         raise RemoteProtocolError(f"invalid message at {where or '<root>'}: {first.get('msg')}") from None
 
 
-def error(code: ErrorCode, message: str, req_id: str | None = None, retry_after_ms: int | None = None) -> Error:
-    return Error(code=code, message=message[:4096], req_id=req_id, retry_after_ms=retry_after_ms)
+def error_reply(err: PdpushError, req_id: str | None = None) -> Error:
+    """The one place an exception becomes a wire ``Error``: its code comes from its class."""
+    return Error(code=type(err).code, message=str(err)[:4096], req_id=req_id if req_id is not None else err.req_id,
+                 retry_after_ms=err.retry_after_ms)
+
+
+# ---- state machines --------------------------------------------------------------------------
+
+class StateMachine:
+    """A transition table for one kind of state. A missing transition raises
+    ``UnexpectedMessage`` naming the role, the state and the event."""
+
+    def __init__(self, role: str, table: dict[tuple[Enum, Enum], Enum]) -> None:
+        self.role = role
+        self.table = table
+
+    def next(self, state: Enum, event: Enum, what: str) -> Enum:
+        nxt = self.table.get((state, event))
+        if nxt is None:
+            raise UnexpectedMessage(f"{self.role}: {what} is {state.value}; {event.value} is not allowed there")
+        return nxt
+
+    def allows(self, state: Enum, event: Enum) -> bool:
+        return (state, event) in self.table
 
 
 # ---- receiver-side request state machine ---------------------------------------------------
@@ -268,10 +294,9 @@ def error(code: ErrorCode, message: str, req_id: str | None = None, retry_after_
 class ReqState(Enum):
     ALLOCATED = "allocated"   # pages leased, waiting for layers
     STREAMING = "streaming"   # at least one LayerDone seen
-    COMMITTED = "committed"   # chunks complete and indexed
+    COMMITTED = "committed"   # chunks complete and indexed; readers may hold it open
     ABORTED = "aborted"
     EXPIRED = "expired"
-    ERROR = "error"
 
 
 class ReqEvent(Enum):
@@ -281,7 +306,7 @@ class ReqEvent(Enum):
     EXPIRE = "expire"
 
 
-_TRANSITIONS: dict[tuple[ReqState, ReqEvent], ReqState] = {
+RECEIVER_REQUEST = StateMachine("receiver request", {
     (ReqState.ALLOCATED, ReqEvent.LAYER_DONE): ReqState.STREAMING,
     (ReqState.STREAMING, ReqEvent.LAYER_DONE): ReqState.STREAMING,
     (ReqState.ALLOCATED, ReqEvent.COMMIT): ReqState.COMMITTED,  # 0 new chunks: nothing to stream
@@ -290,14 +315,69 @@ _TRANSITIONS: dict[tuple[ReqState, ReqEvent], ReqState] = {
     (ReqState.STREAMING, ReqEvent.ABORT): ReqState.ABORTED,
     (ReqState.ALLOCATED, ReqEvent.EXPIRE): ReqState.EXPIRED,
     (ReqState.STREAMING, ReqEvent.EXPIRE): ReqState.EXPIRED,
-}
+})
 
 
 def transition(state: ReqState, event: ReqEvent, req_id: str) -> ReqState:
-    """Next state, or RemoteProtocolError naming role, state and event."""
-    nxt = _TRANSITIONS.get((state, event))
-    if nxt is None:
-        raise RemoteProtocolError(
-            f"receiver: request {req_id!r} is {state.value}; {event.value} is not allowed there",
-            code=ErrorCode.UNEXPECTED)
-    return nxt
+    """Next receiver request state, or UnexpectedMessage naming role, state and event."""
+    return RECEIVER_REQUEST.next(state, event, f"request {req_id!r}")  # type: ignore[return-value]
+
+
+# ---- sender-side request and peer state machines -------------------------------------------
+
+class TxState(Enum):
+    WAIT_PEER = "wait_peer"          # hello under way to its receiver
+    ALLOCATING = "allocating"        # AllocRequest sent
+    ALLOC_BACKOFF = "alloc_backoff"  # receiver said pool_exhausted; retrying within a budget
+    STREAMING = "streaming"          # engine hands layers over; puts posted per layer
+    COMMITTING = "committing"        # Commit sent, waiting for CommitAck
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TxEvent(Enum):
+    PEER_READY = "peer_ready"
+    ALLOC_OK = "alloc_ok"
+    EXHAUSTED = "exhausted"
+    RETRY = "retry"
+    COMMIT = "commit"
+    COMMIT_ACK = "commit_ack"
+    FAIL = "fail"
+
+
+_LIVE_TX = (TxState.WAIT_PEER, TxState.ALLOCATING, TxState.ALLOC_BACKOFF, TxState.STREAMING, TxState.COMMITTING)
+SENDER_REQUEST = StateMachine("sender request", {
+    (TxState.WAIT_PEER, TxEvent.PEER_READY): TxState.ALLOCATING,
+    (TxState.ALLOCATING, TxEvent.ALLOC_OK): TxState.STREAMING,
+    (TxState.ALLOCATING, TxEvent.EXHAUSTED): TxState.ALLOC_BACKOFF,
+    (TxState.ALLOC_BACKOFF, TxEvent.RETRY): TxState.ALLOCATING,
+    (TxState.STREAMING, TxEvent.COMMIT): TxState.COMMITTING,
+    (TxState.COMMITTING, TxEvent.COMMIT_ACK): TxState.DONE,
+    **{(s, TxEvent.FAIL): TxState.FAILED for s in _LIVE_TX},
+})
+
+
+class PeerState(Enum):
+    NEW = "new"                # no hello yet (or refused: try again on the next request)
+    HELLO_SENT = "hello_sent"
+    CONNECTING = "connecting"  # HelloAck in; UCX endpoint wiring up (token, rkey)
+    READY = "ready"
+    DEAD = "dead"              # failed; a fresh socket and hello on the next request
+
+
+class PeerEvent(Enum):
+    HELLO = "hello"
+    HELLO_ACK = "hello_ack"
+    CONNECTED = "connected"
+    REFUSED = "refused"
+    FAIL = "fail"
+
+
+SENDER_PEER = StateMachine("sender peer", {
+    (PeerState.NEW, PeerEvent.HELLO): PeerState.HELLO_SENT,
+    (PeerState.DEAD, PeerEvent.HELLO): PeerState.HELLO_SENT,
+    (PeerState.HELLO_SENT, PeerEvent.HELLO_ACK): PeerState.CONNECTING,
+    (PeerState.CONNECTING, PeerEvent.CONNECTED): PeerState.READY,
+    (PeerState.HELLO_SENT, PeerEvent.REFUSED): PeerState.NEW,
+    **{(s, PeerEvent.FAIL): PeerState.DEAD for s in (PeerState.HELLO_SENT, PeerState.CONNECTING, PeerState.READY)},
+})

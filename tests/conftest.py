@@ -39,8 +39,3 @@ def daemons(tmp_path):
     finally:
         for d in reversed(started):
             d.stop()
-
-
-def sock(d: launch.Daemon) -> str:
-    info = d.info
-    return (info.get("local_endpoint") or info["ingress_endpoint"]).removeprefix("ipc://")

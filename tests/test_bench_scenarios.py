@@ -17,14 +17,21 @@ def test_scenarios_and_report(tmp_path):
     res["pipeline"] = scenarios.pipeline(LAY, 256, ratios=(0.5, 2.0), reps=1)
     res["incremental"] = scenarios.incremental(LAY, 256, hits=(0.0, 0.5))
     res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2)
-    res["control"] = scenarios.control(n=50)
+    res["control"] = scenarios.control(LAY, n=50, requests=5)
     for k in ("goodput", "pipeline", "incremental", "concurrency", "control"):
         assert res[k]["verified"], k
     assert res["incremental"]["target_met"]  # bytes are exact; this is not a speed claim
     assert [r["chunks_skipped"] for r in res["incremental"]["rows"]] == [0, 4]
     assert res["concurrency"]["completed"] == 4 and not res["concurrency"]["errors"]
     assert res["control"]["alloc_rtt_p50_ms"] > 0
+    assert res["control"]["layout"] == LAY.to_dict() and res["control"]["one_chunk_layers"] == LAY.layers
     png, md = tmp_path / "b.png", tmp_path / "B.md"
     report.write(res, tmp_path / "b.json", png, md)
     text = md.read_text()
     assert png.stat().st_size > 10_000 and "## Targets" in text and "b.png" in text
+
+
+def test_control_scenario_verified_means_bytes_were_checked(monkeypatch):
+    """Defect: ``control`` said verified without looking at any byte. A failed check must show."""
+    monkeypatch.setattr(scenarios, "verify", lambda req, src, layout: False)
+    assert scenarios.control(KVLayout(2, 1, 32, "float16", 16), n=5, requests=2)["verified"] is False

@@ -22,8 +22,7 @@ from pdpush import launch
 from pdpush.client import PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
-from tests.conftest import sock
-from tests.test_push_integration import _kv, _push, _rx_opts
+from tests.helpers import kv, push, rx_opts, sock
 
 ROOT = Path(__file__).resolve().parents[1]
 LAY = KVLayout(2, 2, 64, "float16", 16)
@@ -40,16 +39,16 @@ def _scrape(endpoint: str) -> dict[str, float]:
 
 
 def test_metrics_move_after_a_transfer(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY))
+    rx = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx)
     rx_ep, tx_ep = rx.info["metrics_endpoint"], tx.info["metrics_endpoint"]
     assert rx_ep.startswith("http://127.0.0.1:") and tx_ep.startswith("http://127.0.0.1:")
     before_rx, before_tx = _scrape(rx_ep), _scrape(tx_ep)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     try:
-        k, v = _kv(LAY, 40, 1)
-        _, done = _push(pc, "metered", list(range(40)), k, v)
-        _push(pc, "metered-2", list(range(40)), k, v)  # all chunks held: 3 hits
+        k, v = kv(LAY, 40, 1)
+        _, done = push(pc, "metered", list(range(40)), k, v)
+        push(pc, "metered-2", list(range(40)), k, v)  # all chunks held: 3 hits
         pc.begin("aborted", list(range(900, 916))).abort("test")
     finally:
         pc.close()
@@ -166,12 +165,12 @@ def test_compose_pair_matches_configs():
 
 
 def test_json_logs_carry_req_id(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY), log_format="json", log_level="debug")
+    rx = daemons.receiver(**rx_opts(LAY), log_format="json", log_level="debug")
     tx = daemons.sender(rx, log_format="json")
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     try:
-        k, v = _kv(LAY, 20, 2)
-        _push(pc, "logged-req", list(range(20)), k, v)
+        k, v = kv(LAY, 20, 2)
+        push(pc, "logged-req", list(range(20)), k, v)
         with pytest.raises(PdpushError):
             pc.begin("logged-req-2", list(range(20)), receiver="tcp://127.0.0.1:1")  # nobody there
     finally:
@@ -185,7 +184,7 @@ def test_json_logs_carry_req_id(daemons):
 
 
 def test_status_table_readable(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY))
+    rx = daemons.receiver(**rx_opts(LAY))
     cfg = rx.workdir / "rx.toml"
     cfg.write_text(f'local_socket = "{sock(rx)}"\nlayers = 2\n')
     r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "status", "--config", str(cfg)],

@@ -21,7 +21,7 @@ from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
-from tests.test_push_integration import _kv, _rx_opts
+from tests.helpers import kv, rx_opts
 
 LAY = KVLayout(4, 2, 64, "float16", 16)
 NET = "10.213.77"  # lives only inside this test's namespaces
@@ -63,7 +63,7 @@ def test_link_down_mid_transfer_is_detected_on_both_sides(two_hosts, tmp_path):
     try:
         rx = launch.start_receiver(tmp_path, prefix=["ip", "netns", "exec", two_hosts["d"]], host=two_hosts["d_addr"],
                                    ucx_env=tcp_only, lease_ms=3000, quarantine_ms=500, prefault=False, insecure=True,
-                                   **_rx_opts(LAY, pool_pages=32))
+                                   **rx_opts(LAY, pool_pages=32))
         tx = launch.start_sender(tmp_path, prefix=["ip", "netns", "exec", two_hosts["p"]],
                                  default_receiver=rx.info["control_endpoint"], ucx_env=tcp_only,
                                  layer_timeout_ms=2000, control_timeout_ms=2000, staging_bytes=64 << 20,
@@ -71,7 +71,7 @@ def test_link_down_mid_transfer_is_detected_on_both_sides(two_hosts, tmp_path):
         rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
         pc = PrefillClient(LAY, tx.info["ingress_endpoint"].removeprefix("ipc://"), timeout_s=15)
         dc = DecodeClient(rx_sock, timeout_s=15)
-        k, v = _kv(LAY, 200, 9)
+        k, v = kv(LAY, 200, 9)
         # a healthy transfer across the link first
         h = pc.begin("healthy", list(range(200)))
         for layer in range(LAY.layers):
@@ -109,3 +109,52 @@ def test_link_down_mid_transfer_is_detected_on_both_sides(two_hosts, tmp_path):
         for d in (tx, rx):
             if d is not None:
                 d.stop()
+
+
+def test_a_partitioned_receiver_does_not_hold_up_another_receivers_requests(two_hosts, tmp_path):
+    """Receiver A sits across the veth link, receiver B beside the sender. A's link goes down with A's puts
+    in flight; B's requests through the same sender must all complete while A's request is still pending
+    (the sender's loop never waits on A). Judged by completion order, not by a clock."""
+    tcp_only = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"}
+    in_p = ["ip", "netns", "exec", two_hosts["p"]]
+    daemons = []
+    try:
+        rx_a = launch.start_receiver(tmp_path, prefix=["ip", "netns", "exec", two_hosts["d"]],
+                                     host=two_hosts["d_addr"], ucx_env=tcp_only, lease_ms=30000, prefault=False,
+                                     insecure=True, **rx_opts(LAY, pool_pages=64))
+        daemons.append(rx_a)
+        rx_b = launch.start_receiver(tmp_path, prefix=in_p, ucx_env=tcp_only, prefault=False,
+                                     **rx_opts(LAY, pool_pages=128))
+        daemons.append(rx_b)
+        a, b = rx_a.info["control_endpoint"], rx_b.info["control_endpoint"]
+        tx = launch.start_sender(tmp_path, prefix=in_p, default_receiver=a, ucx_env=tcp_only,
+                                 layer_timeout_ms=8000, control_timeout_ms=8000, lease_ms=30000,
+                                 staging_bytes=64 << 20, prefault=False)
+        daemons.append(tx)
+        tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
+        pc = PrefillClient(LAY, tx_sock, timeout_s=30)
+        daemons.append(pc)
+        k, v = kv(LAY, 200, 9)
+        for rcv in (a, b):  # both sessions up first
+            h = pc.begin(f"warm-{rcv}", list(range(200)), receiver=rcv)
+            for layer in range(LAY.layers):
+                h.put_layer(layer, k[layer], v[layer])
+            h.finish()
+        cut = pc.begin("cut", list(range(1000, 1200)), receiver=a)
+        _ip("-n", two_hosts["p"], "link", "set", two_hosts["vp"], "down")
+        for layer in range(LAY.layers):  # handed over; their puts to A cannot complete now
+            cut.put_layer(layer, k[layer], v[layer])
+        for i in range(6):
+            h = pc.begin(f"b-{i}", list(range(5000 + 300 * i, 5200 + 300 * i)), receiver=b)
+            for layer in range(LAY.layers):
+                h.put_layer(layer, k[layer], v[layer])
+            assert h.finish().layers == LAY.layers
+        st = status(tx_sock)
+        assert st["requests_done"] == 2 + 6
+        assert st["requests_failed"] == 0 and st["requests_inflight"] == 1, st  # A's request still pending
+        with pytest.raises(PdpushError):  # and it fails at its own deadline, typed
+            cut.finish(timeout_s=30)
+        assert status(tx_sock)["requests_failed"] == 1
+    finally:
+        for d in reversed(daemons):
+            d.close() if isinstance(d, PrefillClient) else d.stop()

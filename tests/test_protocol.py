@@ -14,7 +14,7 @@ KEY = b"\x01" * 16
 SPEC = P.LayoutSpec(layers=2, kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)
 
 SAMPLES = [
-    P.Hello(version=1, fingerprint="ab", layout=SPEC, sender_id="s"),
+    P.Hello(version=P.PROTOCOL_VERSION, fingerprint="ab", layout=SPEC),
     P.HelloAck(version=1, fingerprint="ab", layout=SPEC, pool_base=1 << 40, pool_pages=8, page_bytes=4096,
                rkey=b"\x00\xff" * 20, ucx_host="127.0.0.1", ucx_port=5711, ucx_token=b"t" * 32),
     P.AllocRequest(req_id="r", chunk_keys=[KEY, b"\x02" * 16], last_chunk_tokens=3, lease_ms=100),
@@ -102,7 +102,7 @@ def test_state_machine_table():
     s = P.transition(S.ALLOCATED, E.LAYER_DONE, "r")
     assert s is S.STREAMING
     assert P.transition(s, E.COMMIT, "r") is S.COMMITTED
-    with pytest.raises(RemoteProtocolError, match="receiver: request 'r' is committed; layer_done"):
+    with pytest.raises(RemoteProtocolError, match="receiver request: request .r. is committed; layer_done"):
         P.transition(S.COMMITTED, E.LAYER_DONE, "r")
     with pytest.raises(RemoteProtocolError):
         P.transition(S.ABORTED, E.COMMIT, "r")

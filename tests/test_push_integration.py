@@ -8,9 +8,9 @@ import zmq
 
 from pdpush import protocol
 from pdpush.client import DecodeClient, PrefillClient, status
-from pdpush.errors import ErrorCode, IncompatiblePeer, PdpushError
+from pdpush.errors import Aborted, ErrorCode, IncompatiblePeer, PdpushError
 from pdpush.layout import KVLayout, chunk_keys
-from tests.conftest import sock
+from tests.helpers import kv, push, read_back, rx_opts, sock
 
 LAYOUTS = [
     # (layout, prompt tokens): fp16 GQA with a partial last chunk; bf16 MHA-ish; fp32 with 1 KV head
@@ -20,64 +20,22 @@ LAYOUTS = [
 ]
 
 
-def _kv(layout: KVLayout, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    row = layout.head_dim * layout.dtype_bytes
-    shape = (layout.layers, tokens, layout.kv_heads, row)
-    return (rng.integers(0, 256, shape, dtype=np.uint8), rng.integers(0, 256, shape, dtype=np.uint8))
-
-
-def _rx_opts(layout: KVLayout, pool_pages: int = 64) -> dict:
-    return dict(layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
-                chunk_tokens=layout.chunk_tokens, pool_pages=pool_pages)
-
-
-def _push(pc: PrefillClient, req_id: str, ids: list[int], k: np.ndarray, v: np.ndarray):
-    h = pc.begin(req_id, ids)
-    for layer in range(pc.layout.layers):
-        h.put_layer(layer, k[layer], v[layer])
-    return h, h.finish(timeout_s=30)
-
-
-def _read_back(dc: DecodeClient, req_id: str, layout: KVLayout, tokens: int, torch_check: bool = False):
-    row = layout.head_dim * layout.dtype_bytes
-    T = layout.chunk_tokens
-    ks, vs = [], []
-    with dc.open(req_id, timeout_s=30) as req:
-        assert req.tokens == tokens
-        if torch_check:  # torch views agree too, with the right dtype and shape
-            import torch
-
-            tk, _ = req.layer_kv(layout.layers - 1)
-            assert tk.dtype == getattr(torch, layout.dtype)
-            assert tuple(tk.shape) == (tokens, layout.kv_heads, layout.head_dim)
-            ks_torch = tk.view(torch.uint8).numpy().reshape(tokens, layout.kv_heads, row).copy()
-        for layer in range(layout.layers):
-            runs = req.layer_runs(layer, wait=True, timeout_s=30)
-            pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, layout.kv_heads, row) for r in runs])
-            ks.append(pages[:, 0].reshape(-1, layout.kv_heads, row)[:tokens].copy())
-            vs.append(pages[:, 1].reshape(-1, layout.kv_heads, row)[:tokens].copy())
-    if torch_check:
-        assert np.array_equal(ks_torch, ks[-1])
-    return np.stack(ks), np.stack(vs)
-
-
 @pytest.mark.parametrize("layout,tokens", LAYOUTS, ids=["fp16-gqa-partial", "bf16-8heads", "fp32-1head-partial"])
 def test_byte_exact_transfer(daemons, layout, tokens):
-    rx = daemons.receiver(**_rx_opts(layout))
+    rx = daemons.receiver(**rx_opts(layout))
     tx = daemons.sender(rx)
     pc = PrefillClient(layout, sock(tx), timeout_s=30)
     dc = DecodeClient(sock(rx), timeout_s=30)
     try:
-        k, v = _kv(layout, tokens, seed=tokens)
+        k, v = kv(layout, tokens, seed=tokens)
         ids = list(range(1000, 1000 + tokens))
-        h, done = _push(pc, "req-a", ids, k, v)
+        h, done = push(pc, "req-a", ids, k, v)
         assert h.already_sent_indexes == []
         assert done.layers == layout.layers
         assert done.bytes_sent == layout.layers * layout.num_chunks(tokens) * layout.page_bytes
         # one put per layer: a fresh pool hands out one contiguous run
         assert done.puts == layout.layers
-        k2, v2 = _read_back(dc, "req-a", layout, tokens, torch_check=True)
+        k2, v2 = read_back(dc, "req-a", layout, tokens, torch_check=True)
         assert np.array_equal(k2, k) and np.array_equal(v2, v)
         # a released request is gone: opening it again fails fast with a typed error
         with pytest.raises(PdpushError, match="released"):
@@ -89,22 +47,22 @@ def test_byte_exact_transfer(daemons, layout, tokens):
 
 def test_prefix_reuse_moves_only_new_chunks(daemons):
     layout = KVLayout(4, 2, 64, "float16", 16)
-    rx = daemons.receiver(**_rx_opts(layout))
+    rx = daemons.receiver(**rx_opts(layout))
     tx = daemons.sender(rx)
     pc = PrefillClient(layout, sock(tx), timeout_s=30)
     dc = DecodeClient(sock(rx), timeout_s=30)
     try:
-        k1, v1 = _kv(layout, 80, seed=1)
+        k1, v1 = kv(layout, 80, seed=1)
         ids1 = list(range(80))
-        _, d1 = _push(pc, "first", ids1, k1, v1)
-        _read_back(dc, "first", layout, 80)
+        _, d1 = push(pc, "first", ids1, k1, v1)
+        read_back(dc, "first", layout, 80)
         # the second prompt shares the first 56 tokens = 3 full chunks (48 tokens) + part of the 4th
         ids2 = ids1[:56] + list(range(5000, 5044))
-        k2, v2 = _kv(layout, 100, seed=2)
+        k2, v2 = kv(layout, 100, seed=2)
         k2[:, :56], v2[:, :56] = k1[:, :56], v1[:, :56]
         before = status(sock(rx))
         assert dc.held_prefix(ids2, layout) == 3
-        h, d2 = _push(pc, "second", ids2, k2, v2)
+        h, d2 = push(pc, "second", ids2, k2, v2)
         after = status(sock(rx))
         assert h.already_sent_indexes == [0, 1, 2]
         assert d2.chunks_skipped == 3
@@ -113,7 +71,7 @@ def test_prefix_reuse_moves_only_new_chunks(daemons):
         assert d1.bytes_sent == layout.layers * 5 * layout.page_bytes
         assert after["chunks_hit"] - before["chunks_hit"] == 3
         assert after["bytes_received"] - before["bytes_received"] == d2.bytes_sent
-        got_k, got_v = _read_back(dc, "second", layout, 100)
+        got_k, got_v = read_back(dc, "second", layout, 100)
         assert np.array_equal(got_k, k2) and np.array_equal(got_v, v2)
         tx_stats = status(sock(tx))
         assert tx_stats["chunks_skipped"] == 3 and tx_stats["requests_done"] == 2
@@ -139,7 +97,7 @@ def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):
     import msgpack
 
     layout = KVLayout(2, 2, 64, "float16", 16)
-    rx = daemons.receiver(**_rx_opts(layout))
+    rx = daemons.receiver(**rx_opts(layout))
     s = _raw_dealer(rx.info["control_endpoint"])
     try:
         bad_frames = [
@@ -176,9 +134,9 @@ def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):
     pc = PrefillClient(layout, sock(tx), timeout_s=30)
     dc = DecodeClient(sock(rx), timeout_s=30)
     try:
-        k, v = _kv(layout, 40, seed=3)
-        _push(pc, "after-garbage", list(range(40)), k, v)
-        k2, v2 = _read_back(dc, "after-garbage", layout, 40)
+        k, v = kv(layout, 40, seed=3)
+        push(pc, "after-garbage", list(range(40)), k, v)
+        k2, v2 = read_back(dc, "after-garbage", layout, 40)
         assert np.array_equal(k2, k) and np.array_equal(v2, v)
     finally:
         pc.close()
@@ -186,7 +144,7 @@ def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):
 
 
 def test_sender_reports_incompatible_receiver(daemons):
-    rx = daemons.receiver(**_rx_opts(KVLayout(2, 2, 64, "float16", 16)))
+    rx = daemons.receiver(**rx_opts(KVLayout(2, 2, 64, "float16", 16)))
     tx = daemons.sender(rx)
     pc = PrefillClient(KVLayout(2, 2, 64, "bfloat16", 16), sock(tx), timeout_s=10)
     try:
@@ -200,7 +158,7 @@ def test_sender_reports_incompatible_receiver(daemons):
 def test_many_requests_in_flight_and_two_receivers(daemons):
     """Interleaved requests on one sender, spread over two receivers, all byte-exact."""
     layout = KVLayout(3, 2, 32, "float16", 8)
-    rxs = [daemons.receiver(**_rx_opts(layout)) for _ in range(2)]
+    rxs = [daemons.receiver(**rx_opts(layout)) for _ in range(2)]
     tx = daemons.sender(rxs[0])
     pc = PrefillClient(layout, sock(tx), timeout_s=30)
     dcs = [DecodeClient(sock(r), timeout_s=30) for r in rxs]
@@ -208,7 +166,7 @@ def test_many_requests_in_flight_and_two_receivers(daemons):
         handles, data = [], []
         for i in range(6):
             tokens = 20 + 3 * i
-            k, v = _kv(layout, tokens, seed=100 + i)
+            k, v = kv(layout, tokens, seed=100 + i)
             rx = rxs[i % 2]
             h = pc.begin(f"m{i}", [i * 1000 + t for t in range(tokens)], receiver=rx.info["control_endpoint"])
             handles.append(h)
@@ -219,7 +177,7 @@ def test_many_requests_in_flight_and_two_receivers(daemons):
         for h in handles:
             h.finish(timeout_s=30)
         for i, (k, v, tokens, which) in enumerate(data):
-            k2, v2 = _read_back(dcs[which], f"m{i}", layout, tokens)
+            k2, v2 = read_back(dcs[which], f"m{i}", layout, tokens)
             assert np.array_equal(k2, k) and np.array_equal(v2, v)
         assert status(sock(tx))["receivers_connected"] == 2
     finally:
@@ -239,3 +197,29 @@ def test_keys_are_identical_across_processes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin"}).stdout.strip()
     assert out == ",".join(k.hex() for k in chunk_keys(ids, layout))
+
+
+def test_an_aborted_push_never_reads_as_committed_and_leaves_no_mail(daemons):
+    """Defects: abort() used to store an all-zero Done that finish() returned as if committed, and the
+    sender's late Error for the aborted request sat in the client's mailbox forever."""
+    lay = KVLayout(2, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(lay))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(lay, sock(tx), timeout_s=10)
+    try:
+        k, v = kv(lay, 40, 3)
+        h = pc.begin("given-up", list(range(40)))
+        h.put_layer(0, k[0], v[0])
+        h.abort("engine preempted it")
+        with pytest.raises(Aborted):
+            h.finish()
+        with pytest.raises(Aborted):
+            h.put_layer(1, k[1], v[1])
+        for i in range(3):  # later requests pump the connection: the late Error for "given-up" arrives meanwhile
+            push(pc, f"after-{i}", list(range(100 * (i + 1), 100 * (i + 1) + 40)), k, v)
+        assert "given-up" not in pc._conn.mail, pc._conn.mail
+        assert not any(pc._conn.mail.values())
+        st = status(sock(tx))
+        assert st["requests_failed"] == 1 and st["requests_done"] == 3 and st["requests_inflight"] == 0
+    finally:
+        pc.close()

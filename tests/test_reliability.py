@@ -14,8 +14,7 @@ from pdpush import protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import BrokenResourceError, ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
-from tests.conftest import sock
-from tests.test_push_integration import _kv, _push, _read_back, _rx_opts
+from tests.helpers import kv, push, read_back, rx_opts, sock
 
 LAY = KVLayout(4, 2, 64, "float16", 16)
 
@@ -37,10 +36,10 @@ def _until(pred, timeout_s: float, what: str):
 
 
 def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY, pool_pages=16), lease_ms=800, quarantine_ms=700)
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=16), lease_ms=800, quarantine_ms=700)
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
-    k, v = _kv(LAY, 100, 1)
+    k, v = kv(LAY, 100, 1)
     h = pc.begin("doomed", list(range(100)))
     h.put_layer(0, k[0], v[0])
     h.put_layer(1, k[1], v[1])
@@ -58,8 +57,8 @@ def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(
     pc2 = PrefillClient(LAY, sock(tx2), timeout_s=10)
     dc = DecodeClient(sock(rx), timeout_s=10)
     try:
-        _push(pc2, "after", list(range(100)), k, v)
-        k2, v2 = _read_back(dc, "after", LAY, 100)
+        push(pc2, "after", list(range(100)), k, v)
+        k2, v2 = read_back(dc, "after", LAY, 100)
         assert np.array_equal(k2, k) and np.array_equal(v2, v)
     finally:
         pc2.close()
@@ -68,11 +67,11 @@ def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(
 
 def test_receiver_killed_midway_fails_requests_fast_other_receivers_unaffected_and_reconnect(daemons):
     cport, uport = _free_port(), _free_port()
-    rx1 = daemons.receiver(**_rx_opts(LAY), control_port=cport, ucx_port=uport)
-    rx2 = daemons.receiver(**_rx_opts(LAY))
+    rx1 = daemons.receiver(**rx_opts(LAY), control_port=cport, ucx_port=uport)
+    rx2 = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx1)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
-    k, v = _kv(LAY, 60, 2)
+    k, v = kv(LAY, 60, 2)
     try:
         h1 = pc.begin("to-rx1", list(range(60)), receiver=rx1.info["control_endpoint"])
         h1.put_layer(0, k[0], v[0])
@@ -94,19 +93,19 @@ def test_receiver_killed_midway_fails_requests_fast_other_receivers_unaffected_a
         st = status(sock(tx))
         assert st["requests_failed"] == 1 and st["requests_done"] == 1 and tx.alive()
         # the receiver comes back on the same ports: the sender reconnects
-        daemons.receiver(**_rx_opts(LAY), control_port=cport, ucx_port=uport)
-        _push(pc, "after-restart", list(range(60)), k, v)
+        daemons.receiver(**rx_opts(LAY), control_port=cport, ucx_port=uport)
+        push(pc, "after-restart", list(range(60)), k, v)
     finally:
         pc.close()
     print(f"receiver death detected by the prefill engine in {detect * 1000:.0f} ms")
 
 
 def test_decode_wait_times_out_with_typed_error(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY))
+    rx = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     dc = DecodeClient(sock(rx), timeout_s=10)
-    k, v = _kv(LAY, 40, 3)
+    k, v = kv(LAY, 40, 3)
     try:
         h = pc.begin("partial", list(range(40)))
         h.put_layer(0, k[0], v[0])
@@ -127,11 +126,11 @@ def test_decode_wait_times_out_with_typed_error(daemons):
 
 
 def test_decode_notices_dead_receiver(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY))
+    rx = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     dc = DecodeClient(sock(rx), timeout_s=10)
-    k, v = _kv(LAY, 40, 4)
+    k, v = kv(LAY, 40, 4)
     try:
         h = pc.begin("orphan", list(range(40)))
         h.put_layer(0, k[0], v[0])
@@ -150,11 +149,11 @@ def test_decode_notices_dead_receiver(daemons):
 
 
 def test_pool_exhausted_bounded_retry_then_clear_error_and_too_large(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY, pool_pages=8))
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=8))
     tx = daemons.sender(rx, alloc_retry_budget_ms=600)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     try:
-        k, v = _kv(LAY, 96, 5)
+        k, v = kv(LAY, 96, 5)
         h = pc.begin("hog", list(range(96)))  # 6 of 8 pages, held (not committed)
         t0 = time.monotonic()
         with pytest.raises(PoolExhausted, match="gave up after"):
@@ -168,7 +167,7 @@ def test_pool_exhausted_bounded_retry_then_clear_error_and_too_large(daemons):
             h.put_layer(layer, k[layer], v[layer])
         h.finish()
         dc = DecodeClient(sock(rx), timeout_s=10)
-        _read_back(dc, "hog", LAY, 96)
+        read_back(dc, "hog", LAY, 96)
         dc.close()
         pc.begin("starved-2", list(range(500, 548))).abort("test done")
     finally:
@@ -176,14 +175,14 @@ def test_pool_exhausted_bounded_retry_then_clear_error_and_too_large(daemons):
 
 
 def test_checksums_pass_and_a_wrong_checksum_is_detected(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY), verify_checksums=True)
+    rx = daemons.receiver(**rx_opts(LAY), verify_checksums=True)
     tx = daemons.sender(rx, checksums=True)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     dc = DecodeClient(sock(rx), timeout_s=10)
     try:
-        k, v = _kv(LAY, 50, 6)
-        _push(pc, "summed", list(range(50)), k, v)
-        k2, _ = _read_back(dc, "summed", LAY, 50)
+        k, v = kv(LAY, 50, 6)
+        push(pc, "summed", list(range(50)), k, v)
+        k2, _ = read_back(dc, "summed", LAY, 50)
         assert np.array_equal(k2, k)
     finally:
         pc.close()
@@ -198,7 +197,7 @@ def test_checksums_pass_and_a_wrong_checksum_is_detected(daemons):
             assert s.poll(5000)
             return protocol.decode(s.recv())
 
-        ask(protocol.Hello(version=1, fingerprint=LAY.fingerprint(), layout=protocol.LayoutSpec(**LAY.to_dict())))
+        ask(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=protocol.LayoutSpec(**LAY.to_dict())))
         ask(protocol.AllocRequest(req_id="torn", chunk_keys=chunk_keys(list(range(900, 932)), LAY),
                                   last_chunk_tokens=16, lease_ms=5000))
         reply = ask(protocol.LayerDone(req_id="torn", layer=0, checksum=12345))
@@ -210,10 +209,10 @@ def test_checksums_pass_and_a_wrong_checksum_is_detected(daemons):
 
 
 def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY))
+    rx = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
-    k, v = _kv(LAY, 40, 7)
+    k, v = kv(LAY, 40, 7)
     try:
         h = pc.begin("inflight", list(range(40)))
         h.put_layer(0, k[0], v[0])
@@ -254,11 +253,11 @@ def test_soak_short():
 
 def test_sender_deadline_before_the_lease_and_committed_ttl(daemons):
     """The sender aborts a stalled request before the receiver's lease would; unopened commits expire."""
-    rx = daemons.receiver(**_rx_opts(LAY), lease_ms=5000, committed_ttl_ms=600)
+    rx = daemons.receiver(**rx_opts(LAY), lease_ms=5000, committed_ttl_ms=600)
     tx = daemons.sender(rx, lease_ms=1000)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     dc = DecodeClient(sock(rx), timeout_s=10)
-    k, v = _kv(LAY, 40, 8)
+    k, v = kv(LAY, 40, 8)
     try:
         h = pc.begin("stalled", list(range(40)))
         h.put_layer(0, k[0], v[0])  # ... and the engine never hands over the rest
@@ -269,10 +268,10 @@ def test_sender_deadline_before_the_lease_and_committed_ttl(daemons):
         with pytest.raises(TransportTimeout, match="lease deadline"):  # the engine is told, with a typed error
             h.finish(timeout_s=5)
         # a committed request nobody opens is dropped after committed_ttl_ms; its chunks stay cached
-        _push(pc, "unopened", list(range(500, 540)), k, v)
+        push(pc, "unopened", list(range(500, 540)), k, v)
         with dc.open("unopened", timeout_s=5):
             pass  # opened and released: dropped at once
-        _push(pc, "never-opened", list(range(600, 640)), k, v)
+        push(pc, "never-opened", list(range(600, 640)), k, v)
         _until(lambda: status(sock(rx))["requests_committed"] == 2, 5, "commit")
         time.sleep(1.0)  # past committed_ttl_ms (0.6 s)
         with pytest.raises(PdpushError, match="gone"):

@@ -10,23 +10,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from pdpush import auth, protocol
 from pdpush import config as C
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
-from pdpush.receiver import Receiver
-from tests.conftest import sock
-from tests.test_push_integration import _kv, _push, _read_back, _rx_opts
+from tests.helpers import kv, push, read_back, rx_opts, sock
 
 LAY = KVLayout(2, 2, 64, "float16", 16)
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,16 +39,16 @@ def keys(tmp_path):
 
 
 def test_authenticated_pair_works(daemons, keys):
-    rx = daemons.receiver(**_rx_opts(LAY), curve_secret_key_file=keys["receiver"][1],
+    rx = daemons.receiver(**rx_opts(LAY), curve_secret_key_file=keys["receiver"][1],
                           allowed_senders=[keys["sender"][0]])
     assert rx.info["auth"] == "curve"
     tx = daemons.sender(rx, curve_secret_key_file=keys["sender"][1], receiver_public_key=keys["receiver"][0])
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     dc = DecodeClient(sock(rx), timeout_s=10)
     try:
-        k, v = _kv(LAY, 50, 1)
-        _push(pc, "authed", list(range(50)), k, v)
-        k2, v2 = _read_back(dc, "authed", LAY, 50)
+        k, v = kv(LAY, 50, 1)
+        push(pc, "authed", list(range(50)), k, v)
+        k2, v2 = read_back(dc, "authed", LAY, 50)
         assert np.array_equal(k2, k) and np.array_equal(v2, v)
         assert status(sock(rx))["ucx_peers"] == 1
     finally:
@@ -63,7 +58,7 @@ def test_authenticated_pair_works(daemons, keys):
 
 @pytest.mark.parametrize("who", ["no-keys", "unlisted-key"])
 def test_unauthenticated_sender_gets_nothing(daemons, keys, who):
-    rx = daemons.receiver(**_rx_opts(LAY), curve_secret_key_file=keys["receiver"][1],
+    rx = daemons.receiver(**rx_opts(LAY), curve_secret_key_file=keys["receiver"][1],
                           allowed_senders=[keys["sender"][0]])
     extra = {} if who == "no-keys" else {"curve_secret_key_file": keys["stranger"][1],
                                          "receiver_public_key": keys["receiver"][0]}
@@ -80,7 +75,7 @@ def test_unauthenticated_sender_gets_nothing(daemons, keys, who):
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(rx.info["control_endpoint"])
-    s.send(protocol.encode(protocol.Hello(version=1, fingerprint=LAY.fingerprint(),
+    s.send(protocol.encode(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(),
                                           layout=protocol.LayoutSpec(**LAY.to_dict()))))
     assert s.poll(1000) == 0
     s.close(0)
@@ -137,7 +132,7 @@ def test_config_validation_of_auth(tmp_path, keys):
 def test_ucx_peer_without_a_valid_token_is_dropped(daemons):
     from pdpush.transport.ucx import UcxWorker
 
-    rx = daemons.receiver(**_rx_opts(LAY), ucx_token_timeout_ms=500)
+    rx = daemons.receiver(**rx_opts(LAY), ucx_token_timeout_ms=500)
     w = UcxWorker()
     closed = []
     silent = w.connect("127.0.0.1", rx.info["ucx_port"])
@@ -159,15 +154,15 @@ def test_ucx_peer_without_a_valid_token_is_dropped(daemons):
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     try:
-        k, v = _kv(LAY, 20, 2)
-        _push(pc, "legit", list(range(20)), k, v)
+        k, v = kv(LAY, 20, 2)
+        push(pc, "legit", list(range(20)), k, v)
         assert status(sock(rx))["ucx_peers"] == 1
     finally:
         pc.close()
 
 
 def test_per_sender_caps(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY), max_leases_per_sender=2, max_chunks_per_request=8)
+    rx = daemons.receiver(**rx_opts(LAY), max_leases_per_sender=2, max_chunks_per_request=8)
     tx = daemons.sender(rx, alloc_retry_budget_ms=0)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     try:
@@ -204,7 +199,7 @@ def _random_frame(rnd: random.Random, keys: list[bytes]) -> bytes:
     for f in rnd.sample(list(fields), rnd.randrange(0, len(fields))):
         obj[f] = fields[f]()
     if kind == 5:  # a well-formed message now and then, so the fuzzer reaches deep states
-        good = [protocol.Hello(version=1, fingerprint=LAY.fingerprint(), layout=protocol.LayoutSpec(**LAY.to_dict())),
+        good = [protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=protocol.LayoutSpec(**LAY.to_dict())),
                 protocol.AllocRequest(req_id=f"f{rnd.randrange(50)}", chunk_keys=rnd.sample(keys, 2),
                                       last_chunk_tokens=16, lease_ms=200),
                 protocol.LayerDone(req_id=f"f{rnd.randrange(50)}", layer=rnd.randrange(2)),
@@ -214,7 +209,7 @@ def _random_frame(rnd: random.Random, keys: list[bytes]) -> bytes:
 
 
 def test_fuzzed_live_receiver_survives(daemons):
-    rx = daemons.receiver(**_rx_opts(LAY, pool_pages=32), lease_ms=300, quarantine_ms=200)
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=32), lease_ms=300, quarantine_ms=200)
     rnd = random.Random(7)
     keys = [k for i in range(8) for k in chunk_keys(list(range(i * 100, i * 100 + 32)), LAY)]
     socks = []
@@ -254,73 +249,10 @@ def test_fuzzed_live_receiver_survives(daemons):
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     dc = DecodeClient(sock(rx), timeout_s=10)
     try:
-        k, v = _kv(LAY, 33, 3)
-        _push(pc, "after-fuzz", list(range(5000, 5033)), k, v)
-        k2, v2 = _read_back(dc, "after-fuzz", LAY, 33)
+        k, v = kv(LAY, 33, 3)
+        push(pc, "after-fuzz", list(range(5000, 5033)), k, v)
+        k2, v2 = read_back(dc, "after-fuzz", LAY, 33)
         assert np.array_equal(k2, k) and np.array_equal(v2, v)
     finally:
         pc.close()
         dc.close()
-
-
-class _FakeSock:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send_multipart(self, frames, flags=0) -> None:
-        self.sent.append(frames)
-
-
-def _offline_receiver() -> Receiver:
-    cfg = C.load(C.ReceiverConfig, layers=2, kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16,
-                 pool_pages=12, lease_ms=100, quarantine_ms=50, committed_ttl_ms=300, max_leases_per_sender=3)
-    rx = Receiver(cfg)
-    rx.region = SimpleNamespace(address=1 << 30)
-    rx.rkey, rx.ucx_port, rx.shmid, rx.control_endpoint = b"k", 1, 1, "tcp://x:1"
-    rx.local = _FakeSock()
-    from pdpush.metrics import Metrics
-
-    rx.metrics = Metrics("receiver", "127.0.0.1", -1)  # in-process only
-    return rx
-
-
-_KEYS = [k for i in range(4) for k in chunk_keys(list(range(i * 50, i * 50 + 48)), LAY)]
-_MSG = st.one_of(
-    st.builds(lambda: protocol.Hello(version=1, fingerprint=LAY.fingerprint(),
-                                     layout=protocol.LayoutSpec(**LAY.to_dict()))),
-    st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
-              st.sampled_from(["a", "b", "c", "d"]), st.lists(st.sampled_from(_KEYS), min_size=1, max_size=5)),
-    st.builds(lambda r, lay: protocol.LayerDone(req_id=r, layer=lay), st.sampled_from(["a", "b", "c", "d"]),
-              st.integers(0, 2)),
-    st.builds(lambda r: protocol.Commit(req_id=r), st.sampled_from(["a", "b", "c", "d"])),
-    st.builds(lambda r: protocol.Abort(req_id=r), st.sampled_from(["a", "b", "c", "d"])),
-    st.builds(lambda r: protocol.Open(req_id=r), st.sampled_from(["a", "b", "c", "d"])),
-    st.builds(lambda r: protocol.Release(req_id=r), st.sampled_from(["a", "b", "c", "d"])),
-    st.builds(lambda: protocol.StatusRequest()),
-)
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from([b"s1", b"s2"]), st.sampled_from(["control", "local"]),
-                          st.one_of(_MSG.map(protocol.encode), st.binary(max_size=40)), st.integers(0, 120)),
-                max_size=60))
-def test_receiver_state_machine_fuzz(steps):
-    """Random messages in random order: never an escaping exception, never broken pool accounting."""
-    import pdpush.receiver as R
-
-    rx = _offline_receiver()
-    clock = {"t": 0}
-    real_now = R.now_ms
-    R.now_ms = lambda: clock["t"]  # the receiver's clock, driven by the test
-    try:
-        for ident, endpoint, frame, dt in steps:
-            clock["t"] += dt
-            handler = rx._on_control if endpoint == "control" else rx._on_local
-            reply = rx.handle_frame(ident, frame, handler)
-            assert reply is None or isinstance(reply, protocol.Msg)
-            rx._tick(clock["t"])
-            rx.pool.check()
-            live = {r for r, q in rx.reqs.items() if q.state.value in ("allocated", "streaming")}
-            assert live <= set(rx.pool.requests)
-    finally:
-        R.now_ms = real_now

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from pdpush import launch
-from pdpush.bench.vllm_engines import ROOT, VLLM_PY, Engine, build_model, push_timeline
-from pdpush.bench.vllm_engines import cluster as vllm_cluster
 from pdpush.client import DecodeClient, PrefillClient
+from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model, push_timeline
+from pdpush.harness.vllm_cluster import cluster as vllm_cluster
 from pdpush.layout import KVLayout
 
-# pdpush/bench/vllm_engine.py's "tiny" model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
+# pdpush/harness/vllm_engine.py's "tiny" model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
 # 32-token vLLM block, so the conversion cannot lean on the two being equal)
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
 COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
@@ -52,7 +52,7 @@ def test_connector_matches_the_vllm_api(api):
     env = {**os.environ}
     if "0.33" in api:
         env["PYTHONPATH"] = str(VLLM_PY.parent.parent / "vllm-0.33.0")
-    r = subprocess.run([str(VLLM_PY), "-m", "pdpush.bench.vllm_api_check"], capture_output=True, text=True,
+    r = subprocess.run([str(VLLM_PY), "-m", "pdpush.harness.vllm_api_check"], capture_output=True, text=True,
                        timeout=300, env=env, cwd=ROOT)
     report = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
     assert r.returncode == 0 and report, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"

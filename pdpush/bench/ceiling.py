@@ -24,8 +24,9 @@ def _serve(nbytes: int) -> None:
     w = UcxWorker()
     peers = []
     port = w.listen(0, peers.append)
-    region, _, _ = w.alloc_shared(nbytes)  # the same memory the receiver's pool uses
-    print(json.dumps({"port": port, "address": region.address, "rkey": region.pack_rkey().hex()}), flush=True)
+    region, shmid, _ = w.alloc_shared(nbytes)  # the same memory the receiver's pool uses
+    print(json.dumps({"port": port, "address": region.address, "rkey": region.pack_rkey().hex(), "shmid": shmid,
+                      "pid": os.getpid()}), flush=True)
     os.set_blocking(sys.stdin.fileno(), False)
     while True:
         w.progress()
@@ -41,7 +42,8 @@ def _serve(nbytes: int) -> None:
 def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes."""
     from pdpush.shm import array_at
-    from pdpush.transport.ucx import PutOp, UcxWorker
+    from pdpush.transport.base import PutOp
+    from pdpush.transport.ucx import UcxWorker
 
     total = layer_bytes * layers
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}

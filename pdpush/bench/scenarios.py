@@ -206,9 +206,10 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
             "verified": verified}
 
 
-def control(n: int = 1000) -> dict:
-    """AllocRequest -> AllocResponse round trip (raw), and the end-to-end overhead of a 1-chunk request."""
-    layout = KVLayout(32, 8, 128, "bfloat16", 16)
+def control(layout: KVLayout | None = None, n: int = 1000, requests: int = 200) -> dict:
+    """AllocRequest -> AllocResponse round trip (raw), and the end-to-end overhead of a 1-chunk request
+    (every byte of every request checked on the decode side)."""
+    layout = layout or KVLayout(32, 8, 128, "bfloat16", 16)
     # aborted leases would sit in quarantine: without it, 64 pages serve any number of round trips
     with _Pair(layout, pool_pages=64, staging_bytes=64 << 20, quarantine_ms=0) as pair:
         s = zmq.Context.instance().socket(zmq.DEALER)
@@ -221,7 +222,8 @@ def control(n: int = 1000) -> dict:
                 raise PdpushError("receiver did not answer")
             return protocol.decode(s.recv())
 
-        ask(protocol.Hello(version=1, fingerprint=layout.fingerprint(), layout=protocol.LayoutSpec(**layout.to_dict())))
+        ask(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=layout.fingerprint(),
+                           layout=protocol.LayoutSpec(**layout.to_dict())))
         rtt = []
         for i in range(n):
             keys = chunk_keys([i, i + 1], layout)
@@ -231,21 +233,24 @@ def control(n: int = 1000) -> dict:
             assert isinstance(reply, protocol.AllocResponse), reply
             ask(protocol.Abort(req_id=f"c{i}"))
         s.close(0)
-        # end to end: begin, 32 layers of one 16-token chunk (64 KiB each), commit ack
+        # end to end: begin, every layer of one chunk, commit ack; then the decode side checks the bytes
         pc, dc = pair.clients()
         rng = np.random.default_rng(10)
         e2e = []
-        for i in range(200):
-            src = Source(layout, _ids(rng, 16), rng)
+        verified = True
+        for i in range(requests):
+            src = Source(layout, _ids(rng, layout.chunk_tokens), rng)
             t = time.perf_counter()
             h = pc.begin(f"tiny-{i}", src.token_ids)
             for layer in range(layout.layers):
                 h.put_layer(layer, src.k[layer], src.v[layer])
             h.finish()
             e2e.append(time.perf_counter() - t)
-            dc.open(f"tiny-{i}").release()  # the decode engine is done with it: its pages may be reused
+            with dc.open(f"tiny-{i}") as req:  # released after: its pages may be reused
+                verified = verify(req, src, layout) and verified
         pc.close()
         dc.close()
     return {"scenario": "control", "alloc_rtt_p50_ms": _pct(rtt, 0.5) * 1000, "alloc_rtt_p99_ms": _pct(rtt, 0.99) * 1000,
             "one_chunk_request_p50_ms": _pct(e2e, 0.5) * 1000, "one_chunk_request_p99_ms": _pct(e2e, 0.99) * 1000,
-            "one_chunk_layers": layout.layers, "samples": {"alloc": n, "e2e": len(e2e)}, "verified": True}
+            "one_chunk_layers": layout.layers, "layout": layout.to_dict(), "samples": {"alloc": n, "e2e": len(e2e)},
+            "verified": verified}

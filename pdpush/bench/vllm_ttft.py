@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 from pdpush import launch
-from pdpush.bench.vllm_engines import build_model, cluster, push_timeline
+from pdpush.harness.vllm_cluster import build_model, cluster, push_timeline
 
-# pdpush.bench.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
+# pdpush.harness.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
 LAYOUT = dict(layers=12, kv_heads=6, head_dim=128, dtype="float32", chunk_tokens=64, model_id="bench-vllm")
 
 

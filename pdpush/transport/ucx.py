@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from pdpush.errors import ConnectError, TransferError, TransportError, TransportTimeout
+from pdpush.transport.base import Completion, PutOp
 
 log = logging.getLogger("pdpush.ucx")
 
@@ -47,13 +49,15 @@ def configure_env(overrides: Mapping[str, str] | None = None) -> None:
         os.environ[k] = str(v)
 
 
-@dataclass(frozen=True)
-class PutOp:
-    """One contiguous put: local address -> remote address, ``nbytes`` long."""
+@dataclass
+class _Batch:
+    """Posted puts and their flush: raw ucp requests still in progress."""
 
-    src: int
-    dst: int
-    nbytes: int
+    token: Hashable
+    puts: int
+    deadline: float
+    reqs: list[int] = field(default_factory=list)
+    failure: str | None = None
 
 
 class Endpoint:
@@ -66,6 +70,7 @@ class Endpoint:
         self.error: str | None = None
         self.rkey = None
         self._on_close: list[Callable[[Endpoint], None]] = []
+        self._batches: deque[_Batch] = deque()
         ep.set_close_callback(self._closed)
 
     @property
@@ -183,7 +188,97 @@ class Endpoint:
             raise TransferError(f"endpoint {self.name} died during put: {self.error}")
         return n
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._batches)
+
+    def post_puts(self, ops: Sequence[PutOp], token: Hashable, deadline: float) -> int:
+        """Post the puts and one flush, and return at once (see transport/base.py).
+
+        The batch completes through ``UcxWorker.poll``. A put that UCX finished
+        inline (shared memory) costs its copy here; nothing waits for a peer.
+        """
+        from pdpush.transport import ucp
+
+        if self.error is not None:
+            raise TransferError(f"endpoint {self.name} is dead: {self.error}")
+        if self.rkey is None or self.rkey.handle is None:
+            raise TransferError(f"endpoint {self.name} has no rkey")
+        ep = self._ep.handle
+        rk = self.rkey.handle
+        b = _Batch(token, 0, deadline)
+        try:
+            for op in ops:
+                off = 0
+                while off < op.nbytes:
+                    size = min(MAX_PUT_BYTES, op.nbytes - off)
+                    r = ucp.put_nbx(ep, op.src + off, size, op.dst + off, rk)
+                    if r is not None:
+                        b.reqs.append(r)
+                    off += size
+                    b.puts += 1
+            r = ucp.flush_nbx(ep)
+            if r is not None:
+                b.reqs.append(r)
+        except ucp.UcpError as e:
+            for r in b.reqs:
+                ucp.request_free(r)
+            raise TransferError(f"put to {self.name} failed: {e}") from e
+        self._batches.append(b)
+        self._worker._busy.add(self)
+        return b.puts
+
+    def _reap(self, now: float, out: list[Completion]) -> None:
+        """Completed batches, head first (one endpoint's batches complete in posting order)."""
+        from pdpush.transport import ucp
+
+        while self._batches:
+            b = self._batches[0]
+            still = []
+            for r in b.reqs:
+                st = ucp.request_status(r)
+                if st == ucp.UCS_INPROGRESS:
+                    still.append(r)
+                    continue
+                ucp.request_free(r)
+                if st != ucp.UCS_OK and b.failure is None:
+                    b.failure = ucp.status_name(st)
+            b.reqs = still
+            if b.failure is None and self.error is not None and still:
+                b.failure = self.error
+            if still and b.failure is None and now <= b.deadline:
+                return  # the head is in progress: later batches wait behind it
+            if still and b.failure is None:
+                # a stalled endpoint: time out this batch and everything behind it, and fail the endpoint
+                self.error = self.error or "a put+flush did not complete in time (stalled or partitioned peer)"
+                err: TransportError = TransportTimeout(f"put+flush to {self.name} did not complete by its deadline")
+            elif b.failure is not None:
+                err = TransferError(f"put+flush to {self.name} failed: {b.failure}")
+            else:
+                err = None
+            for r in still:
+                ucp.request_free(r)  # UCX completes it later; we only drop our reference
+            self._batches.popleft()
+            out.append(Completion(b.token, b.puts, err))
+            if err is not None:  # nothing after a failure on this endpoint can be trusted
+                for later in self._batches:
+                    for r in later.reqs:
+                        ucp.request_free(r)
+                    out.append(Completion(later.token, later.puts,
+                                          TransferError(f"endpoint {self.name} failed: {self.error or b.failure}")))
+                self._batches.clear()
+                return
+
     def close(self) -> None:
+        if self._batches:  # closing cancels them; report them as failed on the next poll
+            self._worker._orphans.extend(
+                Completion(b.token, b.puts, TransferError(f"endpoint {self.name} closed")) for b in self._batches)
+            from pdpush.transport import ucp
+
+            for b in self._batches:
+                for r in b.reqs:
+                    ucp.request_free(r)
+            self._batches.clear()
         if self.rkey is not None:
             self.rkey.destroy()
             self.rkey = None
@@ -222,6 +317,8 @@ class UcxWorker:
         self.listener = None
         self._closed: list[Endpoint] = []
         self._closing: list = []  # close requests of endpoints we closed
+        self._busy: set[Endpoint] = set()  # endpoints with batches in flight
+        self._orphans: list[Completion] = []  # batches of endpoints closed while in flight
 
     def dispatch_closed(self) -> None:
         """Run on_close callbacks of endpoints that closed since the last call."""
@@ -237,6 +334,24 @@ class UcxWorker:
             pass
         if self._closing:
             self._closing = [r for r in self._closing if not r.completed]
+
+    def poll(self, now: float) -> list[Completion]:
+        """Progress, then collect completed batches from every busy endpoint (transport/base.py)."""
+        from pdpush.transport import ucp
+
+        out, self._orphans = self._orphans, []
+        if not self._busy:
+            return out
+        ucp.worker_progress(self.worker.handle)
+        for ep in list(self._busy):
+            ep._reap(now, out)
+            if not ep._batches:
+                self._busy.discard(ep)
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return sum(ep.in_flight for ep in self._busy)
 
     def arm(self) -> bool:
         """True if it is safe to sleep on ``epoll_fd``; False means progress again."""

@@ -1,0 +1,438 @@
+"""ReceiverSession: the receiver's protocol logic, sans-I/O.
+
+Events in (each with ``now``, monotonic milliseconds):
+  * ``on_control(sender, msg, now)``  a decoded frame from a sender's control socket;
+  * ``on_local(client, msg, now)``    a decoded frame from a local decode engine;
+  * ``on_tick(now)``                  deadlines: leases, committed TTLs, parked opens, quarantine.
+Actions out: ``ToSender``/``ToDecode`` messages, metric ``Count``/``Observe``, ``Log``.
+
+Each request's whole life is one ``RxRequest`` here (state, lease, readers,
+watchers); the pool only says which pages it owns. Any ``PdpushError`` while
+handling a message becomes that message's typed ``Error`` reply; any other
+exception fails the request it concerned with ``InternalError`` and is logged
+with its traceback. Either way the session keeps serving.
+
+Imports no zmq, ucxx, torch or clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdpush import protocol
+from pdpush.errors import (
+    Aborted,
+    ChecksumMismatch,
+    DuplicateRequest,
+    IncompatiblePeer,
+    LeaseExpired,
+    PdpushError,
+    PoolExhausted,
+    ProtocolError,
+    RemoteProtocolError,
+    RequestTooLarge,
+    ShuttingDown,
+    UnexpectedMessage,
+    UnknownRequest,
+)
+from pdpush.layout import KVLayout, runs
+from pdpush.pool import PagePool, PoolRequest
+from pdpush.protocol import (
+    Abort,
+    AllocRequest,
+    AllocResponse,
+    Commit,
+    CommitAck,
+    Committed,
+    Hello,
+    HelloAck,
+    LayerAvailable,
+    LayerDone,
+    LayoutSpec,
+    Msg,
+    Ok,
+    Open,
+    OpenOk,
+    Query,
+    QueryReply,
+    Release,
+    ReqEvent,
+    ReqState,
+)
+from pdpush.sessions import Count, Counters, Log, Observe, internal_error
+
+PARKED_OPEN_MS = 120_000
+MAX_TOKENS = 4096
+MAX_FINISHED = 4096
+_LIVE = (ReqState.ALLOCATED, ReqState.STREAMING)
+
+
+@dataclass(frozen=True)
+class ToSender:
+    ident: bytes
+    msg: Msg
+
+
+@dataclass(frozen=True)
+class ToDecode:
+    ident: bytes
+    msg: Msg
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """What HelloAck and OpenOk say about the pool and this receiver's data plane."""
+
+    base: int
+    pages: int
+    shmid: int
+    rkey: bytes
+    ucx_host: str
+    ucx_port: int
+    daemon_pid: int
+
+
+@dataclass(frozen=True)
+class ReceiverLimits:
+    lease_ms: int = 30_000
+    quarantine_ms: int = 2000
+    committed_ttl_ms: int = 600_000
+    max_chunks_per_request: int = 65536
+    max_leases_per_sender: int = 1024
+    max_inflight_bytes_per_sender: int = 0
+    verify_checksums: bool = True
+
+
+@dataclass
+class RxRequest:
+    """One request, its whole life on the receiver."""
+
+    req_id: str
+    sender: bytes
+    alloc: PoolRequest
+    lease_id: int
+    expires_at_ms: int
+    last_chunk_tokens: int
+    t_alloc_ms: int
+    state: ReqState = ReqState.ALLOCATED
+    committed_at_ms: int = 0
+    readers: int = 0  # opens not yet released
+    layers_done: set[int] = field(default_factory=set)
+    watchers: set[bytes] = field(default_factory=set)
+    new_runs: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class ReceiverSession:
+    def __init__(self, layout: KVLayout, pool_pages: int, limits: ReceiverLimits, pool_info: PoolInfo, *,
+                 new_token: Callable[[], bytes], layer_checksum: Callable[[int, list[tuple[int, int, int]]], int]
+                 | None = None) -> None:
+        self.layout = layout
+        self.spec = LayoutSpec(**layout.to_dict())
+        self.limits = limits
+        self.info = pool_info
+        self.pool = PagePool(pool_pages, quarantine_ms=limits.quarantine_ms)
+        self._new_token = new_token
+        self._layer_checksum = layer_checksum
+        self.reqs: dict[str, RxRequest] = {}
+        self.sessions: set[bytes] = set()  # sender identities that completed Hello
+        self.tokens: OrderedDict[bytes, bytes] = OrderedDict()  # one-time UCX session token -> sender identity
+        self.parked: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> [(decode identity, since ms)]
+        self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
+        self.draining = False
+        self._next_lease = 1
+        self.counters = Counters({k: 0 for k in (
+            "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
+            "layers_received", "checksum_failures", "leases_expired", "internal_errors")})
+
+    # ---- entry points ------------------------------------------------------------------
+    def on_control(self, ident: bytes, msg: Msg, now: int) -> list:
+        return self._guarded(ident, msg, now, self._control, ToSender)
+
+    def on_local(self, ident: bytes, msg: Msg, now: int) -> list:
+        return self._guarded(ident, msg, now, self._local, ToDecode)
+
+    def bad_frame(self, ident: bytes, err: PdpushError, local: bool) -> list:
+        """A frame that did not decode: a typed error reply, nothing else changes."""
+        self.counters.add("bad_messages")
+        return [(ToDecode if local else ToSender)(ident, protocol.error_reply(err))]
+
+    def _guarded(self, ident: bytes, msg: Msg, now: int, handler, reply_cls) -> list:
+        out: list = []
+        rid = getattr(msg, "req_id", None)
+        try:
+            handler(ident, msg, now, out)
+        except PdpushError as e:
+            if isinstance(e, ProtocolError):
+                self.counters.add("bad_messages")
+            out.append(Log(logging.INFO, f"error reply to {msg.type}: {e.code.value}: {e}", e.req_id or rid))
+            out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid)))
+        except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
+            err, line = internal_error(msg.type, exc, rid)
+            self.counters.add("internal_errors")
+            out.append(line)
+            r = self.reqs.get(rid) if rid else None
+            if r is not None and r.state in _LIVE:
+                try:
+                    self._fail(r, err, now, out)
+                except Exception as exc2:  # noqa: BLE001 - the failure path itself is broken: drop the request
+                    out.append(internal_error("failing a request", exc2, rid)[1])
+                    self.reqs.pop(rid, None)
+            out.append(reply_cls(ident, protocol.error_reply(err, rid)))
+        return out
+
+    def on_tick(self, now: int) -> list:
+        out: list = []
+        for r in [r for r in self.reqs.values() if r.state in _LIVE and now >= r.expires_at_ms]:
+            out.append(Log(logging.WARNING, "lease expired", r.req_id))
+            self.counters.add("leases_expired")
+            out.append(Count("leases_expired"))
+            self._fail(r, LeaseExpired("lease expired before commit", req_id=r.req_id), now, out)
+        for r in [r for r in self.reqs.values() if r.state is ReqState.COMMITTED and r.readers == 0
+                  and now >= r.committed_at_ms + self.limits.committed_ttl_ms]:
+            self._drop(r, "committed, unread past its TTL")
+        self.pool.tick(now)
+        for rid, waiters in list(self.parked.items()):
+            waiters[:] = [(i, s) for i, s in waiters if now - s < PARKED_OPEN_MS]
+            if not waiters:
+                del self.parked[rid]
+        return out
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def drained(self) -> bool:
+        return not any(r.state in _LIVE for r in self.reqs.values())
+
+    def abort_all(self, reason: str, now: int) -> list:
+        out: list = []
+        for r in [r for r in self.reqs.values() if r.state in _LIVE]:
+            self._fail(r, Aborted(reason, req_id=r.req_id), now, out)
+        return out
+
+    def accept_ucx_token(self, token: bytes) -> bool:
+        """A UCX peer presented ``token``: valid once, only if a HelloAck handed it out."""
+        return self.tokens.pop(token, None) is not None
+
+    # ---- senders -----------------------------------------------------------------------
+    def _control(self, ident: bytes, msg: Msg, now: int, out: list) -> None:
+        if isinstance(msg, Hello):
+            out.append(ToSender(ident, self._hello(ident, msg)))
+            return
+        if ident not in self.sessions:
+            raise UnexpectedMessage(f"{msg.type} before hello")
+        if isinstance(msg, AllocRequest):
+            out.append(ToSender(ident, self._alloc(ident, msg, now, out)))
+        elif isinstance(msg, LayerDone):
+            self._layer_done(ident, msg, now, out)
+        elif isinstance(msg, Commit):
+            self._commit(ident, msg, now, out)
+        elif isinstance(msg, Abort):
+            r = self._owned(ident, msg.req_id)
+            protocol.transition(r.state, ReqEvent.ABORT, r.req_id)
+            self._fail(r, Aborted(msg.reason or "aborted by sender", req_id=r.req_id), now, out)
+            out.append(ToSender(ident, Ok(req_id=msg.req_id)))
+        else:
+            raise UnexpectedMessage(f"receiver does not accept {msg.type} on the control endpoint")
+
+    def _hello(self, ident: bytes, msg: Hello) -> Msg:
+        if msg.version != protocol.PROTOCOL_VERSION:
+            raise IncompatiblePeer(f"protocol version {msg.version} unsupported (receiver speaks "
+                                   f"{protocol.PROTOCOL_VERSION})")
+        mine = self.layout.fingerprint()
+        if msg.fingerprint != mine or msg.layout != self.spec:
+            raise IncompatiblePeer(f"layout mismatch: sender {msg.layout.model_dump()} (fp {msg.fingerprint}) vs "
+                                   f"receiver {self.spec.model_dump()} (fp {mine})")
+        self.sessions.add(ident)
+        token = self._new_token()
+        self.tokens[token] = ident
+        while len(self.tokens) > MAX_TOKENS:  # unused tokens of peers that never connected
+            self.tokens.popitem(last=False)
+        i = self.info
+        return HelloAck(ucx_token=token, version=protocol.PROTOCOL_VERSION, fingerprint=mine, layout=self.spec,
+                        pool_base=i.base, pool_pages=i.pages, page_bytes=self.layout.page_bytes, rkey=i.rkey,
+                        ucx_host=i.ucx_host, ucx_port=i.ucx_port)
+
+    def _alloc(self, ident: bytes, msg: AllocRequest, now: int, out: list) -> Msg:
+        rid = msg.req_id
+        if self.draining:
+            raise ShuttingDown("receiver is draining", req_id=rid)
+        if len(msg.chunk_keys) > self.limits.max_chunks_per_request:
+            raise RequestTooLarge(f"{len(msg.chunk_keys)} chunks exceeds the cap of "
+                                  f"{self.limits.max_chunks_per_request}", req_id=rid)
+        if msg.last_chunk_tokens > self.layout.chunk_tokens:
+            raise RemoteProtocolError("last_chunk_tokens exceeds chunk_tokens", req_id=rid)
+        if rid in self.reqs:
+            raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
+        self._check_sender_caps(ident, msg)
+        alloc = self.pool.allocate(rid, msg.chunk_keys)
+        lease = min(msg.lease_ms, self.limits.lease_ms)
+        r = RxRequest(rid, ident, alloc, self._next_lease, now + lease, msg.last_chunk_tokens, now)
+        self._next_lease += 1
+        r.new_runs = runs(alloc.new_pages)
+        self.reqs[rid] = r
+        self.finished.pop(rid, None)
+        self.counters.add("requests_total")
+        out.append(Count("chunks_hit", len(alloc.held_idx)))
+        out.append(Log(logging.DEBUG, f"alloc {len(msg.chunk_keys)} chunks, {len(alloc.held_idx)} held", rid))
+        for dident, _ in self.parked.pop(rid, []):
+            out.append(self._open_ok(dident, r))
+        return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
+                             page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
+                             expires_at_ms=r.expires_at_ms)
+
+    def _check_sender_caps(self, ident: bytes, msg: AllocRequest) -> None:
+        mine = [r for r in self.reqs.values() if r.sender == ident and r.state in _LIVE]
+        if len(mine) >= self.limits.max_leases_per_sender:
+            raise PoolExhausted(f"sender holds {len(mine)} leases (max_leases_per_sender)", req_id=msg.req_id)
+        cap = self.limits.max_inflight_bytes_per_sender
+        if cap:
+            page_set = self.layout.layers * self.layout.page_bytes  # one page index in every layer
+            held = sum(len(r.alloc.new_idx) for r in mine) * page_set
+            if held + len(msg.chunk_keys) * page_set > cap:
+                raise PoolExhausted(f"sender would hold {held + len(msg.chunk_keys) * page_set} bytes "
+                                    f"uncommitted (max_inflight_bytes_per_sender={cap})", req_id=msg.req_id)
+
+    def _owned(self, ident: bytes, req_id: str) -> RxRequest:
+        r = self.reqs.get(req_id)
+        if r is None or r.sender != ident:
+            raise UnknownRequest(f"unknown request {req_id!r}", req_id=req_id)
+        return r
+
+    def _layer_done(self, ident: bytes, msg: LayerDone, now: int, out: list) -> None:
+        r = self._owned(ident, msg.req_id)
+        if msg.layer >= self.layout.layers:
+            raise RemoteProtocolError(f"layer {msg.layer} out of range (0..{self.layout.layers - 1})")
+        r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
+        if msg.checksum is not None and self.limits.verify_checksums and self._layer_checksum is not None:
+            if self._layer_checksum(msg.layer, r.new_runs) != msg.checksum:
+                self.counters.add("checksum_failures")
+                err = ChecksumMismatch(f"layer {msg.layer} checksum mismatch", req_id=r.req_id)
+                self._fail(r, err, now, out)
+                out.append(ToSender(ident, protocol.error_reply(err)))
+                return
+        if msg.layer not in r.layers_done:
+            r.layers_done.add(msg.layer)
+            nbytes = len(r.alloc.new_idx) * self.layout.page_bytes
+            self.counters.add("layers_received")
+            self.counters.add("bytes_received", nbytes)
+            out.append(Count("layers"))
+            out.append(Count("bytes", nbytes))
+            for w in r.watchers:
+                out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layer=msg.layer)))
+        # LayerDone is not acknowledged: the Commit ack covers it
+
+    def _commit(self, ident: bytes, msg: Commit, now: int, out: list) -> None:
+        r = self._owned(ident, msg.req_id)
+        if r.new_runs and len(r.layers_done) != self.layout.layers:
+            missing = sorted(set(range(self.layout.layers)) - r.layers_done)
+            raise UnexpectedMessage(f"commit of {r.req_id!r} with layers missing: {missing[:8]}", req_id=r.req_id)
+        r.state = protocol.transition(r.state, ReqEvent.COMMIT, r.req_id)
+        n = self.pool.commit(r.req_id)
+        r.committed_at_ms = now
+        self.counters.add("requests_committed")
+        out.append(Count("requests"))
+        out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
+        if not r.new_runs:
+            r.layers_done = set(range(self.layout.layers))
+            for w in r.watchers:
+                out.extend(ToDecode(w, LayerAvailable(req_id=r.req_id, layer=layer))
+                           for layer in range(self.layout.layers))
+        for w in r.watchers:
+            out.append(ToDecode(w, Committed(req_id=r.req_id)))
+        out.append(Log(logging.DEBUG, f"committed {n} new chunks", r.req_id))
+        out.append(ToSender(ident, CommitAck(req_id=r.req_id, chunks_committed=n)))
+
+    def _fail(self, r: RxRequest, err: PdpushError, now: int, out: list) -> None:
+        """End a live request: its pages go to quarantine, its watchers get the typed error."""
+        if r.state in _LIVE:
+            event = ReqEvent.EXPIRE if isinstance(err, LeaseExpired) else ReqEvent.ABORT
+            r.state = protocol.transition(r.state, event, r.req_id)
+            self.pool.abort(r.req_id, now)
+            self.counters.add("requests_failed")
+            out.append(Count("failures", label=err.code.value))
+        for w in r.watchers:
+            out.append(ToDecode(w, protocol.error_reply(err, r.req_id)))
+        self._forget(r.req_id, f"failed: {err.code.value}: {err}")
+
+    def _drop(self, r: RxRequest, why: str) -> None:
+        """A committed request nobody reads any more."""
+        self.pool.drop(r.req_id)
+        self._forget(r.req_id, why)
+
+    def _forget(self, req_id: str, why: str) -> None:
+        self.reqs.pop(req_id, None)
+        self.finished[req_id] = why
+        while len(self.finished) > MAX_FINISHED:
+            self.finished.popitem(last=False)
+
+    # ---- local decode engine -----------------------------------------------------------
+    def _local(self, ident: bytes, msg: Msg, now: int, out: list) -> None:
+        if isinstance(msg, Open):
+            r = self.reqs.get(msg.req_id)
+            if r is not None:
+                out.append(self._open_ok(ident, r))
+            elif msg.req_id in self.finished:
+                raise UnknownRequest(f"request {msg.req_id!r} is gone: {self.finished[msg.req_id]}")
+            else:
+                waiters = self.parked.setdefault(msg.req_id, [])
+                if len(waiters) >= 16 or len(self.parked) > 65536:
+                    if not waiters:
+                        del self.parked[msg.req_id]
+                    raise RequestTooLarge("too many parked opens")
+                waiters.append((ident, now))  # answered when the AllocRequest arrives
+        elif isinstance(msg, Release):
+            r = self.reqs.get(msg.req_id)
+            if r is not None:
+                r.watchers.discard(ident)
+                r.readers = max(0, r.readers - 1)
+                if r.readers == 0 and r.state is ReqState.COMMITTED:
+                    self._drop(r, "committed and released")
+            out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
+        elif isinstance(msg, Query):
+            out.append(ToDecode(ident, QueryReply(
+                held_prefix=self.pool.held_prefix(msg.chunk_keys),
+                request_chunks=self._request_prefix(msg.req_id, msg.chunk_keys),
+                request_gone=msg.req_id is not None and msg.req_id not in self.reqs and msg.req_id in self.finished)))
+        else:
+            raise UnexpectedMessage(f"receiver does not accept {msg.type} on the local endpoint")
+
+    def _request_prefix(self, req_id: str | None, keys: list[bytes]) -> int:
+        """How many leading ``keys`` the live request ``req_id`` carries (0 if it is not here)."""
+        r = self.reqs.get(req_id) if req_id else None
+        if r is None:
+            return 0
+        n = 0
+        for a, b in zip(r.alloc.keys, keys, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _open_ok(self, ident: bytes, r: RxRequest) -> ToDecode:
+        r.readers += 1
+        r.watchers.add(ident)
+        i = self.info
+        return ToDecode(ident, OpenOk(req_id=r.req_id, shmid=i.shmid, pool_base=i.base, pool_pages=i.pages,
+                                      layout=self.spec, pages=r.alloc.pages, last_chunk_tokens=r.last_chunk_tokens,
+                                      layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
+                                      daemon_pid=i.daemon_pid))
+
+    # ---- state -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        p = self.pool
+        live = sum(1 for r in self.reqs.values() if r.state in _LIVE)
+        return {"pool_pages_total": p.num_pages, "pool_pages_free": p.free_pages,
+                "pool_pages_quarantined": p.quarantined_pages, "chunks_cached": p.chunks_cached,
+                "chunks_hit": p.counters["chunks_hit"], "leases_active": live, "requests_inflight": live,
+                "draining": self.draining, **self.counters.values}
+
+    def check(self) -> None:
+        """Invariants: the pool's accounting, and one pool record per live request and no other."""
+        self.pool.check()
+        assert set(self.pool.requests) == set(self.reqs), "pool and session disagree on requests"
+        for r in self.reqs.values():
+            assert r.alloc is self.pool.requests[r.req_id]
+            assert (r.state is ReqState.COMMITTED) == r.alloc.indexed

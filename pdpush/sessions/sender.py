@@ -1,0 +1,535 @@
+"""SenderSession: the sender's protocol logic, sans-I/O.
+
+Events in (each with ``now``, monotonic milliseconds):
+  * ``on_ingress(client, msg, now)``    Begin / LayerReady / Finish / Abort from a prefill engine;
+  * ``on_peer(endpoint, msg, now)``     a decoded frame from a receiver;
+  * ``on_connected(endpoint, error, now)`` the data plane to a receiver is up (or failed);
+  * ``on_puts_done(token, puts, error, checksum, now)`` a posted layer's flush completed;
+  * ``on_peer_lost(endpoint, why, now)`` a receiver's socket or UCX endpoint broke;
+  * ``on_tick(now)``                    control-reply deadlines, allocation back-off.
+Actions out: ``ToClient``/``ToPeer`` messages, ``Connect``, ``PostPuts``, ``ResetPeer``,
+metric ``Count``/``Observe``, ``Log``.
+
+A layer's puts are posted and the session moves on: many layers, requests and
+receivers are in flight at once. ``LayerDone`` goes out when that layer's flush
+completes; a stalled receiver's batches time out at their own deadlines and fail
+only that receiver's requests. A request counts as delivered only on CommitAck.
+
+Imports no zmq, ucxx, torch or clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdpush import protocol
+from pdpush.errors import (
+    Aborted,
+    BrokenResourceError,
+    DuplicateRequest,
+    IncompatiblePeer,
+    PdpushError,
+    PoolExhausted,
+    RemoteProtocolError,
+    RequestTooLarge,
+    ShuttingDown,
+    TransportError,
+    TransportTimeout,
+    UnexpectedMessage,
+    UnknownRequest,
+    error_from_code,
+)
+from pdpush.layout import KVLayout
+from pdpush.protocol import (
+    SENDER_PEER,
+    SENDER_REQUEST,
+    Abort,
+    AllocRequest,
+    AllocResponse,
+    Begin,
+    BeginOk,
+    Commit,
+    CommitAck,
+    Done,
+    Error,
+    Finish,
+    Hello,
+    HelloAck,
+    LayerDone,
+    LayerReady,
+    Msg,
+    Ok,
+    PeerEvent,
+    PeerState,
+    TxEvent,
+    TxState,
+)
+from pdpush.sessions import Count, Counters, Log, Observe, internal_error
+from pdpush.staging import StagingAllocator
+from pdpush.transport.base import PutOp
+
+_LIVE = (TxState.WAIT_PEER, TxState.ALLOCATING, TxState.ALLOC_BACKOFF, TxState.STREAMING, TxState.COMMITTING)
+
+
+@dataclass(frozen=True)
+class ToClient:
+    ident: bytes
+    msg: Msg
+
+
+@dataclass(frozen=True)
+class ToPeer:
+    endpoint: str
+    msg: Msg
+
+
+@dataclass(frozen=True)
+class Connect:
+    """Open the data plane to a receiver (UCX endpoint, session token, rkey); answer with on_connected."""
+
+    endpoint: str
+    ack: HelloAck
+
+
+@dataclass(frozen=True)
+class PostPuts:
+    """Post one layer's puts and a flush on ``endpoint``; answer with on_puts_done(token, ...)."""
+
+    endpoint: str
+    ops: list[PutOp]
+    token: tuple[int, int]
+    deadline_ms: int
+    src: tuple[int, int]  # (staging address, bytes) of the layer, for an optional checksum
+
+
+@dataclass(frozen=True)
+class ResetPeer:
+    """Close the receiver's UCX endpoint and start a fresh control socket (queued frames are stale)."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class SenderLimits:
+    lease_ms: int = 30_000
+    control_timeout_ms: int = 5000
+    layer_timeout_ms: int = 5000
+    alloc_retry_budget_ms: int = 2000
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    address: int
+    shmid: int
+    nbytes: int
+    daemon_pid: int
+
+
+@dataclass
+class Peer:
+    endpoint: str
+    state: PeerState = PeerState.NEW
+    ack: HelloAck | None = None
+    deadline_ms: int = 0
+    waiting: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TxRequest:
+    """One request, its whole life on the sender."""
+
+    req_id: str
+    seq: int  # distinguishes completions of a request from an earlier one with the same id
+    client: bytes
+    peer: Peer
+    begin: Begin
+    layout: KVLayout
+    deadline_ms: int
+    t0_ms: int
+    state: TxState = TxState.WAIT_PEER
+    staging_off: int | None = None
+    n_new: int = 0
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (new-chunk idx, first page, n)
+    skipped: int = 0
+    layers_posted: set[int] = field(default_factory=set)
+    layers_done: set[int] = field(default_factory=set)
+    finish: bool = False
+    puts: int = 0
+    bytes_sent: int = 0
+    layer_done_ms: list[float] = field(default_factory=list)
+    alloc_attempts: int = 0
+    t_alloc_ms: int = 0
+
+
+class SenderSession:
+    def __init__(self, limits: SenderLimits, staging: StagingInfo, default_receiver: str = "", *,
+                 check_receiver: Callable[[str], None] | None = None) -> None:
+        self.limits = limits
+        self.staging_info = staging
+        self.staging = StagingAllocator(staging.nbytes)
+        self.default_receiver = default_receiver
+        self._check_receiver = check_receiver
+        self.peers: dict[str, Peer] = {}
+        self.reqs: dict[str, TxRequest] = {}
+        self._by_seq: dict[int, TxRequest] = {}
+        self._seq = itertools.count(1)
+        self.draining = False
+        self.counters = Counters({k: 0 for k in (
+            "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
+            "chunks_skipped", "alloc_retries", "internal_errors")})
+
+    # ---- entry points ------------------------------------------------------------------
+    def on_ingress(self, ident: bytes, msg: Msg, now: int) -> list:
+        out: list = []
+        rid = getattr(msg, "req_id", None)
+        try:
+            if isinstance(msg, Begin):
+                self._begin(ident, msg, now, out)
+            elif isinstance(msg, LayerReady):
+                self._layer_ready(ident, msg, now, out)
+            elif isinstance(msg, Finish):
+                self._finish(ident, msg, now, out)
+            elif isinstance(msg, Abort):
+                r = self._client_req(ident, msg.req_id)
+                self._fail(r, Aborted(msg.reason or "aborted by prefill engine"), now, out, tell_receiver=True)
+            else:
+                raise UnexpectedMessage(f"sender does not accept {msg.type} on the ingress")
+        except PdpushError as e:
+            out.append(ToClient(ident, protocol.error_reply(e, rid)))
+        except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
+            self._internal(msg.type, exc, rid, now, out, reply_to=ident)
+        return out
+
+    def on_peer(self, endpoint: str, msg: Msg, now: int) -> list:
+        out: list = []
+        p = self.peers.get(endpoint)
+        if p is None:
+            return out
+        try:
+            self._peer_msg(p, msg, now, out)
+        except Exception as exc:  # noqa: BLE001 - the top-level guard
+            self._internal(msg.type, exc, getattr(msg, "req_id", None), now, out)
+        return out
+
+    def on_connected(self, endpoint: str, error: PdpushError | None, now: int) -> list:
+        out: list = []
+        p = self.peers.get(endpoint)
+        if p is None or p.state is not PeerState.CONNECTING:
+            return out
+        if error is not None:
+            self._peer_failed(p, BrokenResourceError(f"cannot open the data plane to {endpoint}: {error}"), now, out)
+            return out
+        p.state = SENDER_PEER.next(p.state, PeerEvent.CONNECTED, f"receiver {endpoint}")
+        out.append(Log(logging.INFO, f"receiver {endpoint} ready (pool {p.ack.pool_pages} pages x "
+                                     f"{p.ack.page_bytes} B)"))
+        waiting, p.waiting = p.waiting, []
+        for rid in waiting:
+            r = self.reqs.get(rid)
+            if r is None or r.state is not TxState.WAIT_PEER:
+                continue
+            if r.begin.layout != p.ack.layout:
+                self._fail(r, IncompatiblePeer("layout differs from the receiver's"), now, out)
+            else:
+                self._send_alloc(r, TxEvent.PEER_READY, now, out)
+        return out
+
+    def on_puts_done(self, token: tuple[int, int], puts: int, error: TransportError | None,
+                     checksum: int | None, now: int) -> list:
+        out: list = []
+        seq, layer = token
+        r = self._by_seq.get(seq)
+        if r is None or r.state is not TxState.STREAMING:
+            return out  # the request ended meanwhile (failed, aborted): nothing to announce
+        try:
+            if error is not None:
+                # the endpoint is not trustworthy any more: fail its requests, start afresh next time
+                self._peer_failed(r.peer, error, now, out)
+                return out
+            self._layer_flushed(r, layer, puts, checksum, now, out)
+        except Exception as exc:  # noqa: BLE001 - the top-level guard
+            self._internal("a put completion", exc, r.req_id, now, out)
+        return out
+
+    def on_peer_lost(self, endpoint: str, why: str, now: int) -> list:
+        out: list = []
+        p = self.peers.get(endpoint)
+        if p is not None and p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING, PeerState.READY):
+            self._peer_failed(p, BrokenResourceError(why), now, out)
+        return out
+
+    def on_tick(self, now: int) -> list:
+        out: list = []
+        lim = self.limits
+        for p in self.peers.values():
+            if p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING) and now > p.deadline_ms:
+                self._peer_failed(p, TransportTimeout(
+                    f"receiver {p.endpoint} did not answer hello within {lim.control_timeout_ms} ms (down, "
+                    "unreachable, or refusing our CURVE key)"), now, out)
+        for r in list(self.reqs.values()):
+            if r.state is TxState.ALLOC_BACKOFF and now >= r.deadline_ms:
+                self._send_alloc(r, TxEvent.RETRY, now, out)
+            elif r.state in (TxState.ALLOCATING, TxState.COMMITTING, TxState.WAIT_PEER) and now > r.deadline_ms:
+                self._fail(r, TransportTimeout(f"no {r.state.value} reply from {r.peer.endpoint} within "
+                                               f"{lim.control_timeout_ms} ms"), now, out, tell_receiver=True)
+            elif r.state is TxState.STREAMING and now > r.deadline_ms:
+                self._fail(r, TransportTimeout("prefill engine did not finish the request before the lease "
+                                               "deadline"), now, out, tell_receiver=True)
+        return out
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def drained(self) -> bool:
+        return not self.reqs
+
+    def abort_all(self, reason: str, now: int) -> list:
+        out: list = []
+        for r in list(self.reqs.values()):
+            self._fail(r, ShuttingDown(reason), now, out, tell_receiver=True)
+        return out
+
+    def _internal(self, what: str, exc: Exception, rid: str | None, now: int, out: list,
+                  reply_to: bytes | None = None) -> None:
+        err, line = internal_error(what, exc, rid)
+        self.counters.add("internal_errors")
+        out.append(line)
+        r = self.reqs.get(rid) if rid else None
+        if r is not None:
+            try:
+                self._fail(r, err, now, out, tell_receiver=True)
+                return  # its client got the error
+            except Exception as exc2:  # noqa: BLE001 - the failure path itself is broken: drop the request
+                out.append(internal_error("failing a request", exc2, rid)[1])
+                self._release(r)
+        if reply_to is not None:
+            out.append(ToClient(reply_to, protocol.error_reply(err, rid)))
+
+    # ---- prefill engine ----------------------------------------------------------------
+    def _client_req(self, ident: bytes, req_id: str) -> TxRequest:
+        r = self.reqs.get(req_id)
+        if r is None or r.client != ident:
+            raise UnknownRequest(f"unknown request {req_id!r}")
+        return r
+
+    def _begin(self, ident: bytes, msg: Begin, now: int, out: list) -> None:
+        if self.draining:
+            raise ShuttingDown("sender is draining")
+        if msg.req_id in self.reqs:
+            raise DuplicateRequest(f"request {msg.req_id!r} already in flight")
+        layout = KVLayout(**msg.layout.model_dump())
+        if layout.layers * len(msg.chunk_keys) * layout.page_bytes > self.staging.size:
+            raise RequestTooLarge(f"request needs more staging than staging_bytes={self.staging.size}")
+        receiver = msg.receiver or self.default_receiver
+        if not receiver:
+            raise RemoteProtocolError("no receiver named and no default_receiver configured")
+        if self._check_receiver is not None:
+            self._check_receiver(receiver)
+        peer = self.peers.get(receiver)
+        if peer is not None and peer.ack is not None and peer.ack.layout != msg.layout:
+            raise IncompatiblePeer(f"receiver {receiver} serves layout {peer.ack.layout.model_dump()}, request has "
+                                   f"{msg.layout.model_dump()}")
+        if peer is None:
+            peer = self.peers[receiver] = Peer(receiver)
+        r = TxRequest(msg.req_id, next(self._seq), ident, peer, msg, layout,
+                      now + self.limits.control_timeout_ms, now)
+        self.reqs[r.req_id] = r
+        self._by_seq[r.seq] = r
+        self.counters.add("requests_total")
+        if peer.state is PeerState.READY:
+            self._send_alloc(r, TxEvent.PEER_READY, now, out)
+        else:
+            peer.waiting.append(r.req_id)
+            if peer.state in (PeerState.NEW, PeerState.DEAD):
+                self._hello(peer, msg, now, out)
+
+    def _hello(self, peer: Peer, begin: Begin, now: int, out: list) -> None:
+        layout = KVLayout(**begin.layout.model_dump())
+        peer.state = SENDER_PEER.next(peer.state, PeerEvent.HELLO, f"receiver {peer.endpoint}")
+        peer.deadline_ms = now + self.limits.control_timeout_ms
+        out.append(ToPeer(peer.endpoint, Hello(version=protocol.PROTOCOL_VERSION, fingerprint=layout.fingerprint(),
+                                               layout=begin.layout)))
+
+    def _send_alloc(self, r: TxRequest, event: TxEvent, now: int, out: list) -> None:
+        b = r.begin
+        r.state = SENDER_REQUEST.next(r.state, event, f"request {r.req_id!r}")
+        r.alloc_attempts += 1
+        r.t_alloc_ms = now
+        r.deadline_ms = now + self.limits.control_timeout_ms
+        out.append(ToPeer(r.peer.endpoint, AllocRequest(req_id=r.req_id, chunk_keys=b.chunk_keys,
+                                                        last_chunk_tokens=b.last_chunk_tokens,
+                                                        lease_ms=self.limits.lease_ms)))
+
+    def _layer_ready(self, ident: bytes, msg: LayerReady, now: int, out: list) -> None:
+        r = self._client_req(ident, msg.req_id)
+        if r.state is not TxState.STREAMING:
+            raise UnexpectedMessage(f"layer_ready for {r.req_id!r} in state {r.state.value}")
+        if msg.layer >= r.layout.layers or msg.layer in r.layers_posted:
+            raise RemoteProtocolError(f"layer {msg.layer} out of range or already sent")
+        r.layers_posted.add(msg.layer)
+        if not r.n_new:  # nothing new to move: the layer is done at once
+            self._layer_flushed(r, msg.layer, 0, None, now, out)
+            return
+        pb = r.layout.page_bytes
+        ack = r.peer.ack
+        src_layer = self.staging_info.address + r.staging_off + msg.layer * r.n_new * pb
+        ops = [PutOp(src_layer + idx * pb, ack.pool_base + (msg.layer * ack.pool_pages + page) * pb, n * pb)
+               for idx, page, n in r.runs]
+        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, msg.layer), now + self.limits.layer_timeout_ms,
+                            (src_layer, r.n_new * pb)))
+
+    def _layer_flushed(self, r: TxRequest, layer: int, puts: int, checksum: int | None, now: int,
+                       out: list) -> None:
+        nbytes = r.n_new * r.layout.page_bytes
+        r.puts += puts
+        r.bytes_sent += nbytes
+        r.layers_done.add(layer)
+        c = self.counters
+        c.add("puts", puts)
+        c.add("bytes_pushed", nbytes)
+        c.add("layers_pushed")
+        out.extend((Count("bytes", nbytes), Count("layers")))
+        out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layer=layer, checksum=checksum)))
+        r.layer_done_ms.append(float(now - r.t0_ms))
+        if r.finish and len(r.layers_done) == r.layout.layers:
+            self._send_commit(r, now, out)
+
+    def _finish(self, ident: bytes, msg: Finish, now: int, out: list) -> None:
+        r = self._client_req(ident, msg.req_id)
+        if r.state is not TxState.STREAMING or r.finish:
+            raise UnexpectedMessage(f"finish for {r.req_id!r} in state {r.state.value}")
+        r.finish = True
+        if len(r.layers_done) == r.layout.layers:
+            self._send_commit(r, now, out)
+
+    def _send_commit(self, r: TxRequest, now: int, out: list) -> None:
+        r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT, f"request {r.req_id!r}")
+        r.deadline_ms = now + self.limits.control_timeout_ms
+        out.append(ToPeer(r.peer.endpoint, Commit(req_id=r.req_id)))
+
+    # ---- receivers ---------------------------------------------------------------------
+    def _peer_msg(self, p: Peer, msg: Msg, now: int, out: list) -> None:
+        if isinstance(msg, HelloAck):
+            if p.state is PeerState.HELLO_SENT:
+                p.state = SENDER_PEER.next(p.state, PeerEvent.HELLO_ACK, f"receiver {p.endpoint}")
+                p.ack = msg
+                out.append(Connect(p.endpoint, msg))
+        elif isinstance(msg, AllocResponse):
+            r = self.reqs.get(msg.req_id)
+            if r is not None and r.peer is p and r.state is TxState.ALLOCATING:
+                self._on_alloc(r, msg, now, out)
+            else:  # we gave up on it; do not hold the receiver's pages
+                out.append(ToPeer(p.endpoint, Abort(req_id=msg.req_id, reason="sender no longer wants it")))
+        elif isinstance(msg, CommitAck):
+            r = self.reqs.get(msg.req_id)
+            if r is not None and r.peer is p and r.state is TxState.COMMITTING:
+                self._done(r, now, out)
+        elif isinstance(msg, Error):
+            r = self.reqs.get(msg.req_id) if msg.req_id else None
+            if r is not None and r.peer is p:
+                if r.state is TxState.ALLOCATING and isinstance(error_from_code(msg.code, ""), PoolExhausted):
+                    self._backoff(r, msg.retry_after_ms or 20, msg.message, now, out)
+                else:
+                    self._fail(r, error_from_code(msg.code, f"receiver: {msg.message}", r.req_id,
+                                                  msg.retry_after_ms), now, out)
+            elif p.state is PeerState.HELLO_SENT:
+                err = error_from_code(msg.code, f"receiver refused hello: {msg.message}")
+                out.append(Log(logging.WARNING, str(err)))
+                p.state = SENDER_PEER.next(p.state, PeerEvent.REFUSED, f"receiver {p.endpoint}")
+                self._fail_waiting(p, err, now, out)
+            else:
+                out.append(Log(logging.WARNING, f"error from receiver {p.endpoint}: {msg.code.value} {msg.message}",
+                               msg.req_id))
+        elif not isinstance(msg, Ok):
+            out.append(Log(logging.WARNING, f"unexpected {msg.type} from receiver {p.endpoint}"))
+
+    def _backoff(self, r: TxRequest, retry_after_ms: int, why: str, now: int, out: list) -> None:
+        """Retry an exhausted allocation later, within ``alloc_retry_budget_ms`` of the first try."""
+        retry_at = now + retry_after_ms
+        if retry_at - r.t0_ms > self.limits.alloc_retry_budget_ms:
+            self._fail(r, PoolExhausted(
+                f"receiver pool exhausted; gave up after {r.alloc_attempts} attempts in {now - r.t0_ms} ms "
+                f"(alloc_retry_budget_ms={self.limits.alloc_retry_budget_ms}); receiver: {why}"), now, out)
+            return
+        r.state = SENDER_REQUEST.next(r.state, TxEvent.EXHAUSTED, f"request {r.req_id!r}")
+        r.deadline_ms = retry_at
+        self.counters.add("alloc_retries")
+
+    def _on_alloc(self, r: TxRequest, a: AllocResponse, now: int, out: list) -> None:
+        out.append(Observe("alloc_rtt", (now - r.t_alloc_ms) / 1000))
+        out.append(Count("chunks_hit", len(a.already_sent_indexes)))
+        layout = r.layout
+        r.skipped = len(a.already_sent_indexes)
+        r.n_new = len(r.begin.chunk_keys) - r.skipped
+        if sum(n for _, n in a.page_runs) != r.n_new:
+            self._fail(r, RemoteProtocolError("receiver's page runs do not cover the new chunks"), now, out,
+                       tell_receiver=True)
+            return
+        idx = 0
+        for page, n in a.page_runs:
+            r.runs.append((idx, page, n))
+            idx += n
+        try:
+            r.staging_off = self.staging.alloc(max(1, layout.layers * r.n_new * layout.page_bytes))
+        except PdpushError as e:
+            self._fail(r, e, now, out, tell_receiver=True)
+            return
+        r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
+        # the engine has until just before the lease ends to hand over every layer
+        r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
+        self.counters.add("chunks_skipped", r.skipped)
+        s = self.staging_info
+        out.append(ToClient(r.client, BeginOk(req_id=r.req_id, already_sent_indexes=a.already_sent_indexes,
+                                              staging_shmid=s.shmid, staging_bytes=s.nbytes,
+                                              staging_offset=r.staging_off, new_chunks=r.n_new,
+                                              daemon_pid=s.daemon_pid)))
+
+    def _done(self, r: TxRequest, now: int, out: list) -> None:
+        r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")
+        self._release(r)
+        self.counters.add("requests_done")
+        out.append(Count("requests"))
+        out.append(Observe("request_seconds", (now - r.t0_ms) / 1000))
+        out.append(ToClient(r.client, Done(req_id=r.req_id, bytes_sent=r.bytes_sent, puts=r.puts,
+                                           layers=len(r.layers_done), chunks_skipped=r.skipped,
+                                           layer_done_ms=r.layer_done_ms)))
+
+    def _release(self, r: TxRequest) -> None:
+        if r.staging_off is not None:
+            self.staging.free(r.staging_off)
+            r.staging_off = None
+        self.reqs.pop(r.req_id, None)
+        self._by_seq.pop(r.seq, None)
+
+    def _fail(self, r: TxRequest, err: PdpushError, now: int, out: list, tell_receiver: bool = False) -> None:
+        if self.reqs.get(r.req_id) is not r:
+            return
+        out.append(Log(logging.WARNING, f"request failed: {err.code.value}: {err}", r.req_id))
+        if tell_receiver and r.state in (TxState.ALLOCATING, TxState.STREAMING, TxState.COMMITTING):
+            out.append(ToPeer(r.peer.endpoint, Abort(req_id=r.req_id, reason=str(err)[:1000])))
+        r.state = SENDER_REQUEST.next(r.state, TxEvent.FAIL, f"request {r.req_id!r}")
+        self._release(r)
+        self.counters.add("requests_failed")
+        out.append(Count("failures", label=err.code.value))
+        out.append(ToClient(r.client, protocol.error_reply(err, r.req_id)))
+
+    def _fail_waiting(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
+        for r in [r for r in self.reqs.values() if r.peer is p]:
+            self._fail(r, err, now, out)
+        p.waiting = []
+
+    def _peer_failed(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
+        out.append(Log(logging.WARNING, f"receiver {p.endpoint} failed: {err}"))
+        if SENDER_PEER.allows(p.state, PeerEvent.FAIL):
+            p.state = SENDER_PEER.next(p.state, PeerEvent.FAIL, f"receiver {p.endpoint}")
+        p.ack = None
+        self._fail_waiting(p, err, now, out)
+        out.append(ResetPeer(p.endpoint))
+
+    # ---- state -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"requests_inflight": len(self.reqs),
+                "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
+                "staging_bytes_free": self.staging.free_bytes, "draining": self.draining, **self.counters.values}

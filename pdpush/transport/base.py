@@ -1,0 +1,69 @@
+"""The data-plane interface: posted puts and flushes, completions polled by the loop.
+
+Nothing here ever waits. ``Endpoint.post_puts`` posts a batch of one-sided
+puts and one flush and returns at once; the owner's loop calls
+``Transport.poll(now)``, which makes progress on every endpoint and returns the
+batches that finished since the last call. Guarantees a conforming transport
+gives (``tests/test_transport_conformance.py`` checks them against UCX):
+
+  * ordering: one endpoint's batches complete in the order they were posted;
+  * completion: a batch completes only when its flush does, i.e. its bytes
+    were written remotely (delivery still needs the receiver's ack);
+  * failure: a batch on a dead endpoint completes with a ``TransferError``;
+    posting on a dead endpoint raises ``TransferError`` at once;
+  * timeout: a batch not done by its deadline completes with a
+    ``TransportTimeout``, and the endpoint is failed (its later batches too);
+  * isolation: a stalled endpoint holds only its own batches.
+
+Imports no ucxx; implementations (``ucx.py``) do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdpush.errors import TransportError
+
+
+@dataclass(frozen=True)
+class PutOp:
+    """One contiguous put: local address -> remote address, ``nbytes`` long."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A posted batch finished: ``error`` is None when its flush completed."""
+
+    token: Hashable
+    puts: int
+    error: TransportError | None = None
+
+
+class Endpoint(Protocol):
+    name: str
+
+    @property
+    def alive(self) -> bool: ...
+
+    def post_puts(self, ops: Sequence[PutOp], token: Hashable, deadline: float) -> int:
+        """Post ``ops`` and one flush; returns the number of puts posted. Never waits."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Batches posted and not yet completed."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    def poll(self, now: float) -> list[Completion]:
+        """Progress every endpoint; the batches that completed (or failed, or timed out)."""
+        ...

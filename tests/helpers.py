@@ -1,0 +1,56 @@
+"""Helpers shared by the integration tests: synthetic KV, a push, a read-back, daemon options."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdpush import launch
+from pdpush.client import DecodeClient, PrefillClient
+from pdpush.layout import KVLayout
+
+
+def kv(layout: KVLayout, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    row = layout.head_dim * layout.dtype_bytes
+    shape = (layout.layers, tokens, layout.kv_heads, row)
+    return (rng.integers(0, 256, shape, dtype=np.uint8), rng.integers(0, 256, shape, dtype=np.uint8))
+
+
+def rx_opts(layout: KVLayout, pool_pages: int = 64) -> dict:
+    return dict(layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+                chunk_tokens=layout.chunk_tokens, pool_pages=pool_pages)
+
+
+def push(pc: PrefillClient, req_id: str, ids: list[int], k: np.ndarray, v: np.ndarray):
+    h = pc.begin(req_id, ids)
+    for layer in range(pc.layout.layers):
+        h.put_layer(layer, k[layer], v[layer])
+    return h, h.finish(timeout_s=30)
+
+
+def read_back(dc: DecodeClient, req_id: str, layout: KVLayout, tokens: int, torch_check: bool = False):
+    row = layout.head_dim * layout.dtype_bytes
+    T = layout.chunk_tokens
+    ks, vs = [], []
+    with dc.open(req_id, timeout_s=30) as req:
+        assert req.tokens == tokens
+        if torch_check:  # torch views agree too, with the right dtype and shape
+            import torch
+
+            tk, _ = req.layer_kv(layout.layers - 1)
+            assert tk.dtype == getattr(torch, layout.dtype)
+            assert tuple(tk.shape) == (tokens, layout.kv_heads, layout.head_dim)
+            ks_torch = tk.view(torch.uint8).numpy().reshape(tokens, layout.kv_heads, row).copy()
+        for layer in range(layout.layers):
+            runs = req.layer_runs(layer, wait=True, timeout_s=30)
+            pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, layout.kv_heads, row) for r in runs])
+            ks.append(pages[:, 0].reshape(-1, layout.kv_heads, row)[:tokens].copy())
+            vs.append(pages[:, 1].reshape(-1, layout.kv_heads, row)[:tokens].copy())
+    if torch_check:
+        assert np.array_equal(ks_torch, ks[-1])
+    return np.stack(ks), np.stack(vs)
+
+
+def sock(d: launch.Daemon) -> str:
+    info = d.info
+    return (info.get("local_endpoint") or info["ingress_endpoint"]).removeprefix("ipc://")

@@ -1,0 +1,374 @@
+"""The sans-I/O sessions, driven directly: no sockets, no threads, a clock the test moves.
+
+``Wire`` joins a SenderSession and a ReceiverSession the way h11's ConnectionPair
+does: actions out of one become events into the other, and posted puts are
+completed (or failed, or stalled) by the test.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdpush import protocol
+from pdpush.errors import ErrorCode, TransportTimeout
+from pdpush.layout import KVLayout, chunk_keys
+from pdpush.protocol import ReqState, TxState
+from pdpush.sessions import Log
+from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
+from pdpush.sessions.sender import (
+    Connect,
+    PostPuts,
+    ResetPeer,
+    SenderLimits,
+    SenderSession,
+    StagingInfo,
+    ToClient,
+    ToPeer,
+)
+
+LAY = KVLayout(3, 2, 64, "float16", 16)
+SPEC = protocol.LayoutSpec(**LAY.to_dict())
+ENG = b"engine"
+DEC = b"decoder"
+
+
+def receiver(pages: int = 16, **limits) -> ReceiverSession:
+    tokens = (bytes([i]) * 32 for i in itertools.count(1))
+    return ReceiverSession(LAY, pages, ReceiverLimits(**limits), PoolInfo(1 << 30, pages, 7, b"rkey", "127.0.0.1",
+                                                                          9, 42), new_token=lambda: next(tokens))
+
+
+def sender(**limits) -> SenderSession:
+    return SenderSession(SenderLimits(**limits), StagingInfo(1 << 20, 5, 64 << 20, 41), "tcp://rx-a:1")
+
+
+def begin(req_id: str, ids: list[int], receiver: str = "") -> protocol.Begin:
+    return protocol.Begin(req_id=req_id, receiver=receiver, layout=SPEC, chunk_keys=chunk_keys(ids, LAY),
+                          last_chunk_tokens=LAY.last_chunk_tokens(len(ids)))
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def msgs(actions, cls, mcls):
+    return [a.msg for a in actions if isinstance(a, cls) and isinstance(a.msg, mcls)]
+
+
+class Wire:
+    """A sender session and receiver sessions (one per endpoint), with a driven clock."""
+
+    def __init__(self, endpoints=("tcp://rx-a:1",), **sender_limits) -> None:
+        self.now = 0
+        self.tx = sender(**sender_limits)
+        self.rx = {e: receiver(pages=64) for e in endpoints}
+        self.posted: list[PostPuts] = []  # puts posted and not completed
+        self.to_client: list = []
+        self.to_decoder: list = []
+        self.partitioned: set[str] = set()
+
+    def run(self, actions) -> None:
+        todo = list(actions)
+        while todo:
+            a = todo.pop(0)
+            if isinstance(a, ToPeer) and a.endpoint not in self.partitioned:
+                for b in self.rx[a.endpoint].on_control(b"tx", a.msg, self.now):
+                    if isinstance(b, ToSender):
+                        todo.extend(self.tx.on_peer(a.endpoint, b.msg, self.now))
+                    elif isinstance(b, ToDecode):
+                        self.to_decoder.append(b.msg)
+            elif isinstance(a, Connect):
+                todo.extend(self.tx.on_connected(a.endpoint, None, self.now))
+            elif isinstance(a, PostPuts):
+                self.posted.append(a)
+            elif isinstance(a, ToClient):
+                self.to_client.append(a.msg)
+
+    def engine(self, msg) -> None:
+        self.run(self.tx.on_ingress(ENG, msg, self.now))
+
+    def complete(self, endpoint: str | None = None) -> None:
+        """Flushes complete for every posted batch (of one endpoint)."""
+        keep = []
+        for p in self.posted:
+            if endpoint is None or p.endpoint == endpoint:
+                self.run(self.tx.on_puts_done(p.token, len(p.ops), None, None, self.now))
+            else:
+                keep.append(p)
+        self.posted = keep
+
+    def tick(self, dt: int) -> None:
+        self.now += dt
+        self.run(self.tx.on_tick(self.now))
+        for r in self.rx.values():
+            for b in r.on_tick(self.now):
+                if isinstance(b, ToDecode):
+                    self.to_decoder.append(b.msg)
+
+    def push(self, req_id: str, ids: list[int], receiver: str = "") -> None:
+        self.engine(begin(req_id, ids, receiver))
+        for layer in range(LAY.layers):
+            self.engine(protocol.LayerReady(req_id=req_id, layer=layer))
+        self.engine(protocol.Finish(req_id=req_id))
+
+    def outcome(self, req_id: str):
+        got = [m for m in self.to_client if getattr(m, "req_id", None) == req_id
+               and isinstance(m, (protocol.Done, protocol.Error))]
+        return got[-1] if got else None
+
+
+def test_a_push_commits_only_after_every_flush_and_the_ack():
+    w = Wire()
+    w.push("r1", list(range(40)))  # 3 chunks, the last partial
+    assert len(w.posted) == LAY.layers and w.outcome("r1") is None  # puts posted, nothing announced yet
+    assert all(len(p.ops) == 1 for p in w.posted)  # one put per layer per page run
+    rx = w.rx["tcp://rx-a:1"]
+    assert rx.reqs["r1"].layers_done == set()
+    w.complete()
+    done = w.outcome("r1")
+    assert isinstance(done, protocol.Done) and done.layers == LAY.layers and done.puts == LAY.layers
+    assert rx.reqs["r1"].state is ReqState.COMMITTED and rx.pool.chunks_cached == 3
+    rx.check()
+    # a second prompt sharing the first two chunks moves only the new one
+    w.push("r2", list(range(32)) + list(range(500, 512)))
+    w.complete()
+    d2 = w.outcome("r2")
+    assert d2.chunks_skipped == 2 and d2.bytes_sent == LAY.layers * LAY.page_bytes
+
+
+def test_layer_done_goes_out_when_its_flush_completes_in_any_order():
+    w = Wire()
+    w.engine(begin("r", list(range(20))))
+    for layer in range(LAY.layers):
+        w.engine(protocol.LayerReady(req_id="r", layer=layer))
+    rx = w.rx["tcp://rx-a:1"]
+    last = w.posted.pop()
+    w.run(w.tx.on_puts_done(last.token, 1, None, None, w.now))
+    assert rx.reqs["r"].layers_done == {LAY.layers - 1}
+    w.engine(protocol.Finish(req_id="r"))
+    assert w.outcome("r") is None  # two layers still in flight: no commit yet
+    w.complete()
+    assert isinstance(w.outcome("r"), protocol.Done)
+
+
+def test_a_stalled_receiver_holds_only_its_own_requests():
+    a, b = "tcp://rx-a:1", "tcp://rx-b:1"
+    w = Wire((a, b), layer_timeout_ms=500)
+    w.push("warm-a", list(range(20)), a)
+    w.push("warm-b", list(range(20)), b)
+    w.complete()
+    w.engine(begin("on-a", list(range(100, 150)), a))
+    w.engine(protocol.LayerReady(req_id="on-a", layer=0))  # posted; receiver a now stalls
+    for i in range(5):  # b keeps moving requests while a's batch is in flight
+        w.tick(50)
+        w.push(f"on-b-{i}", list(range(1000 * i, 1000 * i + 40)), b)
+        w.complete(b)
+        assert isinstance(w.outcome(f"on-b-{i}"), protocol.Done)
+    assert w.outcome("on-a") is None
+    # a's batch times out at its own deadline (the transport reports it): only a's requests fail
+    stalled = [p for p in w.posted if p.endpoint == a]
+    assert stalled and all(p.deadline_ms == 500 for p in stalled)
+    w.posted = []
+    actions = w.tx.on_puts_done(stalled[0].token, 1, TransportTimeout("flush did not complete"), None, 600)
+    w.run(actions)
+    err = w.outcome("on-a")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.TIMEOUT
+    assert of(actions, ResetPeer) == [ResetPeer(a)]
+    w.push("after", list(range(7000, 7040)), b)
+    w.complete()
+    assert isinstance(w.outcome("after"), protocol.Done)
+
+
+def test_control_deadlines_come_from_the_driven_clock():
+    w = Wire(control_timeout_ms=100)
+    w.partitioned.add("tcp://rx-a:1")
+    w.engine(begin("r", list(range(20))))
+    w.tick(100)
+    assert w.outcome("r") is None  # at the deadline, not past it
+    w.tick(1)
+    err = w.outcome("r")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.TIMEOUT
+    assert not w.tx.reqs
+
+
+def test_pool_exhausted_backs_off_then_gives_up_within_its_budget():
+    w = Wire(alloc_retry_budget_ms=200)
+    w.rx["tcp://rx-a:1"] = receiver(pages=2)
+    w.engine(begin("big", list(range(16 * 2))))  # takes the whole pool and keeps it (never finished)
+    w.engine(begin("r", list(range(500, 520))))
+    assert w.tx.reqs["r"].state is TxState.ALLOC_BACKOFF
+    for _ in range(10):
+        w.tick(50)
+    err = w.outcome("r")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.POOL_EXHAUSTED
+    assert w.tx.counters.values["alloc_retries"] >= 2
+
+
+def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
+    rx = receiver(lease_ms=100, committed_ttl_ms=1000)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
+    alloc = protocol.AllocRequest(req_id="a", chunk_keys=chunk_keys(list(range(40)), LAY), last_chunk_tokens=8,
+                                  lease_ms=5000)
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 0), ToDecode, protocol.OpenOk) == []  # parked
+    out = rx.on_control(b"s", alloc, 10)
+    assert msgs(out, ToSender, protocol.AllocResponse)[0].expires_at_ms == 110  # lease capped by the receiver
+    assert msgs(out, ToDecode, protocol.OpenOk)  # the parked open is answered
+    assert rx.on_tick(109) == [] and "a" in rx.reqs
+    out = rx.on_tick(110)
+    assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.LEASE_EXPIRED
+    assert "a" not in rx.reqs and rx.pool.quarantined_pages == 3
+    rx.check()
+    # committed, read and released: dropped; committed and never read: dropped after its TTL
+    for rid, base in (("b", 100), ("c", 200)):
+        rx.on_control(b"s", alloc.model_copy(update={"req_id": rid, "chunk_keys": chunk_keys(
+            list(range(base, base + 16)), LAY)}), 200)
+        for layer in range(LAY.layers):
+            rx.on_control(b"s", protocol.LayerDone(req_id=rid, layer=layer), 200)
+        assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid), 200), ToSender, protocol.CommitAck)
+    rx.on_local(DEC, protocol.Open(req_id="b"), 250)
+    rx.on_local(DEC, protocol.Release(req_id="b"), 260)
+    assert "b" not in rx.reqs and "c" in rx.reqs
+    rx.on_tick(1199)
+    assert "c" in rx.reqs
+    rx.on_tick(1200)
+    assert "c" not in rx.reqs
+    rx.check()
+    reply = msgs(rx.on_local(DEC, protocol.Query(chunk_keys=[], req_id="a"), 1300), ToDecode, protocol.QueryReply)
+    assert reply[0].request_gone
+
+
+def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_serving(monkeypatch):
+    w = Wire()
+    rx = w.rx["tcp://rx-a:1"]
+    w.engine(begin("victim", list(range(20))))
+    w.engine(begin("bystander", list(range(100, 120))))
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(rx, "_layer_checksum", boom)
+    out = rx.on_control(b"tx", protocol.LayerDone(req_id="victim", layer=0, checksum=1), 0)
+    errs = msgs(out, ToSender, protocol.Error)
+    assert errs and errs[0].code is ErrorCode.INTERNAL and errs[0].req_id == "victim"
+    assert any(isinstance(a, Log) and "ZeroDivisionError" in (a.exc_text or "") for a in out)
+    assert "victim" not in rx.reqs and rx.counters.values["internal_errors"] == 1
+    rx.check()
+    monkeypatch.undo()
+    for layer in range(LAY.layers):
+        w.engine(protocol.LayerReady(req_id="bystander", layer=layer))
+    w.engine(protocol.Finish(req_id="bystander"))
+    w.complete()
+    assert isinstance(w.outcome("bystander"), protocol.Done)
+    # the same on the sender: a bug while handling one engine message fails that request, typed
+    monkeypatch.setattr(w.tx, "_layer_ready", lambda *a: 1 / 0)
+    w.engine(begin("v2", list(range(300, 320))))
+    w.engine(protocol.LayerReady(req_id="v2", layer=0))
+    err = w.outcome("v2")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.INTERNAL
+    assert "v2" not in w.tx.reqs
+
+
+# ---- fuzzing the sessions directly ---------------------------------------------------------
+
+_IDS = ["a", "b", "c", "d"]
+_KEYS = [k for i in range(4) for k in chunk_keys(list(range(i * 50, i * 50 + 48)), LAY)]
+_RID = st.sampled_from(_IDS)
+_RX_MSG = st.one_of(
+    st.just(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)),
+    st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
+              _RID, st.lists(st.sampled_from(_KEYS), min_size=1, max_size=5)),
+    st.builds(lambda r, lay, c: protocol.LayerDone(req_id=r, layer=lay, checksum=c), _RID, st.integers(0, 3),
+              st.none() | st.integers(0, 3)),
+    st.builds(lambda r: protocol.Commit(req_id=r), _RID),
+    st.builds(lambda r: protocol.Abort(req_id=r), _RID),
+    st.builds(lambda r: protocol.Open(req_id=r), _RID),
+    st.builds(lambda r: protocol.Release(req_id=r), _RID),
+    st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
+              st.none() | _RID),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from([b"s1", b"s2"]), st.booleans(), _RX_MSG, st.integers(0, 120)),
+                max_size=60))
+def test_receiver_session_fuzz(steps):
+    """Random messages in random order on both endpoints: every reply typed, the accounting whole."""
+    rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300,
+                                                 max_leases_per_sender=3),
+                         PoolInfo(1 << 30, 12, 1, b"k", "127.0.0.1", 1, 1), new_token=lambda: b"t" * 32,
+                         layer_checksum=lambda layer, runs: 2)
+    now = 0
+    for ident, local, msg, dt in steps:
+        now += dt
+        out = rx.on_local(ident, msg, now) if local else rx.on_control(ident, msg, now)
+        assert all(isinstance(a.msg, protocol.Msg) for a in out if isinstance(a, (ToSender, ToDecode)))
+        assert rx.counters.values["internal_errors"] == 0, [a for a in out if isinstance(a, Log)]
+        rx.on_tick(now)
+        rx.check()
+
+
+_TX_EVENT = st.one_of(
+    st.builds(lambda r, n: ("ingress", begin(r, list(range(n)))), _RID, st.integers(1, 60)),
+    st.builds(lambda r, lay: ("ingress", protocol.LayerReady(req_id=r, layer=lay)), _RID, st.integers(0, 3)),
+    st.builds(lambda r: ("ingress", protocol.Finish(req_id=r)), _RID),
+    st.builds(lambda r: ("ingress", protocol.Abort(req_id=r)), _RID),
+    st.builds(lambda ok: ("complete", ok), st.booleans()),
+    st.builds(lambda r, c: ("peer", protocol.Error(code=c, message="x", req_id=r)), _RID, st.sampled_from(ErrorCode)),
+    st.builds(lambda r: ("peer", protocol.CommitAck(req_id=r, chunks_committed=1)), _RID),
+    st.just(("lost", None)),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(_TX_EVENT, st.integers(0, 300)), max_size=50))
+def test_sender_session_fuzz(steps):
+    """Engine messages, completions, receiver errors and losses in random order: no escaping exception,
+    staging never leaks, every request ends with exactly one Done or Error to its engine."""
+    w = Wire(control_timeout_ms=200, layer_timeout_ms=100, lease_ms=1000)
+    for (kind, arg), dt in steps:
+        w.tick(dt)
+        if kind == "ingress":
+            w.engine(arg)
+        elif kind == "complete" and w.posted:
+            p = w.posted.pop(0)
+            w.run(w.tx.on_puts_done(p.token, 1, None if arg else TransportTimeout("x"), None, w.now))
+        elif kind == "peer":
+            w.run(w.tx.on_peer("tcp://rx-a:1", arg, w.now))
+        elif kind == "lost":
+            w.run(w.tx.on_peer_lost("tcp://rx-a:1", "gone", w.now))
+        assert w.tx.counters.values["internal_errors"] == 0
+        held = sum(1 for r in w.tx.reqs.values() if r.staging_off is not None)
+        assert len(w.tx.staging.used) == held
+    w.tick(5000)
+    assert not w.tx.reqs and w.tx.staging.free_bytes == w.tx.staging.size
+    ends: dict[str, int] = {}
+    for m in w.to_client:
+        if isinstance(m, protocol.Done):
+            ends[m.req_id] = ends.get(m.req_id, 0) + 1
+    assert all(n == 1 for n in ends.values())
+
+
+def test_every_wire_code_has_one_class_that_round_trips():
+    from pdpush import errors
+
+    for code in ErrorCode:
+        cls = errors.error_class(code)
+        assert cls.code is code
+        err = errors.error_from_code(code, "m", "r", 5)
+        assert isinstance(err, cls) and err.req_id == "r" and err.retry_after_ms == 5
+        assert protocol.error_reply(err).code is code
+
+
+@pytest.mark.parametrize("bad", [b"", b"\x81\xa4type\xa3zzz"])
+def test_an_undecodable_frame_is_counted_and_answered(bad):
+    rx = receiver()
+    with pytest.raises(protocol.RemoteProtocolError) as e:
+        protocol.decode(bad)
+    out = rx.bad_frame(b"x", e.value, local=False)
+    assert msgs(out, ToSender, protocol.Error)[0].code is ErrorCode.BAD_MESSAGE
+    assert rx.counters.values["bad_messages"] == 1
