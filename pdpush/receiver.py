@@ -64,7 +64,7 @@ class Receiver:
             shm.prefault(self.region.address, self.region.length)
         self.pinned = shm.pin_if_cuda(self.region.address, self.region.length)
         self.rkey = self.region.pack_rkey()
-        self.ucx_port = self.ucx.listen(cfg.ucx_port, self._on_ucx_peer)
+        self.ucx_port = self.ucx.listen(cfg.host, cfg.ucx_port, self._on_ucx_peer)
         configure = None
         if cfg.curve_secret_key_file:
             from pdpush import auth

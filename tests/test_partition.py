@@ -8,53 +8,35 @@ namespaces this test creates, and the test removes them.
 
 from __future__ import annotations
 
-import os
-import secrets
-import shutil
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
 from pdpush import launch
+from pdpush.bench import netns
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
 from tests.helpers import kv, rx_opts
 
 LAY = KVLayout(4, 2, 64, "float16", 16)
-NET = "10.213.77"  # lives only inside this test's namespaces
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+    netns.ip(*args)
 
 
 @pytest.fixture
 def two_hosts():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to create network namespaces")
-    tag = secrets.token_hex(3)
-    ns_p, ns_d = f"pdp-p-{tag}", f"pdp-d-{tag}"
-    vp, vd = f"vp{tag}", f"vd{tag}"
     try:
-        _ip("netns", "add", ns_p)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot create network namespaces here: {e.stderr.decode().strip()}")
+        h = netns.TwoHosts.make()
+    except netns.Unavailable as e:
+        pytest.skip(str(e))
     try:
-        _ip("netns", "add", ns_d)
-        _ip("link", "add", vp, "type", "veth", "peer", "name", vd)
-        _ip("link", "set", vp, "netns", ns_p)
-        _ip("link", "set", vd, "netns", ns_d)
-        for ns, dev, addr in ((ns_p, vp, f"{NET}.1/30"), (ns_d, vd, f"{NET}.2/30")):
-            _ip("-n", ns, "addr", "add", addr, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield {"p": ns_p, "d": ns_d, "vp": vp, "d_addr": f"{NET}.2"}
+        yield h
     finally:
-        for ns in (ns_p, ns_d):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        h.close()
 
 
 def test_link_down_mid_transfer_is_detected_on_both_sides(two_hosts, tmp_path):

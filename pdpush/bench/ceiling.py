@@ -23,7 +23,7 @@ def _serve(nbytes: int) -> None:
 
     w = UcxWorker()
     peers = []
-    port = w.listen(0, peers.append)
+    port = w.listen("127.0.0.1", 0, peers.append)
     region, shmid, _ = w.alloc_shared(nbytes)  # the same memory the receiver's pool uses
     print(json.dumps({"port": port, "address": region.address, "rkey": region.pack_rkey().hex(), "shmid": shmid,
                       "pid": os.getpid()}), flush=True)

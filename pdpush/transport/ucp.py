@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from ctypes import POINTER, byref, c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
+import socket
+import struct
+from ctypes import CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint8, c_uint32, c_uint64, c_void_p
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
@@ -33,6 +35,18 @@ UCP_MEM_MAP_PROT_REMOTE_WRITE = 1 << 9
 # ucp_mem_attr_t field mask (ucp_def.h)
 UCP_MEM_ATTR_FIELD_ADDRESS = 1 << 0
 UCP_MEM_ATTR_FIELD_LENGTH = 1 << 1
+
+# listener, endpoint, stream (ucp.h, ucp_def.h)
+UCP_LISTENER_PARAM_FIELD_SOCK_ADDR = 1 << 0
+UCP_LISTENER_PARAM_FIELD_CONN_HANDLER = 1 << 2
+UCP_LISTENER_ATTR_FIELD_SOCKADDR = 1 << 0
+UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE = 1 << 1
+UCP_EP_PARAM_FIELD_ERR_HANDLER = 1 << 2
+UCP_EP_PARAM_FIELD_CONN_REQUEST = 1 << 6
+UCP_ERR_HANDLING_MODE_PEER = 1
+UCP_EP_CLOSE_FLAG_FORCE = 1 << 0
+UCP_OP_ATTR_FIELD_FLAGS = 1 << 4
+UCP_STREAM_RECV_FLAG_WAITALL = 1 << 0
 
 UCS_STATUS_NAMES = {
     -1: "NO_MESSAGE", -2: "NO_RESOURCE", -3: "IO_ERROR", -4: "NO_MEMORY",
@@ -79,6 +93,33 @@ class RequestParam(ctypes.Structure):
         ("recv_info", c_void_p),
         ("memh", c_void_p),
     ]
+
+
+class SockAddr(ctypes.Structure):  # ucs_sock_addr_t
+    _fields_ = [("addr", c_void_p), ("addrlen", c_uint32)]
+
+
+class Handler(ctypes.Structure):  # ucp_listener_conn_handler_t, ucp_err_handler_t: {cb, arg}
+    _fields_ = [("cb", c_void_p), ("arg", c_void_p)]
+
+
+class ListenerParams(ctypes.Structure):
+    _fields_ = [("field_mask", c_uint64), ("sockaddr", SockAddr), ("accept_handler", Handler),
+                ("conn_handler", Handler)]
+
+
+class ListenerAttr(ctypes.Structure):
+    _fields_ = [("field_mask", c_uint64), ("sockaddr", c_uint8 * 128)]  # struct sockaddr_storage
+
+
+class EpParams(ctypes.Structure):
+    _fields_ = [("field_mask", c_uint64), ("address", c_void_p), ("err_mode", c_int), ("err_handler", Handler),
+                ("user_data", c_void_p), ("flags", c_uint), ("sockaddr", SockAddr), ("conn_request", c_void_p),
+                ("name", c_char_p), ("local_sockaddr", SockAddr)]
+
+
+CONN_CB = CFUNCTYPE(None, c_void_p, c_void_p)  # (ucp_conn_request_h, void *arg)
+ERR_CB = CFUNCTYPE(None, c_void_p, c_void_p, c_int)  # (void *arg, ucp_ep_h, ucs_status_t)
 
 
 def status_name(status: int) -> str:
@@ -130,6 +171,18 @@ def lib() -> ctypes.CDLL:
     L.ucp_request_free.restype = None
     L.ucp_worker_progress.argtypes = [c_void_p]
     L.ucp_worker_progress.restype = c_uint
+    L.ucp_listener_create.argtypes = [c_void_p, POINTER(ListenerParams), POINTER(c_void_p)]
+    L.ucp_listener_create.restype = c_int
+    L.ucp_listener_query.argtypes = [c_void_p, POINTER(ListenerAttr)]
+    L.ucp_listener_query.restype = c_int
+    L.ucp_listener_destroy.argtypes = [c_void_p]
+    L.ucp_listener_destroy.restype = None
+    L.ucp_ep_create.argtypes = [c_void_p, POINTER(EpParams), POINTER(c_void_p)]
+    L.ucp_ep_create.restype = c_int
+    L.ucp_ep_close_nbx.argtypes = [c_void_p, POINTER(RequestParam)]
+    L.ucp_ep_close_nbx.restype = c_void_p
+    L.ucp_stream_recv_nbx.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_size_t), POINTER(RequestParam)]
+    L.ucp_stream_recv_nbx.restype = c_void_p
     _lib = L
     return L
 
@@ -239,3 +292,78 @@ def request_free(req: int) -> None:
 
 def worker_progress(worker: int) -> int:
     return lib().ucp_worker_progress(worker)
+
+
+# ---- listener on one address, endpoints from its connection requests ----------------------
+
+def sockaddr(host: str, port: int) -> tuple[ctypes.Array, int]:
+    """A ``struct sockaddr_in``/``sockaddr_in6`` for ``host`` (resolved), as bytes UCX can read."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UcpError(f"resolving {host!r}: {e}", -6) from None
+    if family == socket.AF_INET:
+        raw = struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(addr[0]) + bytes(8)
+    else:
+        raw = (struct.pack("=H", socket.AF_INET6) + struct.pack("!HI", port, addr[2])
+               + socket.inet_pton(socket.AF_INET6, addr[0]) + struct.pack("=I", addr[3]))
+    return ctypes.create_string_buffer(raw, len(raw)), len(raw)
+
+
+class Listener:
+    """``ucp_listener_create`` on one address; connection requests are queued for ``accept``."""
+
+    def __init__(self, worker: int, host: str, port: int) -> None:
+        self._worker = worker
+        self.requests: list[int] = []
+        self._conn_cb = CONN_CB(lambda req, _arg: self.requests.append(req))  # kept alive with the listener
+        buf, n = sockaddr(host, port)
+        p = ListenerParams()
+        p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER
+        p.sockaddr.addr = ctypes.addressof(buf)
+        p.sockaddr.addrlen = n
+        p.conn_handler.cb = ctypes.cast(self._conn_cb, c_void_p)
+        h = c_void_p()
+        _check(f"ucp_listener_create on {host}:{port}", lib().ucp_listener_create(worker, byref(p), byref(h)))
+        self.handle: int | None = h.value
+        attr = ListenerAttr()
+        attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR
+        _check("ucp_listener_query", lib().ucp_listener_query(self.handle, byref(attr)))
+        self.port = struct.unpack("!H", bytes(attr.sockaddr[2:4]))[0]
+
+    def destroy(self) -> None:
+        if self.handle:
+            lib().ucp_listener_destroy(self.handle)
+            self.handle = None
+
+
+def ep_from_conn_request(worker: int, conn_request: int, err_cb) -> int:
+    """An endpoint for an accepted connection, error handling on (peer failures reach ``err_cb``)."""
+    p = EpParams()
+    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER
+    p.conn_request = conn_request
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER
+    p.err_handler.cb = ctypes.cast(err_cb, c_void_p)
+    ep = c_void_p()
+    _check("ucp_ep_create", lib().ucp_ep_create(worker, byref(p), byref(ep)))
+    return ep.value
+
+
+_WAITALL = RequestParam()
+_WAITALL.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS
+_WAITALL.flags = UCP_STREAM_RECV_FLAG_WAITALL
+_FORCE = RequestParam()
+_FORCE.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS
+_FORCE.flags = UCP_EP_CLOSE_FLAG_FORCE
+
+
+def stream_recv_nbx(ep: int, address: int, nbytes: int) -> tuple[int, int | None]:
+    """Post a receive of exactly ``nbytes``: (status, request or None if it completed at once)."""
+    length = c_size_t()
+    return _ptr_status(lib().ucp_stream_recv_nbx(ep, address, nbytes, byref(length), byref(_WAITALL)))
+
+
+def ep_close_nbx(ep: int) -> int | None:
+    """Close an endpoint at once (in-flight operations are canceled); a request to free when done."""
+    status, req = _ptr_status(lib().ucp_ep_close_nbx(ep, byref(_FORCE)))
+    return req

@@ -60,35 +60,27 @@ class _Batch:
     failure: str | None = None
 
 
-class Endpoint:
-    """A UCX endpoint with error handling on, plus the peer's unpacked rkey."""
+class _Closable:
+    """Error state and close callbacks, common to connected and accepted endpoints."""
 
-    def __init__(self, worker: UcxWorker, ep, name: str) -> None:
+    def __init__(self, worker: UcxWorker, name: str) -> None:
         self._worker = worker
-        self._ep = ep
         self.name = name
         self.error: str | None = None
-        self.rkey = None
-        self._on_close: list[Callable[[Endpoint], None]] = []
-        self._batches: deque[_Batch] = deque()
-        ep.set_close_callback(self._closed)
-
-    @property
-    def handle(self) -> int:
-        return self._ep.handle
+        self._on_close: list[Callable] = []
 
     @property
     def alive(self) -> bool:
         return self.error is None
 
-    def on_close(self, cb: Callable[[Endpoint], None]) -> None:
+    def on_close(self, cb: Callable) -> None:
         self._on_close.append(cb)
 
-    def _closed(self) -> None:
-        # Runs inside ucxx's callback: only record it. Tearing the endpoint down from
+    def _closed(self, why: str = "endpoint closed or peer died") -> None:
+        # Runs inside a UCX callback: only record it. Tearing the endpoint down from
         # here deadlocked; the owner runs the callbacks from dispatch_closed().
         if self.error is None:
-            self.error = "endpoint closed or peer died"
+            self.error = why
         self._worker._closed.append(self)
 
     def _run_close_callbacks(self) -> None:
@@ -96,6 +88,21 @@ class Endpoint:
         cbs, self._on_close = self._on_close, []
         for cb in cbs:
             cb(self)
+
+
+class Endpoint(_Closable):
+    """A UCX endpoint we connected, with error handling on, plus the peer's unpacked rkey."""
+
+    def __init__(self, worker: UcxWorker, ep, name: str) -> None:
+        super().__init__(worker, name)
+        self._ep = ep
+        self.rkey = None
+        self._batches: deque[_Batch] = deque()
+        ep.set_close_callback(self._closed)
+
+    @property
+    def handle(self) -> int:
+        return self._ep.handle
 
     def set_rkey(self, packed: bytes, timeout_s: float = 5.0) -> None:
         """Unpack the peer's rkey once wire-up is complete.
@@ -120,21 +127,6 @@ class Endpoint:
         buf = np.frombuffer(bytearray(payload), dtype=np.uint8)
         req = self._ep.stream_send(Array(buf))
         self._worker.wait_ucxx(req, timeout_s, f"stream send to {self.name}")
-
-    def post_stream_recv(self, nbytes: int):
-        """Post a receive on this endpoint's stream; returns (request, buffer). Poll ``request.completed``."""
-        import numpy as np
-        from ucxx._lib.arr import Array
-
-        buf = np.zeros(nbytes, dtype=np.uint8)
-        return self._ep.stream_recv(Array(buf)), buf
-
-    def request_ok(self, req) -> bool:
-        try:
-            req.check_error()
-            return True
-        except self._worker._L.UCXError:
-            return False
 
     def flush(self, timeout_s: float) -> None:
         from pdpush.transport import ucp
@@ -296,6 +288,74 @@ class Endpoint:
         self._ep = None
 
 
+class _StreamRecv:
+    """A posted stream receive on an accepted endpoint; poll ``completed``."""
+
+    def __init__(self, ep: int, nbytes: int) -> None:
+        import numpy as np
+
+        from pdpush.transport import ucp
+
+        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        self.status, self._req = ucp.stream_recv_nbx(ep, self.buf.ctypes.data, nbytes)
+
+    @property
+    def completed(self) -> bool:
+        from pdpush.transport import ucp
+
+        if self._req is not None:
+            st = ucp.request_status(self._req)
+            if st == ucp.UCS_INPROGRESS:
+                return False
+            ucp.request_free(self._req)
+            self._req, self.status = None, st
+        return True
+
+    def drop(self) -> None:
+        from pdpush.transport import ucp
+
+        if self._req is not None:
+            ucp.request_free(self._req)  # UCX releases it when the close has canceled it
+            self._req = None
+
+
+class AcceptedEndpoint(_Closable):
+    """An endpoint made from a connection request on our listener (raw ucp, error handling on).
+
+    The receiver only reads a session token from it; the peer's one-sided puts need nothing here.
+    """
+
+    def __init__(self, worker: UcxWorker, handle: int) -> None:
+        super().__init__(worker, "peer")
+        self.handle: int | None = handle
+        self._recvs: list[_StreamRecv] = []
+
+    def post_stream_recv(self, nbytes: int) -> tuple[_StreamRecv, object]:
+        """Post a receive of exactly ``nbytes`` on the stream; returns (request, buffer)."""
+        if self.handle is None:
+            raise TransferError(f"endpoint {self.name} is closed")
+        r = _StreamRecv(self.handle, nbytes)
+        self._recvs.append(r)
+        return r, r.buf
+
+    @staticmethod
+    def request_ok(req: _StreamRecv) -> bool:
+        return req.completed and req.status == 0
+
+    def close(self) -> None:
+        from pdpush.transport import ucp
+
+        if self.handle is None:
+            return
+        self._worker._by_handle.pop(self.handle, None)
+        r = ucp.ep_close_nbx(self.handle)  # force: cancels what is posted (the buffers stay with us)
+        if r is not None:
+            self._worker._closing_raw.append(r)
+        self.handle = None
+        for rv in self._recvs:
+            rv.drop()
+
+
 class UcxWorker:
     """A UCX context + worker, progressed by the owning thread.
 
@@ -318,6 +378,12 @@ class UcxWorker:
         self._closed: list[Endpoint] = []
         self._closing: list = []  # close requests of endpoints we closed
         self._busy: set[Endpoint] = set()  # endpoints with batches in flight
+        self._by_handle: dict[int, AcceptedEndpoint] = {}
+        self._closing_raw: list[int] = []  # raw close requests of accepted endpoints
+        self._on_accept: Callable[[AcceptedEndpoint], None] | None = None
+        from pdpush.transport import ucp
+
+        self._err_cb = ucp.ERR_CB(self._accepted_failed)  # kept alive with the worker
         self._orphans: list[Completion] = []  # batches of endpoints closed while in flight
 
     def dispatch_closed(self) -> None:
@@ -334,6 +400,41 @@ class UcxWorker:
             pass
         if self._closing:
             self._closing = [r for r in self._closing if not r.completed]
+        if self._closing_raw:
+            self._reap_raw_closes()
+        if self.listener is not None and self.listener.requests:
+            self._accept()
+
+    def _accept(self) -> None:
+        from pdpush.transport import ucp
+
+        reqs, self.listener.requests = self.listener.requests, []
+        for conn in reqs:
+            try:
+                h = ucp.ep_from_conn_request(self.worker.handle, conn, self._err_cb)
+            except ucp.UcpError as e:
+                log.warning("cannot accept a UCX connection: %s", e)
+                continue
+            ep = self._by_handle[h] = AcceptedEndpoint(self, h)
+            self._on_accept(ep)
+
+    def _accepted_failed(self, _arg, handle, status) -> None:
+        from pdpush.transport import ucp
+
+        ep = self._by_handle.get(handle)
+        if ep is not None:
+            ep._closed(f"peer failed: {ucp.status_name(status)}")
+
+    def _reap_raw_closes(self) -> None:
+        from pdpush.transport import ucp
+
+        still = []
+        for r in self._closing_raw:
+            if ucp.request_status(r) == ucp.UCS_INPROGRESS:
+                still.append(r)
+            else:
+                ucp.request_free(r)
+        self._closing_raw = still
 
     def poll(self, now: float) -> list[Completion]:
         """Progress, then collect completed batches from every busy endpoint (transport/base.py)."""
@@ -357,16 +458,15 @@ class UcxWorker:
         """True if it is safe to sleep on ``epoll_fd``; False means progress again."""
         return bool(self.worker.arm())
 
-    def listen(self, port: int, on_endpoint: Callable[[Endpoint], None]) -> int:
-        """Accept peers; ``on_endpoint`` is called from ``progress()``."""
-
-        def accept(ucxx_ep) -> None:
-            on_endpoint(Endpoint(self, ucxx_ep, "peer"))
+    def listen(self, host: str, port: int, on_endpoint: Callable[[AcceptedEndpoint], None]) -> int:
+        """Accept peers on ``host:port`` only (port 0: any free one); ``on_endpoint`` runs from ``progress()``."""
+        from pdpush.transport import ucp
 
         try:
-            self.listener = self._L.UCXListener.create(self.worker, port, accept, deliver_endpoint=True)
-        except self._L.UCXError as e:
-            raise TransportError(f"cannot listen for UCX on port {port}: {e}") from e
+            self.listener = ucp.Listener(self.worker.handle, host, port)
+        except ucp.UcpError as e:
+            raise TransportError(f"cannot listen for UCX on {host}:{port}: {e}") from e
+        self._on_accept = on_endpoint
         return self.listener.port
 
     def connect(self, host: str, port: int) -> Endpoint:
@@ -445,4 +545,8 @@ class UcxWorker:
             raise TransferError(f"{what} failed: {e}") from e
 
     def close(self) -> None:
-        self.listener = None
+        for ep in list(self._by_handle.values()):
+            ep.close()
+        if self.listener is not None:
+            self.listener.destroy()
+            self.listener = None
