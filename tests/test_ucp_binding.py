@@ -26,6 +26,24 @@ int main(void) {
   F(ucp_request_param_t, flags); F(ucp_request_param_t, request); F(ucp_request_param_t, cb);
   F(ucp_request_param_t, datatype); F(ucp_request_param_t, user_data); F(ucp_request_param_t, reply_buffer);
   F(ucp_request_param_t, memory_type); F(ucp_request_param_t, recv_info); F(ucp_request_param_t, memh);
+  printf("sizeof.ucp_listener_params_t %zu\n", sizeof(ucp_listener_params_t));
+  printf("sizeof.ucp_listener_attr_t %zu\n", sizeof(ucp_listener_attr_t));
+  printf("sizeof.ucp_ep_params_t %zu\n", sizeof(ucp_ep_params_t));
+  F(ucp_listener_params_t, sockaddr); F(ucp_listener_params_t, accept_handler);
+  F(ucp_listener_params_t, conn_handler); F(ucp_listener_attr_t, sockaddr);
+  F(ucp_ep_params_t, address); F(ucp_ep_params_t, err_mode); F(ucp_ep_params_t, err_handler);
+  F(ucp_ep_params_t, user_data); F(ucp_ep_params_t, flags); F(ucp_ep_params_t, sockaddr);
+  F(ucp_ep_params_t, conn_request); F(ucp_ep_params_t, name); F(ucp_ep_params_t, local_sockaddr);
+  printf("flag.UCP_LISTENER_PARAM_FIELD_SOCK_ADDR %d\n", (int)UCP_LISTENER_PARAM_FIELD_SOCK_ADDR);
+  printf("flag.UCP_LISTENER_PARAM_FIELD_CONN_HANDLER %d\n", (int)UCP_LISTENER_PARAM_FIELD_CONN_HANDLER);
+  printf("flag.UCP_LISTENER_ATTR_FIELD_SOCKADDR %d\n", (int)UCP_LISTENER_ATTR_FIELD_SOCKADDR);
+  printf("flag.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE %d\n", (int)UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE);
+  printf("flag.UCP_EP_PARAM_FIELD_ERR_HANDLER %d\n", (int)UCP_EP_PARAM_FIELD_ERR_HANDLER);
+  printf("flag.UCP_EP_PARAM_FIELD_CONN_REQUEST %d\n", (int)UCP_EP_PARAM_FIELD_CONN_REQUEST);
+  printf("flag.UCP_ERR_HANDLING_MODE_PEER %d\n", (int)UCP_ERR_HANDLING_MODE_PEER);
+  printf("flag.UCP_EP_CLOSE_FLAG_FORCE %d\n", (int)UCP_EP_CLOSE_FLAG_FORCE);
+  printf("flag.UCP_OP_ATTR_FIELD_FLAGS %d\n", (int)UCP_OP_ATTR_FIELD_FLAGS);
+  printf("flag.UCP_STREAM_RECV_FLAG_WAITALL %d\n", (int)UCP_STREAM_RECV_FLAG_WAITALL);
   printf("flag.UCP_MEM_MAP_ALLOCATE %d\n", (int)UCP_MEM_MAP_ALLOCATE);
   printf("flag.UCP_MEM_MAP_PROT_REMOTE_WRITE %d\n", (int)UCP_MEM_MAP_PROT_REMOTE_WRITE);
   printf("flag.UCP_MEM_MAP_PARAM_FIELD_PROT %d\n", (int)UCP_MEM_MAP_PARAM_FIELD_PROT);
@@ -51,9 +69,18 @@ def test_struct_layouts_match_headers(tmp_path):
         "flag.UCP_MEM_MAP_PROT_REMOTE_WRITE": ucp.UCP_MEM_MAP_PROT_REMOTE_WRITE,
         "flag.UCP_MEM_MAP_PARAM_FIELD_PROT": ucp.UCP_MEM_MAP_PARAM_FIELD_PROT,
         "flag.UCP_MEM_ATTR_FIELD_LENGTH": ucp.UCP_MEM_ATTR_FIELD_LENGTH,
+        "sizeof.ucp_listener_params_t": ctypes.sizeof(ucp.ListenerParams),
+        "sizeof.ucp_listener_attr_t": ctypes.sizeof(ucp.ListenerAttr),
+        "sizeof.ucp_ep_params_t": ctypes.sizeof(ucp.EpParams),
+        **{f"flag.{n}": getattr(ucp, n) for n in (
+            "UCP_LISTENER_PARAM_FIELD_SOCK_ADDR", "UCP_LISTENER_PARAM_FIELD_CONN_HANDLER",
+            "UCP_LISTENER_ATTR_FIELD_SOCKADDR", "UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE", "UCP_EP_PARAM_FIELD_ERR_HANDLER",
+            "UCP_EP_PARAM_FIELD_CONN_REQUEST", "UCP_ERR_HANDLING_MODE_PEER", "UCP_EP_CLOSE_FLAG_FORCE",
+            "UCP_OP_ATTR_FIELD_FLAGS", "UCP_STREAM_RECV_FLAG_WAITALL")},
     }
     names = {"ucp_mem_map_params_t": ucp.MemMapParams, "ucp_mem_attr_t": ucp.MemAttr,
-             "ucp_request_param_t": ucp.RequestParam}
+             "ucp_request_param_t": ucp.RequestParam, "ucp_listener_params_t": ucp.ListenerParams,
+             "ucp_listener_attr_t": ucp.ListenerAttr, "ucp_ep_params_t": ucp.EpParams}
     for key in got:
         if key.startswith("ucp_"):
             t, field = key.split(".")
