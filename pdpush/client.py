@@ -55,6 +55,9 @@ from pdpush.protocol import (
 from pdpush.shm import Attached
 
 _NP_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+# a waiting decode client re-reads readiness words in a tight loop for SPIN_S, then every NAP_S until
+# NAP_WINDOW_S, then between millisecond waits on the receiver's messages
+SPIN_S, NAP_S, NAP_WINDOW_S = 0.002, 0.0001, 0.2
 
 
 def _endpoint(sock: str | Path) -> str:
@@ -263,11 +266,16 @@ class PushHandle:
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
+        self.layers_ready([layer])
+
+    def layers_ready(self, layers: list[int]) -> None:
+        """Hand several staged layers over in one message (eager mode, or layers that finished together)."""
         self._check_open()
-        if layer in self._sent:
-            raise ValueError(f"layer {layer} already handed over")
-        self._sent.add(layer)
-        self.client._conn.send(LayerReady(req_id=self.req_id, layer=layer), self.client.timeout_s)
+        again = [la for la in layers if la in self._sent]
+        if again or len(set(layers)) != len(layers):
+            raise ValueError(f"layer {again[0] if again else layers} already handed over")
+        self._sent.update(layers)
+        self.client._conn.send(LayerReady(req_id=self.req_id, layers=list(layers)), self.client.timeout_s)
 
     def _check_open(self) -> None:
         self._check_not_aborted()
@@ -387,8 +395,13 @@ class DecodeRequest:
         self.committed = ok.committed
         self.pool_pages = ok.pool_pages
         self._shmid = ok.shmid
-        self._pool = client._segments.hold(ok.shmid, self.layout.layers * ok.pool_pages * self.layout.page_bytes)
+        self._pool = client._segments.hold(ok.shmid, self.layout.region_bytes(ok.pool_pages))
         self.page_runs = runs(self.pages)
+        # readiness words (layout.py): a layer has landed when every new page's word is our lease id
+        self.lease_id = ok.lease_id
+        self._new_pages = np.array([self.pages[i] for i in ok.new_idx], dtype=np.int64)
+        self._words = (self._pool.array[self.layout.kv_bytes(ok.pool_pages):].view(np.uint64)
+                       .reshape(self.layout.layers, ok.pool_pages) if ok.ready_in_pool and ok.lease_id else None)
         self._released = False
         self.broken: str | None = None
 
@@ -407,22 +420,40 @@ class DecodeRequest:
         if self.broken is not None:
             raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
 
+    def _landed(self, layer: int) -> bool:
+        """The layer's readiness words say it is in the pool (no message needed)."""
+        w = self._words
+        return w is not None and bool((w[layer, self._new_pages] == self.lease_id).all())
+
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """Wait until layer ``layer`` is in the pool: its readiness words in the pool say so, or the
+        receiver's LayerAvailable does. Re-reads the words in a tight loop for ``SPIN_S``, then every
+        ``NAP_S`` for ``NAP_WINDOW_S`` (a decode engine usually waits for layers already on the way),
+        then waits on the receiver's messages in millisecond slices, re-reading the words between."""
         if not 0 <= layer < self.layout.layers:
             raise ValueError(f"layer {layer} out of range")
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
+        t = time.monotonic()
+        deadline = t + (timeout_s if timeout_s is not None else self.client.timeout_s)
+        spin_until, nap_until = t + SPIN_S, t + NAP_WINDOW_S
         box = self.client._conn.mail.get(self.req_id)
         while box:
             self._apply(box.pop(0))
         while layer not in self.ready:
-            try:
-                self._pump(deadline)
+            if self._landed(layer):
+                self.ready.add(layer)
+                return
+            now = time.monotonic()
+            if spin_until <= now < nap_until:
+                time.sleep(NAP_S)
+            try:  # an error or a notice from the receiver, if one came
+                self._pump(now if now < nap_until else min(deadline, now + 0.001))
             except TransportTimeout:
-                raise TransportTimeout(f"layer {layer} of {self.req_id!r} did not arrive in time") from None
+                if time.monotonic() >= deadline and not self._landed(layer):
+                    raise TransportTimeout(f"layer {layer} of {self.req_id!r} did not arrive in time") from None
 
     def _apply(self, msg: Msg) -> None:
         if isinstance(msg, LayerAvailable):
-            self.ready.add(msg.layer)
+            self.ready.update(msg.layers)
         elif isinstance(msg, Committed):
             self.committed = True
         else:

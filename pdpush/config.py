@@ -130,7 +130,7 @@ class ReceiverConfig(_Base):
 
     @property
     def pool_bytes(self) -> int:
-        return self.layers * self.pool_pages * self.layout.page_bytes
+        return self.layout.region_bytes(self.pool_pages)  # KV and the readiness words (layout.py)
 
     def local_socket_path(self) -> Path:
         return Path(self.local_socket) if self.local_socket else runtime_dir() / f"receiver-{self.control_port}.sock"

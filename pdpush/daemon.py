@@ -124,9 +124,15 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     last_wd = time.monotonic()
     code = ExitCode.OK
     drain_deadline: float | None = None
+    loop_errors = 0
     try:
         while True:
-            server.step(20)
+            try:
+                server.step(20)
+            except Exception:  # noqa: BLE001 - the top-level guard: a bug in one pass never ends the daemon
+                loop_errors += 1
+                log.exception("internal error in the daemon loop (%d so far); serving on", loop_errors)
+                time.sleep(0.01)  # a fault that repeats every pass must not spin the log
             if watchdog_us and time.monotonic() - last_wd > watchdog_us / 2e6:
                 sd_notify("WATCHDOG=1")
                 last_wd = time.monotonic()

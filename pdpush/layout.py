@@ -9,6 +9,15 @@ of a run of consecutive pages ``p..p+n`` is one contiguous byte range.
 A partial last chunk takes a whole page; only its first ``last_chunk_tokens``
 token rows are meaningful.
 
+After the KV comes the readiness area: one 8-byte word per (layer, page),
+``ready[layers, pages]`` (u64, native order), at byte offset
+``layers * pages * page_bytes``. When layer ``l`` of a request has landed (its
+data puts' flush completed, which means remote completion), the sender puts the
+request's lease id into ``ready[l, p]`` for each of its new pages ``p``. A
+decode client reading its zero-copy mapping sees a layer ready when every word
+of its new pages equals its lease id. Lease ids are unique and never 0, so a
+zeroed word or a late write from an older lease never reads as ready.
+
 Pure logic: imports no torch, zmq or ucxx (numpy only where asked for).
 """
 
@@ -22,6 +31,7 @@ import xxhash
 DType = Literal["float16", "bfloat16", "float32"]
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 LAYOUT_VERSION = 1
+READY_WORD = 8  # bytes of one readiness word (a lease id)
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,18 @@ class KVLayout:
     @property
     def page_shape(self) -> tuple[int, int, int, int]:
         return (2, self.chunk_tokens, self.kv_heads, self.head_dim)
+
+    def kv_bytes(self, pages: int) -> int:
+        """Bytes of the KV part of a pool of ``pages`` pages (all layers)."""
+        return self.layers * pages * self.page_bytes
+
+    def ready_offset(self, layer: int, page: int, pages: int) -> int:
+        """Byte offset of the readiness word of (``layer``, ``page``) in a pool of ``pages`` pages."""
+        return self.kv_bytes(pages) + (layer * pages + page) * READY_WORD
+
+    def region_bytes(self, pages: int) -> int:
+        """The whole pool region: KV, then the readiness words."""
+        return self.kv_bytes(pages) + self.layers * pages * READY_WORD
 
     def num_chunks(self, tokens: int) -> int:
         return -(-tokens // self.chunk_tokens)

@@ -66,6 +66,7 @@ class HelloAck(Msg):
     pool_pages: U32
     page_bytes: U64
     rkey: Annotated[bytes, Field(max_length=65536)]
+    ready_base: U64  # remote address of the readiness words (layout.py): ready[layer, page]
     ucx_host: str
     ucx_port: Annotated[int, Field(ge=0, le=65535)]
     ucx_token: Annotated[bytes, Field(min_length=32, max_length=32)]  # one-time: binds the UCX endpoint to this session
@@ -89,11 +90,17 @@ class AllocResponse(Msg):
     expires_at_ms: U64
 
 
+Layers = Annotated[list[U32], Field(min_length=1, max_length=4096)]
+
+
 class LayerDone(Msg):
+    """These layers' puts were flushed. One notice carries every layer of a request that completed in
+    the same pass of the sender's loop (batched: the fixed cost is per notice, not per layer)."""
+
     type: Literal["layer_done"] = "layer_done"
     req_id: ReqId
-    layer: U32
-    checksum: U64 | None = None
+    layers: Layers
+    checksums: Annotated[list[U64], Field(max_length=4096)] | None = None  # one per layer, in order
 
 
 class Commit(Msg):
@@ -153,9 +160,11 @@ class BeginOk(Msg):
 
 
 class LayerReady(Msg):
+    """These layers are in staging: push them."""
+
     type: Literal["layer_ready"] = "layer_ready"
     req_id: ReqId
-    layer: U32
+    layers: Layers
 
 
 class Finish(Msg):
@@ -188,6 +197,9 @@ class OpenOk(Msg):
     pool_pages: U32
     layout: LayoutSpec
     pages: list[U32]  # one page per chunk, all chunks (held + new), in chunk order
+    new_idx: list[U32] = []  # chunk indexes this request writes (the others were held complete)
+    lease_id: U64 = 0  # the value its readiness words take as each layer lands (layout.py)
+    ready_in_pool: bool = False  # read readiness from the pool (off where the receiver verifies checksums)
     last_chunk_tokens: U32
     layers_ready: list[U32]
     committed: bool
@@ -195,9 +207,11 @@ class OpenOk(Msg):
 
 
 class LayerAvailable(Msg):
+    """These layers landed in the pool (batched like LayerDone)."""
+
     type: Literal["layer_available"] = "layer_available"
     req_id: ReqId
-    layer: U32
+    layers: Layers
 
 
 class Committed(Msg):

@@ -86,7 +86,7 @@ class Receiver:
 
         self.metrics = Metrics("receiver", cfg.metrics_host, cfg.metrics_port)
         info = PoolInfo(base=self.region.address, pages=cfg.pool_pages, shmid=self.shmid, rkey=self.rkey,
-                        ucx_host=cfg.host, ucx_port=self.ucx_port, daemon_pid=os.getpid())
+                        ready_base=self.region.address + self.layout.kv_bytes(cfg.pool_pages), ucx_host=cfg.host, ucx_port=self.ucx_port, daemon_pid=os.getpid())
         self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
                                        layer_checksum=self._layer_checksum)
@@ -128,7 +128,7 @@ class Receiver:
     # ---- loop ----
     def step(self, timeout_ms: int) -> None:
         self.ucx.progress()
-        events = dict(self.poller.poll(timeout_ms if self.ucx.arm() else 0))
+        self.poller.poll(timeout_ms if self.ucx.arm() else 0)
         self.ucx.progress()
         self.ucx.dispatch_closed()
         for _ in range(256):  # bounded batch so the tick below always runs
@@ -140,7 +140,7 @@ class Receiver:
         if self.ucx_pending:
             self._check_ucx_peers()
         t = now_ms()
-        if t - self._last_tick >= 10 or events:
+        if t - self._last_tick >= 10:
             self._last_tick = t
             self._apply(self.session.on_tick(t))
             if t - self._last_refresh >= 100:  # gauges ~10 times a second

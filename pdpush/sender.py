@@ -14,11 +14,13 @@ through pdpush.transport.ucx, when started.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 from collections import deque
 
+import numpy as np
 import xxhash
 import zmq
 
@@ -29,6 +31,8 @@ from pdpush.protocol import StatusReply, StatusRequest
 from pdpush.sessions import Count, Log, Observe
 from pdpush.sessions.sender import (
     Connect,
+    FillWords,
+    Flushed,
     PostPuts,
     ResetPeer,
     SenderLimits,
@@ -41,6 +45,9 @@ from pdpush.sessions.sender import (
 log = logging.getLogger("pdpush.sender")
 
 
+SPIN_S = 0.002  # how long the loop spins on UCX progress after a post or a completion
+
+
 def now_ms() -> int:
     return int(time.monotonic() * 1000)
 
@@ -51,11 +58,14 @@ class Sender:
         self.session: SenderSession | None = None
         self.socks: dict[str, zmq.Socket] = {}  # receiver endpoint -> control DEALER
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
-        self.posted: dict[tuple[int, int], tuple[float, int | None]] = {}  # layer -> (posted at, checksum)
+        self.pending: dict[str, list[PostPuts]] = {}  # this loop pass's posts, per receiver
+        self.posted: dict[int, tuple[float, list]] = {}  # batch -> (posted at, [(session token, checksums)])
+        self._batch_ids = itertools.count(1)
         self.shell_counters = {"loop_errors": 0}
         self._poller_dirty = True
         self._last_refresh = 0.0
         self._last_tick = 0
+        self._spin_until = 0.0
         self.keys = None
         if cfg.curve_secret_key_file:
             from pdpush import auth
@@ -119,11 +129,14 @@ class Sender:
 
     # ---- loop ----
     def step(self, timeout_ms: int) -> None:
-        self._completions()
-        if self.ucx.in_flight:  # puts in flight: look at the sockets, but come back to UCX soon
-            timeout_ms = min(timeout_ms, 1)
+        self._reap()
+        if self.ucx.in_flight:
+            # Flushes in flight. Shared-memory completions need progress, not an fd event, so spin
+            # for a short window after the last post or completion; past it (a slow or stalled
+            # peer) look at the sockets at least every millisecond, without burning a core.
+            timeout_ms = 0 if time.monotonic() < self._spin_until else min(timeout_ms, 1)
         events = dict(self._poller().poll(timeout_ms if self.ucx.arm() else 0))
-        self._completions()
+        self._reap()
         self.ucx.dispatch_closed()
         for endpoint, sock in list(self.socks.items()):
             if sock in events:
@@ -142,7 +155,8 @@ class Sender:
                 break
             if len(frames) >= 2:
                 self._guard(self._on_ingress_frame, frames[0], frames[-1])
-            self._completions()  # a layer handed over is posted at once; reap what finished meanwhile
+        self._post_pending()  # everything handed over in this pass: one batch per receiver
+        self._reap()
         t = now_ms()
         if t - self._last_tick >= 5:
             self._last_tick = t
@@ -158,13 +172,24 @@ class Sender:
             self.shell_counters["loop_errors"] += 1
             log.exception("internal error handling a frame")
 
+    def _reap(self) -> None:
+        """Completions out (one notice per request), and the readiness words they call for posted."""
+        self._completions()
+        self._post_pending()
+
     def _completions(self) -> None:
         now = time.monotonic()
+        done = []
         for c in self.ucx.poll(now):
-            posted_at, checksum = self.posted.pop(c.token, (now, None))
-            if c.error is None:
-                self.metrics.layer_seconds.observe(now - posted_at)
-            self._apply(self.session.on_puts_done(c.token, c.puts, c.error, checksum, now_ms()))
+            posted_at, parts = self.posted.pop(c.token, (now, []))
+            if c.error is None:  # one sample per layer: its batch's post-to-flush time
+                for (_, layers, kind), _ in parts:
+                    for _ in layers if kind == "data" else ():
+                        self.metrics.layer_seconds.observe(now - posted_at)
+            done.extend(Flushed(token, c.error, sums) for token, sums in parts)
+        if done:
+            self._spin_until = now + SPIN_S  # every completion of this pass at once: one LayerDone per request
+            self._apply(self.session.on_flushed(done, now_ms()))
 
     def _on_ingress_frame(self, ident: bytes, payload: bytes) -> None:
         try:
@@ -196,9 +221,13 @@ class Sender:
                     todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
                                                           now_ms()))
             elif isinstance(a, PostPuts):
-                todo.extend(self._post(a))
+                self.pending.setdefault(a.endpoint, []).append(a)  # posted at the end of the loop pass
             elif isinstance(a, Connect):
                 todo.extend(self._connect(a))
+            elif isinstance(a, FillWords):
+                from pdpush.shm import array_at
+
+                array_at(a.address, a.count * 8).view(np.uint64)[:] = a.value
             elif isinstance(a, ResetPeer):
                 self._reset(a.endpoint)
             elif isinstance(a, Count):
@@ -250,22 +279,36 @@ class Sender:
             return self.session.on_connected(a.endpoint, e, now_ms())
         return self.session.on_connected(a.endpoint, None, now_ms())
 
-    def _post(self, a: PostPuts) -> list:
-        ep = self.eps.get(a.endpoint)
+    def _post_pending(self) -> None:
+        """Post what this loop pass handed over: one batch (one flush) per receiver, whatever the
+        number of layers and requests in it; each layer keeps its own fence and readiness words."""
+        pending, self.pending = self.pending, {}
+        for endpoint, posts in pending.items():
+            self._apply(self._post(endpoint, posts))
+
+    def _post(self, endpoint: str, posts: list[PostPuts]) -> list:
+        ep = self.eps.get(endpoint)
+        parts = []
+        token = next(self._batch_ids)
         try:
             if ep is None:
-                raise TransferError(f"no data plane to {a.endpoint}")
-            checksum = None
-            if self.cfg.checksums:
-                from pdpush.shm import array_at
+                raise TransferError(f"no data plane to {endpoint}")
+            for a in posts:
+                sums = None
+                if self.cfg.checksums:
+                    from pdpush.shm import array_at
 
-                checksum = xxhash.xxh3_64_intdigest(array_at(*a.src))
-            self.posted[a.token] = (time.monotonic(), checksum)
-            ep.post_puts(a.ops, a.token, time.monotonic() + (a.deadline_ms - now_ms()) / 1000)
+                    sums = [xxhash.xxh3_64_intdigest(array_at(*src)) for src in a.srcs]
+                parts.append((a.token, sums))
+            ops = posts[0].ops if len(posts) == 1 else [op for a in posts for op in a.ops]
+            deadline = time.monotonic() + (min(a.deadline_ms for a in posts) - now_ms()) / 1000
+            self.posted[token] = (time.monotonic(), parts)
+            self._spin_until = time.monotonic() + SPIN_S
+            ep.post_puts(ops, token, deadline)
         except PdpushError as e:
-            self.posted.pop(a.token, None)
+            self.posted.pop(token, None)
             err = e if isinstance(e, TransportError) else TransferError(str(e))
-            return self.session.on_puts_done(a.token, 0, err, None, now_ms())
+            return self.session.on_flushed([Flushed(a.token, err) for a in posts], now_ms())
         return []
 
     @staticmethod

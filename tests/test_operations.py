@@ -190,3 +190,49 @@ def test_status_table_readable(daemons):
     r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "status", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"})
     assert r.returncode == 0 and "pool_pages_free" in r.stdout and "leases_active" in r.stdout
+
+
+def test_an_exception_in_the_daemon_loop_is_logged_and_the_daemon_serves_on(caplog):
+    """The top-level guard covers the whole loop pass, not only frame handling (a bug in reaping
+    completions once ended the sender)."""
+    import os
+    import signal
+
+    from pdpush import daemon
+
+    class Flaky:
+        steps = 0
+        closed = False
+
+        def start(self) -> dict:
+            return {}
+
+        def step(self, timeout_ms: int) -> None:
+            self.steps += 1
+            if self.steps == 2:
+                raise ValueError("a bug in one pass")
+            if self.steps == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def begin_drain(self) -> None:
+            pass
+
+        def drained(self) -> bool:
+            return self.steps >= 6
+
+        def abort_all(self, reason: str) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    server = Flaky()
+    try:
+        with caplog.at_level("ERROR"):
+            assert daemon.run(server, None, 5.0) == 0
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+    assert server.steps >= 6 and server.closed
+    assert "a bug in one pass" in caplog.text and "serving on" in caplog.text

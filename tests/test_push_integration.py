@@ -223,3 +223,43 @@ def test_an_aborted_push_never_reads_as_committed_and_leaves_no_mail(daemons):
         assert st["requests_failed"] == 1 and st["requests_done"] == 3 and st["requests_inflight"] == 0
     finally:
         pc.close()
+
+
+def test_layer_readiness_travels_in_the_data_plane(daemons):
+    """With the receiver process stopped (it can send no LayerAvailable), the decode client still sees
+    each layer land, from the readiness words the sender puts into the pool after the layer's data."""
+    import os
+    import signal
+
+    lay = KVLayout(3, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(lay))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(lay, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = kv(lay, 40, 5)
+        h = pc.begin("in-band", list(range(40)))
+        req = dc.open("in-band")
+        assert req.lease_id and not req._landed(0)
+        os.kill(rx.info["pid"], signal.SIGSTOP)
+        try:
+            for layer in range(lay.layers):
+                h.put_layer(layer, k[layer], v[layer])
+                req.wait_layer(layer, timeout_s=10)
+            got = [np.concatenate([r.view(np.uint8) for r in req.layer_runs(layer, wait=False)]).ravel()
+                   for layer in range(lay.layers)]
+        finally:
+            os.kill(rx.info["pid"], signal.SIGCONT)
+        h.finish()
+        req.wait_committed()
+        k2, v2 = read_back(dc, "in-band", lay, 40)
+        assert np.array_equal(k2, k) and np.array_equal(v2, v)
+        assert all(np.array_equal(g, np.concatenate([r.view(np.uint8) for r in req.layer_runs(la)]).ravel())
+                   for la, g in enumerate(got))
+        # a word from another lease never reads as ready
+        req._words[0, req._new_pages[0]] = req.lease_id + 1
+        assert not req._landed(0)
+        req.release()
+    finally:
+        pc.close()
+        dc.close()

@@ -200,7 +200,7 @@ def test_checksums_pass_and_a_wrong_checksum_is_detected(daemons):
         ask(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=protocol.LayoutSpec(**LAY.to_dict())))
         ask(protocol.AllocRequest(req_id="torn", chunk_keys=chunk_keys(list(range(900, 932)), LAY),
                                   last_chunk_tokens=16, lease_ms=5000))
-        reply = ask(protocol.LayerDone(req_id="torn", layer=0, checksum=12345))
+        reply = ask(protocol.LayerDone(req_id="torn", layers=[0], checksums=[12345]))
         assert isinstance(reply, protocol.Error) and reply.code is ErrorCode.CHECKSUM_MISMATCH
         st = status(sock(rx))
         assert st["checksum_failures"] == 1 and st["leases_active"] == 0 and st["pool_pages_quarantined"] == 2

@@ -21,6 +21,7 @@ from pdpush.sessions import Log
 from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 from pdpush.sessions.sender import (
     Connect,
+    Flushed,
     PostPuts,
     ResetPeer,
     SenderLimits,
@@ -38,8 +39,8 @@ DEC = b"decoder"
 
 def receiver(pages: int = 16, **limits) -> ReceiverSession:
     tokens = (bytes([i]) * 32 for i in itertools.count(1))
-    return ReceiverSession(LAY, pages, ReceiverLimits(**limits), PoolInfo(1 << 30, pages, 7, b"rkey", "127.0.0.1",
-                                                                          9, 42), new_token=lambda: next(tokens))
+    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + LAY.kv_bytes(pages), "127.0.0.1", 9, 42)
+    return ReceiverSession(LAY, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
 
 
 def sender(**limits) -> SenderSession:
@@ -96,7 +97,7 @@ class Wire:
         keep = []
         for p in self.posted:
             if endpoint is None or p.endpoint == endpoint:
-                self.run(self.tx.on_puts_done(p.token, len(p.ops), None, None, self.now))
+                self.run(self.tx.on_flushed([Flushed(p.token)], self.now))
             else:
                 keep.append(p)
         self.posted = keep
@@ -112,7 +113,7 @@ class Wire:
     def push(self, req_id: str, ids: list[int], receiver: str = "") -> None:
         self.engine(begin(req_id, ids, receiver))
         for layer in range(LAY.layers):
-            self.engine(protocol.LayerReady(req_id=req_id, layer=layer))
+            self.engine(protocol.LayerReady(req_id=req_id, layers=[layer]))
         self.engine(protocol.Finish(req_id=req_id))
 
     def outcome(self, req_id: str):
@@ -125,9 +126,17 @@ def test_a_push_commits_only_after_every_flush_and_the_ack():
     w = Wire()
     w.push("r1", list(range(40)))  # 3 chunks, the last partial
     assert len(w.posted) == LAY.layers and w.outcome("r1") is None  # puts posted, nothing announced yet
-    assert all(len(p.ops) == 1 for p in w.posted)  # one put per layer per page run
+    assert all(len(p.ops) == 1 and p.token[2] == "data" for p in w.posted)  # one put per layer per page run
     rx = w.rx["tcp://rx-a:1"]
     assert rx.reqs["r1"].layers_done == set()
+    data = list(w.posted)
+    w.posted = []
+    for p in data:  # each layer's flush completes: its readiness words follow, into the words area
+        actions = w.tx.on_flushed([Flushed(p.token)], w.now)
+        ready = [a for a in actions if isinstance(a, PostPuts)]
+        assert len(ready) == 1 and ready[0].token == (p.token[0], p.token[1], "ready")
+        assert ready[0].ops[0].dst >= (1 << 30) + LAY.kv_bytes(64) and ready[0].ops[0].nbytes == 3 * 8
+        w.run(actions)
     w.complete()
     done = w.outcome("r1")
     assert isinstance(done, protocol.Done) and done.layers == LAY.layers and done.puts == LAY.layers
@@ -144,10 +153,10 @@ def test_layer_done_goes_out_when_its_flush_completes_in_any_order():
     w = Wire()
     w.engine(begin("r", list(range(20))))
     for layer in range(LAY.layers):
-        w.engine(protocol.LayerReady(req_id="r", layer=layer))
+        w.engine(protocol.LayerReady(req_id="r", layers=[layer]))
     rx = w.rx["tcp://rx-a:1"]
     last = w.posted.pop()
-    w.run(w.tx.on_puts_done(last.token, 1, None, None, w.now))
+    w.run(w.tx.on_flushed([Flushed(last.token)], w.now))
     assert rx.reqs["r"].layers_done == {LAY.layers - 1}
     w.engine(protocol.Finish(req_id="r"))
     assert w.outcome("r") is None  # two layers still in flight: no commit yet
@@ -162,7 +171,7 @@ def test_a_stalled_receiver_holds_only_its_own_requests():
     w.push("warm-b", list(range(20)), b)
     w.complete()
     w.engine(begin("on-a", list(range(100, 150)), a))
-    w.engine(protocol.LayerReady(req_id="on-a", layer=0))  # posted; receiver a now stalls
+    w.engine(protocol.LayerReady(req_id="on-a", layers=[0]))  # posted; receiver a now stalls
     for i in range(5):  # b keeps moving requests while a's batch is in flight
         w.tick(50)
         w.push(f"on-b-{i}", list(range(1000 * i, 1000 * i + 40)), b)
@@ -173,7 +182,7 @@ def test_a_stalled_receiver_holds_only_its_own_requests():
     stalled = [p for p in w.posted if p.endpoint == a]
     assert stalled and all(p.deadline_ms == 500 for p in stalled)
     w.posted = []
-    actions = w.tx.on_puts_done(stalled[0].token, 1, TransportTimeout("flush did not complete"), None, 600)
+    actions = w.tx.on_flushed([Flushed(stalled[0].token, TransportTimeout("flush did not complete"))], 600)
     w.run(actions)
     err = w.outcome("on-a")
     assert isinstance(err, protocol.Error) and err.code is ErrorCode.TIMEOUT
@@ -228,7 +237,7 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
         rx.on_control(b"s", alloc.model_copy(update={"req_id": rid, "chunk_keys": chunk_keys(
             list(range(base, base + 16)), LAY)}), 200)
         for layer in range(LAY.layers):
-            rx.on_control(b"s", protocol.LayerDone(req_id=rid, layer=layer), 200)
+            rx.on_control(b"s", protocol.LayerDone(req_id=rid, layers=[layer]), 200)
         assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid), 200), ToSender, protocol.CommitAck)
     rx.on_local(DEC, protocol.Open(req_id="b"), 250)
     rx.on_local(DEC, protocol.Release(req_id="b"), 260)
@@ -252,7 +261,7 @@ def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_s
         raise ZeroDivisionError("a bug")
 
     monkeypatch.setattr(rx, "_layer_checksum", boom)
-    out = rx.on_control(b"tx", protocol.LayerDone(req_id="victim", layer=0, checksum=1), 0)
+    out = rx.on_control(b"tx", protocol.LayerDone(req_id="victim", layers=[0], checksums=[1]), 0)
     errs = msgs(out, ToSender, protocol.Error)
     assert errs and errs[0].code is ErrorCode.INTERNAL and errs[0].req_id == "victim"
     assert any(isinstance(a, Log) and "ZeroDivisionError" in (a.exc_text or "") for a in out)
@@ -260,14 +269,14 @@ def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_s
     rx.check()
     monkeypatch.undo()
     for layer in range(LAY.layers):
-        w.engine(protocol.LayerReady(req_id="bystander", layer=layer))
+        w.engine(protocol.LayerReady(req_id="bystander", layers=[layer]))
     w.engine(protocol.Finish(req_id="bystander"))
     w.complete()
     assert isinstance(w.outcome("bystander"), protocol.Done)
     # the same on the sender: a bug while handling one engine message fails that request, typed
     monkeypatch.setattr(w.tx, "_layer_ready", lambda *a: 1 / 0)
     w.engine(begin("v2", list(range(300, 320))))
-    w.engine(protocol.LayerReady(req_id="v2", layer=0))
+    w.engine(protocol.LayerReady(req_id="v2", layers=[0]))
     err = w.outcome("v2")
     assert isinstance(err, protocol.Error) and err.code is ErrorCode.INTERNAL
     assert "v2" not in w.tx.reqs
@@ -282,8 +291,8 @@ _RX_MSG = st.one_of(
     st.just(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)),
     st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
               _RID, st.lists(st.sampled_from(_KEYS), min_size=1, max_size=5)),
-    st.builds(lambda r, lay, c: protocol.LayerDone(req_id=r, layer=lay, checksum=c), _RID, st.integers(0, 3),
-              st.none() | st.integers(0, 3)),
+    st.builds(lambda r, lay, c: protocol.LayerDone(req_id=r, layers=lay, checksums=None if c is None else [c] * len(lay)),
+              _RID, st.lists(st.integers(0, 3), min_size=1, max_size=3), st.none() | st.integers(0, 3)),
     st.builds(lambda r: protocol.Commit(req_id=r), _RID),
     st.builds(lambda r: protocol.Abort(req_id=r), _RID),
     st.builds(lambda r: protocol.Open(req_id=r), _RID),
@@ -300,7 +309,7 @@ def test_receiver_session_fuzz(steps):
     """Random messages in random order on both endpoints: every reply typed, the accounting whole."""
     rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300,
                                                  max_leases_per_sender=3),
-                         PoolInfo(1 << 30, 12, 1, b"k", "127.0.0.1", 1, 1), new_token=lambda: b"t" * 32,
+                         PoolInfo(1 << 30, 12, 1, b"k", 1 << 31, "127.0.0.1", 1, 1), new_token=lambda: b"t" * 32,
                          layer_checksum=lambda layer, runs: 2)
     now = 0
     for ident, local, msg, dt in steps:
@@ -310,11 +319,14 @@ def test_receiver_session_fuzz(steps):
         assert rx.counters.values["internal_errors"] == 0, [a for a in out if isinstance(a, Log)]
         rx.on_tick(now)
         rx.check()
+        for r in rx.reqs.values():  # a tick that skips its scan never misses a deadline that is due
+            assert not (r.state in (ReqState.ALLOCATED, ReqState.STREAMING) and now >= r.expires_at_ms)
+            assert not (r.state is ReqState.COMMITTED and r.readers == 0 and now >= r.committed_at_ms + 300)
 
 
 _TX_EVENT = st.one_of(
     st.builds(lambda r, n: ("ingress", begin(r, list(range(n)))), _RID, st.integers(1, 60)),
-    st.builds(lambda r, lay: ("ingress", protocol.LayerReady(req_id=r, layer=lay)), _RID, st.integers(0, 3)),
+    st.builds(lambda r, lay: ("ingress", protocol.LayerReady(req_id=r, layers=[lay])), _RID, st.integers(0, 3)),
     st.builds(lambda r: ("ingress", protocol.Finish(req_id=r)), _RID),
     st.builds(lambda r: ("ingress", protocol.Abort(req_id=r)), _RID),
     st.builds(lambda ok: ("complete", ok), st.booleans()),
@@ -336,7 +348,7 @@ def test_sender_session_fuzz(steps):
             w.engine(arg)
         elif kind == "complete" and w.posted:
             p = w.posted.pop(0)
-            w.run(w.tx.on_puts_done(p.token, 1, None if arg else TransportTimeout("x"), None, w.now))
+            w.run(w.tx.on_flushed([Flushed(p.token, None if arg else TransportTimeout("x"))], w.now))
         elif kind == "peer":
             w.run(w.tx.on_peer("tcp://rx-a:1", arg, w.now))
         elif kind == "lost":

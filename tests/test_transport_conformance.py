@@ -123,6 +123,7 @@ def test_a_stalled_peer_times_out_at_its_deadline_and_holds_only_its_own_batches
     size = 4 << 20
     t0 = time.monotonic()
     slow_ep.post_puts([PutOp(src.address, slow.info["address"], size)], "slow-1", t0 + 1.0)
+    assert time.monotonic() - t0 < 0.5  # posting never waits for the peer (a ucp fence did, on tcp)
     slow_ep.post_puts([PutOp(src.address, slow.info["address"], size)], "slow-2", t0 + 5.0)
     for i in range(5):  # the healthy peer's batches complete while the stalled one's are pending
         fast_ep.post_puts([PutOp(src.address, fast.info["address"], size)], ("fast", i), time.monotonic() + 10)

@@ -79,8 +79,7 @@ def push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layo
         for layer in range(layout.layers):
             h.stage_layer(layer, src.k[layer], src.v[layer])
         t0 = time.perf_counter()
-        for layer in range(layout.layers):
-            h.layer_ready(layer)
+        h.layers_ready(list(range(layout.layers)))  # all at once, as a DMA that finished would hand them over
         layer_end = [t0] * layout.layers
         pipelined = None  # nothing left to hand over
     for layer in range(layout.layers if pipelined is not None else 0):

@@ -90,6 +90,7 @@ class PoolInfo:
     pages: int
     shmid: int
     rkey: bytes
+    ready_base: int  # address of the readiness words (layout.py)
     ucx_host: str
     ucx_port: int
     daemon_pid: int
@@ -143,6 +144,7 @@ class ReceiverSession:
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
         self.draining = False
         self._next_lease = 1
+        self._next_check = 0  # no lease, TTL or parked open is due before this (ms): ticks before it skip the scan
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors")})
@@ -183,8 +185,15 @@ class ReceiverSession:
             out.append(reply_cls(ident, protocol.error_reply(err, rid)))
         return out
 
+    def _due(self, at_ms: int) -> None:
+        self._next_check = min(self._next_check, at_ms)
+
     def on_tick(self, now: int) -> list:
         out: list = []
+        self.pool.tick(now)
+        if now < self._next_check:
+            return out
+        self._next_check = now + PARKED_OPEN_MS
         for r in [r for r in self.reqs.values() if r.state in _LIVE and now >= r.expires_at_ms]:
             out.append(Log(logging.WARNING, "lease expired", r.req_id))
             self.counters.add("leases_expired")
@@ -193,11 +202,17 @@ class ReceiverSession:
         for r in [r for r in self.reqs.values() if r.state is ReqState.COMMITTED and r.readers == 0
                   and now >= r.committed_at_ms + self.limits.committed_ttl_ms]:
             self._drop(r, "committed, unread past its TTL")
-        self.pool.tick(now)
+        for r in self.reqs.values():
+            if r.state in _LIVE:
+                self._due(r.expires_at_ms)
+            elif r.state is ReqState.COMMITTED and r.readers == 0:
+                self._due(r.committed_at_ms + self.limits.committed_ttl_ms)
         for rid, waiters in list(self.parked.items()):
             waiters[:] = [(i, s) for i, s in waiters if now - s < PARKED_OPEN_MS]
             if not waiters:
                 del self.parked[rid]
+            else:
+                self._due(min(s for _, s in waiters) + PARKED_OPEN_MS)
         return out
 
     def begin_drain(self) -> None:
@@ -253,7 +268,7 @@ class ReceiverSession:
         i = self.info
         return HelloAck(ucx_token=token, version=protocol.PROTOCOL_VERSION, fingerprint=mine, layout=self.spec,
                         pool_base=i.base, pool_pages=i.pages, page_bytes=self.layout.page_bytes, rkey=i.rkey,
-                        ucx_host=i.ucx_host, ucx_port=i.ucx_port)
+                        ready_base=i.ready_base, ucx_host=i.ucx_host, ucx_port=i.ucx_port)
 
     def _alloc(self, ident: bytes, msg: AllocRequest, now: int, out: list) -> Msg:
         rid = msg.req_id
@@ -273,6 +288,7 @@ class ReceiverSession:
         self._next_lease += 1
         r.new_runs = runs(alloc.new_pages)
         self.reqs[rid] = r
+        self._due(r.expires_at_ms)
         self.finished.pop(rid, None)
         self.counters.add("requests_total")
         out.append(Count("chunks_hit", len(alloc.held_idx)))
@@ -303,25 +319,30 @@ class ReceiverSession:
 
     def _layer_done(self, ident: bytes, msg: LayerDone, now: int, out: list) -> None:
         r = self._owned(ident, msg.req_id)
-        if msg.layer >= self.layout.layers:
-            raise RemoteProtocolError(f"layer {msg.layer} out of range (0..{self.layout.layers - 1})")
+        bad = [layer for layer in msg.layers if layer >= self.layout.layers]
+        if bad:
+            raise RemoteProtocolError(f"layer {bad[0]} out of range (0..{self.layout.layers - 1})")
+        if msg.checksums is not None and len(msg.checksums) != len(msg.layers):
+            raise RemoteProtocolError(f"{len(msg.checksums)} checksums for {len(msg.layers)} layers")
         r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
-        if msg.checksum is not None and self.limits.verify_checksums and self._layer_checksum is not None:
-            if self._layer_checksum(msg.layer, r.new_runs) != msg.checksum:
-                self.counters.add("checksum_failures")
-                err = ChecksumMismatch(f"layer {msg.layer} checksum mismatch", req_id=r.req_id)
-                self._fail(r, err, now, out)
-                out.append(ToSender(ident, protocol.error_reply(err)))
-                return
-        if msg.layer not in r.layers_done:
-            r.layers_done.add(msg.layer)
-            nbytes = len(r.alloc.new_idx) * self.layout.page_bytes
-            self.counters.add("layers_received")
+        if msg.checksums is not None and self.limits.verify_checksums and self._layer_checksum is not None:
+            for layer, want in zip(msg.layers, msg.checksums, strict=True):
+                if self._layer_checksum(layer, r.new_runs) != want:
+                    self.counters.add("checksum_failures")
+                    err = ChecksumMismatch(f"layer {layer} checksum mismatch", req_id=r.req_id)
+                    self._fail(r, err, now, out)
+                    out.append(ToSender(ident, protocol.error_reply(err)))
+                    return
+        new = [layer for layer in dict.fromkeys(msg.layers) if layer not in r.layers_done]
+        if new:
+            r.layers_done.update(new)
+            nbytes = len(r.alloc.new_idx) * self.layout.page_bytes * len(new)
+            self.counters.add("layers_received", len(new))
             self.counters.add("bytes_received", nbytes)
-            out.append(Count("layers"))
+            out.append(Count("layers", len(new)))
             out.append(Count("bytes", nbytes))
             for w in r.watchers:
-                out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layer=msg.layer)))
+                out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=new)))
         # LayerDone is not acknowledged: the Commit ack covers it
 
     def _commit(self, ident: bytes, msg: Commit, now: int, out: list) -> None:
@@ -332,14 +353,14 @@ class ReceiverSession:
         r.state = protocol.transition(r.state, ReqEvent.COMMIT, r.req_id)
         n = self.pool.commit(r.req_id)
         r.committed_at_ms = now
+        self._due(now + self.limits.committed_ttl_ms)
         self.counters.add("requests_committed")
         out.append(Count("requests"))
         out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
         if not r.new_runs:
             r.layers_done = set(range(self.layout.layers))
             for w in r.watchers:
-                out.extend(ToDecode(w, LayerAvailable(req_id=r.req_id, layer=layer))
-                           for layer in range(self.layout.layers))
+                out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=list(range(self.layout.layers)))))
         for w in r.watchers:
             out.append(ToDecode(w, Committed(req_id=r.req_id)))
         out.append(Log(logging.DEBUG, f"committed {n} new chunks", r.req_id))
@@ -383,6 +404,7 @@ class ReceiverSession:
                         del self.parked[msg.req_id]
                     raise RequestTooLarge("too many parked opens")
                 waiters.append((ident, now))  # answered when the AllocRequest arrives
+                self._due(now + PARKED_OPEN_MS)
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
             if r is not None:
@@ -390,6 +412,8 @@ class ReceiverSession:
                 r.readers = max(0, r.readers - 1)
                 if r.readers == 0 and r.state is ReqState.COMMITTED:
                     self._drop(r, "committed and released")
+                elif r.readers == 0:
+                    self._due(r.expires_at_ms)
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Query):
             out.append(ToDecode(ident, QueryReply(
@@ -416,7 +440,9 @@ class ReceiverSession:
         r.watchers.add(ident)
         i = self.info
         return ToDecode(ident, OpenOk(req_id=r.req_id, shmid=i.shmid, pool_base=i.base, pool_pages=i.pages,
-                                      layout=self.spec, pages=r.alloc.pages, last_chunk_tokens=r.last_chunk_tokens,
+                                      layout=self.spec, pages=r.alloc.pages, new_idx=r.alloc.new_idx,
+                                      lease_id=r.lease_id, ready_in_pool=not self.limits.verify_checksums,
+                                      last_chunk_tokens=r.last_chunk_tokens,
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
                                       daemon_pid=i.daemon_pid))
 

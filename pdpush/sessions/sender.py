@@ -4,16 +4,17 @@ Events in (each with ``now``, monotonic milliseconds):
   * ``on_ingress(client, msg, now)``    Begin / LayerReady / Finish / Abort from a prefill engine;
   * ``on_peer(endpoint, msg, now)``     a decoded frame from a receiver;
   * ``on_connected(endpoint, error, now)`` the data plane to a receiver is up (or failed);
-  * ``on_puts_done(token, puts, error, checksum, now)`` a posted layer's flush completed;
+  * ``on_flushed(completions, now)``   posted layers' flushes completed (every one of a loop pass);
   * ``on_peer_lost(endpoint, why, now)`` a receiver's socket or UCX endpoint broke;
   * ``on_tick(now)``                    control-reply deadlines, allocation back-off.
 Actions out: ``ToClient``/``ToPeer`` messages, ``Connect``, ``PostPuts``, ``ResetPeer``,
 metric ``Count``/``Observe``, ``Log``.
 
 A layer's puts are posted and the session moves on: many layers, requests and
-receivers are in flight at once. ``LayerDone`` goes out when that layer's flush
-completes; a stalled receiver's batches time out at their own deadlines and fail
-only that receiver's requests. A request counts as delivered only on CommitAck.
+receivers are in flight at once. ``LayerDone`` goes out when a layer's flush
+completes, one notice per request for all its layers that completed in the same
+pass; a stalled receiver's batches time out at their own deadlines and fail only
+that receiver's requests. A request counts as delivered only on CommitAck.
 
 Imports no zmq, ucxx, torch or clock.
 """
@@ -96,13 +97,34 @@ class Connect:
 
 @dataclass(frozen=True)
 class PostPuts:
-    """Post one layer's puts and a flush on ``endpoint``; answer with on_puts_done(token, ...)."""
+    """Post these layers' puts and one flush on ``endpoint``; answer with on_flushed([Flushed(token, ...)]).
+
+    ``kind`` "data": the layers' puts, one per layer per page run. "ready": once their data is
+    flushed, the layers' readiness words (layout.py), which a decode client reads in the pool."""
 
     endpoint: str
     ops: list[PutOp]
-    token: tuple[int, int]
+    token: tuple[int, tuple[int, ...], str]  # (request seq, layers, kind)
     deadline_ms: int
-    src: tuple[int, int]  # (staging address, bytes) of the layer, for an optional checksum
+    srcs: list[tuple[int, int]] = field(default_factory=list)  # data: (staging address, bytes) per layer
+
+
+@dataclass(frozen=True)
+class FillWords:
+    """Write ``count`` u64 words of ``value`` at ``address`` (the source of readiness puts)."""
+
+    address: int
+    value: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Flushed:
+    """A posted layer's flush completed (``error`` None) or failed."""
+
+    token: tuple[int, tuple[int, ...], str]
+    error: TransportError | None = None
+    checksums: list[int] | None = None  # one per layer of the token, where checksums are on
 
 
 @dataclass(frozen=True)
@@ -152,10 +174,12 @@ class TxRequest:
     state: TxState = TxState.WAIT_PEER
     staging_off: int | None = None
     n_new: int = 0
+    lease_id: int = 0
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (new-chunk idx, first page, n)
     skipped: int = 0
     layers_posted: set[int] = field(default_factory=set)
     layers_done: set[int] = field(default_factory=set)
+    unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
     finish: bool = False
     puts: int = 0
     bytes_sent: int = 0
@@ -236,21 +260,34 @@ class SenderSession:
                 self._send_alloc(r, TxEvent.PEER_READY, now, out)
         return out
 
-    def on_puts_done(self, token: tuple[int, int], puts: int, error: TransportError | None,
-                     checksum: int | None, now: int) -> list:
+    def on_flushed(self, completions: list[Flushed], now: int) -> list:
+        """Every completion of one loop pass: one LayerDone per request for its layers, then commits."""
         out: list = []
-        seq, layer = token
-        r = self._by_seq.get(seq)
-        if r is None or r.state is not TxState.STREAMING:
-            return out  # the request ended meanwhile (failed, aborted): nothing to announce
-        try:
-            if error is not None:
-                # the endpoint is not trustworthy any more: fail its requests, start afresh next time
-                self._peer_failed(r.peer, error, now, out)
-                return out
-            self._layer_flushed(r, layer, puts, checksum, now, out)
-        except Exception as exc:  # noqa: BLE001 - the top-level guard
-            self._internal("a put completion", exc, r.req_id, now, out)
+        touched: dict[int, TxRequest] = {}
+        for c in completions:
+            seq, layers, kind = c.token
+            r = self._by_seq.get(seq)
+            if r is None or (r.state is not TxState.STREAMING and kind == "data"):
+                continue  # the request ended meanwhile (failed, aborted): nothing to announce
+            try:
+                if c.error is not None:
+                    # the endpoint is not trustworthy any more: fail its requests, start afresh next time
+                    self._peer_failed(r.peer, c.error, now, out)
+                    continue
+                if kind == "ready":
+                    continue
+                out.append(self._readiness(r, layers, now))
+                for i, layer in enumerate(layers):
+                    self._layer_flushed(r, layer, len(r.runs), c.checksums[i] if c.checksums else None)
+                touched[seq] = r
+            except Exception as exc:  # noqa: BLE001 - the top-level guard
+                self._internal("a put completion", exc, r.req_id, now, out)
+        for r in touched.values():
+            if r.state is TxState.STREAMING:
+                try:
+                    self._announce(r, now, out)
+                except Exception as exc:  # noqa: BLE001 - the top-level guard
+                    self._internal("a put completion", exc, r.req_id, now, out)
         return out
 
     def on_peer_lost(self, endpoint: str, why: str, now: int) -> list:
@@ -366,33 +403,60 @@ class SenderSession:
         r = self._client_req(ident, msg.req_id)
         if r.state is not TxState.STREAMING:
             raise UnexpectedMessage(f"layer_ready for {r.req_id!r} in state {r.state.value}")
-        if msg.layer >= r.layout.layers or msg.layer in r.layers_posted:
-            raise RemoteProtocolError(f"layer {msg.layer} out of range or already sent")
-        r.layers_posted.add(msg.layer)
-        if not r.n_new:  # nothing new to move: the layer is done at once
-            self._layer_flushed(r, msg.layer, 0, None, now, out)
+        bad = [la for la in msg.layers if la >= r.layout.layers or la in r.layers_posted]
+        if bad or len(set(msg.layers)) != len(msg.layers):
+            raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range or already sent")
+        r.layers_posted.update(msg.layers)
+        if not r.n_new:  # nothing new to move: the layers are done at once
+            for layer in msg.layers:
+                self._layer_flushed(r, layer, 0, None)
+            self._announce(r, now, out)
             return
         pb = r.layout.page_bytes
         ack = r.peer.ack
-        src_layer = self.staging_info.address + r.staging_off + msg.layer * r.n_new * pb
-        ops = [PutOp(src_layer + idx * pb, ack.pool_base + (msg.layer * ack.pool_pages + page) * pb, n * pb)
-               for idx, page, n in r.runs]
-        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, msg.layer), now + self.limits.layer_timeout_ms,
-                            (src_layer, r.n_new * pb)))
+        ops: list[PutOp] = []
+        srcs = []
+        for layer in msg.layers:
+            src_layer = self.staging_info.address + r.staging_off + layer * r.n_new * pb
+            ops.extend(PutOp(src_layer + idx * pb, ack.pool_base + (layer * ack.pool_pages + page) * pb, n * pb)
+                       for idx, page, n in r.runs)
+            srcs.append((src_layer, r.n_new * pb))
+        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(msg.layers), "data"),
+                            now + self.limits.layer_timeout_ms, srcs))
 
-    def _layer_flushed(self, r: TxRequest, layer: int, puts: int, checksum: int | None, now: int,
-                       out: list) -> None:
+    def _readiness(self, r: TxRequest, layers: tuple[int, ...], now: int) -> PostPuts:
+        """Layers whose data is flushed: put their readiness words (the request's lease id)."""
+        ack = r.peer.ack
+        words = self._words(r)
+        ops = [PutOp(words + idx * 8, ack.ready_base + (layer * ack.pool_pages + page) * 8, n * 8)
+               for layer in layers for idx, page, n in r.runs]
+        return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready"), now + self.limits.layer_timeout_ms)
+
+    def _words(self, r: TxRequest) -> int:
+        """Staging address of the request's readiness words, after its layers."""
+        return self.staging_info.address + r.staging_off + r.layout.layers * r.n_new * r.layout.page_bytes
+
+    def _layer_flushed(self, r: TxRequest, layer: int, puts: int, checksum: int | None) -> None:
         nbytes = r.n_new * r.layout.page_bytes
         r.puts += puts
         r.bytes_sent += nbytes
         r.layers_done.add(layer)
+        r.unannounced.append((layer, checksum))
         c = self.counters
         c.add("puts", puts)
         c.add("bytes_pushed", nbytes)
         c.add("layers_pushed")
-        out.extend((Count("bytes", nbytes), Count("layers")))
-        out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layer=layer, checksum=checksum)))
-        r.layer_done_ms.append(float(now - r.t0_ms))
+
+    def _announce(self, r: TxRequest, now: int, out: list) -> None:
+        """One LayerDone for every layer flushed since the last notice; commit once all are in."""
+        done, r.unannounced = r.unannounced, []
+        if done:
+            nbytes = r.n_new * r.layout.page_bytes * len(done)
+            out.extend((Count("bytes", nbytes), Count("layers", len(done))))
+            sums = [c for _, c in done]
+            out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in done],
+                                                         checksums=None if None in sums else sums)))
+            r.layer_done_ms.extend([float(now - r.t0_ms)] * len(done))
         if r.finish and len(r.layers_done) == r.layout.layers:
             self._send_commit(r, now, out)
 
@@ -471,11 +535,14 @@ class SenderSession:
         for page, n in a.page_runs:
             r.runs.append((idx, page, n))
             idx += n
-        try:
-            r.staging_off = self.staging.alloc(max(1, layout.layers * r.n_new * layout.page_bytes))
+        try:  # the layers' new pages, then one readiness word per new page (the lease id)
+            r.staging_off = self.staging.alloc(max(1, layout.layers * r.n_new * layout.page_bytes + r.n_new * 8))
         except PdpushError as e:
             self._fail(r, e, now, out, tell_receiver=True)
             return
+        r.lease_id = a.lease_id
+        if r.n_new:
+            out.append(FillWords(self._words(r), a.lease_id, r.n_new))
         r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
         # the engine has until just before the lease ends to hand over every layer
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)

@@ -52,7 +52,8 @@ class Endpoint(Protocol):
     def alive(self) -> bool: ...
 
     def post_puts(self, ops: Sequence[PutOp], token: Hashable, deadline: float) -> int:
-        """Post ``ops`` and one flush; returns the number of puts posted. Never waits."""
+        """Post ``ops`` and one flush; returns the number of puts posted. Never waits (not even a
+        fence: ``ucp_worker_fence`` blocked on a stalled tcp peer here, so order comes from flushes)."""
         ...
 
     @property
