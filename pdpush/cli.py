@@ -250,8 +250,7 @@ def bench(
             from pdpush.bench import report as rep
 
             result = rep.run_all(shape, tokens, compare_nixl=compare == "nixl")
-            result["verified"] = all(result[k]["verified"] for k in ("goodput", "pipeline", "incremental",
-                                                                     "concurrency", "control"))
+            result["verified"] = all(result[k]["verified"] for k in rep.SCENARIOS)
             rep.write(result, None, plot, report)
             typer.echo(rep.markdown(result, str(plot or "")))
         else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdpush.bench import goodput, report, scenarios
+from pdpush.bench import goodput, latency, report, scenarios
 from pdpush.layout import KVLayout
 
 LAY = KVLayout(4, 2, 64, "float16", 32)
@@ -13,13 +13,18 @@ def test_scenarios_and_report(tmp_path):
     res["goodput"] = goodput.run(layers=4, kv_heads=2, head_dim=64, dtype="float16", tokens=256, chunk_tokens=32,
                                  requests=2, prefix_shared=0.5)
     res["goodput_sweep"] = [{k: res["goodput"][k] for k in ("layer_bytes", "goodput_gbps", "ceiling_gbps",
-                                                            "memcpy_gbps", "ratio", "verified")}]
+                                                            "memcpy_gbps", "ratio", "transport_goodput_gbps",
+                                                            "ratio_transport", "verified")}]
+    res["latency"] = latency.run(KVLayout(4, 2, 64, "float16", 16), samples=10, engines=2, per_engine=20,
+                                 pool_pages=16)
+    res["isolation"] = {"scenario": "isolation", "skipped": "see test_isolation_scenario", "verified": True}
     res["pipeline"] = scenarios.pipeline(LAY, 256, ratios=(0.5, 2.0), reps=1)
     res["incremental"] = scenarios.incremental(LAY, 256, hits=(0.0, 0.5))
     res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2)
     res["control"] = scenarios.control(LAY, n=50, requests=5)
-    for k in ("goodput", "pipeline", "incremental", "concurrency", "control"):
+    for k in report.SCENARIOS:
         assert res[k]["verified"], k
+    assert res["latency"]["one_chunk_p50_ms"] > 0 and res["latency"]["sender_layer_ops_per_s"] > 0
     assert res["incremental"]["target_met"]  # bytes are exact; this is not a speed claim
     assert [r["chunks_skipped"] for r in res["incremental"]["rows"]] == [0, 4]
     assert res["concurrency"]["completed"] == 4 and not res["concurrency"]["errors"]
@@ -35,3 +40,17 @@ def test_control_scenario_verified_means_bytes_were_checked(monkeypatch):
     """Defect: ``control`` said verified without looking at any byte. A failed check must show."""
     monkeypatch.setattr(scenarios, "verify", lambda req, src, layout: False)
     assert scenarios.control(KVLayout(2, 1, 32, "float16", 16), n=5, requests=2)["verified"] is False
+
+
+def test_isolation_scenario():
+    """Two receivers, one partitioned in its own network namespace mid-run (needs root)."""
+    import pytest
+
+    from pdpush.bench import isolation, netns
+
+    try:
+        res = isolation.run(KVLayout(4, 2, 64, "float16", 16), per_phase=10)
+    except netns.Unavailable as e:
+        pytest.skip(str(e))
+    assert res["verified"] and res["healthy_p99_ms_during"] > 0 and res["ratio"] > 0
+    assert res["partitioned_requests_during"]["done"] == 0  # nothing reached the cut-off receiver

@@ -14,25 +14,36 @@ SHAPE = dict(layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens
 
 
 def run_all(shape: dict | None = None, tokens: int = 4096, compare_nixl: bool = False) -> dict:
-    from pdpush.bench import goodput, scenarios
+    from pdpush.bench import goodput, latency, scenarios
 
     shape = {**SHAPE, **(shape or {})}
     layout = KVLayout(shape["layers"], shape["kv_heads"], shape["head_dim"], shape["dtype"], shape["chunk_tokens"])
     out: dict = {"machine": machine()}
     out["goodput"] = goodput.run(**shape, tokens=tokens, requests=5, prefix_shared=0.5, compare_nixl=compare_nixl)
-    # goodput over layer sizes (tokens per request), each against its own ceiling, for the plot
+    # goodput over layer sizes (tokens per request), each against its own ceiling: 1, 4 and 16 MiB layers
+    keys = ("layer_bytes", "goodput_gbps", "ceiling_gbps", "memcpy_gbps", "ratio", "transport_goodput_gbps",
+            "ratio_transport", "verified")
     out["goodput_sweep"] = []
-    for t in (256, 1024, 2048):
-        r = goodput.run(**shape, tokens=t, requests=3, prefix_shared=0.5)
-        out["goodput_sweep"].append({k: r[k] for k in ("layer_bytes", "goodput_gbps", "ceiling_gbps", "memcpy_gbps",
-                                                       "ratio", "verified")})
-    out["goodput_sweep"].append({k: out["goodput"][k] for k in ("layer_bytes", "goodput_gbps", "ceiling_gbps",
-                                                                "memcpy_gbps", "ratio", "verified")})
+    for t in (tokens // 16, tokens // 4):
+        r = goodput.run(**shape, tokens=t, requests=5, prefix_shared=0.5)
+        out["goodput_sweep"].append({k: r[k] for k in keys})
+    out["goodput_sweep"].append({k: out["goodput"][k] for k in keys})
+    # the fixed cost per layer: one 16-token chunk per layer (64 KiB in the default shape)
+    out["latency"] = latency.run(KVLayout(layout.layers, layout.kv_heads, layout.head_dim, layout.dtype, 16))
     out["pipeline"] = scenarios.pipeline(layout, min(tokens, 2048))
     out["incremental"] = scenarios.incremental(layout, min(tokens, 2048))
     out["concurrency"] = scenarios.concurrency(layout, 256)
-    out["control"] = scenarios.control()
+    out["control"] = scenarios.control(layout)
+    try:
+        from pdpush.bench import isolation, netns
+
+        out["isolation"] = isolation.run(KVLayout(8, layout.kv_heads, layout.head_dim, layout.dtype, 64))
+    except netns.Unavailable as e:
+        out["isolation"] = {"scenario": "isolation", "skipped": str(e), "verified": True}
     return out
+
+
+SCENARIOS = ("goodput", "latency", "pipeline", "incremental", "concurrency", "control", "isolation")
 
 
 def machine() -> dict:
@@ -94,12 +105,25 @@ def _met(ok: bool) -> str:
 
 
 def markdown(res: dict, plot_rel: str) -> str:
-    g, p, inc, c, ctl, m = (res[k] for k in ("goodput", "pipeline", "incremental", "concurrency", "control", "machine"))
+    g, lat, p, inc, c, ctl, iso, m = (res[k] for k in ("goodput", "latency", "pipeline", "incremental", "concurrency",
+                                                       "control", "isolation", "machine"))
     n = g.get("nixl") or {}
     nixl_row = ([f"| pdpush vs NIXL 1.5.1 raw DRAM->DRAM WRITE (same bytes, progress thread off) | "
                  f"{g['ratio_nixl']:.2f}x ({n['median_gbps']:.2f} GB/s, verified {n['verified']}) | |"]
                 if "median_gbps" in n else [f"| NIXL comparison | {n.get('error', 'not run (--compare nixl)')} | |"])
     inc_summary = ", ".join(f"h={r['h']}: {r['ratio_to_ideal']:.3f}" for r in inc["rows"])
+    sweep = sorted(res["goodput_sweep"], key=lambda r: r["layer_bytes"])
+    mib = [f"{r['layer_bytes'] / 2**20:.0f} MiB" for r in sweep]
+    tr = ", ".join(f"{s}: {r['ratio_transport']:.2f}x" for s, r in zip(mib, sweep, strict=True))
+    e2e = [(s, r) for s, r in zip(mib, sweep, strict=True) if r["layer_bytes"] >= 4 << 20]
+    e2e_txt = ", ".join(f"{s}: {r['ratio']:.2f}x" for s, r in e2e)
+    if iso.get("skipped"):
+        iso_row = f"| isolation: healthy receiver p99 during a partition <= 1.2x baseline | not run: {iso['skipped']} | |"
+    else:
+        iso_row = (f"| isolation: healthy receiver p99 during a partition <= 1.2x baseline | {iso['ratio']:.2f}x "
+                   f"({iso['healthy_p99_ms_during']:.1f} vs {iso['healthy_p99_ms_baseline']:.1f} ms; p50 "
+                   f"{iso['healthy_p50_ms_during']:.1f} vs {iso['healthy_p50_ms_baseline']:.1f} ms) | "
+                   f"{_met(iso['target_met'])} |")
     lines = [
         "# pdpush benchmarks",
         "",
@@ -119,31 +143,42 @@ def markdown(res: dict, plot_rel: str) -> str:
         "",
         "| target | measured | |",
         "|---|---|---|",
-        f"| goodput >= 0.9x raw UCX put+flush (layers >= 8 MiB) | {g['ratio']:.2f}x ({g['goodput_gbps']:.2f} vs "
-        f"{g['ceiling_gbps']:.2f} GB/s; {g['ratio_memcpy']:.2f}x memcpy) | {_met(g['ratio'] >= 0.9)} |",
-        f"| transport only: KV already in staging (a GPU's D2H DMA), hand-over -> decode-visible | "
-        f"{g['ratio_transport']:.2f}x ({g['transport_goodput_gbps']:.2f} GB/s) | {_met(g['ratio_transport'] >= 0.9)} |",
+        f"| transport only (KV already in staging, as a GPU's D2H DMA leaves it; hand-over -> decode-visible) "
+        f">= 0.95x raw put+flush at every size | {tr} | {_met(all(r['ratio_transport'] >= 0.95 for r in sweep))} |",
+        f"| end to end through `PrefillClient.put_layer` >= 0.8x raw put+flush at 4 MiB and above | {e2e_txt} | "
+        f"{_met(all(r['ratio'] >= 0.8 for _, r in e2e))} |",
         *nixl_row,
+        f"| latency: 1-chunk request, {lat['layout']['layers']} layers, hand-over -> decode-visible, p50 <= 1 ms | "
+        f"p50 {lat['one_chunk_p50_ms']:.2f} ms, p99 {lat['one_chunk_p99_ms']:.2f} ms | "
+        f"{_met(lat['one_chunk_p50_ms'] <= 1.0)} |",
+        f"| latency: fixed cost per layer beyond the raw put of its bytes <= 30 us | "
+        f"{lat['layer_overhead_us']:.1f} us (raw put {lat['raw_put_us_per_layer']:.1f} us of "
+        f"{lat['page_bytes'] // 1024} KiB) | {_met(lat['layer_overhead_target_met'])} |",
+        f"| latency: sender capacity, {lat['engines']} engine processes of one-chunk requests >= 20,000 layers/s | "
+        f"{lat['sender_layer_ops_per_s']:,.0f} layers/s | {_met(lat['sender_ops_target_met'])} |",
+        f"| concurrency: {c['senders']} engine processes x {c['in_flight_per_sender']} in flight >= 0.95x single "
+        f"stream | {c['ratio']:.2f}x ({c['aggregate_gbps']:.2f} vs {c['single_stream_gbps']:.2f} GB/s), request "
+        f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms | {_met(c['target_met'])} |",
+        iso_row,
         f"| pipelined exposed <= t + 2 ms for c >= t | worst {p['exposed_ms_pipelined_worst_c_ge_t']:.2f} ms, "
         f"t = {p['layer_transfer_ms']:.2f} ms; eager {p['exposed_ms_eager']:.1f} ms | {_met(p['target_met'])} |",
         f"| puts per layer <= page runs (1) | {g['puts_per_layer']:.1f} | {_met(g['puts_per_layer'] <= 1)} |",
         f"| AllocRequest round trip | p50 {ctl['alloc_rtt_p50_ms']:.3f} ms, p99 {ctl['alloc_rtt_p99_ms']:.3f} ms | |",
-        f"| 1-chunk request end to end ({ctl['one_chunk_layers']} layers) | p50 {ctl['one_chunk_request_p50_ms']:.2f} ms,"
-        f" p99 {ctl['one_chunk_request_p99_ms']:.2f} ms | |",
-        f"| {c['senders']} senders x {c['in_flight_per_sender']} in flight >= 0.9x single stream | "
-        f"{c['ratio']:.2f}x ({c['aggregate_gbps']:.2f} vs {c['single_stream_gbps']:.2f} GB/s), latency p50 "
-        f"{c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms | {_met(c['target_met'])} |",
+        f"| 1-chunk request begin -> commit ack ({ctl['one_chunk_layers']} layers) | p50 "
+        f"{ctl['one_chunk_request_p50_ms']:.2f} ms, p99 {ctl['one_chunk_request_p99_ms']:.2f} ms | |",
         f"| incremental bytes = (1-h) x full within one chunk | "
         f"{inc_summary} | {_met(inc['target_met'])} |",
         "",
         "## Goodput vs layer size",
         "",
-        "| bytes/layer | pdpush GB/s | raw put+flush GB/s | memcpy GB/s | ratio | verified |",
-        "|---|---|---|---|---|---|",
+        "| bytes/layer | end to end GB/s | transport only GB/s | raw put+flush GB/s | memcpy GB/s | ratio | "
+        "ratio_transport | verified |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(res["goodput_sweep"], key=lambda r: r["layer_bytes"]):
-        lines.append(f"| {r['layer_bytes'] / 2**20:.0f} MiB | {r['goodput_gbps']:.2f} | {r['ceiling_gbps']:.2f} | "
-                     f"{r['memcpy_gbps']:.2f} | {r['ratio']:.2f} | {r['verified']} |")
+    for r in sweep:
+        lines.append(f"| {r['layer_bytes'] / 2**20:.0f} MiB | {r['goodput_gbps']:.2f} | "
+                     f"{r['transport_goodput_gbps']:.2f} | {r['ceiling_gbps']:.2f} | {r['memcpy_gbps']:.2f} | "
+                     f"{r['ratio']:.2f} | {r['ratio_transport']:.2f} | {r['verified']} |")
     lines += ["", "## Pipelining (emulated compute c per layer; a sleep, since GPU compute costs the host no CPU)", "",
               "| c/t | c (ms) | exposed eager (ms) | exposed pipelined (ms) |", "|---|---|---|---|"]
     for r in p["curve"]:
@@ -157,20 +192,54 @@ def markdown(res: dict, plot_rel: str) -> str:
               f"- Per layer, the prefill engine's copy into staging (`PrefillClient.put_layer`) took "
               f"{g.get('client_copy_ms_per_layer', float('nan')):.2f} ms median and the sender's put+flush "
               f"{g.get('sender_put_ms_per_layer', float('nan')):.2f} ms (from its `pdpush_layer_transfer_seconds`).",
-              "- The copy into staging is not in the raw-put ceiling: an engine that writes its KV straight into",
-              "  `PushHandle.staging_layer(l)` (as a GPU's device-to-host copy would) skips it. The",
-              "  \"transport only\" row measures exactly that path: from hand-over to decode-visible.",
-              "- A py-spy profile of the whole goodput run (`py-spy record --subprocesses`, 2026-11-30) put the",
-              "  sender's steady-state samples about 60 % in `ucp_put_nbx` (UCX's shared-memory copy, called from",
-              "  `Endpoint.put_many`); its Python loop (`Sender.step`, zmq sends, request polling) about 15 % of",
-              "  them. On 2 cores the engine's staging copy and the sender's put compete for the same",
-              "  cores and memory bandwidth, which is the gap between the first two rows above.",
+              "- End to end, every byte is copied twice on this host: by the engine into staging, then by UCX's",
+              "  shared-memory put into the pool. The raw-put reference copies it once, so end to end is bounded",
+              "  near 0.5x here whatever the daemons do; across hosts the second copy is the NIC's DMA. The",
+              "  \"transport only\" column is the daemons' own path: KV already in staging, hand-over to",
+              "  decode-visible.",
+              "",
+              LAYER_COST,
               "",
               "Real vLLM engines (prefill and decode instances with PdpushConnector): `make bench-vllm`, results in",
               "[docs/bench/vllm.md](docs/bench/vllm.md).",
               "",
               "Raw results: `bench-out/bench.json`."]
     return "\n".join(lines) + "\n"
+
+
+# Measured while cutting the fixed cost per layer (issue #12), 2026-11-30, on this 2-core box: the latency
+# scenario (32 layers x one 16-token chunk = 64 KiB per layer, bf16 8 x 128), medians.
+LAYER_COST = """## The fixed cost per layer: options measured
+
+Profiles: `py-spy record` on both daemons during one-chunk pushes; microbenchmarks of the UCX calls
+between two processes. Each row adds to the one above; `latency` scenario, 32 layers x 64 KiB, medians.
+
+| change | 1-chunk p50 | per layer beyond the raw put | sender layers/s |
+|---|---|---|---|
+| start of #12 (posted puts, one flush and one LayerDone per layer) | 8.8 ms | 258 us | 3,400 |
+| batched notices (one LayerDone / LayerAvailable per request per loop pass), receiver tick scans only when a deadline is due | 4.0 ms | 110 us | 4,600 |
+| sender spins 2 ms on UCX progress after a post instead of a 1 ms poll | 3.8 ms | 101 us | 5,000 |
+| readiness words in the pool (a fence, then the lease id per layer and page run); decode client reads them | 3.8 ms | 100 us | 4,100 |
+| one batch and one flush per receiver per loop pass, whatever the layers and requests in it | 2.9 ms | 69 us | 5,100 |
+| warm pool (the scenario used to give every request fresh pages of a 2.6 GB pool: the sender's first write to a page of its mapping of the pool faults, ~2 ms per cold 32-layer request) | 1.9 ms | 43 us | 6,200 |
+| the decode side waits in the engine's thread, not a second thread sharing its GIL (harness) | 1.3 ms | 32 us | 7,700 |
+| no fence: readiness words posted once the layer's data flush completes (kept) | 1.6 ms | 33 us | 7,400 |
+
+- Kept: batched notices, one batch per pass, readiness words after the flush, the bounded spin. The
+  readiness words take the receiver and two ZeroMQ hops off the critical path (a test stops the
+  receiver process and the decode client still sees every layer land), but alone they bought
+  nothing: the hops were not the bottleneck, the per-layer batch was.
+- Dropped: `ucp_worker_fence`. It cost ~11 us per layer (a 32-layer batch: 641 us with a fence per
+  layer, 279 us without) and, worse, **blocked** on tcp while the peer was stalled: the conformance
+  suite caught it holding the loop, the head-of-line blocking this work removes.
+- Unit costs here: `ucp_put_nbx` of 64 KiB over shared memory 11-12 us (a memcpy of it: 3 us), a flush
+  and its completion 2 us, posting + flushing + reaping a one-layer batch from Python 30-36 us, encoding or
+  decoding a message 4 us (pydantic + msgpack).
+- Not met, and why: the sender runs Python per loop pass and per layer (~15-20 us of it beyond the
+  put), and on 2 cores the engine, the sender and the receiver share the CPUs. Next options, not built:
+  the engine writing readiness itself for local hand-over (a shared-memory ring instead of a ZeroMQ
+  message), and moving the post/reap loop into C (libucxx's C++ API has RMA).
+"""
 
 
 def write(res: dict, json_path: Path | None, plot_path: Path | None, report: Path | None) -> None:
