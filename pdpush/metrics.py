@@ -74,6 +74,20 @@ class Metrics:
         """A session's ``Observe`` action."""
         getattr(self, o.name).observe(o.seconds)
 
+    def apply(self, a, log) -> bool:
+        """Carry out a session's bookkeeping action (Count, Observe, Log); False if it is not one."""
+        from pdpush.sessions import Count, Log, Observe
+
+        if isinstance(a, Count):
+            self.count(a)
+        elif isinstance(a, Observe):
+            self.observe(a)
+        elif isinstance(a, Log):
+            log.log(a.level, "%s%s", a.message, "\n" + a.exc_text if a.exc_text else "", extra={"req_id": a.req_id})
+        else:
+            return False
+        return True
+
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()

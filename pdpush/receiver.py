@@ -28,7 +28,6 @@ from pdpush import control, protocol
 from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.errors import PdpushError
 from pdpush.protocol import StatusReply, StatusRequest
-from pdpush.sessions import Count, Log, Observe
 from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 
 log = logging.getLogger("pdpush.receiver")
@@ -180,13 +179,8 @@ class Receiver:
                 control.send(self.router, a.msg, a.ident)
             elif isinstance(a, ToDecode):
                 control.send(self.local, a.msg, a.ident)
-            elif isinstance(a, Count):
-                self.metrics.count(a)
-            elif isinstance(a, Observe):
-                self.metrics.observe(a)
-            elif isinstance(a, Log):
-                log.log(a.level, "%s%s", a.message, "\n" + a.exc_text if a.exc_text else "",
-                        extra={"req_id": a.req_id})
+            else:
+                self.metrics.apply(a, log)
 
     # ---- UCX ----
     def _on_ucx_peer(self, ep) -> None:

@@ -28,7 +28,6 @@ from pdpush import control, protocol
 from pdpush.config import SenderConfig
 from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportError
 from pdpush.protocol import StatusReply, StatusRequest
-from pdpush.sessions import Count, Log, Observe
 from pdpush.sessions.sender import (
     Connect,
     FillWords,
@@ -230,13 +229,8 @@ class Sender:
                 array_at(a.address, a.count * 8).view(np.uint64)[:] = a.value
             elif isinstance(a, ResetPeer):
                 self._reset(a.endpoint)
-            elif isinstance(a, Count):
-                self.metrics.count(a)
-            elif isinstance(a, Observe):
-                self.metrics.observe(a)
-            elif isinstance(a, Log):
-                log.log(a.level, "%s%s", a.message, "\n" + a.exc_text if a.exc_text else "",
-                        extra={"req_id": a.req_id})
+            else:
+                self.metrics.apply(a, log)
 
     # ---- receivers ----
     def _check_receiver(self, endpoint: str) -> None:

@@ -140,12 +140,17 @@ def _engine_sources(layout: KVLayout, i: int, tokens: int, n: int) -> list[Sourc
     return [Source(layout, _ids(rng, tokens), rng) for _ in range(n)]
 
 
-def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, in_flight: int, q) -> None:
-    """One engine process of the concurrency scenario; reports latencies (s) and its end time."""
+def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, in_flight: int, q, start) -> None:
+    """One engine process of the concurrency scenario; reports latencies (s) and its end time. It makes
+    its KV first, says so, and begins only when every engine is ready (the clock starts then)."""
     layout = KVLayout(**layout_d)
     srcs = _engine_sources(layout, i, tokens, in_flight)
     pc = PrefillClient(layout, sock, timeout_s=120)
     lat: list[float] = []
+    q.put({"ready": i})
+    if not start.wait(600):
+        q.put({"lat": [], "error": f"sender {i}: never started"})
+        return
     try:
         t_begin = {}
         hs = []
@@ -186,13 +191,16 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
         # concurrent: one engine *process* per sender begins all its requests, then hands layers over,
         # layer-major (threads of one process would share a GIL and blur what is measured)
         ctx = mp.get_context("spawn")
-        q = ctx.Queue()
+        q, start = ctx.Queue(), ctx.Event()
         socks = [t.info["ingress_endpoint"].removeprefix("ipc://") for t in pair.tx]
-        procs = [ctx.Process(target=_concurrent_engine, args=(layout.to_dict(), socks[i], i, tokens, in_flight, q))
-                 for i in range(senders)]
-        t0 = time.perf_counter()
+        procs = [ctx.Process(target=_concurrent_engine, args=(layout.to_dict(), socks[i], i, tokens, in_flight, q,
+                                                              start)) for i in range(senders)]
         for p in procs:
             p.start()
+        for _ in procs:  # every engine has made its KV: start the clock, then let them go
+            q.get(timeout=600)
+        t0 = time.perf_counter()
+        start.set()
         outs = []
         for _ in procs:
             try:

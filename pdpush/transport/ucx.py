@@ -142,43 +142,17 @@ class Endpoint(_Closable):
             raise TransferError(f"endpoint {self.name} died: {self.error}")
 
     def put_many(self, ops: Iterable[PutOp], timeout_s: float) -> int:
-        """Post the puts, then one flush; return the number of puts posted.
-
-        Returns only when the flush completed; raises TransferError if the
-        peer died or TransportTimeout past ``timeout_s``. A successful flush
-        does NOT prove delivery: the caller still needs the receiver's ack.
-        """
-        from pdpush.transport import ucp
-
-        if self.error is not None:
-            raise TransferError(f"endpoint {self.name} is dead: {self.error}")
-        if self.rkey is None or self.rkey.handle is None:
-            raise TransferError(f"endpoint {self.name} has no rkey")
-        ep = self._ep.handle
-        rk = self.rkey.handle
-        reqs: list[int] = []
-        n = 0
-        try:
-            for op in ops:
-                off = 0
-                while off < op.nbytes:
-                    size = min(MAX_PUT_BYTES, op.nbytes - off)
-                    r = ucp.put_nbx(ep, op.src + off, size, op.dst + off, rk)
-                    if r is not None:
-                        reqs.append(r)
-                    off += size
-                    n += 1
-            r = ucp.flush_nbx(ep)
-            if r is not None:
-                reqs.append(r)
-        except ucp.UcpError as e:
-            for r in reqs:
-                ucp.request_free(r)
-            raise TransferError(f"put to {self.name} failed: {e}") from e
-        self._worker.wait_raw(reqs, timeout_s, f"put+flush to {self.name}")
-        if self.error is not None:
-            raise TransferError(f"endpoint {self.name} died during put: {self.error}")
-        return n
+        """Post the puts and one flush, then wait for them: the blocking form of ``post_puts``, for
+        references and tools (the daemons never wait). Raises TransferError or TransportTimeout."""
+        token = object()
+        n = self.post_puts(list(ops), token, time.monotonic() + timeout_s)
+        while True:
+            for c in self._worker.poll(time.monotonic()):
+                if c.token is token:
+                    if c.error is not None:
+                        raise c.error
+                    return n
+                self._worker._orphans.append(c)  # another endpoint's: reported on the next poll
 
     @property
     def in_flight(self) -> int:
