@@ -172,7 +172,10 @@ class Sender:
             log.exception("internal error handling a frame")
 
     def _reap(self) -> None:
-        """Completions out (one notice per request), and the readiness words they call for posted."""
+        """UCX progress (endpoint errors and closes too: without it an idle sender never saw a
+        receiver die, and spun on its fd), completions out (one notice per request), and the
+        readiness words they call for posted."""
+        self.ucx.progress()
         self._completions()
         self._post_pending()
 

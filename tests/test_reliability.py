@@ -303,3 +303,31 @@ def test_daemons_die_with_a_crashed_launcher(tmp_path):
         if parent.poll() is None:
             parent.kill()
             parent.wait(10)
+
+
+def test_an_idle_sender_notices_a_dead_receiver_without_spinning(daemons):
+    """Regression: the sender's loop once progressed UCX only with puts in flight, so an idle sender never
+    saw its receiver die (the endpoint stayed 'connected') and spun on UCX's readable fd."""
+    import os
+    import signal
+
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    try:
+        k, v = kv(LAY, 40, 1)
+        push(pc, "before", list(range(40)), k, v)
+        assert status(sock(tx))["receivers_connected"] == 1
+        os.kill(rx.info["pid"], signal.SIGKILL)
+        _until(lambda: status(sock(tx))["receivers_connected"] == 0, 10, "the sender to notice its receiver died")
+
+        def cpu_s() -> float:
+            with open(f"/proc/{tx.info['pid']}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        before = cpu_s()
+        time.sleep(2)  # measuring the idle sender's CPU time over a fixed window, not a speed
+        assert cpu_s() - before < 1.0, "the idle sender is spinning"
+    finally:
+        pc.close()
