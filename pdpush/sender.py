@@ -185,9 +185,9 @@ class Sender:
         for c in self.ucx.poll(now):
             posted_at, parts = self.posted.pop(c.token, (now, []))
             if c.error is None:  # one sample per layer: its batch's post-to-flush time
-                for (_, layers, kind), _ in parts:
-                    for _ in layers if kind == "data" else ():
-                        self.metrics.layer_seconds.observe(now - posted_at)
+                layers = sum(len(t[1]) for t, _ in parts if t[2] == "data")
+                for _ in range(layers):
+                    self.metrics.layer_seconds.observe(now - posted_at)
             done.extend(Flushed(token, c.error, sums) for token, sums in parts)
         if done:
             self._spin_until = now + SPIN_S  # every completion of this pass at once: one LayerDone per request

@@ -100,6 +100,7 @@ def test_a_partitioned_receiver_does_not_hold_up_another_receivers_requests(two_
     tcp_only = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"}
     in_p = ["ip", "netns", "exec", two_hosts["p"]]
     daemons = []
+    pc = None
     try:
         rx_a = launch.start_receiver(tmp_path, prefix=["ip", "netns", "exec", two_hosts["d"]],
                                      host=two_hosts["d_addr"], ucx_env=tcp_only, lease_ms=30000, prefault=False,
@@ -115,7 +116,6 @@ def test_a_partitioned_receiver_does_not_hold_up_another_receivers_requests(two_
         daemons.append(tx)
         tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
         pc = PrefillClient(LAY, tx_sock, timeout_s=30)
-        daemons.append(pc)
         k, v = kv(LAY, 200, 9)
         for rcv in (a, b):  # both sessions up first
             h = pc.begin(f"warm-{rcv}", list(range(200)), receiver=rcv)
@@ -138,5 +138,7 @@ def test_a_partitioned_receiver_does_not_hold_up_another_receivers_requests(two_
             cut.finish(timeout_s=30)
         assert status(tx_sock)["requests_failed"] == 1
     finally:
+        if pc is not None:
+            pc.close()
         for d in reversed(daemons):
-            d.close() if isinstance(d, PrefillClient) else d.stop()
+            d.stop()

@@ -36,7 +36,8 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
     req_bytes = layout.layers * chunks * layout.page_bytes
     hosts = netns.TwoHosts.make()
     wd = launch.scratch_dir("pdpush-bench-")
-    daemons: list = []
+    daemons: list[launch.Daemon] = []
+    clients: list = []
     stop = threading.Event()
     a_stats = {"done": 0, "failed": 0}
     try:
@@ -56,7 +57,7 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
         pc_a = PrefillClient(layout, tx_sock, receiver=a, timeout_s=30)
         pc_b = PrefillClient(layout, tx_sock, receiver=b, timeout_s=30)
         dc_b = DecodeClient(rx_b.info["local_endpoint"].removeprefix("ipc://"), timeout_s=30)
-        daemons += [pc_a, pc_b, dc_b]
+        clients += [pc_a, pc_b, dc_b]
         rng = np.random.default_rng(3)
         src = Source(layout, rng.integers(0, 1 << 31, size=tokens).tolist(), rng)
         n = {"i": 0}
@@ -104,8 +105,10 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
         th.join(40)
     finally:
         stop.set()
+        for c in clients:
+            c.close()
         for d in reversed(daemons):
-            d.close() if hasattr(d, "close") and not hasattr(d, "stop") else d.stop()
+            d.stop()
         hosts.close()
     p99_b, p99_d = _pct(base, 0.99) * 1000, _pct(during, 0.99) * 1000
     return {"scenario": "isolation", "layout": layout.to_dict(), "request_bytes": req_bytes,

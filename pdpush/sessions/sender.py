@@ -72,8 +72,6 @@ from pdpush.sessions import Count, Counters, Log, Observe, internal_error
 from pdpush.staging import StagingAllocator
 from pdpush.transport.base import PutOp
 
-_LIVE = (TxState.WAIT_PEER, TxState.ALLOCATING, TxState.ALLOC_BACKOFF, TxState.STREAMING, TxState.COMMITTING)
-
 
 @dataclass(frozen=True)
 class ToClient:
