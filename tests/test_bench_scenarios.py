@@ -23,7 +23,7 @@ def test_scenarios_and_report(tmp_path):
     res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2)
     res["control"] = scenarios.control(LAY, n=50, requests=5)
     for k in report.SCENARIOS:
-        assert res[k]["verified"], k
+        assert res[k]["verified"], (k, res[k].get("errors"))
     assert res["latency"]["one_chunk_p50_ms"] > 0 and res["latency"]["sender_layer_ops_per_s"] > 0
     assert res["incremental"]["target_met"]  # bytes are exact; this is not a speed claim
     assert [r["chunks_skipped"] for r in res["incremental"]["rows"]] == [0, 4]
