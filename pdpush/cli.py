@@ -223,6 +223,10 @@ def bench(
     receiver_config: Optional[Path] = typer.Option(None, help="goodput: use a running receiver with this config."),
     sender_config: Optional[Path] = typer.Option(None, help="goodput: use a running sender with this config."),
     compare: Optional[str] = typer.Option(None, "--compare", help="nixl: also measure NIXL's raw write."),
+    prefill_ranks: int = typer.Option(1, "--prefill-ranks", min=1,
+                                      help="goodput: push each request from this many TP rank processes."),
+    decode_ranks: int = typer.Option(1, "--decode-ranks", min=1,
+                                     help="goodput: read each request as this many TP decode ranks."),
 ) -> None:
     """Measure pdpush against raw UCX put+flush and memcpy, verifying every byte."""
     if compare not in (None, "nixl"):
@@ -239,7 +243,12 @@ def bench(
         raise typer.Exit(2)
     shape = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens)
     try:
-        if scenario == "goodput":
+        if scenario == "goodput" and (prefill_ranks > 1 or decode_ranks > 1):
+            from pdpush.bench import tp
+
+            result = tp.run(KVLayout(**shape), tokens, requests, prefill_ranks, decode_ranks)
+            typer.echo(json.dumps(result, indent=2))
+        elif scenario == "goodput":
             from pdpush.bench import goodput
 
             result = goodput.run(**shape, tokens=tokens, requests=requests, prefix_shared=prefix_shared,

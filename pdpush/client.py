@@ -31,7 +31,7 @@ from pdpush.errors import (
     UnexpectedMessage,
     error_from_code,
 )
-from pdpush.layout import KVLayout, chunk_keys, runs
+from pdpush.layout import KVLayout, PoolGeometry, StagingShares, chunk_keys, rank_heads, runs
 from pdpush.protocol import (
     Abort,
     Begin,
@@ -78,7 +78,7 @@ def _as_bytes_array(x) -> np.ndarray:
     return a.view(np.uint8) if a.flags.c_contiguous else np.ascontiguousarray(a).view(np.uint8)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -128,7 +128,7 @@ class _Conn:
             try:  # wait in 250 ms slices, checking that the daemon is still alive between them
                 msg = control.recv_until(self.sock, min(deadline, time.monotonic() + 0.25), self.max_frame)
             except TransportTimeout:
-                if self.peer_pid and not _pid_alive(self.peer_pid):
+                if self.peer_pid and not pid_alive(self.peer_pid):
                     raise BrokenResourceError(f"the local pdpush daemon (pid {self.peer_pid}) died") from None
                 if time.monotonic() >= deadline:
                     raise
@@ -212,57 +212,73 @@ def status(sock_path: str | Path, timeout_s: float = 2.0) -> dict:
 class PushHandle:
     """One request being pushed. Write layers (in any order, as they finish), then ``finish()``."""
 
-    def __init__(self, client: PrefillClient, req_id: str, tokens: int, ok: BeginOk) -> None:
+    def __init__(self, client: PrefillClient, req_id: str, tokens: int, ok: BeginOk, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         self.client = client
         self.req_id = req_id
         self.tokens = tokens
         lay = client.layout
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.heads = rank_heads(lay.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank pushes
         self.already_sent_indexes: list[int] = list(ok.already_sent_indexes)
         held = set(self.already_sent_indexes)
         self.new_chunk_indexes = [i for i in range(lay.num_chunks(tokens)) if i not in held]
         self.new_runs = runs(self.new_chunk_indexes)  # contiguous chunk-index ranges
+        self.shares = StagingShares(lay, tp_size, ok.pool_shards, len(self.new_chunk_indexes))
         self._shmid = ok.staging_shmid
         st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
-        self._layer_bytes = len(self.new_chunk_indexes) * lay.page_bytes
-        self._base = st.array[ok.staging_offset: ok.staging_offset + lay.layers * self._layer_bytes]
+        self._base = st.array[ok.staging_offset: ok.staging_offset + self.shares.kv_bytes]
         self._sent: set[int] = set()
         self._done: Done | None = None
         self._aborted: str | None = None
         self._finishing = False
 
     def staging_layer(self, layer: int) -> np.ndarray:
-        """Raw writable view of layer ``layer``'s new pages: ``[new_chunks, 2, T, H, D]`` of storage dtype."""
-        lay = self.client.layout
-        b = self._base[layer * self._layer_bytes:(layer + 1) * self._layer_bytes]
-        return b.view(_NP_STORAGE[lay.dtype]).reshape(len(self.new_chunk_indexes), *lay.page_shape)
+        """Raw writable view of this rank's share of layer ``layer`` (storage dtype), shaped
+        ``[units, new_chunks, heads per unit, 2, T, D]`` (layout.py, ``StagingShares``): the rank's
+        heads in order are ``units x heads per unit``; with one unit, ``[0]`` is ``[new_chunks, heads, 2, T, D]``."""
+        sh = self.shares
+        off = sh.share_offset(layer, self.tp_rank)
+        b = self._base[off:off + sh.share_bytes]
+        return b.view(_NP_STORAGE[self.client.layout.dtype]).reshape(sh.share_shape())
 
     def put_layer(self, layer: int, k, v) -> None:
-        """Copy layer ``layer``'s new chunks of K and V (each ``[tokens, H, D]``) into staging, then push."""
+        """Copy layer ``layer``'s new chunks of K and V into staging, then push (``stage_layer``)."""
         self.stage_layer(layer, k, v)
         self.layer_ready(layer)
 
     def stage_layer(self, layer: int, k, v) -> None:
-        """Copy layer ``layer``'s new chunks into staging without handing it over yet."""
+        """Copy layer ``layer``'s new chunks into staging without handing it over yet. ``k`` and ``v``
+        are ``[tokens, heads, D]``: this rank's heads, or all the model's (this rank's are taken)."""
         self._check_open()
         lay = self.client.layout
-        row = lay.kv_heads * lay.head_dim * lay.dtype_bytes
-        kb = _as_bytes_array(k).reshape(-1, row)
-        vb = _as_bytes_array(v).reshape(-1, row)
+        h0, h1 = self.heads
+        d = lay.head_dim * lay.dtype_bytes
+        kb, vb = _as_bytes_array(k), _as_bytes_array(v)
+        kb, vb = kb.reshape(kb.shape[0], -1, d), vb.reshape(vb.shape[0], -1, d)
+        if kb.shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
+            kb, vb = kb[:, h0:h1], vb[:, h0:h1]
+        if kb.shape[1] != h1 - h0 or vb.shape[1] != h1 - h0:
+            raise ValueError(f"layer {layer}: got {kb.shape[1]} heads, rank {self.tp_rank} of {self.tp_size} "
+                             f"holds {h1 - h0} (of {lay.kv_heads})")
         if kb.shape[0] < self.tokens or vb.shape[0] < self.tokens:
             raise ValueError(f"layer {layer}: got {kb.shape[0]}/{vb.shape[0]} token rows, need {self.tokens}")
         T = lay.chunk_tokens
-        dst = self._base[layer * self._layer_bytes:(layer + 1) * self._layer_bytes].reshape(-1, 2, T, row)
-        for j0, c0, n in self.new_runs:  # one vectorised copy per contiguous run of chunks (usually one)
-            t0 = c0 * T
-            t1 = min(self.tokens, (c0 + n) * T)
-            full = (t1 - t0) // T
-            if full:
-                dst[j0:j0 + full, 0] = kb[t0:t0 + full * T].reshape(full, T, row)
-                dst[j0:j0 + full, 1] = vb[t0:t0 + full * T].reshape(full, T, row)
-            rest = t1 - t0 - full * T
-            if rest:
-                dst[j0 + full, 0, :rest] = kb[t0 + full * T:t1]
-                dst[j0 + full, 1, :rest] = vb[t0 + full * T:t1]
+        dst = self.staging_layer(layer).view(np.uint8)  # [units, chunks, hu, 2, T, d]
+        hu = dst.shape[2]
+        for u in range(dst.shape[0]):
+            ku, vu = kb[:, u * hu:(u + 1) * hu], vb[:, u * hu:(u + 1) * hu]
+            for j0, c0, n in self.new_runs:  # one vectorised copy per contiguous run of chunks (usually one)
+                t0 = c0 * T
+                t1 = min(self.tokens, (c0 + n) * T)
+                full = (t1 - t0) // T
+                if full:
+                    dst[u, j0:j0 + full, :, 0] = ku[t0:t0 + full * T].reshape(full, T, hu, d).transpose(0, 2, 1, 3)
+                    dst[u, j0:j0 + full, :, 1] = vu[t0:t0 + full * T].reshape(full, T, hu, d).transpose(0, 2, 1, 3)
+                rest = t1 - t0 - full * T
+                if rest:
+                    dst[u, j0 + full, :, 0, :rest] = ku[t0 + full * T:t1].transpose(1, 0, 2)
+                    dst[u, j0 + full, :, 1, :rest] = vu[t0 + full * T:t1].transpose(1, 0, 2)
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
@@ -357,19 +373,25 @@ class PrefillClient:
         self._conn = _Conn(sender_socket or runtime_dir() / "sender.sock")
         self._segments = _Attachments()
 
-    def begin(self, req_id: str, token_ids, receiver: str | None = None) -> PushHandle:
-        """Allocate on the receiver; returns a handle that says which chunks to send."""
+    def begin(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,
+              tp_size: int = 1) -> PushHandle:
+        """Allocate on the receiver; returns a handle that says which chunks to send.
+
+        Tensor parallelism: each of ``tp_size`` ranks begins the same ``req_id`` with the same prompt
+        and pushes its own heads (``layout.rank_heads``); they share one allocation, and the request
+        commits once every rank has finished. Every rank gets the same ``already_sent_indexes``."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("empty prompt")
         keys = chunk_keys(ids, self.layout)
         self._conn.begin(req_id)
         msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,
-                    last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)))
+                    last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)), tp_rank=tp_rank, tp_size=tp_size,
+                    client_pid=os.getpid())
         reply = self._conn.call(msg, req_id, self.timeout_s)
         if not isinstance(reply, BeginOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to begin")
-        return PushHandle(self, req_id, len(ids), reply)
+        return PushHandle(self, req_id, len(ids), reply, tp_rank, tp_size)
 
     def status(self) -> dict:
         reply = self._conn.call(StatusRequest(), None, self.timeout_s)
@@ -385,10 +407,12 @@ class PrefillClient:
 class DecodeRequest:
     """An opened request: zero-copy views of each layer as it lands in the pool."""
 
-    def __init__(self, client: DecodeClient, ok: OpenOk) -> None:
+    def __init__(self, client: DecodeClient, ok: OpenOk, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.client = client
         self.req_id = ok.req_id
         self.layout = KVLayout(**ok.layout.model_dump())
+        self.geometry = PoolGeometry(self.layout, ok.pool_pages, ok.pool_shards)
+        self.heads = rank_heads(self.layout.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank reads
         self.pages = list(ok.pages)
         self.tokens = (len(self.pages) - 1) * self.layout.chunk_tokens + ok.last_chunk_tokens
         self.ready: set[int] = set(ok.layers_ready)
@@ -415,7 +439,7 @@ class DecodeRequest:
 
     def _check_receiver(self) -> None:
         pid = self.client._conn.peer_pid  # learnt from OpenOk
-        if self.broken is None and pid and not _pid_alive(pid):
+        if self.broken is None and pid and not pid_alive(pid):
             self.broken = f"receiver (pid {pid}) died"
         if self.broken is not None:
             raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
@@ -466,44 +490,60 @@ class DecodeRequest:
         while not self.committed:
             self._pump(deadline)
 
-    def layer_runs(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> list[np.ndarray]:
-        """Zero-copy views, one per run of consecutive pages: ``[n, 2, T, H, D]`` (storage dtype)."""
+    def _ready_layer(self, layer: int, wait: bool, timeout_s: float | None) -> None:
         if wait:
             self.wait_layer(layer, timeout_s)
         self._check_receiver()  # never hand out pages of a dead receiver as if they were valid
         if layer not in self.ready:
             raise UnexpectedMessage(f"layer {layer} of {self.req_id!r} is not ready")
-        lay = self.layout
-        pb = lay.page_bytes
-        out = []
-        for _, p, n in self.page_runs:
-            off = (layer * self.pool_pages + p) * pb
-            out.append(self._pool.array[off:off + n * pb].view(_NP_STORAGE[lay.dtype]).reshape(n, *lay.page_shape))
+
+    def layer_shards(self, layer: int, wait: bool = True,
+                     timeout_s: float | None = None) -> list[tuple[int, np.ndarray]]:
+        """This rank's heads of layer ``layer`` in the whole pool, zero-copy: one ``(first head, view)``
+        per pool shard they span (usually one), the view ``[pool_pages, heads, 2, T, D]`` (storage dtype);
+        the first head counts from this rank's first. This request's chunks are at ``self.pages``."""
+        self._ready_layer(layer, wait, timeout_s)
+        g, lay = self.geometry, self.layout
+        per = lay.kv_heads // g.shards
+        out, at = [], 0
+        for s, j, k in g.heads(*self.heads):
+            off = g.offset(layer, s, 0)
+            shard = self._pool.array[off:off + g.pages * g.shard_bytes].view(_NP_STORAGE[lay.dtype]).reshape(
+                g.pages, per, 2, lay.chunk_tokens, lay.head_dim)
+            out.append((at, shard[:, j:j + k]))
+            at += k
         return out
 
-    def layer_pool(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
-        """Zero-copy view of layer ``layer`` of the whole pool, ``[pool_pages, 2, T, H, D]`` (storage
-        dtype); this request's chunks are at ``self.pages``. For gathers straight into engine caches."""
-        if wait:
-            self.wait_layer(layer, timeout_s)
-        self._check_receiver()
-        if layer not in self.ready:
-            raise UnexpectedMessage(f"layer {layer} of {self.req_id!r} is not ready")
-        lay = self.layout
-        n = self.pool_pages * lay.page_bytes
-        return self._pool.array[layer * n:(layer + 1) * n].view(_NP_STORAGE[lay.dtype]).reshape(
-            self.pool_pages, *lay.page_shape)
+    def layer_runs(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> list[np.ndarray]:
+        """Zero-copy views of this rank's heads, one per run of consecutive pages: ``[n, heads, 2, T, D]``
+        (storage dtype). Where the heads span several pool shards, use ``layer_shards``."""
+        parts = self.layer_shards(layer, wait, timeout_s)
+        if len(parts) != 1:
+            raise ValueError(f"heads {self.heads} span {len(parts)} pool shards: use layer_shards()")
+        view = parts[0][1]
+        return [view[p:p + n] for _, p, n in self.page_runs]
+
+    def read_layer(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """A copy of this rank's heads of the request's pages: ``[chunks, heads, 2, T, D]`` (storage dtype)."""
+        parts = self.layer_shards(layer, wait, timeout_s)
+        pages = np.asarray(self.pages, dtype=np.int64)
+        return np.concatenate([view[pages] for _, view in parts], axis=1)
+
+    def kv_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of this rank's heads of one layer as bytes, ``[tokens, heads, D * dtype bytes]`` (a copy)."""
+        pages = self.read_layer(layer, wait, timeout_s).view(np.uint8)  # [chunks, heads, 2, T, D bytes]
+        kv = pages.transpose(2, 0, 3, 1, 4).reshape(2, -1, pages.shape[1], pages.shape[-1])[:, :self.tokens]
+        return kv[0], kv[1]
 
     def layer_kv(self, layer: int, wait: bool = True, timeout_s: float | None = None):
-        """K and V of one layer as torch tensors ``[tokens, H, D]`` (one gather copy)."""
+        """K and V of this rank's heads of one layer as torch tensors ``[tokens, heads, D]`` (one copy)."""
         import torch
 
         lay = self.layout
-        parts = [torch.from_numpy(r) for r in self.layer_runs(layer, wait, timeout_s)]
-        pages = parts[0] if len(parts) == 1 else torch.cat(parts)
+        pages = torch.from_numpy(self.read_layer(layer, wait, timeout_s))  # [chunks, heads, 2, T, D]
         if lay.dtype == "bfloat16":
             pages = pages.view(torch.bfloat16)
-        kv = pages.transpose(0, 1).reshape(2, -1, lay.kv_heads, lay.head_dim)[:, :self.tokens]
+        kv = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, pages.shape[1], lay.head_dim)[:, :self.tokens]
         return kv[0].clone(), kv[1].clone()
 
     def release(self) -> None:
@@ -533,13 +573,16 @@ class DecodeClient:
         self._conn = _Conn(receiver_socket)
         self._segments = _Attachments()
 
-    def open(self, req_id: str, timeout_s: float | None = None) -> DecodeRequest:
-        """Open a request (waits until its allocation exists on the receiver)."""
+    def open(self, req_id: str, timeout_s: float | None = None, *, tp_rank: int = 0,
+             tp_size: int = 1) -> DecodeRequest:
+        """Open a request (waits until its allocation exists on the receiver). A decode rank of
+        ``tp_size`` reads its own heads (``layout.rank_heads``: replicated where TP exceeds the KV heads)."""
         self._conn.begin(req_id)
-        reply = self._conn.call(Open(req_id=req_id), req_id, timeout_s if timeout_s is not None else self.timeout_s)
+        reply = self._conn.call(Open(req_id=req_id, tp_size=tp_size), req_id,
+                                timeout_s if timeout_s is not None else self.timeout_s)
         if not isinstance(reply, OpenOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to open")
-        return DecodeRequest(self, reply)
+        return DecodeRequest(self, reply, tp_rank, tp_size)
 
     def held_prefix(self, token_ids, layout: KVLayout) -> int:
         """How many leading chunks of this prompt the receiver holds complete."""

@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from pdpush.errors import ConfigError
-from pdpush.layout import KVLayout
+from pdpush.layout import KVLayout, PoolGeometry
 
 _toml_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("pdpush_toml", default=None)
 
@@ -101,6 +101,10 @@ class ReceiverConfig(_Base):
     """Layout: model identity; senders of another model are refused."""
     pool_pages: int = Field(64, ge=1)
     """Pages in the pool; the pool is layers x pool_pages x page_bytes bytes."""
+    pool_shards: int = Field(1, ge=1)
+    """Head groups a pool page is split into, shard-major per layer (docs/layout.md). Set it to the prefill
+    instances' tensor-parallel size: each prefill rank then puts its heads in one put per page run. Must
+    divide kv_heads."""
     lease_ms: int = Field(30_000, ge=10)
     """Upper bound on any lease; an uncommitted allocation is reclaimed after it."""
     quarantine_ms: int = Field(2_000, ge=0)
@@ -135,8 +139,14 @@ class ReceiverConfig(_Base):
     def local_socket_path(self) -> Path:
         return Path(self.local_socket) if self.local_socket else runtime_dir() / f"receiver-{self.control_port}.sock"
 
+    @property
+    def geometry(self) -> PoolGeometry:
+        return PoolGeometry(self.layout, self.pool_pages, self.pool_shards)
+
     @model_validator(mode="after")
     def _check_pool(self):
+        if self.kv_heads % self.pool_shards:
+            raise ValueError(f"pool_shards: {self.pool_shards} does not divide kv_heads={self.kv_heads}")
         if self.pool_bytes > (1 << 40):
             raise ValueError(f"pool_pages: pool would be {self.pool_bytes} bytes (> 1 TiB)")
         return self

@@ -25,7 +25,7 @@ from pdpush.errors import (
     UnexpectedMessage,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_CHUNKS = 1 << 20  # absolute ceiling; daemons enforce a smaller configured cap
 
@@ -67,6 +67,7 @@ class HelloAck(Msg):
     page_bytes: U64
     rkey: Annotated[bytes, Field(max_length=65536)]
     ready_base: U64  # remote address of the readiness words (layout.py): ready[layer, page]
+    pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # PoolGeometry.shards (layout.py)
     ucx_host: str
     ucx_port: Annotated[int, Field(ge=0, le=65535)]
     ucx_token: Annotated[bytes, Field(min_length=32, max_length=32)]  # one-time: binds the UCX endpoint to this session
@@ -78,6 +79,7 @@ class AllocRequest(Msg):
     chunk_keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_CHUNKS)]
     last_chunk_tokens: Annotated[int, Field(ge=1)]
     lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
+    tp_size: Annotated[int, Field(ge=1, le=4096)] = 1  # prefill ranks pushing it (their shares: layout.py)
 
 
 class AllocResponse(Msg):
@@ -146,6 +148,10 @@ class Begin(Msg):
     layout: LayoutSpec
     chunk_keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_CHUNKS)]
     last_chunk_tokens: Annotated[int, Field(ge=1)]
+    # tensor parallelism: every rank sends its own Begin under the same req_id; one request on the wire
+    tp_rank: Annotated[int, Field(ge=0, le=4095)] = 0
+    tp_size: Annotated[int, Field(ge=1, le=4096)] = 1
+    client_pid: Annotated[int, Field(ge=0)] = 0  # the sender fails the request when this process dies
 
 
 class BeginOk(Msg):
@@ -157,6 +163,7 @@ class BeginOk(Msg):
     staging_offset: U64
     new_chunks: U32
     daemon_pid: int = 0  # the prefill engine watches the sender's pid while it waits
+    pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # the receiver's; with tp_size, the staging shares
 
 
 class LayerReady(Msg):
@@ -176,9 +183,10 @@ class Done(Msg):
     type: Literal["done"] = "done"
     req_id: ReqId
     bytes_sent: U64
-    puts: U32
+    puts: U32  # all ranks'
     layers: U32
     chunks_skipped: U32
+    rank_puts: U32 = 0  # this rank's: (layers x page runs) where its share is one pool shard
     layer_done_ms: list[float]
 
 
@@ -187,6 +195,7 @@ class Done(Msg):
 class Open(Msg):
     type: Literal["open"] = "open"
     req_id: ReqId
+    tp_size: Annotated[int, Field(ge=1, le=4096)] = 1  # decode ranks that each open it: kept until all released
 
 
 class OpenOk(Msg):
@@ -204,6 +213,7 @@ class OpenOk(Msg):
     layers_ready: list[U32]
     committed: bool
     daemon_pid: int = 0  # the decode engine has no UCX endpoint: it watches this pid for liveness
+    pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # PoolGeometry.shards (layout.py)
 
 
 class LayerAvailable(Msg):

@@ -27,6 +27,7 @@ import zmq
 from pdpush import control, protocol
 from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.errors import PdpushError
+from pdpush.layout import combine_digests
 from pdpush.protocol import StatusReply, StatusRequest
 from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 
@@ -85,7 +86,8 @@ class Receiver:
 
         self.metrics = Metrics("receiver", cfg.metrics_host, cfg.metrics_port)
         info = PoolInfo(base=self.region.address, pages=cfg.pool_pages, shmid=self.shmid, rkey=self.rkey,
-                        ready_base=self.region.address + self.layout.kv_bytes(cfg.pool_pages), ucx_host=cfg.host, ucx_port=self.ucx_port, daemon_pid=os.getpid())
+                        ready_base=self.region.address + self.layout.kv_bytes(cfg.pool_pages), ucx_host=cfg.host,
+                        ucx_port=self.ucx_port, daemon_pid=os.getpid(), shards=cfg.pool_shards)
         self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
                                        layer_checksum=self._layer_checksum)
@@ -211,18 +213,16 @@ class Receiver:
             ep.close()
 
     # ---- pool bytes ----
-    def layer_bytes(self, layer: int, first_page: int, n: int):
+    def _layer_checksum(self, ranges: list[list[tuple[int, int]]]) -> int:
         from pdpush.shm import array_at
 
-        pb = self.layout.page_bytes
-        off = (layer * self.cfg.pool_pages + first_page) * pb
-        return array_at(self.region.address + off, n * pb)
-
-    def _layer_checksum(self, layer: int, runs: list[tuple[int, int, int]]) -> int:
-        h = xxhash.xxh3_64()
-        for _, p, n in runs:
-            h.update(self.layer_bytes(layer, p, n))
-        return h.intdigest()
+        digests = []
+        for share in ranges:
+            h = xxhash.xxh3_64()
+            for off, n in share:
+                h.update(array_at(self.region.address + off, n))
+            digests.append(h.intdigest())
+        return combine_digests(digests)
 
     def stats(self) -> dict:
         return {"role": "receiver", "control_endpoint": self.control_endpoint, **self.session.stats(),

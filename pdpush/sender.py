@@ -25,6 +25,7 @@ import xxhash
 import zmq
 
 from pdpush import control, protocol
+from pdpush.client import pid_alive
 from pdpush.config import SenderConfig
 from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportError
 from pdpush.protocol import StatusReply, StatusRequest
@@ -160,8 +161,11 @@ class Sender:
         if t - self._last_tick >= 5:
             self._last_tick = t
             self._apply(self.session.on_tick(t))
-        if time.monotonic() - self._last_refresh > 0.1:  # gauges ~10 times a second
+        if time.monotonic() - self._last_refresh > 0.1:  # gauges and prefill ranks' liveness ~10 times a second
             self._last_refresh = time.monotonic()
+            for pid in self.session.client_pids():
+                if not pid_alive(pid):
+                    self._apply(self.session.on_client_gone(pid, now_ms()))
             self.metrics.refresh(self.stats())
 
     def _guard(self, fn, *args) -> None:

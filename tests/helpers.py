@@ -42,10 +42,9 @@ def read_back(dc: DecodeClient, req_id: str, layout: KVLayout, tokens: int, torc
             assert tuple(tk.shape) == (tokens, layout.kv_heads, layout.head_dim)
             ks_torch = tk.view(torch.uint8).numpy().reshape(tokens, layout.kv_heads, row).copy()
         for layer in range(layout.layers):
-            runs = req.layer_runs(layer, wait=True, timeout_s=30)
-            pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, layout.kv_heads, row) for r in runs])
-            ks.append(pages[:, 0].reshape(-1, layout.kv_heads, row)[:tokens].copy())
-            vs.append(pages[:, 1].reshape(-1, layout.kv_heads, row)[:tokens].copy())
+            k, v = req.kv_bytes(layer, wait=True, timeout_s=30)
+            ks.append(k)
+            vs.append(v)
     if torch_check:
         assert np.array_equal(ks_torch, ks[-1])
     return np.stack(ks), np.stack(vs)

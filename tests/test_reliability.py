@@ -287,7 +287,7 @@ def test_daemons_die_with_a_crashed_launcher(tmp_path):
     import subprocess
     import sys
 
-    from pdpush.client import _pid_alive
+    from pdpush.client import pid_alive
 
     code = ("import sys, time; from pathlib import Path; from pdpush import launch; "
             f"d = launch.start_receiver(Path({str(tmp_path)!r}), layers=2, kv_heads=1, head_dim=8, pool_pages=2, "
@@ -295,10 +295,10 @@ def test_daemons_die_with_a_crashed_launcher(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(parent.stdout.readline())
-        assert _pid_alive(pid)
+        assert pid_alive(pid)
         parent.kill()
         parent.wait(10)
-        _until(lambda: not _pid_alive(pid), 20, "the orphaned daemon to exit")
+        _until(lambda: not pid_alive(pid), 20, "the orphaned daemon to exit")
     finally:
         if parent.poll() is None:
             parent.kill()

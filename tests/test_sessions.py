@@ -37,9 +37,9 @@ ENG = b"engine"
 DEC = b"decoder"
 
 
-def receiver(pages: int = 16, **limits) -> ReceiverSession:
+def receiver(pages: int = 16, shards: int = 1, **limits) -> ReceiverSession:
     tokens = (bytes([i]) * 32 for i in itertools.count(1))
-    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + LAY.kv_bytes(pages), "127.0.0.1", 9, 42)
+    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + LAY.kv_bytes(pages), "127.0.0.1", 9, 42, shards)
     return ReceiverSession(LAY, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
 
 
@@ -47,9 +47,9 @@ def sender(**limits) -> SenderSession:
     return SenderSession(SenderLimits(**limits), StagingInfo(1 << 20, 5, 64 << 20, 41), "tcp://rx-a:1")
 
 
-def begin(req_id: str, ids: list[int], receiver: str = "") -> protocol.Begin:
+def begin(req_id: str, ids: list[int], receiver: str = "", **tp) -> protocol.Begin:
     return protocol.Begin(req_id=req_id, receiver=receiver, layout=SPEC, chunk_keys=chunk_keys(ids, LAY),
-                          last_chunk_tokens=LAY.last_chunk_tokens(len(ids)))
+                          last_chunk_tokens=LAY.last_chunk_tokens(len(ids)), **tp)
 
 
 def of(actions, cls):
@@ -63,12 +63,13 @@ def msgs(actions, cls, mcls):
 class Wire:
     """A sender session and receiver sessions (one per endpoint), with a driven clock."""
 
-    def __init__(self, endpoints=("tcp://rx-a:1",), **sender_limits) -> None:
+    def __init__(self, endpoints=("tcp://rx-a:1",), shards: int = 1, **sender_limits) -> None:
         self.now = 0
         self.tx = sender(**sender_limits)
-        self.rx = {e: receiver(pages=64) for e in endpoints}
+        self.rx = {e: receiver(pages=64, shards=shards) for e in endpoints}
         self.posted: list[PostPuts] = []  # puts posted and not completed
         self.to_client: list = []
+        self.by_client: list = []  # (engine identity, message)
         self.to_decoder: list = []
         self.partitioned: set[str] = set()
 
@@ -88,9 +89,10 @@ class Wire:
                 self.posted.append(a)
             elif isinstance(a, ToClient):
                 self.to_client.append(a.msg)
+                self.by_client.append((a.ident, a.msg))
 
-    def engine(self, msg) -> None:
-        self.run(self.tx.on_ingress(ENG, msg, self.now))
+    def engine(self, msg, ident: bytes = ENG) -> None:
+        self.run(self.tx.on_ingress(ident, msg, self.now))
 
     def complete(self, endpoint: str | None = None) -> None:
         """Flushes complete for every posted batch (of one endpoint)."""
@@ -134,7 +136,7 @@ def test_a_push_commits_only_after_every_flush_and_the_ack():
     for p in data:  # each layer's flush completes: its readiness words follow, into the words area
         actions = w.tx.on_flushed([Flushed(p.token)], w.now)
         ready = [a for a in actions if isinstance(a, PostPuts)]
-        assert len(ready) == 1 and ready[0].token == (p.token[0], p.token[1], "ready")
+        assert len(ready) == 1 and ready[0].token == (p.token[0], p.token[1], "ready", 0)
         assert ready[0].ops[0].dst >= (1 << 30) + LAY.kv_bytes(64) and ready[0].ops[0].nbytes == 3 * 8
         w.run(actions)
     w.complete()
@@ -384,3 +386,82 @@ def test_an_undecodable_frame_is_counted_and_answered(bad):
     out = rx.bad_frame(b"x", e.value, local=False)
     assert msgs(out, ToSender, protocol.Error)[0].code is ErrorCode.BAD_MESSAGE
     assert rx.counters.values["bad_messages"] == 1
+
+
+# ---- tensor parallelism: several ranks, one request --------------------------------------------
+
+RANKS = (b"rank0", b"rank1")
+
+
+def _tp_begin(w: Wire, req_id: str, ids: list[int], ranks=(0, 1)) -> None:
+    for r in ranks:
+        w.engine(begin(req_id, ids, tp_rank=r, tp_size=2, client_pid=100 + r), RANKS[r])
+
+
+def _for(w: Wire, ident: bytes, cls):
+    return [m for i, m in w.by_client if i == ident and isinstance(m, cls)]
+
+
+def test_two_ranks_share_one_allocation_and_a_layer_lands_only_with_both_shares():
+    w = Wire(shards=2)
+    w.push("warm", list(range(16)))  # chunk 0 is then held: both ranks must skip it
+    w.complete()
+    _tp_begin(w, "t", list(range(40)))
+    oks = [_for(w, r, protocol.BeginOk)[-1] for r in RANKS]
+    assert oks[0] == oks[1] and oks[0].already_sent_indexes == [0] and oks[0].new_chunks == 2
+    assert len(w.rx["tcp://rx-a:1"].reqs) == 2  # one allocation on the receiver, not one per rank
+    w.engine(protocol.LayerReady(req_id="t", layers=[0]), RANKS[0])
+    w.complete()
+    assert w.tx.reqs["t"].layers_done == set()  # rank 1's share of layer 0 is not there yet
+    assert w.rx["tcp://rx-a:1"].reqs["t"].layers_done == set()
+    w.engine(protocol.LayerReady(req_id="t", layers=[0]), RANKS[1])
+    data = list(w.posted)
+    assert all(len(p.ops) == 1 for p in data)  # pool shards = tp: a rank's heads of a page run are one put
+    w.complete()
+    assert w.tx.reqs["t"].layers_done == {0}
+    assert w.rx["tcp://rx-a:1"].reqs["t"].layers_done == {0}
+    for layer in (1, 2):
+        for r in (0, 1):
+            w.engine(protocol.LayerReady(req_id="t", layers=[layer]), RANKS[r])
+    w.complete()
+    w.engine(protocol.Finish(req_id="t"), RANKS[0])
+    assert w.rx["tcp://rx-a:1"].reqs["t"].state is ReqState.STREAMING  # rank 1 has not finished
+    w.engine(protocol.Finish(req_id="t"), RANKS[1])
+    dones = [_for(w, r, protocol.Done)[-1] for r in RANKS]
+    assert all(d.chunks_skipped == 1 and d.layers == LAY.layers for d in dones)
+    assert all(d.rank_puts == LAY.layers for d in dones)  # one put per layer per rank: one page run
+    assert w.rx["tcp://rx-a:1"].reqs["t"].state is ReqState.COMMITTED
+
+
+def test_one_rank_dying_fails_the_request_for_every_rank_and_frees_the_lease():
+    w = Wire()
+    _tp_begin(w, "t", list(range(40)))
+    w.engine(protocol.LayerReady(req_id="t", layers=[0]), RANKS[0])
+    assert w.tx.client_pids() == {100, 101}
+    w.run(w.tx.on_client_gone(101, w.now))
+    errs = [_for(w, r, protocol.Error)[-1] for r in RANKS]
+    assert all(e.code is ErrorCode.PEER_DEAD for e in errs) and "rank 1 of 2 (pid 101) died" in errs[0].message
+    assert "t" not in w.rx["tcp://rx-a:1"].reqs  # the receiver was told: the pages go to quarantine
+    w.engine(begin("t", list(range(40)), tp_rank=1, tp_size=2), RANKS[1])  # a late rank is told, not re-begun
+    assert _for(w, RANKS[1], protocol.Error)[-1].code is ErrorCode.UNKNOWN_REQUEST and "t" not in w.tx.reqs
+
+
+def test_a_rank_that_disagrees_fails_the_request_and_a_second_begin_of_a_rank_is_a_duplicate():
+    w = Wire()
+    _tp_begin(w, "t", list(range(40)), ranks=(0,))
+    w.engine(begin("t", list(range(40)), tp_rank=0, tp_size=2), RANKS[1])
+    assert _for(w, RANKS[1], protocol.Error)[-1].code is ErrorCode.DUPLICATE_REQUEST and "t" in w.tx.reqs
+    w.engine(begin("t", list(range(41)), tp_rank=1, tp_size=2), RANKS[1])  # another prompt
+    assert _for(w, RANKS[0], protocol.Error)[-1].code is ErrorCode.BAD_MESSAGE and "t" not in w.tx.reqs
+
+
+def test_a_rank_that_never_begins_fails_the_request_at_its_deadline_naming_it():
+    w = Wire(lease_ms=1000)
+    _tp_begin(w, "t", list(range(40)), ranks=(0,))
+    for layer in range(LAY.layers):
+        w.engine(protocol.LayerReady(req_id="t", layers=[layer]), RANKS[0])
+    w.complete()
+    w.engine(protocol.Finish(req_id="t"), RANKS[0])
+    w.tick(2000)
+    err = _for(w, RANKS[0], protocol.Error)[-1]
+    assert err.code is ErrorCode.TIMEOUT and "ranks [1] never began it" in err.message

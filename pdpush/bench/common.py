@@ -34,15 +34,14 @@ class Source:
 
 
 def verify(req, src: Source, layout: KVLayout) -> bool:
-    row = layout.kv_heads * layout.head_dim * layout.dtype_bytes
-    T = layout.chunk_tokens
+    """Every byte of the request's heads (all of them, or a decode rank's) equals the source's."""
+    h0, h1 = req.heads
     n = len(src.token_ids)
     for layer in range(layout.layers):
-        pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, row)
-                                for r in req.layer_runs(layer, wait=True)])
-        k = pages[:, 0].reshape(-1, row)[:n]
-        v = pages[:, 1].reshape(-1, row)[:n]
-        if not (np.array_equal(k, src.k[layer].reshape(n, row)) and np.array_equal(v, src.v[layer].reshape(n, row))):
+        k, v = req.kv_bytes(layer, wait=True)
+        want_k = src.k[layer].reshape(n, layout.kv_heads, -1)[:, h0:h1]
+        want_v = src.v[layer].reshape(n, layout.kv_heads, -1)[:, h0:h1]
+        if not (np.array_equal(k, want_k) and np.array_equal(v, want_v)):
             return False
     return True
 

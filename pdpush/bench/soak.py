@@ -159,13 +159,8 @@ def engine(fleet: Fleet, idx: int, stop_at: float, counts: dict, lock: threading
 
 
 def _verify(req, k: np.ndarray, v: np.ndarray, tokens: int) -> bool:
-    T = LAYOUT.chunk_tokens
-    row = LAYOUT.kv_heads * LAYOUT.head_dim * LAYOUT.dtype_bytes
     for layer in range(LAYOUT.layers):
-        pages = np.concatenate([r.view(np.uint8).reshape(r.shape[0], 2, T, row)
-                                for r in req.layer_runs(layer, wait=True, timeout_s=8)])
-        got_k = pages[:, 0].reshape(-1, row)[:tokens]
-        got_v = pages[:, 1].reshape(-1, row)[:tokens]
+        got_k, got_v = (x.reshape(tokens, -1) for x in req.kv_bytes(layer, wait=True, timeout_s=8))
         if xxhash.xxh3_64_digest(np.ascontiguousarray(got_k)) != xxhash.xxh3_64_digest(np.ascontiguousarray(k[layer])):
             return False
         if xxhash.xxh3_64_digest(np.ascontiguousarray(got_v)) != xxhash.xxh3_64_digest(np.ascontiguousarray(v[layer])):

@@ -416,11 +416,14 @@ class PdpushConnector(KVConnectorBase_V1):
         n = self._paged.slots_per_block(kv_layer)
         for p in list(self._pushes):
             try:
-                staging = _storage_tensor(p.handle.staging_layer(layer), self.layout.dtype)
-                ks, vs = self._paged.gather(kv_layer, *p.src.addresses(n))
+                staging = _storage_tensor(p.handle.staging_layer(layer), self.layout.dtype)  # [u, n, h, 2, T, D]
+                ks, vs = self._paged.gather(kv_layer, *p.src.addresses(n))  # [tokens, heads, D]
                 # a GPU cache: one device-to-host copy of the gathered tokens (synchronous; never run here)
-                staging[p.dst_chunk, 0, p.src.chunk_rows] = ks.to("cpu", staging.dtype)
-                staging[p.dst_chunk, 1, p.src.chunk_rows] = vs.to("cpu", staging.dtype)
+                ks, vs = ks.to("cpu", staging.dtype), vs.to("cpu", staging.dtype)
+                hu = staging.shape[2]
+                for u in range(staging.shape[0]):  # the share's head units (one unless pool shards > 1)
+                    staging[u][p.dst_chunk, :, 0, p.src.chunk_rows] = ks[:, u * hu:(u + 1) * hu]
+                    staging[u][p.dst_chunk, :, 1, p.src.chunk_rows] = vs[:, u * hu:(u + 1) * hu]
                 p.handle.layer_ready(layer)
                 EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
                 p.layers_sent += 1
@@ -510,10 +513,11 @@ class PdpushConnector(KVConnectorBase_V1):
             if ld.failed is not None or ld.req is None:
                 continue
             try:
-                pool = _storage_tensor(ld.req.layer_pool(layer, timeout_s=self.settings.load_timeout_s),
-                                       self.layout.dtype)
-                self._paged.scatter(kv, *ld.dst.addresses(n), pool[ld.src_page, 0, ld.dst.chunk_rows],
-                                    pool[ld.src_page, 1, ld.dst.chunk_rows])
+                parts = [_storage_tensor(view, self.layout.dtype) for _, view in
+                         ld.req.layer_shards(layer, timeout_s=self.settings.load_timeout_s)]  # [pages, h, 2, T, D]
+                k, v = ([p[ld.src_page, :, i, ld.dst.chunk_rows] for p in parts] for i in (0, 1))
+                self._paged.scatter(kv, *ld.dst.addresses(n), k[0] if len(k) == 1 else torch.cat(k, 1),
+                                    v[0] if len(v) == 1 else torch.cat(v, 1))
                 ld.layers_done += 1
                 STATS["load_layers"] += 1
             except _REQUEST_ERRORS as e:

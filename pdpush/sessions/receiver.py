@@ -38,7 +38,7 @@ from pdpush.errors import (
     UnexpectedMessage,
     UnknownRequest,
 )
-from pdpush.layout import KVLayout, runs
+from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, runs
 from pdpush.pool import PagePool, PoolRequest
 from pdpush.protocol import (
     Abort,
@@ -94,6 +94,7 @@ class PoolInfo:
     ucx_host: str
     ucx_port: int
     daemon_pid: int
+    shards: int = 1  # PoolGeometry.shards
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,19 @@ class RxRequest:
     layers_done: set[int] = field(default_factory=set)
     watchers: set[bytes] = field(default_factory=set)
     new_runs: list[tuple[int, int, int]] = field(default_factory=list)
+    tp_size: int = 1  # prefill ranks whose shares make up each layer
+    decode_ranks: int = 1  # opens it takes: a committed request stays until that many releases
+    releases: int = 0
 
 
 class ReceiverSession:
     def __init__(self, layout: KVLayout, pool_pages: int, limits: ReceiverLimits, pool_info: PoolInfo, *,
-                 new_token: Callable[[], bytes], layer_checksum: Callable[[int, list[tuple[int, int, int]]], int]
+                 new_token: Callable[[], bytes], layer_checksum: Callable[[list[list[tuple[int, int]]]], int]
                  | None = None) -> None:
+        """``layer_checksum(ranges)``: ``layout.combine_digests`` of each rank's pool byte ranges
+        (offset, bytes) hashed in order."""
         self.layout = layout
+        self.geometry = PoolGeometry(layout, pool_pages, pool_info.shards)
         self.spec = LayoutSpec(**layout.to_dict())
         self.limits = limits
         self.info = pool_info
@@ -140,7 +147,7 @@ class ReceiverSession:
         self.reqs: dict[str, RxRequest] = {}
         self.sessions: set[bytes] = set()  # sender identities that completed Hello
         self.tokens: OrderedDict[bytes, bytes] = OrderedDict()  # one-time UCX session token -> sender identity
-        self.parked: dict[str, list[tuple[bytes, int]]] = {}  # req_id -> [(decode identity, since ms)]
+        self.parked: dict[str, list[tuple[bytes, int, int]]] = {}  # req_id -> [(decode identity, since ms, tp)]
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
         self.draining = False
         self._next_lease = 1
@@ -208,11 +215,11 @@ class ReceiverSession:
             elif r.state is ReqState.COMMITTED and r.readers == 0:
                 self._due(r.committed_at_ms + self.limits.committed_ttl_ms)
         for rid, waiters in list(self.parked.items()):
-            waiters[:] = [(i, s) for i, s in waiters if now - s < PARKED_OPEN_MS]
+            waiters[:] = [w for w in waiters if now - w[1] < PARKED_OPEN_MS]
             if not waiters:
                 del self.parked[rid]
             else:
-                self._due(min(s for _, s in waiters) + PARKED_OPEN_MS)
+                self._due(min(w[1] for w in waiters) + PARKED_OPEN_MS)
         return out
 
     def begin_drain(self) -> None:
@@ -268,7 +275,7 @@ class ReceiverSession:
         i = self.info
         return HelloAck(ucx_token=token, version=protocol.PROTOCOL_VERSION, fingerprint=mine, layout=self.spec,
                         pool_base=i.base, pool_pages=i.pages, page_bytes=self.layout.page_bytes, rkey=i.rkey,
-                        ready_base=i.ready_base, ucx_host=i.ucx_host, ucx_port=i.ucx_port)
+                        ready_base=i.ready_base, ucx_host=i.ucx_host, ucx_port=i.ucx_port, pool_shards=i.shards)
 
     def _alloc(self, ident: bytes, msg: AllocRequest, now: int, out: list) -> Msg:
         rid = msg.req_id
@@ -282,18 +289,24 @@ class ReceiverSession:
         if rid in self.reqs:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
         self._check_sender_caps(ident, msg)
+        try:
+            check_prefill_tp(self.layout.kv_heads, msg.tp_size)
+        except ValueError as e:
+            raise RemoteProtocolError(str(e), req_id=rid) from None
         alloc = self.pool.allocate(rid, msg.chunk_keys)
         lease = min(msg.lease_ms, self.limits.lease_ms)
         r = RxRequest(rid, ident, alloc, self._next_lease, now + lease, msg.last_chunk_tokens, now)
         self._next_lease += 1
         r.new_runs = runs(alloc.new_pages)
+        r.tp_size = msg.tp_size
         self.reqs[rid] = r
         self._due(r.expires_at_ms)
         self.finished.pop(rid, None)
         self.counters.add("requests_total")
         out.append(Count("chunks_hit", len(alloc.held_idx)))
         out.append(Log(logging.DEBUG, f"alloc {len(msg.chunk_keys)} chunks, {len(alloc.held_idx)} held", rid))
-        for dident, _ in self.parked.pop(rid, []):
+        for dident, _, tp in self.parked.pop(rid, []):
+            r.decode_ranks = max(r.decode_ranks, tp)
             out.append(self._open_ok(dident, r))
         return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
@@ -326,8 +339,11 @@ class ReceiverSession:
             raise RemoteProtocolError(f"{len(msg.checksums)} checksums for {len(msg.layers)} layers")
         r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
         if msg.checksums is not None and self.limits.verify_checksums and self._layer_checksum is not None:
+            shares = StagingShares(self.layout, r.tp_size, self.geometry.shards, len(r.alloc.new_idx))
             for layer, want in zip(msg.layers, msg.checksums, strict=True):
-                if self._layer_checksum(layer, r.new_runs) != want:
+                ranges = [[(dst, n) for _, dst, n in shares.ranges(layer, rank, r.new_runs, self.geometry)]
+                          for rank in range(r.tp_size)]
+                if self._layer_checksum(ranges) != want:
                     self.counters.add("checksum_failures")
                     err = ChecksumMismatch(f"layer {layer} checksum mismatch", req_id=r.req_id)
                     self._fail(r, err, now, out)
@@ -394,6 +410,7 @@ class ReceiverSession:
         if isinstance(msg, Open):
             r = self.reqs.get(msg.req_id)
             if r is not None:
+                r.decode_ranks = max(r.decode_ranks, msg.tp_size)
                 out.append(self._open_ok(ident, r))
             elif msg.req_id in self.finished:
                 raise UnknownRequest(f"request {msg.req_id!r} is gone: {self.finished[msg.req_id]}")
@@ -403,14 +420,15 @@ class ReceiverSession:
                     if not waiters:
                         del self.parked[msg.req_id]
                     raise RequestTooLarge("too many parked opens")
-                waiters.append((ident, now))  # answered when the AllocRequest arrives
+                waiters.append((ident, now, msg.tp_size))  # answered when the AllocRequest arrives
                 self._due(now + PARKED_OPEN_MS)
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
             if r is not None:
                 r.watchers.discard(ident)
                 r.readers = max(0, r.readers - 1)
-                if r.readers == 0 and r.state is ReqState.COMMITTED:
+                r.releases += 1
+                if r.readers == 0 and r.state is ReqState.COMMITTED and r.releases >= r.decode_ranks:
                     self._drop(r, "committed and released")
                 elif r.readers == 0:
                     self._due(r.expires_at_ms)
@@ -444,7 +462,7 @@ class ReceiverSession:
                                       lease_id=r.lease_id, ready_in_pool=not self.limits.verify_checksums,
                                       last_chunk_tokens=r.last_chunk_tokens,
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
-                                      daemon_pid=i.daemon_pid))
+                                      daemon_pid=i.daemon_pid, pool_shards=i.shards))
 
     # ---- state -------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -16,6 +16,14 @@ completes, one notice per request for all its layers that completed in the same
 pass; a stalled receiver's batches time out at their own deadlines and fail only
 that receiver's requests. A request counts as delivered only on CommitAck.
 
+Tensor parallelism: every prefill rank sends its own ``Begin`` under the same
+req_id (``tp_rank``/``tp_size``); the first one allocates, and every rank gets
+the same ``already_sent_indexes``. Each rank hands over its share of a layer
+(layout.py: ``StagingShares``), and the layer counts as landed (readiness words,
+``LayerDone``) only when every rank's share is flushed; the commit goes out once
+every rank has finished. One rank's failure, abort or death fails the request
+for all of them.
+
 Imports no zmq, ucxx, torch or clock.
 """
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,7 +52,7 @@ from pdpush.errors import (
     UnknownRequest,
     error_from_code,
 )
-from pdpush.layout import KVLayout
+from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, combine_digests
 from pdpush.protocol import (
     SENDER_PEER,
     SENDER_REQUEST,
@@ -102,7 +111,7 @@ class PostPuts:
 
     endpoint: str
     ops: list[PutOp]
-    token: tuple[int, tuple[int, ...], str]  # (request seq, layers, kind)
+    token: tuple[int, tuple[int, ...], str, int]  # (request seq, layers, kind, rank)
     deadline_ms: int
     srcs: list[tuple[int, int]] = field(default_factory=list)  # data: (staging address, bytes) per layer
 
@@ -120,7 +129,7 @@ class FillWords:
 class Flushed:
     """A posted layer's flush completed (``error`` None) or failed."""
 
-    token: tuple[int, tuple[int, ...], str]
+    token: tuple[int, tuple[int, ...], str, int]
     error: TransportError | None = None
     checksums: list[int] | None = None  # one per layer of the token, where checksums are on
 
@@ -158,12 +167,23 @@ class Peer:
 
 
 @dataclass
+class TxRank:
+    """One prefill rank of a request: its connection, and what it has handed over."""
+
+    client: bytes
+    pid: int
+    layers_posted: set[int] = field(default_factory=set)
+    finish: bool = False
+    puts: int = 0
+
+
+@dataclass
 class TxRequest:
-    """One request, its whole life on the sender."""
+    """One request, its whole life on the sender (all its ranks)."""
 
     req_id: str
     seq: int  # distinguishes completions of a request from an earlier one with the same id
-    client: bytes
+    ranks: dict[int, TxRank]
     peer: Peer
     begin: Begin
     layout: KVLayout
@@ -175,15 +195,27 @@ class TxRequest:
     lease_id: int = 0
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (new-chunk idx, first page, n)
     skipped: int = 0
-    layers_posted: set[int] = field(default_factory=set)
-    layers_done: set[int] = field(default_factory=set)
+    held: list[int] = field(default_factory=list)  # already_sent_indexes: decided once, the same for every rank
+    shares: StagingShares | None = None
+    flushed: dict[int, dict[int, int | None]] = field(default_factory=dict)  # layer -> rank -> share digest
+    layers_done: set[int] = field(default_factory=set)  # every rank's share flushed
     unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
-    finish: bool = False
     puts: int = 0
     bytes_sent: int = 0
     layer_done_ms: list[float] = field(default_factory=list)
     alloc_attempts: int = 0
     t_alloc_ms: int = 0
+
+    @property
+    def tp(self) -> int:
+        return self.begin.tp_size
+
+    @property
+    def clients(self) -> list[bytes]:
+        return [k.client for k in self.ranks.values()]
+
+    def finished(self) -> bool:
+        return len(self.ranks) == self.tp and all(k.finish for k in self.ranks.values())
 
 
 class SenderSession:
@@ -198,6 +230,7 @@ class SenderSession:
         self.reqs: dict[str, TxRequest] = {}
         self._by_seq: dict[int, TxRequest] = {}
         self._seq = itertools.count(1)
+        self.ended: OrderedDict[str, str] = OrderedDict()  # recently ended multi-rank req_id -> why (bounded)
         self.draining = False
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
@@ -215,8 +248,10 @@ class SenderSession:
             elif isinstance(msg, Finish):
                 self._finish(ident, msg, now, out)
             elif isinstance(msg, Abort):
-                r = self._client_req(ident, msg.req_id)
-                self._fail(r, Aborted(msg.reason or "aborted by prefill engine"), now, out, tell_receiver=True)
+                r, rank = self._client_req(ident, msg.req_id)
+                who = f" (rank {rank} of {r.tp})" if r.tp > 1 else ""
+                self._fail(r, Aborted(f"aborted by prefill engine{who}: {msg.reason or 'no reason given'}"), now,
+                           out, tell_receiver=True)
             else:
                 raise UnexpectedMessage(f"sender does not accept {msg.type} on the ingress")
         except PdpushError as e:
@@ -263,7 +298,7 @@ class SenderSession:
         out: list = []
         touched: dict[int, TxRequest] = {}
         for c in completions:
-            seq, layers, kind = c.token
+            seq, layers, kind, rank = c.token
             r = self._by_seq.get(seq)
             if r is None or (r.state is not TxState.STREAMING and kind == "data"):
                 continue  # the request ended meanwhile (failed, aborted): nothing to announce
@@ -274,9 +309,10 @@ class SenderSession:
                     continue
                 if kind == "ready":
                     continue
-                out.append(self._readiness(r, layers, now))
-                for i, layer in enumerate(layers):
-                    self._layer_flushed(r, layer, len(r.runs), c.checksums[i] if c.checksums else None)
+                landed = [layer for i, layer in enumerate(layers)
+                          if self._share_flushed(r, layer, rank, c.checksums[i] if c.checksums else None)]
+                if landed:
+                    out.append(self._readiness(r, tuple(landed), now))
                 touched[seq] = r
             except Exception as exc:  # noqa: BLE001 - the top-level guard
                 self._internal("a put completion", exc, r.req_id, now, out)
@@ -295,6 +331,20 @@ class SenderSession:
             self._peer_failed(p, BrokenResourceError(why), now, out)
         return out
 
+    def client_pids(self) -> set[int]:
+        """Processes of the prefill ranks with a request in flight (the shell watches them)."""
+        return {k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid}
+
+    def on_client_gone(self, pid: int, now: int) -> list:
+        """A prefill rank's process died: its requests cannot complete, fail them for every rank."""
+        out: list = []
+        for r in list(self.reqs.values()):
+            dead = [rank for rank, k in r.ranks.items() if k.pid == pid]
+            if dead:
+                self._fail(r, BrokenResourceError(f"prefill rank {dead[0]} of {r.tp} (pid {pid}) died mid-push"),
+                           now, out, tell_receiver=True)
+        return out
+
     def on_tick(self, now: int) -> list:
         out: list = []
         lim = self.limits
@@ -310,8 +360,10 @@ class SenderSession:
                 self._fail(r, TransportTimeout(f"no {r.state.value} reply from {r.peer.endpoint} within "
                                                f"{lim.control_timeout_ms} ms"), now, out, tell_receiver=True)
             elif r.state is TxState.STREAMING and now > r.deadline_ms:
-                self._fail(r, TransportTimeout("prefill engine did not finish the request before the lease "
-                                               "deadline"), now, out, tell_receiver=True)
+                missing = sorted(set(range(r.tp)) - set(r.ranks))
+                why = f" (ranks {missing} never began it)" if missing else ""
+                self._fail(r, TransportTimeout(f"prefill engine did not finish the request before the lease "
+                                               f"deadline{why}"), now, out, tell_receiver=True)
         return out
 
     def begin_drain(self) -> None:
@@ -343,18 +395,30 @@ class SenderSession:
             out.append(ToClient(reply_to, protocol.error_reply(err, rid)))
 
     # ---- prefill engine ----------------------------------------------------------------
-    def _client_req(self, ident: bytes, req_id: str) -> TxRequest:
+    def _client_req(self, ident: bytes, req_id: str) -> tuple[TxRequest, int]:
         r = self.reqs.get(req_id)
-        if r is None or r.client != ident:
-            raise UnknownRequest(f"unknown request {req_id!r}")
-        return r
+        if r is not None:
+            for rank, k in r.ranks.items():
+                if k.client == ident:
+                    return r, rank
+        raise UnknownRequest(f"unknown request {req_id!r}")
 
     def _begin(self, ident: bytes, msg: Begin, now: int, out: list) -> None:
         if self.draining:
             raise ShuttingDown("sender is draining")
-        if msg.req_id in self.reqs:
-            raise DuplicateRequest(f"request {msg.req_id!r} already in flight")
+        if msg.tp_rank >= msg.tp_size:
+            raise RemoteProtocolError(f"tp_rank {msg.tp_rank} out of range for tp_size {msg.tp_size}")
+        r = self.reqs.get(msg.req_id)
+        if r is not None:
+            self._join(r, ident, msg, now, out)
+            return
+        if msg.tp_size > 1 and msg.req_id in self.ended:
+            raise UnknownRequest(f"request {msg.req_id!r} already ended: {self.ended[msg.req_id]}")
         layout = KVLayout(**msg.layout.model_dump())
+        try:
+            check_prefill_tp(layout.kv_heads, msg.tp_size)
+        except ValueError as e:
+            raise RemoteProtocolError(str(e)) from None
         if layout.layers * len(msg.chunk_keys) * layout.page_bytes > self.staging.size:
             raise RequestTooLarge(f"request needs more staging than staging_bytes={self.staging.size}")
         receiver = msg.receiver or self.default_receiver
@@ -368,7 +432,7 @@ class SenderSession:
                                    f"{msg.layout.model_dump()}")
         if peer is None:
             peer = self.peers[receiver] = Peer(receiver)
-        r = TxRequest(msg.req_id, next(self._seq), ident, peer, msg, layout,
+        r = TxRequest(msg.req_id, next(self._seq), {msg.tp_rank: TxRank(ident, msg.client_pid)}, peer, msg, layout,
                       now + self.limits.control_timeout_ms, now)
         self.reqs[r.req_id] = r
         self._by_seq[r.seq] = r
@@ -379,6 +443,28 @@ class SenderSession:
             peer.waiting.append(r.req_id)
             if peer.state in (PeerState.NEW, PeerState.DEAD):
                 self._hello(peer, msg, now, out)
+
+    def _join(self, r: TxRequest, ident: bytes, msg: Begin, now: int, out: list) -> None:
+        """Another rank of a request in flight begins it: it shares the allocation and the staging."""
+        b = r.begin
+        if r.tp == 1 or msg.tp_size != r.tp or msg.tp_rank in r.ranks:
+            raise DuplicateRequest(f"request {msg.req_id!r} already in flight"
+                                   + (f" (rank {msg.tp_rank} began it already)" if r.tp > 1 else ""))
+        if (msg.chunk_keys, msg.last_chunk_tokens, msg.layout, msg.receiver) != (
+                b.chunk_keys, b.last_chunk_tokens, b.layout, b.receiver):
+            err = RemoteProtocolError(f"rank {msg.tp_rank} began {msg.req_id!r} with a different prompt, layout "
+                                      "or receiver than the ranks before it")
+            self._fail(r, err, now, out, tell_receiver=True)
+            raise err
+        r.ranks[msg.tp_rank] = TxRank(ident, msg.client_pid)
+        if r.state is TxState.STREAMING:
+            out.append(ToClient(ident, self._begin_ok(r)))
+
+    def _begin_ok(self, r: TxRequest) -> BeginOk:
+        s = self.staging_info
+        return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
+                       staging_bytes=s.nbytes, staging_offset=r.staging_off, new_chunks=r.n_new,
+                       daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards)
 
     def _hello(self, peer: Peer, begin: Begin, now: int, out: list) -> None:
         layout = KVLayout(**begin.layout.model_dump())
@@ -398,52 +484,63 @@ class SenderSession:
                                                         lease_ms=self.limits.lease_ms)))
 
     def _layer_ready(self, ident: bytes, msg: LayerReady, now: int, out: list) -> None:
-        r = self._client_req(ident, msg.req_id)
+        r, rank = self._client_req(ident, msg.req_id)
         if r.state is not TxState.STREAMING:
             raise UnexpectedMessage(f"layer_ready for {r.req_id!r} in state {r.state.value}")
-        bad = [la for la in msg.layers if la >= r.layout.layers or la in r.layers_posted]
+        k = r.ranks[rank]
+        bad = [la for la in msg.layers if la >= r.layout.layers or la in k.layers_posted]
         if bad or len(set(msg.layers)) != len(msg.layers):
             raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range or already sent")
-        r.layers_posted.update(msg.layers)
+        k.layers_posted.update(msg.layers)
         if not r.n_new:  # nothing new to move: the layers are done at once
             for layer in msg.layers:
-                self._layer_flushed(r, layer, 0, None)
+                self._share_flushed(r, layer, rank, None)
             self._announce(r, now, out)
             return
-        pb = r.layout.page_bytes
-        ack = r.peer.ack
+        ack, sh = r.peer.ack, r.shares
+        pool = PoolGeometry(r.layout, ack.pool_pages, ack.pool_shards)
+        base = self.staging_info.address + r.staging_off
         ops: list[PutOp] = []
         srcs = []
         for layer in msg.layers:
-            src_layer = self.staging_info.address + r.staging_off + layer * r.n_new * pb
-            ops.extend(PutOp(src_layer + idx * pb, ack.pool_base + (layer * ack.pool_pages + page) * pb, n * pb)
-                       for idx, page, n in r.runs)
-            srcs.append((src_layer, r.n_new * pb))
-        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(msg.layers), "data"),
+            ops.extend(PutOp(base + src, ack.pool_base + dst, n) for src, dst, n in sh.ranges(layer, rank, r.runs, pool))
+            srcs.append((base + sh.share_offset(layer, rank), sh.share_bytes))
+        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(msg.layers), "data", rank),
                             now + self.limits.layer_timeout_ms, srcs))
 
     def _readiness(self, r: TxRequest, layers: tuple[int, ...], now: int) -> PostPuts:
-        """Layers whose data is flushed: put their readiness words (the request's lease id)."""
+        """Layers whose data is flushed (every rank's share): put their readiness words (the lease id)."""
         ack = r.peer.ack
         words = self._words(r)
         ops = [PutOp(words + idx * 8, ack.ready_base + (layer * ack.pool_pages + page) * 8, n * 8)
                for layer in layers for idx, page, n in r.runs]
-        return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready"), now + self.limits.layer_timeout_ms)
+        return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready", 0), now + self.limits.layer_timeout_ms)
 
     def _words(self, r: TxRequest) -> int:
         """Staging address of the request's readiness words, after its layers."""
         return self.staging_info.address + r.staging_off + r.layout.layers * r.n_new * r.layout.page_bytes
 
-    def _layer_flushed(self, r: TxRequest, layer: int, puts: int, checksum: int | None) -> None:
-        nbytes = r.n_new * r.layout.page_bytes
+    def _share_flushed(self, r: TxRequest, layer: int, rank: int, digest: int | None) -> bool:
+        """One rank's share of ``layer`` is in the pool; True when that completes the layer."""
+        got = r.flushed.setdefault(layer, {})
+        if rank in got:
+            return False
+        got[rank] = digest
+        puts = r.shares.puts(r.runs) if r.n_new else 0
+        r.ranks[rank].puts += puts
         r.puts += puts
+        self.counters.add("puts", puts)
+        if len(got) < r.tp:
+            return False
+        nbytes = r.n_new * r.layout.page_bytes
         r.bytes_sent += nbytes
         r.layers_done.add(layer)
-        r.unannounced.append((layer, checksum))
+        digests = [got[k] for k in range(r.tp)]
+        r.unannounced.append((layer, None if None in digests else combine_digests(digests)))
         c = self.counters
-        c.add("puts", puts)
         c.add("bytes_pushed", nbytes)
         c.add("layers_pushed")
+        return True
 
     def _announce(self, r: TxRequest, now: int, out: list) -> None:
         """One LayerDone for every layer flushed since the last notice; commit once all are in."""
@@ -455,15 +552,15 @@ class SenderSession:
             out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in done],
                                                          checksums=None if None in sums else sums)))
             r.layer_done_ms.extend([float(now - r.t0_ms)] * len(done))
-        if r.finish and len(r.layers_done) == r.layout.layers:
+        if r.finished() and len(r.layers_done) == r.layout.layers:
             self._send_commit(r, now, out)
 
     def _finish(self, ident: bytes, msg: Finish, now: int, out: list) -> None:
-        r = self._client_req(ident, msg.req_id)
-        if r.state is not TxState.STREAMING or r.finish:
+        r, rank = self._client_req(ident, msg.req_id)
+        if r.state is not TxState.STREAMING or r.ranks[rank].finish:
             raise UnexpectedMessage(f"finish for {r.req_id!r} in state {r.state.value}")
-        r.finish = True
-        if len(r.layers_done) == r.layout.layers:
+        r.ranks[rank].finish = True
+        if r.finished() and len(r.layers_done) == r.layout.layers:
             self._send_commit(r, now, out)
 
     def _send_commit(self, r: TxRequest, now: int, out: list) -> None:
@@ -523,7 +620,8 @@ class SenderSession:
         out.append(Observe("alloc_rtt", (now - r.t_alloc_ms) / 1000))
         out.append(Count("chunks_hit", len(a.already_sent_indexes)))
         layout = r.layout
-        r.skipped = len(a.already_sent_indexes)
+        r.held = list(a.already_sent_indexes)
+        r.skipped = len(r.held)
         r.n_new = len(r.begin.chunk_keys) - r.skipped
         if sum(n for _, n in a.page_runs) != r.n_new:
             self._fail(r, RemoteProtocolError("receiver's page runs do not cover the new chunks"), now, out,
@@ -539,17 +637,19 @@ class SenderSession:
             self._fail(r, e, now, out, tell_receiver=True)
             return
         r.lease_id = a.lease_id
+        try:
+            r.shares = StagingShares(layout, r.tp, r.peer.ack.pool_shards, r.n_new)
+        except ValueError as e:
+            self._fail(r, IncompatiblePeer(str(e)), now, out, tell_receiver=True)
+            return
         if r.n_new:
             out.append(FillWords(self._words(r), a.lease_id, r.n_new))
         r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
         # the engine has until just before the lease ends to hand over every layer
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
         self.counters.add("chunks_skipped", r.skipped)
-        s = self.staging_info
-        out.append(ToClient(r.client, BeginOk(req_id=r.req_id, already_sent_indexes=a.already_sent_indexes,
-                                              staging_shmid=s.shmid, staging_bytes=s.nbytes,
-                                              staging_offset=r.staging_off, new_chunks=r.n_new,
-                                              daemon_pid=s.daemon_pid)))
+        ok = self._begin_ok(r)
+        out.extend(ToClient(c, ok) for c in r.clients)
 
     def _done(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")
@@ -557,9 +657,10 @@ class SenderSession:
         self.counters.add("requests_done")
         out.append(Count("requests"))
         out.append(Observe("request_seconds", (now - r.t0_ms) / 1000))
-        out.append(ToClient(r.client, Done(req_id=r.req_id, bytes_sent=r.bytes_sent, puts=r.puts,
-                                           layers=len(r.layers_done), chunks_skipped=r.skipped,
-                                           layer_done_ms=r.layer_done_ms)))
+        for k in r.ranks.values():
+            out.append(ToClient(k.client, Done(req_id=r.req_id, bytes_sent=r.bytes_sent, puts=r.puts,
+                                               rank_puts=k.puts, layers=len(r.layers_done),
+                                               chunks_skipped=r.skipped, layer_done_ms=r.layer_done_ms)))
 
     def _release(self, r: TxRequest) -> None:
         if r.staging_off is not None:
@@ -567,6 +668,10 @@ class SenderSession:
             r.staging_off = None
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
+        if r.tp > 1:  # a rank that begins it late is told, rather than starting a request of its own
+            self.ended[r.req_id] = r.state.value
+            while len(self.ended) > 4096:
+                self.ended.popitem(last=False)
 
     def _fail(self, r: TxRequest, err: PdpushError, now: int, out: list, tell_receiver: bool = False) -> None:
         if self.reqs.get(r.req_id) is not r:
@@ -578,7 +683,8 @@ class SenderSession:
         self._release(r)
         self.counters.add("requests_failed")
         out.append(Count("failures", label=err.code.value))
-        out.append(ToClient(r.client, protocol.error_reply(err, r.req_id)))
+        reply = protocol.error_reply(err, r.req_id)
+        out.extend(ToClient(c, reply) for c in r.clients)
 
     def _fail_waiting(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
         for r in [r for r in self.reqs.values() if r.peer is p]:
