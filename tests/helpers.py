@@ -30,7 +30,6 @@ def push(pc: PrefillClient, req_id: str, ids: list[int], k: np.ndarray, v: np.nd
 
 def read_back(dc: DecodeClient, req_id: str, layout: KVLayout, tokens: int, torch_check: bool = False):
     row = layout.head_dim * layout.dtype_bytes
-    T = layout.chunk_tokens
     ks, vs = [], []
     with dc.open(req_id, timeout_s=30) as req:
         assert req.tokens == tokens
