@@ -35,15 +35,20 @@ def build_model(out_dir: Path, size: str = "tiny", timeout_s: float = 600) -> Pa
 class Engine:
     """One engine process; replies are read on a thread so every wait has a deadline."""
 
-    def __init__(self, role: str, model: Path, extra: dict, log: Path, llm_args: dict | None = None) -> None:
+    def __init__(self, role: str, model: Path, extra: dict, log: Path, llm_args: dict | None = None,
+                 env: dict | None = None) -> None:
         self.role = role
+        tp = (llm_args or {}).get("tensor_parallel_size", 1)
+        # CPU TP: one core per rank, or start-up stops ("Not enough allowed NUMA nodes"); notes/vllm.md
+        tp_env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} \
+            if tp > 1 else {}
         self.log = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen([str(require_vllm_python()), "-m", "pdpush.harness.vllm_engine", "--model",
                                       str(model), "--role", role, "--extra", json.dumps(extra),
                                       "--llm-args", json.dumps(llm_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     cwd=ROOT, env={**os.environ, **QUIET_UCX})
+                                     cwd=ROOT, env={**os.environ, **QUIET_UCX, **tp_env, **(env or {})})
 
     def _read(self, timeout_s: float) -> dict:
         box: list[str] = []

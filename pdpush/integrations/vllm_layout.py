@@ -14,7 +14,7 @@ attention backend's business:
 
 ``PagedKV`` gathers the K and V of given slots as ``[tokens, H, D]`` (prefill) and
 scatters them back (decode): one indexed copy each per layer. pdpush's side is
-token-major ``page[2, T, H, D]``. Imports torch only.
+head-major ``page[H, 2, T, D]`` (layout.py). Imports torch only.
 """
 
 from __future__ import annotations

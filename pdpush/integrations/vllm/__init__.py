@@ -1,0 +1,149 @@
+"""vLLM KV Connector V1: ``PdpushConnector`` pushes each layer from the prefill instance as it is
+produced, and loads it layer by layer into the decode instance's paged cache.
+
+Load it with::
+
+    KVTransferConfig(kv_connector="PdpushConnector", kv_connector_module_path="pdpush.integrations.vllm",
+                     kv_role="kv_producer" | "kv_consumer", kv_connector_extra_config={...})
+
+Extra config (``settings.ConnectorSettings``): the local daemon (``sender_config``/``sender_socket``
+on the prefill node, ``receiver_config``/``receiver_socket`` on the decode node), the receiver to
+push to, and the chunk size / model id both sides must agree on.
+
+The connector is split by role: ``settings`` (configuration, layout, parallelism checks),
+``scheduler`` (``SchedulerSide``: which requests to push, how many tokens a push provides; one
+record per request) and ``worker`` (``WorkerSide``, one per TP rank: gather into staging, scatter
+from the pool). ``PdpushConnector`` only routes vLLM's calls to the side of its role.
+
+Flow (one request, driven by a proxy such as ``pdpush proxy``):
+
+* prefill, scheduler: a request whose ``kv_transfer_params`` has ``do_remote_decode`` is marked;
+  on the step its prompt finishes, its block ids go to the workers in the connector metadata.
+* prefill, every worker rank: ``bind_connector_metadata`` begins the push under the same push id
+  (``PrefillClient.begin(tp_rank, tp_size)``: one allocation, the same ``already_sent_indexes`` on
+  every rank); ``save_kv_layer`` gathers this rank's heads of the new chunks of layer ``l`` into its
+  share of staging and hands the layer over at once (pipelined push); ``wait_for_save`` asks for
+  the commit without waiting. The sender marks a layer landed once every rank's share is in, and
+  commits once every rank has finished.
+* prefill, scheduler: ``request_finished`` returns ``kv_transfer_params`` for the decode side.
+* decode, scheduler: ``get_num_new_matched_tokens`` asks the receiver's chunk index how far the
+  pushed request covers this prompt (all tokens but the last, which the decode step computes).
+* decode, every worker rank: the request is opened at bind time; ``wait_for_layer_load`` waits for
+  layer ``l`` and scatters this rank's heads from the pool (zero-copy views) into vLLM's blocks. A
+  failed or late load is reported by block id (``get_block_ids_with_load_errors``): vLLM discards
+  the step's output and recomputes from the first bad block, so no block is left holding wrong KV.
+
+Parallelism: any tensor_parallel_size on either role, equal or not (prefill TP must divide the KV
+heads; decode TP may exceed them, reading vLLM's replicas). Pipeline parallelism is refused. Not
+covered: MLA and fp8 KV caches (refused), GPU backends (FLASH_ATTN/TRITON_ATTN follow vLLM's source
+but are not run here; see vllm_layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
+from pdpush.integrations.vllm.scheduler import SchedulerSide
+from pdpush.integrations.vllm.settings import (
+    ConnectorSettings,
+    Endpoints,
+    check_parallelism,
+    derive_layout,
+    settings_of,
+)
+from pdpush.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["EVENTS", "STATS", "ConnectorSettings", "LoadSpec", "PdpushConnector", "PdpushConnectorMetadata",
+           "PushSpec"]
+
+log = logging.getLogger("pdpush.vllm")
+
+
+class PdpushConnector(KVConnectorBase_V1):
+    """Layer-by-layer push of prefill KV to the decode instance through pdpush daemons."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.settings = settings_of(tc.kv_connector_extra_config)
+        self.is_producer = bool(tc.is_kv_producer)
+        self.is_consumer = bool(tc.is_kv_consumer)
+        self.layout = derive_layout(vllm_config, self.settings)
+        check_parallelism(vllm_config, self.layout, self.is_producer, self.is_consumer)
+        endpoints = Endpoints.of(self.settings)
+        self.engine_tag = uuid.uuid4().hex[:12]
+        self._worker: WorkerSide | None = None
+        self._sched: SchedulerSide | None = None
+        if role == KVConnectorRole.WORKER:
+            self._worker = WorkerSide(vllm_config, self.settings, endpoints, self.layout, self.is_producer,
+                                      self.is_consumer)
+        else:
+            self._sched = SchedulerSide(self.settings, endpoints, self.layout, self.engine_tag, self.is_producer,
+                                        self.is_consumer)
+        log.info("PdpushConnector %s role=%s producer=%s consumer=%s layout=%s tp=%d", self.engine_tag, role.name,
+                 self.is_producer, self.is_consumer, self.layout, vllm_config.parallel_config.tensor_parallel_size)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer / wait_for_layer_load run between layers
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, PdpushConnectorMetadata)
+            self._worker.bind_connector_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        pass  # loads were opened in bind_connector_metadata; each layer is read in wait_for_layer_load
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        for side in (self._worker, self._sched):
+            if side is not None:
+                side.shutdown()
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)

@@ -1,0 +1,46 @@
+"""What the scheduler side tells the workers each step, and the per-process counters."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+# Per-process counters (the worker and, without multiprocessing, the scheduler live here).
+STATS: dict[str, int] = {
+    "push_requests": 0, "push_layers": 0, "push_tokens_staged": 0, "push_failures": 0, "push_committed": 0,
+    "push_bytes_sent": 0, "push_chunks_skipped": 0, "push_refused": 0, "push_skipped_sender_down": 0,
+    "load_requests": 0, "load_tokens": 0, "load_layers": 0, "load_failures": 0, "load_blocks_failed": 0,
+    "match_queries": 0, "match_tokens": 0, "match_missing": 0,
+    "load_wait_us": 0,  # time the decode forward spent opening loads and waiting for / copying layers
+    "push_stage_us": 0,  # time the prefill forward spent beginning pushes and copying layers into staging
+}
+
+# The last events of this process's pushes (kind, push id, layer, monotonic seconds): how the
+# handovers interleave with the forward, for tests and benchmarks.
+EVENTS: deque[tuple[str, str, int, float]] = deque(maxlen=512)
+
+
+@dataclass
+class PushSpec:
+    req_id: str           # vLLM's
+    push_id: str          # pdpush's (unique per prefill engine; the same on every TP rank)
+    token_ids: list[int]  # the prompt
+    block_ids: list[int]
+    receiver: str
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    push_id: str
+    block_ids: list[int]
+    start: int  # tokens [start, end) come from the pool
+    end: int
+
+
+@dataclass
+class PdpushConnectorMetadata(KVConnectorMetadata):
+    pushes: list[PushSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)

@@ -1,0 +1,179 @@
+"""The connector's scheduler side: which requests to push (prefill), how many prompt tokens a push
+will provide (decode), and the metadata that tells the workers. One record per request."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdpush.client import DecodeClient
+from pdpush.errors import ConfigError, PdpushError
+from pdpush.integrations.vllm.metadata import STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("pdpush.vllm")
+
+
+@dataclass
+class _Req:
+    """Everything the scheduler side knows of one request."""
+
+    # prefill: a request marked for push, until its prompt is computed and handed to the workers
+    push_id: str = ""
+    receiver: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    pushed: bool = False
+    # decode: the load planned for this step (push id, start, end), and how long we have asked for it
+    plan: tuple[str, int, int] | None = None
+    planned_once: bool = False  # planned before (then preempted): its push was released, recompute
+    first_ask: float | None = None
+    next_ask: float = 0.0
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, endpoints: Endpoints, layout: KVLayout, engine_tag: str,
+                 producer: bool, consumer: bool) -> None:
+        self.settings, self.endpoints, self.layout = settings, endpoints, layout
+        self.engine_tag = engine_tag
+        self.producer, self.consumer = producer, consumer
+        self.reqs: dict[str, _Req] = {}
+        self._decode: DecodeClient | None = None
+        self._receiver_down_until = 0.0
+        if consumer:
+            self._receiver()  # a wrong path fails at start-up, with its name
+
+    def _receiver(self) -> DecodeClient:
+        if self._decode is None:
+            if not self.endpoints.receiver_socket:
+                raise ConfigError("PdpushConnector (kv_consumer) needs receiver_config or receiver_socket")
+            self._decode = DecodeClient(self.endpoints.receiver_socket, timeout_s=self.settings.timeout_s)
+        return self._decode
+
+    def _reset_receiver(self) -> None:
+        if self._decode is not None:
+            self._decode.close()
+            self._decode = None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        r = self.reqs.get(rid)
+        if self.producer and params.get("do_remote_decode") and (r is None or not r.push_id):
+            receiver = str(params.get("pdpush_receiver") or self.settings.receiver or "")
+            if self.endpoints.receiver_allowed(receiver):
+                r = self.reqs.setdefault(rid, _Req())
+                r.push_id, r.receiver, r.token_ids = (f"{self.engine_tag}-{rid}", receiver,
+                                                      list(request.prompt_token_ids or []))
+            else:
+                STATS["push_refused"] += 1
+                log.warning("pdpush: request %s names receiver %r, which is not in allowed_receivers; "
+                            "not pushing it", rid, receiver)
+        push_id = params.get("pdpush_req_id")
+        if not (self.consumer and push_id) or (r is not None and r.planned_once):
+            return 0, False  # a request planned before (then preempted) recomputes: its push was released
+        prompt = list(request.prompt_token_ids or [])
+        want = len(prompt) - 1  # the last prompt token is computed here, giving the first sampled token
+        if want <= num_computed_tokens:
+            return 0, False
+        r = self.reqs.setdefault(rid, _Req())
+        now = time.monotonic()
+        if now < r.next_ask:
+            return None, False  # asked very recently; the scheduler loop spins faster than pushes arrive
+        if now < self._receiver_down_until:  # it did not answer recently: do not ask now
+            STATS["match_missing"] += 1
+            return 0, False
+        STATS["match_queries"] += 1
+        try:
+            reply = self._receiver().query(prompt, self.layout, req_id=str(push_id),
+                                           timeout_s=self.settings.query_timeout_s)
+        except PdpushError as e:
+            # the scheduler loop must not stall on a dead receiver: recompute, and stop asking for a while;
+            # a fresh connection next time, so a late reply to this query can never answer another
+            log.error("pdpush: receiver query for %s failed; recomputing it, and not asking for %.0f s: %s", rid,
+                      self.settings.receiver_retry_s, e)
+            self._receiver_down_until = time.monotonic() + self.settings.receiver_retry_s
+            self._reset_receiver()
+            STATS["match_missing"] += 1
+            return 0, False
+        if reply.request_chunks == 0 and reply.request_gone:  # it failed or was already used: recompute now
+            STATS["match_missing"] += 1
+            log.warning("pdpush: push %s for %s has ended on the receiver; recomputing", push_id, rid)
+            return 0, False
+        if reply.request_chunks == 0:  # not on the receiver (yet): ask again in a later step, for a while
+            if r.first_ask is None:
+                r.first_ask = now
+            if now - r.first_ask < self.settings.push_wait_s:
+                r.next_ask = now + 0.01
+                return None, False
+            r.first_ask = None
+            STATS["match_missing"] += 1
+            log.warning("pdpush: push %s for %s never reached the receiver; recomputing", push_id, rid)
+            return 0, False
+        r.first_ask = None
+        end = min(want, reply.request_chunks * self.layout.chunk_tokens)
+        if end <= num_computed_tokens:
+            return 0, False
+        r.plan = (str(push_id), num_computed_tokens, end)
+        STATS["match_tokens"] += end - num_computed_tokens
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        r = self.reqs.get(request.request_id)
+        if r is None or r.plan is None or r.plan[2] - r.plan[1] == num_external_tokens:
+            return
+        if num_external_tokens == 0:
+            r.plan = None
+        else:  # the scheduler trimmed the load's start (a partial local block); keep its end
+            r.plan = (r.plan[0], r.plan[2] - num_external_tokens, r.plan[2])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdpushConnectorMetadata:
+        meta = PdpushConnectorMetadata()
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            rid = new.req_id
+            r = self.reqs.get(rid)
+            if r is None:
+                continue
+            if r.plan is not None:
+                meta.loads.append(LoadSpec(rid, r.plan[0], list(new.block_ids[0]), r.plan[1], r.plan[2]))
+                r.plan, r.planned_once = None, True
+            if r.push_id and not r.pushed:
+                r.block_ids = list(new.block_ids[0])
+                self._maybe_push(meta, rid, r, new.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            r = self.reqs.get(rid)
+            if r is None or not r.push_id or r.pushed:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_blocks is not None:
+                r.block_ids = list(new_blocks[0])  # a resumed request gets all its blocks anew
+            elif new_blocks is not None:
+                r.block_ids.extend(new_blocks[0])
+            self._maybe_push(meta, rid, r, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+        return meta
+
+    def _maybe_push(self, meta: PdpushConnectorMetadata, rid: str, r: _Req, computed_after: int) -> None:
+        if computed_after >= len(r.token_ids):  # the prompt's KV is complete after this step
+            meta.pushes.append(PushSpec(rid, r.push_id, r.token_ids, list(r.block_ids), r.receiver))
+            r.pushed = True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        r = self.reqs.pop(request.request_id, None)
+        if r is None or not r.pushed:
+            return False, None
+        # the blocks were copied into staging during the forward: vLLM may free them now
+        return False, {"do_remote_prefill": True, "pdpush_req_id": r.push_id, "pdpush_tokens": len(r.token_ids),
+                       "pdpush_receiver": r.receiver, "pdpush_layout": self.layout.fingerprint()}
+
+    def shutdown(self) -> None:
+        self._reset_receiver()

