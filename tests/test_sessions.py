@@ -465,3 +465,16 @@ def test_a_rank_that_never_begins_fails_the_request_at_its_deadline_naming_it():
     w.tick(2000)
     err = _for(w, RANKS[0], protocol.Error)[-1]
     assert err.code is ErrorCode.TIMEOUT and "ranks [1] never began it" in err.message
+
+
+def test_a_committed_request_stays_until_every_decode_rank_that_opened_it_released_it():
+    w = Wire()
+    w.push("r", list(range(20)))
+    w.complete()
+    rx = w.rx["tcp://rx-a:1"]
+    assert rx.reqs["r"].state is ReqState.COMMITTED
+    for rank in range(2):  # decode TP=2: the ranks open and release one after the other
+        rx.on_local(DEC + bytes([rank]), protocol.Open(req_id="r", tp_size=2), w.now)
+        rx.on_local(DEC + bytes([rank]), protocol.Release(req_id="r"), w.now)
+        assert ("r" in rx.reqs) == (rank == 0)  # the first release does not end it for the second rank
+    rx.check()
