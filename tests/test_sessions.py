@@ -478,3 +478,20 @@ def test_a_committed_request_stays_until_every_decode_rank_that_opened_it_releas
         rx.on_local(DEC + bytes([rank]), protocol.Release(req_id="r"), w.now)
         assert ("r" in rx.reqs) == (rank == 0)  # the first release does not end it for the second rank
     rx.check()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_push_of_chunks_all_held_commits_on_finish_without_any_layer(tp):
+    """Regression: an engine that has nothing to stage finishes without handing layers over; the
+    request used to wait for layers that never came until its lease ran out."""
+    w = Wire()
+    w.push("first", list(range(32)))
+    w.complete()
+    idents = [ENG] if tp == 1 else list(RANKS)
+    for r, ident in enumerate(idents):
+        w.engine(begin("again", list(range(32)), tp_rank=r, tp_size=tp), ident)
+    assert _for(w, idents[0], protocol.BeginOk)[-1].new_chunks == 0
+    for ident in idents:
+        w.engine(protocol.Finish(req_id="again"), ident)
+    assert all(isinstance(_for(w, i, protocol.Done)[-1], protocol.Done) for i in idents)
+    assert w.rx["tcp://rx-a:1"].reqs["again"].state is ReqState.COMMITTED and not w.posted

@@ -644,6 +644,9 @@ class SenderSession:
             return
         if r.n_new:
             out.append(FillWords(self._words(r), a.lease_id, r.n_new))
+        else:  # the receiver holds every chunk: every layer is there already, a finish commits at once
+            r.layers_done = set(range(layout.layers))
+            r.flushed = {layer: dict.fromkeys(range(r.tp)) for layer in range(layout.layers)}
         r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
         # the engine has until just before the lease ends to hand over every layer
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
