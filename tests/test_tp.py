@@ -49,7 +49,7 @@ def test_ranks_push_one_request_and_any_decode_tp_reads_its_heads(daemons, prefi
         for o in outs:
             assert o["rank_puts"] <= LAY.layers * (1 if prefill_tp == shards else 6)
         with dc.open("tp-a"):  # held open: the reads of one decode TP then do not end the request
-            for decode_tp in (1, 2, 4):  # every decode TP reads the same bytes, as its own heads
+            for decode_tp in (1, 2, 4, 8):  # every decode TP reads its own heads (8 > 4 heads: vLLM's replicas)
                 assert read_ranks(dc, "tp-a", source(LAY, first), LAY, decode_tp)
         # a second prompt sharing 3 chunks: every rank skips the same chunks, only the new ones move
         second = {"ids": first["ids"][:3 * LAY.chunk_tokens] + rng.integers(0, 1 << 31, 40).tolist(),

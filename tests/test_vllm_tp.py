@@ -8,9 +8,11 @@ by pid at the end, even on failure. The tiny model has 2 KV heads: with TP=2, ra
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
 import time
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from pdpush import launch
 from pdpush.bench.tp import Ranks
 from pdpush.client import DecodeClient, status
-from pdpush.harness.vllm_cluster import VLLM_PY, Engine, build_model
+from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model
 from pdpush.layout import KVLayout
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
@@ -27,11 +29,20 @@ LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
 NEW_TOKENS = 12
 LAY = KVLayout(**LAYOUT)
 
-_rnd = random.Random(7)
-LONG = [_rnd.randrange(3, 500) for _ in range(130)]  # 2 full chunks + a partial one
-SHARED = LONG[:100] + [_rnd.randrange(3, 500) for _ in range(57)]  # shares 2 whole chunks with LONG
+
+
+def _pair(seed: int) -> dict[str, list[int]]:
+    """A 130-token prompt (2 full chunks + a partial one) and one sharing its first 100 tokens (2 chunks)."""
+    rnd = random.Random(seed)
+    long = [rnd.randrange(3, 500) for _ in range(130)]
+    return {"long": long, "shared": long[:100] + [rnd.randrange(3, 500) for _ in range(57)]}
+
+
+PAIRS = {"2to1": _pair(7), "2to2": _pair(8), "1to2": _pair(9)}  # fresh prompts for each pair of TPs
+_rnd = random.Random(10)
 OTHER = [_rnd.randrange(3, 500) for _ in range(75)]
-PROMPTS = {"long": LONG, "shared": SHARED, "other": OTHER}
+KILLED = [_rnd.randrange(3, 500) for _ in range(75)]
+PROMPTS = {**{f"{k}-{n}": p for k, pair in PAIRS.items() for n, p in pair.items()}, "other": OTHER, "killed": KILLED}
 
 pytestmark = pytest.mark.vllm
 
@@ -118,18 +129,18 @@ def _until(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _check_pair(f: Fleet, prefill: str, decode: str, prefill_tp: int, shards: int) -> None:
+def _check_pair(f: Fleet, pair: str, prefill: str, decode: str, prefill_tp: int, shards: int) -> None:
     """The 130-token prompt, then one sharing 100 tokens with it: tokens equal colocated; the second
     moves only its new chunks; each rank puts a layer's share of a page run in one put."""
     rx_sock = f.rx_sock(shards)
-    for key in ("long", "shared"):
+    for key in (f"{pair}-long", f"{pair}-shared"):
         rx0, tx0 = status(rx_sock), status(f.tx_sock)
         toks, params = _disaggregated(f, prefill, decode, PROMPTS[key])
         assert toks == f.refs[key], f"{key}: decode {toks} != colocated {f.refs[key]}"
         _until(lambda done0=tx0["requests_done"]: status(f.tx_sock)["requests_done"] > done0, 10,
                "the push's commit")
         rx1, tx1 = status(rx_sock), status(f.tx_sock)
-        assert rx1["chunks_hit"] - rx0["chunks_hit"] == (2 if key == "shared" else 0)
+        assert rx1["chunks_hit"] - rx0["chunks_hit"] == (2 if key.endswith("shared") else 0)
         assert rx1["requests_committed"] - rx0["requests_committed"] == 1  # one request, whatever the ranks
         layers = tx1["layers_pushed"] - tx0["layers_pushed"]
         puts = tx1["puts"] - tx0["puts"]
@@ -138,7 +149,7 @@ def _check_pair(f: Fleet, prefill: str, decode: str, prefill_tp: int, shards: in
 
 
 def test_prefill_tp2_to_decode_tp1(fleet):
-    _check_pair(fleet, "p2", "d1", 2, 2)
+    _check_pair(fleet, "2to1", "p2", "d1", 2, 2)
 
 
 def test_corrupting_one_ranks_share_changes_the_decode_tokens(fleet):
@@ -163,7 +174,7 @@ def test_corrupting_one_ranks_share_changes_the_decode_tokens(fleet):
 def test_prefill_tp2_to_decode_tp2(fleet):
     fleet.stop("d1")
     fleet.start("d2", "kv_consumer", 2, 2).ready()
-    _check_pair(fleet, "p2", "d2", 2, 2)
+    _check_pair(fleet, "2to2", "p2", "d2", 2, 2)
 
 
 def test_a_prefill_rank_killed_mid_push_fails_the_request_and_decode_recomputes(fleet):
@@ -175,7 +186,7 @@ def test_a_prefill_rank_killed_mid_push_fails_the_request_and_decode_recomputes(
     total = status(rx_sock)["pool_pages_total"]
     ranks = Ranks(LAY, fleet.tx_sock, 2, receiver=fleet.rx[2].info["control_endpoint"])
     try:
-        spec = {"ids": OTHER, "seed": 5}
+        spec = {"ids": KILLED, "seed": 5}
         ranks.push("kill-1", spec, stall={1: 0})
         assert ranks.results(1)[0].get("stalled")
         os.kill(ranks.procs[1].pid, signal.SIGKILL)
@@ -183,9 +194,9 @@ def test_a_prefill_rank_killed_mid_push_fails_the_request_and_decode_recomputes(
         assert out["rank"] == 0 and out["code"] == "peer_dead" and "rank 1 of 2" in out["error"], out
     finally:
         ranks.close()
-    params = {"do_remote_prefill": True, "pdpush_req_id": "kill-1", "pdpush_tokens": len(OTHER)}
-    toks, _ = fleet.engines["d2"].generate(OTHER, NEW_TOKENS, params)
-    assert toks == fleet.refs["other"]
+    params = {"do_remote_prefill": True, "pdpush_req_id": "kill-1", "pdpush_tokens": len(KILLED)}
+    out, _ = fleet.engines["d2"].generate(KILLED, NEW_TOKENS, params)
+    assert out["tokens"] == fleet.refs["killed"]
     _until(lambda: status(rx_sock)["pool_pages_free"] + status(rx_sock)["chunks_cached"] >= total, 15,
            "the failed request's pages back in the pool")
     assert status(rx_sock)["leases_active"] == 0
@@ -197,4 +208,35 @@ def test_prefill_tp1_to_decode_tp2(fleet):
     fleet.start("p1", "kv_producer", 1, 1)
     fleet.start("d2b", "kv_consumer", 2, 1)
     fleet.ready("p1", "d2b")
-    _check_pair(fleet, "p1", "d2b", 1, 1)
+    _check_pair(fleet, "1to2", "p1", "d2b", 1, 1)
+
+
+_REFUSALS = """
+import json
+from types import SimpleNamespace as NS
+from pdpush.errors import ConfigError
+from pdpush.integrations.vllm.settings import check_parallelism
+from pdpush.layout import KVLayout
+
+lay = KVLayout(4, 2, 64, "float32", 48)
+out = {}
+for name, tp, pp, producer in [("pp2", 1, 2, True), ("prefill_tp4", 4, 1, True), ("decode_tp4", 4, 1, False),
+                               ("prefill_tp2", 2, 1, True)]:
+    cfg = NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    try:
+        check_parallelism(cfg, lay, producer, not producer)
+        out[name] = "ok"
+    except ConfigError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_start_up_refuses_pipeline_parallel_and_a_prefill_tp_beyond_the_kv_heads():
+    """What the connector accepts at start-up (with vLLM importable, as in an engine)."""
+    r = subprocess.run([str(VLLM_PY), "-c", _REFUSALS], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "pipeline_parallel_size > 1" in out["pp2"]
+    assert "must divide the model's 2 KV heads (use one of [1, 2])" in out["prefill_tp4"]
+    assert out["decode_tp4"] == "ok" and out["prefill_tp2"] == "ok"  # decode reads vLLM's replicated heads

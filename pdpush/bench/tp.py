@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
+from multiprocessing.connection import wait
 
 import numpy as np
 
@@ -47,35 +48,39 @@ def _rank(layout: dict, sock: str, receiver: str, rank: int, tp: int, inbox, out
             try:
                 src = source(lay, spec)
                 if job.get("sync"):  # built: wait for the start signal, so the clock measures only the push
-                    outbox.put({"rank": rank, "req_id": rid, "ready": True})
+                    outbox.send({"rank": rank, "req_id": rid, "ready": True})
                     inbox.get()
                 h = pc.begin(rid, spec["ids"], tp_rank=rank, tp_size=tp)
                 for layer in range(lay.layers):
                     h.put_layer(layer, src.k[layer], src.v[layer])
                     if stall is not None and layer == stall:
-                        outbox.put({"rank": rank, "req_id": rid, "stalled": True})
+                        outbox.send({"rank": rank, "req_id": rid, "stalled": True})
                         time.sleep(3600)  # the test kills this process here
                 d = h.finish()
-                outbox.put({"rank": rank, "req_id": rid, "error": None, "t": time.monotonic(),
+                outbox.send({"rank": rank, "req_id": rid, "error": None, "t": time.monotonic(),
                             "rank_puts": d.rank_puts, "puts": d.puts, "chunks_skipped": d.chunks_skipped,
                             "layers": d.layers})
             except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
-                outbox.put({"rank": rank, "req_id": rid, "error": f"{type(e).__name__}: {e}",
+                outbox.send({"rank": rank, "req_id": rid, "error": f"{type(e).__name__}: {e}",
                             "code": e.code.value if isinstance(e, PdpushError) else None, "t": time.monotonic()})
     finally:
         pc.close()
 
 
 class Ranks:
-    """``tp`` prefill rank processes on one sender; stopped by pid in ``close`` (also on failure)."""
+    """``tp`` prefill rank processes on one sender; stopped by pid in ``close`` (also on failure).
+
+    Each rank reports on a pipe of its own: a rank the tests kill must not take a lock that the
+    others need (a shared multiprocessing.Queue's write lock dies held with a killed writer)."""
 
     def __init__(self, layout: KVLayout, sender_sock: str, tp: int, receiver: str = "") -> None:
         ctx = mp.get_context("spawn")
         self.tp = tp
-        self.out = ctx.Queue()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(tp)]
+        self.outs = [r for r, _ in pipes]
         self.inboxes = [ctx.Queue() for _ in range(tp)]
         self.procs = [ctx.Process(target=_rank, args=(layout.to_dict(), sender_sock, receiver, r, tp,
-                                                      self.inboxes[r], self.out), daemon=True) for r in range(tp)]
+                                                      self.inboxes[r], pipes[r][1]), daemon=True) for r in range(tp)]
         for p in self.procs:
             p.start()
 
@@ -93,8 +98,19 @@ class Ranks:
         return t0
 
     def results(self, n: int | None = None, timeout_s: float = 120) -> list[dict]:
+        """The next ``n`` reports (default: one per rank), in arrival order."""
         deadline = time.monotonic() + timeout_s
-        return [self.out.get(timeout=max(0.1, deadline - time.monotonic())) for _ in range(n or self.tp)]
+        got: list[dict] = []
+        while len(got) < (n or self.tp):
+            ready = wait(self.outs, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"{len(got)} of {n or self.tp} rank reports within {timeout_s} s")
+            for conn in ready:
+                try:
+                    got.append(conn.recv())
+                except EOFError:  # that rank died; the others still report
+                    self.outs.remove(conn)
+        return got
 
     def close(self) -> None:
         for q in self.inboxes:

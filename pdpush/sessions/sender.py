@@ -205,6 +205,7 @@ class TxRequest:
     layer_done_ms: list[float] = field(default_factory=list)
     alloc_attempts: int = 0
     t_alloc_ms: int = 0
+    failure: PdpushError | None = None
 
     @property
     def tp(self) -> int:
@@ -230,7 +231,8 @@ class SenderSession:
         self.reqs: dict[str, TxRequest] = {}
         self._by_seq: dict[int, TxRequest] = {}
         self._seq = itertools.count(1)
-        self.ended: OrderedDict[str, str] = OrderedDict()  # recently ended multi-rank req_id -> why (bounded)
+        # recently ended multi-rank requests (bounded): req_id -> the error that ended it, None if it completed
+        self.ended: OrderedDict[str, PdpushError | None] = OrderedDict()
         self.draining = False
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
@@ -412,8 +414,11 @@ class SenderSession:
         if r is not None:
             self._join(r, ident, msg, now, out)
             return
-        if msg.tp_size > 1 and msg.req_id in self.ended:
-            raise UnknownRequest(f"request {msg.req_id!r} already ended: {self.ended[msg.req_id]}")
+        if msg.tp_size > 1 and msg.req_id in self.ended:  # a late rank: it gets what the others got
+            why = self.ended[msg.req_id]
+            if why is None:
+                raise UnknownRequest(f"request {msg.req_id!r} already completed without rank {msg.tp_rank}")
+            raise type(why)(f"request {msg.req_id!r} ended before rank {msg.tp_rank} began it: {why}")
         layout = KVLayout(**msg.layout.model_dump())
         try:
             check_prefill_tp(layout.kv_heads, msg.tp_size)
@@ -672,7 +677,7 @@ class SenderSession:
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
         if r.tp > 1:  # a rank that begins it late is told, rather than starting a request of its own
-            self.ended[r.req_id] = r.state.value
+            self.ended[r.req_id] = r.failure
             while len(self.ended) > 4096:
                 self.ended.popitem(last=False)
 
@@ -683,6 +688,7 @@ class SenderSession:
         if tell_receiver and r.state in (TxState.ALLOCATING, TxState.STREAMING, TxState.COMMITTING):
             out.append(ToPeer(r.peer.endpoint, Abort(req_id=r.req_id, reason=str(err)[:1000])))
         r.state = SENDER_REQUEST.next(r.state, TxEvent.FAIL, f"request {r.req_id!r}")
+        r.failure = err
         self._release(r)
         self.counters.add("requests_failed")
         out.append(Count("failures", label=err.code.value))
