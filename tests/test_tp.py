@@ -31,10 +31,12 @@ def _until(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("prefill_tp,shards", [(2, 2), (1, 2), (2, 1), (4, 2)])
-def test_ranks_push_one_request_and_any_decode_tp_reads_its_heads(daemons, prefill_tp, shards):
-    rx = daemons.receiver(**rx_opts(LAY, pool_pages=32), pool_shards=shards)
-    tx = daemons.sender(rx)
+@pytest.mark.parametrize("prefill_tp,shards,checksums", [(2, 2, False), (1, 2, False), (2, 1, False), (4, 2, False),
+                                                         (2, 2, True)])
+def test_ranks_push_one_request_and_any_decode_tp_reads_its_heads(daemons, prefill_tp, shards, checksums):
+    """With checksums on, the receiver checks each layer against the ranks' combined digests."""
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=32), pool_shards=shards, verify_checksums=checksums)
+    tx = daemons.sender(rx, checksums=checksums)
     rng = np.random.default_rng(prefill_tp * 10 + shards)
     ranks = Ranks(LAY, sock(tx), prefill_tp)
     dc = DecodeClient(sock(rx), timeout_s=30)
@@ -63,6 +65,8 @@ def test_ranks_push_one_request_and_any_decode_tp_reads_its_heads(daemons, prefi
         with dc.open("tp-b"):
             for decode_tp in (1, 2):
                 assert read_ranks(dc, "tp-b", source(LAY, second), LAY, decode_tp)
+        if checksums:
+            assert status(sock(rx))["checksum_failures"] == 0 and status(sock(rx))["requests_committed"] == 2
     finally:
         dc.close()
         ranks.close()
