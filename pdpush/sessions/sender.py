@@ -486,7 +486,7 @@ class SenderSession:
         r.deadline_ms = now + self.limits.control_timeout_ms
         out.append(ToPeer(r.peer.endpoint, AllocRequest(req_id=r.req_id, chunk_keys=b.chunk_keys,
                                                         last_chunk_tokens=b.last_chunk_tokens,
-                                                        lease_ms=self.limits.lease_ms)))
+                                                        lease_ms=self.limits.lease_ms, tp_size=r.tp)))
 
     def _layer_ready(self, ident: bytes, msg: LayerReady, now: int, out: list) -> None:
         r, rank = self._client_req(ident, msg.req_id)
