@@ -264,7 +264,12 @@ class PushHandle:
         if kb.shape[0] < self.tokens or vb.shape[0] < self.tokens:
             raise ValueError(f"layer {layer}: got {kb.shape[0]}/{vb.shape[0]} token rows, need {self.tokens}")
         T = lay.chunk_tokens
-        dst = self.staging_layer(layer).view(np.uint8)  # [units, chunks, hu, 2, T, d]
+        # one (token, head) row of D elements as one opaque item: the token-major -> head-major
+        # transpose then moves whole rows (about twice as fast as moving their bytes one by one)
+        row = np.dtype((np.void, d))
+        kb, vb = (np.ascontiguousarray(x).view(row)[..., 0] for x in (kb, vb))  # [tokens, heads]
+        st = self.staging_layer(layer)
+        dst = st.view(np.uint8).view(row).reshape(st.shape[:5])  # [units, chunks, hu, 2, T]
         hu = dst.shape[2]
         for u in range(dst.shape[0]):
             ku, vu = kb[:, u * hu:(u + 1) * hu], vb[:, u * hu:(u + 1) * hu]
@@ -273,12 +278,12 @@ class PushHandle:
                 t1 = min(self.tokens, (c0 + n) * T)
                 full = (t1 - t0) // T
                 if full:
-                    dst[u, j0:j0 + full, :, 0] = ku[t0:t0 + full * T].reshape(full, T, hu, d).transpose(0, 2, 1, 3)
-                    dst[u, j0:j0 + full, :, 1] = vu[t0:t0 + full * T].reshape(full, T, hu, d).transpose(0, 2, 1, 3)
+                    dst[u, j0:j0 + full, :, 0] = ku[t0:t0 + full * T].reshape(full, T, hu).transpose(0, 2, 1)
+                    dst[u, j0:j0 + full, :, 1] = vu[t0:t0 + full * T].reshape(full, T, hu).transpose(0, 2, 1)
                 rest = t1 - t0 - full * T
                 if rest:
-                    dst[u, j0 + full, :, 0, :rest] = ku[t0 + full * T:t1].transpose(1, 0, 2)
-                    dst[u, j0 + full, :, 1, :rest] = vu[t0 + full * T:t1].transpose(1, 0, 2)
+                    dst[u, j0 + full, :, 0, :rest] = ku[t0 + full * T:t1].T
+                    dst[u, j0 + full, :, 1, :rest] = vu[t0 + full * T:t1].T
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
