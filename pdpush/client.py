@@ -254,8 +254,11 @@ class PushHandle:
         lay = self.client.layout
         h0, h1 = self.heads
         d = lay.head_dim * lay.dtype_bytes
-        kb, vb = _as_bytes_array(k), _as_bytes_array(v)
-        kb, vb = kb.reshape(kb.shape[0], -1, d), vb.reshape(vb.shape[0], -1, d)
+        # one (token, head) row of D elements as one opaque item: the token-major -> head-major
+        # transpose then moves whole rows (about twice as fast as moving their bytes one by one)
+        row = np.dtype((np.void, d))
+        kb, vb = (_as_bytes_array(x) for x in (k, v))  # contiguous
+        kb, vb = (x.reshape(x.shape[0], -1, d).view(row)[..., 0] for x in (kb, vb))  # [tokens, heads]
         if kb.shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
             kb, vb = kb[:, h0:h1], vb[:, h0:h1]
         if kb.shape[1] != h1 - h0 or vb.shape[1] != h1 - h0:
@@ -264,10 +267,6 @@ class PushHandle:
         if kb.shape[0] < self.tokens or vb.shape[0] < self.tokens:
             raise ValueError(f"layer {layer}: got {kb.shape[0]}/{vb.shape[0]} token rows, need {self.tokens}")
         T = lay.chunk_tokens
-        # one (token, head) row of D elements as one opaque item: the token-major -> head-major
-        # transpose then moves whole rows (about twice as fast as moving their bytes one by one)
-        row = np.dtype((np.void, d))
-        kb, vb = (np.ascontiguousarray(x).view(row)[..., 0] for x in (kb, vb))  # [tokens, heads]
         st = self.staging_layer(layer)
         dst = st.view(np.uint8).view(row).reshape(st.shape[:5])  # [units, chunks, hu, 2, T]
         hu = dst.shape[2]
