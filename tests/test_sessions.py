@@ -456,16 +456,21 @@ def test_a_rank_that_disagrees_fails_the_request_and_a_second_begin_of_a_rank_is
     assert _for(w, RANKS[0], protocol.Error)[-1].code is ErrorCode.BAD_MESSAGE and "t" not in w.tx.reqs
 
 
-def test_a_rank_that_never_begins_fails_the_request_at_its_deadline_naming_it():
-    w = Wire(lease_ms=1000)
+def test_a_rank_that_never_begins_fails_the_request_soon_naming_it():
+    """Ranks of an engine begin a request together: one missing after control_timeout_ms fails it
+    (not only at the lease deadline, which is much later)."""
+    w = Wire(control_timeout_ms=500)  # the lease stays 30 s
     _tp_begin(w, "t", list(range(40)), ranks=(0,))
     for layer in range(LAY.layers):
         w.engine(protocol.LayerReady(req_id="t", layers=[layer]), RANKS[0])
     w.complete()
     w.engine(protocol.Finish(req_id="t"), RANKS[0])
-    w.tick(2000)
+    w.tick(500)
+    assert "t" in w.tx.reqs  # exactly at the deadline: still waiting
+    w.tick(1)
     err = _for(w, RANKS[0], protocol.Error)[-1]
-    assert err.code is ErrorCode.TIMEOUT and "ranks [1] never began it" in err.message
+    assert err.code is ErrorCode.TIMEOUT and "ranks [1] of 2 did not begin the request" in err.message
+    assert "t" not in w.rx["tcp://rx-a:1"].reqs  # the receiver was told: its pages go back
 
 
 def test_a_committed_request_stays_until_every_decode_rank_that_opened_it_released_it():

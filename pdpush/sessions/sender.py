@@ -356,16 +356,19 @@ class SenderSession:
                     f"receiver {p.endpoint} did not answer hello within {lim.control_timeout_ms} ms (down, "
                     "unreachable, or refusing our CURVE key)"), now, out)
         for r in list(self.reqs.values()):
-            if r.state is TxState.ALLOC_BACKOFF and now >= r.deadline_ms:
+            if len(r.ranks) < r.tp and now > r.t0_ms + lim.control_timeout_ms:  # ranks begin together
+                missing = sorted(set(range(r.tp)) - set(r.ranks))
+                self._fail(r, TransportTimeout(f"ranks {missing} of {r.tp} did not begin the request within "
+                                               f"{lim.control_timeout_ms} ms of the first"), now, out,
+                           tell_receiver=True)
+            elif r.state is TxState.ALLOC_BACKOFF and now >= r.deadline_ms:
                 self._send_alloc(r, TxEvent.RETRY, now, out)
             elif r.state in (TxState.ALLOCATING, TxState.COMMITTING, TxState.WAIT_PEER) and now > r.deadline_ms:
                 self._fail(r, TransportTimeout(f"no {r.state.value} reply from {r.peer.endpoint} within "
                                                f"{lim.control_timeout_ms} ms"), now, out, tell_receiver=True)
             elif r.state is TxState.STREAMING and now > r.deadline_ms:
-                missing = sorted(set(range(r.tp)) - set(r.ranks))
-                why = f" (ranks {missing} never began it)" if missing else ""
-                self._fail(r, TransportTimeout(f"prefill engine did not finish the request before the lease "
-                                               f"deadline{why}"), now, out, tell_receiver=True)
+                self._fail(r, TransportTimeout("prefill engine did not finish the request before the lease "
+                                               "deadline"), now, out, tell_receiver=True)
         return out
 
     def begin_drain(self) -> None:
