@@ -50,7 +50,7 @@ Pure logic: imports no torch, zmq or ucxx (numpy only where asked for).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import xxhash
@@ -206,15 +206,14 @@ class PoolGeometry:
     layout: KVLayout
     pages: int
     shards: int = 1
+    shard_bytes: int = field(init=False)  # one shard of one page
+    layer_bytes: int = field(init=False)  # one layer of the whole pool: offset(l + 1, s, p) - offset(l, s, p)
 
     def __post_init__(self) -> None:
         if self.shards < 1 or self.layout.kv_heads % self.shards:
             raise ValueError(f"pool shards={self.shards} must divide kv_heads={self.layout.kv_heads}")
-
-    @property
-    def shard_bytes(self) -> int:
-        """Bytes of one shard of one page."""
-        return self.layout.page_bytes // self.shards
+        object.__setattr__(self, "shard_bytes", self.layout.page_bytes // self.shards)
+        object.__setattr__(self, "layer_bytes", self.pages * self.layout.page_bytes)
 
     def offset(self, layer: int, shard: int, page: int) -> int:
         return ((layer * self.shards + shard) * self.pages + page) * self.shard_bytes
@@ -251,24 +250,17 @@ class StagingShares:
     tp: int
     shards: int
     n_new: int
+    units: int = field(init=False)  # lcm(tp, shards)
+    layer_bytes: int = field(init=False)  # the request's new pages of one layer
+    share_bytes: int = field(init=False)  # one rank's share of one layer
 
     def __post_init__(self) -> None:
         check_prefill_tp(self.layout.kv_heads, self.tp)
         if self.shards < 1 or self.layout.kv_heads % self.shards:
             raise ValueError(f"pool shards={self.shards} must divide kv_heads={self.layout.kv_heads}")
-
-    @property
-    def units(self) -> int:
-        return math.lcm(self.tp, self.shards)
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.n_new * self.layout.page_bytes
-
-    @property
-    def share_bytes(self) -> int:
-        """One rank's share of one layer."""
-        return self.layer_bytes // self.tp
+        object.__setattr__(self, "units", math.lcm(self.tp, self.shards))
+        object.__setattr__(self, "layer_bytes", self.n_new * self.layout.page_bytes)
+        object.__setattr__(self, "share_bytes", self.layer_bytes // self.tp)
 
     @property
     def kv_bytes(self) -> int:
@@ -292,7 +284,8 @@ class StagingShares:
                pool: PoolGeometry) -> list[tuple[int, int, int]]:
         """Rank ``rank``'s share of ``layer`` as (staging offset, pool offset, bytes), in staging order
         (so their pool bytes, read in this order, are the share's bytes); ``runs`` are the request's
-        (new-page index, first pool page, pages)."""
+        (new-page index, first pool page, pages). Layer ``l``'s ranges are layer 0's shifted by
+        ``l * layer_bytes`` in staging and ``l * pool.layer_bytes`` in the pool."""
         U = self.units
         per_shard = U // self.shards  # units in a shard
         unit_page = self.layout.page_bytes // U  # one unit of one page

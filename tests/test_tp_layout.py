@@ -45,6 +45,9 @@ def test_every_rank_puts_its_heads_where_the_pool_keeps_them(tp, shards, pages):
                 share[u, i] = _page_values(i)[h0 + u * hu:h0 + (u + 1) * hu]
         ops = sh.ranges(layer, rank, req_runs, pool)
         assert len(ops) == sh.puts(req_runs)
+        # the sender shifts layer 0's ranges instead of recomputing them for every layer
+        assert ops == [(s + layer * sh.layer_bytes, d + layer * pool.layer_bytes, n)
+                       for s, d, n in sh.ranges(0, rank, req_runs, pool)]
         assert sum(n for _, _, n in ops) == sh.share_bytes
         for src, dst, n in ops:
             mem[dst:dst + n] = staging[src:src + n]

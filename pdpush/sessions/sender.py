@@ -175,6 +175,7 @@ class TxRank:
     layers_posted: set[int] = field(default_factory=set)
     finish: bool = False
     puts: int = 0
+    ranges: list[tuple[int, int, int]] | None = None  # its share of layer 0 (StagingShares.ranges)
 
 
 @dataclass
@@ -197,6 +198,8 @@ class TxRequest:
     skipped: int = 0
     held: list[int] = field(default_factory=list)  # already_sent_indexes: decided once, the same for every rank
     shares: StagingShares | None = None
+    pool: PoolGeometry | None = None  # the receiver's pool
+    share_puts: int = 0  # puts of one rank's share of one layer
     flushed: dict[int, dict[int, int | None]] = field(default_factory=dict)  # layer -> rank -> share digest
     layers_done: set[int] = field(default_factory=set)  # every rank's share flushed
     unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
@@ -206,10 +209,7 @@ class TxRequest:
     alloc_attempts: int = 0
     t_alloc_ms: int = 0
     failure: PdpushError | None = None
-
-    @property
-    def tp(self) -> int:
-        return self.begin.tp_size
+    tp: int = 1  # ranks pushing it (Begin.tp_size)
 
     @property
     def clients(self) -> list[bytes]:
@@ -441,7 +441,7 @@ class SenderSession:
         if peer is None:
             peer = self.peers[receiver] = Peer(receiver)
         r = TxRequest(msg.req_id, next(self._seq), {msg.tp_rank: TxRank(ident, msg.client_pid)}, peer, msg, layout,
-                      now + self.limits.control_timeout_ms, now)
+                      now + self.limits.control_timeout_ms, now, tp=msg.tp_size)
         self.reqs[r.req_id] = r
         self._by_seq[r.seq] = r
         self.counters.add("requests_total")
@@ -505,13 +505,15 @@ class SenderSession:
                 self._share_flushed(r, layer, rank, None)
             self._announce(r, now, out)
             return
-        ack, sh = r.peer.ack, r.shares
-        pool = PoolGeometry(r.layout, ack.pool_pages, ack.pool_shards)
+        sh, pool = r.shares, r.pool
+        if k.ranges is None:
+            k.ranges = sh.ranges(0, rank, r.runs, pool)
         base = self.staging_info.address + r.staging_off
         ops: list[PutOp] = []
         srcs = []
-        for layer in msg.layers:
-            ops.extend(PutOp(base + src, ack.pool_base + dst, n) for src, dst, n in sh.ranges(layer, rank, r.runs, pool))
+        for layer in msg.layers:  # layer 0's ranges, shifted (layout.StagingShares.ranges)
+            src0, dst0 = base + layer * sh.layer_bytes, r.peer.ack.pool_base + layer * pool.layer_bytes
+            ops.extend([PutOp(src0 + src, dst0 + dst, n) for src, dst, n in k.ranges])
             srcs.append((base + sh.share_offset(layer, rank), sh.share_bytes))
         out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(msg.layers), "data", rank),
                             now + self.limits.layer_timeout_ms, srcs))
@@ -530,20 +532,26 @@ class SenderSession:
 
     def _share_flushed(self, r: TxRequest, layer: int, rank: int, digest: int | None) -> bool:
         """One rank's share of ``layer`` is in the pool; True when that completes the layer."""
-        got = r.flushed.setdefault(layer, {})
-        if rank in got:
-            return False
-        got[rank] = digest
-        puts = r.shares.puts(r.runs) if r.n_new else 0
+        if r.tp == 1:  # the common case, on every layer: no per-rank bookkeeping
+            if layer in r.layers_done:
+                return False
+            digests = [digest]
+        else:
+            got = r.flushed.setdefault(layer, {})
+            if rank in got:
+                return False
+            got[rank] = digest
+        puts = r.share_puts
         r.ranks[rank].puts += puts
         r.puts += puts
         self.counters.add("puts", puts)
-        if len(got) < r.tp:
-            return False
+        if r.tp > 1:
+            if len(got) < r.tp:
+                return False
+            digests = [got[k] for k in range(r.tp)]
         nbytes = r.n_new * r.layout.page_bytes
         r.bytes_sent += nbytes
         r.layers_done.add(layer)
-        digests = [got[k] for k in range(r.tp)]
         r.unannounced.append((layer, None if None in digests else combine_digests(digests)))
         c = self.counters
         c.add("bytes_pushed", nbytes)
@@ -646,7 +654,10 @@ class SenderSession:
             return
         r.lease_id = a.lease_id
         try:
-            r.shares = StagingShares(layout, r.tp, r.peer.ack.pool_shards, r.n_new)
+            ack = r.peer.ack
+            r.shares = StagingShares(layout, r.tp, ack.pool_shards, r.n_new)
+            r.pool = PoolGeometry(layout, ack.pool_pages, ack.pool_shards)
+            r.share_puts = r.shares.puts(r.runs)
         except ValueError as e:
             self._fail(r, IncompatiblePeer(str(e)), now, out, tell_receiver=True)
             return
