@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from pdpush import launch
@@ -52,3 +54,14 @@ def read_back(dc: DecodeClient, req_id: str, layout: KVLayout, tokens: int, torc
 def sock(d: launch.Daemon) -> str:
     info = d.info
     return (info.get("local_endpoint") or info["ingress_endpoint"]).removeprefix("ipc://")
+
+
+def until(pred, timeout_s: float, what: str):
+    """Poll ``pred`` (a daemon's status, say) until it is true; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -14,7 +14,7 @@ from pdpush import protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import BrokenResourceError, ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
-from tests.helpers import kv, push, read_back, rx_opts, sock
+from tests.helpers import kv, push, read_back, rx_opts, sock, until
 
 LAY = KVLayout(4, 2, 64, "float16", 16)
 
@@ -25,14 +25,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)  # polling a daemon's status; bounded by the deadline
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(daemons):
@@ -47,9 +39,9 @@ def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(
     tx.kill()
     pc.close()
     t0 = time.monotonic()
-    st = _until(lambda: (s := status(sock(rx)))["leases_expired"] == 1 and s, 10, "lease expiry")
+    st = until(lambda: (s := status(sock(rx)))["leases_expired"] == 1 and s, 10, "lease expiry")
     assert st["pool_pages_quarantined"] == 7 and st["pool_pages_free"] == 9  # 100 tokens = 7 chunks
-    st = _until(lambda: (s := status(sock(rx)))["pool_pages_free"] == 16 and s, 10, "quarantine release")
+    st = until(lambda: (s := status(sock(rx)))["pool_pages_free"] == 16 and s, 10, "quarantine release")
     assert st["leases_active"] == 0 and st["requests_failed"] == 1 and st["chunks_cached"] == 0
     assert time.monotonic() - t0 < 5
     # the receiver still serves a new sender
@@ -217,7 +209,7 @@ def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
         h = pc.begin("inflight", list(range(40)))
         h.put_layer(0, k[0], v[0])
         tx.proc.send_signal(signal.SIGTERM)
-        _until(lambda: status(sock(tx))["draining"], 10, "the sender to start draining")
+        until(lambda: status(sock(tx))["draining"], 10, "the sender to start draining")
         with pytest.raises(PdpushError) as e:  # draining: no new work
             pc.begin("late", list(range(100, 140)))
         assert e.value.code is ErrorCode.SHUTTING_DOWN
@@ -233,10 +225,10 @@ def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
     try:
         h = pc2.begin("stuck", list(range(200, 240)))
         tx2.proc.send_signal(signal.SIGTERM)
-        _until(lambda: status(sock(tx2))["draining"], 10, "the sender to start draining")
+        until(lambda: status(sock(tx2))["draining"], 10, "the sender to start draining")
         tx2.proc.send_signal(signal.SIGTERM)
         assert tx2.proc.wait(10) == 130
-        _until(lambda: status(sock(rx))["leases_active"] == 0, 10, "abort of the stuck lease")
+        until(lambda: status(sock(rx))["leases_active"] == 0, 10, "abort of the stuck lease")
     finally:
         pc2.close()
 
@@ -262,7 +254,7 @@ def test_sender_deadline_before_the_lease_and_committed_ttl(daemons):
         h = pc.begin("stalled", list(range(40)))
         h.put_layer(0, k[0], v[0])  # ... and the engine never hands over the rest
         t0 = time.monotonic()
-        st = _until(lambda: (s := status(sock(rx)))["leases_active"] == 0 and s, 10, "the sender's abort")
+        st = until(lambda: (s := status(sock(rx)))["leases_active"] == 0 and s, 10, "the sender's abort")
         assert 0.7 < time.monotonic() - t0 < 3  # ~0.9 x the sender's 1 s lease, long before the receiver's 5 s
         assert st["leases_expired"] == 0 and st["requests_failed"] == 1  # aborted by the sender, not expired
         with pytest.raises(TransportTimeout, match="lease deadline"):  # the engine is told, with a typed error
@@ -272,7 +264,7 @@ def test_sender_deadline_before_the_lease_and_committed_ttl(daemons):
         with dc.open("unopened", timeout_s=5):
             pass  # opened and released: dropped at once
         push(pc, "never-opened", list(range(600, 640)), k, v)
-        _until(lambda: status(sock(rx))["requests_committed"] == 2, 5, "commit")
+        until(lambda: status(sock(rx))["requests_committed"] == 2, 5, "commit")
         time.sleep(1.0)  # past committed_ttl_ms (0.6 s)
         with pytest.raises(PdpushError, match="gone"):
             dc.open("never-opened", timeout_s=5)
@@ -298,7 +290,7 @@ def test_daemons_die_with_a_crashed_launcher(tmp_path):
         assert pid_alive(pid)
         parent.kill()
         parent.wait(10)
-        _until(lambda: not pid_alive(pid), 20, "the orphaned daemon to exit")
+        until(lambda: not pid_alive(pid), 20, "the orphaned daemon to exit")
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -319,7 +311,7 @@ def test_an_idle_sender_notices_a_dead_receiver_without_spinning(daemons):
         push(pc, "before", list(range(40)), k, v)
         assert status(sock(tx))["receivers_connected"] == 1
         os.kill(rx.info["pid"], signal.SIGKILL)
-        _until(lambda: status(sock(tx))["receivers_connected"] == 0, 10, "the sender to notice its receiver died")
+        until(lambda: status(sock(tx))["receivers_connected"] == 0, 10, "the sender to notice its receiver died")
 
         def cpu_s() -> float:
             with open(f"/proc/{tx.info['pid']}/stat") as f:

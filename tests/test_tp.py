@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from pdpush.bench.tp import Ranks, read_ranks, source
 from pdpush.client import DecodeClient, status
 from pdpush.layout import KVLayout
-from tests.helpers import rx_opts, sock
+from tests.helpers import rx_opts, sock, until
 
 LAY = KVLayout(3, 4, 16, "float16", 16)  # 4 KV heads: TP 1, 2 and 4 all hold whole heads
 
@@ -23,12 +22,6 @@ def _spec(rng, n: int) -> dict:
     return {"ids": rng.integers(0, 1 << 31, size=n).tolist(), "seed": int(rng.integers(1 << 31))}
 
 
-def _until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("prefill_tp,shards,checksums", [(2, 2, False), (1, 2, False), (2, 1, False), (4, 2, False),
@@ -108,7 +101,7 @@ def test_a_rank_killed_mid_push_fails_the_request_for_the_others_and_the_pool_co
         out = ranks.results(1, timeout_s=30)[0]  # rank 0 finished its layers and waits for the commit
         assert out["rank"] == 0 and out["code"] == "peer_dead" and "rank 1 of 2" in out["error"]
         assert status(sock(tx))["requests_failed"] == 1
-        _until(lambda: status(sock(rx))["pool_pages_free"] == total, 10, "every page back in the pool")
+        until(lambda: status(sock(rx))["pool_pages_free"] == total, 10, "every page back in the pool")
         with pytest.raises(Exception, match="gone"):
             dc.open("tp-d", timeout_s=2)
     finally:

@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -22,6 +21,7 @@ from pdpush.bench.tp import Ranks
 from pdpush.client import DecodeClient, status
 from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model
 from pdpush.layout import KVLayout
+from tests.helpers import until
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
 COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
@@ -121,12 +121,6 @@ def _disaggregated(f: Fleet, prefill: str, decode: str, prompt: list[int]) -> tu
     return out["tokens"], params
 
 
-def _until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def _check_pair(f: Fleet, pair: str, prefill: str, decode: str, prefill_tp: int, shards: int) -> None:
@@ -137,7 +131,7 @@ def _check_pair(f: Fleet, pair: str, prefill: str, decode: str, prefill_tp: int,
         rx0, tx0 = status(rx_sock), status(f.tx_sock)
         toks, params = _disaggregated(f, prefill, decode, PROMPTS[key])
         assert toks == f.refs[key], f"{key}: decode {toks} != colocated {f.refs[key]}"
-        _until(lambda done0=tx0["requests_done"]: status(f.tx_sock)["requests_done"] > done0, 10,
+        until(lambda done0=tx0["requests_done"]: status(f.tx_sock)["requests_done"] > done0, 10,
                "the push's commit")
         rx1, tx1 = status(rx_sock), status(f.tx_sock)
         assert rx1["chunks_hit"] - rx0["chunks_hit"] == (2 if key.endswith("shared") else 0)
@@ -197,7 +191,7 @@ def test_a_prefill_rank_killed_mid_push_fails_the_request_and_decode_recomputes(
     params = {"do_remote_prefill": True, "pdpush_req_id": "kill-1", "pdpush_tokens": len(KILLED)}
     out, _ = fleet.engines["d2"].generate(KILLED, NEW_TOKENS, params)
     assert out["tokens"] == fleet.refs["killed"]
-    _until(lambda: status(rx_sock)["pool_pages_free"] + status(rx_sock)["chunks_cached"] >= total, 15,
+    until(lambda: status(rx_sock)["pool_pages_free"] + status(rx_sock)["chunks_cached"] >= total, 15,
            "the failed request's pages back in the pool")
     assert status(rx_sock)["leases_active"] == 0
 
@@ -217,6 +211,7 @@ from types import SimpleNamespace as NS
 from pdpush.errors import ConfigError
 from pdpush.integrations.vllm.settings import check_parallelism
 from pdpush.layout import KVLayout
+from tests.helpers import until
 
 lay = KVLayout(4, 2, 64, "float32", 48)
 out = {}

@@ -8,10 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdpush.client import DecodeClient
-from pdpush.errors import ConfigError, PdpushError
+from pdpush.errors import PdpushError
 from pdpush.integrations.vllm.metadata import STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
-from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
 from pdpush.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -46,22 +45,10 @@ class SchedulerSide:
         self.engine_tag = engine_tag
         self.producer, self.consumer = producer, consumer
         self.reqs: dict[str, _Req] = {}
-        self._decode: DecodeClient | None = None
+        self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._receiver_down_until = 0.0
         if consumer:
-            self._receiver()  # a wrong path fails at start-up, with its name
-
-    def _receiver(self) -> DecodeClient:
-        if self._decode is None:
-            if not self.endpoints.receiver_socket:
-                raise ConfigError("PdpushConnector (kv_consumer) needs receiver_config or receiver_socket")
-            self._decode = DecodeClient(self.endpoints.receiver_socket, timeout_s=self.settings.timeout_s)
-        return self._decode
-
-    def _reset_receiver(self) -> None:
-        if self._decode is not None:
-            self._decode.close()
-            self._decode = None
+            self.receiver.get()  # a wrong path fails at start-up, with its name
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
@@ -93,7 +80,7 @@ class SchedulerSide:
             return 0, False
         STATS["match_queries"] += 1
         try:
-            reply = self._receiver().query(prompt, self.layout, req_id=str(push_id),
+            reply = self.receiver.get().query(prompt, self.layout, req_id=str(push_id),
                                            timeout_s=self.settings.query_timeout_s)
         except PdpushError as e:
             # the scheduler loop must not stall on a dead receiver: recompute, and stop asking for a while;
@@ -101,7 +88,7 @@ class SchedulerSide:
             log.error("pdpush: receiver query for %s failed; recomputing it, and not asking for %.0f s: %s", rid,
                       self.settings.receiver_retry_s, e)
             self._receiver_down_until = time.monotonic() + self.settings.receiver_retry_s
-            self._reset_receiver()
+            self.receiver.reset()
             STATS["match_missing"] += 1
             return 0, False
         if reply.request_chunks == 0 and reply.request_gone:  # it failed or was already used: recompute now
@@ -176,4 +163,4 @@ class SchedulerSide:
                        "pdpush_receiver": r.receiver, "pdpush_layout": self.layout.fingerprint()}
 
     def shutdown(self) -> None:
-        self._reset_receiver()
+        self.receiver.reset()

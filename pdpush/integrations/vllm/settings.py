@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdpush.client import DecodeClient
 from pdpush.config import ReceiverConfig, SenderConfig, load
 from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, check_prefill_tp, rank_heads
@@ -86,6 +87,27 @@ class Endpoints:
 
     def receiver_allowed(self, receiver: str) -> bool:
         return not receiver or "*" in self.allowed_receivers or receiver in self.allowed_receivers
+
+
+class ReceiverLink:
+    """The decode node's connection to its receiver, opened on first use and replaced after a failure
+    (so that a late reply can never answer another request). Both connector sides hold one."""
+
+    def __init__(self, endpoints: Endpoints, timeout_s: float) -> None:
+        self.socket, self.timeout_s = endpoints.receiver_socket, timeout_s
+        self._client: DecodeClient | None = None
+
+    def get(self) -> DecodeClient:
+        if self._client is None:
+            if not self.socket:
+                raise ConfigError("PdpushConnector (kv_consumer) needs receiver_config or receiver_socket")
+            self._client = DecodeClient(self.socket, timeout_s=self.timeout_s)
+        return self._client
+
+    def reset(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 def settings_of(extra: dict | None) -> ConnectorSettings:

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from pdpush.client import DecodeClient, DecodeRequest, PrefillClient, PushHandle
+from pdpush.client import DecodeRequest, PrefillClient, PushHandle
 from pdpush.errors import BrokenResourceError, ConfigError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
 from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
-from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
 from pdpush.layout import KVLayout, rank_heads
 
 log = logging.getLogger("pdpush.vllm")
@@ -80,7 +80,7 @@ class WorkerSide:
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.heads = rank_heads(layout.kv_heads, self.tp_size, self.tp_rank)
         self._prefill: PrefillClient | None = None
-        self._decode: DecodeClient | None = None
+        self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
         self._paged: vl.PagedKV | None = None
@@ -94,7 +94,7 @@ class WorkerSide:
         if producer:
             self._sender()
         if consumer:
-            self._receiver()
+            self.receiver.get()
 
     def _sender(self) -> PrefillClient:
         if self._prefill is None:
@@ -102,17 +102,6 @@ class WorkerSide:
                                           receiver=self.endpoints.default_receiver, timeout_s=self.settings.timeout_s)
         return self._prefill
 
-    def _reset_receiver(self) -> None:
-        if self._decode is not None:
-            self._decode.close()
-            self._decode = None
-
-    def _receiver(self) -> DecodeClient:
-        if self._decode is None:
-            if not self.endpoints.receiver_socket:
-                raise ConfigError("PdpushConnector (kv_consumer) needs receiver_config or receiver_socket")
-            self._decode = DecodeClient(self.endpoints.receiver_socket, timeout_s=self.settings.timeout_s)
-        return self._decode
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -287,7 +276,7 @@ class WorkerSide:
         self._loads.append(load_)
         t0 = time.perf_counter()
         try:
-            req = self._receiver().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
+            req = self.receiver.get().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
                                         tp_rank=self.tp_rank, tp_size=self.tp_size)
         except _REQUEST_ERRORS as e:
             load_.failed = f"open: {e}"
@@ -344,14 +333,14 @@ class WorkerSide:
                 except PdpushError as e:
                     log.warning("pdpush: release of %s: %s", ld.spec.push_id, e)
         if any(ld.failed for ld in self._loads):
-            self._reset_receiver()  # late replies to a failed open must not linger for the next request
+            self.receiver.reset()  # late replies to a failed open must not linger for the next request
         self._loads.clear()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
         self._reap_finishing(wait_s=self.settings.timeout_s)
-        for c in (self._prefill, self._decode):
-            if c is not None:
-                c.close()
-        self._prefill = self._decode = None
+        if self._prefill is not None:
+            self._prefill.close()
+            self._prefill = None
+        self.receiver.reset()
