@@ -67,6 +67,7 @@ class PagePool:
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self.requests: dict[str, PoolRequest] = {}
         self.counters = {"chunks_evicted": 0, "chunks_hit": 0, "exhausted": 0}
+        self.changes: list[tuple[str, list[bytes]]] = []  # index changes not yet taken: ("stored"|"evicted", keys)
 
     # ---- queries ----
     @property
@@ -165,6 +166,8 @@ class PagePool:
         for k in victims:
             self._give([self._index.pop(k).page])
         self.counters["chunks_evicted"] += len(victims)
+        if victims:
+            self.changes.append(("evicted", victims))
 
     # ---- ownership changes, called by the session as the request's life goes on ----
     def commit(self, req_id: str) -> int:
@@ -172,7 +175,7 @@ class PagePool:
         req = self._get(req_id)
         if req.indexed:
             raise UnexpectedMessage(f"request {req_id!r} is already committed")
-        n = 0
+        stored = []
         for i in req.new_idx:
             k = req.keys[i]
             if k in self._index:  # another request committed the same chunk meanwhile
@@ -180,9 +183,18 @@ class PagePool:
                 continue
             self._index[k] = _Entry(req.pages[i], refs=1)
             req.pinned.append(k)
-            n += 1
+            stored.append(k)
         req.indexed = True
-        return n
+        if stored:
+            self.changes.append(("stored", stored))
+        return len(stored)
+
+    def take_changes(self) -> list[tuple[str, list[bytes]]]:
+        out, self.changes = self.changes, []
+        return out
+
+    def indexed_keys(self) -> list[bytes]:
+        return list(self._index)
 
     def abort(self, req_id: str, now_ms: int) -> None:
         """Reclaim an uncommitted lease: its pages go to quarantine."""

@@ -247,6 +247,65 @@ class QueryReply(Msg):
     request_gone: bool = False  # the named request was here and has ended (failed, expired or released)
 
 
+class Claim(Msg):
+    """Decode side, local endpoint: open a request made of the chunks the index already holds (the
+    leading ``chunk_keys`` held complete), with no push. They are pinned until the request is
+    released, or for ``lease_ms`` if it is never opened. Idempotent for the same ``req_id``."""
+
+    type: Literal["claim"] = "claim"
+    req_id: ReqId
+    chunk_keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_CHUNKS)]
+    last_chunk_tokens: Annotated[int, Field(ge=1)]  # of the prompt's last chunk (used if every chunk is held)
+    lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
+
+
+class ClaimOk(Msg):
+    type: Literal["claim_ok"] = "claim_ok"
+    req_id: ReqId
+    chunks: U32  # leading chunks claimed (0: none held, and no request was made)
+
+
+# ---- chunk-index events (receiver -> routers, on the control endpoint) ----
+
+MAX_INDEX_KEYS = 1 << 22  # a snapshot holds every indexed key: at most the pool's pages
+
+
+class IndexSubscribe(Msg):
+    """A router asks for a snapshot of the chunk index, then its changes. Sent again on a gap, on a
+    new epoch, after silence, and every few seconds as a keep-alive."""
+
+    type: Literal["index_subscribe"] = "index_subscribe"
+    snapshot: bool = True  # False: keep-alive only
+
+
+class IndexLoad(Msg):
+    """The receiver's load, carried by every snapshot and event."""
+
+    pages_free: U32
+    pages_total: U32
+    requests_inflight: U32
+
+
+class IndexSnapshot(Msg):
+    type: Literal["index_snapshot"] = "index_snapshot"
+    epoch: Annotated[str, Field(min_length=1, max_length=64)]  # new on every receiver start
+    seq: U64  # the last event folded into ``keys``
+    layout: LayoutSpec
+    keys: Annotated[list[Key], Field(max_length=MAX_INDEX_KEYS)]
+    load: IndexLoad
+
+
+class IndexEvent(Msg):
+    """``stored``/``evicted``/``cleared`` take the next seq; ``heartbeat`` repeats the current one."""
+
+    type: Literal["index_event"] = "index_event"
+    epoch: Annotated[str, Field(min_length=1, max_length=64)]
+    seq: U64
+    kind: Literal["stored", "evicted", "cleared", "heartbeat"]
+    keys: Annotated[list[Key], Field(max_length=MAX_INDEX_KEYS)] = []
+    load: IndexLoad
+
+
 class Ok(Msg):
     type: Literal["ok"] = "ok"
     req_id: str | None = None
@@ -256,7 +315,8 @@ Message = Annotated[
     Union[
         Hello, HelloAck, AllocRequest, AllocResponse, LayerDone, Commit, CommitAck, Abort, Error,
         StatusRequest, StatusReply, Begin, BeginOk, LayerReady, Finish, Done, Open, OpenOk,
-        LayerAvailable, Committed, Release, Query, QueryReply, Ok,
+        LayerAvailable, Committed, Release, Query, QueryReply, Ok, Claim, ClaimOk, IndexSubscribe, IndexSnapshot,
+        IndexEvent,
     ],
     Field(discriminator="type"),
 ]

@@ -2,11 +2,12 @@
 
 Endpoints:
   * ZMQ ROUTER (tcp, loopback by default) for senders: Hello, AllocRequest,
-    LayerDone, Commit, Abort, Status.
+    LayerDone, Commit, Abort, Status; and for routers: IndexSubscribe, after
+    which the chunk-index events go out on it (index.py).
   * UCX listener on the configured address: senders' endpoints; their
     one-sided puts land in the pool.
   * ZMQ ROUTER on a 0600 unix socket for the local decode engine: Open,
-    Release, Query, Status; the receiver pushes LayerAvailable/Committed.
+    Claim, Release, Query, Status; the receiver pushes LayerAvailable/Committed.
 
 Every decision is the session's; this module moves bytes and carries out its
 actions. A frame that does not decode gets a typed Error reply; an exception
@@ -90,7 +91,7 @@ class Receiver:
                         ucx_port=self.ucx_port, daemon_pid=os.getpid(), shards=cfg.pool_shards)
         self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
-                                       layer_checksum=self._layer_checksum)
+                                       layer_checksum=self._layer_checksum, epoch=secrets.token_hex(8))
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.local, zmq.POLLIN)
@@ -101,6 +102,11 @@ class Receiver:
                 "metrics_endpoint": self.metrics.endpoint}
 
     def close(self) -> None:
+        if self.session is not None and getattr(self, "router", None) is not None:
+            try:  # chunk-index subscribers drop this receiver's keys at once
+                self._apply(self.session.farewell(now_ms()))
+            except Exception:  # noqa: BLE001 - closing goes on regardless
+                log.exception("sending the index farewell")
         for s in ("router", "local"):
             sock = getattr(self, s, None)
             if sock is not None:

@@ -38,17 +38,22 @@ from pdpush.errors import (
     UnexpectedMessage,
     UnknownRequest,
 )
+from pdpush.index import IndexFeed
 from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, runs
 from pdpush.pool import PagePool, PoolRequest
 from pdpush.protocol import (
     Abort,
     AllocRequest,
     AllocResponse,
+    Claim,
+    ClaimOk,
     Commit,
     CommitAck,
     Committed,
     Hello,
     HelloAck,
+    IndexLoad,
+    IndexSubscribe,
     LayerAvailable,
     LayerDone,
     LayoutSpec,
@@ -128,13 +133,16 @@ class RxRequest:
     tp_size: int = 1  # prefill ranks whose shares make up each layer
     decode_ranks: int = 1  # opens it takes: a committed request stays until that many releases
     releases: int = 0
+    ttl_ms: int = 0  # committed and unread for this long: dropped (0: the receiver's committed_ttl_ms)
+    claimed: bool = False  # made by a Claim from held chunks, not pushed
 
 
 class ReceiverSession:
     def __init__(self, layout: KVLayout, pool_pages: int, limits: ReceiverLimits, pool_info: PoolInfo, *,
                  new_token: Callable[[], bytes], layer_checksum: Callable[[list[list[tuple[int, int]]]], int]
-                 | None = None) -> None:
-        """``layer_checksum(ranges)``: ``layout.combine_digests`` of each rank's pool byte ranges
+                 | None = None, epoch: str = "0") -> None:
+        """``epoch``: new on every start (the chunk-index feed's; index.py).
+        ``layer_checksum(ranges)``: ``layout.combine_digests`` of each rank's pool byte ranges
         (offset, bytes) hashed in order."""
         self.layout = layout
         self.geometry = PoolGeometry(layout, pool_pages, pool_info.shards)
@@ -143,6 +151,7 @@ class ReceiverSession:
         self.info = pool_info
         self.pool = PagePool(pool_pages, quarantine_ms=limits.quarantine_ms)
         self._new_token = new_token
+        self.feed = IndexFeed(epoch, self.spec)
         self._layer_checksum = layer_checksum
         self.reqs: dict[str, RxRequest] = {}
         self.sessions: set[bytes] = set()  # sender identities that completed Hello
@@ -154,7 +163,8 @@ class ReceiverSession:
         self._next_check = 0  # no lease, TTL or parked open is due before this (ms): ticks before it skip the scan
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
-            "layers_received", "checksum_failures", "leases_expired", "internal_errors")})
+            "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
+            "chunks_claimed")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int) -> list:
@@ -190,7 +200,26 @@ class ReceiverSession:
                     out.append(internal_error("failing a request", exc2, rid)[1])
                     self.reqs.pop(rid, None)
             out.append(reply_cls(ident, protocol.error_reply(err, rid)))
+        self._publish(now, out)
         return out
+
+    def _index_load(self) -> IndexLoad:
+        return IndexLoad(pages_free=self.pool.free_pages, pages_total=self.pool.num_pages,
+                         requests_inflight=sum(1 for r in self.reqs.values() if r.state in _LIVE))
+
+    def _publish(self, now: int, out: list) -> None:
+        """The pool's index changes, to the chunk-index subscribers (index.py)."""
+        changes = self.pool.take_changes()
+        if changes and self.feed.subscribers:
+            load = self._index_load()
+            for kind, keys in changes:
+                out.extend(ToSender(i, ev) for i, ev in self.feed.change(kind, keys, load, now))
+        elif changes:  # nobody listens: the sequence still moves, so a later subscriber's snapshot is exact
+            self.feed.seq += len(changes)
+
+    def farewell(self, now: int) -> list:
+        """On shutdown: tell subscribers the index is gone."""
+        return [ToSender(i, ev) for i, ev in self.feed.change("cleared", [], self._index_load(), now)]
 
     def _due(self, at_ms: int) -> None:
         self._next_check = min(self._next_check, at_ms)
@@ -198,6 +227,8 @@ class ReceiverSession:
     def on_tick(self, now: int) -> list:
         out: list = []
         self.pool.tick(now)
+        if self.feed.subscribers:
+            out.extend(ToSender(i, ev) for i, ev in self.feed.tick(self._index_load(), now))
         if now < self._next_check:
             return out
         self._next_check = now + PARKED_OPEN_MS
@@ -207,13 +238,13 @@ class ReceiverSession:
             out.append(Count("leases_expired"))
             self._fail(r, LeaseExpired("lease expired before commit", req_id=r.req_id), now, out)
         for r in [r for r in self.reqs.values() if r.state is ReqState.COMMITTED and r.readers == 0
-                  and now >= r.committed_at_ms + self.limits.committed_ttl_ms]:
+                  and now >= r.committed_at_ms + self._ttl(r)]:
             self._drop(r, "committed, unread past its TTL")
         for r in self.reqs.values():
             if r.state in _LIVE:
                 self._due(r.expires_at_ms)
             elif r.state is ReqState.COMMITTED and r.readers == 0:
-                self._due(r.committed_at_ms + self.limits.committed_ttl_ms)
+                self._due(r.committed_at_ms + self._ttl(r))
         for rid, waiters in list(self.parked.items()):
             waiters[:] = [w for w in waiters if now - w[1] < PARKED_OPEN_MS]
             if not waiters:
@@ -221,6 +252,9 @@ class ReceiverSession:
             else:
                 self._due(min(w[1] for w in waiters) + PARKED_OPEN_MS)
         return out
+
+    def _ttl(self, r: RxRequest) -> int:
+        return r.ttl_ms or self.limits.committed_ttl_ms
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -242,6 +276,11 @@ class ReceiverSession:
     def _control(self, ident: bytes, msg: Msg, now: int, out: list) -> None:
         if isinstance(msg, Hello):
             out.append(ToSender(ident, self._hello(ident, msg)))
+            return
+        if isinstance(msg, IndexSubscribe):  # a router (authenticated like senders where CURVE is on)
+            keys = self.pool.indexed_keys() if msg.snapshot else []
+            out.extend(ToSender(i, m) for i, m in self.feed.subscribe(ident, msg.snapshot, keys,
+                                                                      self._index_load(), now))
             return
         if ident not in self.sessions:
             raise UnexpectedMessage(f"{msg.type} before hello")
@@ -433,6 +472,8 @@ class ReceiverSession:
                 elif r.readers == 0:
                     self._due(r.expires_at_ms)
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
+        elif isinstance(msg, Claim):
+            out.append(ToDecode(ident, self._claim(msg, now, out)))
         elif isinstance(msg, Query):
             out.append(ToDecode(ident, QueryReply(
                 held_prefix=self.pool.held_prefix(msg.chunk_keys),
@@ -440,6 +481,39 @@ class ReceiverSession:
                 request_gone=msg.req_id is not None and msg.req_id not in self.reqs and msg.req_id in self.finished)))
         else:
             raise UnexpectedMessage(f"receiver does not accept {msg.type} on the local endpoint")
+
+    def _claim(self, msg: Claim, now: int, out: list) -> ClaimOk:
+        """A committed request made of the held leading chunks: opened and released like a pushed one."""
+        rid = msg.req_id
+        r = self.reqs.get(rid)
+        if r is not None:
+            if not r.claimed:
+                raise DuplicateRequest(f"request {rid!r} already exists (pushed)", req_id=rid)
+            return ClaimOk(req_id=rid, chunks=len(r.alloc.keys))
+        if rid in self.finished:
+            raise UnknownRequest(f"request {rid!r} is gone: {self.finished[rid]}", req_id=rid)
+        if self.draining:
+            raise ShuttingDown("receiver is draining", req_id=rid)
+        if len(msg.chunk_keys) > self.limits.max_chunks_per_request:
+            raise RequestTooLarge(f"{len(msg.chunk_keys)} chunks exceeds the cap of "
+                                  f"{self.limits.max_chunks_per_request}", req_id=rid)
+        held = self.pool.held_prefix(msg.chunk_keys)
+        if held == 0:
+            return ClaimOk(req_id=rid, chunks=0)
+        alloc = self.pool.allocate(rid, msg.chunk_keys[:held])  # every chunk held: pinned, no new page
+        self.pool.commit(rid)
+        last = min(msg.last_chunk_tokens, self.layout.chunk_tokens) if held == len(msg.chunk_keys) \
+            else self.layout.chunk_tokens
+        r = RxRequest(rid, b"", alloc, self._next_lease, now, last, now, state=ReqState.COMMITTED,
+                      committed_at_ms=now, layers_done=set(range(self.layout.layers)),
+                      ttl_ms=min(msg.lease_ms, self.limits.lease_ms), claimed=True)
+        self._next_lease += 1
+        self.reqs[rid] = r
+        self._due(now + r.ttl_ms)
+        self.counters.add("requests_claimed")
+        self.counters.add("chunks_claimed", held)
+        out.append(Log(logging.DEBUG, f"claimed {held} held chunks of {len(msg.chunk_keys)}", rid))
+        return ClaimOk(req_id=rid, chunks=held)
 
     def _request_prefix(self, req_id: str | None, keys: list[bytes]) -> int:
         """How many leading ``keys`` the live request ``req_id`` carries (0 if it is not here)."""
@@ -471,7 +545,8 @@ class ReceiverSession:
         return {"pool_pages_total": p.num_pages, "pool_pages_free": p.free_pages,
                 "pool_pages_quarantined": p.quarantined_pages, "chunks_cached": p.chunks_cached,
                 "chunks_hit": p.counters["chunks_hit"], "leases_active": live, "requests_inflight": live,
-                "draining": self.draining, **self.counters.values}
+                "draining": self.draining, "index_subscribers": len(self.feed.subscribers),
+                "index_seq": self.feed.seq, **self.counters.values}
 
     def check(self) -> None:
         """Invariants: the pool's accounting, and one pool record per live request and no other."""
