@@ -285,36 +285,50 @@ def bench(
 
 
 @app.command()
-def proxy(
-    prefill: list[str] = typer.Option(..., "--prefill", help="Prefill vLLM instance base URL (repeat for several)."),
-    decode: list[str] = typer.Option(..., "--decode", help="Decode vLLM instance base URL (repeat for several)."),
-    decode_receiver: Optional[list[str]] = typer.Option(
-        None, "--decode-receiver",
-        help="Receiver control endpoint next to each --decode instance, same order (the prefill pushes there)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8100, "--port", help="Port to listen on."),
-    timeout_s: float = typer.Option(300.0, "--timeout-s", help="Deadline for each upstream call."),
+def router(
+    config: Optional[Path] = _CONFIG,
+    bind: Optional[str] = _BIND,
+    port: Optional[int] = typer.Option(None, "--port", help="HTTP port (0 = any free port)."),
+    prefill: Optional[list[str]] = typer.Option(None, "--prefill", help="Prefill vLLM instance URL (repeat)."),
+    decode: Optional[list[str]] = typer.Option(
+        None, "--decode", help="Decode vLLM instance and its receiver: URL=tcp://HOST:PORT (repeat)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="cache_aware or round_robin."),
+    concurrent_legs: Optional[bool] = typer.Option(None, "--concurrent-legs/--sequential-legs",
+                                                   help="Send the prefill and decode legs at once."),
+    local_prefill_max_tokens: Optional[int] = typer.Option(
+        None, "--local-prefill-max-tokens", help="Skip the prefill when the decode node holds all but this many."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="engine, or a tokenizer directory."),
+    api_key_file: Optional[str] = typer.Option(None, "--api-key-file", help="Require this Bearer key."),
+    ready_file: Optional[str] = _READY, log_level: Optional[str] = _LEVEL, log_format: Optional[str] = _FMT,
 ) -> None:
-    """Disaggregation proxy: prefill with max_tokens=1, then decode with the prefill's kv_transfer_params."""
-    import logging
+    """Cache-aware OpenAI-compatible router in front of prefill and decode vLLM instances."""
+    from pdpush import config as cfgmod
+    from pdpush import daemon
 
-    from pdpush.proxy import ProxyConfig, make_server
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
+    decodes = None
+    if decode:
+        decodes = []
+        for d in decode:
+            url, sep, rcv = d.partition("=")
+            if not sep:
+                _fail_config(ValueError(f"--decode {d!r}: give URL=RECEIVER (http://host:8200=tcp://host:5710)"))
+            decodes.append({"url": url, "receiver": rcv})
     try:
-        cfg = ProxyConfig(prefill=list(prefill), decode=list(decode), decode_receivers=list(decode_receiver or []),
-                          host=host, port=port, timeout_s=timeout_s)
-    except ValueError as e:
+        cfg = cfgmod.load(cfgmod.RouterConfig, config, host=bind, port=port, prefill=list(prefill) if prefill else None,
+                          decode=decodes, policy=policy, concurrent_legs=concurrent_legs,
+                          local_prefill_max_tokens=local_prefill_max_tokens, tokenizer=tokenizer,
+                          api_key_file=api_key_file, ready_file=ready_file, log_level=log_level,
+                          log_format=log_format)
+    except ConfigError as e:
         _fail_config(e)
-    srv = make_server(cfg)
-    typer.echo(f"pdpush proxy on http://{host}:{srv.server_address[1]} -> prefill {cfg.prefill}, decode {cfg.decode}",
-               err=True)
+    daemon.setup_logging(cfg.log_level, cfg.log_format, "router")
+    from pdpush.router.app import serve
+
     try:
-        srv.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.server_close()
+        serve(cfg)
+    except OSError as e:
+        typer.echo(f"pdpush router: cannot start: {e}", err=True)
+        raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
 
 
 def receiver_main() -> None:

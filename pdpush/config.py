@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from pdpush.errors import ConfigError
@@ -37,7 +37,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class _Base(BaseSettings):
+class _Settings(BaseSettings):
+    """Sources and precedence, and what every pdpush process (daemons, router) has."""
+
     model_config = SettingsConfigDict(env_prefix="PDPUSH_", extra="forbid", validate_default=True)
 
     host: str = "127.0.0.1"
@@ -47,7 +49,20 @@ class _Base(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     """'text' for people, 'json' for log pipelines."""
     ready_file: str | None = None
-    """If set, a JSON file with the bound endpoints is written here once the daemon can serve."""
+    """If set, a JSON file with the bound endpoints is written here once the process can serve."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource):
+        path = _toml_path.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+
+class _Base(_Settings):
     max_frame_bytes: int = Field(8 << 20, ge=4096, le=256 << 20)
     """Largest control frame accepted; larger frames get a typed error."""
     prefault: bool = True
@@ -59,16 +74,6 @@ class _Base(BaseSettings):
     """On SIGTERM, how long in-flight work may take before it is aborted."""
     metrics_host: str = "127.0.0.1"
     """Address of the Prometheus /metrics endpoint (loopback by default)."""
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource):
-        path = _toml_path.get()
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-        return tuple(sources)
 
     @model_validator(mode="after")
     def _check_ucx_env(self):
@@ -199,7 +204,80 @@ class SenderConfig(_Base):
         return Path(self.ingress_socket) if self.ingress_socket else runtime_dir() / "sender.sock"
 
 
-def load(cls: type[_Base], path: str | os.PathLike | None = None, **overrides: Any):
+class DecodeInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    """The decode vLLM instance's base URL (http://host:port)."""
+    receiver: str
+    """Its receiver's control endpoint (tcp://host:5710): the prefill pushes there, and the router
+    subscribes to its chunk-index feed."""
+    receiver_public_key: str | None = None
+    """The receiver's CURVE public key (Z85 or a ``.key`` file), where it is exposed with CURVE."""
+
+
+class RouterConfig(_Settings):
+    port: int = Field(8000, ge=0, le=65535)
+    """HTTP port of the OpenAI-compatible front (0 = any free port; see ready_file)."""
+    prefill: list[str] = Field(default_factory=list)
+    """Prefill vLLM instances' base URLs."""
+    decode: list[DecodeInstance] = Field(default_factory=list)
+    """Decode vLLM instances, each with its receiver."""
+    policy: Literal["cache_aware", "round_robin"] = "cache_aware"
+    """Decode placement: by the held prefix weighed against load, or in turn."""
+    concurrent_legs: bool = True
+    """Send the prefill and decode legs at once (the decode loads each layer as it lands), rather than
+    the decode leg after the prefill's answer."""
+    local_prefill_max_tokens: int = Field(0, ge=0)
+    """Conditional disaggregation: when the chosen decode instance's receiver holds all but at most
+    this many prompt tokens, skip the prefill instance; the decode instance loads the held chunks
+    from its receiver and computes the rest. 0 = off."""
+    tokenizer: str = "engine"
+    """How prompt token ids are found for chunk keys: ``engine`` asks a prefill instance's /tokenize
+    (exactly what it will see, chat template included); a directory loads that tokenizer here."""
+    weight_load: float = Field(1.0, ge=0)
+    """Placement score: weight of requests in flight (placement.py)."""
+    weight_pool: float = Field(0.5, ge=0)
+    """Placement score: weight of the receiver's used pool pages."""
+    max_inflight: int = Field(16, ge=1)
+    """Requests in flight per instance; when every instance has this many, the router answers 503."""
+    max_imbalance: int = Field(4, ge=0)
+    """A decode instance takes at most this many more requests in flight than the least-loaded one,
+    whatever it holds (keeps a hot prefix from overloading one node)."""
+    retry_after_s: int = Field(1, ge=1)
+    """Retry-After of a 503."""
+    max_body_bytes: int = Field(8 << 20, ge=1024)
+    """Largest request body accepted (413 above it)."""
+    upstream_timeout_s: float = Field(300.0, gt=0)
+    """Deadline for each upstream call (a whole answer, streamed or not)."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Deadline to connect to an upstream."""
+    health_interval_s: float = Field(1.0, gt=0)
+    """How often every instance's /health is checked."""
+    eject_after: int = Field(2, ge=1)
+    """Failed checks in a row that eject an instance (a refused connection ejects at once)."""
+    index_silence_s: float = Field(3.5, gt=0)
+    """A receiver feed unheard for this long is distrusted (and re-subscribed)."""
+    api_key_file: str | None = None
+    """If set, clients must send ``Authorization: Bearer <the file's content>``."""
+    push_id_prefix: str = ""
+    """Namespace of the push ids this router makes (default: ``rt-`` and 8 random hex digits)."""
+    curve_secret_key_file: str | None = None
+    """This router's CURVE secret key, for receivers exposed with CURVE (add its public key to their
+    allowed_senders)."""
+
+    @model_validator(mode="after")
+    def _check_router(self):
+        if not self.prefill:
+            raise ValueError("prefill: give at least one prefill instance URL")
+        if not self.decode:
+            raise ValueError("decode: give at least one decode instance (url and receiver)")
+        if any(d.receiver_public_key for d in self.decode) and not self.curve_secret_key_file:
+            raise ValueError("curve_secret_key_file: a receiver key is set but this router has no key pair")
+        return self
+
+
+def load(cls: type[_Settings], path: str | os.PathLike | None = None, **overrides: Any):
     """Build a config; a bad file or value raises ConfigError naming the field."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     p = Path(path) if path else None

@@ -90,6 +90,23 @@ def dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None
     return sock
 
 
+def async_dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None):
+    """A DEALER for asyncio code (the router's chunk-index subscriptions)."""
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    _harden(sock, max_frame)
+    if configure is not None:
+        configure(sock)
+    sock.setsockopt(zmq.SNDHWM, 100)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close()
+        raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
+    return sock
+
+
 def send(sock: zmq.Socket, msg: Msg, identity: bytes | None = None) -> bool:
     """Send without blocking; False if the peer cannot take it now (gone or full)."""
     frames = [protocol.encode(msg)]

@@ -44,6 +44,9 @@ class _JsonFormatter(logging.Formatter):
         req_id = getattr(record, "req_id", None)
         if req_id is not None:
             out["req_id"] = req_id
+        fields = getattr(record, "fields", None)  # structured extras (the router's decisions)
+        if isinstance(fields, dict):
+            out.update(fields)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)

@@ -12,7 +12,7 @@ STATS: dict[str, int] = {
     "push_requests": 0, "push_layers": 0, "push_tokens_staged": 0, "push_failures": 0, "push_committed": 0,
     "push_bytes_sent": 0, "push_chunks_skipped": 0, "push_refused": 0, "push_skipped_sender_down": 0,
     "load_requests": 0, "load_tokens": 0, "load_layers": 0, "load_failures": 0, "load_blocks_failed": 0,
-    "match_queries": 0, "match_tokens": 0, "match_missing": 0,
+    "match_queries": 0, "match_tokens": 0, "match_missing": 0, "claimed_tokens": 0,
     "load_wait_us": 0,  # time the decode forward spent opening loads and waiting for / copying layers
     "push_stage_us": 0,  # time the prefill forward spent beginning pushes and copying layers into staging
 }

@@ -36,6 +36,17 @@ class _Req:
     planned_once: bool = False  # planned before (then preempted): its push was released, recompute
     first_ask: float | None = None
     next_ask: float = 0.0
+    claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
+
+
+def push_id_of(params: dict, default: str) -> str:
+    """The push id a router chose (``pdpush_push_id``), else this engine's own."""
+    pid = params.get("pdpush_push_id")
+    if isinstance(pid, str) and 0 < len(pid) <= 200 and pid.isprintable():
+        return pid
+    if pid is not None:
+        log.warning("pdpush: ignoring an invalid pdpush_push_id %r", pid)
+    return default
 
 
 class SchedulerSide:
@@ -58,7 +69,7 @@ class SchedulerSide:
             receiver = str(params.get("pdpush_receiver") or self.settings.receiver or "")
             if self.endpoints.receiver_allowed(receiver):
                 r = self.reqs.setdefault(rid, _Req())
-                r.push_id, r.receiver, r.token_ids = (f"{self.engine_tag}-{rid}", receiver,
+                r.push_id, r.receiver, r.token_ids = (push_id_of(params, f"{self.engine_tag}-{rid}"), receiver,
                                                       list(request.prompt_token_ids or []))
             else:
                 STATS["push_refused"] += 1
@@ -72,6 +83,8 @@ class SchedulerSide:
         if want <= num_computed_tokens:
             return 0, False
         r = self.reqs.setdefault(rid, _Req())
+        if params.get("pdpush_claim"):
+            return self._claim(request, r, str(push_id), prompt, want, num_computed_tokens)
         now = time.monotonic()
         if now < r.next_ask:
             return None, False  # asked very recently; the scheduler loop spins faster than pushes arrive
@@ -112,6 +125,29 @@ class SchedulerSide:
         r.plan = (str(push_id), num_computed_tokens, end)
         STATS["match_tokens"] += end - num_computed_tokens
         return end - num_computed_tokens, False
+
+    def _claim(self, request: Request, r: _Req, push_id: str, prompt: list[int], want: int,
+               computed: int) -> tuple[int, bool]:
+        """Conditional disaggregation: no push; load the prompt's chunks this node's receiver already
+        holds (a request made of them under ``push_id``), and compute the rest here."""
+        if r.claimed is None:
+            STATS["match_queries"] += 1
+            try:
+                r.claimed = self.receiver.get().claim(push_id, prompt, self.layout, timeout_s=self.settings.query_timeout_s)
+            except PdpushError as e:
+                log.error("pdpush: claim of held chunks for %s failed; computing the prompt here: %s",
+                          request.request_id, e)
+                self.receiver.reset()
+                r.claimed = 0
+        end = min(want, r.claimed * self.layout.chunk_tokens)
+        if end <= computed:
+            if not r.claimed:
+                STATS["match_missing"] += 1
+            return 0, False
+        r.plan = (push_id, computed, end)
+        STATS["match_tokens"] += end - computed
+        STATS["claimed_tokens"] += end - computed
+        return end - computed, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)

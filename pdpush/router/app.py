@@ -1,0 +1,555 @@
+"""``pdpush router``: an OpenAI-compatible front for N prefill and M decode vLLM instances.
+
+For each completion (``/v1/completions``, ``/v1/chat/completions``, streamed or not):
+  1. the prompt's token ids (tokens.py) give its chunk keys, and each decode receiver's index
+     (feeds.py) how many leading chunks it holds;
+  2. placement.py picks the decode instance (held prefix weighed against load) and, unless the
+     chosen one holds all but ``local_prefill_max_tokens`` of the prompt (then it claims the held
+     chunks and computes the rest itself: no prefill, no push), the least-loaded prefill instance;
+  3. the router makes the push id (``<prefix>-<uuid>``; a client's ``kv_transfer_params`` are
+     dropped, so no client can name or reuse one) and sends the prefill leg (``max_tokens = 1``, push
+     to the decode's receiver) and the decode leg: at once (the decode loads each layer as it
+     lands), or one after the other;
+  4. relays the decode instance's answer.
+
+Failures: a prefill that cannot be reached is retried once on another instance (same push id),
+else the decode instance recomputes (its connector does when no push arrives). A decode instance
+that cannot be reached is ejected and the request goes to another, recomputing. Nothing is relayed
+as a 200 unless the decode instance answered 200. Every upstream call has a deadline; bodies are
+capped; when every instance is saturated the answer is 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pdpush.config import RouterConfig
+from pdpush.layout import KVLayout, chunk_keys
+from pdpush.router.feeds import Feed
+from pdpush.router.fleet import Fleet, Instance
+from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill
+from pdpush.router.tokens import EngineTokens, LocalTokens, PromptError, check_prompt
+
+log = logging.getLogger("pdpush.router")
+
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdpush_router_requests", "Completions by route and outcome", ["route", "outcome"],
+                                registry=r)
+        self.decisions = Counter("pdpush_router_decisions", "Placement decisions by leg and reason",
+                                 ["leg", "reason"], registry=r)
+        self.prompt_chunks = Counter("pdpush_router_prompt_chunks", "Chunks of routed prompts", registry=r)
+        self.hit_chunks = Counter("pdpush_router_hit_chunks", "Chunks of routed prompts the chosen decode node held",
+                                  registry=r)
+        self.upstream_errors = Counter("pdpush_router_upstream_errors", "Failed upstream calls", ["instance"],
+                                       registry=r)
+        self.healthy = Gauge("pdpush_router_instance_healthy", "1 if the instance is admitted", ["instance"],
+                             registry=r)
+        self.inflight = Gauge("pdpush_router_inflight", "Requests in flight", ["instance"], registry=r)
+        self.index_chunks = Gauge("pdpush_router_index_chunks", "Chunks the receiver's index holds (as seen)",
+                                  ["receiver"], registry=r)
+        self.index_synced = Gauge("pdpush_router_index_synced", "1 if the view of the receiver's index is exact",
+                                  ["receiver"], registry=r)
+        self.index_resyncs = Counter("pdpush_router_index_resyncs", "Snapshots after gaps, restarts or silence",
+                                     ["receiver"], registry=r)
+        self.seconds = Histogram("pdpush_router_request_seconds", "Whole request, router to answer", ["mode"],
+                                 registry=r)
+
+
+@dataclass
+class Route_:
+    """One request's placement."""
+
+    decode: Instance
+    prefill: Instance | None  # None: conditional (the decode instance computes the prompt)
+    push_id: str
+    prompt_tokens: int
+    hit_chunks: int
+    reason: str
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.fleet = Fleet([Instance("prefill", u.rstrip("/")) for u in cfg.prefill],
+                           [Instance("decode", d.url.rstrip("/"), d.receiver) for d in cfg.decode],
+                           eject_after=cfg.eject_after)
+        self.weights = Weights(cfg.weight_load, cfg.weight_pool, cfg.max_inflight, cfg.max_imbalance)
+        self.prefix = cfg.push_id_prefix or f"rt-{secrets.token_hex(4)}"
+        self.api_key = Path(cfg.api_key_file).read_text().strip() if cfg.api_key_file else None
+        self.tokens = LocalTokens(cfg.tokenizer) if cfg.tokenizer != "engine" else EngineTokens()
+        self.metrics = Metrics()
+        self._last_decode = self._last_prefill = -1
+        self._tasks: list[asyncio.Task] = []
+        self._feeds: list[Feed] = []
+        self.client: httpx.AsyncClient | None = None
+        self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
+                         "decode_retries": 0, "rejected_503": 0}
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        c = self.cfg
+        timeout = httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
+                                                                            max_keepalive_connections=64))
+        keys = None
+        if c.curve_secret_key_file:
+            from pdpush import auth
+
+            keys = auth.load_keypair(c.curve_secret_key_file)
+        for d, dc in zip(self.fleet.decode, c.decode, strict=True):
+            configure = None
+            if dc.receiver_public_key:
+                from pdpush import auth
+
+                server = auth.load_public_keys(dc.receiver_public_key)[0]
+
+                def configure(sock, server=server):
+                    auth.make_client(sock, keys, server)
+            name = d.receiver
+            feed = Feed(d.receiver, d.index, c.index_silence_s, configure,
+                        on_change=lambda kind, name=name: self._feed_changed(name, kind))
+            self._feeds.append(feed)
+            self._tasks.append(asyncio.create_task(feed.run(), name=f"feed {d.receiver}"))
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for f in self._feeds:
+            f.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _feed_changed(self, receiver: str, kind: str) -> None:
+        if kind == "snapshot":
+            d = next(d for d in self.fleet.decode if d.receiver == receiver)
+            if d.index.resyncs:
+                self.metrics.index_resyncs.labels(receiver).inc()
+
+    # ---- health ----
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(i) for i in self.fleet.all()), return_exceptions=True)
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def _check(self, inst: Instance) -> None:
+        try:
+            r = await self.client.get(inst.url + "/health", timeout=min(5.0, 2 * self.cfg.health_interval_s + 1))
+            ok, why = r.status_code == 200, f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"/health: {type(e).__name__}: {e}"
+        if ok:
+            if self.fleet.ok(inst):
+                log.warning("re-admitted %s", inst.name, extra={"fields": {"event": "readmit", "instance": inst.url}})
+        elif self.fleet.failed(inst, why):
+            log.warning("ejected %s: %s", inst.name, why, extra={"fields": {"event": "eject", "instance": inst.url,
+                                                                           "why": why}})
+
+    def _unreachable(self, inst: Instance, e: Exception) -> None:
+        self.metrics.upstream_errors.labels(inst.url).inc()
+        hard = isinstance(e, httpx.ConnectError)
+        if self.fleet.failed(inst, f"{type(e).__name__}: {e}", hard=hard):
+            log.warning("ejected %s: %s", inst.name, e, extra={"fields": {"event": "eject", "instance": inst.url,
+                                                                         "why": str(e)}})
+
+    # ---- placement ----
+    def _layout(self) -> KVLayout | None:
+        for d in self.fleet.decode:
+            if d.index.synced and d.index.layout is not None:
+                return KVLayout(**d.index.layout.model_dump())
+        return None
+
+    def place(self, ids: list[int] | None, exclude: Instance | None = None) -> Route_ | JSONResponse:
+        layout = self._layout()
+        keys = chunk_keys(ids, layout) if ids and layout is not None else []
+        cands = []
+        for d in self.fleet.decode:
+            v = d.index
+            cands.append(Candidate(d.healthy and d is not exclude, d.inflight, v.held_prefix(keys) if keys else 0,
+                                   v.load.pages_free if v.load and v.synced else None,
+                                   v.load.pages_total if v.load and v.synced else None))
+        dd = choose_decode(cands, len(keys), self.weights, self._last_decode,
+                           cache_aware=self.cfg.policy == "cache_aware")
+        self.metrics.decisions.labels("decode", dd.reason).inc()
+        if dd.index is None:
+            return self._busy(f"no decode instance can take it ({dd.reason})")
+        self._last_decode = dd.index
+        decode = self.fleet.decode[dd.index]
+        push_id = f"{self.prefix}-{uuid.uuid4().hex}"
+        n = len(ids) if ids else 0
+        if layout is not None and self.cfg.policy == "cache_aware" and local_prefill(
+                n, dd.hit_chunks, layout.chunk_tokens, self.cfg.local_prefill_max_tokens):
+            self.metrics.decisions.labels("prefill", "skipped_held").inc()
+            return Route_(decode, None, push_id, n, dd.hit_chunks, dd.reason)
+        pd = choose_prefill([Candidate(p.healthy, p.inflight) for p in self.fleet.prefill], self.weights,
+                            self._last_prefill)
+        self.metrics.decisions.labels("prefill", pd.reason).inc()
+        if pd.index is None:
+            return self._busy(f"no prefill instance can take it ({pd.reason})")
+        self._last_prefill = pd.index
+        return Route_(decode, self.fleet.prefill[pd.index], push_id, n, dd.hit_chunks, dd.reason)
+
+    def _busy(self, why: str) -> JSONResponse:
+        self.counters["rejected_503"] += 1
+        return error(503, f"every instance is busy or down: {why}; retry later", "overloaded",
+                     {"Retry-After": str(self.cfg.retry_after_s)})
+
+    # ---- legs ----
+    def _prefill_body(self, body: dict, route: Route_) -> dict:
+        b = copy.deepcopy(body)
+        b["max_tokens"] = 1
+        if "max_completion_tokens" in b:
+            b["max_completion_tokens"] = 1
+        b["stream"] = False
+        b.pop("stream_options", None)
+        b["n"] = 1
+        b["kv_transfer_params"] = {"do_remote_decode": True, "pdpush_receiver": route.decode.receiver,
+                                   "pdpush_push_id": route.push_id}
+        return b
+
+    def _decode_body(self, body: dict, params: dict | None) -> dict:
+        b = copy.deepcopy(body)
+        b.pop("kv_transfer_params", None)
+        if params:
+            b["kv_transfer_params"] = params
+        return b
+
+    async def _prefill(self, path: str, body: dict, route: Route_, headers: dict) -> dict | None:
+        """The prefill leg, retried once on another instance if the first cannot be reached or fails.
+        Returns its kv_transfer_params, or None (the decode instance recomputes)."""
+        tried: set[int] = set()
+        inst = route.prefill
+        for attempt in range(2):
+            tried.add(id(inst))
+            inst.inflight += 1
+            try:
+                r = await self.client.post(inst.url + path, json=self._prefill_body(body, route), headers=headers)
+                if r.status_code == 200:
+                    self.fleet.ok(inst)
+                    return r.json().get("kv_transfer_params") or None
+                if 400 <= r.status_code < 500:
+                    log.warning("prefill %s refused %s: %s", inst.url, route.push_id, r.text[:300])
+                    return None  # the same request would be refused anywhere; the decode leg will say why
+                raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+            except (httpx.HTTPError, ValueError) as e:
+                self._unreachable(inst, e)
+                log.warning("prefill %s failed for %s: %s", inst.url, route.push_id, e,
+                            extra={"fields": {"event": "prefill_failed", "push_id": route.push_id,
+                                              "instance": inst.url, "attempt": attempt}})
+            finally:
+                inst.inflight -= 1
+            others = [p for p in self.fleet.prefill if p.healthy and id(p) not in tried]
+            if not others or attempt:
+                break
+            inst = min(others, key=lambda p: p.inflight)
+            self.counters["prefill_retries"] += 1
+        return None
+
+    async def _open_decode(self, decode: Instance, path: str, body: dict, headers: dict) -> httpx.Response:
+        req = self.client.build_request("POST", decode.url + path, json=body, headers=headers)
+        return await self.client.send(req, stream=True)
+
+    # ---- HTTP ----
+    def _authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        got = request.headers.get("authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode())
+
+    async def _body(self, request: Request) -> dict | JSONResponse:
+        cap = self.cfg.max_body_bytes
+        n = request.headers.get("content-length")
+        if n is not None:
+            try:
+                if int(n) > cap:
+                    return error(413, f"body over {cap} bytes")
+            except ValueError:
+                return error(400, "bad Content-Length")
+        data = bytearray()
+        try:
+            async for part in request.stream():
+                data += part
+                if len(data) > cap:
+                    return error(413, f"body over {cap} bytes")
+        except ClientDisconnect:
+            return error(400, "client disconnected")
+        try:
+            body = json.loads(bytes(data))
+        except (ValueError, UnicodeDecodeError) as e:
+            return error(400, f"the body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return error(400, "the body must be a JSON object")
+        return body
+
+    async def completions(self, request: Request) -> Response:
+        path = request.url.path
+        if not self._authorized(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+        body = await self._body(request)
+        if isinstance(body, Response):
+            self.metrics.requests.labels(path, "bad_request").inc()
+            return body
+        try:
+            check_prompt(path, body)
+            if "stream" in body and not isinstance(body["stream"], bool):
+                raise PromptError("'stream' must be a boolean")
+        except PromptError as e:
+            self.metrics.requests.labels(path, "bad_request").inc()
+            return error(400, str(e))
+        body.pop("kv_transfer_params", None)  # push ids are the router's: a client cannot set one
+        self.counters["requests"] += 1
+        t0 = time.monotonic()
+        ids = await self._ids(path, body)
+        if isinstance(ids, Response):
+            self.metrics.requests.labels(path, "bad_request").inc()
+            return ids
+        route = self.place(ids)
+        if isinstance(route, Response):
+            self.metrics.requests.labels(path, "busy").inc()
+            return route
+        return await self._serve(request, path, body, route, t0)
+
+    async def _ids(self, path: str, body: dict) -> list[int] | None | Response:
+        pre = [p for p in self.fleet.prefill if p.healthy] or [d for d in self.fleet.decode if d.healthy]
+        if not pre and isinstance(self.tokens, EngineTokens):
+            return None
+        try:
+            return await self.tokens.ids(self.client, pre[0].url if pre else "", path, body)
+        except PromptError as e:
+            return error(400, f"the engine cannot tokenize this prompt: {e}")
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            log.warning("tokenizing for chunk keys failed (%s); routing by load only", e)
+            return None
+
+    async def _serve(self, request: Request, path: str, body: dict, route: Route_, t0: float) -> Response:
+        headers = {k: v for k, v in (("Authorization", request.headers.get("authorization")),) if v and
+                   self.api_key is None}  # the router's own key is not passed on
+        mode = "conditional" if route.prefill is None else ("concurrent" if self.cfg.concurrent_legs else "sequential")
+        self.metrics.prompt_chunks.inc(-(-route.prompt_tokens // self._chunk_tokens()) if route.prompt_tokens else 0)
+        self.metrics.hit_chunks.inc(route.hit_chunks)
+        log.info("route %s", route.push_id, extra={"fields": {
+            "event": "route", "push_id": route.push_id, "decode": route.decode.url,
+            "prefill": route.prefill.url if route.prefill else None, "mode": mode, "reason": route.reason,
+            "prompt_tokens": route.prompt_tokens, "hit_chunks": route.hit_chunks,
+            "decode_inflight": route.decode.inflight}})
+        prefill_task = None
+        if route.prefill is None:
+            self.counters["conditional"] += 1
+            params = {"do_remote_prefill": True, "pdpush_req_id": route.push_id, "pdpush_claim": True}
+        elif self.cfg.concurrent_legs:
+            prefill_task = asyncio.create_task(self._prefill(path, body, route, headers))
+            params = {"do_remote_prefill": True, "pdpush_req_id": route.push_id}
+        else:
+            params = await self._prefill(path, body, route, headers)
+        if route.prefill is not None and prefill_task is None:
+            self.counters["pushed" if params else "recomputed"] += 1
+        return await self._relay(path, body, route, params, headers, prefill_task, mode, t0)
+
+    def _chunk_tokens(self) -> int:
+        lay = self._layout()
+        return lay.chunk_tokens if lay else 1
+
+    async def _relay(self, path: str, body: dict, route: Route_, params: dict | None, headers: dict,
+                     prefill_task: asyncio.Task | None, mode: str, t0: float) -> Response:
+        decode = route.decode
+        decode.inflight += 1
+        resp = None
+        try:
+            try:
+                resp = await self._open_decode(decode, path, self._decode_body(body, params), headers)
+            except httpx.HTTPError as e:  # it could not be reached: another one, recomputing
+                self._unreachable(decode, e)
+                other = self.place(None, exclude=decode)
+                if isinstance(other, Response):
+                    raise
+                self.counters["decode_retries"] += 1
+                log.warning("decode %s failed for %s (%s); retrying on %s with recompute", decode.url, route.push_id,
+                            e, other.decode.url)
+                decode.inflight -= 1
+                decode = other.decode
+                decode.inflight += 1
+                resp = await self._open_decode(decode, path, self._decode_body(body, None), headers)
+        except httpx.HTTPError as e:
+            decode.inflight -= 1
+            self.metrics.requests.labels(path, "upstream_error").inc()
+            await self._settle(prefill_task, route)
+            status = 504 if isinstance(e, httpx.TimeoutException) else 502
+            return error(status, f"decode instance {decode.url}: {type(e).__name__}: {e}", "upstream_error",
+                         {"X-Pdpush-Upstream": decode.url})
+        if resp.status_code != 200:
+            try:
+                data = await resp.aread()
+            finally:
+                await resp.aclose()
+                decode.inflight -= 1
+            await self._settle(prefill_task, route)
+            self.metrics.requests.labels(path, f"upstream_{resp.status_code}").inc()
+            return Response(data, resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
+                            headers={"X-Pdpush-Upstream": decode.url})
+        self.fleet.ok(decode)
+        extra = {"X-Pdpush-Route": mode, "X-Pdpush-Decode": decode.url, "X-Pdpush-Push-Id": route.push_id}
+        if body.get("stream"):
+            async def relay():
+                try:
+                    async for part in resp.aiter_raw():
+                        yield part
+                    self.metrics.requests.labels(path, "ok").inc()
+                except httpx.HTTPError as e:  # the decode instance died mid-stream: the stream ends unfinished
+                    self._unreachable(decode, e)
+                    self.metrics.requests.labels(path, "upstream_error").inc()
+                    log.error("decode %s broke the stream of %s: %s", decode.url, route.push_id, e)
+                finally:
+                    await resp.aclose()
+                    decode.inflight -= 1
+                    self.metrics.seconds.labels(mode).observe(time.monotonic() - t0)
+                    await self._settle(prefill_task, route)
+
+            return StreamingResponse(relay(), 200, media_type=resp.headers.get("content-type", "text/event-stream"),
+                                     headers=extra)
+        try:
+            data = await resp.aread()
+        except httpx.HTTPError as e:
+            self._unreachable(decode, e)
+            self.metrics.requests.labels(path, "upstream_error").inc()
+            return error(502, f"decode instance {decode.url} broke off its answer: {e}", "upstream_error")
+        finally:
+            await resp.aclose()
+            decode.inflight -= 1
+            await self._settle(prefill_task, route)
+        self.metrics.requests.labels(path, "ok").inc()
+        self.metrics.seconds.labels(mode).observe(time.monotonic() - t0)
+        return Response(data, 200, media_type="application/json", headers=extra)
+
+    async def _settle(self, task: asyncio.Task | None, route: Route_) -> None:
+        """Wait for a concurrent prefill leg (bounded by its own deadline) and count how it went."""
+        if task is None:
+            return
+        try:
+            params = await task
+        except Exception:  # noqa: BLE001 - _prefill handles its errors; anything else is logged
+            log.exception("prefill leg of %s", route.push_id)
+            params = None
+        self.counters["pushed" if params else "recomputed"] += 1
+
+    async def health(self, request: Request) -> Response:
+        f = self.fleet
+        inst = {i.name: {"healthy": i.healthy, "inflight": i.inflight, "failures": i.failures,
+                         "ejections": i.ejections, "last_error": i.last_error,
+                         **({"index_synced": i.index.synced, "index_chunks": len(i.index.keys),
+                             "index_seq": i.index.seq, "index_resyncs": i.index.resyncs} if i.role == "decode" else {})}
+                for i in f.all()}
+        ok = any(d.healthy for d in f.decode)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "instances": inst, **self.counters},
+                            200 if ok else 503)
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+        for d in [d for d in self.fleet.decode if d.healthy]:
+            try:
+                r = await self.client.get(d.url + "/v1/models", timeout=10)
+            except httpx.HTTPError as e:
+                self._unreachable(d, e)
+                continue
+            return Response(r.content, r.status_code, media_type="application/json")
+        return error(503, "no decode instance is up", "overloaded", {"Retry-After": str(self.cfg.retry_after_s)})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        m = self.metrics
+        for i in self.fleet.all():
+            m.healthy.labels(i.url).set(1 if i.healthy else 0)
+            m.inflight.labels(i.url).set(i.inflight)
+        for d in self.fleet.decode:
+            m.index_chunks.labels(d.receiver).set(len(d.index.keys))
+            m.index_synced.labels(d.receiver).set(1 if d.index.synced else 0)
+        return Response(generate_latest(m.registry), media_type="text/plain; version=0.0.4")
+
+    def app(self) -> Starlette:
+        async def not_found(request: Request, exc) -> Response:
+            return error(404, f"no route {request.method} {request.url.path}")
+
+        async def not_allowed(request: Request, exc) -> Response:
+            return error(405, f"{request.method} not allowed on {request.url.path}")
+
+        async def crashed(request: Request, exc) -> Response:
+            log.exception("internal error on %s", request.url.path, exc_info=exc)
+            return error(500, "internal error in the router", "internal_error")
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            await self.start()
+            try:
+                yield
+            finally:
+                await self.stop()
+
+        routes = [Route(p, self.completions, methods=["POST"]) for p in COMPLETIONS]
+        routes += [Route("/v1/models", self.models, methods=["GET"]), Route("/health", self.health, methods=["GET"]),
+                   Route("/metrics", self.metrics_endpoint, methods=["GET"])]
+        return Starlette(routes=routes, lifespan=lifespan,
+                         exception_handlers={404: not_found, 405: not_allowed, 500: crashed})
+
+
+def serve(cfg: RouterConfig) -> None:
+    """Run until SIGTERM/SIGINT (uvicorn's handlers: stop accepting, finish in-flight requests)."""
+    import socket
+
+    import uvicorn
+
+    from pdpush.daemon import die_with_launcher, write_ready_file
+
+    die_with_launcher({"count": 0})  # started by pdpush.launch: SIGTERM when the launcher dies
+    router = Router(cfg)
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(router.app(), log_level=cfg.log_level, access_log=False,
+                                           timeout_graceful_shutdown=30, h11_max_incomplete_event_size=64 << 10))
+
+    async def main() -> None:
+        async def ready() -> None:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            info = {"role": "router", "url": f"http://{cfg.host}:{port}", "pid": os.getpid(),
+                    "push_id_prefix": router.prefix}
+            log.info("ready: %s", json.dumps(info))
+            if cfg.ready_file:
+                write_ready_file(cfg.ready_file, info)
+
+        t = asyncio.create_task(ready())
+        await server.serve(sockets=[sock])
+        t.cancel()
+
+    asyncio.run(main())

@@ -1,0 +1,106 @@
+"""The router's subscription to one receiver's chunk-index feed (index.py), on asyncio.
+
+All decisions (gaps, epochs, when to ask for a snapshot) are ``IndexView``'s; this moves frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import zmq
+
+from pdpush import control, protocol
+from pdpush.errors import PdpushError
+from pdpush.index import IndexView
+from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe
+
+log = logging.getLogger("pdpush.router.feeds")
+
+MAX_FRAME = 96 << 20  # a snapshot of a million-page pool is 16 MiB of keys
+KEEPALIVE_S = 3.0
+
+
+def now_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+class Feed:
+    """Keeps ``view`` equal to the receiver's index: subscribe, fold events, re-snapshot on a gap,
+    a new epoch or silence; a fresh socket after silence (the receiver may have restarted)."""
+
+    def __init__(self, endpoint: str, view: IndexView, silence_s: float, configure=None, on_change=None) -> None:
+        self.endpoint, self.view, self.silence_ms = endpoint, view, int(silence_s * 1000)
+        self._configure = configure
+        self._on_change = on_change or (lambda kind: None)
+        self.sock = None
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = control.async_dealer(self.endpoint, MAX_FRAME, self._configure)
+        self.connected_ms = now_ms()
+
+    async def _send(self, snapshot: bool) -> None:
+        try:
+            await self.sock.send(protocol.encode(IndexSubscribe(snapshot=snapshot)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # not connected yet: the next keep-alive or re-subscription tries again
+
+    async def run(self) -> None:
+        self._connect()
+        self.view.asked_ms = now_ms()
+        await self._send(True)
+        last_keepalive = time.monotonic()
+        while True:
+            try:
+                if await self.sock.poll(250, zmq.POLLIN):
+                    self._on_frame(await self.sock.recv_multipart())
+                t = now_ms()
+                if self.view.synced and self.view.silent(t, self.silence_ms):
+                    log.warning("index feed of %s silent for %.1f s: distrusted until a snapshot", self.endpoint,
+                                self.silence_ms / 1000)
+                    self.view.lose()
+                    self._on_change("silent")
+                    self._connect()
+                    self.view.asked_ms = -(1 << 62)
+                elif not self.view.synced and t - self.connected_ms >= self.silence_ms and \
+                        self.view.silent(t, self.silence_ms):
+                    self._connect()  # never answered: a fresh socket (a restarted receiver, a new address)
+                if self.view.want_snapshot(t):
+                    await self._send(True)
+                    last_keepalive = time.monotonic()
+                elif time.monotonic() - last_keepalive >= KEEPALIVE_S:
+                    await self._send(False)
+                    last_keepalive = time.monotonic()
+            except asyncio.CancelledError:
+                self.sock.close(0)
+                raise
+            except Exception:  # noqa: BLE001 - a bad frame or a socket error must not end the feed
+                log.exception("index feed of %s", self.endpoint)
+                await asyncio.sleep(0.5)
+
+    def _on_frame(self, frames: list[bytes]) -> None:
+        t = now_ms()
+        try:
+            msg = protocol.decode(frames[-1], MAX_FRAME)
+        except PdpushError as e:
+            log.warning("index feed of %s: bad frame: %s", self.endpoint, e)
+            return
+        if isinstance(msg, IndexSnapshot):
+            self.view.on_snapshot(msg, t)
+            self._on_change("snapshot")
+            log.info("index feed of %s: snapshot of %d chunks (epoch %s, seq %d)", self.endpoint, len(msg.keys),
+                     msg.epoch, msg.seq)
+        elif isinstance(msg, IndexEvent):
+            if not self.view.on_event(msg, t):
+                self._on_change("gap")
+                log.info("index feed of %s: out of sync at seq %d (%s); asking for a snapshot", self.endpoint,
+                         msg.seq, msg.kind)
+        elif isinstance(msg, protocol.Error):
+            log.warning("index feed of %s: %s: %s", self.endpoint, msg.code.value, msg.message)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)

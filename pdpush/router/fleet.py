@@ -1,0 +1,58 @@
+"""The instances behind a router and their health: pure state with ``now`` (seconds) passed in.
+
+An instance is ejected after ``eject_after`` failures in a row (health checks or requests that
+could not reach it), and re-admitted by the first health check that passes. Requests in flight are
+counted here; placement (placement.py) reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdpush.index import IndexView
+
+
+@dataclass
+class Instance:
+    role: str  # "prefill" | "decode"
+    url: str
+    receiver: str = ""  # decode: its receiver's control endpoint (the prefill pushes there)
+    healthy: bool = True  # until proven otherwise: a fresh router serves at once
+    failures: int = 0  # in a row
+    inflight: int = 0
+    ejections: int = 0
+    last_error: str = ""
+    index: IndexView = field(default_factory=IndexView)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}:{self.url}"
+
+
+class Fleet:
+    def __init__(self, prefill: list[Instance], decode: list[Instance], eject_after: int = 2) -> None:
+        if not prefill or not decode:
+            raise ValueError("a router needs at least one prefill and one decode instance")
+        self.prefill, self.decode = prefill, decode
+        self.eject_after = eject_after
+
+    def all(self) -> list[Instance]:
+        return self.prefill + self.decode
+
+    def ok(self, inst: Instance) -> bool:
+        """A passing health check or request. True if this re-admits it."""
+        inst.failures = 0
+        was = inst.healthy
+        inst.healthy = True
+        return not was
+
+    def failed(self, inst: Instance, why: str, hard: bool = False) -> bool:
+        """A failing health check or an unreachable instance (``hard``: eject at once, e.g. connection
+        refused). True if this ejects it."""
+        inst.failures += 1
+        inst.last_error = why
+        if inst.healthy and (hard or inst.failures >= self.eject_after):
+            inst.healthy = False
+            inst.ejections += 1
+            return True
+        return False

@@ -1,0 +1,98 @@
+"""The prompt's token ids as the engine will see them (chat template included), for chunk keys.
+
+Two ways, chosen by the router's ``tokenizer`` setting:
+  * ``EngineTokens`` asks a vLLM instance's ``/tokenize`` (exact by construction: the engine's own
+    tokenizer and template); one local HTTP round trip per request.
+  * ``LocalTokens`` loads the same tokenizer here (transformers) and runs it on a thread.
+``docs/bench/fleet.md`` has both measured. A prompt that cannot be tokenized is routed by load
+alone (no keys), never refused for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+
+class PromptError(ValueError):
+    """The request's prompt is malformed (a 400 for the client)."""
+
+
+def prompt_ids_given(path: str, body: dict) -> list[int] | None:
+    """Token ids given directly (``prompt`` as a list of ints), else None."""
+    if path.endswith("/completions") and "chat" not in path:
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+    return None
+
+
+def check_prompt(path: str, body: dict) -> None:
+    if "chat" in path:
+        m = body.get("messages")
+        if not isinstance(m, list) or not m or not all(isinstance(x, dict) for x in m):
+            raise PromptError("'messages' must be a non-empty list of message objects")
+    else:
+        p = body.get("prompt")
+        if isinstance(p, str) or (isinstance(p, list) and p and (
+                all(isinstance(t, int) and not isinstance(t, bool) for t in p) or all(isinstance(t, str) for t in p)
+                or all(isinstance(t, list) for t in p))):
+            return
+        raise PromptError("'prompt' must be a string, a list of token ids, or a list of them")
+
+
+_CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+              "add_special_tokens", "tools", "documents")
+
+
+class EngineTokens:
+    name = "engine"
+
+    async def ids(self, client: httpx.AsyncClient, base_url: str, path: str, body: dict) -> list[int] | None:
+        given = prompt_ids_given(path, body)
+        if given is not None:
+            return given
+        if "chat" in path:
+            req = {"model": body.get("model"), "messages": body["messages"],
+                   **{k: body[k] for k in _CHAT_KEYS if k in body}}
+        elif isinstance(body.get("prompt"), str):
+            req = {"model": body.get("model"), "prompt": body["prompt"],
+                   "add_special_tokens": body.get("add_special_tokens", True)}
+        else:
+            return None  # a batch of prompts: routed by load
+        r = await client.post(base_url + "/tokenize", json=req)
+        if r.status_code == 400:
+            raise PromptError(r.json().get("error", {}).get("message", r.text[:500]))
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+
+class LocalTokens:
+    name = "local"
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer  # only where configured: a heavy import
+
+        self.tok = AutoTokenizer.from_pretrained(path)
+
+    def _ids(self, path: str, body: dict) -> list[int] | None:
+        given = prompt_ids_given(path, body)
+        if given is not None:
+            return given
+        if "chat" in path:
+            out = self.tok.apply_chat_template(
+                body["messages"], tokenize=True, add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False),
+                **(body.get("chat_template_kwargs") or {}))
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(t) for t in ids]
+        if isinstance(body.get("prompt"), str):
+            return list(self.tok(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"])
+        return None
+
+    async def ids(self, client: httpx.AsyncClient, base_url: str, path: str, body: dict) -> list[int] | None:
+        try:
+            return await asyncio.to_thread(self._ids, path, body)
+        except (ValueError, TypeError, KeyError) as e:
+            raise PromptError(f"cannot tokenize the prompt: {e}") from None

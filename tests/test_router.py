@@ -1,0 +1,396 @@
+"""pdpush router: placement (pure logic), then the real router process over HTTP on loopback.
+
+The upstreams here are small stdlib HTTP servers standing in for vLLM instances, so that failures
+can be provoked on purpose; the receivers are real daemons (their chunk-index feeds). The router
+with real vLLM engines is tests/test_fleet.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdpush import launch
+from pdpush.client import PrefillClient
+from pdpush.layout import KVLayout
+from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill
+from tests.helpers import until
+
+W = Weights(load=1.0, pool=0.5, max_inflight=8, max_imbalance=2)
+
+
+# ---- placement -------------------------------------------------------------------------------
+
+def test_the_longest_held_prefix_wins_when_load_is_even():
+    c = [Candidate(True, 1, 0), Candidate(True, 1, 3), Candidate(True, 1, 1)]
+    d = choose_decode(c, 4, W)
+    assert d.index == 1 and d.reason == "prefix_hit" and d.hit_chunks == 3
+
+
+def test_affinity_is_capped_by_the_imbalance_rule_and_saturation():
+    c = [Candidate(True, 0, 0), Candidate(True, 3, 4)]  # holds it all, but 3 more in flight than the idle one
+    d = choose_decode(c, 4, W)
+    assert d.index == 0 and d.reason == "affinity_capped" and d.best_hit_chunks == 4
+    c = [Candidate(True, 8, 0), Candidate(True, 8, 4)]
+    assert choose_decode(c, 4, W).reason == "saturated" and choose_decode(c, 4, W).index is None
+    assert choose_decode([Candidate(False, 0, 4)], 4, W).reason == "no_healthy"
+    assert choose_decode([Candidate(False, 0, 4), Candidate(True, 2, 0)], 4, W).index == 1
+
+
+def test_load_and_pool_pressure_weigh_against_a_short_hit():
+    # 1 chunk of 8 held on a node with 2 in flight and a full pool vs an idle, empty one
+    c = [Candidate(True, 2, 1, pages_free=0, pages_total=10), Candidate(True, 0, 0, 10, 10)]
+    assert choose_decode(c, 8, W).index == 1 and choose_decode(c, 8, W).reason == "affinity_capped"
+    assert choose_decode([Candidate(True, 0, 0), Candidate(True, 0, 0)], 0, W, last=0).index == 1  # ties rotate
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=5), st.integers(0, 50))
+def test_skewed_traffic_never_overloads_the_holding_node(holds, seed):
+    """Every request shares one hot prefix: a node is only chosen while it has at most max_imbalance
+    more in flight than the idlest one, whatever it holds (requests finish at random meanwhile)."""
+    rnd = np.random.default_rng(seed)
+    inflight = [0] * len(holds)
+    for _ in range(60):
+        c = [Candidate(True, inflight[i], holds[i]) for i in range(len(holds))]
+        d = choose_decode(c, 6, W)
+        if d.index is None:
+            assert all(x >= W.max_inflight for x in inflight)
+        else:
+            assert inflight[d.index] <= min(inflight) + W.max_imbalance
+            inflight[d.index] += 1
+        if rnd.random() < 0.4:  # some finish
+            j = int(rnd.integers(len(holds)))
+            inflight[j] = max(0, inflight[j] - 1)
+
+
+def test_round_robin_and_least_loaded_prefill():
+    c = [Candidate(True, 0, 5), Candidate(True, 0, 0), Candidate(True, 0, 0)]
+    seq, last = [], -1
+    for _ in range(4):
+        d = choose_decode(c, 5, W, last, cache_aware=False)
+        seq.append(d.index)
+        last = d.index
+    assert seq == [0, 1, 2, 0]
+    p = choose_prefill([Candidate(True, 3), Candidate(True, 1), Candidate(False, 0)], W)
+    assert p.index == 1 and p.reason == "least_loaded"
+
+
+def test_local_prefill_only_for_a_short_uncovered_suffix():
+    assert local_prefill(100, 3, 32, 8)  # 96 held, 4 to compute
+    assert not local_prefill(100, 2, 32, 8)  # 36 to compute
+    assert not local_prefill(100, 3, 32, 0)  # off
+    assert not local_prefill(10, 0, 32, 64)  # nothing held: a normal push
+
+
+# ---- the router process ------------------------------------------------------------------------
+
+class Upstream(BaseHTTPRequestHandler):
+    """A stand-in vLLM instance: records bodies, answers per ``mode``."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list
+    state: dict  # mode: ok | fail500 | slow | dead-after-headers ; role
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def _send(self, status: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _dead(self) -> bool:
+        """mode "dead": the connection drops with no answer, as from a killed process."""
+        if self.state.get("mode") == "dead":
+            self.close_connection = True
+            return True
+        return False
+
+    def do_GET(self) -> None:
+        if self._dead():
+            return
+        if self.path == "/health":
+            self._send(200 if self.state.get("healthy", True) else 500, {})
+        elif self.path == "/v1/models":
+            self._send(200, {"data": [{"id": "m"}]})
+        else:
+            self._send(404, {})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self._dead():
+            return
+        self.seen.append((self.path, body))
+        mode = self.state.get("mode", "ok")
+        if self.path == "/tokenize":
+            self._send(200, {"tokens": list(range(1, 1 + len(body.get("prompt", "")))), "count": 0})
+            return
+        if mode == "slow":
+            time.sleep(self.state.get("sleep", 1.0))
+        if mode == "fail500":
+            self._send(500, {"error": {"message": "boom"}})
+            return
+        if body.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i in range(3):
+                self.wfile.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
+            return
+        kv = body.get("kv_transfer_params") or {}
+        out = {"choices": [{"text": self.state["role"]}], "kv_transfer_params": (
+            {"pdpush_req_id": kv.get("pdpush_push_id"), "do_remote_prefill": True} if kv.get("do_remote_decode")
+            else None)}
+        self._send(200, out)
+
+
+@pytest.fixture
+def upstreams():
+    made = []
+
+    def make(role: str, **state):
+        h = type(role, (Upstream,), {"seen": [], "state": {"role": role, **state}})
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), h)
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        made.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}", h, srv
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.shutdown()
+            s.server_close()
+
+
+@pytest.fixture
+def start_router(tmp_path):
+    started = []
+
+    def start(prefill, decode, **opts):
+        r = launch.start_router(tmp_path, prefill=prefill, decode=decode, health_interval_s=0.2,
+                                index_silence_s=2.0, **opts)
+        started.append(r)
+        return r
+
+    try:
+        yield start
+    finally:
+        for r in started:
+            r.stop()
+
+
+DEAD_RECEIVER = "tcp://127.0.0.1:9"  # nothing listens: the feed stays unsynced
+
+
+def post(url: str, body, path: str = "/v1/completions", headers: dict | None = None, timeout: float = 30):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url + path, content=data, headers={"Content-Type": "application/json", **(headers or {})},
+                      timeout=timeout)
+
+
+def test_both_legs_carry_the_routers_push_id_and_the_clients_is_dropped(upstreams, start_router):
+    p_url, p, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    for legs in ("concurrent", "sequential"):
+        r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs=legs == "concurrent",
+                         push_id_prefix=f"t-{legs}")
+        body = {"model": "m", "prompt": "hello", "max_tokens": 5, "stream": False,
+                "kv_transfer_params": {"pdpush_push_id": "evil", "pdpush_req_id": "evil"}}
+        res = post(r.info["url"], body)
+        assert res.status_code == 200 and res.json()["choices"][0]["text"] == "decode"
+        pid = res.headers["x-pdpush-push-id"]
+        assert pid.startswith(f"t-{legs}-") and res.headers["x-pdpush-route"] == legs
+        pre = [b for path, b in p.seen if path == "/v1/completions"][-1]
+        dec = [b for path, b in d.seen if path == "/v1/completions"][-1]
+        assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == {
+            "do_remote_decode": True, "pdpush_receiver": DEAD_RECEIVER, "pdpush_push_id": pid}
+        assert dec["max_tokens"] == 5 and dec["kv_transfer_params"]["pdpush_req_id"] == pid
+        assert "evil" not in json.dumps(dec) and "evil" not in json.dumps(pre)
+        r.stop()
+    # streamed answers pass through as server-sent events
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}])
+    res = post(r.info["url"], {"prompt": "x", "stream": True})
+    events = [ln for ln in res.text.splitlines() if ln.startswith("data: ")]
+    assert res.status_code == 200 and events[-1] == "data: [DONE]" and len(events) == 4
+    models = httpx.get(r.info["url"] + "/v1/models", timeout=10)
+    assert models.json()["data"][0]["id"] == "m"
+    metrics = httpx.get(r.info["url"] + "/metrics", timeout=10).text
+    assert 'pdpush_router_decisions_total{leg="decode",reason="load"}' in metrics
+
+
+def test_a_failing_prefill_is_retried_once_elsewhere_and_a_dead_decode_is_ejected(upstreams, start_router):
+    p1_url, p1, _ = upstreams("prefill1", mode="fail500")
+    p2_url, p2, _ = upstreams("prefill2")
+    d1_url, d1, _ = upstreams("decode1")
+    d2_url, d2, _ = upstreams("decode2")
+    r = start_router([p1_url, p2_url], [{"url": d1_url, "receiver": DEAD_RECEIVER},
+                                        {"url": d2_url, "receiver": DEAD_RECEIVER}],
+                     concurrent_legs=False, push_id_prefix="t")
+    url = r.info["url"]
+    for _ in range(4):
+        assert post(url, {"prompt": "abc", "max_tokens": 2}).status_code == 200
+    n1 = len([b for p, b in p1.seen if p == "/v1/completions"])
+    n2 = len([b for p, b in p2.seen if p == "/v1/completions"])
+    assert n1 >= 1 and n2 == 4  # every request's prefill ended on the healthy one
+    assert httpx.get(url + "/health").json()["prefill_retries"] >= 1
+    # a decode instance that goes away: ejected, and later requests go to the other one
+    d1.state["mode"] = "dead"
+    before = len(d2.seen)
+    for _ in range(4):
+        res = post(url, {"prompt": "abc", "max_tokens": 2})
+        assert res.status_code == 200 and res.json()["choices"][0]["text"] == "decode2"
+    assert len(d2.seen) - before == 4
+    until(lambda: not httpx.get(url + "/health").json()["instances"][f"decode:{d1_url}"]["healthy"], 10,
+          "the dead decode instance ejected")
+    # every decode instance failing: an error status, never a 200
+    d2.state["mode"] = "fail500"
+    res = post(url, {"prompt": "abc", "max_tokens": 2})
+    assert res.status_code == 500 and res.headers["x-pdpush-upstream"] == d2_url
+
+
+def test_an_unhealthy_instance_is_ejected_and_readmitted(upstreams, start_router):
+    p_url, _, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}])
+    url = r.info["url"]
+    d.state["healthy"] = False
+    until(lambda: httpx.get(url + "/health").status_code == 503, 10, "the decode instance ejected")
+    res = post(url, {"prompt": "abc"})
+    assert res.status_code == 503 and res.headers["retry-after"] == "1"
+    d.state["healthy"] = True
+    until(lambda: httpx.get(url + "/health").status_code == 200, 10, "the decode instance re-admitted")
+    assert post(url, {"prompt": "abc"}).status_code == 200
+
+
+def test_saturation_answers_503_with_retry_after(upstreams, start_router):
+    p_url, _, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode", mode="slow", sleep=1.5)
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], max_inflight=1, retry_after_s=2)
+    url = r.info["url"]
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("first", post(url, {"prompt": "slow"})))
+    t.start()
+    until(lambda: any(p == "/v1/completions" for p, _ in d.seen), 10, "the slow request upstream")
+    busy = post(url, {"prompt": "x"})
+    t.join(30)
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "2"
+    assert out["first"].status_code == 200
+
+
+def test_the_api_key_guards_the_front(upstreams, start_router, tmp_path):
+    p_url, _, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], api_key_file=str(key))
+    url = r.info["url"]
+    assert post(url, {"prompt": "a"}).status_code == 401
+    assert post(url, {"prompt": "a"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(url + "/v1/models").status_code == 401
+    ok = post(url, {"prompt": "a"}, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+    assert "authorization" not in {k.lower() for k in d.seen[-1][1]}  # the router's key is not passed on
+
+
+@pytest.fixture
+def fuzz_router(upstreams, tmp_path):
+    p_url, _, _ = upstreams("prefill")
+    d_url, _, _ = upstreams("decode")
+    r = launch.start_router(tmp_path, prefill=[p_url], decode=[{"url": d_url, "receiver": DEAD_RECEIVER}],
+                            max_body_bytes=4096)
+    try:
+        yield r.info["url"]
+    finally:
+        r.stop()
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                       lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+                       max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/nope", "/health"]),
+       body=st.one_of(st.binary(max_size=300), JSONISH.map(lambda x: json.dumps(x).encode()),
+                      st.fixed_dictionaries({"prompt": JSONISH, "stream": JSONISH}).map(lambda x: json.dumps(x).encode()),
+                      st.fixed_dictionaries({"messages": JSONISH}).map(lambda x: json.dumps(x).encode()),
+                      st.just(b"x" * 5000)))
+def test_fuzz_bad_input_gets_a_4xx_and_the_router_keeps_serving(fuzz_router, path, body):
+    res = httpx.post(fuzz_router + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert res.status_code < 500 and res.headers["content-type"].startswith("application/json"), (res, res.text)
+    if res.status_code >= 400:
+        assert "error" in res.json()
+    assert httpx.get(fuzz_router + "/health", timeout=10).status_code == 200
+
+
+# ---- the index feed from real receivers --------------------------------------------------------
+
+LAY = dict(layers=2, kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16, model_id="router-test")
+
+
+def push(tx, rx, rid: str, ids: list[int]) -> None:
+    layout = KVLayout(**LAY)
+    pc = PrefillClient(layout, tx.info["ingress_endpoint"].removeprefix("ipc://"),
+                       receiver=rx.info["control_endpoint"])
+    try:
+        h = pc.begin(rid, ids)
+        z = np.zeros((len(ids), layout.kv_heads, layout.head_dim), np.float16)
+        for layer in range(layout.layers):
+            h.put_layer(layer, z, z)
+        h.finish()
+    finally:
+        pc.close()
+
+
+def test_the_router_follows_receivers_indexes_and_rebuilds_after_a_restart(upstreams, start_router, tmp_path):
+    p_url, _, _ = upstreams("prefill")
+    d_url, _, _ = upstreams("decode")
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        push(tx, rx, "a", list(range(40)))  # 3 chunks before the router exists
+        r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}])
+        url = r.info["url"]
+
+        def view():
+            return httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]
+
+        until(lambda: view()["index_synced"] and view()["index_chunks"] == 3, 10, "the snapshot")
+        push(tx, rx, "b", list(range(100, 140)))
+        until(lambda: view()["index_chunks"] == 6, 10, "the stored event")
+        # a prompt (token ids) the receiver holds 2 chunks of: placed for that prefix
+        res = post(url, {"prompt": list(range(32)) + [999] * 5, "max_tokens": 1})
+        assert res.status_code == 200
+        metrics = httpx.get(url + "/metrics").text
+        assert 'pdpush_router_decisions_total{leg="decode",reason="prefix_hit"} 1.0' in metrics
+        assert "pdpush_router_hit_chunks_total 2.0" in metrics
+        # the receiver restarts (its index is empty): the router's view follows
+        port = int(rx.info["control_endpoint"].rsplit(":", 1)[1])
+        rx.stop()
+        until(lambda: view()["index_chunks"] == 0, 10, "cleared")  # sent on its way out
+        rx = launch.start_receiver(tmp_path, pool_pages=32, control_port=port, **LAY)
+        tx.stop()
+        tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+        push(tx, rx, "c", list(range(200, 220)))
+        until(lambda: view()["index_synced"] and view()["index_chunks"] == 2, 15, "the restarted receiver's index")
+    finally:
+        tx.stop()
+        rx.stop()
