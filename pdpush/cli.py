@@ -322,6 +322,9 @@ def router(
     except ConfigError as e:
         _fail_config(e)
     daemon.setup_logging(cfg.log_level, cfg.log_format, "router")
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
     from pdpush.router.app import serve
 
     try:

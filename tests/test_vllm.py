@@ -11,13 +11,10 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model, push_timeline
 from pdpush.harness.vllm_cluster import cluster as vllm_cluster
@@ -269,124 +266,3 @@ def test_decode_steps_and_unmarked_requests_push_nothing(cluster):
     d = delta(stats, p0)
     assert d["push_requests"] == 0 and d["push_layers"] == 0, d
     assert out["tokens"] == cluster["colocated"].generate(prompt, 6)[0]["tokens"]
-
-
-# ------------------------------------------------------------------ OpenAI servers + pdpush proxy
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(method: str, url: str, body: dict | None = None, timeout_s: float = 120):
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, method=method,
-                                 headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=timeout_s)
-
-
-class Server:
-    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script looks for a dist named vllm)."""
-
-    def __init__(self, args: list[str], log: Path, python: Path = VLLM_PY, env: dict | None = None) -> None:
-        self.log = log
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen([str(python), *args], stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, start_new_session=True, env={**os.environ, **(env or {})})
-
-    def wait_http(self, url: str, timeout_s: float = 240) -> None:
-        import time
-        import urllib.error
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
-            try:
-                with _http("GET", url, timeout_s=5):
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.5)  # polling a server that is starting; bounded by the deadline
-        raise RuntimeError(f"{url} not up within {timeout_s}s:\n{self.log.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:  # the whole group: vLLM's engine core is a child process
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-
-
-@pytest.fixture(scope="module")
-def served(cluster, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve")
-    model = str(cluster["model"])
-    servers: list[tuple[Server, int]] = []
-    ports = [_free_port() for _ in range(3)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **launch.QUIET_UCX}
-    try:
-        for role, port, extra in (
-                ("kv_consumer", ports[1], {**COMMON, "receiver_socket": cluster["rx_sock"]}),
-                ("kv_producer", ports[0], {**COMMON, "sender_socket": cluster["tx_sock"],
-                                            "allowed_receivers": [cluster["rx"].info["control_endpoint"]]})):
-            ktc = {"kv_connector": "PdpushConnector", "kv_connector_module_path": "pdpush.integrations.vllm",
-                   "kv_role": role, "kv_connector_extra_config": extra, "kv_load_failure_policy": "recompute"}
-            servers.append((Server(["-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-                                   "--max-model-len", "512", "--block-size", "32", "--enforce-eager", "--seed", "0",
-                                   "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
-                                   work / f"{role}.log", env=env), port))
-        proxy = Server(["-m", "pdpush.cli_entry", "proxy", "--prefill", f"http://127.0.0.1:{ports[0]}",
-                        "--decode", f"http://127.0.0.1:{ports[1]}", "--decode-receiver",
-                        cluster["rx"].info["control_endpoint"], "--port", str(ports[2])],
-                       work / "proxy.log", python=Path(sys.executable))
-        servers.append((proxy, ports[2]))
-        for s, p in servers:
-            s.wait_http(f"http://127.0.0.1:{p}/health")
-        yield {"url": f"http://127.0.0.1:{ports[2]}", "model": model, "logs": work}
-    finally:
-        for s, _ in servers:
-            s.stop()
-
-
-def test_proxy_between_openai_servers(cluster, served):
-    """pdpush proxy -> prefill server (max_tokens=1, pushes) -> decode server (loads): same tokens as
-    a colocated engine, and the receiver saw the push."""
-    rnd = random.Random(23)
-    prompt = [rnd.randrange(3, 500) for _ in range(101)]
-    ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
-    before = launch_status(cluster)
-    body = {"model": served["model"], "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    with _http("POST", served["url"] + "/v1/completions", body) as r:
-        assert r.headers["X-Pdpush-KV"] == "pushed"
-        out = json.loads(r.read())
-    assert out["choices"][0]["token_ids"] == ref
-    after = launch_status(cluster)
-    assert after["requests_committed"] > before["requests_committed"], (before, after)
-    # a streamed answer passes through as server-sent events
-    with _http("POST", served["url"] + "/v1/completions", {**body, "stream": True}) as r:
-        events = [ln for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and len(events) > 2
-    # bad input gets a clear error, and the proxy keeps serving
-    import urllib.error
-
-    with pytest.raises(urllib.error.HTTPError) as e:
-        _http("POST", served["url"] + "/v1/completions", None)
-    assert e.value.code in (400, 411)
-    with _http("GET", served["url"] + "/health") as r:
-        assert json.loads(r.read())["pushed"] >= 2
-
-
-def launch_status(cluster) -> dict:
-    from pdpush.client import status
-
-    return status(cluster["rx_sock"])

@@ -34,6 +34,10 @@ MODELS = {
     "bench": dict(num_hidden_layers=12, hidden_size=768, intermediate_size=2048, num_attention_heads=6,
                   num_key_value_heads=6, vocab_size=2048, max_position_embeddings=512),
 }
+# a plain chat template (the served /v1/chat/completions and /tokenize apply it): each turn on its
+# own line, so a conversation's next prompt extends its last one token for token
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
 
@@ -55,8 +59,10 @@ def build_model(out_dir: str, size: str = "tiny") -> None:
     words = [f"w{i} x{i % 7} y{i % 13}" for i in range(2000)]
     tok.train_from_iterator(words, trainers.BpeTrainer(vocab_size=model["vocab_size"],
                                                        special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(out_dir)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
 
 
 def make_llm(model: str, role: str, extra: dict, llm_args: dict):

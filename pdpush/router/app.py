@@ -107,6 +107,7 @@ class Router:
         self.metrics = Metrics()
         self._last_decode = self._last_prefill = -1
         self._tasks: list[asyncio.Task] = []
+        self._legs: set[asyncio.Task] = set()  # concurrent prefill legs still running
         self._feeds: list[Feed] = []
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
@@ -140,9 +141,9 @@ class Router:
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in list(self._legs) + self._tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in list(self._legs) + self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         for f in self._feeds:
@@ -402,7 +403,7 @@ class Router:
         except httpx.HTTPError as e:
             decode.inflight -= 1
             self.metrics.requests.labels(path, "upstream_error").inc()
-            await self._settle(prefill_task, route)
+            self._settle_later(prefill_task, route)
             status = 504 if isinstance(e, httpx.TimeoutException) else 502
             return error(status, f"decode instance {decode.url}: {type(e).__name__}: {e}", "upstream_error",
                          {"X-Pdpush-Upstream": decode.url})
@@ -412,7 +413,7 @@ class Router:
             finally:
                 await resp.aclose()
                 decode.inflight -= 1
-            await self._settle(prefill_task, route)
+            self._settle_later(prefill_task, route)
             self.metrics.requests.labels(path, f"upstream_{resp.status_code}").inc()
             return Response(data, resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
                             headers={"X-Pdpush-Upstream": decode.url})
@@ -432,7 +433,7 @@ class Router:
                     await resp.aclose()
                     decode.inflight -= 1
                     self.metrics.seconds.labels(mode).observe(time.monotonic() - t0)
-                    await self._settle(prefill_task, route)
+                    self._settle_later(prefill_task, route)
 
             return StreamingResponse(relay(), 200, media_type=resp.headers.get("content-type", "text/event-stream"),
                                      headers=extra)
@@ -445,21 +446,29 @@ class Router:
         finally:
             await resp.aclose()
             decode.inflight -= 1
-            await self._settle(prefill_task, route)
+            self._settle_later(prefill_task, route)  # the answer does not wait for the prefill's reply
         self.metrics.requests.labels(path, "ok").inc()
         self.metrics.seconds.labels(mode).observe(time.monotonic() - t0)
         return Response(data, 200, media_type="application/json", headers=extra)
 
-    async def _settle(self, task: asyncio.Task | None, route: Route_) -> None:
-        """Wait for a concurrent prefill leg (bounded by its own deadline) and count how it went."""
+    def _settle_later(self, task: asyncio.Task | None, route: Route_) -> None:
+        """Count how a concurrent prefill leg went when it ends (bounded by its own deadline); the
+        decode's answer does not wait for it. The task is kept referenced until then."""
         if task is None:
             return
-        try:
-            params = await task
-        except Exception:  # noqa: BLE001 - _prefill handles its errors; anything else is logged
-            log.exception("prefill leg of %s", route.push_id)
+        self._legs.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._legs.discard(t)
             params = None
-        self.counters["pushed" if params else "recomputed"] += 1
+            if not t.cancelled():
+                if t.exception() is not None:
+                    log.error("prefill leg of %s: %r", route.push_id, t.exception())
+                else:
+                    params = t.result()
+            self.counters["pushed" if params else "recomputed"] += 1
+
+        task.add_done_callback(done)
 
     async def health(self, request: Request) -> Response:
         f = self.fleet

