@@ -93,7 +93,7 @@ def test_a_conversation_stays_on_the_node_holding_it_and_pushes_only_new_chunks(
             i = [d.url for d in fleet.decode].index(got["decode"])
             # the answer can come before the receiver has counted the push's last LayerDone (the decode
             # engine reads each layer's readiness from the pool itself): wait for its commit
-            until(lambda: fleet.rx_status(i)["requests_committed"] > before[i]["requests_committed"], 10,
+            until(lambda i=i, n=before[i]["requests_committed"]: fleet.rx_status(i)["requests_committed"] > n, 10,
                   "the push's commit")
             after = rx(fleet)
             if t == 0:
