@@ -10,7 +10,7 @@ export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install vllm-env bench-vllm test test-slow demo bench soak lint clean
+.PHONY: install vllm-env bench-vllm bench-fleet vllm-one-host test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -57,6 +57,19 @@ soak: install
 bench-vllm: install vllm-env
 	mkdir -p bench-out
 	$(PY) -m pdpush.bench.vllm_ttft --json bench-out/vllm.json --report docs/bench/vllm.md
+
+# real vLLM servers behind pdpush router: placement policies on a multi-turn chat workload
+bench-fleet: install vllm-env
+	mkdir -p bench-out docs/bench
+	$(PY) -m pdpush.bench.fleet --json bench-out/fleet.json --report docs/bench/fleet.md
+
+# the README's one-host vLLM example, run as written (examples/vllm-one-host.sh) with a tiny model;
+# needs ports 5710, 5711, 9710, 9711, 8000, 8100 and 8200 free
+vllm-one-host: install vllm-env
+	mkdir -p bench-out
+	test -d bench-out/tiny-model || $(VLLM_VENV)/bin/python -m pdpush.harness.vllm_engine --build-model bench-out/tiny-model
+	MODEL=bench-out/tiny-model PDPUSH_LAYERS=4 PDPUSH_KV_HEADS=2 PDPUSH_HEAD_DIM=64 PDPUSH_DTYPE=float32 \
+		VLLM_CPU_KVCACHE_SPACE=1 examples/vllm-one-host.sh
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

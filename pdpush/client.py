@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 
 from pdpush import control, protocol
-from pdpush.config import runtime_dir
+from pdpush.config import default_sender_socket
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
@@ -376,7 +376,7 @@ class PrefillClient:
         self.spec = LayoutSpec(**layout.to_dict())
         self.receiver = receiver
         self.timeout_s = timeout_s
-        self._conn = _Conn(sender_socket or runtime_dir() / "sender.sock")
+        self._conn = _Conn(sender_socket or default_sender_socket())
         self._segments = _Attachments()
 
     def begin(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,

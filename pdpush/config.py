@@ -28,6 +28,10 @@ def runtime_dir() -> Path:
     return d
 
 
+def default_sender_socket(metrics_port: int = 9711) -> Path:
+    return runtime_dir() / (f"sender-{metrics_port}.sock" if metrics_port > 0 else "sender.sock")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -172,7 +176,8 @@ class SenderConfig(_Base):
     metrics_port: int = Field(9711, ge=-1, le=65535)
     """Prometheus /metrics port (0 = any free port, -1 = off)."""
     ingress_socket: str = ""
-    """Unix socket for the local prefill engine; default <runtime dir>/sender.sock."""
+    """Unix socket for the local prefill engine; default <runtime dir>/sender-<metrics_port>.sock (so that
+    senders on one host, which need their own metrics ports anyway, get their own sockets)."""
     staging_bytes: int = Field(1 << 30, ge=1 << 20)
     """Shared staging memory the prefill engine writes layers into."""
     default_receiver: str = "tcp://127.0.0.1:5710"
@@ -201,7 +206,7 @@ class SenderConfig(_Base):
         return self
 
     def ingress_socket_path(self) -> Path:
-        return Path(self.ingress_socket) if self.ingress_socket else runtime_dir() / "sender.sock"
+        return Path(self.ingress_socket) if self.ingress_socket else default_sender_socket(self.metrics_port)
 
 
 class DecodeInstance(BaseModel):

@@ -61,6 +61,9 @@ def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
     if not path.parent.exists():
         path.parent.mkdir(parents=True, mode=0o700)
     if path.exists() or path.is_symlink():
+        if _answers(path):
+            raise ConfigError(f"another process serves {path}: give this daemon its own socket (local_socket / "
+                              "ingress_socket), or stop the other one")
         path.unlink()  # a stale socket from a killed daemon
     sock = context().socket(zmq.ROUTER)
     _harden(sock, max_frame)
@@ -72,6 +75,19 @@ def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
         raise ConfigError(f"cannot bind local endpoint {ep}: {e}") from e
     os.chmod(path, 0o600)  # connecting to a unix socket needs write permission on it
     return sock, ep
+
+
+def _answers(path: Path) -> bool:
+    """Whether a live process accepts connections on the unix socket ``path``."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
 
 
 def dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:

@@ -40,3 +40,24 @@ def test_daemons_with_shipped_configs_and_bench_against_them(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "status", "--config",
                         str(ROOT / "configs/receiver.toml")], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "did not answer" in r.stderr
+
+
+def test_the_readmes_one_host_vllm_commands_are_the_script_make_vllm_one_host_runs():
+    """`make vllm-one-host` runs examples/vllm-one-host.sh; the README shows its commands verbatim."""
+    script = (ROOT / "examples/vllm-one-host.sh").read_text()
+    start, end = "# --- the README's commands start here ---\n", "# --- end of the README's commands ---"
+    block = script[script.index(start) + len(start):script.index(end)]
+    assert block.strip() and block in (ROOT / "README.md").read_text()
+    assert "vllm-one-host:" in (ROOT / "Makefile").read_text()
+    for name in ("kv_producer", "kv_consumer"):  # the connectors read the shipped daemon configs, as the daemons do
+        extra = json.loads((ROOT / f"configs/vllm/{name}.json").read_text())["kv_connector_extra_config"]
+        for key in ("sender_config", "receiver_config"):
+            if key in extra:
+                assert (ROOT / extra[key]).is_file(), extra[key]
+
+
+def test_the_shipped_router_config_loads():
+    from pdpush.config import RouterConfig, load
+
+    cfg = load(RouterConfig, ROOT / "configs/router.toml")
+    assert cfg.host == "127.0.0.1" and cfg.decode[0].receiver == "tcp://127.0.0.1:5710"

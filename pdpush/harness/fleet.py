@@ -86,11 +86,12 @@ class Server:
                 self.proc.wait(10)
         self._log.close()
 
-    def metric(self, name: str) -> float:
-        """Sum of a Prometheus counter on this server's /metrics (every label set)."""
+    def metric(self, name: str, label: str = "") -> float:
+        """Sum of a Prometheus counter on this server's /metrics over its label sets (those with
+        ``label``, e.g. ``source="local_compute"``, if given)."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                   if ln.startswith(name) and not ln.startswith("#") and (ln[len(name)] in " {"))
+                   if ln.startswith(name) and ln[len(name)] in " {" and label in ln)
 
 
 @dataclass

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdpush.vllm")
 
+# A decode request whose push has not begun yet is asked for again on the next scheduler step; when
+# that step has nothing else to run, vLLM's engine loop would spin on it. It naps this long instead:
+# an idle engine loses nothing, a busy one never naps.
+IDLE_NAP_S = 0.002
+
 
 @dataclass
 class _Req:
@@ -58,6 +63,7 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._receiver_down_until = 0.0
+        self._idle = False  # the last step scheduled no tokens at all
         if consumer:
             self.receiver.get()  # a wrong path fails at start-up, with its name
 
@@ -113,6 +119,8 @@ class SchedulerSide:
                 r.first_ask = now
             if now - r.first_ask < self.settings.push_wait_s:
                 r.next_ask = now + 0.01
+                if self._idle:  # nothing else runs: nap, or vLLM's loop spins a core that the prefill may need
+                    time.sleep(IDLE_NAP_S)
                 return None, False
             r.first_ask = None
             STATS["match_missing"] += 1
@@ -161,6 +169,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdpushConnectorMetadata:
         meta = PdpushConnectorMetadata()
         so = scheduler_output
+        self._idle = so.total_num_scheduled_tokens == 0
         for new in so.scheduled_new_reqs:
             rid = new.req_id
             r = self.reqs.get(rid)
