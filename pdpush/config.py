@@ -230,9 +230,10 @@ class RouterConfig(_Settings):
     """Decode vLLM instances, each with its receiver."""
     policy: Literal["cache_aware", "round_robin"] = "cache_aware"
     """Decode placement: by the held prefix weighed against load, or in turn."""
-    concurrent_legs: bool = True
+    concurrent_legs: bool = False
     """Send the prefill and decode legs at once (the decode loads each layer as it lands), rather than
-    the decode leg after the prefill's answer."""
+    the decode leg after the prefill's answer. Off by default: measured slower where prefill and decode
+    instances share CPUs (docs/bench/fleet.md); meant for instances on separate hosts."""
     local_prefill_max_tokens: int = Field(0, ge=0)
     """Conditional disaggregation: when the chosen decode instance's receiver holds all but at most
     this many prompt tokens, skip the prefill instance; the decode instance loads the held chunks

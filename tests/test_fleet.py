@@ -25,7 +25,7 @@ LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
 CHUNK_BYTES = LAYOUT["layers"] * LAYOUT["chunk_tokens"] * 2 * LAYOUT["kv_heads"] * LAYOUT["head_dim"] * 4
 NEW = 8
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # the module's fixture starts four engines
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def synced(url: str) -> bool:
 
 
 def test_a_conversation_stays_on_the_node_holding_it_and_pushes_only_new_chunks(fleet):
-    r = fleet.router()
+    r = fleet.router(concurrent_legs=True)  # both legs at once: the decode loads each layer as it lands
     url = r.info["url"]
     until(lambda: synced(url), 20, "the router's index feeds")
     chats = [Chat(1), Chat(2)]

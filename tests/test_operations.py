@@ -236,3 +236,17 @@ def test_an_exception_in_the_daemon_loop_is_logged_and_the_daemon_serves_on(capl
         signal.signal(signal.SIGINT, old[1])
     assert server.steps >= 6 and server.closed
     assert "a bug in one pass" in caplog.text and "serving on" in caplog.text
+
+
+def test_a_second_daemon_never_takes_over_a_live_socket(tmp_path):
+    """Two senders on one host with the same socket: the second stops with the reason (it used to
+    unlink the first one's socket as stale and take its engines)."""
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        path = tx.info["ingress_endpoint"].removeprefix("ipc://")
+        with pytest.raises(RuntimeError, match="another process serves"):
+            launch.start_sender(tmp_path, staging_bytes=8 << 20, ingress_socket=path)
+        assert status(path)["role"] == "sender"
+    finally:
+        tx.stop()
+    assert C.default_sender_socket(9711).name == "sender-9711.sock" and C.default_sender_socket(-1).name == "sender.sock"

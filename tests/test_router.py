@@ -394,3 +394,31 @@ def test_the_router_follows_receivers_indexes_and_rebuilds_after_a_restart(upstr
     finally:
         tx.stop()
         rx.stop()
+
+
+def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, start_router, tmp_path):
+    from pdpush import auth
+
+    keys = {n: auth.keygen(tmp_path / "keys", n) for n in ("receiver", "router", "stranger", "sender")}
+    p_url, _, _ = upstreams("prefill")
+    d_url, _, _ = upstreams("decode")
+    rx = launch.start_receiver(tmp_path, pool_pages=32, curve_secret_key_file=str(keys["receiver"][1]),
+                               allowed_senders=[str(keys["router"][0]), str(keys["sender"][0])], **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20, curve_secret_key_file=str(keys["sender"][1]),
+                             receiver_public_key=str(keys["receiver"][0]))
+    try:
+        push(tx, rx, "a", list(range(40)))
+        decode = [{"url": d_url, "receiver": rx.info["control_endpoint"],
+                   "receiver_public_key": str(keys["receiver"][0])}]
+        ok = start_router([p_url], decode, curve_secret_key_file=str(keys["router"][1]))
+        bad = start_router([p_url], decode, curve_secret_key_file=str(keys["stranger"][1]))
+
+        def view(r):
+            return httpx.get(r.info["url"] + "/health").json()["instances"][f"decode:{d_url}"]
+
+        until(lambda: view(ok)["index_synced"] and view(ok)["index_chunks"] == 3, 10, "the allowed router's snapshot")
+        time.sleep(1.0)  # the stranger has had as long: it learnt nothing
+        assert not view(bad)["index_synced"] and view(bad)["index_chunks"] == 0
+    finally:
+        tx.stop()
+        rx.stop()

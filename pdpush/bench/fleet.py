@@ -169,36 +169,62 @@ def tokenizer_costs(f: Fleet, a) -> dict:
             "ids_equal": m["equal"], "calls": len(m["engine_us"])}
 
 
-def run(a) -> dict:
-    work = launch.scratch_dir("pdpush-fleet-bench-")
-    model = build_model(work / "model", "bench")
+def _runs(work: Path, model: Path, a, pool_pages: int, names: list[str], tokenizer: bool) -> dict:
     out: dict = {"runs": {}}
-    with openai_fleet(work, model, LAYOUT, COMMON, pool_pages=a.pool_pages, staging_bytes=256 << 20,
-                      llm_args={"max_num_seqs": 8}) as f:
-        # warm-up: one request through each instance, off the books
+    # prefill on core 0, decode instances on core 1: on separate hosts a waiting decode instance takes
+    # nothing from the prefill's compute, and on two shared cores it would (vLLM's CPU kernels run one
+    # thread per core and wait for the slowest)
+    with openai_fleet(work, model, LAYOUT, COMMON, pool_pages=pool_pages, staging_bytes=256 << 20,
+                      llm_args={"max_num_seqs": 8}, cores={"prefill": "0", "decode": "1"}) as f:
+        # warm-up: requests through each instance, off the books
         warm = f.router(policy="round_robin", concurrent_legs=False)
         for i in range(2):
             streamed_turn(warm.info["url"], first_messages(1000 + i, 0, 20), 2)
         warm.stop()
         f.routers.remove(warm)
         for k, (name, opts) in enumerate(RUNS.items()):
-            if a.runs and name not in a.runs.split(","):
+            if name not in names:
                 continue
             o = dict(opts)
             if name == "cache_aware_conditional":
                 o["local_prefill_max_tokens"] = a.local_prefill_max_tokens
-            out["runs"][name] = run_one(f, name, o, a.seed + k, a)
-            res = out["runs"][name]
-            print(f"{name:26s} pushed {res['bytes_pushed'] / 2**20:7.1f} MiB  prefill tokens {res['prefill_tokens']:6.0f}"
-                  f"  TTFT p50 {res['ttft_p50_ms']:7.1f} ms  p99 {res['ttft_p99_ms']:7.1f} ms  "
-                  f"tokens match {res['tokens_match']}", flush=True)
-        out["tokenizer"] = tokenizer_costs(f, a)
+            out["runs"][name] = res = run_one(f, name, o, a.seed + k, a)
+            print(f"pool {pool_pages:4d} {name:26s} pushed {res['bytes_pushed'] / 2**20:7.1f} MiB  prefill tokens "
+                  f"{res['prefill_tokens']:6.0f}  TTFT p50 {res['ttft_p50_ms']:7.1f} ms  p99 {res['ttft_p99_ms']:7.1f} ms"
+                  f"  tokens match {res['tokens_match']}", flush=True)
+        if tokenizer:
+            out["tokenizer"] = tokenizer_costs(f, a)
     rr, ca = out["runs"].get("round_robin"), out["runs"].get("cache_aware")
     out["cache_aware_over_round_robin_bytes"] = ca["bytes_pushed"] / rr["bytes_pushed"] if rr and ca else None
+    return out
+
+
+def run(a) -> dict:
+    work = launch.scratch_dir("pdpush-fleet-bench-")
+    model = build_model(work / "model", "bench")
+    names = [n for n in RUNS if not a.runs or n in a.runs.split(",")]
+    out = _runs(work, model, a, a.pool_pages, names, tokenizer=True)
+    if a.pressure_pool_pages:
+        # the same workload where each receiver's pool holds about what one node needs under cache-aware
+        # placement: round-robin keeps a copy of a conversation on both nodes, so it evicts and re-pushes
+        out["pool_pressure"] = _runs(work, model, a, a.pressure_pool_pages,
+                                     [n for n in ("round_robin", "cache_aware") if n in names], tokenizer=False)
+        out["pool_pressure"]["pool_pages"] = a.pressure_pool_pages
     out["setup"] = {"model": "llama 12 layers, hidden 768, 6 KV heads x 128, fp32 (random init)",
                     "chunk_tokens": LAYOUT["chunk_tokens"], "chunk_bytes": CHUNK_BYTES, "conversations": a.conversations,
                     "turns": a.turns, "context_words": a.context_words, "new_tokens": a.new_tokens,
-                    "pool_pages": a.pool_pages, "local_prefill_max_tokens": a.local_prefill_max_tokens}
+                    "pool_pages": a.pool_pages, "pressure_pool_pages": a.pressure_pool_pages,
+                    "local_prefill_max_tokens": a.local_prefill_max_tokens}
+    return out
+
+
+def _table(runs: dict) -> list[str]:
+    out = ["| run | KV pushed | chunks pushed | prefill tokens computed | TTFT p50 | TTFT p99 | requests | "
+           "tokens = colocated |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        out.append(f"| {name} | {r['bytes_pushed'] / 2**20:.1f} MiB | {r['chunks_pushed']:.0f} | "
+                   f"{r['prefill_tokens']:.0f} of {r['prompt_tokens']} | {r['ttft_p50_ms']:.0f} ms | "
+                   f"{r['ttft_p99_ms']:.0f} ms | {r['requests']} | {r['tokens_match']} |")
     return out
 
 
@@ -217,27 +243,63 @@ def markdown(res: dict) -> str:
         "one at a time, conversations interleaved at random; each run has its own conversations (another seed,",
         "the same shape), so no run inherits cached KV from another.",
         "",
-        "| run | KV pushed | chunks pushed | prefill tokens computed | TTFT p50 | TTFT p99 | requests | tokens = colocated |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in res["runs"].items():
-        lines.append(f"| {name} | {r['bytes_pushed'] / 2**20:.1f} MiB | {r['chunks_pushed']:.0f} | "
-                     f"{r['prefill_tokens']:.0f} of {r['prompt_tokens']} | {r['ttft_p50_ms']:.0f} ms | "
-                     f"{r['ttft_p99_ms']:.0f} ms | {r['requests']} | {r['tokens_match']} |")
+    lines += _table(res["runs"])
     ratio = res["cache_aware_over_round_robin_bytes"]
     t = res["tokenizer"]
+    runs = res["runs"]
+    lines += [""]
+    if ratio is not None:
+        lines.append(f"- Cache-aware moved **{ratio:.2f}x** the bytes of round-robin (target: at most 0.5x).")
+    if "cache_aware_conditional" in runs and "round_robin" in runs:
+        c = runs["cache_aware_conditional"]
+        lines.append(f"- With conditional disaggregation, {c['conditional']} of {c['requests']} requests skipped the "
+                     f"prefill instance (`local_prefill_max_tokens` = {s['local_prefill_max_tokens']}), and the run "
+                     f"moved **{c['bytes_pushed'] / runs['round_robin']['bytes_pushed']:.2f}x** the bytes of "
+                     "round-robin.")
     lines += [
-        "",
-        f"- Cache-aware moved **{ratio:.2f}x** the bytes of round-robin (target: at most 0.5x).",
-        f"- Conditional run: {res['runs']['cache_aware_conditional']['conditional']} of "
-        f"{res['runs']['cache_aware_conditional']['requests']} requests skipped the prefill instance "
-        f"(`local_prefill_max_tokens` = {s['local_prefill_max_tokens']}).",
+        "- Why not below half with pools that never evict: with two decode nodes, round-robin pushes a",
+        "  conversation's history at most once to each node (after that a node lacks only the turns it did",
+        "  not serve), and cache-aware once in all; both re-push each turn's partial last chunk (its key",
+        "  covers only the tokens it had). So on two nodes cache-aware cannot go much below half of",
+        "  round-robin's bytes. More decode nodes widen the gap (not measured here), and so would pools",
+        "  small enough that round-robin loses chunks a later turn needs (at 24 pages, below, it did not).",
+    ]
+    if "cache_aware_concurrent" in runs and "cache_aware" in runs:
+        lines += [
+            f"- Both legs at once against one after the other (both cache-aware): TTFT p50 "
+            f"{runs['cache_aware_concurrent']['ttft_p50_ms']:.0f} ms against {runs['cache_aware']['ttft_p50_ms']:.0f} ms:",
+            "  **slower here.** The prefill instance is bound to core 0 and the decode instances to core 1 (as",
+            "  on separate hosts), yet a 300-token prefill took about twice as long while its decode instance",
+            "  waited for the push: the engines' other threads, the daemons and the router share both cores,",
+            "  and the waiting decode engine is not idle (measured outside this run: about 1.3 CPU-seconds per",
+            "  request against 0.6 one after the other). Concurrent legs are meant for instances on separate",
+            "  hosts; this box cannot show their benefit, and the router sends the legs one after the other",
+            "  by default (`concurrent_legs = false`). The conditional run uses concurrent legs for the",
+            "  requests it does not keep local, which is where its p99 comes from.",
+        ]
+    lines += [
         "- \"prefill tokens computed\" is the sum over all three servers of vLLM's "
-        "`prompt_tokens_by_source{source=\"local_compute\"}`: prompt tokens some instance computed, not",
+        "`prompt_tokens_by_source{source=\"local_compute\"}`: prompt tokens some instance computed rather than",
         "  loaded (from its own prefix cache or from pdpush).",
         f"- Chunk keys from token ids: the engine's `/tokenize` took {t['engine_median_us']:.0f} us (median of "
         f"{t['calls']}), the same tokenizer loaded in the router {t['local_median_us']:.0f} us; ids equal: "
         f"{t['ids_equal']}.",
+    ]
+    pp = res.get("pool_pressure")
+    if pp:
+        lines += ["", f"## Smaller pools ({pp['pool_pages']} pages per receiver)", "",
+                  "The same workload shape on a fresh fleet whose receivers hold about what one node needs under",
+                  "cache-aware placement. Round-robin keeps each conversation on both nodes; whether that costs",
+                  "it bytes depends on whether the LRU evicts chunks a later turn needs.", ""]
+        lines += _table(pp["runs"])
+        if pp.get("cache_aware_over_round_robin_bytes") is not None:
+            rr_p, ca_p = pp["runs"]["round_robin"], pp["runs"]["cache_aware"]
+            lines += ["", f"- Cache-aware moved **{pp['cache_aware_over_round_robin_bytes']:.2f}x** the bytes of "
+                          f"round-robin. Against the ample pools above, round-robin moved "
+                          f"{rr_p['bytes_pushed'] / runs['round_robin']['bytes_pushed']:.2f}x its bytes and "
+                          f"cache-aware {ca_p['bytes_pushed'] / runs['cache_aware']['bytes_pushed']:.2f}x."]
+    lines += [
         "",
         "Raw results: `bench-out/fleet.json`.",
         ""]
@@ -250,7 +312,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--context-words", type=int, default=120)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--pool-pages", type=int, default=128)
+    ap.add_argument("--pool-pages", type=int, default=128, help="pages per receiver pool (ample here)")
+    ap.add_argument("--pressure-pool-pages", type=int, default=24,
+                    help="a second fleet with pools this small, round-robin against cache-aware (0: skip)")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", default="", help="comma-separated subset of " + ",".join(RUNS))
@@ -266,7 +330,8 @@ def main() -> int:
     if a.report:
         a.report.parent.mkdir(parents=True, exist_ok=True)
         a.report.write_text(markdown(res))
-    return 0 if all(r["tokens_match"] for r in res["runs"].values()) else 1
+    every = list(res["runs"].values()) + list(res.get("pool_pressure", {}).get("runs", {}).values())
+    return 0 if all(r["tokens_match"] for r in every) else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,14 @@ from pdpush.harness.vllm_cluster import ROOT, Engine, require_vllm_python
 BLOCK_SIZE, MAX_MODEL_LEN = 32, 512  # as pdpush.harness.vllm_engine's (not imported: it sets vLLM's environment)
 
 
+def _die_with_us() -> None:
+    """In the child, before exec: SIGTERM when the launching thread dies (Linux), so that a test run
+    that is itself killed leaves no server behind."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,18 +49,23 @@ class Server:
         self.role, self.log = role, log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # the engine's worker in the engine core process ("uni", vLLM's default for one GPU; on CPU it
+        # also takes VLLM_ENABLE_V1_MULTIPROCESSING=0). With vLLM's CPU default ("mp") the worker
+        # process busy-polls its queue for a second after every step (measured: a whole core), and
+        # three servers' workers spinning on two cores starve the one that has work
         args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "m",
                 "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
-                "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port)]
+                "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
+                "--distributed-executor-backend", "uni"]
         for k, v in (llm_args or {}).items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         if ktc is not None:
             args += ["--kv-transfer-config", json.dumps(ktc)]
         self._log = open(log, "w")
         self.proc = subprocess.Popen([str(require_vllm_python()), *args], stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, start_new_session=True,
-                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **launch.QUIET_UCX,
-                                          **(env or {})})
+                                     cwd=ROOT, start_new_session=True, preexec_fn=_die_with_us,
+                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **launch.QUIET_UCX, **(env or {})})
 
     def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -122,7 +135,11 @@ class Fleet:
 @contextlib.contextmanager
 def openai_fleet(work: Path, model: Path, layout: dict, common: dict, *, decodes: int = 2, prefills: int = 1,
                  pool_pages: int = 256, staging_bytes: int = 64 << 20, llm_args: dict | None = None,
-                 colocated: bool = True, prefault: bool = False):
+                 colocated: bool = True, prefault: bool = False, cores: dict[str, str] | None = None):
+    """``cores``: role ("prefill", "decode") -> the CPUs its servers' compute threads are bound to
+    (VLLM_CPU_OMP_THREADS_BIND), e.g. to keep prefill and decode off each other's cores as they would
+    be on separate hosts."""
+    bind = {role: {"VLLM_CPU_OMP_THREADS_BIND": c} for role, c in (cores or {}).items()}
     receivers: list[launch.Daemon] = []
     servers: list[Server] = []
     tx = None
@@ -137,13 +154,13 @@ def openai_fleet(work: Path, model: Path, layout: dict, common: dict, *, decodes
         base = {"kv_connector": "PdpushConnector", "kv_connector_module_path": "pdpush.integrations.vllm"}
         prefill = [Server("prefill", model, {**base, "kv_role": "kv_producer", "kv_connector_extra_config": {
             **common, "sender_socket": tx_sock, "receiver": rx_eps[0], "allowed_receivers": rx_eps}},
-            work / f"prefill{i}.log", llm_args) for i in range(prefills)]
+            work / f"prefill{i}.log", llm_args, bind.get("prefill")) for i in range(prefills)]
         servers += prefill
         decode = [Server("decode", model, {**base, "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
                                            "kv_connector_extra_config": {
                                                **common, "receiver_socket": rx.info["local_endpoint"].removeprefix(
                                                    "ipc://")}},
-                         work / f"decode{i}.log", llm_args) for i, rx in enumerate(receivers)]
+                         work / f"decode{i}.log", llm_args, bind.get("decode")) for i, rx in enumerate(receivers)]
         servers += decode
         if colocated:
             coloc = Engine("colocated", model, {}, work / "colocated.log", llm_args)

@@ -23,7 +23,7 @@ log = logging.getLogger("pdpush.vllm")
 # A decode request whose push has not begun yet is asked for again on the next scheduler step; when
 # that step has nothing else to run, vLLM's engine loop would spin on it. It naps this long instead:
 # an idle engine loses nothing, a busy one never naps.
-IDLE_NAP_S = 0.002
+IDLE_NAP_S = 0.01
 
 
 @dataclass
