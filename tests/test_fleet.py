@@ -132,7 +132,7 @@ def test_the_conditional_path_pushes_nothing_and_matches_colocated(fleet):
     until(lambda: synced(url), 20, "the router's index feeds")
     c = Chat(7)
     got = turn(fleet, url, c)  # nothing held anywhere: a push
-    assert got["match"] and got["route"] == "concurrent"
+    assert got["match"] and got["route"] == "sequential"  # the default legs
     i = [d.url for d in fleet.decode].index(got["decode"])
     until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{got['decode']}"]["index_chunks"] > 0,
           10, "the first turn's chunks in the router's index")
@@ -164,6 +164,38 @@ def test_a_restarted_router_rebuilds_its_index_and_the_next_turn_lands_on_the_ho
     m = httpx.get(url2 + "/metrics").text
     assert 'pdpush_router_decisions_total{leg="decode",reason="prefix_hit"} 1.0' in m
     r2.stop()
+
+
+def test_the_routers_local_tokenizer_gives_the_engines_token_ids(fleet):
+    """tokenizer = "<dir>": the same ids as the engine's /tokenize, chat template included, so the
+    chunk keys are the ones the engine's push will carry."""
+    import asyncio
+
+    from pdpush.router.tokens import EngineTokens, LocalTokens
+
+    local, engine = LocalTokens(str(fleet.model)), EngineTokens()
+    bodies = [Chat(40 + i).body() for i in range(3)] + [{"model": "m", "prompt": "w1 w2 x3 y4 w5"}]
+
+    async def both():
+        async with httpx.AsyncClient(timeout=30) as client:
+            out = []
+            for b in bodies:
+                path = "/v1/chat/completions" if "messages" in b else "/v1/completions"
+                out.append((await engine.ids(client, fleet.prefill[0].url, path, b),
+                            await local.ids(client, "", path, b)))
+            return out
+
+    for e, loc in asyncio.run(both()):
+        assert e == loc and len(e) >= 5
+    r = fleet.router(tokenizer=str(fleet.model))
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    c = Chat(50)
+    got = turn(fleet, url, c)
+    got2 = turn(fleet, url, c)
+    assert got["match"] and got2["match"] and got2["decode"] == got["decode"]
+    assert 'reason="prefix_hit"} 1.0' in httpx.get(url + "/metrics").text
+    r.stop()
 
 
 def test_a_decode_instance_killed_mid_run_no_request_hangs_and_later_ones_go_to_the_other(fleet):

@@ -360,6 +360,12 @@ def push(tx, rx, rid: str, ids: list[int]) -> None:
         pc.close()
 
 
+def rx_status(rx) -> dict:
+    from pdpush.client import status
+
+    return status(rx.info["local_endpoint"].removeprefix("ipc://"))
+
+
 def test_the_router_follows_receivers_indexes_and_rebuilds_after_a_restart(upstreams, start_router, tmp_path):
     p_url, _, _ = upstreams("prefill")
     d_url, _, _ = upstreams("decode")
@@ -374,8 +380,15 @@ def test_the_router_follows_receivers_indexes_and_rebuilds_after_a_restart(upstr
             return httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]
 
         until(lambda: view()["index_synced"] and view()["index_chunks"] == 3, 10, "the snapshot")
+        # a second router beside it, with no coordination: its own view from its own subscription
+        r2 = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}])
+        until(lambda: httpx.get(r2.info["url"] + "/health").json()["instances"][f"decode:{d_url}"]["index_chunks"]
+              == 3, 10, "the second router's snapshot")
         push(tx, rx, "b", list(range(100, 140)))
         until(lambda: view()["index_chunks"] == 6, 10, "the stored event")
+        until(lambda: httpx.get(r2.info["url"] + "/health").json()["instances"][f"decode:{d_url}"]["index_chunks"]
+              == 6, 10, "the stored event at the second router")
+        assert rx_status(rx)["index_subscribers"] == 2
         # a prompt (token ids) the receiver holds 2 chunks of: placed for that prefix
         res = post(url, {"prompt": list(range(32)) + [999] * 5, "max_tokens": 1})
         assert res.status_code == 200
