@@ -403,20 +403,6 @@ class PrefillClient:
         reply = self._conn.call(StatusRequest(), None, self.timeout_s)
         return dict(reply.stats)  # type: ignore[union-attr]
 
-    def claim(self, req_id: str, token_ids, layout: KVLayout, lease_ms: int = 30_000,
-              timeout_s: float | None = None) -> int:
-        """Make ``req_id`` a request of the prompt's leading chunks the receiver already holds, with
-        no push: ``open`` then reads it like a pushed one. Returns the chunks claimed (0: none held,
-        nothing made). They stay pinned until released, or ``lease_ms`` if never opened."""
-        ids = [int(t) for t in token_ids]
-        keys = chunk_keys(ids, layout)
-        last = len(ids) - (len(keys) - 1) * layout.chunk_tokens
-        reply = self._conn.call(Claim(req_id=req_id, chunk_keys=keys, last_chunk_tokens=last, lease_ms=lease_ms),
-                                req_id, timeout_s if timeout_s is not None else self.timeout_s)
-        if not isinstance(reply, ClaimOk):
-            raise ProtocolError(f"unexpected {reply.type} in reply to claim")
-        return reply.chunks
-
     def close(self) -> None:
         self._segments.close()
         self._conn.close()

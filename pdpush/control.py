@@ -90,37 +90,31 @@ def _answers(path: Path) -> bool:
             return False
 
 
-def dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
-    sock = context().socket(zmq.DEALER)
+def _connect(sock: zmq.Socket, endpoint: str, max_frame: int, hwm: int,
+             configure: Callable[[zmq.Socket], None] | None) -> zmq.Socket:
     _harden(sock, max_frame)
     if configure is not None:  # CURVE client options must be set before connect
         configure(sock)
-    # Frames queue until the peer connects; every caller waits with a deadline, and a peer
-    # declared dead gets a fresh socket, so nothing stale is replayed to a restarted peer.
-    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.setsockopt(zmq.SNDHWM, hwm)
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close()
         raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
     return sock
+
+
+def dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
+    # Frames queue until the peer connects; every caller waits with a deadline, and a peer
+    # declared dead gets a fresh socket, so nothing stale is replayed to a restarted peer.
+    return _connect(context().socket(zmq.DEALER), endpoint, max_frame, 10000, configure)
 
 
 def async_dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None):
     """A DEALER for asyncio code (the router's chunk-index subscriptions)."""
     import zmq.asyncio
 
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    _harden(sock, max_frame)
-    if configure is not None:
-        configure(sock)
-    sock.setsockopt(zmq.SNDHWM, 100)
-    try:
-        sock.connect(endpoint)
-    except zmq.ZMQError as e:
-        sock.close()
-        raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
-    return sock
+    return _connect(zmq.asyncio.Context.instance().socket(zmq.DEALER), endpoint, max_frame, 100, configure)
 
 
 def send(sock: zmq.Socket, msg: Msg, identity: bytes | None = None) -> bool:

@@ -218,7 +218,9 @@ def test_both_legs_carry_the_routers_push_id_and_the_clients_is_dropped(upstream
         assert res.status_code == 200 and res.json()["choices"][0]["text"] == "decode"
         pid = res.headers["x-pdpush-push-id"]
         assert pid.startswith(f"t-{legs}-") and res.headers["x-pdpush-route"] == legs
-        pre = [b for path, b in p.seen if path == "/v1/completions"][-1]
+        # concurrent legs: the answer does not wait for the prefill leg, which may still be on its way
+        pre = until(lambda pid=pid: [b for path, b in p.seen if path == "/v1/completions" and
+                             b["kv_transfer_params"]["pdpush_push_id"] == pid], 10, "the prefill leg")[-1]
         dec = [b for path, b in d.seen if path == "/v1/completions"][-1]
         assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == {
             "do_remote_decode": True, "pdpush_receiver": DEAD_RECEIVER, "pdpush_push_id": pid}
