@@ -178,6 +178,10 @@ def demo(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
     receiver_config: Optional[Path] = typer.Option(None, help="Use a running receiver with this config."),
     sender_config: Optional[Path] = typer.Option(None, help="Use a running sender with this config."),
+    device: str = typer.Option("cpu", help="Where the model runs: cpu, or cuda / cuda:N (real compute: "
+                                             "give --layer-compute-ms 0)."),
+    handover: Optional[str] = typer.Option(None, help="How copied layers reach the sender: thread (the CUDA "
+                                                      "default), poll, or sync (the CPU default)."),
 ) -> None:
     """Prefill on one process, decode on another, KV pushed layer by layer; compare with colocated."""
     if (receiver_config is None) != (sender_config is None):
@@ -189,7 +193,7 @@ def demo(
         code = main_cli(json_path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                         prompt_tokens=prompt_tokens, new_tokens=new_tokens, dtype=dtype, chunk_tokens=chunk_tokens,
                         layer_compute_ms=layer_compute_ms, receiver_config=receiver_config,
-                        sender_config=sender_config)
+                        sender_config=sender_config, device=device, handover=handover)
     except PdpushError as e:
         typer.echo(f"pdpush demo: {type(e).__name__}: {e}", err=True)
         raise typer.Exit(1) from None

@@ -14,8 +14,9 @@ Imports numpy and zmq; torch only when a torch tensor is passed or asked for.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import numpy as np
@@ -108,28 +109,81 @@ class _Conn:
         self.mail: dict[str | None, list[Msg]] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # requests this side gave up on: late mail is dropped
         self.peer_pid = 0  # learnt from BeginOk/OpenOk: the local daemon's pid, watched while waiting
+        # The socket is used by one thread at a time, under ``lock``. A completion thread
+        # (integrations/device_copy.py) never waits for it: ``post`` queues its frame in ``_outbox``, which
+        # whoever holds the lock sends first; waits then run in short slices so that queued frames leave soon.
+        self.lock = threading.Lock()
+        self._outbox: deque[bytes] = deque()
+        self._slice_s = 0.25
+
+    def allow_posts(self, slice_s: float = 0.002) -> None:
+        """Another thread will ``post``: wait for replies in ``slice_s`` slices, sending its frames between."""
+        self._slice_s = min(self._slice_s, slice_s)
+
+    def post(self, msg: Msg) -> None:
+        """Send from any thread without waiting: now if the socket is free, else by its current user."""
+        self._outbox.append(protocol.encode(msg))
+        self._flush_if_free()
+
+    def _flush_if_free(self) -> None:
+        if self._outbox and self.lock.acquire(blocking=False):
+            try:
+                self._flush()  # a full socket leaves the rest for the next holder of the lock
+            finally:
+                self.lock.release()
+
+    def _flush(self) -> None:
+        """Send queued frames (lock held); a full socket keeps the rest for the next holder."""
+        while self._outbox:
+            try:
+                self.sock.send(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
 
     def send(self, msg: Msg, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         frame = protocol.encode(msg)
-        while True:
-            try:
-                self.sock.send(frame, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if time.monotonic() > deadline:
-                    raise TransportTimeout("local daemon is not accepting messages") from None
-                self.sock.poll(10, zmq.POLLOUT)
+        try:
+            while True:
+                with self.lock:
+                    self._flush()  # posted frames go first: a hand-over before the finish that follows it
+                    if not self._outbox:
+                        try:
+                            self.sock.send(frame, zmq.NOBLOCK)
+                            return
+                        except zmq.Again:
+                            pass
+                    if time.monotonic() > deadline:
+                        raise TransportTimeout("local daemon is not accepting messages") from None
+                    self.sock.poll(10, zmq.POLLOUT)
+        finally:
+            self._flush_if_free()
 
     def recv_for(self, req_id: str | None, deadline: float) -> Msg:
         """Next message about ``req_id`` (others are kept for their owners)."""
+        try:
+            return self._recv_for(req_id, deadline)
+        finally:
+            self._flush_if_free()
+
+    def _recv_one(self, deadline: float) -> Msg:
+        with self.lock:
+            self._flush()
+            return control.recv_until(self.sock, deadline, self.max_frame)
+
+    def _recv_for(self, req_id: str | None, deadline: float) -> Msg:
         box = self.mail.get(req_id)
         if box:
             return box.pop(0)
+        alive_check = time.monotonic() + 0.25
         while True:
-            try:  # wait in 250 ms slices, checking that the daemon is still alive between them
-                msg = control.recv_until(self.sock, min(deadline, time.monotonic() + 0.25), self.max_frame)
+            try:  # wait in slices, checking every 250 ms that the daemon is still alive
+                msg = self._recv_one(min(deadline, time.monotonic() + self._slice_s))
             except TransportTimeout:
+                if time.monotonic() < min(deadline, alive_check):
+                    continue
+                alive_check = time.monotonic() + 0.25
                 if self.peer_pid and not pid_alive(self.peer_pid):
                     raise BrokenResourceError(f"the local pdpush daemon (pid {self.peer_pid}) died") from None
                 if time.monotonic() >= deadline:
@@ -163,7 +217,8 @@ class _Conn:
         return reply
 
     def close(self) -> None:
-        self.sock.close(0)
+        with self.lock:
+            self.sock.close(0)
 
 
 class _Attachments:
@@ -176,6 +231,12 @@ class _Attachments:
     def __init__(self) -> None:
         self._segs: dict[int, Attached] = {}
         self._users: dict[int, int] = {}
+        self.pin = False  # page-lock each segment for this process's CUDA copies (Attached.pin)
+
+    def pin_all(self) -> bool:
+        """Pin every segment, now and from now on; True if CUDA pinning is available."""
+        self.pin = True
+        return all([a.pin() for a in self._segs.values()])
 
     def hold(self, shmid: int, nbytes: int) -> Attached:
         a = self._segs.get(shmid)
@@ -184,6 +245,8 @@ class _Attachments:
                 self._segs.pop(old).close()
                 self._users.pop(old, None)
             a = self._segs[shmid] = Attached(shmid, nbytes)
+            if self.pin:
+                a.pin()
         self._users[shmid] = self._users.get(shmid, 0) + 1
         return a
 
@@ -293,11 +356,27 @@ class PushHandle:
     def layers_ready(self, layers: list[int]) -> None:
         """Hand several staged layers over in one message (eager mode, or layers that finished together)."""
         self._check_open()
+        self._mark_sent(layers)
+        self.client._conn.send(LayerReady(req_id=self.req_id, layers=list(layers)), self.client.timeout_s)
+
+    def post_layers_ready(self, layers: list[int]) -> None:
+        """``layers_ready`` from a completion thread: never waits for the socket (``_Conn.post``).
+        An asynchronous failure of the request surfaces on this handle's next call from its owner."""
+        self._check_not_aborted()
+        if self._done is not None or self._base is None or self._finishing:
+            raise UnexpectedMessage(f"request {self.req_id!r} has ended")
+        self._mark_sent(layers)
+        self.client._conn.post(LayerReady(req_id=self.req_id, layers=list(layers)))
+
+    def _mark_sent(self, layers: list[int]) -> None:
         again = [la for la in layers if la in self._sent]
         if again or len(set(layers)) != len(layers):
             raise ValueError(f"layer {again[0] if again else layers} already handed over")
         self._sent.update(layers)
-        self.client._conn.send(LayerReady(req_id=self.req_id, layers=list(layers)), self.client.timeout_s)
+
+    @property
+    def layers_handed_over(self) -> int:
+        return len(self._sent)
 
     def _check_open(self) -> None:
         self._check_not_aborted()
@@ -371,13 +450,15 @@ class PrefillClient:
     """Hands finished layers to the local sender daemon through shared staging memory."""
 
     def __init__(self, layout: KVLayout, sender_socket: str | Path | None = None, *,
-                 receiver: str = "", timeout_s: float = 30.0) -> None:
+                 receiver: str = "", timeout_s: float = 30.0, pin_cuda: bool = False) -> None:
         self.layout = layout
         self.spec = LayoutSpec(**layout.to_dict())
         self.receiver = receiver
         self.timeout_s = timeout_s
         self._conn = _Conn(sender_socket or default_sender_socket())
         self._segments = _Attachments()
+        if pin_cuda:  # staging is page-locked in this process, for asynchronous device-to-host copies
+            self._segments.pin_all()
 
     def begin(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,
               tp_size: int = 1) -> PushHandle:
@@ -574,10 +655,12 @@ class DecodeRequest:
 class DecodeClient:
     """Reads pushed KV from the local receiver's pool, zero-copy."""
 
-    def __init__(self, receiver_socket: str | Path, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, receiver_socket: str | Path, *, timeout_s: float = 30.0, pin_cuda: bool = False) -> None:
         self.timeout_s = timeout_s
         self._conn = _Conn(receiver_socket)
         self._segments = _Attachments()
+        if pin_cuda:  # the pool is page-locked in this process, for asynchronous host-to-device copies
+            self._segments.pin_all()
 
     def open(self, req_id: str, timeout_s: float | None = None, *, tp_rank: int = 0,
              tp_size: int = 1) -> DecodeRequest:

@@ -163,6 +163,11 @@ class Aborted(RequestFailed):
     code = ErrorCode.ABORTED
 
 
+class HandOverTimeout(TransportTimeout):
+    """A layer's device-to-host copy did not complete in time: the request is given up, never
+    handed over half-copied (integrations/device_copy.py). Raised in the engine, not sent."""
+
+
 # The one class built for each wire code (every code has exactly one).
 _BY_CODE: dict[ErrorCode, type[PdpushError]] = {
     ErrorCode.BAD_MESSAGE: RemoteProtocolError,

@@ -63,7 +63,8 @@ class Receiver:
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
         if cfg.prefault:
             shm.prefault(self.region.address, self.region.length)
-        self.pinned = shm.pin_if_cuda(self.region.address, self.region.length)
+        # no cudaHostRegister here: pinning is per process, and the daemon copies nothing with CUDA;
+        # a decode engine pins its own mapping of the pool (DecodeClient(pin_cuda=True))
         self.rkey = self.region.pack_rkey()
         self.ucx_port = self.ucx.listen(cfg.host, cfg.ucx_port, self._on_ucx_peer)
         configure = None

@@ -6,8 +6,9 @@ crash; another process of the same uid can still ``shmat`` it by shmid while
 anyone is attached. The shmid is the inode column of the owner's
 ``/proc/self/maps`` line for the region (notes/ucx.md).
 
-Imports numpy and ctypes only. Pinning with cudaHostRegister is attempted
-where torch reports CUDA; otherwise the mapping stays plain host memory.
+Imports numpy and ctypes only. An engine that copies to or from a GPU pins its own
+mapping with cudaHostRegister (``Attached.pin``) where torch reports CUDA; otherwise
+the mapping stays plain host memory, and torch is not imported without an NVIDIA driver.
 """
 
 from __future__ import annotations
@@ -61,9 +62,20 @@ class Attached:
         self.nbytes = nbytes
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock this mapping for CUDA copies in this process (``pin_if_cuda``); True if it is."""
+        if self.address and not self.pinned:
+            self.pinned = pin_if_cuda(self.address, self.nbytes)
+        return self.pinned
+
     def close(self) -> None:
         if self.address:
             self.array = None  # views handed out keep their own reference to the buffer
+            if self.pinned:
+                unpin_cuda(self.address)
+                self.pinned = False
             _libc.shmdt(self.address)
             self.address = 0
 
@@ -100,7 +112,8 @@ def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
 
 
 def pin_if_cuda(address: int, nbytes: int) -> bool:
-    """Page-lock a host mapping for fast H2D copies where CUDA exists; False otherwise."""
+    """Page-lock a host mapping for this process's CUDA copies (``cudaHostRegister``) where CUDA
+    exists; False otherwise. Pinning is per process: the engine that copies pins its own mapping."""
     import os
 
     if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA driver: do not pay for importing torch (~1 s)
@@ -116,3 +129,12 @@ def pin_if_cuda(address: int, nbytes: int) -> bool:
         log.warning("cudaHostRegister of %d bytes failed (%s); using pageable memory", nbytes, rc)
         return False
     return True
+
+
+def unpin_cuda(address: int) -> None:
+    """Undo ``pin_if_cuda`` (before the mapping goes away)."""
+    import torch
+
+    rc = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(rc) != 0:
+        log.warning("cudaHostUnregister(%#x) failed (%s)", address, rc)

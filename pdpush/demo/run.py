@@ -29,12 +29,12 @@ class Worker:
     """An engine process speaking JSON lines; stopped by pid."""
 
     def __init__(self, role: str, spec: dict, chunk_tokens: int, sock: str, workdir: Path,
-                 receiver: str = "") -> None:
+                 receiver: str = "", device: str = "cpu") -> None:
         self.role = role
         self.log_path = workdir / f"{role}-engine.log"
         self._log = open(self.log_path, "wb")
         args = [sys.executable, "-m", "pdpush.demo.worker", role, "--spec", json.dumps(spec), "--chunk-tokens",
-                str(chunk_tokens), "--socket", sock, "--receiver", receiver]
+                str(chunk_tokens), "--socket", sock, "--receiver", receiver, "--device", device]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}, text=True, bufsize=1)
 
@@ -78,7 +78,7 @@ class Cluster:
     """Daemons + one prefill and one decode engine process, all stopped on close()."""
 
     def __init__(self, spec, chunk_tokens: int, workdir: Path, pool_pages: int, staging_bytes: int,
-                 receiver_config: Path | None = None, sender_config: Path | None = None) -> None:
+                 receiver_config: Path | None = None, sender_config: Path | None = None, device: str = "cpu") -> None:
         self.spec = spec
         self.procs: list = []
         lay = spec.layout(chunk_tokens)
@@ -108,9 +108,9 @@ class Cluster:
                 self.procs.append(self.tx)
                 receiver = self.rx.info["control_endpoint"]
             sd = asdict(spec)
-            self.decode = Worker("decode", sd, chunk_tokens, rx_sock, workdir)
+            self.decode = Worker("decode", sd, chunk_tokens, rx_sock, workdir, device=device)
             self.procs.append(self.decode)
-            self.prefill = Worker("prefill", sd, chunk_tokens, tx_sock, workdir, receiver)
+            self.prefill = Worker("prefill", sd, chunk_tokens, tx_sock, workdir, receiver, device=device)
             self.procs.append(self.prefill)
             self.decode.read()
             self.prefill.read()
@@ -118,10 +118,11 @@ class Cluster:
             self.close()
             raise
 
-    def run(self, req_id: str, prompt: list[int], new_tokens: int, pipelined: bool, layer_compute_ms: float) -> dict:
+    def run(self, req_id: str, prompt: list[int], new_tokens: int, pipelined: bool, layer_compute_ms: float,
+            handover: str | None = None) -> dict:
         self.decode.call({"cmd": "open", "req_id": req_id})
         p = self.prefill.call({"cmd": "prefill", "req_id": req_id, "prompt": prompt, "pipelined": pipelined,
-                               "layer_compute_ms": layer_compute_ms})
+                               "layer_compute_ms": layer_compute_ms, "handover": handover})
         d = self.decode.call({"cmd": "decode", "req_id": req_id, "first_token": p["first_token"],
                               "steps": new_tokens - 1})
         t_all = d["arrivals"][-1]
@@ -140,13 +141,14 @@ class Cluster:
         self.procs = []
 
 
-def reference(spec, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[np.ndarray]]]:
+def reference(spec, prompts: list[list[int]], new_tokens: int,
+              device: str = "cpu") -> list[tuple[list[int], list[np.ndarray]]]:
     import torch
 
     from pdpush.integrations import transformers as tf
 
     torch.set_num_threads(1)
-    model = tf.build_model(spec)
+    model = tf.build_model(spec, device)
     out = []
     for p in prompts:
         toks, logits = tf.colocated(model, p, new_tokens)
@@ -164,7 +166,7 @@ def compare(ref: tuple[list[int], list[np.ndarray]], got: dict) -> tuple[bool, b
 def run_demo(*, layers: int = 8, hidden: int = 256, heads: int = 4, kv_heads: int = 2, prompt_tokens: int = 1000,
              new_tokens: int = 16, dtype: str = "float32", chunk_tokens: int = 64, layer_compute_ms: float = 25.0,
              prefix_fraction: float = 0.75, seed: int = 0, console=None, receiver_config: Path | None = None,
-             sender_config: Path | None = None) -> dict:
+             sender_config: Path | None = None, device: str = "cpu", handover: str | None = None) -> dict:
     from pdpush.integrations.transformers import ModelSpec
 
     spec = ModelSpec(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, dtype=dtype, seed=seed)
@@ -183,18 +185,18 @@ def run_demo(*, layers: int = 8, hidden: int = 256, heads: int = 4, kv_heads: in
         "starting receiver + sender daemons and the prefill/decode engine processes")
     cluster = Cluster(spec, chunk_tokens, workdir, pool_pages=chunks * 4,
                       staging_bytes=max(4 << 20, 2 * lay.layers * chunks * lay.page_bytes),
-                      receiver_config=receiver_config, sender_config=sender_config)
+                      receiver_config=receiver_config, sender_config=sender_config, device=device)
     try:
         say("computing the colocated reference")
-        refs = reference(spec, [p_eager, p_pipe, p_second], new_tokens)
+        refs = reference(spec, [p_eager, p_pipe, p_second], new_tokens, device)
         say("warm-up request (not reported)")
-        cluster.run("demo-warmup", rng.integers(0, spec.vocab, prompt_tokens).tolist(), 2, True, 0.0)
+        cluster.run("demo-warmup", rng.integers(0, spec.vocab, prompt_tokens).tolist(), 2, True, 0.0, handover)
         say(f"eager: prefill all {layers} layers, then push")
-        eager = cluster.run("demo-eager", p_eager, new_tokens, False, layer_compute_ms)
+        eager = cluster.run("demo-eager", p_eager, new_tokens, False, layer_compute_ms, handover)
         say("pipelined: push each layer as it is produced")
-        pipe = cluster.run("demo-pipelined", p_pipe, new_tokens, True, layer_compute_ms)
+        pipe = cluster.run("demo-pipelined", p_pipe, new_tokens, True, layer_compute_ms, handover)
         say(f"prefix reuse: a second request sharing its first {shared} tokens with the pipelined one")
-        second = cluster.run("demo-second", p_second, new_tokens, True, layer_compute_ms)
+        second = cluster.run("demo-second", p_second, new_tokens, True, layer_compute_ms, handover)
         layer_end = pipe["prefill"]["layer_end"]
         arrivals = pipe["decode"]["arrivals"]
     finally:
@@ -202,7 +204,8 @@ def run_demo(*, layers: int = 8, hidden: int = 256, heads: int = 4, kv_heads: in
     matches = [compare(r, g) for r, g in zip(refs, [eager, pipe, second], strict=True)]
     full_bytes = lay.layers * chunks * lay.page_bytes
     return {
-        "model": spec.model_id, "dtype": dtype, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "model": spec.model_id, "dtype": dtype, "device": device, "handover": pipe["prefill"]["handover_mode"],
+        "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "chunk_tokens": chunk_tokens, "layer_compute_ms_emulated": layer_compute_ms,
         "tokens_match": all(t for t, _ in matches),
         "logits_match": all(lg for _, lg in matches),

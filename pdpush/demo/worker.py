@@ -56,17 +56,22 @@ def main() -> None:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--receiver", default="")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     torch.set_num_threads(1)  # every process computes with the same thread count: bit-identical math
     from pdpush.client import DecodeClient, PrefillClient
     from pdpush.integrations import transformers as tf
+    from pdpush.integrations.device_copy import D2HStager
 
     spec = tf.ModelSpec(**json.loads(a.spec))
-    model = tf.build_model(spec)
+    model = tf.build_model(spec, a.device)
+    cuda = a.device.startswith("cuda")
     if a.role == "prefill":
-        client = PrefillClient(spec.layout(a.chunk_tokens), a.socket, receiver=a.receiver, timeout_s=a.timeout)
+        client = PrefillClient(spec.layout(a.chunk_tokens), a.socket, receiver=a.receiver, timeout_s=a.timeout,
+                               pin_cuda=cuda)
     else:
-        client = DecodeClient(a.socket, timeout_s=a.timeout)
+        client = DecodeClient(a.socket, timeout_s=a.timeout, pin_cuda=cuda)
+    stagers: dict[str | None, D2HStager] = {}
     jobs: dict[str, _DecodeJob] = {}
     _reply({"ready": True})
     for line in sys.stdin:
@@ -74,12 +79,20 @@ def main() -> None:
             cmd = json.loads(line)
             op = cmd["cmd"]
             if op == "prefill":
+                mode = cmd.get("handover")  # None: the device's default (thread on CUDA, sync on the CPU)
+                if mode not in stagers:
+                    stagers[mode] = D2HStager(a.device, mode=mode, timeout_s=a.timeout)
+                st = stagers[mode]
                 r = tf.prefill_and_push(model, cmd["prompt"], client, cmd["req_id"], pipelined=cmd["pipelined"],
-                                        layer_compute_ms=cmd.get("layer_compute_ms", 0.0))
+                                        layer_compute_ms=cmd.get("layer_compute_ms", 0.0), stager=st)
+                handed = [t for rid, _, t in st.handed_over if rid == cmd["req_id"]]
                 _reply({"first_token": r.first_token, "logits": _b64(r.last_logits), "t_start": r.t_start,
                         "t_end": r.t_end, "t_committed": r.t_committed, "layer_end": r.layer_end,
                         "bytes_sent": r.bytes_sent, "puts": r.puts, "chunks_skipped": r.chunks_skipped,
-                        "already_sent_indexes": r.already_sent_indexes})
+                        "already_sent_indexes": r.already_sent_indexes, "handover_mode": st.mode,
+                        "handed_over": handed})
+            elif op == "forward":  # a prefill forward with no push, timed (the push's cost to the forward)
+                _reply({"forward_s": tf.forward_time(model, cmd["prompt"])})
             elif op == "open":
                 jobs[cmd["req_id"]] = _DecodeJob(model, client, cmd["req_id"], a.timeout)
                 _reply({"ok": True})
@@ -107,6 +120,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - the worker reports and keeps serving
             traceback.print_exc(file=sys.stderr)
             _reply({"error": f"{type(e).__name__}: {e}"})
+    for st in stagers.values():
+        st.close()
     client.close()
 
 

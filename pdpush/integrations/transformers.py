@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from pdpush.client import DecodeRequest, PrefillClient, PushHandle
+from pdpush.integrations.device_copy import D2HStager, H2DLoader
 from pdpush.layout import KVLayout
 
 
@@ -52,7 +53,7 @@ class ModelSpec:
                         self.model_id)
 
 
-def build_model(spec: ModelSpec) -> LlamaForCausalLM:
+def build_model(spec: ModelSpec, device: str = "cpu") -> LlamaForCausalLM:
     # initializer_range=0.1: with the default 0.02 the random model repeats one token, and a
     # token-equality check would prove nothing (notes/transformers.md).
     cfg = LlamaConfig(num_hidden_layers=spec.layers, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
@@ -61,7 +62,7 @@ def build_model(spec: ModelSpec) -> LlamaForCausalLM:
                       max_position_embeddings=8192)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(cfg).to(getattr(torch, spec.dtype)).eval()
+    return LlamaForCausalLM(cfg).to(getattr(torch, spec.dtype)).to(device).eval()
 
 
 def to_tokens_major(x: torch.Tensor) -> torch.Tensor:
@@ -75,18 +76,22 @@ def to_hf(x: torch.Tensor) -> torch.Tensor:
 
 
 class PushingCache(DynamicCache):
-    """A DynamicCache that hands each layer's K/V to pdpush as soon as the layer produces it."""
+    """A DynamicCache that hands each layer's K/V to pdpush as soon as the layer produces it.
 
-    def __init__(self, config, handle: PushHandle | None, pipelined: bool) -> None:
+    The copy into staging goes through ``stager`` (integrations/device_copy.py): on a GPU it runs on a
+    side stream and the layer is handed over when its copy completes; on the CPU it is ``put_layer``."""
+
+    def __init__(self, config, handle: PushHandle | None, pipelined: bool, stager: D2HStager | None = None) -> None:
         super().__init__(config=config)
         self.handle = handle
         self.pipelined = pipelined
+        self.stager = stager or D2HStager("cpu")
         self.push_times: list[float] = []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self.pipelined and self.handle is not None:
-            self.handle.put_layer(layer_idx, to_tokens_major(key_states), to_tokens_major(value_states))
+            self.stager.put_layer(self.handle, layer_idx, to_tokens_major(key_states), to_tokens_major(value_states))
             self.push_times.append(time.monotonic())
         return out
 
@@ -105,45 +110,107 @@ class PrefillResult:
     t_committed: float = 0.0
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _LayerClock:
+    """End time of each decoder layer on the monotonic clock. On a GPU the forward's Python runs
+    ahead of the device, so ends are CUDA events, placed on the host clock from the forward's start
+    (``at``: the device is idle then, so its work starts within microseconds of the launch)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host: list[float] = []
+        self.events: list = []
+        self.t0 = 0.0
+        self.start = None
+
+    def begin(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.monotonic()
+        return self.t0
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+        else:
+            self.host.append(time.monotonic())
+
+    def ends(self) -> list[float]:
+        if not self.cuda:
+            return self.host
+        return [self.t0 + self.start.elapsed_time(e) / 1000 for e in self.events]
+
+
 def prefill_and_push(model, prompt: list[int], client: PrefillClient, req_id: str, *, pipelined: bool = True,
-                     layer_compute_ms: float = 0.0, receiver: str | None = None) -> PrefillResult:
+                     layer_compute_ms: float = 0.0, receiver: str | None = None,
+                     stager: D2HStager | None = None, finish_timeout_s: float | None = None) -> PrefillResult:
     """Run the prefill and push its KV. ``layer_compute_ms`` adds a sleep after each decoder layer,
-    standing in for GPU compute (a sleep costs the host no CPU, as GPU compute does not)."""
-    layer_end: list[float] = []
+    standing in for GPU compute (a sleep costs the host no CPU, as GPU compute does not). On a GPU
+    the copies into staging run on ``stager``'s side stream; the push is committed once every copy
+    has been handed over, or fails with ``HandOverTimeout`` after ``finish_timeout_s``."""
+    dev = _device(model)
+    stager = stager or D2HStager(dev)
+    clock = _LayerClock(dev)
 
     def after_layer(_mod, _args, _out):
         if layer_compute_ms:
             time.sleep(layer_compute_ms / 1000)
-        layer_end.append(time.monotonic())
+        clock.mark()
 
     hooks = [layer.register_forward_hook(after_layer) for layer in model.model.layers]
     try:
-        t_start = time.monotonic()
+        t_start = clock.begin()
         handle = client.begin(req_id, prompt, receiver)
-        cache = PushingCache(model.config, handle, pipelined)
+        cache = PushingCache(model.config, handle, pipelined, stager)
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1].float().cpu()  # the first token exists: the host has waited for the forward
         t_end = time.monotonic()
         if not pipelined:
             for i, layer in enumerate(cache.layers):
-                handle.put_layer(i, to_tokens_major(layer.keys), to_tokens_major(layer.values))
+                stager.put_layer(handle, i, to_tokens_major(layer.keys), to_tokens_major(layer.values))
+        stager.wait(handle, finish_timeout_s)
         done = handle.finish()
         t_committed = time.monotonic()
     finally:
         for h in hooks:
             h.remove()
-    logits = out.logits[0, -1].float()
-    return PrefillResult(int(logits.argmax()), logits, t_start, t_end, layer_end, done.bytes_sent, done.puts,
+    return PrefillResult(int(logits.argmax()), logits, t_start, t_end, clock.ends(), done.bytes_sent, done.puts,
                          done.chunks_skipped, handle.already_sent_indexes, t_committed)
+
+
+def forward_time(model, prompt: list[int]) -> float:
+    """Seconds of one prefill forward with no push (the reference for the push's cost to the forward)."""
+    dev = _device(model)
+    clock = _LayerClock(dev)
+    t0 = clock.begin()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt], device=dev), cache=DynamicCache(config=model.config),
+                    use_cache=True, logits_to_keep=1)
+        out.logits[0, -1].float().cpu()
+    return time.monotonic() - t0
 
 
 def cache_from_pool(model, req: DecodeRequest, timeout_s: float = 60.0,
                     arrivals: list[float] | None = None) -> DynamicCache:
-    """Build the decode-side cache from the pool, layer by layer as each lands."""
+    """Build the decode-side cache from the pool, layer by layer as each lands. On a GPU each layer
+    goes up on a side stream (``H2DLoader``) while the next one is awaited; compute waits on its event."""
     cache = DynamicCache(config=model.config)
+    dev = _device(model)
     dtype = next(model.parameters()).dtype
+    loader = H2DLoader(dev) if dev.type == "cuda" else None
     for layer in range(req.layout.layers):
-        k, v = req.layer_kv(layer, wait=True, timeout_s=timeout_s)
+        if loader is not None:
+            k, v = loader.finish(loader.start(req, layer, timeout_s), req.tokens)
+        else:
+            k, v = req.layer_kv(layer, wait=True, timeout_s=timeout_s)
         if arrivals is not None:
             arrivals.append(time.monotonic())
         cache.update(to_hf(k).to(dtype), to_hf(v).to(dtype), layer)
@@ -157,8 +224,8 @@ def greedy(model, cache: DynamicCache, first_token: int, steps: int) -> tuple[li
     tok = first_token
     with torch.no_grad():
         for _ in range(steps):
-            out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True)
-            lg = out.logits[0, -1].float()
+            out = model(input_ids=torch.tensor([[tok]], device=_device(model)), cache=cache, use_cache=True)
+            lg = out.logits[0, -1].float().cpu()
             logits.append(lg)
             tok = int(lg.argmax())
             tokens.append(tok)
@@ -169,7 +236,8 @@ def colocated(model, prompt: list[int], new_tokens: int) -> tuple[list[int], lis
     """Reference: prefill and decode in one process. Returns all tokens and all logits (prefill first)."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
-    first = out.logits[0, -1].float()
+        out = model(input_ids=torch.tensor([prompt], device=_device(model)), cache=cache, use_cache=True,
+                    logits_to_keep=1)
+    first = out.logits[0, -1].float().cpu()
     rest, rest_logits = greedy(model, cache, int(first.argmax()), new_tokens - 1)
     return [int(first.argmax()), *rest], [first, *rest_logits]
