@@ -233,10 +233,11 @@ class _Attachments:
         self._users: dict[int, int] = {}
         self.pin = False  # page-lock each segment for this process's CUDA copies (Attached.pin)
 
-    def pin_all(self) -> bool:
-        """Pin every segment, now and from now on; True if CUDA pinning is available."""
+    def pin_all(self) -> None:
+        """Pin every segment, now and from now on (a no-op where CUDA is not available)."""
         self.pin = True
-        return all([a.pin() for a in self._segs.values()])
+        for a in self._segs.values():
+            a.pin()
 
     def hold(self, shmid: int, nbytes: int) -> Attached:
         a = self._segs.get(shmid)

@@ -30,6 +30,18 @@ def test_fp32_exact_logits_pipelined_eager_and_prefix_reuse():
         assert arrivals[layer] < ends[layer + 2], (layer, arrivals, ends)
 
 
+def test_device_copy_path_with_a_completion_thread_gives_exact_logits():
+    """The GPU path's staging order and completion-thread hand-over, run on the CPU (no GPU here):
+    exact logits for eager, pipelined and prefix reuse, and each layer handed over during the forward."""
+    res = demo.run_demo(dtype="float32", handover="thread", **SMALL)
+    assert res["handover"] == "thread"
+    assert res["per_request_match"] == {n: {"tokens": True, "logits": True} for n in ("eager", "pipelined", "second")}
+    assert res["chunks_skipped_second"] == 9
+    ends, arrivals = res["pipelined_layer_end"], res["pipelined_layer_arrival"]
+    for layer in range(2):
+        assert arrivals[layer] < ends[layer + 2], (layer, arrivals, ends)
+
+
 def test_bf16_one_shot_tokens_match():
     res = demo.run_demo(dtype="bfloat16", **SMALL)
     assert res["per_request_match"]["eager"]["tokens"] and res["per_request_match"]["pipelined"]["tokens"]

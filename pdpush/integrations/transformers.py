@@ -205,12 +205,9 @@ def cache_from_pool(model, req: DecodeRequest, timeout_s: float = 60.0,
     cache = DynamicCache(config=model.config)
     dev = _device(model)
     dtype = next(model.parameters()).dtype
-    loader = H2DLoader(dev) if dev.type == "cuda" else None
+    loader = H2DLoader(dev)
     for layer in range(req.layout.layers):
-        if loader is not None:
-            k, v = loader.finish(loader.start(req, layer, timeout_s), req.tokens)
-        else:
-            k, v = req.layer_kv(layer, wait=True, timeout_s=timeout_s)
+        k, v = loader.finish(loader.start(req, layer, timeout_s), req.tokens)
         if arrivals is not None:
             arrivals.append(time.monotonic())
         cache.update(to_hf(k).to(dtype), to_hf(v).to(dtype), layer)
