@@ -10,7 +10,7 @@ export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install vllm-env bench-vllm bench-fleet vllm-one-host test test-slow demo bench soak lint clean
+.PHONY: install vllm-env bench-vllm bench-fleet vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -70,6 +70,23 @@ vllm-one-host: install vllm-env
 	test -d bench-out/tiny-model || $(VLLM_VENV)/bin/python -m pdpush.harness.vllm_engine --build-model bench-out/tiny-model
 	MODEL=bench-out/tiny-model PDPUSH_LAYERS=4 PDPUSH_KV_HEADS=2 PDPUSH_HEAD_DIM=64 PDPUSH_DTYPE=bfloat16 \
 		VLLM_CPU_KVCACHE_SPACE=1 examples/vllm-one-host.sh
+
+# The GPU check (scripts/gpu-check.sh, docs/operations.md "GPU hosts"): `make gpu-wheels` here, where pip
+# can download, fills $(GPU_WHEELS) for the GPU machine's Python ($(GPU_PY)); `make gpu-check` there.
+GPU_PY      ?= 3.12
+GPU_WHEELS  ?= gpu-wheels
+GPU_MAX_MIB ?= 60
+GPU_PLATFORMS := $(foreach n,2_17 2_24 2_26 2_27 2_28,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
+
+gpu-wheels: requirements-gpu.txt
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+		$(GPU_PLATFORMS) -d $(GPU_WHEELS) -r requirements-gpu.txt
+	@mib=$$(du -sm $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$(ls $(GPU_WHEELS) | wc -l) wheels, $$mib MiB"; \
+		test $$mib -le $(GPU_MAX_MIB) || { echo "over $(GPU_MAX_MIB) MiB" >&2; exit 1; }
+
+gpu-check:
+	GPU_WHEELS=$(GPU_WHEELS) scripts/gpu-check.sh $(GPU_CHECK_ARGS)
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

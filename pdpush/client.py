@@ -537,6 +537,15 @@ class DecodeRequest:
         w = self._words
         return w is not None and bool((w[layer, self._new_pages] == self.lease_id).all())
 
+    def landed(self, layer: int) -> bool:
+        """Whether layer ``layer`` is in the pool now (never waits)."""
+        if layer in self.ready:
+            return True
+        if self._landed(layer):
+            self.ready.add(layer)
+            return True
+        return False
+
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
         """Wait until layer ``layer`` is in the pool: its readiness words in the pool say so, or the
         receiver's LayerAvailable does. Re-reads the words in a tight loop for ``SPIN_S``, then every

@@ -129,6 +129,7 @@ class Cluster:
         return {"prefill": p, "decode": d, "tokens": [p["first_token"], *d["tokens"]],
                 "logits": [_logits(p["logits"]), *(_logits(x) for x in d["logits"])],
                 "prefill_ms": (p["t_end"] - p["t_start"]) * 1000,
+                "forward_ms": (p["t_end"] - p["t_forward"]) * 1000,
                 "exposed_transfer_ms": max(0.0, (t_all - p["t_end"]) * 1000),
                 "exposed_transfer_raw_ms": (t_all - p["t_end"]) * 1000,
                 # D can decode once it holds every layer AND P's first token exists (end of prefill)

@@ -90,6 +90,7 @@ def main() -> None:
                         "t_end": r.t_end, "t_committed": r.t_committed, "layer_end": r.layer_end,
                         "bytes_sent": r.bytes_sent, "puts": r.puts, "chunks_skipped": r.chunks_skipped,
                         "already_sent_indexes": r.already_sent_indexes, "handover_mode": st.mode,
+                        "t_forward": r.t_forward,
                         "handed_over": handed})
             elif op == "forward":  # a prefill forward with no push, timed (the push's cost to the forward)
                 _reply({"forward_s": tf.forward_time(model, cmd["prompt"])})

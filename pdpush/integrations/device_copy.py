@@ -109,58 +109,73 @@ class D2HStager:
             self._thread.start()
 
     # ---- the engine's thread ----
-    def put_layer(self, handle, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stage layer ``layer`` (``k``, ``v`` ``[tokens, heads, D]`` on the device: this rank's heads or
-        all the model's) and hand it over once copied. Never waits for the copy."""
-        if self.mode == "sync":
+    def put_layer(self, handle, layer: int, k: torch.Tensor | Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                  v: torch.Tensor | None = None, *, new_only: bool = False) -> None:
+        """Stage layer ``layer`` and hand it over once copied; never waits for the copy.
+
+        ``k``, ``v``: ``[tokens, heads, D]`` on the device, this rank's heads or all the model's; every
+        prompt token, or with ``new_only`` exactly the new chunks' tokens in order. ``k`` may instead be
+        a function returning ``(k, v)`` (``v`` None): a gather out of a paged cache, run on the side
+        stream after the compute, so that the compute stream never runs it."""
+        if self.mode == "sync" and v is not None and not new_only:
             handle.put_layer(layer, k, v)
             self.handed_over.append((handle.req_id, layer, self._clock()))
             return
         self._raise_failed(handle)
-        lay = handle.client.layout
-        h0, h1 = handle.heads
-        if k.shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
-            k, v = k[:, h0:h1], v[:, h0:h1]
-        if k.shape[1] != h1 - h0 or v.shape[1] != h1 - h0 or min(k.shape[0], v.shape[0]) < handle.tokens:
-            raise ValueError(f"layer {layer}: got K {tuple(k.shape)}, V {tuple(v.shape)}; rank {handle.tp_rank} "
-                             f"needs {handle.tokens} tokens x {h1 - h0} heads")
-        if handle not in self._index:
-            self._index[handle] = chunk_token_index(handle.tokens, lay.chunk_tokens, handle.new_chunk_indexes,
-                                                    k.device)
-            if self.mode == "thread":
-                handle.client._conn.allow_posts()
-        dst = host_tensor(handle.staging_layer(layer), lay.dtype)
-        n, units = len(handle.new_chunk_indexes), dst.shape[0]
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)
-                src = staging_order(k, v, self._index[handle], n, lay.chunk_tokens, units) if n else None
+                k, v, dst, src = self._stage(handle, layer, k, v, new_only)
                 if src is not None:
-                    dst.copy_(src.to(dst.dtype), non_blocking=True)
+                    dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event(blocking=self.mode == "thread")
                 done.record(self._stream)
             keep: Any = (k, v, src)
         else:
-            if n:
-                dst.copy_(staging_order(k, v, self._index[handle], n, lay.chunk_tokens, units).to(dst.dtype))
+            k, v, dst, src = self._stage(handle, layer, k, v, new_only)
+            if src is not None:
+                dst.copy_(src)
             done, keep = (self._fence() if self._fence else _Done()), None
         with self._cv:
             self._queue.submit(handle, layer, done, self._clock(), keep)
             self._cv.notify_all()
-        if self.mode == "poll":
+        if self.mode != "thread":
             self._hand_over(post=False)
+
+    def _stage(self, handle, layer: int, k, v, new_only: bool):
+        """(k, v, staging view, the layer in staging's order on the device or None if nothing is new)."""
+        if v is None:
+            k, v = k()
+        lay = handle.client.layout
+        h0, h1 = handle.heads
+        if k.shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
+            k, v = k[:, h0:h1], v[:, h0:h1]
+        if handle not in self._index:
+            idx = (torch.arange(sum(min(handle.tokens, (c + 1) * lay.chunk_tokens) - c * lay.chunk_tokens
+                                    for c in handle.new_chunk_indexes), device=k.device) if new_only else
+                   chunk_token_index(handle.tokens, lay.chunk_tokens, handle.new_chunk_indexes, k.device))
+            self._index[handle] = idx
+            if self.mode == "thread":
+                handle.client._conn.allow_posts()
+        index = self._index[handle]
+        need = index.numel() if new_only else handle.tokens
+        if k.shape[1] != h1 - h0 or v.shape[1] != h1 - h0 or min(k.shape[0], v.shape[0]) < need:
+            raise ValueError(f"layer {layer}: got K {tuple(k.shape)}, V {tuple(v.shape)}; rank {handle.tp_rank} "
+                             f"needs {need} tokens x {h1 - h0} heads")
+        dst = host_tensor(handle.staging_layer(layer), lay.dtype)
+        n = len(handle.new_chunk_indexes)
+        src = staging_order(k, v, index, n, lay.chunk_tokens, dst.shape[0]).to(dst.dtype) if n else None
+        return k, v, dst, src
 
     def wait(self, handle, timeout_s: float | None = None) -> None:
         """Return once every copy of ``handle`` has been handed over. Raises ``HandOverTimeout`` at the
         deadline (the request is then given up here: ``handle.abort``), or the hand-over's own error."""
-        if self.mode == "sync":
-            return
         deadline = self._clock() + (self.timeout_s if timeout_s is None else timeout_s)
         try:
             while True:
-                if self.mode == "poll":
+                if self.mode != "thread":
                     self._hand_over(post=False)
                 with self._cv:
                     self._raise_failed(handle)

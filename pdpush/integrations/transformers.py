@@ -61,8 +61,10 @@ def build_model(spec: ModelSpec, device: str = "cpu") -> LlamaForCausalLM:
                       initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                       max_position_embeddings=8192)
     cfg._attn_implementation = "sdpa"
-    torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(cfg).to(getattr(torch, spec.dtype)).to(device).eval()
+    torch.manual_seed(spec.seed)  # seeds the CUDA generators too: the same weights in every process
+    with torch.device(device):  # initialised where it runs (a large model's init on a GPU takes no time)
+        model = LlamaForCausalLM(cfg)
+    return model.to(getattr(torch, spec.dtype)).eval()
 
 
 def to_tokens_major(x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +110,7 @@ class PrefillResult:
     chunks_skipped: int = 0
     already_sent_indexes: list[int] = field(default_factory=list)
     t_committed: float = 0.0
+    t_forward: float = 0.0  # the forward starts (after the begin's round trip to the sender)
 
 
 def _device(model) -> torch.device:
@@ -166,8 +169,9 @@ def prefill_and_push(model, prompt: list[int], client: PrefillClient, req_id: st
 
     hooks = [layer.register_forward_hook(after_layer) for layer in model.model.layers]
     try:
-        t_start = clock.begin()
+        t_start = time.monotonic()
         handle = client.begin(req_id, prompt, receiver)
+        t_forward = clock.begin()
         cache = PushingCache(model.config, handle, pipelined, stager)
         with torch.no_grad():
             out = model(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
@@ -183,7 +187,7 @@ def prefill_and_push(model, prompt: list[int], client: PrefillClient, req_id: st
         for h in hooks:
             h.remove()
     return PrefillResult(int(logits.argmax()), logits, t_start, t_end, clock.ends(), done.bytes_sent, done.puts,
-                         done.chunks_skipped, handle.already_sent_indexes, t_committed)
+                         done.chunks_skipped, handle.already_sent_indexes, t_committed, t_forward)
 
 
 def forward_time(model, prompt: list[int]) -> float:

@@ -5,7 +5,7 @@ start-up, so that a wrong setting stops the engine there with its name, not on a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -47,6 +47,10 @@ class ConnectorSettings(BaseModel):
     """Deadline for each call to the local daemon (begin, open, query)."""
     load_timeout_s: float = Field(10.0, gt=0)
     """Decode: how long one layer may take to arrive before the load is given up (and recomputed)."""
+    handover: Literal["", "thread", "poll"] = ""
+    """Prefill on a GPU: how a layer's finished device-to-host copy reaches the sender: ``thread`` (a
+    completion thread hands each layer over as its copy completes; the default) or ``poll`` (the
+    engine's thread hands over what has completed at each layer, the rest in ``wait_for_save``)."""
     sender_retry_s: float = Field(5.0, ge=0)
     """Prefill: after the sender did not answer (or died), requests are not pushed for this long (their
     decode side recomputes), so the forward never waits on a missing sender."""
@@ -96,12 +100,15 @@ class ReceiverLink:
     def __init__(self, endpoints: Endpoints, timeout_s: float) -> None:
         self.socket, self.timeout_s = endpoints.receiver_socket, timeout_s
         self._client: DecodeClient | None = None
+        self.pin_cuda = False  # a GPU cache: the pool is page-locked in this process for H2D copies
 
     def get(self) -> DecodeClient:
         if self._client is None:
             if not self.socket:
                 raise ConfigError("PdpushConnector (kv_consumer) needs receiver_config or receiver_socket")
-            self._client = DecodeClient(self.socket, timeout_s=self.timeout_s)
+            self._client = DecodeClient(self.socket, timeout_s=self.timeout_s, pin_cuda=self.pin_cuda)
+        elif self.pin_cuda and not self._client._segments.pin:
+            self._client._segments.pin_all()
         return self._client
 
     def reset(self) -> None:

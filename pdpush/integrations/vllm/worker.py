@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from pdpush.client import DecodeRequest, PrefillClient, PushHandle
 from pdpush.errors import BrokenResourceError, ConfigError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
+from pdpush.integrations.device_copy import D2HStager, H2DLoader
 from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
 from pdpush.layout import KVLayout, rank_heads
@@ -33,6 +34,7 @@ class _Push:
     src: vl.SlotMap          # the new chunks' tokens in vLLM's cache
     dst_chunk: torch.Tensor  # each token's position among the new chunks in staging
     layers_sent: int = 0
+    dev_addr: dict = field(default_factory=dict)  # a CUDA cache: the slot addresses on its device
 
 
 @dataclass
@@ -43,6 +45,8 @@ class _Load:
     src_page: torch.Tensor
     layers_done: int = 0
     failed: str | None = None
+    tickets: dict = field(default_factory=dict)  # a CUDA cache: layer -> H2D copy started (H2DLoader)
+    dev_idx: tuple | None = None  # (chunk index, chunk row) of each token, on the device
 
 
 def _cpu_writer(dtype: torch.dtype, slots: int, head_size: int, cache_dtype: str) -> vl.Writer:
@@ -80,6 +84,9 @@ class WorkerSide:
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.heads = rank_heads(layout.kv_heads, self.tp_size, self.tp_rank)
         self._prefill: PrefillClient | None = None
+        # a GPU cache: copies on side streams (device_copy.py), set up in register_kv_caches
+        self._stager: D2HStager | None = None
+        self._loader: H2DLoader | None = None
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
@@ -99,7 +106,8 @@ class WorkerSide:
     def _sender(self) -> PrefillClient:
         if self._prefill is None:
             self._prefill = PrefillClient(self.layout, self.endpoints.sender_socket or None,
-                                          receiver=self.endpoints.default_receiver, timeout_s=self.settings.timeout_s)
+                                          receiver=self.endpoints.default_receiver, timeout_s=self.settings.timeout_s,
+                                          pin_cuda=self._stager is not None)
         return self._prefill
 
 
@@ -129,6 +137,13 @@ class WorkerSide:
         self._paged = vl.PagedKV(backend, self.head_size, maps)
         for t in kv_caches.values():  # fail at start-up, not on the first request
             self._paged.check(t)
+        if sample.is_cuda:
+            self._stager = D2HStager(sample.device, mode=self.settings.handover or None,
+                                     timeout_s=self.settings.timeout_s)
+            self._loader = H2DLoader(sample.device)
+            if self._prefill is not None:
+                self._prefill._segments.pin_all()
+            self.receiver.pin_cuda = True
         log.info("PdpushConnector: %d layers, backend %s, cache view %s", len(kv_caches), backend,
                  tuple(sample.shape))
 
@@ -204,10 +219,17 @@ class WorkerSide:
         n = self._paged.slots_per_block(kv_layer)
         for p in list(self._pushes):
             try:
+                if self._stager is not None:  # a GPU cache: gather and copy on a side stream, hand over when done
+                    addr = p.dev_addr.get(n)
+                    if addr is None:
+                        addr = p.dev_addr[n] = tuple(a.to(kv_layer.device) for a in p.src.addresses(n))
+                    self._stager.put_layer(p.handle, layer, lambda a=addr: self._paged.gather(kv_layer, *a),
+                                           new_only=True)
+                    p.layers_sent += 1
+                    STATS["push_layers"] += 1
+                    continue
                 staging = _storage_tensor(p.handle.staging_layer(layer), self.layout.dtype)  # [u, n, h, 2, T, D]
                 ks, vs = self._paged.gather(kv_layer, *p.src.addresses(n))  # [tokens, heads, D]
-                # a GPU cache: one device-to-host copy of the gathered tokens (synchronous; never run here)
-                ks, vs = ks.to("cpu", staging.dtype), vs.to("cpu", staging.dtype)
                 hu = staging.shape[2]
                 for u in range(staging.shape[0]):  # the share's head units (one unless pool shards > 1)
                     staging[u][p.dst_chunk, :, 0, p.src.chunk_rows] = ks[:, u * hu:(u + 1) * hu]
@@ -224,6 +246,8 @@ class WorkerSide:
         STATS["push_failures"] += 1
         log.error("pdpush: push of %s (%s) failed: %s", p.spec.req_id, p.spec.push_id, why)
         self._pushes.remove(p)
+        if self._stager is not None:
+            self._stager.drop(p.handle)
         try:
             p.handle.abort(why[:200])
         except PdpushError:
@@ -237,6 +261,10 @@ class WorkerSide:
                 self._fail_push(p, f"only {p.layers_sent} of {self.layout.layers} layers were produced")
                 continue
             try:
+                if self._stager is not None:
+                    # every copy handed over before the commit; also, vLLM may reuse these blocks once the
+                    # step ends, so no copy may still be reading them (with a deadline: HandOverTimeout)
+                    self._stager.wait(p.handle, self.settings.timeout_s)
                 p.handle.finish_nowait()  # the commit completes in the background; the decode side waits for layers
                 self._finishing.append(p.handle)
             except PdpushError as e:
@@ -301,6 +329,9 @@ class WorkerSide:
         for ld in self._loads:
             if ld.failed is not None or ld.req is None:
                 continue
+            if self._loader is not None:
+                self._load_layer_cuda(ld, layer, kv, n)
+                continue
             try:
                 parts = [_storage_tensor(view, self.layout.dtype) for _, view in
                          ld.req.layer_shards(layer, timeout_s=self.settings.load_timeout_s)]  # [pages, h, 2, T, D]
@@ -312,6 +343,31 @@ class WorkerSide:
             except _REQUEST_ERRORS as e:
                 ld.failed = f"layer {layer}: {e}"
         STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _load_layer_cuda(self, ld: _Load, layer: int, kv: torch.Tensor, n: int) -> None:
+        """A GPU cache: this layer's pages go up on a side stream (H2DLoader), with every later layer
+        that has already landed started behind it; the scatter on the compute stream waits on its event."""
+        try:
+            req, loader = ld.req, self._loader
+            for later in range(layer + 1, self.layout.layers):  # prefetch what has landed, in order
+                if later in ld.tickets:
+                    continue
+                if not req.landed(later):
+                    break
+                ld.tickets[later] = loader.start(req, later)
+            ticket = ld.tickets.pop(layer, None) or loader.start(req, layer, self.settings.load_timeout_s)
+            pages, done = ticket
+            if done is not None:
+                torch.cuda.current_stream(kv.device).wait_event(done)
+            if ld.dev_idx is None:
+                ld.dev_idx = (ld.dst.chunk_idx.to(kv.device), ld.dst.chunk_rows.to(kv.device),
+                              *(a.to(kv.device) for a in ld.dst.addresses(n)))
+            ci, rows, blk, off = ld.dev_idx
+            self._paged.scatter(kv, blk, off, pages[ci, :, 0, rows], pages[ci, :, 1, rows])
+            ld.layers_done += 1
+            STATS["load_layers"] += 1
+        except _REQUEST_ERRORS as e:
+            ld.failed = f"layer {layer}: {e}"
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # called after every forward: settle this step's loads
@@ -339,6 +395,8 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
         self._reap_finishing(wait_s=self.settings.timeout_s)
         if self._prefill is not None:
             self._prefill.close()

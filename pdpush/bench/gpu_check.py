@@ -1,0 +1,277 @@
+"""``make gpu-check``: pdpush's GPU path on a real GPU, as one script of a few minutes, one JSON file.
+
+1. Staging microbenchmark (in this process): device-to-host GB/s into page-locked staging (a SysV
+   segment like the sender's, pinned with cudaHostRegister, copied on a side stream) against
+   ``tensor.to("cpu")``; host-to-device from the pinned pool against pageable memory; and how much of
+   a pinned copy on a side stream overlaps a matrix-multiply loop on the compute stream.
+2. The demo on the GPU (real daemons, real UCX, a prefill and a decode engine process): eager, and
+   pipelined with the completion thread and with polling. For each: token (and logit) equality with
+   colocated generation on the same GPU, exposed transfer, and the prefill forward's time with the
+   push on against the same forward with no push, interleaved, medians (the push must not slow the
+   forward by more than 5 %).
+
+``--device cpu --small`` runs the same script on the CPU with a tiny model (``tests/test_gpu_check``
+keeps it from rotting where no GPU is). Everything is written to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+GPU_SPEC = dict(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, vocab=32000, dtype="bfloat16")
+SMALL_SPEC = dict(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1000, dtype="float32")
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+           "cuda_available": torch.cuda.is_available(), "host_cpus": os.cpu_count()}
+    if device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(torch.device(device))
+        out.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                   capability=f"{p.major}.{p.minor}")
+    try:
+        import ucxx
+
+        out["ucxx"] = ucxx.__version__
+        out["ucx"] = ".".join(map(str, ucxx.get_ucx_version()))
+    except Exception as e:  # noqa: BLE001 - reported, the demo part will fail with its own error
+        out["ucxx"] = f"not importable: {type(e).__name__}: {e}"
+    return out
+
+
+# ------------------------------------------------------------------------------ staging microbench
+
+def staging_bench(device: str, nbytes: int, repeats: int) -> dict:
+    import torch
+
+    from pdpush import shm
+
+    cuda = device.startswith("cuda")
+    dev = torch.device(device)
+    shmid, addr = shm.create_private(nbytes)
+    try:
+        shm.prefault(addr, nbytes)
+        pinned = shm.pin_if_cuda(addr, nbytes) if cuda else False
+        host = torch.from_numpy(shm.array_at(addr, nbytes))
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+        out: dict = {"bytes": nbytes, "pinned": pinned, "host_view_is_pinned": bool(cuda and host.is_pinned())}
+
+        def gbps(seconds: list[float]) -> float:
+            return round(nbytes / statistics.median(seconds) / 1e9, 2)
+
+        if not cuda:  # the CPU dry run: the same shape of numbers, with memcpy standing in
+            t = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                host.copy_(src)
+                t.append(time.perf_counter() - t0)
+            out.update(d2h_pinned_gbps=gbps(t), d2h_to_cpu_gbps=None, h2d_pinned_gbps=None, h2d_pageable_gbps=None,
+                       bytes_equal=bool(torch.equal(host, src)), overlap=None)
+            return out
+        side = torch.cuda.Stream(dev)
+
+        def timed(fn, stream) -> float:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                s.record(stream)
+                fn()
+                e.record(stream)
+            e.synchronize()
+            return s.elapsed_time(e) / 1000
+
+        d2h_pinned = [timed(lambda: host.copy_(src, non_blocking=True), side) for _ in range(repeats + 1)][1:]
+        torch.cuda.synchronize()
+        equal = bool(torch.equal(host, src.cpu()))
+        to_cpu = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            x = src.to("cpu")  # what the engine did before: a fresh pageable tensor, synchronous
+            to_cpu.append(time.perf_counter() - t0)
+            del x
+        to_cpu = to_cpu[1:]
+        dst = torch.empty_like(src)
+        pageable = torch.from_numpy(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
+        h2d_pinned = [timed(lambda: dst.copy_(host, non_blocking=True), side) for _ in range(repeats + 1)][1:]
+        h2d_pageable = [timed(lambda: dst.copy_(pageable, non_blocking=True), side) for _ in range(repeats + 1)][1:]
+        out.update(d2h_pinned_gbps=gbps(d2h_pinned), d2h_to_cpu_gbps=gbps(to_cpu), h2d_pinned_gbps=gbps(h2d_pinned),
+                   h2d_pageable_gbps=gbps(h2d_pageable), bytes_equal=equal,
+                   d2h_speedup_vs_to_cpu=round(statistics.median(to_cpu) / statistics.median(d2h_pinned), 2))
+        out["overlap"] = _overlap(dev, side, host, src, repeats)
+        if pinned:
+            shm.unpin_cuda(addr)
+        return out
+    finally:
+        shm.detach(addr)
+
+
+def _overlap(dev, side, host, src, repeats: int) -> dict:
+    """A pinned copy on the side stream against a matmul loop on the compute stream: each alone,
+    then both at once. overlap = (compute + copy - both) / min(compute, copy): 1 is full overlap."""
+    import torch
+
+    main = torch.cuda.current_stream(dev)
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
+
+    def mm(n):
+        for _ in range(n):
+            a @ a
+
+    def run(compute: int, copy: bool) -> float:
+        torch.cuda.synchronize()
+        s, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        s.record(main)
+        side.wait_event(s)
+        if copy:
+            with torch.cuda.stream(side):
+                host.copy_(src, non_blocking=True)
+        e2.record(side)
+        if compute:
+            mm(compute)
+        e1.record(main)
+        torch.cuda.synchronize()
+        return max(s.elapsed_time(e1), s.elapsed_time(e2)) / 1000
+
+    copy_s = statistics.median(run(0, True) for _ in range(repeats))
+    one = statistics.median(run(1, False) for _ in range(repeats))
+    n = max(1, round(copy_s / one))  # about as long as the copy
+    comp_s = statistics.median(run(n, False) for _ in range(repeats))
+    both_s = statistics.median(run(n, True) for _ in range(repeats))
+    return {"copy_ms": round(copy_s * 1000, 3), "compute_ms": round(comp_s * 1000, 3), "both_ms": round(both_s * 1000, 3),
+            "overlap": round((comp_s + copy_s - both_s) / min(comp_s, copy_s), 3)}
+
+
+# ------------------------------------------------------------------------------ the demo on the device
+
+def demo_check(device: str, spec_kw: dict, prompt_tokens: int, chunk_tokens: int, new_tokens: int, repeats: int,
+               say) -> dict:
+    from pdpush import launch
+    from pdpush.demo import run as demo
+    from pdpush.integrations.transformers import ModelSpec
+
+    spec = ModelSpec(**spec_kw)
+    lay = spec.layout(chunk_tokens)
+    rng = np.random.default_rng(7)
+    chunks = lay.num_chunks(prompt_tokens)
+    modes = [("eager", False, None), ("pipelined_thread", True, "thread"), ("pipelined_poll", True, "poll")]
+    checked = {name: rng.integers(0, spec.vocab, prompt_tokens).tolist() for name, _, _ in modes}
+    say(f"model {spec.model_id} ({spec.dtype}) on {device}: KV {lay.token_bytes * prompt_tokens / 2**20:.1f} MiB "
+        f"per layer, {lay.layers} layers, {chunks} chunks of {chunk_tokens}")
+    workdir = launch.scratch_dir("pdpush-gpu-check-")
+    t0 = time.monotonic()
+    cluster = demo.Cluster(spec, chunk_tokens, workdir, pool_pages=chunks * 4,
+                           staging_bytes=max(4 << 20, 2 * lay.layers * chunks * lay.page_bytes), device=device)
+    out: dict = {"model": spec.model_id, "spec": spec_kw, "prompt_tokens": prompt_tokens, "chunk_tokens": chunk_tokens,
+                 "kv_bytes_per_request": lay.layers * chunks * lay.page_bytes, "repeats": repeats}
+    try:
+        out["start_s"] = round(time.monotonic() - t0, 1)
+        say("colocated reference on the same device")
+        refs = dict(zip(checked, demo.reference(spec, list(checked.values()), new_tokens, device), strict=True))
+        say("warm-up")
+        for i, (_, pipelined, mode) in enumerate(modes):
+            cluster.run(f"warm-{i}", rng.integers(0, spec.vocab, prompt_tokens).tolist(), 2, pipelined, 0.0, mode)
+        cluster.prefill.call({"cmd": "forward", "prompt": rng.integers(0, spec.vocab, prompt_tokens).tolist()})
+        res: dict = {}
+        for name, pipelined, mode in modes:
+            got = cluster.run(f"check-{name}", checked[name], new_tokens, pipelined, 0.0, mode)
+            tokens_ok, logits_ok = demo.compare(refs[name], got)
+            res[name] = {"handover": got["prefill"]["handover_mode"], "tokens_match": tokens_ok,
+                         "logits_match": logits_ok, "distinct_tokens": len(set(got["tokens"])),
+                         "forward_ms": [], "exposed_transfer_ms": [], "ttft_ms": [],
+                         "handed_over_after_layer_end_ms": [], "bytes_sent": got["prefill"]["bytes_sent"]}
+        off: list[float] = []
+        say(f"forward with the push on and off, {repeats} fresh prompts each, interleaved")
+        for i in range(repeats):
+            prompt = rng.integers(0, spec.vocab, prompt_tokens).tolist()
+            off.append(cluster.prefill.call({"cmd": "forward", "prompt": prompt})["forward_s"] * 1000)
+            for name, pipelined, mode in modes:
+                got = cluster.run(f"rep-{name}-{i}", rng.integers(0, spec.vocab, prompt_tokens).tolist(), 2,
+                                  pipelined, 0.0, mode)
+                r = res[name]
+                r["forward_ms"].append(got["forward_ms"])
+                r["exposed_transfer_ms"].append(got["exposed_transfer_raw_ms"])
+                r["ttft_ms"].append(got["ttft_ms"])
+                ends, handed = got["prefill"]["layer_end"], got["prefill"]["handed_over"]
+                # a layer's compute end -> its hand-over to the sender (below zero: K/V exist mid-layer, and
+                # the copy finished before the layer's attention and MLP did)
+                if len(ends) == len(handed) and pipelined:
+                    lag = [(h - e) * 1000 for e, h in zip(ends, handed, strict=True)]
+                    r["handed_over_after_layer_end_ms"].append(_median(lag))
+        base = _median(off)
+        out["forward_push_off_ms"] = {"median": base, "all": off}
+        for r in res.values():
+            fwd = _median(r["forward_ms"])
+            r["forward_ms"] = {"median": fwd, "all": r["forward_ms"]}
+            r["slowdown"] = round(fwd / base - 1, 4) if base else None
+            r["slowdown_ok"] = r["slowdown"] is not None and r["slowdown"] <= 0.05
+            for k in ("exposed_transfer_ms", "ttft_ms", "handed_over_after_layer_end_ms"):
+                r[k] = {"median": _median(r[k]), "all": r[k]}
+        out["modes"] = res
+        out["tokens_match"] = all(r["tokens_match"] for r in res.values())
+    finally:
+        cluster.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="a tiny model and buffers (the CPU dry run)")
+    ap.add_argument("--prompt-tokens", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    a = ap.parse_args(argv)
+
+    def say(msg: str) -> None:
+        print(f"[gpu-check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    import torch
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        say("no CUDA device visible to torch: run on a GPU machine, or give --device cpu --small for a dry run")
+        return 2
+    small = a.small
+    result: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "ok": False}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        result["environment"] = environment(a.device)
+        say(json.dumps(result["environment"]))
+        say("staging microbenchmark")
+        result["staging"] = staging_bench(a.device, (8 << 20) if small else (256 << 20), 5 if small else 10)
+        say(json.dumps(result["staging"]))
+        result["demo"] = demo_check(a.device, SMALL_SPEC if small else GPU_SPEC,
+                                    a.prompt_tokens or (200 if small else 4096), 16 if small else 256,
+                                    8 if small else 16, a.repeats or (3 if small else 7), say)
+        d = result["demo"]
+        result["ok"] = bool(d["tokens_match"] and all(r["slowdown_ok"] for r in d["modes"].values())
+                            and result["staging"]["bytes_equal"])
+    except Exception as e:  # noqa: BLE001 - whatever happened goes into the JSON, then the exit code
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        say(result["traceback"])
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    a.json.write_text(json.dumps(result, indent=2))
+    say(f"wrote {a.json} (ok={result['ok']}, {result['seconds']} s)")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
