@@ -262,6 +262,8 @@ class D2HStager:
             return len(ready)
 
     def _run(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # this thread's events and waits are on the engine's device
         while True:
             with self._cv:
                 while not self._stop and self._queue.head() is None:
@@ -312,11 +314,18 @@ class H2DLoader:
             done.record(self._stream)
         return dst, done
 
-    def finish(self, ticket, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[tokens, heads, D]`` on the device, ordered after the copy on the current stream."""
+    def ready(self, ticket) -> torch.Tensor:
+        """The copied pages ``[chunks, heads, 2, T, D]``, for use on the current stream: it waits on the
+        copy's event (the host does not), and the pages' memory is kept until that stream is done with it."""
         pages, done = ticket
         if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-            pages.record_stream(torch.cuda.current_stream(self.device))
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(done)
+            pages.record_stream(cur)  # allocated on the side stream, read on this one
+        return pages
+
+    def finish(self, ticket, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[tokens, heads, D]`` on the device, ordered after the copy on the current stream."""
+        pages = self.ready(ticket)
         kv = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, pages.shape[1], pages.shape[-1])[:, :tokens]
         return kv[0].contiguous(), kv[1].contiguous()

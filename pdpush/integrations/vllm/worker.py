@@ -356,9 +356,7 @@ class WorkerSide:
                     break
                 ld.tickets[later] = loader.start(req, later)
             ticket = ld.tickets.pop(layer, None) or loader.start(req, layer, self.settings.load_timeout_s)
-            pages, done = ticket
-            if done is not None:
-                torch.cuda.current_stream(kv.device).wait_event(done)
+            pages = loader.ready(ticket)  # the compute stream waits on the copy; the host does not
             if ld.dev_idx is None:
                 ld.dev_idx = (ld.dst.chunk_idx.to(kv.device), ld.dst.chunk_rows.to(kv.device),
                               *(a.to(kv.device) for a in ld.dst.addresses(n)))
