@@ -27,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-GPU_SPEC = dict(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, vocab=32000, dtype="bfloat16")
+# An 8B-class layer (Llama-3-8B's shapes, 16 of its 32 layers): the forward is GPU-bound, as in serving,
+# so that what the push costs the forward is measured, not the host's kernel-launch rate.
+GPU_SPEC = dict(layers=16, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, dtype="bfloat16")
 SMALL_SPEC = dict(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1000, dtype="float32")
 
 
