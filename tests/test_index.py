@@ -126,15 +126,22 @@ def test_silent_subscribers_expire_and_the_count_is_capped():
 @given(st.lists(st.tuples(st.sampled_from(["stored", "evicted", "cleared", "drop", "hb", "resub"]),
                           st.lists(st.integers(0, 20), max_size=4)), max_size=60))
 def test_a_view_with_resyncs_always_ends_equal_to_the_receiver(ops):
-    """Whatever is lost on the way, a view that asks for snapshots when told to converges."""
+    """Whatever is lost on the way, a view that asks for snapshots when told to converges. The
+    router's feed keeps its subscription alive every KEEPALIVE_S (router/feeds.py); "resub" is an
+    extra keep-alive. (Without keep-alives the receiver rightly forgets a silent subscriber.)"""
+    from pdpush.router.feeds import KEEPALIVE_S
+
     truth: set[bytes] = set()
     f = IndexFeed("e", SPEC)
     view = IndexView()
     view.on_snapshot(f.subscribe(SUB, True, [], LOAD, 0)[0][1], 0)
-    now = 0
+    now = last_keepalive = 0
     for kind, ks in ops:
         now += 1000
         keys = [key(k) for k in ks]
+        if kind == "resub" or now - last_keepalive >= KEEPALIVE_S * 1000:
+            f.subscribe(SUB, False, [], LOAD, now)
+            last_keepalive = now
         if kind == "resub":
             continue
         if kind == "hb":

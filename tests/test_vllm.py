@@ -141,6 +141,44 @@ def test_layers_are_handed_over_during_the_prefill_forward(cluster):
     assert tl["sender_layers"] == layers, tl
 
 
+def test_the_device_copy_path_gives_colocated_tokens(cluster, tmp_path):
+    """The GPU path's logic in the connector (device_copy.py), run on the CPU: the prefill gathers each
+    layer through the stager (a completion thread hands it over), wait_for_save waits for every copy,
+    and the decode loads through H2DLoader with prefetch. Tokens equal colocated; prefix reuse holds."""
+    from pdpush.harness.vllm_cluster import Engine
+
+    extra = {**COMMON, "handover": "thread"}
+    engines = []
+    try:  # both start at once; both are stopped by pid whatever happens
+        engines.append(Engine("kv_producer", cluster["model"], {**extra, "sender_socket": cluster["tx_sock"],
+                                                                "receiver": cluster["rx"].info["control_endpoint"]},
+                              tmp_path / "prefill-copied.log", LLM_ARGS))
+        engines.append(Engine("kv_consumer", cluster["model"], {**extra, "receiver_socket": cluster["rx_sock"]},
+                              tmp_path / "decode-copied.log", LLM_ARGS))
+        prefill, decode = engines
+        prefill.ready()
+        decode.ready()
+        c = {"prefill": prefill, "decode": decode}
+        rnd = random.Random(41)
+        first = [rnd.randrange(3, 500) for _ in range(140)]           # 2 full chunks + a partial one
+        second = first[:96] + [rnd.randrange(3, 500) for _ in range(60)]  # shares its 2 full chunks
+        for prompt in (first, second):
+            ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+            toks, _, _, dstats = disaggregated(c, prompt)
+            assert toks == ref, f"{len(prompt)}-token prompt: decode {toks} != colocated {ref}"
+        prefill.generate(first[:10], 1)  # a later step collects the last commit
+        p, d = prefill.stats(), decode.stats()
+    finally:
+        for e in engines:
+            e.stop()
+    layers = LAYOUT["layers"]
+    assert p["push_failures"] == 0 and p["push_committed"] >= 2, p
+    assert p["push_layers_copied"] == p["push_layers"] >= 2 * layers, p
+    assert p["push_chunks_skipped"] >= 2, p  # the second prompt's two shared chunks were not sent again
+    assert d["load_failures"] == 0 and d["load_requests"] == 2, d
+    assert d["load_layers_copied"] == d["load_layers"] == 2 * layers, d
+
+
 def test_decode_uses_the_pushed_kv(cluster):
     """Negative control: flip the pushed KV in the receiver's pool and the decode output changes."""
     rnd = random.Random(11)

@@ -15,6 +15,9 @@ STATS: dict[str, int] = {
     "match_queries": 0, "match_tokens": 0, "match_missing": 0, "claimed_tokens": 0,
     "load_wait_us": 0,  # time the decode forward spent opening loads and waiting for / copying layers
     "push_stage_us": 0,  # time the prefill forward spent beginning pushes and copying layers into staging
+    # the device-copy path (device_copy.py): layers staged through side-stream copies, and decode layers
+    # loaded through them (prefetched: started before their wait_for_layer_load)
+    "push_layers_copied": 0, "push_handover_wait_us": 0, "load_layers_copied": 0, "load_layers_prefetched": 0,
 }
 
 # The last events of this process's pushes (kind, push id, layer, monotonic seconds): how the

@@ -50,7 +50,9 @@ class ConnectorSettings(BaseModel):
     handover: Literal["", "thread", "poll"] = ""
     """Prefill on a GPU: how a layer's finished device-to-host copy reaches the sender: ``thread`` (a
     completion thread hands each layer over as its copy completes; the default) or ``poll`` (the
-    engine's thread hands over what has completed at each layer, the rest in ``wait_for_save``)."""
+    engine's thread hands over what has completed at each layer, the rest in ``wait_for_save``). With a
+    CPU cache, setting it runs that same logic with copies that complete at once (tests use it);
+    unset, a CPU cache is written straight into staging."""
     sender_retry_s: float = Field(5.0, ge=0)
     """Prefill: after the sender did not answer (or died), requests are not pushed for this long (their
     decode side recomputes), so the forward never waits on a missing sender."""

@@ -137,7 +137,7 @@ class WorkerSide:
         self._paged = vl.PagedKV(backend, self.head_size, maps)
         for t in kv_caches.values():  # fail at start-up, not on the first request
             self._paged.check(t)
-        if sample.is_cuda:
+        if sample.is_cuda or self.settings.handover:  # a CPU cache with `handover` set: the same logic (tests)
             self._stager = D2HStager(sample.device, mode=self.settings.handover or None,
                                      timeout_s=self.settings.timeout_s)
             self._loader = H2DLoader(sample.device)
@@ -219,7 +219,7 @@ class WorkerSide:
         n = self._paged.slots_per_block(kv_layer)
         for p in list(self._pushes):
             try:
-                if self._stager is not None:  # a GPU cache: gather and copy on a side stream, hand over when done
+                if self._stager is not None:  # gather and copy on a side stream, hand over when the copy is done
                     addr = p.dev_addr.get(n)
                     if addr is None:
                         addr = p.dev_addr[n] = tuple(a.to(kv_layer.device) for a in p.src.addresses(n))
@@ -227,6 +227,7 @@ class WorkerSide:
                                            new_only=True)
                     p.layers_sent += 1
                     STATS["push_layers"] += 1
+                    STATS["push_layers_copied"] += 1
                     continue
                 staging = _storage_tensor(p.handle.staging_layer(layer), self.layout.dtype)  # [u, n, h, 2, T, D]
                 ks, vs = self._paged.gather(kv_layer, *p.src.addresses(n))  # [tokens, heads, D]
@@ -264,7 +265,11 @@ class WorkerSide:
                 if self._stager is not None:
                     # every copy handed over before the commit; also, vLLM may reuse these blocks once the
                     # step ends, so no copy may still be reading them (with a deadline: HandOverTimeout)
-                    self._stager.wait(p.handle, self.settings.timeout_s)
+                    t0 = time.perf_counter()
+                    try:
+                        self._stager.wait(p.handle, self.settings.timeout_s)
+                    finally:
+                        STATS["push_handover_wait_us"] += int((time.perf_counter() - t0) * 1e6)
                 p.handle.finish_nowait()  # the commit completes in the background; the decode side waits for layers
                 self._finishing.append(p.handle)
             except PdpushError as e:
@@ -330,7 +335,7 @@ class WorkerSide:
             if ld.failed is not None or ld.req is None:
                 continue
             if self._loader is not None:
-                self._load_layer_cuda(ld, layer, kv, n)
+                self._load_layer_staged(ld, layer, kv, n)
                 continue
             try:
                 parts = [_storage_tensor(view, self.layout.dtype) for _, view in
@@ -344,9 +349,10 @@ class WorkerSide:
                 ld.failed = f"layer {layer}: {e}"
         STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
 
-    def _load_layer_cuda(self, ld: _Load, layer: int, kv: torch.Tensor, n: int) -> None:
+    def _load_layer_staged(self, ld: _Load, layer: int, kv: torch.Tensor, n: int) -> None:
         """A GPU cache: this layer's pages go up on a side stream (H2DLoader), with every later layer
-        that has already landed started behind it; the scatter on the compute stream waits on its event."""
+        that has already landed started behind it; the scatter on the compute stream waits on its event.
+        (On a CPU cache with ``handover`` set, the same logic with copies done at once.)"""
         try:
             req, loader = ld.req, self._loader
             for later in range(layer + 1, self.layout.layers):  # prefetch what has landed, in order
@@ -355,6 +361,7 @@ class WorkerSide:
                 if not req.landed(later):
                     break
                 ld.tickets[later] = loader.start(req, later)
+                STATS["load_layers_prefetched"] += 1
             ticket = ld.tickets.pop(layer, None) or loader.start(req, layer, self.settings.load_timeout_s)
             pages = loader.ready(ticket)  # the compute stream waits on the copy; the host does not
             if ld.dev_idx is None:
@@ -364,6 +371,7 @@ class WorkerSide:
             self._paged.scatter(kv, blk, off, pages[ci, :, 0, rows], pages[ci, :, 1, rows])
             ld.layers_done += 1
             STATS["load_layers"] += 1
+            STATS["load_layers_copied"] += 1
         except _REQUEST_ERRORS as e:
             ld.failed = f"layer {layer}: {e}"
 
