@@ -30,6 +30,8 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_every_mode(tmp_path):
         assert len(m["forward_ms"]["all"]) == 2 and m["forward_ms"]["median"] > 0
         assert m["slowdown_ok"] == (m["slowdown"] <= 0.05)
     assert len(d["forward_push_off_ms"]["all"]) == 2
+    cli = res["cli_demo"]  # `pdpush demo --device cpu --layer-compute-ms 0`, as the check runs it on CUDA
+    assert cli["rc"] == 0 and cli["device"] == "cpu" and cli["tokens_match"] and cli["logits_match"], cli
 
 
 def _pins(path: Path) -> dict[str, str]:

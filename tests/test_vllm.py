@@ -23,7 +23,11 @@ from pdpush.layout import KVLayout
 # pdpush/harness/vllm_engine.py's "tiny" model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
 # 32-token vLLM block, so the conversion cannot lean on the two being equal)
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
-COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
+# query_timeout_s: the scheduler's question to the receiver takes well under a millisecond, but on a loaded
+# 2-core box a first one missed the default 0.5 s, and the decode then recomputed (passing the token checks
+# without the push); the tests give it room, and check that the decode really loaded
+COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
+          "query_timeout_s": 3.0}
 NEW_TOKENS = 12
 # a small token budget per step: prompts over 96 tokens are prefilled in several steps (chunked
 # prefill), so a push spans steps and batches share steps, on every engine alike

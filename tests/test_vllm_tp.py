@@ -24,7 +24,11 @@ from pdpush.layout import KVLayout
 from tests.helpers import until
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
-COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0}
+# query_timeout_s: the scheduler's question to the receiver takes well under a millisecond, but on a loaded
+# 2-core box a first one missed the default 0.5 s, and the decode then recomputed (passing the token checks
+# without the push); the tests give it room, and check that the decode really loaded
+COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
+          "query_timeout_s": 3.0}
 LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
 NEW_TOKENS = 12
 LAY = KVLayout(**LAYOUT)
@@ -114,11 +118,20 @@ def fleet(tmp_path_factory):
 
 
 def _disaggregated(f: Fleet, prefill: str, decode: str, prompt: list[int]) -> tuple[list[int], dict]:
+    """Prefill, then decode with the push; the decode must have planned to load it, not recompute."""
     pre, _ = f.engines[prefill].generate(prompt, 1, {"do_remote_decode": True})
     params = pre["kv_transfer_params"]
     assert params and params["pdpush_req_id"], pre
-    out, _ = f.engines[decode].generate(prompt, NEW_TOKENS, params)
+    d0 = f.engines[decode].stats()
+    out, d1 = f.engines[decode].generate(prompt, NEW_TOKENS, params)
+    _loaded(d0, d1)
     return out["tokens"], params
+
+
+def _loaded(d0: dict, d1: dict) -> None:
+    """The decode scheduler found the push and planned its load (its counters live in the engine's
+    main process; the workers' load counters do not, with TP > 1)."""
+    assert d1["match_tokens"] > d0["match_tokens"] and d1["match_missing"] == d0["match_missing"], (d0, d1)
 
 
 
@@ -158,8 +171,10 @@ def test_corrupting_one_ranks_share_changes_the_decode_tokens(fleet):
         for layer in range(LAY.layers):
             for run in held.layer_runs(layer):
                 run *= -1.0  # K and V of every token of head 1 only
-        out, _ = fleet.engines["d1"].generate(OTHER, NEW_TOKENS, params)
+        d0 = fleet.engines["d1"].stats()
+        out, d1 = fleet.engines["d1"].generate(OTHER, NEW_TOKENS, params)
         held.release()
+        _loaded(d0, d1)  # the decode loaded the (corrupted) push: a recompute would match colocated, proving nothing
     finally:
         dc.close()
     assert out["tokens"] != fleet.refs["other"], "corrupting rank 1's share did not change the decode"

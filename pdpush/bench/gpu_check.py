@@ -9,6 +9,7 @@
    colocated generation on the same GPU, exposed transfer, and the prefill forward's time with the
    push on against the same forward with no push, interleaved, medians (the push must not slow the
    forward by more than 5 %).
+3. ``pdpush demo --device cuda`` itself, with its default model (token and logit equality).
 
 ``--device cpu --small`` runs the same script on the CPU with a tiny model (``tests/test_gpu_check``
 keeps it from rotting where no GPU is). Everything is written to ``--json``.
@@ -230,6 +231,24 @@ def demo_check(device: str, spec_kw: dict, prompt_tokens: int, chunk_tokens: int
     return out
 
 
+def cli_demo(device: str, json_path: Path, timeout_s: float = 300) -> dict:
+    """``pdpush demo`` itself, as a user runs it, on the device (real compute: no emulated layer time)."""
+    import subprocess
+
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "demo", "--device", device, "--layer-compute-ms",
+                        "0", "--json", str(json_path)], capture_output=True, text=True, timeout=timeout_s)
+    out: dict = {"rc": r.returncode, "seconds": round(time.monotonic() - t0, 1)}
+    if json_path.exists():
+        d = json.loads(json_path.read_text())
+        out.update({k: d[k] for k in ("model", "device", "handover", "tokens_match", "logits_match",
+                                      "per_request_match", "prefill_ms", "exposed_transfer_ms", "ttft_ms",
+                                      "chunks_skipped_second")})
+    else:
+        out["stderr"] = r.stderr[-3000:]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, required=True)
@@ -260,9 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         result["demo"] = demo_check(a.device, SMALL_SPEC if small else GPU_SPEC,
                                     a.prompt_tokens or (200 if small else 4096), 16 if small else 256,
                                     8 if small else 16, a.repeats or (3 if small else 7), say)
+        say("pdpush demo (the CLI) on the device")
+        result["cli_demo"] = cli_demo(a.device, a.json.with_name("demo-" + a.json.name))
+        say(json.dumps(result["cli_demo"]))
         d = result["demo"]
         result["ok"] = bool(d["tokens_match"] and all(r["slowdown_ok"] for r in d["modes"].values())
-                            and result["staging"]["bytes_equal"])
+                            and result["staging"]["bytes_equal"] and result["cli_demo"].get("tokens_match"))
     except Exception as e:  # noqa: BLE001 - whatever happened goes into the JSON, then the exit code
         import traceback
 

@@ -15,6 +15,7 @@ Imports torch and transformers (this module is only imported by engines and the 
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +66,15 @@ def build_model(spec: ModelSpec, device: str = "cpu") -> LlamaForCausalLM:
     with torch.device(device):  # initialised where it runs (a large model's init on a GPU takes no time)
         model = LlamaForCausalLM(cfg)
     return model.to(getattr(torch, spec.dtype)).eval()
+
+
+# transformers 5.x renamed the forward's ``past_key_values`` to ``cache`` (notes/transformers.md); a GPU
+# machine may carry a release from before the rename, where ``cache=`` would be silently ignored
+_CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _forward(model, input_ids: torch.Tensor, cache: DynamicCache, **kw):
+    return model(input_ids=input_ids, use_cache=True, **{_CACHE_KW: cache}, **kw)
 
 
 def to_tokens_major(x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +184,7 @@ def prefill_and_push(model, prompt: list[int], client: PrefillClient, req_id: st
         t_forward = clock.begin()
         cache = PushingCache(model.config, handle, pipelined, stager)
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
+            out = _forward(model, torch.tensor([prompt], device=dev), cache, logits_to_keep=1)
             logits = out.logits[0, -1].float().cpu()  # the first token exists: the host has waited for the forward
         t_end = time.monotonic()
         if not pipelined:
@@ -196,8 +206,7 @@ def forward_time(model, prompt: list[int]) -> float:
     clock = _LayerClock(dev)
     t0 = clock.begin()
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt], device=dev), cache=DynamicCache(config=model.config),
-                    use_cache=True, logits_to_keep=1)
+        out = _forward(model, torch.tensor([prompt], device=dev), DynamicCache(config=model.config), logits_to_keep=1)
         out.logits[0, -1].float().cpu()
     return time.monotonic() - t0
 
@@ -225,7 +234,7 @@ def greedy(model, cache: DynamicCache, first_token: int, steps: int) -> tuple[li
     tok = first_token
     with torch.no_grad():
         for _ in range(steps):
-            out = model(input_ids=torch.tensor([[tok]], device=_device(model)), cache=cache, use_cache=True)
+            out = _forward(model, torch.tensor([[tok]], device=_device(model)), cache)
             lg = out.logits[0, -1].float().cpu()
             logits.append(lg)
             tok = int(lg.argmax())
@@ -237,8 +246,7 @@ def colocated(model, prompt: list[int], new_tokens: int) -> tuple[list[int], lis
     """Reference: prefill and decode in one process. Returns all tokens and all logits (prefill first)."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt], device=_device(model)), cache=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = _forward(model, torch.tensor([prompt], device=_device(model)), cache, logits_to_keep=1)
     first = out.logits[0, -1].float().cpu()
     rest, rest_logits = greedy(model, cache, int(first.argmax()), new_tokens - 1)
     return [int(first.argmax()), *rest], [first, *rest_logits]
