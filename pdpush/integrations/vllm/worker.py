@@ -138,12 +138,14 @@ class WorkerSide:
         for t in kv_caches.values():  # fail at start-up, not on the first request
             self._paged.check(t)
         if sample.is_cuda or self.settings.handover:  # a CPU cache with `handover` set: the same logic (tests)
-            self._stager = D2HStager(sample.device, mode=self.settings.handover or None,
-                                     timeout_s=self.settings.timeout_s)
-            self._loader = H2DLoader(sample.device)
-            if self._prefill is not None:
-                self._prefill._segments.pin_all()
-            self.receiver.pin_cuda = True
+            if self.producer:
+                self._stager = D2HStager(sample.device, mode=self.settings.handover or None,
+                                         timeout_s=self.settings.timeout_s)
+                if self._prefill is not None:
+                    self._prefill._segments.pin_all()
+            if self.consumer:
+                self._loader = H2DLoader(sample.device)
+                self.receiver.pin_cuda = True
         log.info("PdpushConnector: %d layers, backend %s, cache view %s", len(kv_caches), backend,
                  tuple(sample.shape))
 
