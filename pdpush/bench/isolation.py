@@ -96,8 +96,8 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
         th = threading.Thread(target=background_a, daemon=True)
         th.start()
         base, ok1 = phase("base")
-        a_before = dict(a_stats)
         hosts.link(False)
+        a_before = dict(a_stats)  # after the cut: what finished while `ip` ran was not cut off
         during, ok2 = phase("during")
         a_during = {k: a_stats[k] - a_before[k] for k in a_stats}
         hosts.link(True)
