@@ -161,14 +161,19 @@ def _until(pred, timeout_s: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-def test_thread_mode_hands_layers_over_from_its_thread_in_copy_order():
+def _stager(mode: str, **kw) -> tuple[dc.D2HStager, list[Fence]]:
+    """A CPU stager whose copies complete only when the test sets their fences."""
     fences: list[Fence] = []
 
     def fence():
         fences.append(Fence())
         return fences[-1]
 
-    st_ = dc.D2HStager("cpu", mode="thread", fence=fence)
+    return dc.D2HStager("cpu", mode=mode, fence=fence, **kw), fences
+
+
+def test_thread_mode_hands_layers_over_from_its_thread_in_copy_order():
+    st_, fences = _stager("thread")
     h = Handle(LAY, 40)
     k, v = _kv(40)
     try:
@@ -193,13 +198,7 @@ def test_thread_mode_hands_layers_over_from_its_thread_in_copy_order():
 
 
 def test_poll_mode_hands_over_on_the_engines_thread_when_it_stages_or_waits():
-    fences: list[Fence] = []
-
-    def fence():
-        fences.append(Fence())
-        return fences[-1]
-
-    st_ = dc.D2HStager("cpu", mode="poll", fence=fence)
+    st_, fences = _stager("poll")
     h = Handle(LAY, 40)
     k, v = _kv(40)
     st_.put_layer(h, 0, k, v)
@@ -214,13 +213,7 @@ def test_poll_mode_hands_over_on_the_engines_thread_when_it_stages_or_waits():
 
 @pytest.mark.parametrize("mode", ["thread", "poll"])
 def test_a_copy_that_never_completes_fails_the_request_at_its_deadline(mode):
-    fences: list[Fence] = []
-
-    def fence():
-        fences.append(Fence())
-        return fences[-1]
-
-    st_ = dc.D2HStager("cpu", mode=mode, fence=fence, timeout_s=30)
+    st_, fences = _stager(mode, timeout_s=30)
     h = Handle(LAY, 40)
     k, v = _kv(40)
     try:
