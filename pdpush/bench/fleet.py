@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from pdpush import launch
+from pdpush.bench.report import save
 from pdpush.harness.fleet import Fleet, openai_fleet
 from pdpush.harness.vllm_cluster import build_model
 
@@ -324,12 +325,9 @@ def main() -> int:
     res = run(a)
     print(f"cache-aware / round-robin bytes: {res['cache_aware_over_round_robin_bytes']}")
     print(f"tokenizer: {json.dumps(res['tokenizer'])}")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(res, indent=2))
+    save(a.json, res)
     if a.report:
-        a.report.parent.mkdir(parents=True, exist_ok=True)
-        a.report.write_text(markdown(res))
+        save(a.report, markdown(res))
     every = list(res["runs"].values()) + list(res.get("pool_pressure", {}).get("runs", {}).values())
     return 0 if all(r["tokens_match"] for r in every) else 1
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdpush.bench.report import save
+
 # An 8B-class layer (Llama-3-8B's shapes, 16 of its 32 layers): the forward is GPU-bound, as in serving,
 # so that what the push costs the forward is measured, not the host's kernel-launch rate.
 GPU_SPEC = dict(layers=16, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, dtype="bfloat16")
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         result["traceback"] = traceback.format_exc()[-4000:]
         say(result["traceback"])
     result["seconds"] = round(time.monotonic() - t0, 1)
-    a.json.write_text(json.dumps(result, indent=2))
+    save(a.json, result)
     say(f"wrote {a.json} (ok={result['ok']}, {result['seconds']} s)")
     return 0 if result["ok"] else 1
 

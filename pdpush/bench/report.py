@@ -242,13 +242,19 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 """
 
 
+def save(path: Path | None, content: str | dict) -> None:
+    """Write one result file, making its folder: text as it is, a dict as indented JSON. No path, no file."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content if isinstance(content, str) else json.dumps(content, indent=2))
+
+
 def write(res: dict, json_path: Path | None, plot_path: Path | None, report: Path | None) -> None:
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(res, indent=2))
+    save(json_path, res)
     if plot_path:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot(res, plot_path)
     if report:
         rel = os.path.relpath(plot_path, report.parent) if plot_path else ""
-        report.write_text(markdown(res, rel))
+        save(report, markdown(res, rel))

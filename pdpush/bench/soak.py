@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from pdpush import launch
+from pdpush.bench.report import save
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
@@ -221,8 +222,7 @@ def main() -> None:
                                    "failure_kinds")}
     print(json.dumps(summary, indent=2))
     print(json.dumps(res["pools"], indent=2))
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=2))
+    save(a.json, res)
     raise SystemExit(0 if res["mismatches"] == 0 and res["leaked_pages"] == 0 and res["requests_ok"] > 0 else 1)
 
 

@@ -18,13 +18,13 @@ tokens are compared with the colocated engine for every prompt.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 from pathlib import Path
 
 from pdpush import launch
+from pdpush.bench.report import save
 from pdpush.harness.vllm_cluster import build_model, cluster, push_timeline
 
 # pdpush.harness.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
@@ -136,12 +136,9 @@ def main() -> int:
     print(f"    of which waiting for / copying the pushed KV:     {m['load_wait_ms']:.2f} ms "
           f"({res['load_wait_over_recompute']:.3f} x recompute)")
     print(f"  tokens match the colocated engine: {res['tokens_match']}")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(res, indent=2))
+    save(a.json, res)
     if a.report:
-        a.report.parent.mkdir(parents=True, exist_ok=True)
-        a.report.write_text(markdown(res, a.new_tokens))
+        save(a.report, markdown(res, a.new_tokens))
     return 0 if res["tokens_match"] else 1
 
 
