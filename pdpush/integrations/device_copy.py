@@ -172,7 +172,8 @@ class D2HStager:
     def wait(self, handle, timeout_s: float | None = None) -> None:
         """Return once every copy of ``handle`` has been handed over. Raises ``HandOverTimeout`` at the
         deadline (the request is then given up here: ``handle.abort``), or the hand-over's own error."""
-        deadline = self._clock() + (self.timeout_s if timeout_s is None else timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = self._clock() + limit
         try:
             while True:
                 if self.mode != "thread":
@@ -185,7 +186,7 @@ class D2HStager:
                     if self._clock() >= deadline:
                         self._queue.drop(handle)
                         raise HandOverTimeout(f"request {handle.req_id!r}: {left} layer copies did not complete "
-                                              f"in {timeout_s if timeout_s is not None else self.timeout_s:.1f} s",
+                                              f"in {limit:.1f} s",
                                               req_id=handle.req_id)
                     if self.mode == "thread":
                         self._cv.wait(min(0.05, max(0.0, deadline - self._clock())))
@@ -272,7 +273,7 @@ class D2HStager:
                     return
                 head = self._queue.head()
             try:
-                if head is not None and not head.fence.query():
+                if not head.fence.query():
                     sync = getattr(head.fence, "synchronize", None)
                     if sync is not None:
                         sync()  # releases the GIL; a blocking event sleeps rather than spins
