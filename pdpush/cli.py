@@ -156,6 +156,23 @@ def status(
 
 
 @app.command()
+def layout(
+    model: Path = typer.Option(..., "--model", help="A model directory (reads its config.json)."),
+    chunk_tokens: Optional[int] = typer.Option(None, help="Tokens per chunk (default 256)."),
+    dtype: Optional[str] = typer.Option(None, help="The dtype the engine serves (default: the config's)."),
+    model_id: Optional[str] = typer.Option(None, help="Model identity in chunk keys (default: the directory's name)."),
+) -> None:
+    """Print a model's KV layout as flat TOML lines, to append to a receiver config that does not set them."""
+    from pdpush.model_layout import layout_of, toml_lines
+
+    try:
+        typer.echo(toml_lines(layout_of(model, chunk_tokens=chunk_tokens, dtype=dtype, model_id=model_id)), nl=False)
+    except ValueError as e:
+        typer.echo(f"pdpush layout: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
 def keygen(
     name: str = typer.Argument(..., help="Key name, e.g. receiver or sender-a."),
     directory: Path = typer.Option(Path("keys"), "--dir", help="Where to write NAME.key and NAME.key_secret."),

@@ -1,10 +1,11 @@
 """Clients used inside engines: PrefillClient (to the sender) and DecodeClient (to the receiver).
 
-Canonical KV input/output at this API: per layer, K and V each shaped
-``[tokens, kv_heads, head_dim]`` (token-major). Engine layouts (HF
-``[B, H, S, D]``, vLLM paged blocks) are converted by the integrations.
+Canonical KV input/output at this API: per layer, the layout's components each shaped
+``[tokens, kv_heads, head_dim]`` (token-major): K and V for attention, the latent
+``[tokens, 1, D]`` for MLA. Engine layouts (HF ``[B, H, S, D]``, vLLM paged blocks) are
+converted by the integrations; the bytes are placed by the KV codec (kvcodec.py).
 
-In-page layout: ``page[2, chunk_tokens, kv_heads, head_dim]`` (see layout.py).
+In-page layout: ``page[H, C, chunk_tokens, head_dim]`` (see layout.py).
 Zero-copy: the prefill side writes straight into the sender's staging
 memory; the decode side gets views straight into the receiver's pool.
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from pdpush import control, protocol
+from pdpush import control, kvcodec, protocol
 from pdpush.config import default_sender_socket
 from pdpush.errors import (
     Aborted,
@@ -57,7 +58,6 @@ from pdpush.protocol import (
 )
 from pdpush.shm import Attached
 
-_NP_STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 # a waiting decode client re-reads readiness words in a tight loop for SPIN_S, then every NAP_S until
 # NAP_WINDOW_S, then between millisecond waits on the receiver's messages
 SPIN_S, NAP_S, NAP_WINDOW_S = 0.002, 0.0001, 0.2
@@ -68,17 +68,10 @@ def _endpoint(sock: str | Path) -> str:
     return s if "://" in s else f"ipc://{s}"
 
 
-def _as_bytes_array(x) -> np.ndarray:
-    """A numpy view of a tensor's raw bytes (torch tensors are moved to CPU if needed)."""
-    if type(x).__module__.startswith("torch"):
-        import torch
-
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        return t.view(torch.uint8).numpy() if t.is_contiguous() else t.contiguous().view(torch.uint8).numpy()
-    a = np.asarray(x)
-    return a.view(np.uint8) if a.flags.c_contiguous else np.ascontiguousarray(a).view(np.uint8)
+def _on_host(x):
+    if type(x).__module__.startswith("torch") and x.device.type != "cpu":
+        return x.cpu()
+    return x
 
 
 def pid_alive(pid: int) -> bool:
@@ -300,55 +293,30 @@ class PushHandle:
         self._finishing = False
 
     def staging_layer(self, layer: int) -> np.ndarray:
-        """Raw writable view of this rank's share of layer ``layer`` (storage dtype), shaped
-        ``[units, new_chunks, heads per unit, 2, T, D]`` (layout.py, ``StagingShares``): the rank's
-        heads in order are ``units x heads per unit``; with one unit, ``[0]`` is ``[new_chunks, heads, 2, T, D]``."""
+        """Raw writable bytes of this rank's share of layer ``layer``, shaped ``StagingShares.share_shape``
+        ``[units, new_chunks, unit bytes]`` (layout.py); ``kvcodec.stage`` fills them."""
         sh = self.shares
         off = sh.share_offset(layer, self.tp_rank)
-        b = self._base[off:off + sh.share_bytes]
-        return b.view(_NP_STORAGE[self.client.layout.dtype]).reshape(sh.share_shape())
+        return self._base[off:off + sh.share_bytes].reshape(sh.share_shape())
 
-    def put_layer(self, layer: int, k, v) -> None:
-        """Copy layer ``layer``'s new chunks of K and V into staging, then push (``stage_layer``)."""
-        self.stage_layer(layer, k, v)
+    def put_layer(self, layer: int, *comps) -> None:
+        """Copy layer ``layer``'s new chunks into staging, then push (``stage_layer``)."""
+        self.stage_layer(layer, *comps)
         self.layer_ready(layer)
 
-    def stage_layer(self, layer: int, k, v) -> None:
-        """Copy layer ``layer``'s new chunks into staging without handing it over yet. ``k`` and ``v``
-        are ``[tokens, heads, D]``: this rank's heads, or all the model's (this rank's are taken)."""
+    def stage_layer(self, layer: int, *comps, new_only: bool = False) -> None:
+        """Copy layer ``layer``'s new chunks into staging without handing it over yet. ``comps`` are the
+        layout's components (K and V, or an MLA latent), each ``[tokens, heads, D]``: this rank's heads, or
+        all the model's (this rank's are taken); the prompt's tokens, or (``new_only``) only the new chunks'
+        tokens back to back. A tensor on a device is copied to the host first."""
         self._check_open()
         lay = self.client.layout
-        h0, h1 = self.heads
-        d = lay.head_dim * lay.dtype_bytes
-        # one (token, head) row of D elements as one opaque item: the token-major -> head-major
-        # transpose then moves whole rows (about twice as fast as moving their bytes one by one)
-        row = np.dtype((np.void, d))
-        kb, vb = (_as_bytes_array(x) for x in (k, v))  # contiguous
-        kb, vb = (x.reshape(x.shape[0], -1, d).view(row)[..., 0] for x in (kb, vb))  # [tokens, heads]
-        if kb.shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
-            kb, vb = kb[:, h0:h1], vb[:, h0:h1]
-        if kb.shape[1] != h1 - h0 or vb.shape[1] != h1 - h0:
-            raise ValueError(f"layer {layer}: got {kb.shape[1]} heads, rank {self.tp_rank} of {self.tp_size} "
-                             f"holds {h1 - h0} (of {lay.kv_heads})")
-        if kb.shape[0] < self.tokens or vb.shape[0] < self.tokens:
-            raise ValueError(f"layer {layer}: got {kb.shape[0]}/{vb.shape[0]} token rows, need {self.tokens}")
-        T = lay.chunk_tokens
-        st = self.staging_layer(layer)
-        dst = st.view(np.uint8).view(row).reshape(st.shape[:5])  # [units, chunks, hu, 2, T]
-        hu = dst.shape[2]
-        for u in range(dst.shape[0]):
-            ku, vu = kb[:, u * hu:(u + 1) * hu], vb[:, u * hu:(u + 1) * hu]
-            for j0, c0, n in self.new_runs:  # one vectorised copy per contiguous run of chunks (usually one)
-                t0 = c0 * T
-                t1 = min(self.tokens, (c0 + n) * T)
-                full = (t1 - t0) // T
-                if full:
-                    dst[u, j0:j0 + full, :, 0] = ku[t0:t0 + full * T].reshape(full, T, hu).transpose(0, 2, 1)
-                    dst[u, j0:j0 + full, :, 1] = vu[t0:t0 + full * T].reshape(full, T, hu).transpose(0, 2, 1)
-                rest = t1 - t0 - full * T
-                if rest:
-                    dst[u, j0 + full, :, 0, :rest] = ku[t0 + full * T:t1].T
-                    dst[u, j0 + full, :, 1, :rest] = vu[t0 + full * T:t1].T
+        comps = tuple(_on_host(x) for x in comps)
+        segs = kvcodec.segments(self.new_runs, self.tokens, lay.chunk_tokens, new_only)
+        try:
+            kvcodec.stage(self.staging_layer(layer), comps, self.shares, self.tp_rank, segs)
+        except ValueError as e:
+            raise ValueError(f"layer {layer}: {e}") from None
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
@@ -597,51 +565,54 @@ class DecodeRequest:
     def layer_shards(self, layer: int, wait: bool = True,
                      timeout_s: float | None = None) -> list[tuple[int, np.ndarray]]:
         """This rank's heads of layer ``layer`` in the whole pool, zero-copy: one ``(first head, view)``
-        per pool shard they span (usually one), the view ``[pool_pages, heads, 2, T, D]`` (storage dtype);
-        the first head counts from this rank's first. This request's chunks are at ``self.pages``."""
+        per pool shard they span (usually one), the view row bytes ``[pool_pages, heads, C, T, D * B]``;
+        the first head counts from this rank's first. This request's chunks are at ``self.pages``. Only
+        where shards are whole heads (``PoolGeometry.heads_aligned``); ``read_layer`` reads any pool."""
         self._ready_layer(layer, wait, timeout_s)
         g, lay = self.geometry, self.layout
         per = lay.kv_heads // g.shards
         out, at = [], 0
         for s, j, k in g.heads(*self.heads):
             off = g.offset(layer, s, 0)
-            shard = self._pool.array[off:off + g.pages * g.shard_bytes].view(_NP_STORAGE[lay.dtype]).reshape(
-                g.pages, per, 2, lay.chunk_tokens, lay.head_dim)
+            shard = self._pool.array[off:off + g.pages * g.shard_bytes].reshape(
+                g.pages, per, lay.components, lay.chunk_tokens, lay.row_bytes)
             out.append((at, shard[:, j:j + k]))
             at += k
         return out
 
     def layer_runs(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> list[np.ndarray]:
-        """Zero-copy views of this rank's heads, one per run of consecutive pages: ``[n, heads, 2, T, D]``
-        (storage dtype). Where the heads span several pool shards, use ``layer_shards``."""
+        """Zero-copy views of this rank's heads, one per run of consecutive pages: row bytes
+        ``[n, heads, C, T, D * B]``. Where the heads span several pool shards, use ``read_layer``."""
         parts = self.layer_shards(layer, wait, timeout_s)
         if len(parts) != 1:
-            raise ValueError(f"heads {self.heads} span {len(parts)} pool shards: use layer_shards()")
+            raise ValueError(f"heads {self.heads} span {len(parts)} pool shards: use read_layer()")
         view = parts[0][1]
         return [view[p:p + n] for _, p, n in self.page_runs]
 
-    def read_layer(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
-        """A copy of this rank's heads of the request's pages: ``[chunks, heads, 2, T, D]`` (storage dtype)."""
-        parts = self.layer_shards(layer, wait, timeout_s)
-        pages = np.asarray(self.pages, dtype=np.int64)
-        return np.concatenate([view[pages] for _, view in parts], axis=1)
+    def pool_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """The whole pool region's bytes, once ``layer`` is ready (for ``kvcodec.read_rows``/``read_pages``)."""
+        self._ready_layer(layer, wait, timeout_s)
+        return self._pool.array[:self.geometry.region_bytes]
 
-    def kv_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of this rank's heads of one layer as bytes, ``[tokens, heads, D * dtype bytes]`` (a copy)."""
-        pages = self.read_layer(layer, wait, timeout_s).view(np.uint8)  # [chunks, heads, 2, T, D bytes]
-        kv = pages.transpose(2, 0, 3, 1, 4).reshape(2, -1, pages.shape[1], pages.shape[-1])[:, :self.tokens]
-        return kv[0], kv[1]
+    def read_layer(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """A copy of this rank's heads of the request's pages: row bytes ``[chunks, heads, C, T, D * B]``."""
+        pool = self.pool_bytes(layer, wait, timeout_s)
+        return kvcodec.read_pages(pool, self.geometry, layer, np.asarray(self.pages, dtype=np.int64), self.heads)
+
+    def kv_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> tuple[np.ndarray, ...]:
+        """This rank's heads of one layer as bytes, one ``[tokens, heads, D * B]`` per component (K and V,
+        or the MLA latent; a copy)."""
+        rows = kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self.tokens)
+        return tuple(rows[:, :, c] for c in range(self.layout.components))
 
     def layer_kv(self, layer: int, wait: bool = True, timeout_s: float | None = None):
-        """K and V of this rank's heads of one layer as torch tensors ``[tokens, heads, D]`` (one copy)."""
+        """This rank's heads of one layer as torch tensors, one ``[tokens, heads, D]`` per component."""
         import torch
 
-        lay = self.layout
-        pages = torch.from_numpy(self.read_layer(layer, wait, timeout_s))  # [chunks, heads, 2, T, D]
-        if lay.dtype == "bfloat16":
-            pages = pages.view(torch.bfloat16)
-        kv = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, pages.shape[1], lay.head_dim)[:, :self.tokens]
-        return kv[0].clone(), kv[1].clone()
+        rows = torch.from_numpy(np.ascontiguousarray(
+            kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self.tokens)))
+        x = kvcodec.elements(rows, self.layout.dtype)
+        return tuple(x[:, :, c].clone() for c in range(self.layout.components))
 
     def release(self) -> None:
         if not self._released:

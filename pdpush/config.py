@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from pdpush.errors import ConfigError
-from pdpush.layout import KVLayout, PoolGeometry
+from pdpush.layout import DType, Kind, KVLayout, KvScales, PoolGeometry, check_shards
 
 _toml_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("pdpush_toml", default=None)
 
@@ -96,14 +96,24 @@ class ReceiverConfig(_Base):
     """UCX listener port for senders' data plane (0 = any free port)."""
     local_socket: str = ""
     """Unix socket for the local decode engine; default <runtime dir>/receiver-<control_port>.sock."""
+    model: str = ""
+    """A model directory (its ``config.json``): the layout fields this config does not set are read from it
+    (``pdpush layout --model DIR`` prints them). Set ``dtype`` where the engine serves another dtype than the
+    config's."""
     layers: int = Field(32, ge=1)
     """Layout: number of layers the pool holds."""
     kv_heads: int = Field(8, ge=1)
     """Layout: KV heads per layer."""
     head_dim: int = Field(128, ge=1)
     """Layout: dimension of one head."""
-    dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
-    """Layout: element type of K and V."""
+    dtype: DType = "bfloat16"
+    """Layout: element type of the KV cache (fp8 caches: float8_e4m3fn or float8_e5m2)."""
+    kind: Kind = "mha"
+    """Layout: ``mha`` (attention K and V per KV head, MHA/GQA) or ``mla`` (one latent of
+    kv_lora_rank + qk_rope_head_dim per token: set kv_heads = 1 and head_dim to that sum)."""
+    kv_scales: KvScales = "none"
+    """Layout: ``static`` for an fp8 cache with per-layer k/v scales from the checkpoint (the engines
+    check that both sides hold equal ones), else ``none``."""
     chunk_tokens: int = Field(256, ge=1)
     """Layout: tokens per chunk (one page per chunk per layer)."""
     model_id: str = "default"
@@ -111,9 +121,9 @@ class ReceiverConfig(_Base):
     pool_pages: int = Field(64, ge=1)
     """Pages in the pool; the pool is layers x pool_pages x page_bytes bytes."""
     pool_shards: int = Field(1, ge=1)
-    """Head groups a pool page is split into, shard-major per layer (docs/layout.md). Set it to the prefill
-    instances' tensor-parallel size: each prefill rank then puts its heads in one put per page run. Must
-    divide kv_heads."""
+    """Slices a pool page's bytes are split into, shard-major per layer (docs/layout.md). Set it to the prefill
+    instances' tensor-parallel size: each prefill rank then puts its share in one put per page run. Must
+    divide kv_heads (whole heads per shard), or be a multiple of it that divides the page (MLA, one KV head)."""
     lease_ms: int = Field(30_000, ge=10)
     """Upper bound on any lease; an uncommitted allocation is reclaimed after it."""
     quarantine_ms: int = Field(2_000, ge=0)
@@ -137,9 +147,21 @@ class ReceiverConfig(_Base):
     ucx_token_timeout_ms: int = Field(5000, ge=10)
     """A UCX peer must present its one-time session token within this, or it is dropped."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_from_model(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("model"):
+            return data
+        from pdpush.model_layout import layout_of
+
+        lay = layout_of(data["model"], chunk_tokens=data.get("chunk_tokens"), dtype=data.get("dtype"),
+                        model_id=data.get("model_id"))
+        return {**lay.to_dict(), **data}
+
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, self.chunk_tokens, self.model_id)
+        return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, self.chunk_tokens, self.model_id,
+                        self.kind, self.kv_scales)
 
     @property
     def pool_bytes(self) -> int:
@@ -154,8 +176,10 @@ class ReceiverConfig(_Base):
 
     @model_validator(mode="after")
     def _check_pool(self):
-        if self.kv_heads % self.pool_shards:
-            raise ValueError(f"pool_shards: {self.pool_shards} does not divide kv_heads={self.kv_heads}")
+        try:
+            check_shards(self.layout, self.pool_shards)
+        except ValueError as e:
+            raise ValueError(f"pool_shards: {e}") from None
         if self.pool_bytes > (1 << 40):
             raise ValueError(f"pool_pages: pool would be {self.pool_bytes} bytes (> 1 TiB)")
         return self

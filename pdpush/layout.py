@@ -1,36 +1,49 @@
-"""KV layout: byte sizes, offsets, fingerprints, chunk keys, page runs and TP shares.
+"""KV layout: the byte formulas of every KV shape pdpush moves (the KV codec's geometry).
 
-Canonical in-page layout (one page = one chunk of one layer), head-major::
+One description per model (``KVLayout``): the kind of KV, the element type, the tokens per page
+and the per-token layout. A page (one chunk of one layer) is, for every kind::
 
-    page[kv_heads, 2, chunk_tokens, head_dim]   # per head: K rows, then V rows
+    page[H, C, T, D]      # H "heads", C components, T token rows, D elements per row
 
-Head-major so that any contiguous run of heads (a tensor-parallel rank's share)
-is one contiguous byte range of a page. It is also CPU_ATTN's (block, head)
-tile order. A partial last chunk takes a whole page; only its first
-``last_chunk_tokens`` token rows of each head are meaningful.
+    kind "mha" (MHA/GQA attention):  H = kv_heads, C = 2 (K rows, then V rows), D = head_dim
+    kind "mla" (an MLA latent):       H = 1,        C = 1, D = kv_lora_rank + qk_rope_head_dim
 
-Pool (``PoolGeometry``): ``S = shards`` (a receiver setting, a divisor of
-``kv_heads``) splits each page into S slices of ``H/S`` heads, and a layer's
-region is shard-major::
+Head-major so that any contiguous run of heads (a tensor-parallel rank's share) is one contiguous
+byte range of a page; it is also CPU_ATTN's (block, head) tile order, and for MLA the latent's
+token-major rows. A partial last chunk takes a whole page; only its first ``last_chunk_tokens``
+token rows of each (head, component) are meaningful.
 
-    pool[layers, S, pages, H/S, 2, T, D]
+Element types (``DTYPES``): 16- and 32-bit floats and fp8 (e4m3fn, e5m2), one byte per element;
+bytes move as they are. ``kv_scales`` says where quantization scales live: ``none`` (none, or
+unit scales), ``static`` (one k/v scale per layer from the checkpoint, held by the engines: the
+workers compare a digest of them at first contact, ``scales_digest``).
+
+**Shares are byte fractions of a page.** Rank ``r`` of ``tp`` prefill ranks pushes bytes
+``[r * page_bytes / tp, (r + 1) * page_bytes / tp)`` of every page. Where ``tp`` divides ``H``
+that is its own heads; where ``tp`` is a multiple of ``H`` (vLLM replicates heads; MLA's one latent
+is replicated on every rank) the ``tp / H`` ranks holding a head each push one part of its bytes,
+so every rank sends and no byte is sent twice.
+
+Pool (``PoolGeometry``): ``S = shards`` (a receiver setting) splits each page's bytes into S
+slices, and a layer's region is shard-major::
+
+    pool[layers, S, pages, page_bytes / S]
     offset(layer, shard, page) = ((layer * S + shard) * pages + page) * page_bytes / S
 
-so shard ``s`` of layer ``l`` over a run of consecutive pages is one contiguous
-byte range. With S = 1 this is ``pool[layers, pages, page_bytes]``.
+so shard ``s`` of layer ``l`` over a run of consecutive pages is one contiguous byte range. With
+S = 1 this is ``pool[layers, pages, page_bytes]``. S must divide ``page_bytes``; where it divides
+``H`` a shard is whole heads (``heads_aligned``), which decode ranks read as zero-copy views.
 
-Staging (``StagingShares``) for a request pushed by ``tp`` prefill ranks into a
-pool of S shards, with ``U = lcm(tp, S)`` head units of ``H/U`` heads and
-``n`` new pages::
+Staging (``StagingShares``) for a request pushed by ``tp`` prefill ranks into a pool of S shards,
+with ``U = lcm(tp, S)`` byte units of ``page_bytes / U`` and ``n`` new pages::
 
-    staging[layers, U, n, H/U, 2, T, D]
+    staging[layers, U, n, page_bytes / U]
     rank r's share of layer l: units [r*U/tp, (r+1)*U/tp), one contiguous block of
     n * page_bytes / tp bytes at l * n * page_bytes + r * n * page_bytes / tp
 
-A unit that is a whole shard (U = S) goes in one put per page run; a unit that
-is part of a shard (U > S) in one put per page. So a rank's puts per layer are
-``runs * U / tp`` when U = S, which is one per page run when tp = S: set the
-receiver's ``shards`` to the prefill TP.
+A unit that is a whole shard (U = S) goes in one put per page run; a unit that is part of a shard
+(U > S) in one put per page. So a rank's puts per layer are ``runs * U / tp`` when U = S, which is
+one per page run when tp = S: set the receiver's ``shards`` to the prefill TP.
 
 After the KV comes the readiness area: one 8-byte word per (layer, page),
 ``ready[layers, pages]`` (u64, native order), at byte offset
@@ -41,29 +54,59 @@ decode client reading its zero-copy mapping sees a layer ready when every word
 of its new pages equals its lease id. Lease ids are unique and never 0, so a
 zeroed word or a late write from an older lease never reads as ready.
 
-Chunk keys and the fingerprint describe the model's whole KV (all heads), not
-a rank's or a pool's split, so prefix reuse works across TP configurations.
+Chunk keys and the fingerprint describe the model's whole KV (every field of the description,
+all heads), not a rank's or a pool's split, so prefix reuse works across TP configurations, and
+two sides that differ in any field never share a chunk.
 
-Pure logic: imports no torch, zmq or ucxx (numpy only where asked for).
+Pure logic: imports no torch, zmq or ucxx (``kvcodec.py`` moves the bytes these formulas place).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import xxhash
 
-DType = Literal["float16", "bfloat16", "float32"]
-DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
-LAYOUT_VERSION = 2
+
+class ElementType(NamedTuple):
+    bytes: int
+    numpy: str   # how numpy holds it (bfloat16 and fp8 have no numpy type: raw integers)
+    torch: str   # the torch dtype's name
+
+
+DTYPES: dict[str, ElementType] = {
+    "float16": ElementType(2, "float16", "float16"),
+    "bfloat16": ElementType(2, "uint16", "bfloat16"),
+    "float32": ElementType(4, "float32", "float32"),
+    "float8_e4m3fn": ElementType(1, "uint8", "float8_e4m3fn"),
+    "float8_e5m2": ElementType(1, "uint8", "float8_e5m2"),
+}
+DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
+Kind = Literal["mha", "mla"]
+KvScales = Literal["none", "static"]
+KINDS: dict[str, int] = {"mha": 2, "mla": 1}  # kind -> components per head
+# the names engines and configs use for an element type
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
+                 "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn",
+                 "fp8_e5m2": "float8_e5m2"}
+LAYOUT_VERSION = 3
 READY_WORD = 8  # bytes of one readiness word (a lease id)
+
+
+def dtype_name(name: str) -> str:
+    """The canonical element type of ``name`` (``torch.bfloat16``, ``bf16``, ``fp8_e4m3``, ...)."""
+    n = str(name).removeprefix("torch.")
+    n = DTYPE_ALIASES.get(n, n)
+    if n not in DTYPES:
+        raise ValueError(f"element type {name!r} is not one pdpush moves; supported: {sorted(DTYPES)}")
+    return n
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Geometry of one model's KV cache as pdpush moves it."""
+    """Geometry of one model's KV cache as pdpush moves it (module doc)."""
 
     layers: int
     kv_heads: int
@@ -71,22 +114,40 @@ class KVLayout:
     dtype: DType
     chunk_tokens: int
     model_id: str = "default"
+    kind: Kind = "mha"
+    kv_scales: KvScales = "none"
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"KVLayout.kind must be one of {sorted(KINDS)}, got {self.kind!r}")
+        if self.kind == "mla" and self.kv_heads != 1:
+            raise ValueError(f"an MLA latent is one head (kv_heads = 1), got kv_heads={self.kv_heads}")
+        if self.kv_scales not in ("none", "static"):
+            raise ValueError(f"KVLayout.kv_scales must be 'none' or 'static', got {self.kv_scales!r}")
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return DTYPES[self.dtype].bytes
+
+    @property
+    def components(self) -> int:
+        """C: rows per (head, token) in a page: K and V (2), or one MLA latent (1)."""
+        return KINDS[self.kind]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one (head, component, token) row: ``D * B``."""
+        return self.head_dim * self.dtype_bytes
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token of one layer, K and V together."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of one token of one layer, every head and component."""
+        return self.components * self.kv_heads * self.row_bytes
 
     @property
     def page_bytes(self) -> int:
@@ -94,12 +155,12 @@ class KVLayout:
 
     @property
     def page_shape(self) -> tuple[int, int, int, int]:
-        return (self.kv_heads, 2, self.chunk_tokens, self.head_dim)
+        return (self.kv_heads, self.components, self.chunk_tokens, self.head_dim)
 
     @property
     def head_page_bytes(self) -> int:
-        """Bytes of one head of one page (its K rows, then its V rows)."""
-        return 2 * self.chunk_tokens * self.head_dim * self.dtype_bytes
+        """Bytes of one head of one page (its C components' T rows each)."""
+        return self.components * self.chunk_tokens * self.row_bytes
 
     def kv_bytes(self, pages: int) -> int:
         """Bytes of the KV part of a pool of ``pages`` pages (all layers)."""
@@ -122,13 +183,23 @@ class KVLayout:
 
     def fingerprint(self) -> str:
         """Stable id of everything that must match for KV bytes to mean the same."""
-        s = (f"pdpush-layout-v{LAYOUT_VERSION}|{self.model_id}|L{self.layers}|H{self.kv_heads}"
-             f"|D{self.head_dim}|{self.dtype}|T{self.chunk_tokens}|page=[H,2,T,D]")
+        s = (f"pdpush-layout-v{LAYOUT_VERSION}|{self.model_id}|{self.kind}|L{self.layers}|H{self.kv_heads}"
+             f"|D{self.head_dim}|{self.dtype}|scales={self.kv_scales}|T{self.chunk_tokens}|page=[H,C,T,D]")
         return xxhash.xxh3_64_hexdigest(s.encode())
 
     def to_dict(self) -> dict:
         return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "dtype": self.dtype, "chunk_tokens": self.chunk_tokens, "model_id": self.model_id}
+                "dtype": self.dtype, "chunk_tokens": self.chunk_tokens, "model_id": self.model_id,
+                "kind": self.kind, "kv_scales": self.kv_scales}
+
+    def describe(self) -> str:
+        """Every field, for errors that name both sides of a mismatch."""
+        return " ".join(f"{k}={v}" for k, v in self.to_dict().items())
+
+    def mismatch(self, other: KVLayout) -> str:
+        """The fields in which ``other`` differs, as ``name: mine vs theirs`` ('' if none)."""
+        a, b = self.to_dict(), other.to_dict()
+        return ", ".join(f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k])
 
 
 def chunk_keys(token_ids: list[int] | tuple[int, ...], layout: KVLayout) -> list[bytes]:
@@ -178,7 +249,8 @@ def combine_digests(digests: list[int]) -> int:
 
 def rank_heads(kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
     """The KV heads [h0, h1) that rank ``rank`` of ``tp`` holds, as vLLM splits them: ``kv_heads / tp``
-    each, or, where tp exceeds kv_heads, one head replicated on ``tp / kv_heads`` ranks."""
+    each, or, where tp exceeds kv_heads, one head replicated on ``tp / kv_heads`` ranks (an MLA latent,
+    one head, is on every rank)."""
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} out of range for tp={tp}")
     if kv_heads % tp == 0:
@@ -191,12 +263,16 @@ def rank_heads(kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
                      f"{kv_heads} KV heads")
 
 
-def check_prefill_tp(kv_heads: int, tp: int) -> None:
-    """A prefill TP pdpush can push from: each rank holds distinct heads."""
-    if tp < 1 or kv_heads % tp:
-        raise ValueError(f"prefill tensor_parallel_size {tp} must divide the model's {kv_heads} KV heads "
-                         f"(use one of {[d for d in range(1, kv_heads + 1) if kv_heads % d == 0]}); where TP "
-                         "exceeds the KV heads, ranks hold replicas and pdpush would push each head several times")
+def check_prefill_tp(layout: KVLayout, tp: int, shards: int = 1) -> None:
+    """A prefill TP pdpush can push from into a pool of ``shards``: each rank's share is ``page_bytes / tp``
+    (its own heads, or its part of a replicated head's bytes), in units of ``page_bytes / lcm(tp, shards)``."""
+    if tp < 1:
+        raise ValueError(f"prefill tensor_parallel_size must be positive, got {tp}")
+    rank_heads(layout.kv_heads, tp, 0)
+    u = math.lcm(tp, shards)
+    if layout.page_bytes % u:
+        raise ValueError(f"a page of {layout.page_bytes} bytes does not split into lcm(tp={tp}, pool shards="
+                         f"{shards}) = {u} equal parts")
 
 
 @dataclass(frozen=True)
@@ -210,8 +286,7 @@ class PoolGeometry:
     layer_bytes: int = field(init=False)  # one layer of the whole pool: offset(l + 1, s, p) - offset(l, s, p)
 
     def __post_init__(self) -> None:
-        if self.shards < 1 or self.layout.kv_heads % self.shards:
-            raise ValueError(f"pool shards={self.shards} must divide kv_heads={self.layout.kv_heads}")
+        check_shards(self.layout, self.shards)
         object.__setattr__(self, "shard_bytes", self.layout.page_bytes // self.shards)
         object.__setattr__(self, "layer_bytes", self.pages * self.layout.page_bytes)
 
@@ -229,8 +304,15 @@ class PoolGeometry:
     def region_bytes(self) -> int:
         return self.layout.region_bytes(self.pages)
 
+    @property
+    def heads_aligned(self) -> bool:
+        """Each shard is whole heads (S divides H): a rank's heads are views of one shard or several."""
+        return self.layout.kv_heads % self.shards == 0
+
     def heads(self, h0: int, h1: int) -> list[tuple[int, int, int]]:
-        """Heads [h0, h1) by shard: (shard, first head within the shard, heads)."""
+        """Heads [h0, h1) by shard: (shard, first head within the shard, heads); ``heads_aligned`` only."""
+        if not self.heads_aligned:
+            raise ValueError(f"pool shards={self.shards} split heads ({self.layout.kv_heads} KV heads): read pages")
         per = self.layout.kv_heads // self.shards
         out = []
         h = h0
@@ -240,6 +322,14 @@ class PoolGeometry:
             out.append((s, j, k))
             h += k
         return out
+
+
+def check_shards(layout: KVLayout, shards: int) -> None:
+    """Pool shards split a page's bytes: whole heads where S divides H; for a layout of fewer heads than
+    S (an MLA latent, or one KV head), equal byte slices of each page."""
+    if shards < 1 or layout.page_bytes % shards or (layout.kv_heads % shards and shards % layout.kv_heads):
+        raise ValueError(f"pool shards={shards} must divide kv_heads={layout.kv_heads}, or be a multiple of it "
+                         f"that divides the page ({layout.page_bytes} bytes)")
 
 
 @dataclass(frozen=True)
@@ -253,27 +343,40 @@ class StagingShares:
     units: int = field(init=False)  # lcm(tp, shards)
     layer_bytes: int = field(init=False)  # the request's new pages of one layer
     share_bytes: int = field(init=False)  # one rank's share of one layer
+    unit_bytes: int = field(init=False)  # one unit of one page
 
     def __post_init__(self) -> None:
-        check_prefill_tp(self.layout.kv_heads, self.tp)
-        if self.shards < 1 or self.layout.kv_heads % self.shards:
-            raise ValueError(f"pool shards={self.shards} must divide kv_heads={self.layout.kv_heads}")
+        check_shards(self.layout, self.shards)
+        check_prefill_tp(self.layout, self.tp, self.shards)
         object.__setattr__(self, "units", math.lcm(self.tp, self.shards))
         object.__setattr__(self, "layer_bytes", self.n_new * self.layout.page_bytes)
         object.__setattr__(self, "share_bytes", self.layer_bytes // self.tp)
+        object.__setattr__(self, "unit_bytes", self.layout.page_bytes // self.units)
 
     @property
     def kv_bytes(self) -> int:
         return self.layout.layers * self.layer_bytes
+
+    @property
+    def heads_aligned(self) -> bool:
+        """Each unit is whole heads (U divides H): staging is ``[U, n, H/U, C, T, D]``."""
+        return self.layout.kv_heads % self.units == 0
 
     def share_offset(self, layer: int, rank: int) -> int:
         """Offset of rank ``rank``'s share of ``layer`` from the request's staging start."""
         return layer * self.layer_bytes + rank * self.share_bytes
 
     def share_shape(self) -> tuple[int, ...]:
-        """A rank's share as an array: (units of the rank, new pages, heads per unit, 2, T, D)."""
-        lay, U = self.layout, self.units
-        return (U // self.tp, self.n_new, lay.kv_heads // U, 2, lay.chunk_tokens, lay.head_dim)
+        """A rank's share as bytes: (units of the rank, new pages, bytes of one unit of one page)."""
+        return (self.units // self.tp, self.n_new, self.unit_bytes)
+
+    def share_span(self, rank: int) -> tuple[int, int]:
+        """The bytes [b0, b1) of a page that rank ``rank`` pushes, counted from the start of the page
+        bytes that rank holds (its heads, ``rank_heads``)."""
+        lay = self.layout
+        h0, _ = rank_heads(lay.kv_heads, self.tp, rank)
+        b0 = rank * lay.page_bytes // self.tp - h0 * lay.head_page_bytes
+        return b0, b0 + lay.page_bytes // self.tp
 
     def puts(self, runs: list[tuple[int, int, int]]) -> int:
         """Puts of one rank's share of one layer."""

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pdpush.errors import HandOverTimeout, RemoteProtocolError
 from pdpush.handover import HandOverQueue
-from pdpush.layout import KVLayout, StagingShares, rank_heads
+from pdpush.layout import KVLayout, StagingShares, rank_heads, runs
 
 
 class Fence:
@@ -125,8 +125,9 @@ class Handle:
         self.req_id, self.tokens, self.tp_rank = req_id, tokens, rank
         self.heads = rank_heads(layout.kv_heads, tp, rank)
         self.new_chunk_indexes = [c for c in range(layout.num_chunks(tokens)) if c not in held]
+        self.new_runs = runs(self.new_chunk_indexes)
         self.shares = StagingShares(layout, tp, shards, len(self.new_chunk_indexes))
-        self.staging = np.zeros((layout.layers, *self.shares.share_shape()), dtype=np.float32)
+        self.staging = np.zeros((layout.layers, *self.shares.share_shape()), dtype=np.uint8)
         self.calls: list[tuple[str, list[int], str]] = []
         self.aborted = ""
 
@@ -139,7 +140,7 @@ class Handle:
     def post_layers_ready(self, layers):
         self.calls.append(("post", list(layers), threading.current_thread().name))
 
-    def put_layer(self, layer, k, v):
+    def put_layer(self, layer, *comps):
         self.calls.append(("put_layer", [layer], threading.current_thread().name))
 
     def abort(self, reason: str = "") -> None:
@@ -261,7 +262,8 @@ def test_cpu_default_is_the_synchronous_host_path():
 
 def _reference_staging(k, v, h: Handle) -> np.ndarray:
     """Staging's order, element by element (layout.StagingShares): the rank's head h0 + u*hu + j."""
-    out = np.zeros(h.shares.share_shape(), dtype=np.float32)
+    sh = h.shares
+    out = np.zeros((sh.units // sh.tp, sh.n_new, LAY.kv_heads // sh.units, *LAY.page_shape[1:]), dtype=np.float32)
     units, _, hu, _, T, _ = out.shape
     h0 = h.heads[0]
     for j, c in enumerate(h.new_chunk_indexes):
@@ -291,7 +293,7 @@ def test_device_side_staging_order_matches_the_layout(tokens, held, tp, rank, sh
     st_.put_layer(h, 1, k, v)  # all the model's heads: the stager takes this rank's
     st_.wait(h)
     want = _reference_staging(k, v, h)
-    got = h.staging[1]
+    got = h.staging[1].view(np.float32).reshape(want.shape)
     T = LAY.chunk_tokens
     last = h.new_chunk_indexes[-1] if h.new_chunk_indexes else None
     for j, c in enumerate(h.new_chunk_indexes):  # only tokens of the prompt are defined

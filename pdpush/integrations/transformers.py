@@ -220,7 +220,7 @@ def cache_from_pool(model, req: DecodeRequest, timeout_s: float = 60.0,
     dtype = next(model.parameters()).dtype
     loader = H2DLoader(dev)
     for layer in range(req.layout.layers):
-        k, v = loader.finish(loader.start(req, layer, timeout_s), req.tokens)
+        k, v = loader.finish(loader.start(req, layer, timeout_s), req.tokens, req.layout.dtype)
         if arrivals is not None:
             arrivals.append(time.monotonic())
         cache.update(to_hf(k).to(dtype), to_hf(v).to(dtype), layer)

@@ -11,10 +11,14 @@ attention backend's business:
   values through the backend's own cache-write op into a scratch tile and reads back
   where each (token, dim) landed.
 * ``FLASH_ATTN`` / ``TRITON_ATTN``: per slot, ``C = [K | V]`` (they split the last dim).
+* MLA backends (``CPU_MLA``; the GPU ones likewise): one latent row ``[kv_c | k_pe]`` of
+  ``kv_lora_rank + qk_rope_head_dim`` elements per slot, token-major in each block: a view
+  ``[B, N, L]`` (``[B, 1, N, L]`` as registered). ``PagedLatent`` reads and writes it.
 
 ``PagedKV`` gathers the K and V of given slots as ``[tokens, H, D]`` (prefill) and
-scatters them back (decode): one indexed copy each per layer. pdpush's side is
-head-major ``page[H, 2, T, D]`` (layout.py). Imports torch only.
+scatters them back (decode): one indexed copy each per layer; ``PagedLatent`` the latent as
+``[tokens, 1, L]``. Both give the layout's components (kvcodec.py), which place them in pdpush's
+head-major ``page[H, C, T, D]`` (layout.py). Imports torch only.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from pdpush.errors import ConfigError
 
 TILE = "tile"        # K and V packed by the kernel inside each (block, head) tile
 CHANNEL = "channel"  # K and V side by side in each slot's channels
-BACKENDS = {"CPU_ATTN": TILE, "FLASH_ATTN": CHANNEL, "TRITON_ATTN": CHANNEL}
-TESTED_BACKENDS = ("CPU_ATTN",)  # the others follow their vLLM source; no GPU here to run them
+LATENT = "latent"    # an MLA latent row per slot
+BACKENDS = {"CPU_ATTN": TILE, "FLASH_ATTN": CHANNEL, "TRITON_ATTN": CHANNEL,
+            "CPU_MLA": LATENT, "TRITON_MLA": LATENT, "FLASHMLA": LATENT, "FLASH_ATTN_MLA": LATENT,
+            "FLASHINFER_MLA": LATENT, "CUTLASS_MLA": LATENT}
+TESTED_BACKENDS = ("CPU_ATTN", "CPU_MLA")  # the others follow their vLLM source; no GPU here to run them
 
 # writer(key [T, H, D], value [T, H, D], kv_layer [B, H, N, C], slots [T]): the backend's own cache write
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -72,6 +79,8 @@ class PagedKV:
 
     def __init__(self, backend: str, head_size: int, tile_maps: tuple[torch.Tensor, torch.Tensor] | None = None):
         kind = BACKENDS.get(backend)
+        if kind == LATENT:
+            raise ConfigError(f"{backend} is an MLA backend: its cache holds latents (PagedLatent)")
         if kind is None:
             raise ConfigError(f"pdpush does not know the KV layout of vLLM attention backend {backend!r}; "
                               f"supported: {sorted(BACKENDS)}")
@@ -166,3 +175,47 @@ class SlotMap:
         if a is None:
             a = self._addr[kernel_slots] = (self.slots // kernel_slots, self.slots % kernel_slots)
         return a
+
+
+class PagedLatent:
+    """Reads and writes given slots of one layer's MLA cache as the latent ``[tokens, 1, L]`` (one
+    component, one "head": layout kind ``mla``)."""
+
+    def __init__(self, backend: str, head_size: int) -> None:
+        if BACKENDS.get(backend) != LATENT:
+            raise ConfigError(f"{backend!r} is not an MLA backend pdpush knows; MLA backends: "
+                              f"{sorted(b for b, k in BACKENDS.items() if k == LATENT)}")
+        self.backend, self.head_size = backend, head_size
+
+    @staticmethod
+    def _blocks(kv_layer: torch.Tensor) -> torch.Tensor:
+        """``[B, N, L]`` (the registered ``[B, 1, N, L]`` or the 3-D view ``save_kv_layer`` gets)."""
+        return kv_layer if kv_layer.dim() == 3 else kv_layer.select(1, 0)
+
+    def check(self, kv_layer: torch.Tensor) -> None:
+        if kv_layer.dim() not in (3, 4) or (kv_layer.dim() == 4 and kv_layer.shape[1] != 1):
+            raise ConfigError(f"{self.backend}: expected an MLA cache [blocks, slots, latent] or [blocks, 1, slots, "
+                              f"latent], got {tuple(kv_layer.shape)}")
+        b = self._blocks(kv_layer)
+        if b.shape[2] != self.head_size:
+            raise ConfigError(f"{self.backend}: latent of {b.shape[2]} elements, the layout's is {self.head_size} "
+                              "(kv_lora_rank + qk_rope_head_dim)")
+        if b.stride(2) != 1 or b.stride(1) != b.shape[2]:
+            raise ConfigError(f"{self.backend}: a block's latent rows are not contiguous: {tuple(b.stride())}")
+
+    def slots_per_block(self, kv_layer: torch.Tensor) -> int:
+        return kv_layer.shape[-2]
+
+    def gather(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self._blocks(kv_layer)[blk, off].unsqueeze(1),)
+
+    def scatter(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, latent: torch.Tensor) -> None:
+        b = self._blocks(kv_layer)
+        b[blk, off] = latent.to(b.device, b.dtype).squeeze(1)
+
+
+def paged_cache(backend: str, head_size: int, kind: str, tile_maps=None) -> PagedKV | PagedLatent:
+    """The reader/writer of one engine's paged cache for a layout of ``kind``."""
+    if kind == "mla":
+        return PagedLatent(backend, head_size)
+    return PagedKV(backend, head_size, tile_maps)

@@ -304,8 +304,10 @@ class ReceiverSession:
                                    f"{protocol.PROTOCOL_VERSION})")
         mine = self.layout.fingerprint()
         if msg.fingerprint != mine or msg.layout != self.spec:
-            raise IncompatiblePeer(f"layout mismatch: sender {msg.layout.model_dump()} (fp {msg.fingerprint}) vs "
-                                   f"receiver {self.spec.model_dump()} (fp {mine})")
+            theirs = KVLayout(**msg.layout.model_dump())
+            raise IncompatiblePeer(f"layout mismatch, sender vs receiver: {self.layout.mismatch(theirs) or 'fingerprint'}"
+                                   f" (sender {theirs.describe()}, fp {msg.fingerprint}; receiver "
+                                   f"{self.layout.describe()}, fp {mine})")
         self.sessions.add(ident)
         token = self._new_token()
         self.tokens[token] = ident
@@ -329,7 +331,7 @@ class ReceiverSession:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
         self._check_sender_caps(ident, msg)
         try:
-            check_prefill_tp(self.layout.kv_heads, msg.tp_size)
+            check_prefill_tp(self.layout, msg.tp_size, self.geometry.shards)
         except ValueError as e:
             raise RemoteProtocolError(str(e), req_id=rid) from None
         alloc = self.pool.allocate(rid, msg.chunk_keys)

@@ -235,7 +235,7 @@ class SenderSession:
         self.ended: OrderedDict[str, PdpushError | None] = OrderedDict()
         self.draining = False
         self.counters = Counters({k: 0 for k in (
-            "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
+            "requests_total", "requests_done", "requests_failed", "bytes_pushed", "bytes_put", "puts", "layers_pushed",
             "chunks_skipped", "alloc_retries", "internal_errors")})
 
     # ---- entry points ------------------------------------------------------------------
@@ -290,7 +290,9 @@ class SenderSession:
             if r is None or r.state is not TxState.WAIT_PEER:
                 continue
             if r.begin.layout != p.ack.layout:
-                self._fail(r, IncompatiblePeer("layout differs from the receiver's"), now, out)
+                mine, theirs = KVLayout(**r.begin.layout.model_dump()), KVLayout(**p.ack.layout.model_dump())
+                self._fail(r, IncompatiblePeer(f"layout differs from receiver {p.endpoint}'s, request vs receiver: "
+                                               f"{mine.mismatch(theirs)}"), now, out)
             else:
                 self._send_alloc(r, TxEvent.PEER_READY, now, out)
         return out
@@ -424,7 +426,7 @@ class SenderSession:
             raise type(why)(f"request {msg.req_id!r} ended before rank {msg.tp_rank} began it: {why}")
         layout = KVLayout(**msg.layout.model_dump())
         try:
-            check_prefill_tp(layout.kv_heads, msg.tp_size)
+            check_prefill_tp(layout, msg.tp_size)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
         if layout.layers * len(msg.chunk_keys) * layout.page_bytes > self.staging.size:
@@ -436,8 +438,9 @@ class SenderSession:
             self._check_receiver(receiver)
         peer = self.peers.get(receiver)
         if peer is not None and peer.ack is not None and peer.ack.layout != msg.layout:
-            raise IncompatiblePeer(f"receiver {receiver} serves layout {peer.ack.layout.model_dump()}, request has "
-                                   f"{msg.layout.model_dump()}")
+            theirs = KVLayout(**peer.ack.layout.model_dump())
+            raise IncompatiblePeer(f"receiver {receiver} serves another layout, request vs receiver: "
+                                   f"{layout.mismatch(theirs)} (receiver {theirs.describe()})")
         if peer is None:
             peer = self.peers[receiver] = Peer(receiver)
         r = TxRequest(msg.req_id, next(self._seq), {msg.tp_rank: TxRank(ident, msg.client_pid)}, peer, msg, layout,
@@ -515,6 +518,7 @@ class SenderSession:
             src0, dst0 = base + layer * sh.layer_bytes, r.peer.ack.pool_base + layer * pool.layer_bytes
             ops.extend([PutOp(src0 + src, dst0 + dst, n) for src, dst, n in k.ranges])
             srcs.append((base + sh.share_offset(layer, rank), sh.share_bytes))
+        self.counters.add("bytes_put", sum(op.nbytes for op in ops))  # every rank's data puts: MLA's latent once
         out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(msg.layers), "data", rank),
                             now + self.limits.layer_timeout_ms, srcs))
 

@@ -33,10 +33,12 @@ Flow (one request, driven by a proxy such as ``pdpush proxy``):
   failed or late load is reported by block id (``get_block_ids_with_load_errors``): vLLM discards
   the step's output and recomputes from the first bad block, so no block is left holding wrong KV.
 
-Parallelism: any tensor_parallel_size on either role, equal or not (prefill TP must divide the KV
-heads; decode TP may exceed them, reading vLLM's replicas). Pipeline parallelism is refused. Not
-covered: MLA and fp8 KV caches (refused), GPU backends (FLASH_ATTN/TRITON_ATTN follow vLLM's source
-but are not run here; see vllm_layout).
+Models: MHA/GQA attention and MLA latents (kvcodec.py), 16/32-bit floats and fp8 caches with unit
+scales (fp8 with other static scales, run-time scales and formats with scales inside the cache are
+refused by name). Parallelism: any tensor_parallel_size on either role, equal or not: where a prefill
+TP exceeds the KV heads (an MLA latent is one), the ranks holding a head split its bytes; decode
+ranks read vLLM's replicas. Pipeline parallelism is refused. GPU backends (FLASH_ATTN/TRITON_ATTN
+and the GPU MLA backends) follow vLLM's source but are not run here; see vllm_layout.
 """
 
 from __future__ import annotations

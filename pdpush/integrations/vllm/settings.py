@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pdpush.client import DecodeClient
 from pdpush.config import ReceiverConfig, SenderConfig, load
 from pdpush.errors import ConfigError
-from pdpush.layout import KVLayout, check_prefill_tp, rank_heads
+from pdpush.layout import KVLayout, check_prefill_tp, dtype_name, rank_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,7 +66,9 @@ class ConnectorSettings(BaseModel):
     recomputed instead."""
 
 
-_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+# vLLM cache dtypes whose bytes pdpush moves as they are, one element per byte: fp8 with per-layer
+# static scales (or none); the rest keep scales or a second format inside the cache (refused by name)
+_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -126,46 +128,64 @@ def settings_of(extra: dict | None) -> ConnectorSettings:
         raise ConfigError(f"PdpushConnector kv_connector_extra_config: {e}") from None
 
 
+def cache_dtype_of(model_dtype: str, cache_dtype: str | None) -> tuple[str, str]:
+    """(pdpush element type, kv_scales) of an engine's KV cache; a cache format pdpush cannot move
+    byte for byte with its scales checked is refused by name."""
+    cd = str(cache_dtype or "auto")
+    if cd == "auto":
+        try:
+            return dtype_name(model_dtype), "none"
+        except ValueError:
+            raise ConfigError(f"PdpushConnector does not move {model_dtype} KV caches") from None
+    if cd in _FP8:
+        return _FP8[cd], "static"
+    if cd in ("float16", "bfloat16", "float32"):
+        return cd, "none"
+    raise ConfigError(f"PdpushConnector does not move kv_cache_dtype={cd!r} caches (it moves auto, float16, "
+                      f"bfloat16 and {sorted(_FP8)}; {cd} keeps scales or an indexer inside the cache in a format "
+                      "pdpush does not check yet)")
+
+
 def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings) -> KVLayout:
-    """The model's whole KV as pdpush moves it: every KV head, whatever this engine's TP."""
-    mc = vllm_config.model_config
+    """The model's whole KV as pdpush moves it: every KV head and every layer, whatever this engine's
+    TP or PP stage; an MLA model's latent as one head of kv_lora_rank + qk_rope_head_dim."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
     chunk, model_id = s.chunk_tokens, s.model_id
     rc = None
     if s.receiver_config:
         rc = load(ReceiverConfig, s.receiver_config)
         chunk = chunk or rc.chunk_tokens
         model_id = model_id or rc.model_id
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", None) and not str(cache_dtype).startswith(("float", "bfloat", "half")):
-        raise ConfigError(f"PdpushConnector does not move {cache_dtype} KV caches")
-    dtype = _DTYPES.get(str(mc.dtype).removeprefix("torch."))
-    if dtype is None:
-        raise ConfigError(f"PdpushConnector does not move {mc.dtype} KV caches")
-    if getattr(mc, "use_mla", False):
-        raise ConfigError("PdpushConnector does not support MLA models")
-    pc = vllm_config.parallel_config
-    lay = KVLayout(mc.get_num_layers(pc), mc.get_total_num_kv_heads(), mc.get_head_size(), dtype,  # type: ignore[arg-type]
-                   chunk or 256, model_id or mc.served_model_name or mc.model)
-    if rc is not None and (rc.layers, rc.kv_heads, rc.head_dim, rc.dtype) != (
-            lay.layers, lay.kv_heads, lay.head_dim, lay.dtype):
-        raise ConfigError(
-            f"receiver {s.receiver_config} holds layers={rc.layers} kv_heads={rc.kv_heads} "
-            f"head_dim={rc.head_dim} dtype={rc.dtype}; this model needs layers={lay.layers} "
-            f"kv_heads={lay.kv_heads} head_dim={lay.head_dim} dtype={lay.dtype}")
+    dtype, scales = cache_dtype_of(str(mc.dtype), cc.cache_dtype)
+    if getattr(cc, "kv_cache_dtype_skip_layers", None):
+        raise ConfigError(f"PdpushConnector does not move per-layer KV dtypes (kv_cache_dtype_skip_layers="
+                          f"{cc.kv_cache_dtype_skip_layers}): its layout has one dtype for every layer")
+    if scales == "static" and getattr(cc, "calculate_kv_scales", False):
+        raise ConfigError("PdpushConnector does not move fp8 KV caches whose scales are computed at run time "
+                          "(calculate_kv_scales): the two sides' scales could not be checked")
+    mla = bool(getattr(mc, "use_mla", False))
+    lay = KVLayout(mc.get_total_num_hidden_layers(), 1 if mla else mc.get_total_num_kv_heads(),
+                   mc.get_head_size(), dtype, chunk or 256,  # type: ignore[arg-type]
+                   model_id or mc.served_model_name or mc.model, kind="mla" if mla else "mha",
+                   kv_scales=scales)  # type: ignore[arg-type]
+    if rc is not None and (mismatch := rc.layout.mismatch(lay)):
+        raise ConfigError(f"receiver {s.receiver_config} holds another layout than this model's, receiver vs "
+                          f"model: {mismatch}")
     return lay
 
 
 def check_parallelism(vllm_config: VllmConfig, layout: KVLayout, producer: bool, consumer: bool) -> None:
-    """Any TP on either role, where pdpush can split the KV heads; no pipeline parallelism."""
+    """Any TP on either role where pdpush can split the page's bytes (distinct heads per rank, or a
+    replicated head's bytes split among the ranks holding it); no pipeline parallelism yet."""
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
-        raise ConfigError("PdpushConnector does not support pipeline_parallel_size > 1 (each stage holds only "
-                          "its own layers, and a push is one request over all of them); use tensor "
+        raise ConfigError("PdpushConnector does not support pipeline_parallel_size > 1 yet (each stage holds only "
+                          "its own layers, and the sender does not join stages into one push); use tensor "
                           "parallelism on this instance instead")
     tp = pc.tensor_parallel_size
     try:
         if producer:
-            check_prefill_tp(layout.kv_heads, tp)
+            check_prefill_tp(layout, tp)
         if consumer:
             rank_heads(layout.kv_heads, tp, 0)
     except ValueError as e:

@@ -1,6 +1,7 @@
-"""The connector's worker side, one per TP rank: gathers this rank's KV heads of each layer into the
-sender's staging as the forward produces it (prefill), and scatters its heads of each pushed layer
-from the receiver's pool into vLLM's blocks (decode). Every rank pushes under the same push id
+"""The connector's worker side, one per TP rank: gathers this rank's KV of each layer (its heads, or
+an MLA latent) into its share of the sender's staging as the forward produces it (prefill), and
+scatters its heads of each pushed layer from the receiver's pool into vLLM's blocks (decode); the KV
+codec (kvcodec.py) places the bytes. Every rank pushes under the same push id
 (layout.py: each rank's share); the sender commits the request once every rank has finished."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pdpush import kvcodec
 from pdpush.client import DecodeRequest, PrefillClient, PushHandle
 from pdpush.errors import BrokenResourceError, ConfigError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
@@ -31,8 +33,7 @@ _REQUEST_ERRORS = (PdpushError, ValueError, RuntimeError, IndexError)
 class _Push:
     spec: PushSpec
     handle: PushHandle
-    src: vl.SlotMap          # the new chunks' tokens in vLLM's cache
-    dst_chunk: torch.Tensor  # each token's position among the new chunks in staging
+    src: vl.SlotMap          # the new chunks' tokens in vLLM's cache, in order
     layers_sent: int = 0
     dev_addr: dict = field(default_factory=dict)  # a CUDA cache: the slot addresses on its device
 
@@ -63,9 +64,13 @@ def _cpu_writer(dtype: torch.dtype, slots: int, head_size: int, cache_dtype: str
     return write
 
 
-def _storage_tensor(a, dtype: str) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+def _comps(rows: torch.Tensor, dtype: str, kv: torch.Tensor) -> list[torch.Tensor]:
+    """Row bytes ``[tokens, heads, C, D * B]`` as the C components in the cache's own dtype (an fp8
+    cache may be held as uint8: the bytes are viewed, never converted)."""
+    x = kvcodec.elements(rows, dtype)
+    if x.dtype != kv.dtype and x.element_size() == kv.element_size():
+        x = x.view(kv.dtype)
+    return [x[:, :, c] for c in range(x.shape[2])]
 
 
 class WorkerSide:
@@ -117,7 +122,7 @@ class WorkerSide:
 
         self._kv_caches = dict(kv_caches)
         self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
-        heads = {t.shape[1] for t in kv_caches.values()}
+        heads = {1 if t.dim() == 3 else t.shape[1] for t in kv_caches.values()}
         if heads != {self.heads[1] - self.heads[0]}:
             raise ConfigError(f"PdpushConnector: rank {self.tp_rank} of {self.tp_size} holds {sorted(heads)} KV "
                               f"heads per layer; pdpush expects heads {self.heads} of {self.layout.kv_heads}")
@@ -129,12 +134,18 @@ class WorkerSide:
             raise ConfigError(f"PdpushConnector needs one attention backend, found {sorted(names)}")
         backend = names.pop()
         sample = next(iter(kv_caches.values()))
+        if (vl.BACKENDS.get(backend) == vl.LATENT) != (self.layout.kind == "mla"):
+            raise ConfigError(f"PdpushConnector: attention backend {backend} does not hold a {self.layout.kind} cache")
+        if sample.element_size() != self.layout.dtype_bytes:
+            raise ConfigError(f"PdpushConnector: the KV cache holds {sample.dtype} elements, the layout "
+                              f"{self.layout.dtype}")
+        self._check_scales()
         maps = None
         if vl.BACKENDS.get(backend) == vl.TILE:
             maps = vl.learn_tile_map(sample.shape[2], self.head_size, sample.dtype,
                                      _cpu_writer(sample.dtype, sample.shape[2], self.head_size,
                                                  self._vllm_config.cache_config.cache_dtype))
-        self._paged = vl.PagedKV(backend, self.head_size, maps)
+        self._paged = vl.paged_cache(backend, self.head_size, self.layout.kind, maps)
         for t in kv_caches.values():  # fail at start-up, not on the first request
             self._paged.check(t)
         if sample.is_cuda or self.settings.handover:  # a CPU cache with `handover` set: the same logic (tests)
@@ -148,6 +159,23 @@ class WorkerSide:
                 self.receiver.pin_cuda = True
         log.info("PdpushConnector: %d layers, backend %s, cache view %s", len(kv_caches), backend,
                  tuple(sample.shape))
+
+    def _check_scales(self) -> None:
+        """An fp8 cache's static k/v scales live on the attention layers. Until the two sides compare
+        them at first contact, only unit scales are moved (a push between different scales would
+        decode garbage), and anything else is refused here, by layer."""
+        if self.layout.kv_scales != "static":
+            return
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, list(self._kv_caches))
+        for name, layer in layers.items():
+            scales = [float(getattr(layer, a, 1.0)) for a in ("_k_scale_float", "_v_scale_float")]
+            if scales != [1.0, 1.0]:
+                raise ConfigError(f"PdpushConnector: layer {name} has fp8 KV scales k={scales[0]} v={scales[1]}; "
+                                  "pdpush moves fp8 caches with unit scales only (non-unit static scales are "
+                                  "not checked between the two sides yet)")
 
     def bind_connector_metadata(self, meta: PdpushConnectorMetadata) -> None:
         # Bound before every forward; start_load_kv may come after it (vLLM starts it late when a
@@ -190,11 +218,7 @@ class WorkerSide:
             return
         T = lay.chunk_tokens
         n = len(spec.token_ids)
-        toks, slot_of_chunk = [], []
-        for j, c in enumerate(handle.new_chunk_indexes):
-            t0, t1 = c * T, min(n, (c + 1) * T)
-            toks.append(torch.arange(t0, t1))
-            slot_of_chunk.append(torch.full((t1 - t0,), j))
+        toks = [torch.arange(c * T, min(n, (c + 1) * T)) for c in handle.new_chunk_indexes]
         if not toks:  # the receiver holds every chunk: nothing to move
             handle.finish_nowait()
             self._finishing.append(handle)
@@ -208,7 +232,7 @@ class WorkerSide:
             STATS["push_failures"] += 1
             handle.abort(str(e)[:200])
             return
-        self._pushes.append(_Push(spec, handle, src, torch.cat(slot_of_chunk)))
+        self._pushes.append(_Push(spec, handle, src))
         EVENTS.append(("begun", spec.push_id, -1, time.monotonic()))
         STATS["push_requests"] += 1
         STATS["push_tokens_staged"] += len(tokens)
@@ -231,12 +255,8 @@ class WorkerSide:
                     STATS["push_layers"] += 1
                     STATS["push_layers_copied"] += 1
                     continue
-                staging = _storage_tensor(p.handle.staging_layer(layer), self.layout.dtype)  # [u, n, h, 2, T, D]
-                ks, vs = self._paged.gather(kv_layer, *p.src.addresses(n))  # [tokens, heads, D]
-                hu = staging.shape[2]
-                for u in range(staging.shape[0]):  # the share's head units (one unless pool shards > 1)
-                    staging[u][p.dst_chunk, :, 0, p.src.chunk_rows] = ks[:, u * hu:(u + 1) * hu]
-                    staging[u][p.dst_chunk, :, 1, p.src.chunk_rows] = vs[:, u * hu:(u + 1) * hu]
+                comps = self._paged.gather(kv_layer, *p.src.addresses(n))  # [new tokens, heads, D] each
+                p.handle.stage_layer(layer, *comps, new_only=True)
                 p.handle.layer_ready(layer)
                 EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
                 p.layers_sent += 1
@@ -340,11 +360,9 @@ class WorkerSide:
                 self._load_layer_staged(ld, layer, kv, n)
                 continue
             try:
-                parts = [_storage_tensor(view, self.layout.dtype) for _, view in
-                         ld.req.layer_shards(layer, timeout_s=self.settings.load_timeout_s)]  # [pages, h, 2, T, D]
-                k, v = ([p[ld.src_page, :, i, ld.dst.chunk_rows] for p in parts] for i in (0, 1))
-                self._paged.scatter(kv, *ld.dst.addresses(n), k[0] if len(k) == 1 else torch.cat(k, 1),
-                                    v[0] if len(v) == 1 else torch.cat(v, 1))
+                pool = torch.from_numpy(ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s))
+                rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page, ld.dst.chunk_rows, ld.req.heads)
+                self._paged.scatter(kv, *ld.dst.addresses(n), *_comps(rows, self.layout.dtype, kv))
                 ld.layers_done += 1
                 STATS["load_layers"] += 1
             except _REQUEST_ERRORS as e:
@@ -370,7 +388,7 @@ class WorkerSide:
                 ld.dev_idx = (ld.dst.chunk_idx.to(kv.device), ld.dst.chunk_rows.to(kv.device),
                               *(a.to(kv.device) for a in ld.dst.addresses(n)))
             ci, rows, blk, off = ld.dev_idx
-            self._paged.scatter(kv, blk, off, pages[ci, :, 0, rows], pages[ci, :, 1, rows])
+            self._paged.scatter(kv, blk, off, *_comps(pages[ci, :, :, rows], self.layout.dtype, kv))
             ld.layers_done += 1
             STATS["load_layers"] += 1
             STATS["load_layers_copied"] += 1

@@ -1,0 +1,210 @@
+"""The KV codec: the one code that writes KV into staging and reads it from pool pages, for every
+layout (``layout.py`` has the byte formulas it follows; ``docs/layout.md`` says them in prose).
+
+An engine's KV for one layer comes as ``C`` components (``layout.components``), each token-major
+``[tokens, heads, D]``: K and V for attention (``mha``), the latent ``[tokens, 1, D]`` for MLA. Any
+element type of ``layout.DTYPES`` (fp8 included): only bytes move, rows of ``D * B`` bytes at a time.
+
+* ``stage`` writes one rank's share of one layer into staging: page-major ``[H, C, T, D]`` pages,
+  split into the share's byte units (``StagingShares``).
+* ``read_rows`` and ``read_pages`` read a rank's heads of a layer back from the pool, whatever its
+  shards (``PoolGeometry``): rows at given (page, row) positions, or whole pages.
+* ``elements`` / ``as_row_bytes`` convert between element arrays and row bytes.
+
+Works on numpy arrays and on torch tensors (any device; the array library of the inputs is used,
+so a CUDA gather stays on its device), and imports torch only when handed a torch tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdpush.layout import DTYPES, PoolGeometry, StagingShares, rank_heads
+
+# (first new-page index, first source row, rows): consecutive new chunks whose tokens are rows
+# [src, src + rows) of the input, landing in new pages j0, j0 + 1, ... (``segments``)
+Segment = tuple[int, int, int]
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _perm(x, *axes):
+    return x.permute(*axes) if _is_torch(x) else x.transpose(axes)
+
+
+def _items(x, row_bytes: int):
+    """Row bytes ``[..., row_bytes]`` (uint8) as ``[..., k]`` row items, so that transposes move whole
+    rows: numpy's ``void`` of the row (k = 1), torch's widest integer dividing it."""
+    if not _is_torch(x):
+        return x.view(np.dtype((np.void, row_bytes)))
+    import torch
+
+    for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if row_bytes % w == 0:
+            return x.view(dt)
+    return x
+
+
+def as_row_bytes(x, row_bytes: int):
+    """A contiguous uint8 view ``[..., row_bytes]`` of an element array ``[..., D]`` (numpy or torch,
+    staying on its device); ``[tokens, heads * D]`` is taken as ``[tokens, heads, D]``."""
+    if _is_torch(x):
+        import torch
+
+        t = x.detach()
+        t = t if t.is_contiguous() else t.contiguous()
+        b = t.view(torch.uint8)
+    else:
+        a = np.asarray(x)
+        b = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).view(np.uint8)
+    if b.ndim < 2 or (b.shape[-1] != row_bytes and (b[0].numel() if _is_torch(b) else b[0].size) % row_bytes):
+        raise ValueError(f"rows of {b.shape[-1]} bytes, the layout's are {row_bytes} (D x element bytes)")
+    return b if b.shape[-1] == row_bytes else b.reshape(b.shape[0], -1, row_bytes)
+
+
+def elements(b, dtype: str):
+    """Row bytes ``[..., D * B]`` as elements ``[..., D]``: torch's dtype for a tensor; for a numpy array
+    how numpy holds it (bfloat16 as uint16, fp8 as uint8)."""
+    et = DTYPES[dtype]
+    if _is_torch(b):
+        import torch
+
+        return b.view(torch.uint8).view(getattr(torch, et.torch))
+    return b.view(np.uint8).view(np.dtype(et.numpy))
+
+
+def segments(new_runs: list[tuple[int, int, int]], tokens: int, chunk_tokens: int,
+             new_only: bool = False) -> list[Segment]:
+    """Where the new chunks' tokens are in an input: the prompt's rows (``new_only`` False: chunk ``c``
+    at rows ``c * T``), or only the new chunks' rows back to back (``new_only``)."""
+    out, at = [], 0
+    for j0, c0, n in new_runs:
+        rows = min(tokens, (c0 + n) * chunk_tokens) - c0 * chunk_tokens
+        out.append((j0, at if new_only else c0 * chunk_tokens, rows))
+        at += rows
+    return out
+
+
+def _write_pages(dst, rows: Sequence, h0: int, T: int, segs: list[Segment]) -> None:
+    """``dst`` row items ``[n, hu, C, T, k]``: write heads ``[h0, h0 + hu)`` of each component's
+    ``rows[c]`` ``[tokens, heads, k]`` into the pages of ``segs``."""
+    hu = dst.shape[1]
+    for c, src in enumerate(rows):
+        src = src[:, h0:h0 + hu]
+        for j0, s0, m in segs:  # one vectorised copy per run of chunks (usually one)
+            full, rest = divmod(m, T)
+            if full:
+                dst[j0:j0 + full, :, c] = _perm(src[s0:s0 + full * T].reshape(full, T, hu, -1), 0, 2, 1, 3)
+            if rest:
+                dst[j0 + full, :, c, :rest] = _perm(src[s0 + full * T:s0 + m], 1, 0, 2)
+
+
+def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Segment]) -> None:
+    """Write rank ``rank``'s share of one layer into ``dst``, the share's staging bytes (uint8, flat or
+    ``share_shape``), from ``comps``: the layer's C components ``[tokens, heads, D]``, holding the heads
+    this rank holds (``rank_heads``) or every head of the model. The tail rows of a partial last chunk
+    are left as they are."""
+    lay = shares.layout
+    C, T, rb = lay.components, lay.chunk_tokens, lay.row_bytes
+    if len(comps) != C:
+        raise ValueError(f"{lay.kind} KV has {C} components per layer, got {len(comps)}")
+    rows = [as_row_bytes(x, rb) for x in comps]
+    if any(r.shape[:2] != rows[0].shape[:2] for r in rows):
+        raise ValueError(f"components of different shapes: {[tuple(r.shape) for r in rows]}")
+    if _is_torch(rows[0]) and not _is_torch(dst):
+        import torch
+
+        dst = torch.from_numpy(dst)
+    elif not _is_torch(rows[0]) and _is_torch(dst):
+        rows = [_as_torch(r, dst) for r in rows]
+    h0, h1 = rank_heads(lay.kv_heads, shares.tp, rank)
+    if rows[0].shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
+        rows = [r[:, h0:h1] for r in rows]  # every head given: this rank's
+    if rows[0].shape[1] != h1 - h0:
+        raise ValueError(f"got {rows[0].shape[1]} heads; rank {rank} of {shares.tp} holds {h1 - h0} "
+                         f"(of {lay.kv_heads})")
+    need = max((s0 + m for _, s0, m in segs), default=0)
+    if rows[0].shape[0] < need:
+        raise ValueError(f"got {rows[0].shape[0]} token rows, need {need}")
+    rows = [_items(r, rb) for r in rows]
+    Ur, n, ub = shares.share_shape()
+    b0, b1 = shares.share_span(rank)
+    if shares.heads_aligned:  # each unit is whole heads: write the pages straight into staging
+        hu = lay.kv_heads // shares.units
+        d = _items(dst.reshape(Ur, n, hu, C, T, rb), rb)
+        for u in range(Ur):
+            _write_pages(d[u], rows, b0 // lay.head_page_bytes + u * hu, T, segs)
+        return
+    # a unit is part of a head (replicated heads, an MLA latent): the rank's pages, then its bytes of them
+    h = h1 - h0
+    if _is_torch(dst):
+        import torch
+
+        tmp = torch.empty((n, h, C, T, rb), dtype=torch.uint8, device=dst.device)
+    else:
+        tmp = np.empty((n, h, C, T, rb), dtype=np.uint8)
+    _write_pages(_items(tmp, rb), rows, 0, T, segs)
+    part = tmp.reshape(n, h * lay.head_page_bytes)[:, b0:b1].reshape(n, Ur, ub)
+    dst.reshape(Ur, n, ub)[...] = _perm(part, 1, 0, 2)
+
+
+def _as_torch(a, like):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a)).to(like.device)
+
+
+def _layer(pool, geom: PoolGeometry, layer: int, shard: int):
+    off = geom.offset(layer, shard, 0)
+    return pool[off:off + geom.pages * geom.shard_bytes]
+
+
+def read_pages(pool, geom: PoolGeometry, layer: int, pages, heads: tuple[int, int]):
+    """Heads ``[h0, h1)`` of pool pages ``pages`` of ``layer``: row bytes ``[n, heads, C, T, D * B]`` (a
+    copy). ``pool`` is the pool region's bytes (uint8, numpy or torch)."""
+    lay = geom.layout
+    C, T, rb, H = lay.components, lay.chunk_tokens, lay.row_bytes, lay.kv_heads
+    h0, h1 = heads
+    if geom.heads_aligned:
+        per = H // geom.shards
+        parts = [_layer(pool, geom, layer, s).reshape(geom.pages, per, C, T, rb)[pages, j:j + k]
+                 for s, j, k in geom.heads(h0, h1)]
+    else:  # shards are byte slices of the pages: put the pages back together
+        whole = [_layer(pool, geom, layer, s).reshape(geom.pages, geom.shard_bytes)[pages]
+                 for s in range(geom.shards)]
+        parts = [_cat(whole, 1).reshape(-1, H, C, T, rb)[:, h0:h1]]
+    return parts[0] if len(parts) == 1 else _cat(parts, 1)
+
+
+def read_rows(pool, geom: PoolGeometry, layer: int, page_of, row_of, heads: tuple[int, int]):
+    """Heads ``[h0, h1)`` of one row per token: token ``i`` at row ``row_of[i]`` of pool page
+    ``page_of[i]``. Row bytes ``[tokens, heads, C, D * B]`` (one gather)."""
+    lay = geom.layout
+    C, T, rb, H = lay.components, lay.chunk_tokens, lay.row_bytes, lay.kv_heads
+    if geom.heads_aligned:
+        per = H // geom.shards
+        parts = [_layer(pool, geom, layer, s).reshape(geom.pages, per, C, T, rb)[:, j:j + k][page_of, :, :, row_of]
+                 for s, j, k in geom.heads(*heads)]
+        return parts[0] if len(parts) == 1 else _cat(parts, 1)
+    uniq, inv = (page_of.unique(return_inverse=True) if _is_torch(page_of)
+                 else np.unique(page_of, return_inverse=True))
+    return read_pages(pool, geom, layer, uniq, heads)[inv, :, :, row_of]
+
+
+def _cat(parts, axis: int):
+    if _is_torch(parts[0]):
+        import torch
+
+        return torch.cat(parts, axis)
+    return np.concatenate(parts, axis)
+
+
+def page_rows_to_tokens(pages, tokens: int):
+    """Pages ``[n, heads, C, T, k]`` -> token-major ``[tokens, heads, C, k]`` (the first ``tokens``)."""
+    n, h, C, T = pages.shape[:4]
+    return _perm(pages, 0, 3, 1, 2, 4).reshape(n * T, h, C, -1)[:tokens]
+

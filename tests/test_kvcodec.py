@@ -1,0 +1,134 @@
+"""The KV codec (kvcodec.py over layout.py's formulas): every element of every case written through
+staging by each prefill rank, moved by the sender's put ranges into the pool, and read back by every
+decode rank, for MHA/GQA (distinct and replicated heads) and MLA latents, 16/32-bit floats and fp8,
+prefill TP 1, 2, 4 and 8, pool shards 1, 2 and 4 where the case allows them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdpush import kvcodec as kc
+from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, chunk_keys, rank_heads, runs
+
+DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
+TORCH = {d: getattr(torch, d) for d in DTYPES}
+
+
+def _kv(lay: KVLayout, tokens: int, seed: int) -> list[torch.Tensor]:
+    """The layer's components, every head, with random bits (fp8: every byte pattern, NaNs included)."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes = tokens * lay.kv_heads * lay.row_bytes
+    return [torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).view(TORCH[lay.dtype])
+            .reshape(tokens, lay.kv_heads, lay.head_dim) for _ in range(lay.components)]
+
+
+def _push(lay: KVLayout, comps, tokens: int, held: set[int], tp: int, shards: int, pages: list[int],
+          pool_pages: int, torch_dst: bool = False):
+    """Every rank stages its share of every layer (the same ``comps`` for each layer, shifted by the layer
+    number), the sender's ranges move staging into the pool; returns the pool bytes."""
+    new = [c for c in range(lay.num_chunks(tokens)) if c not in held]
+    sh = StagingShares(lay, tp, shards, len(new))
+    geom = PoolGeometry(lay, pool_pages, shards)
+    staging = np.zeros(sh.kv_bytes, np.uint8)
+    pool = np.zeros(geom.region_bytes, np.uint8)
+    new_runs = runs(new)
+    segs = kc.segments(new_runs, tokens, lay.chunk_tokens)
+    page_runs = runs([pages[c] for c in new])
+    for layer in range(lay.layers):
+        layer_comps = [c.view(torch.uint8).add(layer).view(c.dtype) for c in comps]
+        for r in range(tp):
+            h0, h1 = rank_heads(lay.kv_heads, tp, r)
+            mine = [c[:, h0:h1] for c in layer_comps]  # what this rank holds
+            off = sh.share_offset(layer, r)
+            dst = staging[off:off + sh.share_bytes]
+            kc.stage(torch.from_numpy(dst) if torch_dst else dst, mine, sh, r, segs)
+            for s, p, n in sh.ranges(layer, r, page_runs, geom):
+                pool[p:p + n] = staging[s:s + n]
+    return pool, geom
+
+
+CASES = st.one_of(
+    # MHA/GQA: heads 1, 2, 4, 8; TP dividing them or a multiple of them (replicated heads)
+    st.tuples(st.just("mha"), st.sampled_from([1, 2, 4, 8]), st.sampled_from([4, 8, 16])),
+    # MLA: one latent of kv_lora_rank + rope dims (tiny stand-ins for 512 + 64)
+    st.tuples(st.just("mla"), st.just(1), st.sampled_from([9, 24, 36])),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=CASES, dtype=st.sampled_from(DTYPES), tp=st.sampled_from([1, 2, 4, 8]), shards=st.sampled_from([1, 2, 4]),
+       chunk=st.sampled_from([4, 8]), tokens=st.integers(1, 40), data=st.data())
+def test_every_element_round_trips_staging_pool_and_every_decode_rank(case, dtype, tp, shards, chunk, tokens, data):
+    kind, heads, dim = case
+    lay = KVLayout(2, heads, dim, dtype, chunk, "m", kind=kind)
+    try:
+        check_prefill_tp(lay, tp, shards)
+        PoolGeometry(lay, 1, shards)
+    except ValueError:
+        return  # the case does not allow it (checked to be refused in test_refused_splits)
+    n_chunks = lay.num_chunks(tokens)
+    held = set(data.draw(st.sets(st.integers(0, n_chunks - 1), max_size=n_chunks - 1))) if n_chunks > 1 else set()
+    pool_pages = n_chunks + 3
+    pages = data.draw(st.permutations(range(pool_pages)))[:n_chunks]
+    comps = _kv(lay, tokens, data.draw(st.integers(0, 1 << 16)))
+    pool, geom = _push(lay, comps, tokens, held, tp, shards, pages, pool_pages,
+                       torch_dst=data.draw(st.booleans()))
+    new = [c for c in range(n_chunks) if c not in held]
+    new_tok = torch.cat([torch.arange(c * chunk, min(tokens, (c + 1) * chunk)) for c in new])
+    page_of = torch.tensor(pages)[new_tok // chunk]
+    for dtp in (1, 2, 4, 8):
+        try:
+            rank_heads(lay.kv_heads, dtp, 0)
+        except ValueError:
+            continue
+        for r in range(dtp):
+            h0, h1 = rank_heads(lay.kv_heads, dtp, r)
+            for layer in range(lay.layers):
+                want = [c.view(torch.uint8).add(layer)[new_tok, h0:h1] for c in comps]  # [t, h, D*B] bytes
+                got = kc.read_rows(torch.from_numpy(pool), geom, layer, page_of, new_tok % chunk, (h0, h1))
+                for ci in range(lay.components):
+                    assert torch.equal(got[:, :, ci], want[ci].reshape(got[:, :, ci].shape)), (dtp, r, layer, ci)
+                # whole pages, token-major again (numpy this time)
+                pg = kc.read_pages(pool, geom, layer, np.asarray([pages[c] for c in new]), (h0, h1))
+                rows = kc.page_rows_to_tokens(pg, n_chunks * chunk)
+                sel = np.concatenate([np.arange(j * chunk, j * chunk + min(tokens, (c + 1) * chunk) - c * chunk)
+                                      for j, c in enumerate(new)])
+                for ci in range(lay.components):
+                    assert np.array_equal(rows[sel, :, ci], want[ci].numpy().reshape(len(sel), h1 - h0, -1))
+
+
+def test_elements_views_fp8_bytes_as_torch_float8():
+    lay = KVLayout(1, 1, 4, "float8_e4m3fn", 2, kind="mla")
+    x = torch.tensor([[[0.5, -1.0, 2.0, 448.0]]], dtype=torch.float8_e4m3fn)
+    b = kc.as_row_bytes(x, lay.row_bytes)
+    assert b.dtype == torch.uint8 and b.shape == (1, 1, 4)
+    assert torch.equal(kc.elements(b, "float8_e4m3fn").float(), x.float())
+    assert kc.elements(b.numpy(), "float8_e5m2").dtype == np.uint8
+
+
+def test_refused_splits():
+    gqa3 = KVLayout(2, 3, 8, "float16", 4)
+    with pytest.raises(ValueError, match="neither divides"):
+        check_prefill_tp(gqa3, 2)
+    with pytest.raises(ValueError, match="pool shards"):
+        PoolGeometry(gqa3, 4, 2)
+    odd = KVLayout(2, 1, 3, "float8_e4m3fn", 1, kind="mla")  # a page of 3 bytes
+    with pytest.raises(ValueError, match="equal parts"):
+        check_prefill_tp(odd, 2)
+    with pytest.raises(ValueError, match="kv_heads = 1"):
+        KVLayout(2, 2, 576, "bfloat16", 16, kind="mla")
+
+
+def test_fingerprint_and_chunk_keys_cover_the_whole_description():
+    base = KVLayout(2, 1, 576, "bfloat16", 16, "m", kind="mla")
+    others = [KVLayout(2, 1, 576, "bfloat16", 16, "m"), KVLayout(2, 1, 576, "float8_e4m3fn", 16, "m", kind="mla"),
+              KVLayout(2, 1, 320, "bfloat16", 16, "m", kind="mla"),
+              KVLayout(2, 1, 576, "bfloat16", 16, "m", kind="mla", kv_scales="static")]
+    fps = {lay.fingerprint() for lay in [base, *others]}
+    assert len(fps) == 5
+    assert all(chunk_keys(list(range(20)), base)[0] != chunk_keys(list(range(20)), o)[0] for o in others)
+    assert base.mismatch(others[0]) == "kind: 'mla' vs 'mha'"

