@@ -272,12 +272,13 @@ class PushHandle:
     """One request being pushed. Write layers (in any order, as they finish), then ``finish()``."""
 
     def __init__(self, client: PrefillClient, req_id: str, tokens: int, ok: BeginOk, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, layers: range | None = None) -> None:
         self.client = client
         self.req_id = req_id
         self.tokens = tokens
         lay = client.layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.layers = layers if layers is not None else range(lay.layers)  # this stage's (pipeline parallelism)
         self.heads = rank_heads(lay.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank pushes
         self.already_sent_indexes: list[int] = list(ok.already_sent_indexes)
         held = set(self.already_sent_indexes)
@@ -430,12 +431,15 @@ class PrefillClient:
             self._segments.pin_all()
 
     def begin(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,
-              tp_size: int = 1) -> PushHandle:
+              tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+              layers: tuple[int, int] | None = None) -> PushHandle:
         """Allocate on the receiver; returns a handle that says which chunks to send.
 
         Tensor parallelism: each of ``tp_size`` ranks begins the same ``req_id`` with the same prompt
-        and pushes its own heads (``layout.rank_heads``); they share one allocation, and the request
-        commits once every rank has finished. Every rank gets the same ``already_sent_indexes``."""
+        and pushes its own share of each page (``StagingShares``); they share one allocation, and the
+        request commits once every rank has finished. Every rank gets the same ``already_sent_indexes``.
+        Pipeline parallelism: each stage's ranks do the same with ``pp_rank``/``pp_size`` and their
+        stage's ``layers`` ``(first, end)``, and push only those."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("empty prompt")
@@ -443,11 +447,13 @@ class PrefillClient:
         self._conn.begin(req_id)
         msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,
                     last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)), tp_rank=tp_rank, tp_size=tp_size,
-                    client_pid=os.getpid())
+                    client_pid=os.getpid(), pp_rank=pp_rank, pp_size=pp_size,
+                    first_layer=layers[0] if layers else 0, end_layer=layers[1] if layers else 0)
         reply = self._conn.call(msg, req_id, self.timeout_s)
         if not isinstance(reply, BeginOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to begin")
-        return PushHandle(self, req_id, len(ids), reply, tp_rank, tp_size)
+        return PushHandle(self, req_id, len(ids), reply, tp_rank, tp_size,
+                          range(*layers) if layers else range(self.layout.layers))
 
     def status(self) -> dict:
         reply = self._conn.call(StatusRequest(), None, self.timeout_s)

@@ -154,6 +154,11 @@ class Begin(Msg):
     tp_rank: Annotated[int, Field(ge=0, le=4095)] = 0
     tp_size: Annotated[int, Field(ge=1, le=4096)] = 1
     client_pid: Annotated[int, Field(ge=0)] = 0  # the sender fails the request when this process dies
+    # pipeline parallelism: each stage's ranks begin it too, pushing their stage's layers [first, end)
+    pp_rank: Annotated[int, Field(ge=0, le=255)] = 0
+    pp_size: Annotated[int, Field(ge=1, le=256)] = 1
+    first_layer: Annotated[int, Field(ge=0, le=4096)] = 0
+    end_layer: Annotated[int, Field(ge=0, le=4096)] = 0  # 0: every layer (pp_size 1)
 
 
 class BeginOk(Msg):

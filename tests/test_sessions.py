@@ -469,7 +469,7 @@ def test_a_rank_that_never_begins_fails_the_request_soon_naming_it():
     assert "t" in w.tx.reqs  # exactly at the deadline: still waiting
     w.tick(1)
     err = _for(w, RANKS[0], protocol.Error)[-1]
-    assert err.code is ErrorCode.TIMEOUT and "ranks [1] of 2 did not begin the request" in err.message
+    assert err.code is ErrorCode.TIMEOUT and "rank 1 of 2 did not begin the request" in err.message
     assert "t" not in w.rx["tcp://rx-a:1"].reqs  # the receiver was told: its pages go back
 
 
@@ -501,3 +501,45 @@ def test_a_push_of_chunks_all_held_commits_on_finish_without_any_layer(tp):
         w.engine(protocol.Finish(req_id="again"), ident)
     assert all(isinstance(_for(w, i, protocol.Done)[-1], protocol.Done) for i in idents)
     assert w.rx["tcp://rx-a:1"].reqs["again"].state is ReqState.COMMITTED and not w.posted
+
+
+def _pp_begin(w: Wire, req_id: str, ids: list[int], stages=((0, 0, 2), (1, 2, 3))) -> None:
+    for s, first, end in stages:
+        w.engine(begin(req_id, ids, pp_rank=s, pp_size=2, first_layer=first, end_layer=end, client_pid=100 + s),
+                 RANKS[s])
+
+
+def test_two_stages_share_one_allocation_push_only_their_layers_and_commit_once():
+    w = Wire()
+    _pp_begin(w, "p", list(range(40)))
+    oks = [_for(w, r, protocol.BeginOk)[-1] for r in RANKS]
+    assert len(oks) == 2 and oks[0].staging_offset == oks[1].staging_offset  # one allocation
+    w.engine(protocol.LayerReady(req_id="p", layers=[2]), RANKS[0])  # not stage 0's layer
+    assert "this stage's [0, 2)" in _for(w, RANKS[0], protocol.Error)[-1].message and "p" in w.tx.reqs
+    for stage, layers in ((0, [0, 1]), (1, [2])):
+        w.engine(protocol.LayerReady(req_id="p", layers=layers), RANKS[stage])
+    w.complete()
+    w.engine(protocol.Finish(req_id="p"), RANKS[0])
+    assert not _for(w, RANKS[0], protocol.Done)  # stage 1 has not finished: no commit
+    w.engine(protocol.Finish(req_id="p"), RANKS[1])
+    assert [type(m) for i, m in w.by_client if isinstance(m, protocol.Done)] == [protocol.Done] * 2
+    assert w.rx["tcp://rx-a:1"].counters.values["requests_committed"] == 1
+
+
+@pytest.mark.parametrize("stages,why", [
+    (((0, 0, 2), (1, 1, 3)), "stages must split the layers"),    # overlap
+    (((0, 0, 1), (1, 2, 3)), "do not cover the layout's 3 layers"),  # a gap
+])
+def test_stages_that_do_not_split_the_layers_fail_the_request(stages, why):
+    w = Wire()
+    _pp_begin(w, "p", list(range(40)), stages)
+    err = _for(w, RANKS[0], protocol.Error)[-1]
+    assert err.code is ErrorCode.BAD_MESSAGE and why in err.message and "p" not in w.tx.reqs
+
+
+def test_a_dead_stage_fails_the_request_for_the_other_naming_it():
+    w = Wire()
+    _pp_begin(w, "p", list(range(40)))
+    w.run(w.tx.on_client_gone(101, w.now))
+    err = _for(w, RANKS[0], protocol.Error)[-1]
+    assert err.code is ErrorCode.PEER_DEAD and "stage 1 of 2, rank 0 of 1 (pid 101) died" in err.message

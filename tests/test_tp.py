@@ -107,3 +107,60 @@ def test_a_rank_killed_mid_push_fails_the_request_for_the_others_and_the_pool_co
     finally:
         dc.close()
         ranks.close()
+
+
+def test_pipeline_stages_push_one_request_with_one_allocation_and_one_commit(daemons):
+    """Two stages x TP 2 (four processes) push their own layers under one push id: one allocation,
+    one skip list for every participant, one commit; every byte read back."""
+    lay = KVLayout(4, 4, 16, "float16", 16)
+    rx = daemons.receiver(**rx_opts(lay, pool_pages=32), pool_shards=2)
+    tx = daemons.sender(rx)
+    rng = np.random.default_rng(5)
+    ranks = Ranks(lay, sock(tx), 2, pp=2)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        first = _spec(rng, 3 * lay.chunk_tokens + 5)
+        ranks.push("pp-a", first)
+        outs = ranks.results()
+        assert not [o["error"] for o in outs if o["error"]]
+        assert {o["layers"] for o in outs} == {lay.layers}  # the Done of every participant: all 4 layers
+        assert status(sock(rx))["requests_committed"] == 1
+        with dc.open("pp-a"):  # held open: the reads of one decode TP then do not end the request
+            for decode_tp in (1, 2):
+                assert read_ranks(dc, "pp-a", source(lay, first), lay, decode_tp)
+        second = {"ids": first["ids"][:2 * lay.chunk_tokens] + rng.integers(0, 1 << 31, 20).tolist(),
+                  "seed": int(rng.integers(1 << 31)), "prefix": first, "shared": 2 * lay.chunk_tokens}
+        hit_before = status(sock(rx))["chunks_hit"]
+        ranks.push("pp-b", second)
+        outs = ranks.results()
+        assert not [o["error"] for o in outs if o["error"]]
+        assert {o["chunks_skipped"] for o in outs} == {2} and status(sock(rx))["chunks_hit"] - hit_before == 2
+        assert status(sock(rx))["requests_committed"] == 2
+        assert read_ranks(dc, "pp-b", source(lay, second), lay, 1)
+    finally:
+        dc.close()
+        ranks.close()
+
+
+def test_a_stage_killed_mid_push_fails_the_request_for_the_other_stage_and_the_pool_comes_back(daemons):
+    lay = KVLayout(4, 4, 16, "float16", 16)
+    rx = daemons.receiver(**rx_opts(lay, pool_pages=32), lease_ms=3000, quarantine_ms=200)
+    tx = daemons.sender(rx)
+    rng = np.random.default_rng(6)
+    ranks = Ranks(lay, sock(tx), 1, pp=2)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        total = status(sock(rx))["pool_pages_total"]
+        ranks.push("pp-d", _spec(rng, 50), stall={1: 2})  # stage 1 hands over layer 2 (its first), then hangs
+        stalled = ranks.results(1)[0]
+        assert stalled["rank"] == 1 and stalled.get("stalled")
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        out = ranks.results(1, timeout_s=30)[0]  # stage 0 pushed layers 0 and 1 and waits for the commit
+        assert out["rank"] == 0 and out["code"] == "peer_dead" and "stage 1 of 2, rank 0 of 1" in out["error"], out
+        assert status(sock(tx))["requests_failed"] == 1
+        until(lambda: status(sock(rx))["pool_pages_free"] == total, 10, "every page back in the pool")
+        with pytest.raises(Exception, match="gone"):
+            dc.open("pp-d", timeout_s=2)
+    finally:
+        dc.close()
+        ranks.close()

@@ -21,6 +21,7 @@ from pdpush.client import DecodeClient, status
 from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Fleet, build_model
 from pdpush.layout import KVLayout
 from tests.helpers import until
+from tests.vllm_pairs import check_pair, loaded, prompt_pair
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
 # query_timeout_s: the scheduler's question to the receiver takes well under a millisecond, but on a loaded
@@ -34,14 +35,7 @@ LAY = KVLayout(**LAYOUT)
 
 
 
-def _pair(seed: int) -> dict[str, list[int]]:
-    """A 130-token prompt (2 full chunks + a partial one) and one sharing its first 100 tokens (2 chunks)."""
-    rnd = random.Random(seed)
-    long = [rnd.randrange(3, 500) for _ in range(130)]
-    return {"long": long, "shared": long[:100] + [rnd.randrange(3, 500) for _ in range(57)]}
-
-
-PAIRS = {"2to1": _pair(7), "2to2": _pair(8), "1to2": _pair(9)}  # fresh prompts for each pair of TPs
+PAIRS = {"2to1": prompt_pair(7), "2to2": prompt_pair(8), "1to2": prompt_pair(9)}  # fresh prompts for each pair of TPs
 _rnd = random.Random(10)
 OTHER = [_rnd.randrange(3, 500) for _ in range(75)]
 KILLED = [_rnd.randrange(3, 500) for _ in range(75)]
@@ -69,42 +63,9 @@ def fleet(tmp_path_factory):
         f.close()
 
 
-def _disaggregated(f: Fleet, prefill: str, decode: str, prompt: list[int]) -> tuple[list[int], dict]:
-    """Prefill, then decode with the push; the decode must have planned to load it, not recompute."""
-    pre, _ = f.engines[prefill].generate(prompt, 1, {"do_remote_decode": True})
-    params = pre["kv_transfer_params"]
-    assert params and params["pdpush_req_id"], pre
-    d0 = f.engines[decode].stats()
-    out, d1 = f.engines[decode].generate(prompt, NEW_TOKENS, params)
-    _loaded(d0, d1)
-    return out["tokens"], params
-
-
-def _loaded(d0: dict, d1: dict) -> None:
-    """The decode scheduler found the push and planned its load (its counters live in the engine's
-    main process; the workers' load counters do not, with TP > 1)."""
-    assert d1["match_tokens"] > d0["match_tokens"] and d1["match_missing"] == d0["match_missing"], (d0, d1)
-
-
-
-
 def _check_pair(f: Fleet, pair: str, prefill: str, decode: str, prefill_tp: int, shards: int) -> None:
-    """The 130-token prompt, then one sharing 100 tokens with it: tokens equal colocated; the second
-    moves only its new chunks; each rank puts a layer's share of a page run in one put."""
-    rx_sock = f.rx_sock(shards)
-    for key in (f"{pair}-long", f"{pair}-shared"):
-        rx0, tx0 = status(rx_sock), status(f.tx_sock)
-        toks, params = _disaggregated(f, prefill, decode, PROMPTS[key])
-        assert toks == f.refs[key], f"{key}: decode {toks} != colocated {f.refs[key]}"
-        until(lambda done0=tx0["requests_done"]: status(f.tx_sock)["requests_done"] > done0, 10,
-               "the push's commit")
-        rx1, tx1 = status(rx_sock), status(f.tx_sock)
-        assert rx1["chunks_hit"] - rx0["chunks_hit"] == (2 if key.endswith("shared") else 0)
-        assert rx1["requests_committed"] - rx0["requests_committed"] == 1  # one request, whatever the ranks
-        layers = tx1["layers_pushed"] - tx0["layers_pushed"]
-        puts = tx1["puts"] - tx0["puts"]
-        assert layers == LAY.layers
-        assert puts / (layers * prefill_tp) <= 1, (puts, layers)  # a fresh pool: the new pages are one run
+    refs = {n: f.refs[f"{pair}-{n}"] for n in PAIRS[pair]}
+    check_pair(f, PAIRS[pair], refs, prefill, decode, shards, LAY, prefill_tp, NEW_TOKENS)
 
 
 def test_prefill_tp2_to_decode_tp1(fleet):
@@ -126,7 +87,7 @@ def test_corrupting_one_ranks_share_changes_the_decode_tokens(fleet):
         d0 = fleet.engines["d1"].stats()
         out, d1 = fleet.engines["d1"].generate(OTHER, NEW_TOKENS, params)
         held.release()
-        _loaded(d0, d1)  # the decode loaded the (corrupted) push: a recompute would match colocated, proving nothing
+        loaded(d0, d1)  # the decode loaded the (corrupted) push: a recompute would match colocated, proving nothing
     finally:
         dc.close()
     assert out["tokens"] != fleet.refs["other"], "corrupting rank 1's share did not change the decode"

@@ -18,30 +18,32 @@ from pdpush.layout import KVLayout
 
 
 class Source:
-    """Synthetic KV for one request: random bytes, [layers, tokens, H, D*dtype] per K and V."""
+    """Synthetic KV for one request: random bytes, ``[layers, tokens, H, D*dtype]`` per component of the
+    layout (K and V, or an MLA latent)."""
 
     def __init__(self, layout: KVLayout, token_ids: list[int], rng: np.random.Generator,
                  prefix_of: Source | None = None, shared_tokens: int = 0) -> None:
         self.token_ids = token_ids
         n = len(token_ids)
-        shape = (layout.layers, n, layout.kv_heads, layout.head_dim * layout.dtype_bytes)
+        shape = (layout.layers, n, layout.kv_heads, layout.row_bytes)
         size = int(np.prod(shape))
-        self.k = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
-        self.v = np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
+        self.comps = [np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape).copy()
+                      for _ in range(layout.components)]
         if prefix_of is not None and shared_tokens:  # same prefix -> same KV, as a real model would give
-            self.k[:, :shared_tokens] = prefix_of.k[:, :shared_tokens]
-            self.v[:, :shared_tokens] = prefix_of.v[:, :shared_tokens]
+            for c, p in zip(self.comps, prefix_of.comps, strict=True):
+                c[:, :shared_tokens] = p[:, :shared_tokens]
+
+    def layer(self, layer: int) -> list[np.ndarray]:
+        """The components of one layer, as ``put_layer`` takes them."""
+        return [c[layer] for c in self.comps]
 
 
 def verify(req, src: Source, layout: KVLayout) -> bool:
     """Every byte of the request's heads (all of them, or a decode rank's) equals the source's."""
     h0, h1 = req.heads
-    n = len(src.token_ids)
     for layer in range(layout.layers):
-        k, v = req.kv_bytes(layer, wait=True)
-        want_k = src.k[layer].reshape(n, layout.kv_heads, -1)[:, h0:h1]
-        want_v = src.v[layer].reshape(n, layout.kv_heads, -1)[:, h0:h1]
-        if not (np.array_equal(k, want_k) and np.array_equal(v, want_v)):
+        got = req.kv_bytes(layer, wait=True)
+        if not all(np.array_equal(g, w[layer][:, h0:h1]) for g, w in zip(got, src.comps, strict=True)):
             return False
     return True
 
@@ -76,7 +78,7 @@ def push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layo
     layer_end = []
     if prestaged:
         for layer in range(layout.layers):
-            h.stage_layer(layer, src.k[layer], src.v[layer])
+            h.stage_layer(layer, *src.layer(layer))
         t0 = time.perf_counter()
         h.layers_ready(list(range(layout.layers)))  # all at once, as a DMA that finished would hand them over
         layer_end = [t0] * layout.layers
@@ -87,13 +89,13 @@ def push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layo
         layer_end.append(time.perf_counter())
         if pipelined:
             t = time.perf_counter()
-            h.put_layer(layer, src.k[layer], src.v[layer])
+            h.put_layer(layer, *src.layer(layer))
             copy_s += time.perf_counter() - t
     t_end = layer_end[-1]  # prefill compute is over; what the decode side still waits for is exposed
     if pipelined is False:
         for layer in range(layout.layers):
             t = time.perf_counter()
-            h.put_layer(layer, src.k[layer], src.v[layer])
+            h.put_layer(layer, *src.layer(layer))
             copy_s += time.perf_counter() - t
     done = h.finish(timeout_s=60)
     th.join(120)

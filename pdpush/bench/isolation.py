@@ -67,7 +67,7 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
             n["i"] += 1
             h = pc.begin(rid, [base + t for t in range(tokens)])
             for layer in range(layout.layers):
-                h.put_layer(layer, src.k[layer], src.v[layer])
+                h.put_layer(layer, *src.layer(layer))
             h.finish()
 
         def background_a() -> None:

@@ -64,7 +64,7 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
             # which on a loaded box can pass between its commit and this engine getting round to it
             req = dc.open(h.req_id) if i % 10 == 0 else None
             for layer in range(lay.layers):
-                h.put_layer(layer, src.k[layer], src.v[layer])
+                h.put_layer(layer, *src.layer(layer))
             h.finish_nowait()
             in_flight.append((h, req))
             if len(in_flight) >= 4:
@@ -101,7 +101,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             h = pc.begin(f"lat-{i}", src.token_ids)
             req = dc.open(f"lat-{i}")
             for layer in range(layout.layers):
-                h.stage_layer(layer, src.k[layer], src.v[layer])
+                h.stage_layer(layer, *src.layer(layer))
             t0 = time.perf_counter()
             h.layers_ready(list(range(layout.layers)))
             for layer in range(layout.layers):

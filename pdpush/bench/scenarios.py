@@ -159,7 +159,7 @@ def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, in_flight
             hs.append(pc.begin(f"conc-{i}-{j}", src.token_ids))
         for layer in range(layout.layers):
             for j, h in enumerate(hs):
-                h.put_layer(layer, srcs[j].k[layer], srcs[j].v[layer])
+                h.put_layer(layer, *srcs[j].layer(layer))
         for j, h in enumerate(hs):
             h.finish(timeout_s=120)
             lat.append(time.perf_counter() - t_begin[j])
@@ -272,7 +272,7 @@ def control(layout: KVLayout | None = None, n: int = 1000, requests: int = 200) 
             t = time.perf_counter()
             h = pc.begin(f"tiny-{i}", src.token_ids)
             for layer in range(layout.layers):
-                h.put_layer(layer, src.k[layer], src.v[layer])
+                h.put_layer(layer, *src.layer(layer))
             h.finish()
             e2e.append(time.perf_counter() - t)
             with dc.open(f"tiny-{i}") as req:  # released after: its pages may be reused

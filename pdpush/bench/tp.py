@@ -35,9 +35,19 @@ def source(layout: KVLayout, spec: dict) -> Source:
     return Source(layout, spec["ids"], np.random.default_rng(spec["seed"]), first, spec.get("shared", 0))
 
 
-def _rank(layout: dict, sock: str, receiver: str, rank: int, tp: int, inbox, outbox) -> None:
-    """One prefill rank: pushes its heads of every request it is handed, reports its Done."""
+def stage_layers(layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """Stage ``stage`` of ``pp``'s layers [first, end): an even split, the remainder on the first stages."""
+    per, rem = divmod(layers, pp)
+    first = stage * per + min(stage, rem)
+    return first, first + per + (stage < rem)
+
+
+def _rank(layout: dict, sock: str, receiver: str, rank: int, tp: int, inbox, outbox, pp: int = 1) -> None:
+    """One prefill rank (participant ``rank``: stage ``rank // tp``, TP rank ``rank % tp``): pushes its share
+    of its stage's layers of every request it is handed, reports its Done."""
     lay = KVLayout(**layout)
+    stage, tp_rank = divmod(rank, tp)
+    first, end = stage_layers(lay.layers, pp, stage)
     pc = PrefillClient(lay, sock, receiver=receiver, timeout_s=60)
     try:
         while True:
@@ -50,9 +60,10 @@ def _rank(layout: dict, sock: str, receiver: str, rank: int, tp: int, inbox, out
                 if job.get("sync"):  # built: wait for the start signal, so the clock measures only the push
                     outbox.send({"rank": rank, "req_id": rid, "ready": True})
                     inbox.get()
-                h = pc.begin(rid, spec["ids"], tp_rank=rank, tp_size=tp)
-                for layer in range(lay.layers):
-                    h.put_layer(layer, src.k[layer], src.v[layer])
+                h = pc.begin(rid, spec["ids"], tp_rank=tp_rank, tp_size=tp, pp_rank=stage, pp_size=pp,
+                             layers=(first, end) if pp > 1 else None)
+                for layer in range(first, end):
+                    h.put_layer(layer, *src.layer(layer))
                     if stall is not None and layer == stall:
                         outbox.send({"rank": rank, "req_id": rid, "stalled": True})
                         time.sleep(3600)  # the test kills this process here
@@ -68,19 +79,21 @@ def _rank(layout: dict, sock: str, receiver: str, rank: int, tp: int, inbox, out
 
 
 class Ranks:
-    """``tp`` prefill rank processes on one sender; stopped by pid in ``close`` (also on failure).
+    """``tp`` prefill rank processes on one sender (``tp * pp`` with ``pp`` pipeline stages: participant
+    ``p`` is stage ``p // tp``'s TP rank ``p % tp``); stopped by pid in ``close`` (also on failure).
 
     Each rank reports on a pipe of its own: a rank the tests kill must not take a lock that the
     others need (a shared multiprocessing.Queue's write lock dies held with a killed writer)."""
 
-    def __init__(self, layout: KVLayout, sender_sock: str, tp: int, receiver: str = "") -> None:
+    def __init__(self, layout: KVLayout, sender_sock: str, tp: int, receiver: str = "", pp: int = 1) -> None:
         ctx = mp.get_context("spawn")
-        self.tp = tp
-        pipes = [ctx.Pipe(duplex=False) for _ in range(tp)]
+        self.tp = n = tp * pp
+        pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
         self.outs = [r for r, _ in pipes]
-        self.inboxes = [ctx.Queue() for _ in range(tp)]
+        self.inboxes = [ctx.Queue() for _ in range(n)]
         self.procs = [ctx.Process(target=_rank, args=(layout.to_dict(), sender_sock, receiver, r, tp,
-                                                      self.inboxes[r], pipes[r][1]), daemon=True) for r in range(tp)]
+                                                      self.inboxes[r], pipes[r][1], pp), daemon=True)
+                      for r in range(n)]
         for p in self.procs:
             p.start()
 

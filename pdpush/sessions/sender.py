@@ -24,6 +24,12 @@ the same ``already_sent_indexes``. Each rank hands over its share of a layer
 every rank has finished. One rank's failure, abort or death fails the request
 for all of them.
 
+Pipeline parallelism joins stages the same way: each stage's ranks begin the request too
+(``pp_rank``/``pp_size``, with the stage's layers ``[first_layer, end_layer)``), and a rank
+hands over only its stage's layers. One allocation and one skip list for every stage's every
+rank (``pp_size * tp_size`` participants); a layer lands when its stage's ranks' shares are in;
+the commit goes out once every participant has finished; a dead stage fails it for all.
+
 Imports no zmq, ucxx, torch or clock.
 """
 
@@ -168,10 +174,13 @@ class Peer:
 
 @dataclass
 class TxRank:
-    """One prefill rank of a request: its connection, and what it has handed over."""
+    """One prefill rank of a request (of one pipeline stage): its connection, and what it has handed over."""
 
     client: bytes
     pid: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    layers: range = range(0)  # its stage's layers
     layers_posted: set[int] = field(default_factory=set)
     finish: bool = False
     puts: int = 0
@@ -184,7 +193,7 @@ class TxRequest:
 
     req_id: str
     seq: int  # distinguishes completions of a request from an earlier one with the same id
-    ranks: dict[int, TxRank]
+    ranks: dict[int, TxRank]  # by participant: pp_rank * tp + tp_rank
     peer: Peer
     begin: Begin
     layout: KVLayout
@@ -209,14 +218,25 @@ class TxRequest:
     alloc_attempts: int = 0
     t_alloc_ms: int = 0
     failure: PdpushError | None = None
-    tp: int = 1  # ranks pushing it (Begin.tp_size)
+    tp: int = 1  # ranks pushing each layer (Begin.tp_size)
+    pp: int = 1  # pipeline stages (Begin.pp_size)
+
+    @property
+    def world(self) -> int:
+        """Participants: every stage's every rank."""
+        return self.tp * self.pp
 
     @property
     def clients(self) -> list[bytes]:
         return [k.client for k in self.ranks.values()]
 
     def finished(self) -> bool:
-        return len(self.ranks) == self.tp and all(k.finish for k in self.ranks.values())
+        return len(self.ranks) == self.world and all(k.finish for k in self.ranks.values())
+
+    def who(self, participant: int) -> str:
+        """A participant as errors name it."""
+        stage, rank = divmod(participant, self.tp)
+        return (f"stage {stage} of {self.pp}, " if self.pp > 1 else "") + f"rank {rank} of {self.tp}"
 
 
 class SenderSession:
@@ -251,7 +271,7 @@ class SenderSession:
                 self._finish(ident, msg, now, out)
             elif isinstance(msg, Abort):
                 r, rank = self._client_req(ident, msg.req_id)
-                who = f" (rank {rank} of {r.tp})" if r.tp > 1 else ""
+                who = f" ({r.who(rank)})" if r.world > 1 else ""
                 self._fail(r, Aborted(f"aborted by prefill engine{who}: {msg.reason or 'no reason given'}"), now,
                            out, tell_receiver=True)
             else:
@@ -345,7 +365,7 @@ class SenderSession:
         for r in list(self.reqs.values()):
             dead = [rank for rank, k in r.ranks.items() if k.pid == pid]
             if dead:
-                self._fail(r, BrokenResourceError(f"prefill rank {dead[0]} of {r.tp} (pid {pid}) died mid-push"),
+                self._fail(r, BrokenResourceError(f"prefill {r.who(dead[0])} (pid {pid}) died mid-push"),
                            now, out, tell_receiver=True)
         return out
 
@@ -358,9 +378,9 @@ class SenderSession:
                     f"receiver {p.endpoint} did not answer hello within {lim.control_timeout_ms} ms (down, "
                     "unreachable, or refusing our CURVE key)"), now, out)
         for r in list(self.reqs.values()):
-            if len(r.ranks) < r.tp and now > r.t0_ms + lim.control_timeout_ms:  # ranks begin together
-                missing = sorted(set(range(r.tp)) - set(r.ranks))
-                self._fail(r, TransportTimeout(f"ranks {missing} of {r.tp} did not begin the request within "
+            if len(r.ranks) < r.world and now > r.t0_ms + lim.control_timeout_ms:  # ranks begin together
+                missing = [r.who(k) for k in sorted(set(range(r.world)) - set(r.ranks))]
+                self._fail(r, TransportTimeout(f"{', '.join(missing)} did not begin the request within "
                                                f"{lim.control_timeout_ms} ms of the first"), now, out,
                            tell_receiver=True)
             elif r.state is TxState.ALLOC_BACKOFF and now >= r.deadline_ms:
@@ -415,16 +435,23 @@ class SenderSession:
             raise ShuttingDown("sender is draining")
         if msg.tp_rank >= msg.tp_size:
             raise RemoteProtocolError(f"tp_rank {msg.tp_rank} out of range for tp_size {msg.tp_size}")
+        if msg.pp_rank >= msg.pp_size:
+            raise RemoteProtocolError(f"pp_rank {msg.pp_rank} out of range for pp_size {msg.pp_size}")
+        stage = _stage_layers(msg)
         r = self.reqs.get(msg.req_id)
         if r is not None:
-            self._join(r, ident, msg, now, out)
+            self._join(r, ident, msg, stage, now, out)
             return
-        if msg.tp_size > 1 and msg.req_id in self.ended:  # a late rank: it gets what the others got
+        if msg.tp_size * msg.pp_size > 1 and msg.req_id in self.ended:  # a late rank: it gets what the others got
             why = self.ended[msg.req_id]
             if why is None:
                 raise UnknownRequest(f"request {msg.req_id!r} already completed without rank {msg.tp_rank}")
             raise type(why)(f"request {msg.req_id!r} ended before rank {msg.tp_rank} began it: {why}")
         layout = KVLayout(**msg.layout.model_dump())
+        if stage.stop > layout.layers or (msg.pp_size == 1 and stage != range(layout.layers)):
+            raise RemoteProtocolError(f"stage layers [{stage.start}, {stage.stop}) do not fit the layout's "
+                                      f"{layout.layers} layers" + (" (one stage pushes them all)" if msg.pp_size == 1
+                                                                    else ""))
         try:
             check_prefill_tp(layout, msg.tp_size)
         except ValueError as e:
@@ -443,8 +470,9 @@ class SenderSession:
                                    f"{layout.mismatch(theirs)} (receiver {theirs.describe()})")
         if peer is None:
             peer = self.peers[receiver] = Peer(receiver)
-        r = TxRequest(msg.req_id, next(self._seq), {msg.tp_rank: TxRank(ident, msg.client_pid)}, peer, msg, layout,
-                      now + self.limits.control_timeout_ms, now, tp=msg.tp_size)
+        first = msg.pp_rank * msg.tp_size + msg.tp_rank
+        r = TxRequest(msg.req_id, next(self._seq), {first: TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage)},
+                      peer, msg, layout, now + self.limits.control_timeout_ms, now, tp=msg.tp_size, pp=msg.pp_size)
         self.reqs[r.req_id] = r
         self._by_seq[r.seq] = r
         self.counters.add("requests_total")
@@ -455,19 +483,24 @@ class SenderSession:
             if peer.state in (PeerState.NEW, PeerState.DEAD):
                 self._hello(peer, msg, now, out)
 
-    def _join(self, r: TxRequest, ident: bytes, msg: Begin, now: int, out: list) -> None:
-        """Another rank of a request in flight begins it: it shares the allocation and the staging."""
+    def _join(self, r: TxRequest, ident: bytes, msg: Begin, stage: range, now: int, out: list) -> None:
+        """Another rank (or stage) of a request in flight begins it: it shares the allocation and the staging."""
         b = r.begin
-        if r.tp == 1 or msg.tp_size != r.tp or msg.tp_rank in r.ranks:
+        part = msg.pp_rank * r.tp + msg.tp_rank
+        if r.world == 1 or (msg.tp_size, msg.pp_size) != (r.tp, r.pp) or part in r.ranks:
             raise DuplicateRequest(f"request {msg.req_id!r} already in flight"
-                                   + (f" (rank {msg.tp_rank} began it already)" if r.tp > 1 else ""))
+                                   + (f" ({r.who(part)} began it already)" if r.world > 1 else ""))
+        err = None
         if (msg.chunk_keys, msg.last_chunk_tokens, msg.layout, msg.receiver) != (
                 b.chunk_keys, b.last_chunk_tokens, b.layout, b.receiver):
-            err = RemoteProtocolError(f"rank {msg.tp_rank} began {msg.req_id!r} with a different prompt, layout "
+            err = RemoteProtocolError(f"{r.who(part)} began {msg.req_id!r} with a different prompt, layout "
                                       "or receiver than the ranks before it")
+        else:
+            err = _check_stage(r, msg.pp_rank, stage)
+        if err is not None:
             self._fail(r, err, now, out, tell_receiver=True)
             raise err
-        r.ranks[msg.tp_rank] = TxRank(ident, msg.client_pid)
+        r.ranks[part] = TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage)
         if r.state is TxState.STREAMING:
             out.append(ToClient(ident, self._begin_ok(r)))
 
@@ -499,9 +532,10 @@ class SenderSession:
         if r.state is not TxState.STREAMING:
             raise UnexpectedMessage(f"layer_ready for {r.req_id!r} in state {r.state.value}")
         k = r.ranks[rank]
-        bad = [la for la in msg.layers if la >= r.layout.layers or la in k.layers_posted]
+        bad = [la for la in msg.layers if la not in k.layers or la in k.layers_posted]
         if bad or len(set(msg.layers)) != len(msg.layers):
-            raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range or already sent")
+            raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range (this stage's "
+                                      f"[{k.layers.start}, {k.layers.stop})) or already sent")
         k.layers_posted.update(msg.layers)
         if not r.n_new:  # nothing new to move: the layers are done at once
             for layer in msg.layers:
@@ -510,14 +544,14 @@ class SenderSession:
             return
         sh, pool = r.shares, r.pool
         if k.ranges is None:
-            k.ranges = sh.ranges(0, rank, r.runs, pool)
+            k.ranges = sh.ranges(0, k.tp_rank, r.runs, pool)
         base = self.staging_info.address + r.staging_off
         ops: list[PutOp] = []
         srcs = []
         for layer in msg.layers:  # layer 0's ranges, shifted (layout.StagingShares.ranges)
             src0, dst0 = base + layer * sh.layer_bytes, r.peer.ack.pool_base + layer * pool.layer_bytes
             ops.extend([PutOp(src0 + src, dst0 + dst, n) for src, dst, n in k.ranges])
-            srcs.append((base + sh.share_offset(layer, rank), sh.share_bytes))
+            srcs.append((base + sh.share_offset(layer, k.tp_rank), sh.share_bytes))
         self.counters.add("bytes_put", sum(op.nbytes for op in ops))  # every rank's data puts: MLA's latent once
         out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(msg.layers), "data", rank),
                             now + self.limits.layer_timeout_ms, srcs))
@@ -535,16 +569,18 @@ class SenderSession:
         return self.staging_info.address + r.staging_off + r.layout.layers * r.n_new * r.layout.page_bytes
 
     def _share_flushed(self, r: TxRequest, layer: int, rank: int, digest: int | None) -> bool:
-        """One rank's share of ``layer`` is in the pool; True when that completes the layer."""
+        """Participant ``rank``'s share of ``layer`` is in the pool; True when that completes the layer
+        (every TP rank of the layer's stage)."""
         if r.tp == 1:  # the common case, on every layer: no per-rank bookkeeping
             if layer in r.layers_done:
                 return False
             digests = [digest]
         else:
             got = r.flushed.setdefault(layer, {})
-            if rank in got:
+            tp_rank = r.ranks[rank].tp_rank
+            if tp_rank in got:
                 return False
-            got[rank] = digest
+            got[tp_rank] = digest
         puts = r.share_puts
         r.ranks[rank].puts += puts
         r.puts += puts
@@ -694,7 +730,7 @@ class SenderSession:
             r.staging_off = None
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
-        if r.tp > 1:  # a rank that begins it late is told, rather than starting a request of its own
+        if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
             self.ended[r.req_id] = r.failure
             while len(self.ended) > 4096:
                 self.ended.popitem(last=False)
@@ -731,3 +767,31 @@ class SenderSession:
         return {"requests_inflight": len(self.reqs),
                 "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
                 "staging_bytes_free": self.staging.free_bytes, "draining": self.draining, **self.counters.values}
+
+
+def _stage_layers(msg: Begin) -> range:
+    """The layers a Begin's stage pushes (every layer for one stage)."""
+    if msg.end_layer == 0 and msg.first_layer == 0:
+        if msg.pp_size > 1:
+            raise RemoteProtocolError(f"stage {msg.pp_rank} of {msg.pp_size} did not say its layers")
+        return range(int(msg.layout.layers))
+    if not msg.first_layer < msg.end_layer:
+        raise RemoteProtocolError(f"stage layers [{msg.first_layer}, {msg.end_layer}) are empty")
+    return range(msg.first_layer, msg.end_layer)
+
+
+def _check_stage(r: TxRequest, pp_rank: int, stage: range) -> PdpushError | None:
+    """A joining rank's stage layers: the same as its stage's other ranks', disjoint from the other
+    stages'; once every participant has begun, the stages cover every layer."""
+    for k in r.ranks.values():
+        same = k.pp_rank == pp_rank
+        if (same and k.layers != stage) or (not same and set(k.layers) & set(stage)):
+            return RemoteProtocolError(f"stage {pp_rank} pushes layers [{stage.start}, {stage.stop}), stage "
+                                       f"{k.pp_rank} [{k.layers.start}, {k.layers.stop}): stages must split the "
+                                       "layers between them")
+    if len(r.ranks) + 1 == r.world:
+        stages = {k.pp_rank: k.layers for k in r.ranks.values()} | {pp_rank: stage}
+        if sum(len(x) for x in stages.values()) != r.layout.layers:
+            return RemoteProtocolError(f"the stages' layers {sorted((x.start, x.stop) for x in stages.values())} do "
+                                       f"not cover the layout's {r.layout.layers} layers")
+    return None
