@@ -43,6 +43,9 @@ def receiver(
     layers: Optional[int] = typer.Option(None), kv_heads: Optional[int] = typer.Option(None),
     head_dim: Optional[int] = typer.Option(None), dtype: Optional[str] = typer.Option(None),
     chunk_tokens: Optional[int] = typer.Option(None), model_id: Optional[str] = typer.Option(None),
+    kind: Optional[str] = typer.Option(None, help="mha (attention K/V) or mla (an MLA latent)."),
+    model: Optional[str] = typer.Option(None, help="A model directory: the layout fields not set are read from its "
+                                        "config.json (pdpush layout --model DIR prints them)."),
     pool_pages: Optional[int] = typer.Option(None, help="Pages in the pool."),
     prefault: Optional[bool] = _PREFAULT,
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback bind without CURVE auth."),
@@ -55,7 +58,8 @@ def receiver(
     try:
         cfg = cfgmod.load(cfgmod.ReceiverConfig, config, host=bind, control_port=control_port, ucx_port=ucx_port,
                           local_socket=local_socket, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                          dtype=dtype, chunk_tokens=chunk_tokens, model_id=model_id, pool_pages=pool_pages,
+                          dtype=dtype, chunk_tokens=chunk_tokens, model_id=model_id, kind=kind, model=model,
+                          pool_pages=pool_pages,
                           prefault=prefault, insecure=True if insecure else None, ready_file=ready_file,
                           log_level=log_level, log_format=log_format)
     except ConfigError as e:

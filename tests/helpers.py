@@ -20,7 +20,8 @@ def kv(layout: KVLayout, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray
 
 def rx_opts(layout: KVLayout, pool_pages: int = 64) -> dict:
     return dict(layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
-                chunk_tokens=layout.chunk_tokens, pool_pages=pool_pages)
+                chunk_tokens=layout.chunk_tokens, pool_pages=pool_pages, kind=layout.kind, kv_scales=layout.kv_scales,
+                model_id=layout.model_id)
 
 
 def push(pc: PrefillClient, req_id: str, ids: list[int], k: np.ndarray, v: np.ndarray):

@@ -263,3 +263,67 @@ def test_layer_readiness_travels_in_the_data_plane(daemons):
     finally:
         pc.close()
         dc.close()
+
+
+FP8_MLA = [
+    # (layout, prefill TP, pool shards): fp8 GQA; an fp8 MLA latent split between 2 ranks; a bf16 latent, 4 ranks
+    (KVLayout(3, 2, 64, "float8_e4m3fn", 16, kv_scales="static"), 1, 1),
+    (KVLayout(2, 1, 576, "float8_e5m2", 16, kind="mla", kv_scales="static"), 2, 2),
+    (KVLayout(2, 1, 576, "bfloat16", 16, kind="mla"), 4, 2),
+]
+
+
+@pytest.mark.parametrize("layout,tp,shards", FP8_MLA, ids=["fp8e4m3-gqa", "fp8e5m2-mla-tp2", "bf16-mla-tp4"])
+def test_fp8_and_mla_tensors_through_the_daemons_byte_for_byte(daemons, layout, tp, shards):
+    """torch float8 / bf16 tensors staged by each prefill rank (the latent replicated on every rank: each
+    pushes its part of the bytes), read back as the same dtype by decode ranks of TP 1 and 2."""
+    import torch
+
+    dtype = getattr(torch, layout.dtype)
+    rx = daemons.receiver(**rx_opts(layout), pool_shards=shards, verify_checksums=True)
+    tx = daemons.sender(rx, checksums=True)
+    clients = [PrefillClient(layout, sock(tx), timeout_s=30) for _ in range(tp)]
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    tokens = 45  # 2 full chunks and a partial one
+    g = torch.Generator().manual_seed(tp)
+    comps = [torch.randint(0, 256, (layout.layers, tokens, layout.kv_heads, layout.row_bytes), generator=g,
+                           dtype=torch.uint8).view(dtype) for _ in range(layout.components)]
+    try:
+        handles = [pc.begin("f8", list(range(tokens)), tp_rank=r, tp_size=tp) for r, pc in enumerate(clients)]
+        for layer in range(layout.layers):
+            for r, h in enumerate(handles):  # every rank holds the whole latent (or its own heads: all here)
+                h.put_layer(layer, *(c[layer] for c in comps))
+        for h in handles:  # every rank finishes before any waits (one thread drives them all)
+            h.finish_nowait()
+        dones = [h.poll_done(30) for h in handles]
+        assert None not in dones
+        assert sum(d.rank_puts for d in dones) == dones[0].puts
+        assert status(sock(tx))["bytes_put"] == layout.layers * 3 * layout.page_bytes  # every byte once
+        assert status(sock(rx))["checksum_failures"] == 0
+        with dc.open("f8", timeout_s=30):  # held: each decode TP's reads
+            for dtp in (1, 2) if layout.kv_heads == 1 or layout.kv_heads % 2 == 0 else (1,):
+                for r in range(dtp):
+                    with dc.open("f8", tp_rank=r, tp_size=dtp) as req:
+                        h0, h1 = req.heads
+                        for layer in range(layout.layers):
+                            got = req.layer_kv(layer)
+                            assert all(x.dtype == dtype for x in got)
+                            for x, want in zip(got, comps, strict=True):
+                                assert torch.equal(x.view(torch.uint8), want[layer][:, h0:h1].view(torch.uint8))
+    finally:
+        for pc in clients:
+            pc.close()
+        dc.close()
+
+
+def test_a_sender_meets_a_receiver_of_another_layout_kind_and_both_sides_values_are_named(daemons):
+    mla = KVLayout(2, 1, 576, "bfloat16", 16, kind="mla")
+    gqa = KVLayout(2, 1, 576, "bfloat16", 16)  # the same bytes per token, another meaning
+    rx = daemons.receiver(**rx_opts(gqa))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(mla, sock(tx), timeout_s=30)
+    try:
+        with pytest.raises(IncompatiblePeer, match=r"kind: 'mla' vs 'mha'"):
+            pc.begin("x", list(range(20)))
+    finally:
+        pc.close()

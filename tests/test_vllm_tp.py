@@ -143,8 +143,8 @@ from tests.helpers import until
 
 lay = KVLayout(4, 2, 64, "float32", 48)
 out = {}
-for name, tp, pp, producer in [("pp2", 1, 2, True), ("prefill_tp4", 4, 1, True), ("decode_tp4", 4, 1, False),
-                               ("prefill_tp2", 2, 1, True), ("prefill_tp3", 3, 1, True)]:
+for name, tp, pp, producer in [("pp2", 1, 2, True), ("pp2_decode", 1, 2, False), ("prefill_tp4", 4, 1, True),
+                               ("decode_tp4", 4, 1, False), ("prefill_tp2", 2, 1, True), ("prefill_tp3", 3, 1, True)]:
     cfg = NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     try:
         check_parallelism(cfg, lay, producer, not producer)
@@ -155,12 +155,12 @@ print(json.dumps(out))
 """
 
 
-def test_start_up_refuses_pipeline_parallel_and_a_prefill_tp_that_splits_no_head():
+def test_start_up_refuses_decode_side_pipeline_parallel_and_a_prefill_tp_that_splits_no_head():
     """What the connector accepts at start-up (with vLLM importable, as in an engine)."""
     r = subprocess.run([str(VLLM_PY), "-c", _REFUSALS], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "pipeline_parallel_size > 1" in out["pp2"]
+    assert "pipeline_parallel_size > 1 on the decode side" in out["pp2_decode"] and out["pp2"] == "ok"
     assert "neither divides nor is a multiple of the model's 2 KV heads" in out["prefill_tp3"]
     # replicated heads: a prefill TP 4 splits each head's bytes between its two ranks; decode reads replicas
     assert out["prefill_tp4"] == out["decode_tp4"] == out["prefill_tp2"] == "ok"

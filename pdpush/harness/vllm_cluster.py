@@ -38,7 +38,7 @@ class Engine:
     def __init__(self, role: str, model: Path, extra: dict, log: Path, llm_args: dict | None = None,
                  env: dict | None = None) -> None:
         self.role = role
-        tp = (llm_args or {}).get("tensor_parallel_size", 1)
+        tp = (llm_args or {}).get("tensor_parallel_size", 1) * (llm_args or {}).get("pipeline_parallel_size", 1)
         # CPU TP: one core per rank, or start-up stops ("Not enough allowed NUMA nodes"); notes/vllm.md
         tp_env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} \
             if tp > 1 else {}
@@ -184,15 +184,16 @@ class Fleet:
     def rx_sock(self, shards: int) -> str:
         return self.rx[shards].info["local_endpoint"].removeprefix("ipc://")
 
-    def start(self, name: str, role: str, tp: int, shards: int) -> Engine:
+    def start(self, name: str, role: str, tp: int, shards: int, args: dict | None = None) -> Engine:
+        """Engine ``name`` (started once): ``args`` are more vllm.LLM arguments (pipeline parallelism)."""
         if name not in self.engines:
             extra = dict(self.common)
             if role == "kv_producer":
                 extra.update(sender_socket=self.tx_sock, receiver=self.rx[shards].info["control_endpoint"])
             elif role == "kv_consumer":
                 extra.update(receiver_socket=self.rx_sock(shards))
-            args = {**self.llm_args, "tensor_parallel_size": tp}
-            self.engines[name] = Engine(role, self.model, extra, self.work / f"{name}.log", args)
+            self.engines[name] = Engine(role, self.model, extra, self.work / f"{name}.log",
+                                        {**self.llm_args, "tensor_parallel_size": tp, **(args or {})})
         return self.engines[name]
 
     def ready(self, *names: str) -> None:

@@ -305,7 +305,7 @@ class ReceiverSession:
         mine = self.layout.fingerprint()
         if msg.fingerprint != mine or msg.layout != self.spec:
             theirs = KVLayout(**msg.layout.model_dump())
-            raise IncompatiblePeer(f"layout mismatch, sender vs receiver: {self.layout.mismatch(theirs) or 'fingerprint'}"
+            raise IncompatiblePeer(f"layout mismatch, sender vs receiver: {theirs.mismatch(self.layout) or 'fingerprint'}"
                                    f" (sender {theirs.describe()}, fp {msg.fingerprint}; receiver "
                                    f"{self.layout.describe()}, fp {mine})")
         self.sessions.add(ident)

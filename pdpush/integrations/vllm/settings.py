@@ -176,12 +176,14 @@ def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings) -> KVLayout:
 
 def check_parallelism(vllm_config: VllmConfig, layout: KVLayout, producer: bool, consumer: bool) -> None:
     """Any TP on either role where pdpush can split the page's bytes (distinct heads per rank, or a
-    replicated head's bytes split among the ranks holding it); no pipeline parallelism yet."""
+    replicated head's bytes split among the ranks holding it); pipeline parallelism on the prefill
+    side (each stage pushes its own layers under the same push id; the sender joins the stages)."""
     pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size > 1:
-        raise ConfigError("PdpushConnector does not support pipeline_parallel_size > 1 yet (each stage holds only "
-                          "its own layers, and the sender does not join stages into one push); use tensor "
-                          "parallelism on this instance instead")
+    if pc.pipeline_parallel_size > 1 and consumer:
+        raise ConfigError("PdpushConnector does not support pipeline_parallel_size > 1 on the decode side (kv_consumer"
+                          " or kv_both): each decode stage would have to open the push and load its own layers, and a "
+                          "stage that failed its load would leave the others' KV in place; run the decode instance "
+                          "with tensor parallelism instead (prefill-side pipeline parallelism is supported)")
     tp = pc.tensor_parallel_size
     try:
         if producer:

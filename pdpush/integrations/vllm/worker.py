@@ -77,9 +77,11 @@ class WorkerSide:
     def __init__(self, vllm_config: Any, settings: ConnectorSettings, endpoints: Endpoints, layout: KVLayout,
                  producer: bool, consumer: bool) -> None:
         from vllm.distributed.parallel_state import (
+            get_pp_group,
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
+        from vllm.distributed.utils import get_pp_indices
 
         self._vllm_config = vllm_config
         self.settings, self.endpoints, self.layout = settings, endpoints, layout
@@ -88,6 +90,10 @@ class WorkerSide:
         self.head_size = layout.head_dim
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.heads = rank_heads(layout.kv_heads, self.tp_size, self.tp_rank)
+        pp = get_pp_group()
+        self.pp_rank, self.pp_size = pp.rank_in_group, pp.world_size
+        # this pipeline stage's layers (all of them without PP); a stage pushes only its own
+        self.stage = range(*get_pp_indices(layout.layers, self.pp_rank, self.pp_size))
         self._prefill: PrefillClient | None = None
         # a GPU cache: copies on side streams (device_copy.py), set up in register_kv_caches
         self._stager: D2HStager | None = None
@@ -126,9 +132,10 @@ class WorkerSide:
         if heads != {self.heads[1] - self.heads[0]}:
             raise ConfigError(f"PdpushConnector: rank {self.tp_rank} of {self.tp_size} holds {sorted(heads)} KV "
                               f"heads per layer; pdpush expects heads {self.heads} of {self.layout.kv_heads}")
-        if sorted(self._layer_of.values()) != list(range(self.layout.layers)):
+        if sorted(self._layer_of.values()) != list(self.stage):
             raise ConfigError(f"PdpushConnector: attention layers {sorted(self._layer_of.values())} do not match "
-                              f"the {self.layout.layers} layers of the layout")
+                              f"layers [{self.stage.start}, {self.stage.stop}) of the layout's {self.layout.layers}"
+                              + (f" (pipeline stage {self.pp_rank} of {self.pp_size})" if self.pp_size > 1 else ""))
         names = {b.get_name() for b in get_current_attn_backends(self._vllm_config)}
         if len(names) != 1:
             raise ConfigError(f"PdpushConnector needs one attention backend, found {sorted(names)}")
@@ -202,7 +209,9 @@ class WorkerSide:
             return
         try:
             handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None,
-                                          tp_rank=self.tp_rank, tp_size=self.tp_size)
+                                          tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
+                                          pp_size=self.pp_size,
+                                          layers=(self.stage.start, self.stage.stop) if self.pp_size > 1 else None)
         except (TransportError, BrokenResourceError) as e:  # no sender, or it died: stop asking for a while
             STATS["push_failures"] += 1
             log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
@@ -280,8 +289,8 @@ class WorkerSide:
         for p in self._pushes:
             EVENTS.append(("forward_done", p.spec.push_id, -1, time.monotonic()))
         for p in list(self._pushes):
-            if p.layers_sent != self.layout.layers:
-                self._fail_push(p, f"only {p.layers_sent} of {self.layout.layers} layers were produced")
+            if p.layers_sent != len(self.stage):
+                self._fail_push(p, f"only {p.layers_sent} of this stage's {len(self.stage)} layers were produced")
                 continue
             try:
                 if self._stager is not None:
