@@ -68,7 +68,7 @@ bench-fleet: install vllm-env
 vllm-one-host: install vllm-env
 	mkdir -p bench-out
 	test -d bench-out/tiny-model || $(VLLM_VENV)/bin/python -m pdpush.harness.vllm_engine --build-model bench-out/tiny-model
-	MODEL=bench-out/tiny-model PDPUSH_LAYERS=4 PDPUSH_KV_HEADS=2 PDPUSH_HEAD_DIM=64 PDPUSH_DTYPE=bfloat16 \
+	MODEL=bench-out/tiny-model PDPUSH_MODEL=bench-out/tiny-model PDPUSH_DTYPE=bfloat16 \
 		VLLM_CPU_KVCACHE_SPACE=1 examples/vllm-one-host.sh
 
 # The GPU check (scripts/gpu-check.sh, docs/operations.md "GPU hosts"): `make gpu-wheels` here, where pip

@@ -2,14 +2,14 @@
 # The README's one-host vLLM example, exactly as the README gives it: `make vllm-one-host` runs it with
 # a tiny model built here. Run from the repository root. Every process it starts is stopped by its pid
 # on the way out.
-#   MODEL           the model directory (or hub name) vLLM serves
-#   PDPUSH_LAYERS, PDPUSH_KV_HEADS, PDPUSH_HEAD_DIM, PDPUSH_DTYPE
-#                   the model's KV layout: the receiver reads them over configs/receiver.toml, and so
-#                   do the connectors that read that file
+#   MODEL           the model directory vLLM serves
+#   PDPUSH_MODEL    the same directory, exported: the receiver reads the model's KV layout from it over
+#                   configs/receiver.toml, and so do the connectors that read that file (PDPUSH_DTYPE
+#                   too where vLLM serves another dtype than the model's config.json says)
 #   VLLM_PY         a python with vLLM and pdpush installed (default: .venv-vllm/bin/python)
 set -euo pipefail
 : "${MODEL:?set MODEL to the model directory}"
-: "${PDPUSH_LAYERS:?export the model layout: PDPUSH_LAYERS PDPUSH_KV_HEADS PDPUSH_HEAD_DIM PDPUSH_DTYPE}"
+: "${PDPUSH_MODEL:?export PDPUSH_MODEL=\$MODEL: the receiver and the connectors read the KV layout from it}"
 VLLM_PY=${VLLM_PY:-.venv-vllm/bin/python}
 pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait' EXIT

@@ -291,7 +291,7 @@ def test_fp8_and_mla_tensors_through_the_daemons_byte_for_byte(daemons, layout, 
     try:
         handles = [pc.begin("f8", list(range(tokens)), tp_rank=r, tp_size=tp) for r, pc in enumerate(clients)]
         for layer in range(layout.layers):
-            for r, h in enumerate(handles):  # every rank holds the whole latent (or its own heads: all here)
+            for h in handles:  # every rank holds the whole latent (or is given all heads and takes its own)
                 h.put_layer(layer, *(c[layer] for c in comps))
         for h in handles:  # every rank finishes before any waits (one thread drives them all)
             h.finish_nowait()
