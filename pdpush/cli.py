@@ -238,7 +238,9 @@ def bench(
     scenario: str = typer.Option("goodput", help="goodput, latency, pipeline, incremental, concurrency, control, "
                                                  "isolation or all"),
     layers: int = typer.Option(32), kv_heads: int = typer.Option(8), head_dim: int = typer.Option(128),
-    dtype: str = typer.Option("bfloat16", help="float16, bfloat16 or float32"),
+    dtype: str = typer.Option("bfloat16", help="float16, bfloat16, float32, float8_e4m3fn or float8_e5m2"),
+    kind: str = typer.Option("mha", help="mha (K/V per KV head) or mla (one latent of head_dim per token: "
+                                         "set --kv-heads 1)"),
     tokens: int = typer.Option(4096), chunk_tokens: int = typer.Option(256),
     requests: int = typer.Option(3, help="Requests to push (after the warm-up)."),
     prefix_shared: float = typer.Option(0.5, help="Fraction of tokens a second request shares with the first."),
@@ -266,7 +268,8 @@ def bench(
     if (receiver_config is None) != (sender_config is None):
         typer.echo("pdpush bench: give both --receiver-config and --sender-config, or neither", err=True)
         raise typer.Exit(2)
-    shape = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens)
+    shape = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens,
+                 kind=kind)
     try:
         if scenario == "goodput" and (prefill_ranks > 1 or decode_ranks > 1):
             from pdpush.bench import tp

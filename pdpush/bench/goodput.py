@@ -22,8 +22,8 @@ from pdpush.layout import KVLayout
 
 def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, chunk_tokens: int, requests: int,
         prefix_shared: float, receiver_config: Path | None = None, sender_config: Path | None = None,
-        compare_nixl: bool = False) -> dict:
-    layout = KVLayout(layers, kv_heads, head_dim, dtype, chunk_tokens)  # type: ignore[arg-type]
+        compare_nixl: bool = False, kind: str = "mha") -> dict:
+    layout = KVLayout(layers, kv_heads, head_dim, dtype, chunk_tokens, kind=kind)  # type: ignore[arg-type]
     chunks = layout.num_chunks(tokens)
     request_bytes = layers * chunks * layout.page_bytes
     daemons: list[launch.Daemon] = []
@@ -42,8 +42,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
             receiver = f"tcp://{rcfg.host}:{rcfg.control_port}"
         else:
             pool_pages = chunks * 3
-            rx = launch.start_receiver(wd, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                                       chunk_tokens=chunk_tokens, pool_pages=pool_pages)
+            rx = launch.start_receiver(wd, pool_pages=pool_pages, **layout.to_dict())
             daemons.append(rx)
             tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"],
                                      staging_bytes=max(1 << 20, 2 * request_bytes + (1 << 20)))

@@ -10,6 +10,9 @@
    push on against the same forward with no push, interleaved, medians (the push must not slow the
    forward by more than 5 %).
 3. ``pdpush demo --device cuda`` itself, with its default model (token and logit equality).
+4. fp8 caches: float8 KV (e4m3 GQA, e5m2 MLA latent split between 2 prefill ranks) in CUDA tensors
+   pushed through the device stager and the real daemons, loaded back to the device on the decode
+   side, byte for byte.
 
 ``--device cpu --small`` runs the same script on the CPU with a tiny model (``tests/test_gpu_check``
 keeps it from rotting where no GPU is). Everything is written to ``--json``.
@@ -233,6 +236,78 @@ def demo_check(device: str, spec_kw: dict, prompt_tokens: int, chunk_tokens: int
     return out
 
 
+FP8_CASES = [  # (layout fields, prefill TP = pool shards)
+    (dict(layers=4, kv_heads=8, head_dim=128, dtype="float8_e4m3fn", chunk_tokens=64, kv_scales="static"), 1),
+    (dict(layers=4, kv_heads=1, head_dim=576, dtype="float8_e5m2", chunk_tokens=64, kind="mla",
+          kv_scales="static"), 2),
+]
+
+
+def fp8_check(device: str, tokens: int = 300) -> dict:
+    """fp8 KV from device tensors through D2HStager and the real daemons, back to the device (H2DLoader)."""
+    import torch
+
+    from pdpush import launch
+    from pdpush.client import DecodeClient, PrefillClient
+    from pdpush.integrations.device_copy import D2HStager, H2DLoader
+    from pdpush.layout import KVLayout
+
+    cuda = device.startswith("cuda")
+    cases = []
+    for fields, tp in FP8_CASES:
+        lay = KVLayout(**fields)
+        wd = launch.scratch_dir("pdpush-fp8-")
+        rx = tx = None
+        clients: list = []
+        dc = stager = None
+        t0 = time.monotonic()
+        try:
+            rx = launch.start_receiver(wd, pool_pages=lay.num_chunks(tokens) + 4, prefault=False, pool_shards=tp,
+                                       **lay.to_dict())
+            tx = launch.start_sender(wd, staging_bytes=64 << 20, prefault=False)
+            tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
+            clients = [PrefillClient(lay, tx_sock, receiver=rx.info["control_endpoint"], timeout_s=60, pin_cuda=cuda)
+                       for _ in range(tp)]
+            dc = DecodeClient(rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=60, pin_cuda=cuda)
+            stager = D2HStager(device, mode="thread" if cuda else "poll", timeout_s=60)
+            g = torch.Generator(device="cpu").manual_seed(11)
+            dt = getattr(torch, lay.dtype)
+            comps = [torch.randint(0, 256, (lay.layers, tokens, lay.kv_heads, lay.row_bytes), generator=g,
+                                   dtype=torch.uint8).to(device).view(dt) for _ in range(lay.components)]
+            handles = [pc.begin("fp8", list(range(tokens)), tp_rank=r, tp_size=tp) for r, pc in enumerate(clients)]
+            for layer in range(lay.layers):
+                for h in handles:
+                    stager.put_layer(h, layer, *(c[layer] for c in comps))
+            for h in handles:
+                stager.wait(h, 60)
+                h.finish_nowait()
+            dones = [h.poll_done(60) for h in handles]
+            loader = H2DLoader(device)
+            equal = None not in dones
+            with dc.open("fp8", timeout_s=60) as req:
+                for layer in range(lay.layers):
+                    got = loader.finish(loader.start(req, layer, 60), tokens, lay.dtype)
+                    equal = equal and all(x.dtype == dt and torch.equal(x.view(torch.uint8), c[layer].view(torch.uint8))
+                                          for x, c in zip(got, comps, strict=True))
+            cases.append({"layout": lay.to_dict(), "prefill_tp": tp, "bytes_equal": bool(equal),
+                          "bytes_pushed": sum(d.bytes_sent for d in dones if d) // max(1, tp),
+                          "seconds": round(time.monotonic() - t0, 2)})
+        except Exception as e:  # noqa: BLE001 - reported in the case
+            cases.append({"layout": lay.to_dict(), "prefill_tp": tp, "bytes_equal": False,
+                          "error": f"{type(e).__name__}: {e}"})
+        finally:
+            if stager is not None:
+                stager.close()
+            for pc in clients:
+                pc.close()
+            if dc is not None:
+                dc.close()
+            for d in (tx, rx):
+                if d is not None:
+                    d.stop()
+    return {"cases": cases, "bytes_equal": all(c["bytes_equal"] for c in cases)}
+
+
 def cli_demo(device: str, json_path: Path, timeout_s: float = 300) -> dict:
     """``pdpush demo`` itself, as a user runs it, on the device (real compute: no emulated layer time)."""
     import subprocess
@@ -284,9 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         say("pdpush demo (the CLI) on the device")
         result["cli_demo"] = cli_demo(a.device, a.json.with_name("demo-" + a.json.name))
         say(json.dumps(result["cli_demo"]))
+        say("fp8 caches through the device stager and the daemons")
+        result["fp8"] = fp8_check(a.device, 100 if small else 2000)
+        say(json.dumps(result["fp8"]))
         d = result["demo"]
         result["ok"] = bool(d["tokens_match"] and all(r["slowdown_ok"] for r in d["modes"].values())
-                            and result["staging"]["bytes_equal"] and result["cli_demo"].get("tokens_match"))
+                            and result["staging"]["bytes_equal"] and result["cli_demo"].get("tokens_match")
+                            and result["fp8"]["bytes_equal"])
     except Exception as e:  # noqa: BLE001 - whatever happened goes into the JSON, then the exit code
         import traceback
 

@@ -41,8 +41,7 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
     stop = threading.Event()
     a_stats = {"done": 0, "failed": 0}
     try:
-        opts = dict(layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
-                    chunk_tokens=layout.chunk_tokens, ucx_env=TCP, prefault=False)
+        opts = dict(**layout.to_dict(), ucx_env=TCP, prefault=False)
         rx_a = launch.start_receiver(wd, prefix=hosts.in_ns(hosts.d), host=hosts.d_addr, insecure=True,
                                      pool_pages=chunks * 64, lease_ms=30000, committed_ttl_ms=500, **opts)
         daemons.append(rx_a)

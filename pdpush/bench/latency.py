@@ -84,9 +84,8 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
     wd = launch.scratch_dir("pdpush-bench-")
     daemons: list[launch.Daemon] = []
     try:
-        rx = launch.start_receiver(wd, layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                                   dtype=layout.dtype, chunk_tokens=layout.chunk_tokens, pool_pages=pool_pages,
-                                   max_leases_per_sender=4096, committed_ttl_ms=300)
+        rx = launch.start_receiver(wd, pool_pages=pool_pages, max_leases_per_sender=4096, committed_ttl_ms=300,
+                                   **layout.to_dict())
         daemons.append(rx)
         tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"], staging_bytes=64 << 20)
         daemons.append(tx)

@@ -17,7 +17,7 @@ def run_all(shape: dict | None = None, tokens: int = 4096, compare_nixl: bool = 
     from pdpush.bench import goodput, latency, scenarios
 
     shape = {**SHAPE, **(shape or {})}
-    layout = KVLayout(shape["layers"], shape["kv_heads"], shape["head_dim"], shape["dtype"], shape["chunk_tokens"])
+    layout = KVLayout(**shape)
     out: dict = {"machine": machine()}
     out["goodput"] = goodput.run(**shape, tokens=tokens, requests=5, prefix_shared=0.5, compare_nixl=compare_nixl)
     # goodput over layer sizes (tokens per request), each against its own ceiling: 1, 4 and 16 MiB layers
@@ -29,7 +29,8 @@ def run_all(shape: dict | None = None, tokens: int = 4096, compare_nixl: bool = 
         out["goodput_sweep"].append({k: r[k] for k in keys})
     out["goodput_sweep"].append({k: out["goodput"][k] for k in keys})
     # the fixed cost per layer: one 16-token chunk per layer (64 KiB in the default shape)
-    out["latency"] = latency.run(KVLayout(layout.layers, layout.kv_heads, layout.head_dim, layout.dtype, 16))
+    out["latency"] = latency.run(KVLayout(layout.layers, layout.kv_heads, layout.head_dim, layout.dtype, 16,
+                                          kind=layout.kind))
     out["pipeline"] = scenarios.pipeline(layout, min(tokens, 2048))
     out["incremental"] = scenarios.incremental(layout, min(tokens, 2048))
     out["concurrency"] = scenarios.concurrency(layout, 256)
@@ -37,7 +38,8 @@ def run_all(shape: dict | None = None, tokens: int = 4096, compare_nixl: bool = 
     try:
         from pdpush.bench import isolation, netns
 
-        out["isolation"] = isolation.run(KVLayout(8, layout.kv_heads, layout.head_dim, layout.dtype, 64))
+        out["isolation"] = isolation.run(KVLayout(8, layout.kv_heads, layout.head_dim, layout.dtype, 64,
+                                                  kind=layout.kind))
     except netns.Unavailable as e:
         out["isolation"] = {"scenario": "isolation", "skipped": str(e), "verified": True}
     return out

@@ -34,9 +34,7 @@ class _Pair:
         self.daemons: list[launch.Daemon] = []
         wd = launch.scratch_dir("pdpush-bench-")
         try:
-            self.rx = launch.start_receiver(wd, layers=layout.layers, kv_heads=layout.kv_heads,
-                                            head_dim=layout.head_dim, dtype=layout.dtype,
-                                            chunk_tokens=layout.chunk_tokens, pool_pages=pool_pages, **rx_opts)
+            self.rx = launch.start_receiver(wd, pool_pages=pool_pages, **layout.to_dict(), **rx_opts)
             self.daemons.append(self.rx)
             self.tx = []
             for _ in range(senders):

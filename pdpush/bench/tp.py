@@ -181,9 +181,7 @@ def run(layout: KVLayout, tokens: int, requests: int, prefill_ranks: int, decode
     wd = launch.scratch_dir("pdpush-bench-")
     daemons: list[launch.Daemon] = []
     try:
-        rx = launch.start_receiver(wd, layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                                   dtype=layout.dtype, chunk_tokens=layout.chunk_tokens, pool_pages=chunks * 4,
-                                   pool_shards=shards)
+        rx = launch.start_receiver(wd, pool_pages=chunks * 4, pool_shards=shards, **layout.to_dict())
         daemons.append(rx)
         tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"],
                                  staging_bytes=max(1 << 20, 2 * request_bytes + (1 << 20)))
