@@ -112,8 +112,8 @@ class ReceiverConfig(_Base):
     """Layout: ``mha`` (attention K and V per KV head, MHA/GQA) or ``mla`` (one latent of
     kv_lora_rank + qk_rope_head_dim per token: set kv_heads = 1 and head_dim to that sum)."""
     kv_scales: KvScales = "none"
-    """Layout: ``static`` for an fp8 cache with per-layer k/v scales from the checkpoint (the engines
-    check that both sides hold equal ones), else ``none``."""
+    """Layout: ``static`` for an fp8 cache (per-layer k/v scales, which the vLLM connector requires to be
+    1.0), else ``none``."""
     chunk_tokens: int = Field(256, ge=1)
     """Layout: tokens per chunk (one page per chunk per layer)."""
     model_id: str = "default"

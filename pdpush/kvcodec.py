@@ -44,7 +44,7 @@ def _items(x, row_bytes: int):
     import torch
 
     for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if row_bytes % w == 0:
+        if row_bytes % w == 0 and x.storage_offset() % w == 0:
             return x.view(dt)
     return x
 
@@ -99,15 +99,17 @@ def _write_pages(dst, rows: Sequence, h0: int, T: int, segs: list[Segment]) -> N
             full, rest = divmod(m, T)
             if full:
                 dst[j0:j0 + full, :, c] = _perm(src[s0:s0 + full * T].reshape(full, T, hu, -1), 0, 2, 1, 3)
-            if rest:
+            if rest:  # a partial last chunk: its tail rows are zeroed, never another request's bytes
                 dst[j0 + full, :, c, :rest] = _perm(src[s0 + full * T:s0 + m], 1, 0, 2)
+                tail = dst[j0 + full, :, c, rest:]
+                tail[...] = 0 if _is_torch(tail) else bytes(tail.dtype.itemsize)  # numpy: void rows
 
 
 def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Segment]) -> None:
     """Write rank ``rank``'s share of one layer into ``dst``, the share's staging bytes (uint8, flat or
     ``share_shape``), from ``comps``: the layer's C components ``[tokens, heads, D]``, holding the heads
     this rank holds (``rank_heads``) or every head of the model. The tail rows of a partial last chunk
-    are left as they are."""
+    are zeroed, so staging never carries bytes of an earlier request to another receiver."""
     lay = shares.layout
     C, T, rb = lay.components, lay.chunk_tokens, lay.row_bytes
     if len(comps) != C:

@@ -14,9 +14,10 @@ token-major rows. A partial last chunk takes a whole page; only its first ``last
 token rows of each (head, component) are meaningful.
 
 Element types (``DTYPES``): 16- and 32-bit floats and fp8 (e4m3fn, e5m2), one byte per element;
-bytes move as they are. ``kv_scales`` says where quantization scales live: ``none`` (none, or
-unit scales), ``static`` (one k/v scale per layer from the checkpoint, held by the engines: the
-workers compare a digest of them at first contact, ``scales_digest``).
+bytes move as they are. ``kv_scales`` says where quantization scales live: ``none`` (no scales),
+``static`` (an fp8 cache with one k/v scale per layer, held by the engines' attention layers; the
+vLLM connector moves them only where they are all 1.0 and refuses other values at start-up, by
+layer: nothing yet compares two sides' scales).
 
 **Shares are byte fractions of a page.** Rank ``r`` of ``tp`` prefill ranks pushes bytes
 ``[r * page_bytes / tp, (r + 1) * page_bytes / tp)`` of every page. Where ``tp`` divides ``H``

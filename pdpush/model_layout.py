@@ -23,7 +23,10 @@ class ModelConfigError(ValueError):
 
 def _text_config(cfg: dict) -> dict:
     """Multimodal configs keep the language model's fields under ``text_config``."""
-    return cfg.get("text_config") or cfg.get("language_config") or cfg
+    tc = cfg.get("text_config") or cfg.get("language_config") or cfg
+    if not isinstance(tc, dict):
+        raise ModelConfigError(f"text_config is {type(tc).__name__}, not an object")
+    return tc
 
 
 def _refuse_hybrids(cfg: dict, where: str) -> None:

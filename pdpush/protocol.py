@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Annotated, Literal, Union
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from pdpush.errors import (
     ErrorCode,
@@ -48,6 +48,12 @@ class LayoutSpec(Msg):
     model_id: Annotated[str, Field(max_length=256)] = "default"
     kind: Literal["mha", "mla"] = "mha"
     kv_scales: Literal["none", "static"] = "none"
+
+    @model_validator(mode="after")
+    def _one_latent(self):
+        if self.kind == "mla" and self.kv_heads != 1:
+            raise ValueError(f"an MLA latent is one head (kv_heads = 1), got kv_heads={self.kv_heads}")
+        return self
 
 
 # ---- sender <-> receiver (control plane) -------------------------------------------------

@@ -121,6 +121,10 @@ def test_refused_splits():
         check_prefill_tp(odd, 2)
     with pytest.raises(ValueError, match="kv_heads = 1"):
         KVLayout(2, 2, 576, "bfloat16", 16, kind="mla")
+    from pdpush import protocol  # the wire's layout too: a bad one is a bad message, not an internal error
+
+    with pytest.raises(ValueError, match="kv_heads = 1"):
+        protocol.LayoutSpec(layers=2, kv_heads=2, head_dim=576, dtype="bfloat16", chunk_tokens=16, kind="mla")
 
 
 def test_fingerprint_and_chunk_keys_cover_the_whole_description():
@@ -132,3 +136,20 @@ def test_fingerprint_and_chunk_keys_cover_the_whole_description():
     assert len(fps) == 5
     assert all(chunk_keys(list(range(20)), base)[0] != chunk_keys(list(range(20)), o)[0] for o in others)
     assert base.mismatch(others[0]) == "kind: 'mla' vs 'mha'"
+
+
+@pytest.mark.parametrize("kind,heads,tp", [("mha", 2, 1), ("mha", 1, 2), ("mla", 1, 4)])
+def test_a_partial_chunk_s_tail_rows_are_zeroed_never_left_from_an_earlier_request(kind, heads, tp):
+    lay = KVLayout(1, heads, 8, "bfloat16", 4, kind=kind)
+    tokens = 6  # chunk 1 has 2 of its 4 rows
+    sh = StagingShares(lay, tp, 1, 2)
+    comps = _kv(lay, tokens, 3)
+    segs = kc.segments(runs([0, 1]), tokens, lay.chunk_tokens)
+    for r in range(tp):  # what staging held before (an earlier request's bytes) leaves no trace
+        dirty, clean = np.full(sh.share_bytes, 0xEE, np.uint8), np.zeros(sh.share_bytes, np.uint8)
+        kc.stage(dirty, comps, sh, r, segs)
+        kc.stage(clean, comps, sh, r, segs)
+        assert np.array_equal(dirty, clean)
+    pool, geom = _push(lay, comps, tokens, set(), tp, 1, [0, 1], 2)
+    page1 = kc.read_pages(pool, geom, 0, np.array([1]), (0, heads))[0]  # [H, C, T, row bytes]
+    assert not page1[:, :, 2:].any() and page1[:, :, :2].any()

@@ -543,3 +543,32 @@ def test_a_dead_stage_fails_the_request_for_the_other_naming_it():
     w.run(w.tx.on_client_gone(101, w.now))
     err = _for(w, RANKS[0], protocol.Error)[-1]
     assert err.code is ErrorCode.PEER_DEAD and "stage 1 of 2, rank 0 of 1 (pid 101) died" in err.message
+
+
+def test_a_stage_s_layers_beyond_the_layout_or_too_many_ranks_are_refused_at_begin():
+    w = Wire()
+    _pp_begin(w, "p", list(range(40)), ((0, 0, 1),))
+    w.engine(begin("p", list(range(40)), pp_rank=1, pp_size=2, first_layer=2, end_layer=4), RANKS[1])  # 3 layers
+    err = _for(w, RANKS[1], protocol.Error)[-1]
+    assert err.code is ErrorCode.BAD_MESSAGE and "do not fit the layout's 3 layers" in err.message
+    w.engine(begin("q", list(range(40)), tp_size=64, pp_size=128, pp_rank=0, first_layer=0, end_layer=1), RANKS[1])
+    assert "exceeds 4096 ranks" in _for(w, RANKS[1], protocol.Error)[-1].message and "q" not in w.tx.reqs
+
+
+def test_a_later_stage_may_begin_after_the_ranks_window_but_not_after_the_lease():
+    """TP ranks of one stage begin together (control_timeout_ms); a later stage starts its forward later,
+    so it has until the lease deadline."""
+    w = Wire(control_timeout_ms=500)
+    _pp_begin(w, "p", list(range(40)), ((0, 0, 2),))
+    w.tick(2000)
+    assert "p" in w.tx.reqs  # stage 1 has not begun: no short window for a whole stage
+    _pp_begin(w, "p", list(range(40)), ((1, 2, 3),))
+    for stage, layers in ((0, [0, 1]), (1, [2])):
+        w.engine(protocol.LayerReady(req_id="p", layers=layers), RANKS[stage])
+        w.engine(protocol.Finish(req_id="p"), RANKS[stage])
+    w.complete()
+    assert len(_for(w, RANKS[0], protocol.Done)) == 1 and len(_for(w, RANKS[1], protocol.Done)) == 1
+    w2 = Wire(control_timeout_ms=500)
+    _pp_begin(w2, "p", list(range(40)), ((0, 0, 2),))
+    w2.tick(40_000)  # past the 30 s lease: stage 1 never came
+    assert _for(w2, RANKS[0], protocol.Error)[-1].code is ErrorCode.TIMEOUT and "p" not in w2.tx.reqs

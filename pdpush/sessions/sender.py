@@ -233,6 +233,11 @@ class TxRequest:
     def finished(self) -> bool:
         return len(self.ranks) == self.world and all(k.finish for k in self.ranks.values())
 
+    def late(self) -> list[int]:
+        """Participants missing from a stage whose other ranks have begun."""
+        begun = {k.pp_rank for k in self.ranks.values()}
+        return [p for s in sorted(begun) for p in range(s * self.tp, (s + 1) * self.tp) if p not in self.ranks]
+
     def who(self, participant: int) -> str:
         """A participant as errors name it."""
         stage, rank = divmod(participant, self.tp)
@@ -378,10 +383,12 @@ class SenderSession:
                     f"receiver {p.endpoint} did not answer hello within {lim.control_timeout_ms} ms (down, "
                     "unreachable, or refusing our CURVE key)"), now, out)
         for r in list(self.reqs.values()):
-            if len(r.ranks) < r.world and now > r.t0_ms + lim.control_timeout_ms:  # ranks begin together
-                missing = [r.who(k) for k in sorted(set(range(r.world)) - set(r.ranks))]
-                self._fail(r, TransportTimeout(f"{', '.join(missing)} did not begin the request within "
-                                               f"{lim.control_timeout_ms} ms of the first"), now, out,
+            if len(r.ranks) < r.world and now > r.t0_ms + lim.control_timeout_ms and (late := r.late()):
+                # the TP ranks of a stage begin together; a later pipeline stage may begin a forward later (it
+                # has until the lease deadline, below)
+                more = f" and {len(late) - 8} more" if len(late) > 8 else ""
+                self._fail(r, TransportTimeout(f"{', '.join(r.who(k) for k in late[:8])}{more} did not begin the "
+                                               f"request within {lim.control_timeout_ms} ms of the first"), now, out,
                            tell_receiver=True)
             elif r.state is TxState.ALLOC_BACKOFF and now >= r.deadline_ms:
                 self._send_alloc(r, TxEvent.RETRY, now, out)
@@ -437,21 +444,24 @@ class SenderSession:
             raise RemoteProtocolError(f"tp_rank {msg.tp_rank} out of range for tp_size {msg.tp_size}")
         if msg.pp_rank >= msg.pp_size:
             raise RemoteProtocolError(f"pp_rank {msg.pp_rank} out of range for pp_size {msg.pp_size}")
+        if msg.tp_size * msg.pp_size > MAX_PARTICIPANTS:
+            raise RemoteProtocolError(f"tp_size {msg.tp_size} x pp_size {msg.pp_size} exceeds {MAX_PARTICIPANTS} ranks")
         stage = _stage_layers(msg)
+        if stage.stop > msg.layout.layers or (msg.pp_size == 1 and stage != range(msg.layout.layers)):
+            raise RemoteProtocolError(f"stage layers [{stage.start}, {stage.stop}) do not fit the layout's "
+                                      f"{msg.layout.layers} layers" + (" (one stage pushes them all)"
+                                                                        if msg.pp_size == 1 else ""))
         r = self.reqs.get(msg.req_id)
         if r is not None:
             self._join(r, ident, msg, stage, now, out)
             return
         if msg.tp_size * msg.pp_size > 1 and msg.req_id in self.ended:  # a late rank: it gets what the others got
             why = self.ended[msg.req_id]
+            who = (f"stage {msg.pp_rank} " if msg.pp_size > 1 else "") + f"rank {msg.tp_rank}"
             if why is None:
-                raise UnknownRequest(f"request {msg.req_id!r} already completed without rank {msg.tp_rank}")
-            raise type(why)(f"request {msg.req_id!r} ended before rank {msg.tp_rank} began it: {why}")
+                raise UnknownRequest(f"request {msg.req_id!r} already completed without {who}")
+            raise type(why)(f"request {msg.req_id!r} ended before {who} began it: {why}")
         layout = KVLayout(**msg.layout.model_dump())
-        if stage.stop > layout.layers or (msg.pp_size == 1 and stage != range(layout.layers)):
-            raise RemoteProtocolError(f"stage layers [{stage.start}, {stage.stop}) do not fit the layout's "
-                                      f"{layout.layers} layers" + (" (one stage pushes them all)" if msg.pp_size == 1
-                                                                    else ""))
         try:
             check_prefill_tp(layout, msg.tp_size)
         except ValueError as e:
@@ -487,9 +497,12 @@ class SenderSession:
         """Another rank (or stage) of a request in flight begins it: it shares the allocation and the staging."""
         b = r.begin
         part = msg.pp_rank * r.tp + msg.tp_rank
-        if r.world == 1 or (msg.tp_size, msg.pp_size) != (r.tp, r.pp) or part in r.ranks:
+        if r.world == 1 or part in r.ranks:
             raise DuplicateRequest(f"request {msg.req_id!r} already in flight"
                                    + (f" ({r.who(part)} began it already)" if r.world > 1 else ""))
+        if (msg.tp_size, msg.pp_size) != (r.tp, r.pp):
+            raise DuplicateRequest(f"request {msg.req_id!r} already in flight with tp_size {r.tp}, pp_size {r.pp} "
+                                   f"(this Begin says {msg.tp_size}, {msg.pp_size})")
         err = None
         if (msg.chunk_keys, msg.last_chunk_tokens, msg.layout, msg.receiver) != (
                 b.chunk_keys, b.last_chunk_tokens, b.layout, b.receiver):
@@ -769,6 +782,9 @@ class SenderSession:
                 "staging_bytes_free": self.staging.free_bytes, "draining": self.draining, **self.counters.values}
 
 
+MAX_PARTICIPANTS = 4096  # tp_size x pp_size of one request
+
+
 def _stage_layers(msg: Begin) -> range:
     """The layers a Begin's stage pushes (every layer for one stage)."""
     if msg.end_layer == 0 and msg.first_layer == 0:
@@ -782,16 +798,15 @@ def _stage_layers(msg: Begin) -> range:
 
 def _check_stage(r: TxRequest, pp_rank: int, stage: range) -> PdpushError | None:
     """A joining rank's stage layers: the same as its stage's other ranks', disjoint from the other
-    stages'; once every participant has begun, the stages cover every layer."""
-    for k in r.ranks.values():
+    stages'; once every stage has begun, the stages cover every layer exactly."""
+    for k in {k.pp_rank: k for k in r.ranks.values()}.values():  # one rank per stage
         same = k.pp_rank == pp_rank
-        if (same and k.layers != stage) or (not same and set(k.layers) & set(stage)):
+        if (same and k.layers != stage) or (not same and k.layers.start < stage.stop and stage.start < k.layers.stop):
             return RemoteProtocolError(f"stage {pp_rank} pushes layers [{stage.start}, {stage.stop}), stage "
                                        f"{k.pp_rank} [{k.layers.start}, {k.layers.stop}): stages must split the "
                                        "layers between them")
-    if len(r.ranks) + 1 == r.world:
-        stages = {k.pp_rank: k.layers for k in r.ranks.values()} | {pp_rank: stage}
-        if sum(len(x) for x in stages.values()) != r.layout.layers:
-            return RemoteProtocolError(f"the stages' layers {sorted((x.start, x.stop) for x in stages.values())} do "
-                                       f"not cover the layout's {r.layout.layers} layers")
+    stages = {k.pp_rank: k.layers for k in r.ranks.values()} | {pp_rank: stage}
+    if len(stages) == r.pp and sorted(la for x in stages.values() for la in x) != list(range(r.layout.layers)):
+        return RemoteProtocolError(f"the stages' layers {sorted((x.start, x.stop) for x in stages.values())} do "
+                                   f"not cover the layout's {r.layout.layers} layers")
     return None

@@ -37,7 +37,8 @@ Models: MHA/GQA attention and MLA latents (kvcodec.py), 16/32-bit floats and fp8
 scales (fp8 with other static scales, run-time scales and formats with scales inside the cache are
 refused by name). Parallelism: any tensor_parallel_size on either role, equal or not: where a prefill
 TP exceeds the KV heads (an MLA latent is one), the ranks holding a head split its bytes; decode
-ranks read vLLM's replicas. Pipeline parallelism is refused. GPU backends (FLASH_ATTN/TRITON_ATTN
+ranks read vLLM's replicas. Pipeline parallelism on the prefill side: each stage pushes its own
+layers under the same push id; decode-side pipeline parallelism is refused. GPU backends (FLASH_ATTN/TRITON_ATTN
 and the GPU MLA backends) follow vLLM's source but are not run here; see vllm_layout.
 """
 
