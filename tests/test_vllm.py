@@ -13,6 +13,7 @@ import random
 import subprocess
 import time
 
+import numpy as np
 import pytest
 
 from pdpush.client import DecodeClient, PrefillClient
@@ -196,7 +197,7 @@ def test_decode_uses_the_pushed_kv(cluster):
         held.wait_committed()
         for layer in range(LAYOUT["layers"]):
             for run in held.layer_runs(layer):
-                run *= -1.0  # K and V of every token, every head
+                run.view(np.float32)[...] *= -1.0  # K and V of every token, every head (row bytes of fp32)
         out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, params)
         held.release()
     finally:

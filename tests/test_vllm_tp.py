@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 
+import numpy as np
 import pytest
 
 from pdpush.bench.tp import Ranks
@@ -69,7 +70,7 @@ def test_corrupting_one_ranks_share_changes_the_decode_tokens(fleet):
         held.wait_committed()
         for layer in range(LAY.layers):
             for run in held.layer_runs(layer):
-                run *= -1.0  # K and V of every token of head 1 only
+                run.view(np.float32)[...] *= -1.0  # K and V of every token of head 1 only (row bytes of fp32)
         d0 = fleet.engines["d1"].stats()
         out, d1 = fleet.engines["d1"].generate(OTHER, NEW_TOKENS, params)
         held.release()
