@@ -13,7 +13,8 @@ byte range of a page; it is also CPU_ATTN's (block, head) tile order, and for ML
 token-major rows. A partial last chunk takes a whole page; only its first ``last_chunk_tokens``
 token rows of each (head, component) are meaningful.
 
-Element types (``DTYPES``): 16- and 32-bit floats and fp8 (e4m3fn, e5m2), one byte per element;
+Element types (``DTYPES``): 16- and 32-bit floats and fp8 (e4m3fn, e5m2, and ROCm's e4m3fnuz, whose
+bytes mean other values than e4m3fn's, so the two never share a fingerprint), one byte per element;
 bytes move as they are. ``kv_scales`` says where quantization scales live: ``none`` (no scales),
 ``static`` (an fp8 cache with one k/v scale per layer, held by the engines' attention layers; the
 vLLM connector moves them only where they are all 1.0 and refuses other values at start-up, by
@@ -83,8 +84,9 @@ DTYPES: dict[str, ElementType] = {
     "float32": ElementType(4, "float32", "float32"),
     "float8_e4m3fn": ElementType(1, "uint8", "float8_e4m3fn"),
     "float8_e5m2": ElementType(1, "uint8", "float8_e5m2"),
+    "float8_e4m3fnuz": ElementType(1, "uint8", "float8_e4m3fnuz"),  # ROCm (MI300): other bytes for the same values
 }
-DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
+DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
 Kind = Literal["mha", "mla"]
 KvScales = Literal["none", "static"]
 KINDS: dict[str, int] = {"mha": 2, "mla": 1}  # kind -> components per head

@@ -43,7 +43,7 @@ class LayoutSpec(Msg):
     layers: Annotated[int, Field(ge=1, le=4096)]
     kv_heads: Annotated[int, Field(ge=1, le=4096)]
     head_dim: Annotated[int, Field(ge=1, le=65536)]
-    dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
+    dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
     chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)]
     model_id: Annotated[str, Field(max_length=256)] = "default"
     kind: Literal["mha", "mla"] = "mha"

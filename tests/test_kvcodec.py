@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pdpush import kvcodec as kc
 from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, chunk_keys, rank_heads, runs
 
-DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
+DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
 TORCH = {d: getattr(torch, d) for d in DTYPES}
 
 
@@ -131,9 +131,10 @@ def test_fingerprint_and_chunk_keys_cover_the_whole_description():
     base = KVLayout(2, 1, 576, "bfloat16", 16, "m", kind="mla")
     others = [KVLayout(2, 1, 576, "bfloat16", 16, "m"), KVLayout(2, 1, 576, "float8_e4m3fn", 16, "m", kind="mla"),
               KVLayout(2, 1, 320, "bfloat16", 16, "m", kind="mla"),
-              KVLayout(2, 1, 576, "bfloat16", 16, "m", kind="mla", kv_scales="static")]
+              KVLayout(2, 1, 576, "bfloat16", 16, "m", kind="mla", kv_scales="static"),
+              KVLayout(2, 1, 576, "float8_e4m3fnuz", 16, "m", kind="mla")]
     fps = {lay.fingerprint() for lay in [base, *others]}
-    assert len(fps) == 5
+    assert len(fps) == 6  # fp8 e4m3fn and ROCm's e4m3fnuz differ too
     assert all(chunk_keys(list(range(20)), base)[0] != chunk_keys(list(range(20)), o)[0] for o in others)
     assert base.mismatch(others[0]) == "kind: 'mla' vs 'mha'"
 

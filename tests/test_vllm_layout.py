@@ -158,6 +158,10 @@ try:  # an engine against its receiver's config
     derive_layout(config(use_mla=True, kv_heads=4, head=576), ConnectorSettings(receiver_config=sys.argv[1]))
 except ConfigError as e:
     out["receiver"] = str(e)
+from pdpush.integrations.vllm.settings import cache_dtype_of
+
+out["fnuz"] = [cache_dtype_of("torch.bfloat16", c, p) for c, p in (("fp8", "torch.float8_e4m3fnuz"),
+               ("fp8_e4m3", "torch.float8_e4m3fn"), ("fp8_e5m2", "torch.float8_e4m3fnuz"))]
 print(json.dumps(out))
 """
 
@@ -182,5 +186,7 @@ def test_the_connector_derives_every_kind_of_layout_and_refuses_by_name(tmp_path
     for name, word in [("ds_mla", "fp8_ds_mla"), ("per_token_head", "fp8_per_token_head"),
                        ("skip", "kv_cache_dtype_skip_layers"), ("calc", "calculate_kv_scales"), ("f64", "float64")]:
         assert isinstance(out[name], str) and word in out[name], (name, out[name])
+    # ROCm's fp8 (e4m3fnuz) is its own element type: its bytes mean other values than e4m3fn's
+    assert out["fnuz"] == [["float8_e4m3fnuz", "static"], ["float8_e4m3fn", "static"], ["float8_e5m2", "static"]]
     # refused at start-up, naming both sides' values
     assert "kv_heads: 2 vs 1, head_dim: 64 vs 576, kind: 'mha' vs 'mla'" in out["receiver"], out["receiver"]

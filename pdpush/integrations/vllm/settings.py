@@ -128,9 +128,10 @@ def settings_of(extra: dict | None) -> ConnectorSettings:
         raise ConfigError(f"PdpushConnector kv_connector_extra_config: {e}") from None
 
 
-def cache_dtype_of(model_dtype: str, cache_dtype: str | None) -> tuple[str, str]:
+def cache_dtype_of(model_dtype: str, cache_dtype: str | None, platform_fp8: str = "float8_e4m3fn") -> tuple[str, str]:
     """(pdpush element type, kv_scales) of an engine's KV cache; a cache format pdpush cannot move
-    byte for byte with its scales checked is refused by name."""
+    byte for byte with its scales checked is refused by name. ``platform_fp8``: what vLLM's "fp8" and
+    "fp8_e4m3" are on this platform (``current_platform.fp8_dtype()``: e4m3fnuz on ROCm MI300)."""
     cd = str(cache_dtype or "auto")
     if cd == "auto":
         try:
@@ -138,12 +139,21 @@ def cache_dtype_of(model_dtype: str, cache_dtype: str | None) -> tuple[str, str]
         except ValueError:
             raise ConfigError(f"PdpushConnector does not move {model_dtype} KV caches") from None
     if cd in _FP8:
-        return _FP8[cd], "static"
+        return (dtype_name(platform_fp8) if _FP8[cd] == "float8_e4m3fn" else _FP8[cd]), "static"
     if cd in ("float16", "bfloat16", "float32"):
         return cd, "none"
     raise ConfigError(f"PdpushConnector does not move kv_cache_dtype={cd!r} caches (it moves auto, float16, "
                       f"bfloat16 and {sorted(_FP8)}; {cd} keeps scales or an indexer inside the cache in a format "
                       "pdpush does not check yet)")
+
+
+def _platform_fp8() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.fp8_dtype())
+    except Exception:  # noqa: BLE001 - no platform (tests with stand-in configs): vLLM's default
+        return "float8_e4m3fn"
 
 
 def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings) -> KVLayout:
@@ -156,7 +166,7 @@ def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings) -> KVLayout:
         rc = load(ReceiverConfig, s.receiver_config)
         chunk = chunk or rc.chunk_tokens
         model_id = model_id or rc.model_id
-    dtype, scales = cache_dtype_of(str(mc.dtype), cc.cache_dtype)
+    dtype, scales = cache_dtype_of(str(mc.dtype), cc.cache_dtype, _platform_fp8())
     if getattr(cc, "kv_cache_dtype_skip_layers", None):
         raise ConfigError(f"PdpushConnector does not move per-layer KV dtypes (kv_cache_dtype_skip_layers="
                           f"{cc.kv_cache_dtype_skip_layers}): its layout has one dtype for every layer")
