@@ -105,6 +105,29 @@ def _write_pages(dst, rows: Sequence, h0: int, T: int, segs: list[Segment]) -> N
                 tail[...] = 0 if _is_torch(tail) else bytes(tail.dtype.itemsize)  # numpy: void rows
 
 
+def _write_rows(dst, rows: Sequence, r0: int, C: int, T: int, segs: list[Segment]) -> None:
+    """``dst`` row items ``[n, R, k]``: rows ``[r0, r0 + R)`` of each of the rank's pages, numbered
+    ``(head * C + component) * T + token`` (its page layout, flattened), from ``rows[c]`` ``[tokens, heads, k]``."""
+    R = dst.shape[1]
+    for blk in range(r0 // T, (r0 + R - 1) // T + 1):  # the (head, component) blocks the unit spans
+        hh, c = divmod(blk, C)
+        ta, tb = max(r0, blk * T) - blk * T, min(r0 + R, (blk + 1) * T) - blk * T  # its token rows
+        at = blk * T + ta - r0  # where they start in the unit
+        src = rows[c][:, hh]
+        for j0, s0, m in segs:
+            full, rest = divmod(m, T)
+            if full:
+                dst[j0:j0 + full, at:at + tb - ta] = src[s0:s0 + full * T].reshape(full, T, -1)[:, ta:tb]
+            if rest:  # a partial last chunk: the rows it has, then zeroed tail rows
+                hi = min(tb, rest)
+                if hi > ta:
+                    dst[j0 + full, at:at + hi - ta] = src[s0 + full * T + ta:s0 + full * T + hi]
+                z = max(ta, rest)
+                if tb > z:
+                    tail = dst[j0 + full, at + z - ta:at + tb - ta]
+                    tail[...] = 0 if _is_torch(tail) else bytes(tail.dtype.itemsize)
+
+
 def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Segment]) -> None:
     """Write rank ``rank``'s share of one layer into ``dst``, the share's staging bytes (uint8, flat or
     ``share_shape``), from ``comps``: the layer's C components ``[tokens, heads, D]``, holding the heads
@@ -141,7 +164,12 @@ def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Seg
         for u in range(Ur):
             _write_pages(d[u], rows, b0 // lay.head_page_bytes + u * hu, T, segs)
         return
-    # a unit is part of a head (replicated heads, an MLA latent): the rank's pages, then its bytes of them
+    if b0 % rb == 0 and ub % rb == 0:  # a unit is whole rows of a head (an MLA latent's T/U token rows, or K or
+        d = _items(dst.reshape(Ur, n, ub // rb, rb), rb)  # V of a replicated head): straight into staging
+        for u in range(Ur):
+            _write_rows(d[u], rows, (b0 + u * ub) // rb, C, T, segs)
+        return
+    # a unit cuts rows: the rank's pages, then its bytes of them
     h = h1 - h0
     if _is_torch(dst):
         import torch

@@ -72,11 +72,32 @@ def test_every_element_round_trips_staging_pool_and_every_decode_rank(case, dtyp
         return  # the case does not allow it (checked to be refused in test_refused_splits)
     n_chunks = lay.num_chunks(tokens)
     held = set(data.draw(st.sets(st.integers(0, n_chunks - 1), max_size=n_chunks - 1))) if n_chunks > 1 else set()
+    pages = data.draw(st.permutations(range(n_chunks + 3)))[:n_chunks]
+    _round_trip(lay, tp, shards, tokens, held, pages, data.draw(st.integers(0, 1 << 16)), data.draw(st.booleans()))
+
+
+# each of stage()'s three paths, with more than one head per rank where the path allows it
+@pytest.mark.parametrize("kind,heads,dim,tp,shards,chunk", [
+    ("mha", 4, 8, 2, 2, 8),   # heads aligned: units of whole heads
+    ("mha", 2, 8, 1, 4, 8),   # a unit is K or V rows of one of the rank's 2 heads
+    ("mha", 4, 8, 2, 8, 8),   # units of rows, 2 heads per rank, 8 shards
+    ("mha", 1, 8, 2, 1, 8),   # a replicated head: rank 0 its K rows, rank 1 its V rows
+    ("mla", 1, 36, 4, 2, 8),  # an MLA latent's 2 token rows per unit
+    ("mla", 1, 36, 8, 4, 4),  # a unit cuts rows: pages, then bytes
+])
+def test_each_staging_path_round_trips(kind, heads, dim, tp, shards, chunk):
+    lay = KVLayout(2, heads, dim, "bfloat16", chunk, "m", kind=kind)
+    for torch_dst in (False, True):
+        _round_trip(lay, tp, shards, 3 * chunk + 3, {1}, [5, 0, 2, 4], 7, torch_dst)
+
+
+def _round_trip(lay: KVLayout, tp: int, shards: int, tokens: int, held: set[int], pages: list[int], seed: int,
+                torch_dst: bool) -> None:
+    chunk = lay.chunk_tokens
+    n_chunks = lay.num_chunks(tokens)
     pool_pages = n_chunks + 3
-    pages = data.draw(st.permutations(range(pool_pages)))[:n_chunks]
-    comps = _kv(lay, tokens, data.draw(st.integers(0, 1 << 16)))
-    pool, geom = _push(lay, comps, tokens, held, tp, shards, pages, pool_pages,
-                       torch_dst=data.draw(st.booleans()))
+    comps = _kv(lay, tokens, seed)
+    pool, geom = _push(lay, comps, tokens, held, tp, shards, pages, pool_pages, torch_dst=torch_dst)
     new = [c for c in range(n_chunks) if c not in held]
     new_tok = torch.cat([torch.arange(c * chunk, min(tokens, (c + 1) * chunk)) for c in new])
     page_of = torch.tensor(pages)[new_tok // chunk]
