@@ -34,6 +34,7 @@ from pdpush.errors import (
     error_from_code,
 )
 from pdpush.layout import KVLayout, PoolGeometry, StagingShares, chunk_keys, rank_heads, runs
+from pdpush.plan import RequestPlan, tokens_of
 from pdpush.protocol import (
     Abort,
     Begin,
@@ -280,24 +281,43 @@ class PushHandle:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.layers = layers if layers is not None else range(lay.layers)  # this stage's (pipeline parallelism)
         self.heads = rank_heads(lay.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank pushes
-        self.already_sent_indexes: list[int] = list(ok.already_sent_indexes)
-        held = set(self.already_sent_indexes)
-        self.new_chunk_indexes = [i for i in range(lay.num_chunks(tokens)) if i not in held]
-        self.new_runs = runs(self.new_chunk_indexes)  # contiguous chunk-index ranges
-        self.shares = StagingShares(lay, tp_size, ok.pool_shards, len(self.new_chunk_indexes))
+        self.already_sent_indexes: list[int] = list(ok.already_sent_indexes)  # items (plan.py)
+        self.plan = RequestPlan(lay, tokens, self.already_sent_indexes)
+        self._shares = [StagingShares(lay, tp_size, ok.pool_shards, gp.n_new) for gp in self.plan.groups]
+        self._segs: dict[tuple[int, bool], list] = {}
+        # group 0's (every layer's, where the model has one layer group: no sliding windows)
+        self.new_chunk_indexes = self.plan.groups[0].new_chunks
+        self.new_runs = self.plan.groups[0].new_runs  # contiguous chunk-index ranges
+        self.shares = self._shares[0]
         self._shmid = ok.staging_shmid
         st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
-        self._base = st.array[ok.staging_offset: ok.staging_offset + self.shares.kv_bytes]
+        self._base = st.array[ok.staging_offset: ok.staging_offset + self.plan.kv_bytes]
         self._sent: set[int] = set()
         self._done: Done | None = None
         self._aborted: str | None = None
         self._finishing = False
 
+    def new_chunks(self, layer: int) -> list[int]:
+        """The chunks whose pages of ``layer`` this request writes (its layer group's new items)."""
+        return self.plan.of(layer).new_chunks
+
+    def layer_shares(self, layer: int) -> StagingShares:
+        return self._shares[self.plan.of(layer).group.index]
+
+    def layer_segments(self, layer: int, new_only: bool = False) -> list:
+        """``kvcodec.segments`` of ``layer``'s new chunks (``new_only``: their tokens back to back)."""
+        gp = self.plan.of(layer)
+        key = (gp.group.index, new_only)
+        if key not in self._segs:
+            self._segs[key] = kvcodec.segments(gp.new_runs, self.tokens, self.client.layout.chunk_tokens, new_only)
+        return self._segs[key]
+
     def staging_layer(self, layer: int) -> np.ndarray:
         """Raw writable bytes of this rank's share of layer ``layer``, shaped ``StagingShares.share_shape``
         ``[units, new_chunks, unit bytes]`` (layout.py); ``kvcodec.stage`` fills them."""
-        sh = self.shares
-        off = sh.share_offset(layer, self.tp_rank)
+        gp = self.plan.of(layer)
+        sh = self._shares[gp.group.index]
+        off = gp.staging_off + sh.share_offset(gp.local(layer), self.tp_rank)
         return self._base[off:off + sh.share_bytes].reshape(sh.share_shape())
 
     def put_layer(self, layer: int, *comps) -> None:
@@ -309,13 +329,13 @@ class PushHandle:
         """Copy layer ``layer``'s new chunks into staging without handing it over yet. ``comps`` are the
         layout's components (K and V, or an MLA latent), each ``[tokens, heads, D]``: this rank's heads, or
         all the model's (this rank's are taken); the prompt's tokens, or (``new_only``) only the new chunks'
-        tokens back to back. A tensor on a device is copied to the host first."""
+        tokens back to back (``new_chunks(layer)``: with sliding windows, a layer's group has its own).
+        A tensor on a device is copied to the host first."""
         self._check_open()
-        lay = self.client.layout
         comps = tuple(_on_host(x) for x in comps)
-        segs = kvcodec.segments(self.new_runs, self.tokens, lay.chunk_tokens, new_only)
         try:
-            kvcodec.stage(self.staging_layer(layer), comps, self.shares, self.tp_rank, segs)
+            kvcodec.stage(self.staging_layer(layer), comps, self.layer_shares(layer), self.tp_rank,
+                          self.layer_segments(layer, new_only))
         except ValueError as e:
             raise ValueError(f"layer {layer}: {e}") from None
 
@@ -475,17 +495,25 @@ class DecodeRequest:
         self.layout = KVLayout(**ok.layout.model_dump())
         self.geometry = PoolGeometry(self.layout, ok.pool_pages, ok.pool_shards)
         self.heads = rank_heads(self.layout.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank reads
-        self.pages = list(ok.pages)
-        self.tokens = (len(self.pages) - 1) * self.layout.chunk_tokens + ok.last_chunk_tokens
+        self.pages = list(ok.pages)  # one per item (plan.py): group 0's chunks, then each window group's
+        self.tokens = tokens_of(self.layout, ok.chunks or len(self.pages), ok.last_chunk_tokens)
+        new = set(ok.new_idx)
+        self.plan = RequestPlan(self.layout, self.tokens, [i for i in range(len(self.pages)) if i not in new])
+        if self.plan.items != len(self.pages):
+            raise ProtocolError(f"open of {ok.req_id!r}: {len(self.pages)} pages for {self.plan.items} items")
+        # each group's pages, in chunk order (``layer_chunks``)
+        self._group_pages = [[self.pages[i] for i in range(gp.first_item, gp.first_item + len(gp.chunks))]
+                             for gp in self.plan.groups]
         self.ready: set[int] = set(ok.layers_ready)
         self.committed = ok.committed
         self.pool_pages = ok.pool_pages
         self._shmid = ok.shmid
         self._pool = client._segments.hold(ok.shmid, self.layout.region_bytes(ok.pool_pages))
-        self.page_runs = runs(self.pages)
-        # readiness words (layout.py): a layer has landed when every new page's word is our lease id
+        self.page_runs = runs(self._group_pages[0])
+        # readiness words (layout.py): a layer has landed when every new page of its group holds our lease id
         self.lease_id = ok.lease_id
-        self._new_pages = np.array([self.pages[i] for i in ok.new_idx], dtype=np.int64)
+        self._new_pages = [np.array([self.pages[i] for i in range(gp.first_item, gp.first_item + len(gp.chunks))
+                                     if i in new], dtype=np.int64) for gp in self.plan.groups]
         self._words = (self._pool.array[self.layout.kv_bytes(ok.pool_pages):].view(np.uint64)
                        .reshape(self.layout.layers, ok.pool_pages) if ok.ready_in_pool and ok.lease_id else None)
         self._released = False
@@ -509,7 +537,8 @@ class DecodeRequest:
     def _landed(self, layer: int) -> bool:
         """The layer's readiness words say it is in the pool (no message needed)."""
         w = self._words
-        return w is not None and bool((w[layer, self._new_pages] == self.lease_id).all())
+        return w is not None and bool(
+            (w[layer, self._new_pages[self.layout.group_of(layer).index]] == self.lease_id).all())
 
     def landed(self, layer: int) -> bool:
         """Whether layer ``layer`` is in the pool now (never waits)."""
@@ -593,7 +622,19 @@ class DecodeRequest:
         if len(parts) != 1:
             raise ValueError(f"heads {self.heads} span {len(parts)} pool shards: use read_layer()")
         view = parts[0][1]
-        return [view[p:p + n] for _, p, n in self.page_runs]
+        return [view[p:p + n] for _, p, n in runs(self.layer_pages(layer))]
+
+    def layer_chunks(self, layer: int) -> range:
+        """The chunks this request holds of ``layer``: every chunk, or for a sliding-window layer those of
+        its window (``KVLayout.group_chunks``); ``layer_pages`` are their pages."""
+        return self.plan.of(layer).chunks
+
+    def layer_pages(self, layer: int) -> list[int]:
+        return self._group_pages[self.layout.group_of(layer).index]
+
+    def group_pages(self, group: int) -> list[int]:
+        """Layer group ``group``'s pages, one per chunk of ``plan.groups[group].chunks``."""
+        return self._group_pages[group]
 
     def pool_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
         """The whole pool region's bytes, once ``layer`` is ready (for ``kvcodec.read_rows``/``read_pages``)."""
@@ -601,22 +642,28 @@ class DecodeRequest:
         return self._pool.array[:self.geometry.region_bytes]
 
     def read_layer(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
-        """A copy of this rank's heads of the request's pages: row bytes ``[chunks, heads, C, T, D * B]``."""
+        """A copy of this rank's heads of the layer's pages (``layer_chunks``): row bytes
+        ``[chunks, heads, C, T, D * B]``."""
         pool = self.pool_bytes(layer, wait, timeout_s)
-        return kvcodec.read_pages(pool, self.geometry, layer, np.asarray(self.pages, dtype=np.int64), self.heads)
+        return kvcodec.read_pages(pool, self.geometry, layer, np.asarray(self.layer_pages(layer), dtype=np.int64),
+                                  self.heads)
+
+    def _layer_tokens(self, layer: int) -> int:
+        return self.tokens - self.layer_chunks(layer).start * self.layout.chunk_tokens
 
     def kv_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> tuple[np.ndarray, ...]:
         """This rank's heads of one layer as bytes, one ``[tokens, heads, D * B]`` per component (K and V,
-        or the MLA latent; a copy)."""
-        rows = kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self.tokens)
+        or the MLA latent; a copy). A sliding-window layer's start at its first chunk's first token."""
+        rows = kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self._layer_tokens(layer))
         return tuple(rows[:, :, c] for c in range(self.layout.components))
 
     def layer_kv(self, layer: int, wait: bool = True, timeout_s: float | None = None):
-        """This rank's heads of one layer as torch tensors, one ``[tokens, heads, D]`` per component."""
+        """This rank's heads of one layer as torch tensors, one ``[tokens, heads, D]`` per component (as
+        ``kv_bytes``)."""
         import torch
 
         rows = torch.from_numpy(np.ascontiguousarray(
-            kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self.tokens)))
+            kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self._layer_tokens(layer))))
         x = kvcodec.elements(rows, self.layout.dtype)
         return tuple(x[:, :, c].clone() for c in range(self.layout.components))
 

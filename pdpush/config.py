@@ -118,6 +118,10 @@ class ReceiverConfig(_Base):
     """Layout: tokens per chunk (one page per chunk per layer)."""
     model_id: str = "default"
     """Layout: model identity; senders of another model are refused."""
+    windows: list[int] = Field(default_factory=list)
+    """Layout: each layer's sliding window in tokens, 0 for full attention (empty: every layer full). A
+    sliding-window layer gets only the chunks of a prompt's last window (docs/layout.md); ``model`` reads
+    it from ``layer_types``."""
     pool_pages: int = Field(64, ge=1)
     """Pages in the pool; the pool is layers x pool_pages x page_bytes bytes."""
     pool_shards: int = Field(1, ge=1)
@@ -161,7 +165,7 @@ class ReceiverConfig(_Base):
     @property
     def layout(self) -> KVLayout:
         return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, self.chunk_tokens, self.model_id,
-                        self.kind, self.kv_scales)
+                        self.kind, self.kv_scales, tuple(self.windows))
 
     @property
     def pool_bytes(self) -> int:

@@ -238,3 +238,93 @@ def page_rows_to_tokens(pages, tokens: int):
     n, h, C, T = pages.shape[:4]
     return _perm(pages, 0, 3, 1, 2, 4).reshape(n * T, h, C, -1)[:tokens]
 
+
+
+# ---- recurrent state (GDN, Mamba2): a rank's units of each state layer's page (layout.StateSegment) ----
+
+def _bytes_of(x):
+    """A contiguous array's bytes, flat (uint8), numpy or torch."""
+    if _is_torch(x):
+        import torch
+
+        return x.contiguous().view(torch.uint8).reshape(-1)
+    return np.ascontiguousarray(x).view(np.uint8).reshape(-1)
+
+
+def _narrow(x, axis: int, start: int, n: int):
+    return x.narrow(axis, start, n) if _is_torch(x) else np.take(x, range(start, start + n), axis=axis)
+
+
+def _tensor_parts(layout, tp: int) -> dict[str, list[tuple[int, int]]]:
+    """Each engine tensor's segments: (segment index, its length along the tensor's axis on one rank)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for i, s in enumerate(layout.state):
+        out.setdefault(s.tensor, []).append((i, s.shape[s.axis] if s.replicated else s.shape[s.axis] // tp))
+    return out
+
+
+def state_shapes(layout, tp: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each engine tensor (conv, ssm) on one rank of ``tp``, for one state layer."""
+    out = {}
+    for name, parts in _tensor_parts(layout, tp).items():
+        s = layout.state[parts[0][0]]
+        sh = list(s.shape)
+        sh[s.axis] = sum(n for _, n in parts)
+        out[name] = tuple(sh)
+    return out
+
+
+def stage_state(dst, tensors: Sequence[dict], layout, tp: int, rank: int) -> None:
+    """Write rank ``rank``'s units of every state layer into ``dst`` (uint8 ``[units / tp, state_layers,
+    unit bytes]``). ``tensors``: per state layer, the rank's engine tensors by name, as the engine holds them
+    (each the concatenation of its segments' parts along its axis)."""
+    layout.check_state_tp(tp)
+    k = layout.state_units // tp
+    shapes = state_shapes(layout, tp)
+    for la, local in enumerate(tensors):
+        for name, parts in _tensor_parts(layout, tp).items():
+            x = local[name]
+            if tuple(x.shape) != shapes[name]:
+                raise ValueError(f"state layer {la}: {name} is {tuple(x.shape)} on a rank of {tp}, the layout's "
+                                 f"{shapes[name]}")
+            at = 0
+            for i, n in parts:
+                s = layout.state[i]
+                part = _narrow(x, s.axis, at, n)
+                at += n
+                off = sum(layout.state[j].unit_bytes(layout.state_units) for j in range(i))
+                nb = s.unit_bytes(layout.state_units)
+                for j in range(k):
+                    piece = part if s.replicated else _narrow(part, s.axis, j * (n // k), n // k)
+                    dst[j, la, off:off + nb] = _bytes_of(piece)
+
+
+def read_state(src, layout, tp: int, rank: int) -> list[dict]:
+    """Rank ``rank``'s engine tensors of every state layer from its units ``src`` (uint8 ``[units / tp,
+    state_layers, unit bytes]``): the inverse of ``stage_state`` (a replicated part comes from the first unit)."""
+    layout.check_state_tp(tp)
+    k = layout.state_units // tp
+    out = []
+    for la in range(layout.state_layers):
+        local = {}
+        for name, parts in _tensor_parts(layout, tp).items():
+            pieces = []
+            for i, _ in parts:
+                s = layout.state[i]
+                off = sum(layout.state[j].unit_bytes(layout.state_units) for j in range(i))
+                nb = s.unit_bytes(layout.state_units)
+                ush = s.unit_shape(layout.state_units)
+                units = [elements(src[j, la, off:off + nb], s.dtype).reshape(ush) for j in range(1 if s.replicated
+                                                                                          else k)]
+                pieces.append(units[0] if len(units) == 1 else _cat(units, s.axis))
+            local[name] = pieces[0] if len(pieces) == 1 else _cat(pieces, layout.state[parts[0][0]].axis)
+        out.append(local)
+    return out
+
+
+def _cat(xs, axis: int):
+    if _is_torch(xs[0]):
+        import torch
+
+        return torch.cat(xs, dim=axis)
+    return np.concatenate(xs, axis=axis)

@@ -65,6 +65,7 @@ Pure logic: imports no torch, zmq or ucxx (``kvcodec.py`` moves the bytes these 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -119,10 +120,32 @@ class KVLayout:
     model_id: str = "default"
     kind: Kind = "mha"
     kv_scales: KvScales = "none"
+    # per layer, the sliding window in tokens (0: full attention); () when every layer is full
+    windows: tuple[int, ...] = ()
+    # recurrent state (GDN, Mamba2): layers of state beside the attention ``layers``, each one state page
+    # per request made of ``state`` segments, split into ``state_units`` units for tensor parallelism
+    state_layers: int = 0
+    state: tuple[StateSegment, ...] = ()
+    state_units: int = 1
 
     def __post_init__(self) -> None:
+        w = tuple(int(x) for x in self.windows)
+        if any(x < 0 for x in w) or (w and len(w) != self.layers):
+            raise ValueError(f"KVLayout.windows must give one window >= 0 per layer ({self.layers}), got {w}")
+        object.__setattr__(self, "windows", w if any(w) else ())
+        segs = tuple(StateSegment(str(t), dtype_name(d), tuple(int(x) for x in sh), int(a), bool(r))
+                     for t, d, sh, a, r in self.state)
+        object.__setattr__(self, "state", segs)
+        if bool(self.state_layers) != bool(segs) or self.state_layers < 0 or self.state_units < 1:
+            raise ValueError(f"KVLayout: state_layers={self.state_layers} needs state segments, and they need it "
+                             f"(got {len(segs)}); state_units={self.state_units} must be positive")
+        for s in segs:
+            if not -len(s.shape) <= s.axis < len(s.shape) or min(s.shape, default=0) <= 0 or (
+                    not s.replicated and s.shape[s.axis] % self.state_units):
+                raise ValueError(f"state segment {s}: its axis must be one of its (positive) dimensions, split into "
+                                 f"state_units={self.state_units} equal parts")
         for name in ("layers", "kv_heads", "head_dim", "chunk_tokens"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) <= 0 and not (name == "layers" and self.state_layers and self.layers == 0):
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -188,12 +211,95 @@ class KVLayout:
         """Stable id of everything that must match for KV bytes to mean the same."""
         s = (f"pdpush-layout-v{LAYOUT_VERSION}|{self.model_id}|{self.kind}|L{self.layers}|H{self.kv_heads}"
              f"|D{self.head_dim}|{self.dtype}|scales={self.kv_scales}|T{self.chunk_tokens}|page=[H,C,T,D]")
+        if self.windows:  # a layout with sliding-window layers (an all-full one keeps its fingerprint)
+            s += "|windows=" + ",".join(map(str, self.windows))
+        if self.state_layers:
+            s += f"|state={self.state_layers}x{self.state_units}:" + ";".join(
+                f"{g.tensor},{g.dtype},{'x'.join(map(str, g.shape))},{g.axis},{int(g.replicated)}" for g in self.state)
         return xxhash.xxh3_64_hexdigest(s.encode())
 
+    # ---- recurrent state: one page per state layer per request (module doc) ----
+    @property
+    def state_unit_bytes(self) -> int:
+        return sum(s.unit_bytes(self.state_units) for s in self.state)
+
+    @property
+    def state_page_bytes(self) -> int:
+        """One state layer's page: ``state_units`` units, each every segment's part of that unit."""
+        return self.state_units * self.state_unit_bytes
+
+    @property
+    def state_slot_bytes(self) -> int:
+        """A request's state: every state layer's page, unit-major ``[units, state_layers, unit bytes]``."""
+        return self.state_layers * self.state_page_bytes
+
+    @property
+    def push_layers(self) -> int:
+        """What a push hands over and lands: the attention layers, then the state (one more, index
+        ``layers``) where the model has state layers."""
+        return self.layers + (1 if self.state_layers else 0)
+
+    def check_state_tp(self, tp: int) -> None:
+        """A TP whose every rank holds whole units of the state: it divides ``state_units``."""
+        if self.state_layers and self.state_units % tp:
+            raise ValueError(f"tensor parallel size {tp} does not divide the state's {self.state_units} units "
+                             "(its heads and groups): each rank must hold whole units")
+
+    # ---- layer groups: the layers that keep the same tokens (full attention, or one sliding window) ----
+    @functools.cached_property
+    def groups(self) -> tuple[Group, ...]:
+        """Group 0 is full attention where any layer is; then one group per window, smallest first."""
+        w = self.windows or (0,) * self.layers
+        return tuple(Group(g, win, tuple(la for la in range(self.layers) if w[la] == win))
+                     for g, win in enumerate(sorted(set(w), key=lambda x: (x != 0, x))))
+
+    def group_of(self, layer: int) -> Group:
+        return self._group_of[layer]
+
+    @functools.cached_property
+    def _group_of(self) -> tuple[Group, ...]:
+        out: list = [None] * self.layers
+        for g in self.groups:
+            for la in g.layers:
+                out[la] = g
+        return tuple(out)
+
+    def group_chunks(self, group: Group, tokens: int) -> range:
+        """The chunks of a ``tokens``-token prompt that ``group``'s layers need on decode: every chunk
+        for full attention; for a window of W, those holding the prompt's last W tokens. A token at p
+        attends to [p - W + 1, p] (vLLM's and transformers' window), and the decode's first step
+        recomputes the last prompt token, N - 1, so it reads from N - W on. vLLM frees a block only
+        once all of it is below that, so a prefill engine still holds every token gathered here."""
+        n = self.num_chunks(tokens)
+        if not group.window:
+            return range(n)
+        return range(max(0, tokens - group.window) // self.chunk_tokens, n)
+
+    def items(self, tokens: int) -> list[tuple[int, int]]:
+        """A request's items, (group, chunk) in order: group 0's chunks, then group 1's, ... Each item
+        is one page of every layer of its group; the pool, the index and the wire count items."""
+        return [(g.index, c) for g in self.groups for c in self.group_chunks(g, tokens)]
+
+    def item_keys(self, keys: list[bytes], tokens: int) -> list[bytes]:
+        """The items' index keys: group 0's are the chunk keys; another group's are derived from them
+        and the group's window, so holding is per (chunk, group)."""
+        out = []
+        for g in self.groups:
+            for c in self.group_chunks(g, tokens):
+                out.append(keys[c] if g.index == 0 else
+                           xxhash.xxh3_128(keys[c] + f"|window={g.window}".encode()).digest())
+        return out
+
     def to_dict(self) -> dict:
-        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "dtype": self.dtype, "chunk_tokens": self.chunk_tokens, "model_id": self.model_id,
-                "kind": self.kind, "kv_scales": self.kv_scales}
+        d = {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+             "dtype": self.dtype, "chunk_tokens": self.chunk_tokens, "model_id": self.model_id,
+             "kind": self.kind, "kv_scales": self.kv_scales}
+        if self.windows:
+            d["windows"] = list(self.windows)
+        if self.state_layers:
+            d.update(state_layers=self.state_layers, state_units=self.state_units,
+                     state=[[s.tensor, s.dtype, list(s.shape), s.axis, s.replicated] for s in self.state])
+        return d
 
     def describe(self) -> str:
         """Every field, for errors that name both sides of a mismatch."""
@@ -202,7 +308,44 @@ class KVLayout:
     def mismatch(self, other: KVLayout) -> str:
         """The fields in which ``other`` differs, as ``name: mine vs theirs`` ('' if none)."""
         a, b = self.to_dict(), other.to_dict()
-        return ", ".join(f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k])
+        return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in dict.fromkeys([*a, *b])
+                         if a.get(k) != b.get(k))
+
+
+class StateSegment(NamedTuple):
+    """One part of a state layer's tensors, for the whole model (every rank's): ``tensor`` (the engine's
+    tensor it is part of: conv or ssm), its element type, its ``shape``, and the ``axis`` along which the
+    tensor's parts are laid side by side in an engine and tensor parallelism splits it (``replicated``: every
+    rank holds all of it, as Mamba2's B and C where its groups do not split)."""
+
+    tensor: str
+    dtype: str
+    shape: tuple[int, ...]
+    axis: int
+    replicated: bool = False
+
+    def unit_shape(self, units: int) -> tuple[int, ...]:
+        """Its part in one of ``units`` units (all of it, replicated)."""
+        if self.replicated:
+            return self.shape
+        sh = list(self.shape)
+        sh[self.axis] //= units
+        return tuple(sh)
+
+    def unit_bytes(self, units: int) -> int:
+        return math.prod(self.unit_shape(units)) * DTYPES[self.dtype].bytes
+
+
+class Group(NamedTuple):
+    """Layers that keep the same tokens: full attention (window 0), or one sliding window."""
+
+    index: int
+    window: int
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return "sliding" if self.window else "full"
 
 
 def chunk_keys(token_ids: list[int] | tuple[int, ...], layout: KVLayout) -> list[bytes]:

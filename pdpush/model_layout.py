@@ -1,9 +1,10 @@
 """A model directory's KV layout, from its ``config.json`` (pure: reads JSON, imports no torch).
 
 ``pdpush layout --model DIR`` prints it as flat TOML for a receiver config, and a receiver config's
-``model = DIR`` fills in the layout fields it does not set. Dense attention (MHA/GQA/MQA) and MLA
-(DeepSeek-V2/V3, Kimi K2: ``kv_lora_rank``) are read; hybrid models (sliding-window layers, linear
-attention, state-space layers) are refused, naming their layer kinds: pdpush does not move them yet.
+``model = DIR`` fills in the layout fields it does not set. Dense attention (MHA/GQA/MQA), MLA
+(DeepSeek-V2/V3, Kimi K2: ``kv_lora_rank``) and sliding-window layers beside full ones (Gemma 3,
+gpt-oss: ``layer_types``, ``windows_of``) are read; linear-attention and state-space layers (GDN,
+Mamba2) are refused, naming their layer kinds: pdpush does not move their state yet.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ def _text_config(cfg: dict) -> dict:
     return tc
 
 
+_ATTENTION = {"full_attention", "attention", "sliding_attention"}
+
+
 def _refuse_hybrids(cfg: dict, where: str) -> None:
+    """Layers that keep state instead of KV (linear attention, Mamba): refused, naming their kinds."""
     kinds: set[str] = set()
     for key in _HYBRID_KEYS:
         v = cfg.get(key)
@@ -37,14 +42,30 @@ def _refuse_hybrids(cfg: dict, where: str) -> None:
             kinds.update(str(x) for x in v)
         elif isinstance(v, str):
             kinds.update(f"{key}:{c}" for c in sorted(set(v)))
-    kinds -= {"full_attention", "attention"}
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
-        kinds.add("sliding_attention")
+    kinds -= _ATTENTION
     if "mamba" in str(cfg.get("model_type", "")) or cfg.get("ssm_state_size") or cfg.get("state_size"):
         kinds.add("mamba")
     if kinds:
-        raise ModelConfigError(f"{where}: a hybrid model (layer kinds {sorted(kinds)}); pdpush moves dense attention "
-                               "and MLA only so far")
+        raise ModelConfigError(f"{where}: a hybrid model (layer kinds {sorted(kinds)}); pdpush moves attention "
+                               "(full and sliding-window) and MLA only so far, not recurrent state")
+
+
+def windows_of(cfg: dict, layers: int, where: str = "model config") -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), from a text config: ``layer_types`` with
+    ``sliding_window`` (Gemma 3, gpt-oss), or one ``sliding_window`` for every layer where no
+    ``layer_types`` says otherwise and ``use_sliding_window`` is not off (Mistral 7B v0.1)."""
+    _refuse_hybrids(cfg, where)
+    w = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != layers:
+            raise ModelConfigError(f"{where}: {len(types)} layer_types for {layers} layers")
+        if "sliding_attention" in types and not w:
+            raise ModelConfigError(f"{where}: sliding_attention layers but no sliding_window")
+        return tuple(int(w) if t == "sliding_attention" else 0 for t in types)
+    if w and cfg.get("use_sliding_window", True):
+        return (int(w),) * layers
+    return ()
 
 
 def layout_of(model_dir: str | Path, *, chunk_tokens: int | None = None, dtype: str | None = None,
@@ -58,9 +79,9 @@ def layout_of(model_dir: str | Path, *, chunk_tokens: int | None = None, dtype: 
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"{path}: not a JSON object")
     tc = _text_config(cfg)
-    _refuse_hybrids(tc, str(path))
     try:
         layers = int(tc["num_hidden_layers"])
+        windows = windows_of(tc, layers, str(path))
         dt = dtype_name(dtype or tc.get("torch_dtype") or tc.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
         if tc.get("kv_lora_rank"):  # MLA: one latent of kv_lora_rank + qk_rope_head_dim per token
             kind, heads, head_dim = "mla", 1, int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"])
@@ -70,7 +91,8 @@ def layout_of(model_dir: str | Path, *, chunk_tokens: int | None = None, dtype: 
             kind = "mha"
         return KVLayout(layers, heads, head_dim, dt, chunk_tokens or DEFAULT_CHUNK_TOKENS,  # type: ignore[arg-type]
                         model_id or Path(model_dir).resolve().name, kind=kind,  # type: ignore[arg-type]
-                        kv_scales="static" if DTYPES[dt].bytes == 1 else "none")  # fp8: the checkpoint's scales
+                        kv_scales="static" if DTYPES[dt].bytes == 1 else "none",  # fp8: the checkpoint's scales
+                        windows=windows)
     except KeyError as e:
         raise ModelConfigError(f"{path}: no {e.args[0]!r}: not a decoder config pdpush can read") from None
     except (TypeError, ValueError) as e:

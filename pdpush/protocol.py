@@ -48,11 +48,15 @@ class LayoutSpec(Msg):
     model_id: Annotated[str, Field(max_length=256)] = "default"
     kind: Literal["mha", "mla"] = "mha"
     kv_scales: Literal["none", "static"] = "none"
+    # per layer, its sliding window in tokens (0: full attention); empty when every layer is full
+    windows: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=4096)] = []
 
     @model_validator(mode="after")
     def _one_latent(self):
         if self.kind == "mla" and self.kv_heads != 1:
             raise ValueError(f"an MLA latent is one head (kv_heads = 1), got kv_heads={self.kv_heads}")
+        if self.windows and len(self.windows) != self.layers:
+            raise ValueError(f"{len(self.windows)} windows for {self.layers} layers")
         return self
 
 
@@ -218,8 +222,9 @@ class OpenOk(Msg):
     pool_base: U64
     pool_pages: U32
     layout: LayoutSpec
-    pages: list[U32]  # one page per chunk, all chunks (held + new), in chunk order
-    new_idx: list[U32] = []  # chunk indexes this request writes (the others were held complete)
+    pages: list[U32]  # one page per item, all items (held + new), in item order (plan.py: (group, chunk))
+    new_idx: list[U32] = []  # item indexes this request writes (the others were held complete)
+    chunks: U32 = 0  # the prompt's chunks (0: as many as pages, one layer group)
     lease_id: U64 = 0  # the value its readiness words take as each layer lands (layout.py)
     ready_in_pool: bool = False  # read readiness from the pool (off where the receiver verifies checksums)
     last_chunk_tokens: U32

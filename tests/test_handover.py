@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdpush import kvcodec
 from pdpush.errors import HandOverTimeout, RemoteProtocolError
 from pdpush.handover import HandOverQueue
 from pdpush.layout import KVLayout, StagingShares, rank_heads, runs
@@ -133,6 +134,15 @@ class Handle:
 
     def staging_layer(self, layer: int) -> np.ndarray:
         return self.staging[layer]
+
+    def new_chunks(self, layer: int) -> list[int]:
+        return self.new_chunk_indexes
+
+    def layer_shares(self, layer: int) -> StagingShares:
+        return self.shares
+
+    def layer_segments(self, layer: int, new_only: bool = False) -> list:
+        return kvcodec.segments(self.new_runs, self.tokens, self.client.layout.chunk_tokens, new_only)
 
     def layers_ready(self, layers):
         self.calls.append(("own", list(layers), threading.current_thread().name))

@@ -117,9 +117,12 @@ def test_pdpush_layout_reads_gqa_mla_and_refuses_hybrids(tmp_path):
     assert layout_of(kimi, chunk_tokens=64, dtype="fp8_e4m3") == KVLayout(61, 1, 576, "float8_e4m3fn", 64, "kimi",
                                                                           kind="mla", kv_scales="static")
     gemma = _model_dir(tmp_path, "gemma", {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
+                                            "sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]})
+    assert layout_of(gemma).windows == (512, 0)  # sliding-window layers beside full ones: each its window
+    nowin = _model_dir(tmp_path, "nowin", {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
                                             "layer_types": ["sliding_attention", "full_attention"]})
-    with pytest.raises(ModelConfigError, match=r"hybrid model \(layer kinds \['sliding_attention'\]\)"):
-        layout_of(gemma)
+    with pytest.raises(ModelConfigError, match="no sliding_window"):
+        layout_of(nowin)
     qnext = _model_dir(tmp_path, "qnext", {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
                                             "layer_types": ["linear_attention", "full_attention"]})
     with pytest.raises(ModelConfigError, match="linear_attention"):
@@ -130,7 +133,7 @@ def test_pdpush_layout_reads_gqa_mla_and_refuses_hybrids(tmp_path):
     rx = tmp_path / "receiver.toml"  # the printed lines, appended as they are, give the same layout
     rx.write_text("pool_pages = 4\n" + out.stdout)
     assert load(ReceiverConfig, rx).layout == layout_of(kimi, chunk_tokens=64)
-    bad = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "layout", "--model", str(gemma)],
+    bad = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "layout", "--model", str(qnext)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "hybrid model" in bad.stderr
 

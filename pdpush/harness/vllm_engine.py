@@ -49,6 +49,12 @@ MODELS = {
                 qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, n_routed_experts=4,
                 n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=512,
                 max_position_embeddings=512),
+    # tests: Gemma 3 text, layers alternating a sliding window of 32 tokens and full attention (two KV cache
+    # groups with vLLM's hybrid KV cache manager); notes/vllm-models.md
+    "gemma3": dict(arch="gemma3_text", num_hidden_layers=4, hidden_size=256, intermediate_size=512,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                   sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2, vocab_size=512,
+                   max_position_embeddings=512),
 }
 # a plain chat template (the served /v1/chat/completions and /tokenize apply it): each turn on its
 # own line, so a conversation's next prompt extends its last one token for token
@@ -73,6 +79,10 @@ def build_model(out_dir: str, size: str = "tiny") -> None:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         DeepseekV2ForCausalLM(DeepseekV2Config(**model, **common)).eval().save_pretrained(out_dir)
+    elif arch == "gemma3_text":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        Gemma3ForCausalLM(Gemma3TextConfig(**model, **common)).eval().save_pretrained(out_dir)
     else:
         LlamaForCausalLM(LlamaConfig(**model, **common)).eval().save_pretrained(out_dir)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

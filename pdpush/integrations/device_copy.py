@@ -40,6 +40,7 @@ import torch
 from pdpush import kvcodec
 from pdpush.errors import ConfigError, HandOverTimeout, PdpushError
 from pdpush.handover import HandOverQueue
+from pdpush.layout import runs
 
 log = logging.getLogger("pdpush.device_copy")
 
@@ -71,7 +72,7 @@ class D2HStager:
         self._queue = HandOverQueue(timeout_s)
         self._cv = threading.Condition()
         self._failed: dict[Hashable, PdpushError] = {}
-        self._index: dict[Hashable, torch.Tensor] = {}
+        self._index: dict[Hashable, bool] = {}  # handle -> its staging takes only new tokens
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         # (req_id, layer, clock) of recent hand-overs, for measurements
         self.handed_over: deque[tuple[str, int, float]] = deque(maxlen=4096)
@@ -122,17 +123,17 @@ class D2HStager:
         nothing is new): ``kvcodec.stage`` runs on the components' device."""
         if callable(comps[0]):
             comps = tuple(comps[0]())
-        lay = handle.client.layout
         if handle not in self._index:
-            self._index[handle] = kvcodec.segments(handle.new_runs, handle.tokens, lay.chunk_tokens, new_only)
+            self._index[handle] = new_only
             if self.mode == "thread":
                 handle.client._conn.allow_posts()
         dst = torch.from_numpy(handle.staging_layer(layer)).view(-1)
-        if not handle.new_chunk_indexes:
+        if not handle.new_chunks(layer):
             return comps, dst, None
         src = torch.empty(dst.numel(), dtype=torch.uint8, device=comps[0].device)
         try:
-            kvcodec.stage(src, comps, handle.shares, handle.tp_rank, self._index[handle])
+            kvcodec.stage(src, comps, handle.layer_shares(layer), handle.tp_rank,
+                          handle.layer_segments(layer, self._index[handle]))
         except ValueError as e:
             raise ValueError(f"layer {layer}: rank {handle.tp_rank}: {e}") from None
         return comps, dst, src
@@ -262,20 +263,20 @@ class H2DLoader:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     def start(self, req, layer: int, timeout_s: float | None = None):
-        """Wait for ``layer`` to land, then start copying this rank's heads of the request's pages to
-        the device: row bytes ``[chunks, heads, C, T, D * B]``. Returns a ticket for ``finish``."""
+        """Wait for ``layer`` to land, then start copying this rank's heads of the request's pages of it
+        (``layer_pages``) to the device: row bytes ``[chunks, heads, C, T, D * B]``. Returns a ticket for ``finish``."""
         if not self.cuda or not req.geometry.heads_aligned:  # pool shards split heads: put pages together here
             pages = torch.from_numpy(req.read_layer(layer, timeout_s=timeout_s))
             return (pages, None) if not self.cuda else (pages.to(self.device, non_blocking=False), None)
         parts = [torch.from_numpy(view) for _, view in req.layer_shards(layer, timeout_s=timeout_s)]
         heads = sum(p.shape[1] for p in parts)
-        n = len(req.pages)
-        dst = torch.empty((n, heads, *parts[0].shape[2:]), dtype=torch.uint8, device=self.device)
+        pages = req.layer_pages(layer)  # its layer group's (a sliding window's chunks only)
+        dst = torch.empty((len(pages), heads, *parts[0].shape[2:]), dtype=torch.uint8, device=self.device)
         with torch.cuda.stream(self._stream):
             at = 0
             for p in parts:
                 k = p.shape[1]
-                for j, first, m in req.page_runs:  # one copy per run of consecutive pages (usually one)
+                for j, first, m in runs(pages):  # one copy per run of consecutive pages (usually one)
                     dst[j:j + m, at:at + k].copy_(p[first:first + m], non_blocking=True)
                 at += k
             done = torch.cuda.Event()

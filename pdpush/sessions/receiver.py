@@ -40,6 +40,7 @@ from pdpush.errors import (
 )
 from pdpush.index import IndexFeed
 from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, runs
+from pdpush.plan import RequestPlan, tokens_of
 from pdpush.pool import PagePool, PoolRequest
 from pdpush.protocol import (
     Abort,
@@ -135,6 +136,8 @@ class RxRequest:
     releases: int = 0
     ttl_ms: int = 0  # committed and unread for this long: dropped (0: the receiver's committed_ttl_ms)
     claimed: bool = False  # made by a Claim from held chunks, not pushed
+    chunks: int = 0  # the prompt's chunks (its items, by group: plan)
+    plan: RequestPlan | None = None
 
 
 class ReceiverSession:
@@ -329,17 +332,25 @@ class ReceiverSession:
             raise RemoteProtocolError("last_chunk_tokens exceeds chunk_tokens", req_id=rid)
         if rid in self.reqs:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
-        self._check_sender_caps(ident, msg)
+        tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
+        keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
+        self._check_sender_caps(ident, msg, len(keys))
         try:
             check_prefill_tp(self.layout, msg.tp_size, self.geometry.shards)
         except ValueError as e:
             raise RemoteProtocolError(str(e), req_id=rid) from None
-        alloc = self.pool.allocate(rid, msg.chunk_keys)
+        alloc = self.pool.allocate(rid, keys)
         lease = min(msg.lease_ms, self.limits.lease_ms)
         r = RxRequest(rid, ident, alloc, self._next_lease, now + lease, msg.last_chunk_tokens, now)
         self._next_lease += 1
         r.new_runs = runs(alloc.new_pages)
+        r.plan = RequestPlan(self.layout, tokens, alloc.held_idx)
+        r.plan.set_pages(alloc.new_pages)
+        r.chunks = len(msg.chunk_keys)
         r.tp_size = msg.tp_size
+        if self.layout.windows:  # what the windows saved: the chunks a full push would also have moved
+            saved = sum(len(g.group.layers) * (r.chunks - len(g.chunks)) for g in r.plan.groups) * self.layout.page_bytes
+            self.counters.add("bytes_window_saved", saved)
         self.reqs[rid] = r
         self._due(r.expires_at_ms)
         self.finished.pop(rid, None)
@@ -353,7 +364,7 @@ class ReceiverSession:
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
                              expires_at_ms=r.expires_at_ms)
 
-    def _check_sender_caps(self, ident: bytes, msg: AllocRequest) -> None:
+    def _check_sender_caps(self, ident: bytes, msg: AllocRequest, items: int) -> None:
         mine = [r for r in self.reqs.values() if r.sender == ident and r.state in _LIVE]
         if len(mine) >= self.limits.max_leases_per_sender:
             raise PoolExhausted(f"sender holds {len(mine)} leases (max_leases_per_sender)", req_id=msg.req_id)
@@ -361,8 +372,8 @@ class ReceiverSession:
         if cap:
             page_set = self.layout.layers * self.layout.page_bytes  # one page index in every layer
             held = sum(len(r.alloc.new_idx) for r in mine) * page_set
-            if held + len(msg.chunk_keys) * page_set > cap:
-                raise PoolExhausted(f"sender would hold {held + len(msg.chunk_keys) * page_set} bytes "
+            if held + items * page_set > cap:
+                raise PoolExhausted(f"sender would hold {held + items * page_set} bytes "
                                     f"uncommitted (max_inflight_bytes_per_sender={cap})", req_id=msg.req_id)
 
     def _owned(self, ident: bytes, req_id: str) -> RxRequest:
@@ -380,9 +391,10 @@ class ReceiverSession:
             raise RemoteProtocolError(f"{len(msg.checksums)} checksums for {len(msg.layers)} layers")
         r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
         if msg.checksums is not None and self.limits.verify_checksums and self._layer_checksum is not None:
-            shares = StagingShares(self.layout, r.tp_size, self.geometry.shards, len(r.alloc.new_idx))
             for layer, want in zip(msg.layers, msg.checksums, strict=True):
-                ranges = [[(dst, n) for _, dst, n in shares.ranges(layer, rank, r.new_runs, self.geometry)]
+                gp = r.plan.of(layer)
+                shares = StagingShares(self.layout, r.tp_size, self.geometry.shards, gp.n_new)
+                ranges = [[(dst, n) for _, dst, n in shares.ranges(layer, rank, gp.page_runs, self.geometry)]
                           for rank in range(r.tp_size)]
                 if self._layer_checksum(ranges) != want:
                     self.counters.add("checksum_failures")
@@ -393,7 +405,7 @@ class ReceiverSession:
         new = [layer for layer in dict.fromkeys(msg.layers) if layer not in r.layers_done]
         if new:
             r.layers_done.update(new)
-            nbytes = len(r.alloc.new_idx) * self.layout.page_bytes * len(new)
+            nbytes = sum(r.plan.layer_bytes(layer) for layer in new)
             self.counters.add("layers_received", len(new))
             self.counters.add("bytes_received", nbytes)
             out.append(Count("layers", len(new)))
@@ -491,7 +503,7 @@ class ReceiverSession:
         if r is not None:
             if not r.claimed:
                 raise DuplicateRequest(f"request {rid!r} already exists (pushed)", req_id=rid)
-            return ClaimOk(req_id=rid, chunks=len(r.alloc.keys))
+            return ClaimOk(req_id=rid, chunks=r.chunks)
         if rid in self.finished:
             raise UnknownRequest(f"request {rid!r} is gone: {self.finished[rid]}", req_id=rid)
         if self.draining:
@@ -499,16 +511,15 @@ class ReceiverSession:
         if len(msg.chunk_keys) > self.limits.max_chunks_per_request:
             raise RequestTooLarge(f"{len(msg.chunk_keys)} chunks exceeds the cap of "
                                   f"{self.limits.max_chunks_per_request}", req_id=rid)
-        held = self.pool.held_prefix(msg.chunk_keys)
+        held, keys, last = self._claimable(msg)
         if held == 0:
             return ClaimOk(req_id=rid, chunks=0)
-        alloc = self.pool.allocate(rid, msg.chunk_keys[:held])  # every chunk held: pinned, no new page
+        alloc = self.pool.allocate(rid, keys)  # every item held: pinned, no new page
         self.pool.commit(rid)
-        last = min(msg.last_chunk_tokens, self.layout.chunk_tokens) if held == len(msg.chunk_keys) \
-            else self.layout.chunk_tokens
         r = RxRequest(rid, b"", alloc, self._next_lease, now, last, now, state=ReqState.COMMITTED,
                       committed_at_ms=now, layers_done=set(range(self.layout.layers)),
-                      ttl_ms=min(msg.lease_ms, self.limits.lease_ms), claimed=True)
+                      ttl_ms=min(msg.lease_ms, self.limits.lease_ms), claimed=True, chunks=held)
+        r.plan = RequestPlan(self.layout, tokens_of(self.layout, held, last), range(len(keys)))
         self._next_lease += 1
         self.reqs[rid] = r
         self._due(now + r.ttl_ms)
@@ -516,6 +527,18 @@ class ReceiverSession:
         self.counters.add("chunks_claimed", held)
         out.append(Log(logging.DEBUG, f"claimed {held} held chunks of {len(msg.chunk_keys)}", rid))
         return ClaimOk(req_id=rid, chunks=held)
+
+    def _claimable(self, msg: Claim) -> tuple[int, list[bytes], int]:
+        """The longest leading run of the claim's chunks whose every item is held (with sliding windows,
+        the window's items of that shorter prompt too): (chunks, item keys, last chunk's tokens)."""
+        lay, keys = self.layout, msg.chunk_keys
+        held = self.pool.held_prefix(keys)
+        for h in range(held, max(0, held - 64), -1):  # a window's items are few: a short search
+            last = min(msg.last_chunk_tokens, lay.chunk_tokens) if h == len(keys) else lay.chunk_tokens
+            items = lay.item_keys(keys[:h], tokens_of(lay, h, last))
+            if self.pool.held_prefix(items) == len(items):
+                return h, items, last
+        return 0, [], 0
 
     def _request_prefix(self, req_id: str | None, keys: list[bytes]) -> int:
         """How many leading ``keys`` the live request ``req_id`` carries (0 if it is not here)."""
@@ -535,6 +558,7 @@ class ReceiverSession:
         i = self.info
         return ToDecode(ident, OpenOk(req_id=r.req_id, shmid=i.shmid, pool_base=i.base, pool_pages=i.pages,
                                       layout=self.spec, pages=r.alloc.pages, new_idx=r.alloc.new_idx,
+                                      chunks=r.chunks,
                                       lease_id=r.lease_id, ready_in_pool=not self.limits.verify_checksums,
                                       last_chunk_tokens=r.last_chunk_tokens,
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,

@@ -59,6 +59,7 @@ from pdpush.errors import (
     error_from_code,
 )
 from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, combine_digests
+from pdpush.plan import RequestPlan, tokens_of
 from pdpush.protocol import (
     SENDER_PEER,
     SENDER_REQUEST,
@@ -184,7 +185,8 @@ class TxRank:
     layers_posted: set[int] = field(default_factory=set)
     finish: bool = False
     puts: int = 0
-    ranges: list[tuple[int, int, int]] | None = None  # its share of layer 0 (StagingShares.ranges)
+    ranges: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # group -> its share of the
+    # group's first layer, in staging and the pool's layer 0 (StagingShares.ranges)
 
 
 @dataclass
@@ -203,12 +205,12 @@ class TxRequest:
     staging_off: int | None = None
     n_new: int = 0
     lease_id: int = 0
-    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (new-chunk idx, first page, n)
     skipped: int = 0
     held: list[int] = field(default_factory=list)  # already_sent_indexes: decided once, the same for every rank
-    shares: StagingShares | None = None
+    plan: RequestPlan | None = None  # items by layer group, their pages (plan.py)
+    shares: list[StagingShares] = field(default_factory=list)  # by group
     pool: PoolGeometry | None = None  # the receiver's pool
-    share_puts: int = 0  # puts of one rank's share of one layer
+    share_puts: list[int] = field(default_factory=list)  # by group: puts of one rank's share of one layer
     flushed: dict[int, dict[int, int | None]] = field(default_factory=dict)  # layer -> rank -> share digest
     layers_done: set[int] = field(default_factory=set)  # every rank's share flushed
     unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
@@ -466,7 +468,8 @@ class SenderSession:
             check_prefill_tp(layout, msg.tp_size)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
-        if layout.layers * len(msg.chunk_keys) * layout.page_bytes > self.staging.size:
+        if RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)).kv_bytes \
+                > self.staging.size:
             raise RequestTooLarge(f"request needs more staging than staging_bytes={self.staging.size}")
         receiver = msg.receiver or self.default_receiver
         if not receiver:
@@ -550,36 +553,43 @@ class SenderSession:
             raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range (this stage's "
                                       f"[{k.layers.start}, {k.layers.stop})) or already sent")
         k.layers_posted.update(msg.layers)
-        if not r.n_new:  # nothing new to move: the layers are done at once
+        plan, pool = r.plan, r.pool
+        moving = [la for la in msg.layers if plan.of(la).n_new]
+        if len(moving) < len(msg.layers):  # nothing new to move for these (every item held): done at once
             for layer in msg.layers:
-                self._share_flushed(r, layer, rank, None)
+                if not plan.of(layer).n_new:
+                    self._share_flushed(r, layer, rank, None)
             self._announce(r, now, out)
-            return
-        sh, pool = r.shares, r.pool
-        if k.ranges is None:
-            k.ranges = sh.ranges(0, k.tp_rank, r.runs, pool)
+            if not moving:
+                return
         base = self.staging_info.address + r.staging_off
         ops: list[PutOp] = []
         srcs = []
-        for layer in msg.layers:  # layer 0's ranges, shifted (layout.StagingShares.ranges)
-            src0, dst0 = base + layer * sh.layer_bytes, r.peer.ack.pool_base + layer * pool.layer_bytes
-            ops.extend([PutOp(src0 + src, dst0 + dst, n) for src, dst, n in k.ranges])
-            srcs.append((base + sh.share_offset(layer, k.tp_rank), sh.share_bytes))
+        for layer in moving:  # the group's first layer's ranges, shifted (layout.StagingShares.ranges)
+            gp = plan.of(layer)
+            g, sh = gp.group.index, r.shares[gp.group.index]
+            rng = k.ranges.get(g)
+            if rng is None:
+                rng = k.ranges[g] = sh.ranges(0, k.tp_rank, gp.page_runs, pool)
+            src0 = base + gp.staging_off + gp.local(layer) * sh.layer_bytes
+            dst0 = r.peer.ack.pool_base + layer * pool.layer_bytes
+            ops.extend([PutOp(src0 + src, dst0 + dst, n) for src, dst, n in rng])
+            srcs.append((src0 + sh.share_offset(0, k.tp_rank), sh.share_bytes))
         self.counters.add("bytes_put", sum(op.nbytes for op in ops))  # every rank's data puts: MLA's latent once
-        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(msg.layers), "data", rank),
+        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(moving), "data", rank),
                             now + self.limits.layer_timeout_ms, srcs))
 
     def _readiness(self, r: TxRequest, layers: tuple[int, ...], now: int) -> PostPuts:
         """Layers whose data is flushed (every rank's share): put their readiness words (the lease id)."""
         ack = r.peer.ack
         words = self._words(r)
-        ops = [PutOp(words + idx * 8, ack.ready_base + (layer * ack.pool_pages + page) * 8, n * 8)
-               for layer in layers for idx, page, n in r.runs]
+        ops = [PutOp(words + (gp.new_first + idx) * 8, ack.ready_base + (layer * ack.pool_pages + page) * 8, n * 8)
+               for layer in layers for gp in (r.plan.of(layer),) for idx, page, n in gp.page_runs]
         return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready", 0), now + self.limits.layer_timeout_ms)
 
     def _words(self, r: TxRequest) -> int:
         """Staging address of the request's readiness words, after its layers."""
-        return self.staging_info.address + r.staging_off + r.layout.layers * r.n_new * r.layout.page_bytes
+        return self.staging_info.address + r.staging_off + r.plan.kv_bytes
 
     def _share_flushed(self, r: TxRequest, layer: int, rank: int, digest: int | None) -> bool:
         """Participant ``rank``'s share of ``layer`` is in the pool; True when that completes the layer
@@ -594,7 +604,7 @@ class SenderSession:
             if tp_rank in got:
                 return False
             got[tp_rank] = digest
-        puts = r.share_puts
+        puts = r.share_puts[r.plan.of(layer).group.index]
         r.ranks[rank].puts += puts
         r.puts += puts
         self.counters.add("puts", puts)
@@ -602,7 +612,7 @@ class SenderSession:
             if len(got) < r.tp:
                 return False
             digests = [got[k] for k in range(r.tp)]
-        nbytes = r.n_new * r.layout.page_bytes
+        nbytes = r.plan.layer_bytes(layer)
         r.bytes_sent += nbytes
         r.layers_done.add(layer)
         r.unannounced.append((layer, None if None in digests else combine_digests(digests)))
@@ -615,7 +625,7 @@ class SenderSession:
         """One LayerDone for every layer flushed since the last notice; commit once all are in."""
         done, r.unannounced = r.unannounced, []
         if done:
-            nbytes = r.n_new * r.layout.page_bytes * len(done)
+            nbytes = sum(r.plan.layer_bytes(la) for la, _ in done)
             out.extend((Count("bytes", nbytes), Count("layers", len(done))))
             sums = [c for _, c in done]
             out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in done],
@@ -691,29 +701,32 @@ class SenderSession:
         layout = r.layout
         r.held = list(a.already_sent_indexes)
         r.skipped = len(r.held)
-        r.n_new = len(r.begin.chunk_keys) - r.skipped
-        if sum(n for _, n in a.page_runs) != r.n_new:
-            self._fail(r, RemoteProtocolError("receiver's page runs do not cover the new chunks"), now, out,
+        b = r.begin
+        try:  # the items by layer group (plan.py): the receiver's held ones, and pages for the rest
+            r.plan = RequestPlan(layout, tokens_of(layout, len(b.chunk_keys), b.last_chunk_tokens), r.held)
+            r.plan.set_pages([p + i for p, n in a.page_runs for i in range(n)])
+        except ValueError as e:
+            self._fail(r, RemoteProtocolError(f"receiver's allocation does not fit the request: {e}"), now, out,
                        tell_receiver=True)
             return
-        idx = 0
-        for page, n in a.page_runs:
-            r.runs.append((idx, page, n))
-            idx += n
-        try:  # the layers' new pages, then one readiness word per new page (the lease id)
-            r.staging_off = self.staging.alloc(max(1, layout.layers * r.n_new * layout.page_bytes + r.n_new * 8))
+        r.n_new = r.plan.n_new
+        try:  # the layers' new pages, then one readiness word per new item (the lease id)
+            r.staging_off = self.staging.alloc(max(1, r.plan.staging_bytes))
         except PdpushError as e:
             self._fail(r, e, now, out, tell_receiver=True)
             return
         r.lease_id = a.lease_id
         try:
             ack = r.peer.ack
-            r.shares = StagingShares(layout, r.tp, ack.pool_shards, r.n_new)
             r.pool = PoolGeometry(layout, ack.pool_pages, ack.pool_shards)
-            r.share_puts = r.shares.puts(r.runs)
+            r.shares = [StagingShares(layout, r.tp, ack.pool_shards, gp.n_new) for gp in r.plan.groups]
+            r.share_puts = [sh.puts(gp.page_runs) for sh, gp in zip(r.shares, r.plan.groups, strict=True)]
         except ValueError as e:
             self._fail(r, IncompatiblePeer(str(e)), now, out, tell_receiver=True)
             return
+        if layout.windows:  # what the windows saved: the chunks a full push would also have moved
+            self.counters.add("bytes_window_saved", sum(
+                len(gp.group.layers) * (len(b.chunk_keys) - len(gp.chunks)) for gp in r.plan.groups) * layout.page_bytes)
         if r.n_new:
             out.append(FillWords(self._words(r), a.lease_id, r.n_new))
         else:  # the receiver holds every chunk: every layer is there already, a finish commits at once

@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
@@ -80,8 +81,10 @@ __all__ = ["EVENTS", "STATS", "ConnectorSettings", "LoadSpec", "PdpushConnector"
 log = logging.getLogger("pdpush.vllm")
 
 
-class PdpushConnector(KVConnectorBase_V1):
-    """Layer-by-layer push of prefill KV to the decode instance through pdpush daemons."""
+class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
+    """Layer-by-layer push of prefill KV to the decode instance through pdpush daemons. With vLLM's
+    hybrid KV cache manager (``SupportsHMA``), every block-id list is one per KV cache group, and a
+    sliding-window group moves only its window's chunks."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -89,7 +92,7 @@ class PdpushConnector(KVConnectorBase_V1):
         self.settings = settings_of(tc.kv_connector_extra_config)
         self.is_producer = bool(tc.is_kv_producer)
         self.is_consumer = bool(tc.is_kv_consumer)
-        self.layout = derive_layout(vllm_config, self.settings)
+        self.layout = derive_layout(vllm_config, self.settings, kv_cache_config)
         check_parallelism(vllm_config, self.layout, self.is_producer, self.is_consumer)
         endpoints = Endpoints.of(self.settings)
         self.engine_tag = uuid.uuid4().hex[:12]
@@ -97,7 +100,7 @@ class PdpushConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         if role == KVConnectorRole.WORKER:
             self._worker = WorkerSide(vllm_config, self.settings, endpoints, self.layout, self.is_producer,
-                                      self.is_consumer)
+                                      self.is_consumer, kv_cache_config)
         else:
             self._sched = SchedulerSide(self.settings, endpoints, self.layout, self.engine_tag, self.is_producer,
                                         self.is_consumer)
@@ -149,4 +152,8 @@ class PdpushConnector(KVConnectorBase_V1):
         return self._sched.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request, block_ids)
+        return self._sched.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request)  # the hybrid manager's: one block list per group

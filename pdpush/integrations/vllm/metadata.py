@@ -30,7 +30,7 @@ class PushSpec:
     req_id: str           # vLLM's
     push_id: str          # pdpush's (unique per prefill engine; the same on every TP rank)
     token_ids: list[int]  # the prompt
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per vLLM KV cache group (one with the hybrid manager off)
     receiver: str
 
 
@@ -38,9 +38,10 @@ class PushSpec:
 class LoadSpec:
     req_id: str
     push_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per vLLM KV cache group
     start: int  # tokens [start, end) come from the pool
     end: int
+    tokens: int = 0  # the prompt's (a sliding window's chunks are those of its last tokens); 0: end + 1
 
 
 @dataclass

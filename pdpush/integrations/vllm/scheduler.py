@@ -34,10 +34,11 @@ class _Req:
     push_id: str = ""
     receiver: str = ""
     token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # one list per KV cache group
     pushed: bool = False
     # decode: the load planned for this step (push id, start, end), and how long we have asked for it
     plan: tuple[str, int, int] | None = None
+    prompt_tokens: int = 0
     planned_once: bool = False  # planned before (then preempted): its push was released, recompute
     first_ask: float | None = None
     next_ask: float = 0.0
@@ -89,6 +90,7 @@ class SchedulerSide:
         if want <= num_computed_tokens:
             return 0, False
         r = self.reqs.setdefault(rid, _Req())
+        r.prompt_tokens = len(prompt)
         if params.get("pdpush_claim"):
             return self._claim(request, r, str(push_id), prompt, want, num_computed_tokens)
         now = time.monotonic()
@@ -176,10 +178,11 @@ class SchedulerSide:
             if r is None:
                 continue
             if r.plan is not None:
-                meta.loads.append(LoadSpec(rid, r.plan[0], list(new.block_ids[0]), r.plan[1], r.plan[2]))
+                meta.loads.append(LoadSpec(rid, r.plan[0], [list(b) for b in new.block_ids], r.plan[1], r.plan[2],
+                                           r.prompt_tokens))
                 r.plan, r.planned_once = None, True
             if r.push_id and not r.pushed:
-                r.block_ids = list(new.block_ids[0])
+                r.block_ids = [list(b) for b in new.block_ids]
                 self._maybe_push(meta, rid, r, new.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0))
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -188,18 +191,19 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids and new_blocks is not None:
-                r.block_ids = list(new_blocks[0])  # a resumed request gets all its blocks anew
+                r.block_ids = [list(b) for b in new_blocks]  # a resumed request gets all its blocks anew
             elif new_blocks is not None:
-                r.block_ids.extend(new_blocks[0])
+                for mine, more in zip(r.block_ids, new_blocks, strict=True):
+                    mine.extend(more)
             self._maybe_push(meta, rid, r, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
         return meta
 
     def _maybe_push(self, meta: PdpushConnectorMetadata, rid: str, r: _Req, computed_after: int) -> None:
         if computed_after >= len(r.token_ids):  # the prompt's KV is complete after this step
-            meta.pushes.append(PushSpec(rid, r.push_id, r.token_ids, list(r.block_ids), r.receiver))
+            meta.pushes.append(PushSpec(rid, r.push_id, r.token_ids, [list(b) for b in r.block_ids], r.receiver))
             r.pushed = True
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         r = self.reqs.pop(request.request_id, None)
         if r is None or not r.pushed:
             return False, None

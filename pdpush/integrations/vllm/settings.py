@@ -13,6 +13,7 @@ from pdpush.client import DecodeClient
 from pdpush.config import ReceiverConfig, SenderConfig, load
 from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, check_prefill_tp, dtype_name, rank_heads
+from pdpush.model_layout import ModelConfigError, windows_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -156,9 +157,10 @@ def _platform_fp8() -> str:
         return "float8_e4m3fn"
 
 
-def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings) -> KVLayout:
+def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings, kv_cache_config=None) -> KVLayout:
     """The model's whole KV as pdpush moves it: every KV head and every layer, whatever this engine's
-    TP or PP stage; an MLA model's latent as one head of kv_lora_rank + qk_rope_head_dim."""
+    TP or PP stage; an MLA model's latent as one head of kv_lora_rank + qk_rope_head_dim; each layer's
+    sliding window from the model's config, checked against vLLM's KV cache groups (``check_groups``)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     chunk, model_id = s.chunk_tokens, s.model_id
     rc = None
@@ -174,14 +176,63 @@ def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings) -> KVLayout:
         raise ConfigError("PdpushConnector does not move fp8 KV caches whose scales are computed at run time "
                           "(calculate_kv_scales): the two sides' scales could not be checked")
     mla = bool(getattr(mc, "use_mla", False))
-    lay = KVLayout(mc.get_total_num_hidden_layers(), 1 if mla else mc.get_total_num_kv_heads(),
+    layers = mc.get_total_num_hidden_layers()
+    check_groups(kv_cache_config)
+    try:
+        windows = windows_of(mc.hf_text_config.to_dict(), layers, "the model's config")
+    except ModelConfigError as e:
+        raise ConfigError(f"PdpushConnector: {e}") from None
+    lay = KVLayout(layers, 1 if mla else mc.get_total_num_kv_heads(),
                    mc.get_head_size(), dtype, chunk or 256,  # type: ignore[arg-type]
                    model_id or mc.served_model_name or mc.model, kind="mla" if mla else "mha",
-                   kv_scales=scales)  # type: ignore[arg-type]
+                   kv_scales=scales, windows=engine_windows(kv_cache_config, windows))  # type: ignore[arg-type]
     if rc is not None and (mismatch := rc.layout.mismatch(lay)):
         raise ConfigError(f"receiver {s.receiver_config} holds another layout than this model's, receiver vs "
                           f"model: {mismatch}")
     return lay
+
+
+_ATTENTION_SPECS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}
+
+
+def _group_kinds(kv_cache_config) -> list[str]:
+    return [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+
+
+def check_groups(kv_cache_config) -> None:
+    """vLLM's KV cache groups pdpush moves: attention (full, sliding window, MLA). A group of recurrent
+    state (MambaSpec: GDN, Mamba2) is refused at start-up, naming every group's kind: no push may skip
+    a group silently."""
+    if kv_cache_config is None:
+        return
+    kinds = _group_kinds(kv_cache_config)
+    other = sorted({k for k in kinds if k not in _ATTENTION_SPECS} | ({"ChunkedLocalAttentionSpec"} & set(kinds)))
+    if other:
+        raise ConfigError(f"PdpushConnector does not move KV cache groups of kind {other} (this model's groups: "
+                          f"{kinds}); it moves attention KV (full and sliding window) and MLA latents")
+
+
+def engine_windows(kv_cache_config, windows: tuple[int, ...]) -> tuple[int, ...]:
+    """The windows this engine keeps: a sliding-window layer whose blocks vLLM keeps whole (its hybrid KV
+    cache manager off: a full-attention group) moves every chunk, since vLLM's prefix cache would keep
+    the blocks a window push never wrote; a sliding-window group's window must be the model's."""
+    if kv_cache_config is None or not windows:
+        return windows
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    out = list(windows)
+    for g in kv_cache_config.kv_cache_groups:
+        sliding = type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"
+        for name in g.layer_names:
+            la = extract_layer_index(name)
+            if la >= len(out):
+                continue
+            if not sliding:
+                out[la] = 0
+            elif out[la] != g.kv_cache_spec.sliding_window:
+                raise ConfigError(f"PdpushConnector: layer {name} keeps a window of {g.kv_cache_spec.sliding_window} "
+                                  f"tokens in vLLM's KV cache groups, {out[la]} in the model's config")
+    return tuple(out)
 
 
 def check_parallelism(vllm_config: VllmConfig, layout: KVLayout, producer: bool, consumer: bool) -> None:

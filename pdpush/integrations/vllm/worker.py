@@ -33,21 +33,26 @@ _REQUEST_ERRORS = (PdpushError, ValueError, RuntimeError, IndexError)
 class _Push:
     spec: PushSpec
     handle: PushHandle
-    src: vl.SlotMap          # the new chunks' tokens in vLLM's cache, in order
+    src: list[vl.SlotMap]    # by vLLM KV cache group: its layers' new chunks' tokens in vLLM's cache, in order
     layers_sent: int = 0
-    dev_addr: dict = field(default_factory=dict)  # a CUDA cache: the slot addresses on its device
+    dev_addr: dict = field(default_factory=dict)  # a CUDA cache: (group, slots) -> slot addresses on its device
 
 
 @dataclass
 class _Load:
     spec: LoadSpec
     req: DecodeRequest | None
-    dst: vl.SlotMap
-    src_page: torch.Tensor
+    dst: list[vl.SlotMap]  # by vLLM KV cache group: the tokens it loads (a sliding window's: its window's)
+    src_page: list[torch.Tensor]  # by vLLM group: each token's page in the pool
+    src_chunk: list[torch.Tensor]  # by vLLM group: each token's chunk among its layers' pages
     layers_done: int = 0
     failed: str | None = None
     tickets: dict = field(default_factory=dict)  # a CUDA cache: layer -> H2D copy started (H2DLoader)
-    dev_idx: tuple | None = None  # (chunk index, chunk row) of each token, on the device
+    dev_idx: dict = field(default_factory=dict)  # a CUDA cache: vLLM group -> indexes on the device
+
+    @property
+    def block_ids(self) -> set[int]:
+        return {b for d in self.dst for b in d.block_ids}
 
 
 def _cpu_writer(dtype: torch.dtype, slots: int, head_size: int, cache_dtype: str) -> vl.Writer:
@@ -75,7 +80,7 @@ def _comps(rows: torch.Tensor, dtype: str, kv: torch.Tensor) -> list[torch.Tenso
 
 class WorkerSide:
     def __init__(self, vllm_config: Any, settings: ConnectorSettings, endpoints: Endpoints, layout: KVLayout,
-                 producer: bool, consumer: bool) -> None:
+                 producer: bool, consumer: bool, kv_cache_config: Any = None) -> None:
         from vllm.distributed.parallel_state import (
             get_pp_group,
             get_tensor_model_parallel_rank,
@@ -101,6 +106,12 @@ class WorkerSide:
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
+        # vLLM's KV cache groups (one per layer kind with its hybrid KV cache manager): each block-id list
+        # the scheduler passes is one of theirs; each is one pdpush layer group (a window), whose items it holds
+        self._vgroup_names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups] \
+            if kv_cache_config is not None else None
+        self._vgroup_of: dict[str, int] = {}
+        self._pgroup: list[int] = []  # vLLM group -> pdpush group (layout.groups)
         self._paged: vl.PagedKV | None = None
         self._pushes: list[_Push] = []
         self._finishing: list[PushHandle] = []
@@ -128,6 +139,7 @@ class WorkerSide:
 
         self._kv_caches = dict(kv_caches)
         self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
+        self._map_groups()
         heads = {1 if t.dim() == 3 else t.shape[1] for t in kv_caches.values()}
         if heads != {self.heads[1] - self.heads[0]}:
             raise ConfigError(f"PdpushConnector: rank {self.tp_rank} of {self.tp_size} holds {sorted(heads)} KV "
@@ -166,6 +178,37 @@ class WorkerSide:
                 self.receiver.pin_cuda = True
         log.info("PdpushConnector: %d layers, backend %s, cache view %s", len(kv_caches), backend,
                  tuple(sample.shape))
+
+    def _map_groups(self) -> None:
+        """Each vLLM KV cache group's layers keep one window: map it to that pdpush layer group. A window
+        moves whole chunks, and vLLM caches whole blocks: with a chunk of one block, every block a decode
+        engine keeps of a window is one pushed whole (layout.group_chunks), never part-written."""
+        if self.layout.windows and self.block_size != self.layout.chunk_tokens:
+            raise ConfigError(f"PdpushConnector: a model with sliding-window layers needs chunk_tokens equal to "
+                              f"vLLM's block size ({self.block_size}), not {self.layout.chunk_tokens}")
+        names = self._vgroup_names or [list(self._kv_caches)]
+        self._vgroup_of, self._pgroup = {}, []
+        for vi, group in enumerate(names):
+            mine = [n for n in group if n in self._layer_of]
+            kinds = {self.layout.group_of(self._layer_of[n]).index for n in mine}
+            if len(kinds) > 1:
+                raise ConfigError(f"PdpushConnector: vLLM's KV cache group {vi} mixes layers of windows "
+                                  f"{sorted(self.layout.groups[k].window for k in kinds)}; pdpush needs one window "
+                                  "per group (run with the hybrid KV cache manager on)")
+            self._pgroup.append(kinds.pop() if kinds else 0)
+            self._vgroup_of.update(dict.fromkeys(mine, vi))
+        missing = [n for n in self._kv_caches if n not in self._vgroup_of]
+        if missing:
+            raise ConfigError(f"PdpushConnector: layers {missing[:4]} are in no KV cache group")
+
+    def _slots(self, block_ids: list[int], tokens: torch.Tensor, window: bool) -> vl.SlotMap:
+        """A SlotMap of ``tokens`` in a group's blocks; a sliding window's blocks may be vLLM's null block
+        (id 0, out of the window): reading or writing one would be a bug, refused here."""
+        sm = vl.SlotMap(block_ids, self.block_size, tokens, self.layout.chunk_tokens)
+        if window and 0 in sm.block_ids:
+            raise ValueError(f"tokens {int(tokens.min())}..{int(tokens.max())} fall in vLLM's null block "
+                             "(outside its sliding window)")
+        return sm
 
     def _check_scales(self) -> None:
         """An fp8 cache's static k/v scales live on the attention layers. Until the two sides compare
@@ -227,16 +270,19 @@ class WorkerSide:
             return
         T = lay.chunk_tokens
         n = len(spec.token_ids)
-        toks = [torch.arange(c * T, min(n, (c + 1) * T)) for c in handle.new_chunk_indexes]
-        if not toks:  # the receiver holds every chunk: nothing to move
+        if not handle.plan.n_new:  # the receiver holds every item: nothing to move
             handle.finish_nowait()
             self._finishing.append(handle)
             STATS["push_requests"] += 1
             return
-        tokens = torch.cat(toks)
-        try:
-            src = vl.SlotMap(spec.block_ids, self.block_size, tokens, T)
-        except ValueError as e:  # vLLM's blocks do not cover the prompt: a bug, loud but not fatal
+        src = []
+        try:  # each vLLM group's layers: their pdpush group's new chunks (a sliding window's: of its window)
+            for vi, pg in enumerate(self._pgroup):
+                gp = handle.plan.groups[pg]
+                tokens = torch.cat([torch.arange(c * T, min(n, (c + 1) * T)) for c in gp.new_chunks]) \
+                    if gp.new_chunks else torch.empty(0, dtype=torch.int64)
+                src.append(self._slots(spec.block_ids[vi], tokens, bool(gp.group.window)))
+        except (ValueError, IndexError) as e:  # vLLM's blocks do not cover the prompt: a bug, loud but not fatal
             log.exception("pdpush: push of %s (%s): %s", spec.req_id, spec.push_id, e)
             STATS["push_failures"] += 1
             handle.abort(str(e)[:200])
@@ -244,28 +290,30 @@ class WorkerSide:
         self._pushes.append(_Push(spec, handle, src))
         EVENTS.append(("begun", spec.push_id, -1, time.monotonic()))
         STATS["push_requests"] += 1
-        STATS["push_tokens_staged"] += len(tokens)
+        STATS["push_tokens_staged"] += sum(sm.tokens for sm in src)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if not self._pushes:  # decode steps and unmarked requests: nothing to do
             return
         t0 = time.perf_counter()
         layer = self._layer_of[layer_name]
+        vg = self._vgroup_of[layer_name]
         n = self._paged.slots_per_block(kv_layer)
         for p in list(self._pushes):
             try:
                 if self._stager is not None:  # gather and copy on a side stream, hand over when the copy is done
-                    addr = p.dev_addr.get(n)
+                    addr = p.dev_addr.get((vg, n))
                     if addr is None:
-                        addr = p.dev_addr[n] = tuple(a.to(kv_layer.device) for a in p.src.addresses(n))
+                        addr = p.dev_addr[vg, n] = tuple(a.to(kv_layer.device) for a in p.src[vg].addresses(n))
                     self._stager.put_layer(p.handle, layer, lambda a=addr: self._paged.gather(kv_layer, *a),
                                            new_only=True)
                     p.layers_sent += 1
                     STATS["push_layers"] += 1
                     STATS["push_layers_copied"] += 1
                     continue
-                comps = self._paged.gather(kv_layer, *p.src.addresses(n))  # [new tokens, heads, D] each
-                p.handle.stage_layer(layer, *comps, new_only=True)
+                if p.src[vg].tokens:  # [new tokens, heads, D] each
+                    comps = self._paged.gather(kv_layer, *p.src[vg].addresses(n))
+                    p.handle.stage_layer(layer, *comps, new_only=True)
                 p.handle.layer_ready(layer)
                 EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
                 p.layers_sent += 1
@@ -329,14 +377,24 @@ class WorkerSide:
     # ---- decode: load ----
     def _open_load(self, spec: LoadSpec) -> None:
         lay = self.layout
-        try:
-            dst = vl.SlotMap(spec.block_ids, self.block_size, torch.arange(spec.start, spec.end), lay.chunk_tokens)
-        except ValueError as e:  # the blocks do not cover the load: a bug, loud but not fatal
+        tokens = torch.arange(spec.start, spec.end)
+        dst = []
+        try:  # each vLLM group: the tokens its layers load (a sliding window's: those of its window)
+            for vi, pg in enumerate(self._pgroup):
+                group = lay.groups[pg]
+                first = lay.group_chunks(group, spec.tokens or spec.end + 1).start * lay.chunk_tokens
+                blocks = spec.block_ids[vi]
+                t = tokens[tokens >= first]
+                if group.window:  # vLLM's null block holds what fell out of its window: nothing to load there
+                    ids = torch.tensor(blocks, dtype=torch.int64)[t // self.block_size] if len(t) else t
+                    t = t[ids != 0]
+                dst.append(self._slots(blocks, t, bool(group.window)))
+        except (ValueError, IndexError) as e:  # the blocks do not cover the load: a bug, loud but not fatal
             log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
             STATS["load_failures"] += 1
-            self._load_errors.update(spec.block_ids)
+            self._load_errors.update(b for ids in spec.block_ids for b in ids if b)
             return
-        load_ = _Load(spec, None, dst, torch.empty(0, dtype=torch.int64))
+        load_ = _Load(spec, None, dst, [], [])
         self._loads.append(load_)
         t0 = time.perf_counter()
         try:
@@ -353,12 +411,20 @@ class WorkerSide:
         elif req.tokens < spec.end:
             load_.failed = f"the push carries {req.tokens} tokens, {spec.end} needed"
         else:
-            load_.src_page = torch.tensor(req.pages, dtype=torch.int64)[dst.chunk_idx]
+            for d, pg in zip(dst, self._pgroup, strict=True):
+                chunks = req.plan.groups[pg].chunks
+                rel = d.chunk_idx - chunks.start
+                if len(rel) and (int(rel.min()) < 0 or int(rel.max()) >= len(chunks)):
+                    load_.failed = f"the push holds chunks {chunks} of layer group {pg}, the load needs others"
+                    break
+                load_.src_chunk.append(rel)
+                load_.src_page.append(torch.tensor(req.group_pages(pg), dtype=torch.int64)[rel])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
             return
         layer = self._layer_of[layer_name]
+        vg = self._vgroup_of[layer_name]
         kv = self._kv_caches[layer_name]
         n = self._paged.slots_per_block(kv)
         t0 = time.perf_counter()
@@ -366,19 +432,22 @@ class WorkerSide:
             if ld.failed is not None or ld.req is None:
                 continue
             if self._loader is not None:
-                self._load_layer_staged(ld, layer, kv, n)
+                self._load_layer_staged(ld, layer, vg, kv, n)
                 continue
             try:
+                dst = ld.dst[vg]
                 pool = torch.from_numpy(ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s))
-                rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page, ld.dst.chunk_rows, ld.req.heads)
-                self._paged.scatter(kv, *ld.dst.addresses(n), *_comps(rows, self.layout.dtype, kv))
+                if dst.tokens:
+                    rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page[vg], dst.chunk_rows,
+                                             ld.req.heads)
+                    self._paged.scatter(kv, *dst.addresses(n), *_comps(rows, self.layout.dtype, kv))
                 ld.layers_done += 1
                 STATS["load_layers"] += 1
             except _REQUEST_ERRORS as e:
                 ld.failed = f"layer {layer}: {e}"
         STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
 
-    def _load_layer_staged(self, ld: _Load, layer: int, kv: torch.Tensor, n: int) -> None:
+    def _load_layer_staged(self, ld: _Load, layer: int, vg: int, kv: torch.Tensor, n: int) -> None:
         """A GPU cache: this layer's pages go up on a side stream (H2DLoader), with every later layer
         that has already landed started behind it; the scatter on the compute stream waits on its event.
         (On a CPU cache with ``handover`` set, the same logic with copies done at once.)"""
@@ -393,10 +462,11 @@ class WorkerSide:
                 STATS["load_layers_prefetched"] += 1
             ticket = ld.tickets.pop(layer, None) or loader.start(req, layer, self.settings.load_timeout_s)
             pages = loader.ready(ticket)  # the compute stream waits on the copy; the host does not
-            if ld.dev_idx is None:
-                ld.dev_idx = (ld.dst.chunk_idx.to(kv.device), ld.dst.chunk_rows.to(kv.device),
-                              *(a.to(kv.device) for a in ld.dst.addresses(n)))
-            ci, rows, blk, off = ld.dev_idx
+            if vg not in ld.dev_idx:
+                d = ld.dst[vg]
+                ld.dev_idx[vg] = (ld.src_chunk[vg].to(kv.device), d.chunk_rows.to(kv.device),
+                                  *(a.to(kv.device) for a in d.addresses(n)))
+            ci, rows, blk, off = ld.dev_idx[vg]
             self._paged.scatter(kv, blk, off, *_comps(pages[ci, :, :, rows], self.layout.dtype, kv))
             ld.layers_done += 1
             STATS["load_layers"] += 1
@@ -411,11 +481,11 @@ class WorkerSide:
                 ld.failed = f"only {ld.layers_done} of {self.layout.layers} layers were loaded"
             if ld.failed is None:
                 STATS["load_requests"] += 1
-                STATS["load_tokens"] += ld.dst.tokens
+                STATS["load_tokens"] += ld.spec.end - ld.spec.start
             else:
                 STATS["load_failures"] += 1
-                STATS["load_blocks_failed"] += len(ld.dst.block_ids)
-                self._load_errors.update(ld.dst.block_ids)
+                STATS["load_blocks_failed"] += len(ld.block_ids)
+                self._load_errors.update(ld.block_ids)
                 log.error("pdpush: load of %s (%s) failed, its blocks will be recomputed: %s",
                           ld.spec.req_id, ld.spec.push_id, ld.failed)
             if ld.req is not None:

@@ -1,0 +1,99 @@
+"""A request's items by layer group: which are new, their pages, where each group's layers lie in
+staging (pure; imports no array library).
+
+A request's items are ``layout.items(tokens)``: (group, chunk) in order, group 0's chunks first
+(layout.py). The receiver's page pool and chunk index count items, so ``already_sent_indexes``
+and ``page_runs`` are over items. Both sides build the same ``RequestPlan`` from the layout, the
+prompt's tokens and the held items; the sender adds the page runs, and the staging shares of its
+prefill ranks.
+
+Staging of a request, group after group, with ``n_g`` new items of group ``g`` and its ``L_g``
+layers (``StagingShares`` of ``n_g`` pages)::
+
+    staging = [group 0: L_0 layers x n_0 pages][group 1: L_1 x n_1] ... then one readiness word per
+    new item, in item order
+
+so a layer's new pages are one block, as with one group (``StagingShares.ranges`` apply per group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdpush.layout import READY_WORD, Group, KVLayout, runs
+
+
+@dataclass
+class GroupPlan:
+    group: Group
+    chunks: range                 # the group's chunks of this prompt (layout.group_chunks)
+    first_item: int               # its first item's index among the request's items
+    new_chunks: list[int]         # the chunks it writes (not held), ascending
+    new_first: int                # its first new item's index among the request's new items
+    staging_off: int = 0          # its layers' staging, from the request's staging start
+    page_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (new item of the group, page, n)
+
+    @property
+    def n_new(self) -> int:
+        return len(self.new_chunks)
+
+    @property
+    def new_runs(self) -> list[tuple[int, int, int]]:
+        """The new chunks as (new item of the group, first chunk, n) runs of consecutive chunks."""
+        return runs(self.new_chunks)
+
+    def local(self, layer: int) -> int:
+        """``layer``'s position among the group's layers."""
+        return self.group.layers.index(layer)
+
+
+class RequestPlan:
+    """Items of a ``tokens``-token request, by group, with ``held`` item indexes already in the pool."""
+
+    def __init__(self, layout: KVLayout, tokens: int, held: list[int] | tuple[int, ...] = ()) -> None:
+        self.layout, self.tokens = layout, tokens
+        held_set = set(held)
+        self.groups: list[GroupPlan] = []
+        item = new = 0
+        for g in layout.groups:
+            chunks = layout.group_chunks(g, tokens)
+            mine = [c for i, c in zip(range(item, item + len(chunks)), chunks, strict=True) if i not in held_set]
+            gp = GroupPlan(g, chunks, item, mine, new)
+            item += len(chunks)
+            new += len(mine)
+            self.groups.append(gp)
+        self.items, self.n_new = item, new
+        if any(not 0 <= i < item for i in held_set):
+            raise ValueError(f"held item index out of range (the request has {item} items)")
+        off = 0
+        for gp in self.groups:
+            gp.staging_off = off
+            off += len(gp.group.layers) * gp.n_new * layout.page_bytes
+        self.kv_bytes = off  # staging bytes of the request's new pages, every layer
+
+    @property
+    def staging_bytes(self) -> int:
+        """The new pages of every layer, then a readiness word per new item."""
+        return self.kv_bytes + self.n_new * READY_WORD
+
+    def of(self, layer: int) -> GroupPlan:
+        return self.groups[self.layout.group_of(layer).index]
+
+    def layer_bytes(self, layer: int) -> int:
+        """Bytes of ``layer``'s new pages."""
+        return self.of(layer).n_new * self.layout.page_bytes
+
+    def full_bytes(self, layers: int = 1) -> int:
+        """What a push of every chunk's layers would move for ``layers`` layers (windows not clipped)."""
+        return self.layout.num_chunks(self.tokens) * self.layout.page_bytes * layers
+
+    def set_pages(self, new_pages: list[int]) -> None:
+        """The receiver's pages of the new items, in item order: each group's page runs."""
+        if len(new_pages) != self.n_new:
+            raise ValueError(f"{len(new_pages)} pages for {self.n_new} new items")
+        for gp in self.groups:
+            gp.page_runs = runs(new_pages[gp.new_first:gp.new_first + gp.n_new])
+
+
+def tokens_of(layout: KVLayout, chunks: int, last_chunk_tokens: int) -> int:
+    return (chunks - 1) * layout.chunk_tokens + last_chunk_tokens
