@@ -279,19 +279,21 @@ class PushHandle:
         self.tokens = tokens
         lay = client.layout
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.layers = layers if layers is not None else range(lay.layers)  # this stage's (pipeline parallelism)
+        self.layers = layers if layers is not None else range(lay.push_layers)  # this stage's (pipeline parallelism)
         self.heads = rank_heads(lay.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank pushes
         self.already_sent_indexes: list[int] = list(ok.already_sent_indexes)  # items (plan.py)
         self.plan = RequestPlan(lay, tokens, self.already_sent_indexes)
         self._shares = [StagingShares(lay, tp_size, ok.pool_shards, gp.n_new) for gp in self.plan.groups]
         self._segs: dict[tuple[int, bool], list] = {}
-        # group 0's (every layer's, where the model has one layer group: no sliding windows)
-        self.new_chunk_indexes = self.plan.groups[0].new_chunks
-        self.new_runs = self.plan.groups[0].new_runs  # contiguous chunk-index ranges
-        self.shares = self._shares[0]
+        # group 0's (every layer's, where the model has one layer group: no sliding windows; none without
+        # attention layers)
+        g0 = self.plan.groups[0] if self.plan.groups else None
+        self.new_chunk_indexes = g0.new_chunks if g0 else []
+        self.new_runs = g0.new_runs if g0 else []  # contiguous chunk-index ranges
+        self.shares = self._shares[0] if g0 else None
         self._shmid = ok.staging_shmid
         st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
-        self._base = st.array[ok.staging_offset: ok.staging_offset + self.plan.kv_bytes]
+        self._base = st.array[ok.staging_offset: ok.staging_offset + self.plan.staging_bytes + lay.state_slot_bytes]
         self._sent: set[int] = set()
         self._done: Done | None = None
         self._aborted: str | None = None
@@ -338,6 +340,28 @@ class PushHandle:
                           self.layer_segments(layer, new_only))
         except ValueError as e:
             raise ValueError(f"layer {layer}: {e}") from None
+
+    def staging_state(self) -> np.ndarray:
+        """Raw writable bytes of this rank's units of the request's state, ``[units / tp, state_layers,
+        unit bytes]`` (layout.py); ``kvcodec.stage_state`` fills them."""
+        lay = self.client.layout
+        if not lay.state_layers:
+            raise ValueError("the layout has no state layers")
+        share = lay.state_slot_bytes // self.tp_size
+        off = self.plan.staging_bytes + self.tp_rank * share
+        return self._base[off:off + share].reshape(lay.state_units // self.tp_size, lay.state_layers,
+                                                   lay.state_unit_bytes)
+
+    def stage_state(self, tensors) -> None:
+        """Copy this rank's recurrent state into staging: per state layer, its engine tensors by name
+        (``kvcodec.stage_state``); hand it over with ``state_ready`` (it is the layer ``layout.layers``)."""
+        self._check_open()
+        kvcodec.stage_state(self.staging_state(), [{k: _on_host(v) for k, v in t.items()} for t in tensors],
+                            self.client.layout, self.tp_size, self.tp_rank)
+
+    def put_state(self, tensors) -> None:
+        self.stage_state(tensors)
+        self.layer_ready(self.client.layout.layers)
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
@@ -493,8 +517,10 @@ class DecodeRequest:
         self.client = client
         self.req_id = ok.req_id
         self.layout = KVLayout(**ok.layout.model_dump())
-        self.geometry = PoolGeometry(self.layout, ok.pool_pages, ok.pool_shards)
+        self.geometry = PoolGeometry(self.layout, ok.pool_pages, ok.pool_shards, ok.state_slots)
         self.heads = rank_heads(self.layout.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank reads
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.state_slot = ok.state_slot
         self.pages = list(ok.pages)  # one per item (plan.py): group 0's chunks, then each window group's
         self.tokens = tokens_of(self.layout, ok.chunks or len(self.pages), ok.last_chunk_tokens)
         new = set(ok.new_idx)
@@ -508,14 +534,15 @@ class DecodeRequest:
         self.committed = ok.committed
         self.pool_pages = ok.pool_pages
         self._shmid = ok.shmid
-        self._pool = client._segments.hold(ok.shmid, self.layout.region_bytes(ok.pool_pages))
-        self.page_runs = runs(self._group_pages[0])
+        self._pool = client._segments.hold(ok.shmid, self.geometry.total_bytes)
+        self.page_runs = runs(self._group_pages[0]) if self._group_pages else []
         # readiness words (layout.py): a layer has landed when every new page of its group holds our lease id
         self.lease_id = ok.lease_id
         self._new_pages = [np.array([self.pages[i] for i in range(gp.first_item, gp.first_item + len(gp.chunks))
                                      if i in new], dtype=np.int64) for gp in self.plan.groups]
-        self._words = (self._pool.array[self.layout.kv_bytes(ok.pool_pages):].view(np.uint64)
-                       .reshape(self.layout.layers, ok.pool_pages) if ok.ready_in_pool and ok.lease_id else None)
+        kv, words = self.layout.kv_bytes(ok.pool_pages), self.layout.layers * ok.pool_pages * 8
+        self._words = (self._pool.array[kv:kv + words].view(np.uint64).reshape(self.layout.layers, ok.pool_pages)
+                       if ok.ready_in_pool and ok.lease_id else None)
         self._released = False
         self.broken: str | None = None
 
@@ -537,7 +564,7 @@ class DecodeRequest:
     def _landed(self, layer: int) -> bool:
         """The layer's readiness words say it is in the pool (no message needed)."""
         w = self._words
-        return w is not None and bool(
+        return w is not None and layer < self.layout.layers and bool(
             (w[layer, self._new_pages[self.layout.group_of(layer).index]] == self.lease_id).all())
 
     def landed(self, layer: int) -> bool:
@@ -554,7 +581,7 @@ class DecodeRequest:
         receiver's LayerAvailable does. Re-reads the words in a tight loop for ``SPIN_S``, then every
         ``NAP_S`` for ``NAP_WINDOW_S`` (a decode engine usually waits for layers already on the way),
         then waits on the receiver's messages in millisecond slices, re-reading the words between."""
-        if not 0 <= layer < self.layout.layers:
+        if not 0 <= layer < self.layout.push_layers:
             raise ValueError(f"layer {layer} out of range")
         t = time.monotonic()
         deadline = t + (timeout_s if timeout_s is not None else self.client.timeout_s)
@@ -584,6 +611,20 @@ class DecodeRequest:
             if isinstance(msg, Error):
                 self.broken = f"{msg.code.value}: {msg.message}"
             _raise(msg)
+
+    def poll_committed(self) -> bool:
+        """Whether the push has committed (every layer landed), never waiting; raises its typed error if it
+        failed, or if the receiver died."""
+        box = self.client._conn.mail.get(self.req_id)
+        while box:
+            self._apply(box.pop(0))
+        while not self.committed:
+            try:
+                self._pump(time.monotonic())
+            except TransportTimeout:
+                break
+        self._check_receiver()
+        return self.committed
 
     def wait_committed(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
@@ -666,6 +707,25 @@ class DecodeRequest:
             kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self._layer_tokens(layer))))
         x = kvcodec.elements(rows, self.layout.dtype)
         return tuple(x[:, :, c].clone() for c in range(self.layout.components))
+
+    def state_bytes(self, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """This rank's units of the request's state, zero-copy: ``[units / tp, state_layers, unit bytes]``
+        (it lands last, as the layer ``layout.layers``)."""
+        lay = self.layout
+        if self.state_slot < 0:
+            raise ValueError(f"request {self.req_id!r} carries no state")
+        self._ready_layer(lay.layers, wait, timeout_s)
+        lay.check_state_tp(self.tp_size)
+        share = lay.state_slot_bytes // self.tp_size
+        off = self.geometry.state_at(self.state_slot) + self.tp_rank * share
+        return self._pool.array[off:off + share].reshape(lay.state_units // self.tp_size, lay.state_layers,
+                                                         lay.state_unit_bytes)
+
+    def state(self, wait: bool = True, timeout_s: float | None = None) -> list[dict]:
+        """This rank's recurrent state as the engine holds it: per state layer, its tensors by name
+        (``kvcodec.read_state``; numpy, a copy)."""
+        return [{k: np.array(v) for k, v in t.items()}
+                for t in kvcodec.read_state(self.state_bytes(wait, timeout_s), self.layout, self.tp_size, self.tp_rank)]
 
     def release(self) -> None:
         if not self._released:

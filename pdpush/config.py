@@ -100,7 +100,7 @@ class ReceiverConfig(_Base):
     """A model directory (its ``config.json``): the layout fields this config does not set are read from it
     (``pdpush layout --model DIR`` prints them). Set ``dtype`` where the engine serves another dtype than the
     config's."""
-    layers: int = Field(32, ge=1)
+    layers: int = Field(32, ge=0)
     """Layout: number of layers the pool holds."""
     kv_heads: int = Field(8, ge=1)
     """Layout: KV heads per layer."""
@@ -124,6 +124,15 @@ class ReceiverConfig(_Base):
     it from ``layer_types``."""
     pool_pages: int = Field(64, ge=1)
     """Pages in the pool; the pool is layers x pool_pages x page_bytes bytes."""
+    state_slots: int = Field(64, ge=1)
+    """Where the model has recurrent state (GDN, Mamba2: ``state_layers``): how many requests' state the pool
+    holds at once (each ``state_layers`` pages, docs/layout.md). A request holds its slot until it is read."""
+    state_layers: int = Field(0, ge=0)
+    """Layout: layers of recurrent state (GDN, Mamba2) beside the attention ``layers``; ``model`` reads it."""
+    state_units: int = Field(1, ge=1)
+    """Layout: units a state page splits into for tensor parallelism (a TP must divide it)."""
+    state: list[tuple[str, DType, list[int], int, bool]] = Field(default_factory=list)
+    """Layout: the state's segments ``[tensor, dtype, shape, axis, replicated]`` (layout.StateSegment)."""
     pool_shards: int = Field(1, ge=1)
     """Slices a pool page's bytes are split into, shard-major per layer (docs/layout.md). Set it to the prefill
     instances' tensor-parallel size: each prefill rank then puts its share in one put per page run. Must
@@ -165,18 +174,20 @@ class ReceiverConfig(_Base):
     @property
     def layout(self) -> KVLayout:
         return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype, self.chunk_tokens, self.model_id,
-                        self.kind, self.kv_scales, tuple(self.windows))
+                        self.kind, self.kv_scales, tuple(self.windows), self.state_layers, tuple(self.state),
+                        self.state_units)
 
     @property
     def pool_bytes(self) -> int:
-        return self.layout.region_bytes(self.pool_pages)  # KV and the readiness words (layout.py)
+        return self.geometry.total_bytes  # KV, the readiness words, the state slots (layout.py)
 
     def local_socket_path(self) -> Path:
         return Path(self.local_socket) if self.local_socket else runtime_dir() / f"receiver-{self.control_port}.sock"
 
     @property
     def geometry(self) -> PoolGeometry:
-        return PoolGeometry(self.layout, self.pool_pages, self.pool_shards)
+        lay = self.layout
+        return PoolGeometry(lay, self.pool_pages, self.pool_shards, self.state_slots if lay.state_layers else 0)
 
     @model_validator(mode="after")
     def _check_pool(self):

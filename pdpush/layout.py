@@ -428,6 +428,7 @@ class PoolGeometry:
     layout: KVLayout
     pages: int
     shards: int = 1
+    state_slots: int = 0  # requests' state (layout.state_slot_bytes each), after the readiness words
     shard_bytes: int = field(init=False)  # one shard of one page
     layer_bytes: int = field(init=False)  # one layer of the whole pool: offset(l + 1, s, p) - offset(l, s, p)
 
@@ -449,6 +450,20 @@ class PoolGeometry:
     @property
     def region_bytes(self) -> int:
         return self.layout.region_bytes(self.pages)
+
+    @property
+    def state_offset(self) -> int:
+        """Where the state slots start: after the readiness words, 64-byte aligned."""
+        return -(-self.region_bytes // 64) * 64
+
+    def state_at(self, slot: int) -> int:
+        """Offset of state slot ``slot``: ``[units, state_layers, unit bytes]`` (layout.state_slot_bytes)."""
+        return self.state_offset + slot * self.layout.state_slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """The pool's whole mapping: KV, readiness words, state slots."""
+        return self.state_at(self.state_slots) if self.state_slots else self.region_bytes
 
     @property
     def heads_aligned(self) -> bool:

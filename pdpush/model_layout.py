@@ -1,10 +1,12 @@
 """A model directory's KV layout, from its ``config.json`` (pure: reads JSON, imports no torch).
 
 ``pdpush layout --model DIR`` prints it as flat TOML for a receiver config, and a receiver config's
-``model = DIR`` fills in the layout fields it does not set. Dense attention (MHA/GQA/MQA), MLA
-(DeepSeek-V2/V3, Kimi K2: ``kv_lora_rank``) and sliding-window layers beside full ones (Gemma 3,
-gpt-oss: ``layer_types``, ``windows_of``) are read; linear-attention and state-space layers (GDN,
-Mamba2) are refused, naming their layer kinds: pdpush does not move their state yet.
+``model = DIR`` fills in the layout fields it does not set. Read: dense attention (MHA/GQA/MQA),
+MLA (DeepSeek-V2/V3, Kimi K2: ``kv_lora_rank``), sliding-window layers beside full ones (Gemma 3,
+gpt-oss: ``layer_types``), and recurrent-state layers beside attention or alone: Gated DeltaNet
+(Qwen3-Next: ``linear_attention``) and Mamba2 (Nemotron-H's ``hybrid_override_pattern``, Granite 4's
+``layer_types``, Mamba2 itself), whose conv and SSM state become the layout's state segments
+(``state_of``). Other layer kinds are refused, naming them.
 """
 
 from __future__ import annotations
@@ -30,42 +32,98 @@ def _text_config(cfg: dict) -> dict:
     return tc
 
 
-_ATTENTION = {"full_attention", "attention", "sliding_attention"}
+# a model layer's kind: attention keeps KV (full or sliding), gdn/mamba2 keep recurrent state, none neither
+_TYPES = {"full_attention": "full", "attention": "full", "sliding_attention": "sliding", "mlp": "none", "moe": "none"}
+# what a model's state layers are ("linear_attention" is Gated DeltaNet in Qwen3-Next, Mamba2 in Nemotron-H)
+_STATE_KIND = {"qwen3_next": "gdn", "qwen3_5": "gdn", "qwen3_5_text": "gdn", "nemotron_h": "mamba2",
+               "granitemoehybrid": "mamba2", "mamba2": "mamba2"}
+_STATE_NAMES = ("linear_attention", "mamba", "mamba2")
+_PATTERN = {"*": "full", "M": "mamba2", "-": "none", "E": "none"}  # Nemotron-H's hybrid_override_pattern
+ATTENTION = ("full", "sliding")
+STATE = ("gdn", "mamba2")
 
 
-def _refuse_hybrids(cfg: dict, where: str) -> None:
-    """Layers that keep state instead of KV (linear attention, Mamba): refused, naming their kinds."""
-    kinds: set[str] = set()
-    for key in _HYBRID_KEYS:
-        v = cfg.get(key)
-        if isinstance(v, list):
-            kinds.update(str(x) for x in v)
-        elif isinstance(v, str):
-            kinds.update(f"{key}:{c}" for c in sorted(set(v)))
-    kinds -= _ATTENTION
-    if "mamba" in str(cfg.get("model_type", "")) or cfg.get("ssm_state_size") or cfg.get("state_size"):
-        kinds.add("mamba")
-    if kinds:
-        raise ModelConfigError(f"{where}: a hybrid model (layer kinds {sorted(kinds)}); pdpush moves attention "
-                               "(full and sliding-window) and MLA only so far, not recurrent state")
+def layer_kinds(cfg: dict, where: str = "model config") -> list[str]:
+    """Each model layer's kind (``full``, ``sliding``, ``gdn``, ``mamba2`` or ``none``), from a text config;
+    a kind pdpush does not move is refused, naming it."""
+    mt = str(cfg.get("model_type", ""))
+    pattern = cfg.get("hybrid_override_pattern")
+    types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else cfg.get("layers_block_type")
+    if isinstance(pattern, str) and not isinstance(types, list):
+        bad = sorted(set(pattern) - set(_PATTERN))
+        if bad:
+            raise ModelConfigError(f"{where}: hybrid_override_pattern layer kinds {bad} are not ones pdpush moves")
+        return [_PATTERN[c] for c in pattern]
+    if mt == "mamba2":
+        return ["mamba2"] * int(cfg["num_hidden_layers"])
+    if mt in ("mamba", "jamba", "falcon_mamba") or (cfg.get("state_size") and not isinstance(types, list)):
+        raise ModelConfigError(f"{where}: a {mt or 'state-space'} model, whose (Mamba 1) state pdpush does not move "
+                               "(it moves attention, MLA, Gated DeltaNet and Mamba2 state)")
+    if isinstance(types, list):
+        kinds = {**_TYPES, **dict.fromkeys(_STATE_NAMES, _STATE_KIND.get(mt))}
+        bad = sorted({str(t) for t in types if kinds.get(str(t)) is None})
+        if bad:
+            raise ModelConfigError(f"{where}: a hybrid model ({mt}, layer kinds {bad}) pdpush does not move; it moves "
+                                   f"{sorted(_TYPES)} layers and the state of {sorted(_STATE_KIND)} models")
+        if cfg.get("num_hidden_layers") is not None and len(types) != int(cfg["num_hidden_layers"]):
+            raise ModelConfigError(f"{where}: {len(types)} layer kinds for {cfg['num_hidden_layers']} layers")
+        return [kinds[str(t)] for t in types]
+    n = int(cfg["num_hidden_layers"])
+    w = cfg.get("sliding_window")
+    return ["sliding" if w and cfg.get("use_sliding_window", True) else "full"] * n
 
 
-def windows_of(cfg: dict, layers: int, where: str = "model config") -> tuple[int, ...]:
-    """Each layer's sliding window (0: full attention), from a text config: ``layer_types`` with
+def windows_of(cfg: dict, where: str = "model config") -> tuple[int, ...]:
+    """Each attention layer's sliding window (0: full attention), in order: ``layer_types`` with
     ``sliding_window`` (Gemma 3, gpt-oss), or one ``sliding_window`` for every layer where no
     ``layer_types`` says otherwise and ``use_sliding_window`` is not off (Mistral 7B v0.1)."""
-    _refuse_hybrids(cfg, where)
+    kinds = [k for k in layer_kinds(cfg, where) if k in ATTENTION]
     w = cfg.get("sliding_window")
-    types = cfg.get("layer_types")
-    if isinstance(types, list):
-        if len(types) != layers:
-            raise ModelConfigError(f"{where}: {len(types)} layer_types for {layers} layers")
-        if "sliding_attention" in types and not w:
-            raise ModelConfigError(f"{where}: sliding_attention layers but no sliding_window")
-        return tuple(int(w) if t == "sliding_attention" else 0 for t in types)
-    if w and cfg.get("use_sliding_window", True):
-        return (int(w),) * layers
-    return ()
+    if "sliding" in kinds and not w:
+        raise ModelConfigError(f"{where}: sliding_attention layers but no sliding_window")
+    return tuple(int(w) if k == "sliding" else 0 for k in kinds) if "sliding" in kinds else ()
+
+
+def _units(*counts: int) -> int:
+    """State units: the largest of 8, 4, 2, 1 dividing every head (and group) count, so that any TP up to
+    it splits the state into whole units."""
+    return next(u for u in (8, 4, 2, 1) if all(c % u == 0 for c in counts))
+
+
+def state_of(cfg: dict, dtype: str, ssm_dtype: str | None = None,
+             where: str = "model config") -> tuple[int, tuple, int]:
+    """(state layers, segments, units) of a model's recurrent state, in the layout's terms: each engine
+    tensor as vLLM keeps it per layer (conv ``[kernel - 1, channels]``, channels split by TP part by part;
+    ssm split on its heads). Gated DeltaNet: conv = [q | k | v], ssm ``[v_heads, v_dim, k_dim]``; Mamba2:
+    conv = [x | B | C] (B and C replicated where there is one group), ssm ``[heads, head_dim, state]``.
+    ``ssm_dtype``: the SSM state's element type where the engine keeps it in another (default ``dtype``; for
+    Gated DeltaNet float32, which vLLM keeps it in)."""
+    kinds = layer_kinds(cfg, where)
+    state = sorted({k for k in kinds if k in STATE})
+    if not state:
+        return 0, (), 1
+    if len(state) > 1:
+        raise ModelConfigError(f"{where}: state layers of several kinds {state}")
+    sdt = ssm_dtype or ("float32" if state[0] == "gdn" else dtype)
+    try:
+        if state[0] == "gdn":
+            kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+            kd, vd, k = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"]), int(cfg["linear_conv_kernel_dim"])
+            segs = (("conv", dtype, (k - 1, kh * kd), 1, False), ("conv", dtype, (k - 1, kh * kd), 1, False),
+                    ("conv", dtype, (k - 1, vh * vd), 1, False), ("ssm", sdt, (vh, vd, kd), 0, False))
+            units = _units(kh, vh)
+        else:
+            heads = int(cfg.get("mamba_num_heads") or cfg["num_heads"])
+            hd = int(cfg.get("mamba_head_dim") or cfg["head_dim"])
+            st = int(cfg.get("ssm_state_size") or cfg["state_size"])
+            groups, k = int(cfg.get("n_groups") or 1), int(cfg.get("conv_kernel") or 4)
+            one = groups == 1
+            segs = (("conv", dtype, (k - 1, heads * hd), 1, False), ("conv", dtype, (k - 1, groups * st), 1, one),
+                    ("conv", dtype, (k - 1, groups * st), 1, one), ("ssm", sdt, (heads, hd, st), 0, False))
+            units = _units(heads) if one else _units(heads, groups)
+    except KeyError as e:
+        raise ModelConfigError(f"{where}: no {e.args[0]!r} for its {state[0]} state layers") from None
+    return sum(1 for x in kinds if x in STATE), segs, units
 
 
 def layout_of(model_dir: str | Path, *, chunk_tokens: int | None = None, dtype: str | None = None,
@@ -80,11 +138,14 @@ def layout_of(model_dir: str | Path, *, chunk_tokens: int | None = None, dtype: 
         raise ModelConfigError(f"{path}: not a JSON object")
     tc = _text_config(cfg)
     try:
-        layers = int(tc["num_hidden_layers"])
-        windows = windows_of(tc, layers, str(path))
+        windows = windows_of(tc, str(path))
+        layers = sum(1 for k in layer_kinds(tc, str(path)) if k in ATTENTION)
         dt = dtype_name(dtype or tc.get("torch_dtype") or tc.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+        state_layers, state, units = state_of(tc, dt, tc.get("mamba_ssm_cache_dtype"), str(path))
         if tc.get("kv_lora_rank"):  # MLA: one latent of kv_lora_rank + qk_rope_head_dim per token
             kind, heads, head_dim = "mla", 1, int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"])
+        elif not layers:  # state only (Mamba2): no KV
+            kind, heads, head_dim = "mha", 1, 1
         else:
             heads = int(tc.get("num_key_value_heads") or tc["num_attention_heads"])
             head_dim = int(tc.get("head_dim") or int(tc["hidden_size"]) // int(tc["num_attention_heads"]))
@@ -92,7 +153,7 @@ def layout_of(model_dir: str | Path, *, chunk_tokens: int | None = None, dtype: 
         return KVLayout(layers, heads, head_dim, dt, chunk_tokens or DEFAULT_CHUNK_TOKENS,  # type: ignore[arg-type]
                         model_id or Path(model_dir).resolve().name, kind=kind,  # type: ignore[arg-type]
                         kv_scales="static" if DTYPES[dt].bytes == 1 else "none",  # fp8: the checkpoint's scales
-                        windows=windows)
+                        windows=windows, state_layers=state_layers, state=state, state_units=units)
     except KeyError as e:
         raise ModelConfigError(f"{path}: no {e.args[0]!r}: not a decoder config pdpush can read") from None
     except (TypeError, ValueError) as e:

@@ -55,10 +55,14 @@ class PoolRequest:
 
 
 class PagePool:
-    def __init__(self, num_pages: int, *, quarantine_ms: int = 2000, retry_after_ms: int = 50) -> None:
+    def __init__(self, num_pages: int, *, quarantine_ms: int = 2000, retry_after_ms: int = 50,
+                 indexed: bool = True) -> None:
+        """``indexed`` False: pages one request owns (the receiver's state slots), never shared through the
+        index: a committed request's new pages stay private to it until it is dropped."""
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
+        self.indexed = indexed
         self.quarantine_ms = quarantine_ms
         self.retry_after_ms = retry_after_ms
         self._free = np.ones(num_pages, dtype=bool)
@@ -178,7 +182,7 @@ class PagePool:
         stored = []
         for i in req.new_idx:
             k = req.keys[i]
-            if k in self._index:  # another request committed the same chunk meanwhile
+            if k in self._index or not self.indexed:  # another request committed the same chunk meanwhile
                 req.private.append(req.pages[i])  # this request keeps reading its own copy
                 continue
             self._index[k] = _Entry(req.pages[i], refs=1)

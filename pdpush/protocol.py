@@ -39,8 +39,14 @@ class Msg(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
 
+StateSegmentSpec = tuple[Annotated[str, Field(min_length=1, max_length=32)],
+                         Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"],
+                         Annotated[list[Annotated[int, Field(ge=1, lt=1 << 31)]], Field(min_length=1, max_length=8)],
+                         Annotated[int, Field(ge=-8, lt=8)], bool]
+
+
 class LayoutSpec(Msg):
-    layers: Annotated[int, Field(ge=1, le=4096)]
+    layers: Annotated[int, Field(ge=0, le=4096)]  # 0: no attention layer (state only: pure Mamba2)
     kv_heads: Annotated[int, Field(ge=1, le=4096)]
     head_dim: Annotated[int, Field(ge=1, le=65536)]
     dtype: Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
@@ -50,6 +56,10 @@ class LayoutSpec(Msg):
     kv_scales: Literal["none", "static"] = "none"
     # per layer, its sliding window in tokens (0: full attention); empty when every layer is full
     windows: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=4096)] = []
+    # recurrent state (layout.StateSegment): state layers, their segments and units
+    state_layers: Annotated[int, Field(ge=0, le=4096)] = 0
+    state_units: Annotated[int, Field(ge=1, le=256)] = 1
+    state: Annotated[list[StateSegmentSpec], Field(max_length=16)] = []
 
     @model_validator(mode="after")
     def _one_latent(self):
@@ -57,6 +67,8 @@ class LayoutSpec(Msg):
             raise ValueError(f"an MLA latent is one head (kv_heads = 1), got kv_heads={self.kv_heads}")
         if self.windows and len(self.windows) != self.layers:
             raise ValueError(f"{len(self.windows)} windows for {self.layers} layers")
+        if bool(self.state_layers) != bool(self.state) or (self.layers == 0 and not self.state_layers):
+            raise ValueError("state layers need state segments (and a layout with no attention layer, state layers)")
         return self
 
 
@@ -80,6 +92,7 @@ class HelloAck(Msg):
     rkey: Annotated[bytes, Field(max_length=65536)]
     ready_base: U64  # remote address of the readiness words (layout.py): ready[layer, page]
     pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # PoolGeometry.shards (layout.py)
+    state_slots: U32 = 0  # PoolGeometry.state_slots: requests' state pages, after the readiness words
     ucx_host: str
     ucx_port: Annotated[int, Field(ge=0, le=65535)]
     ucx_token: Annotated[bytes, Field(min_length=32, max_length=32)]  # one-time: binds the UCX endpoint to this session
@@ -102,6 +115,7 @@ class AllocResponse(Msg):
     page_runs: list[tuple[U32, U32]]
     lease_id: U64
     expires_at_ms: U64
+    state_slot: Annotated[int, Field(ge=-1, lt=1 << 32)] = -1  # the request's state pages (-1: no state)
 
 
 Layers = Annotated[list[U32], Field(min_length=1, max_length=4096)]
@@ -225,6 +239,8 @@ class OpenOk(Msg):
     pages: list[U32]  # one page per item, all items (held + new), in item order (plan.py: (group, chunk))
     new_idx: list[U32] = []  # item indexes this request writes (the others were held complete)
     chunks: U32 = 0  # the prompt's chunks (0: as many as pages, one layer group)
+    state_slot: Annotated[int, Field(ge=-1, lt=1 << 32)] = -1  # its state pages (-1: none)
+    state_slots: U32 = 0  # PoolGeometry.state_slots
     lease_id: U64 = 0  # the value its readiness words take as each layer lands (layout.py)
     ready_in_pool: bool = False  # read readiness from the pool (off where the receiver verifies checksums)
     last_chunk_tokens: U32

@@ -89,7 +89,8 @@ class Receiver:
         self.metrics = Metrics("receiver", cfg.metrics_host, cfg.metrics_port)
         info = PoolInfo(base=self.region.address, pages=cfg.pool_pages, shmid=self.shmid, rkey=self.rkey,
                         ready_base=self.region.address + self.layout.kv_bytes(cfg.pool_pages), ucx_host=cfg.host,
-                        ucx_port=self.ucx_port, daemon_pid=os.getpid(), shards=cfg.pool_shards)
+                        ucx_port=self.ucx_port, daemon_pid=os.getpid(), shards=cfg.pool_shards,
+                        state_slots=cfg.geometry.state_slots)
         self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
                                        layer_checksum=self._layer_checksum, epoch=secrets.token_hex(8))

@@ -149,3 +149,34 @@ def test_a_receiver_config_takes_the_model_directory(tmp_path):
     rx.write_text(f'model = "{tmp_path / "missing"}"\n')
     with pytest.raises(ConfigError, match="cannot read the model's config"):
         load(ReceiverConfig, rx)
+
+
+def test_a_hybrid_model_s_state_layers_become_the_layout_s_state(tmp_path):
+    """Nemotron-H (Mamba2, as transformers writes its config: layers_block_type), Qwen3-Next (GDN) and Mamba2
+    alone: their attention layers, and their conv and SSM state as state segments split into units."""
+    from pdpush.model_layout import ModelConfigError, layout_of
+
+    nh = _model_dir(tmp_path, "nh", {"model_type": "nemotron_h", "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
+                                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                                      "hidden_size": 256, "mamba_num_heads": 8, "mamba_head_dim": 32,
+                                      "ssm_state_size": 16, "n_groups": 1, "conv_kernel": 4, "torch_dtype": "float32"})
+    lay = layout_of(nh, chunk_tokens=48)
+    assert (lay.layers, lay.kv_heads, lay.state_layers, lay.state_units) == (1, 2, 1, 8)
+    assert [(s.tensor, s.shape, s.replicated) for s in lay.state] == [
+        ("conv", (3, 256), False), ("conv", (3, 16), True), ("conv", (3, 16), True), ("ssm", (8, 32, 16), False)]
+    q3 = _model_dir(tmp_path, "q3", {"model_type": "qwen3_next", "num_hidden_layers": 4, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256,
+                                      "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                                      "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128,
+                                      "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                                      "torch_dtype": "bfloat16"})
+    lay = layout_of(q3)
+    assert (lay.layers, lay.state_layers, lay.state_units) == (1, 3, 2)  # two key heads: TP 2 splits the state
+    assert lay.state[-1].dtype == "float32" and lay.state[-1].shape == (4, 128, 128)  # vLLM keeps GDN's SSM in fp32
+    m2 = _model_dir(tmp_path, "m2", {"model_type": "mamba2", "num_hidden_layers": 2, "hidden_size": 256, "num_heads": 8,
+                                      "head_dim": 32, "state_size": 16, "n_groups": 1, "conv_kernel": 4})
+    assert (layout_of(m2).layers, layout_of(m2).state_layers) == (0, 2)
+    jamba = _model_dir(tmp_path, "jamba", {"model_type": "jamba", "num_hidden_layers": 2, "hidden_size": 256,
+                                            "num_attention_heads": 4, "layers_block_type": ["mamba", "attention"]})
+    with pytest.raises(ModelConfigError, match="jamba"):
+        layout_of(jamba)

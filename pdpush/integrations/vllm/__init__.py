@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -133,6 +134,14 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads (models of several KV cache groups) that completed, or failed: vLLM recomputes
+        a failed one from its first token (it cannot take block-level failures with several groups)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.poll_async_loads()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
@@ -142,6 +151,13 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
                 side.shutdown()
 
     # ---- scheduler side ----
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))  # a load restores every group, state too
+
+    def on_new_request(self, request: Request) -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -18,6 +18,11 @@ STATS: dict[str, int] = {
     # the device-copy path (device_copy.py): layers staged through side-stream copies, and decode layers
     # loaded through them (prefetched: started before their wait_for_layer_load)
     "push_layers_copied": 0, "push_handover_wait_us": 0, "load_layers_copied": 0, "load_layers_prefetched": 0,
+    # recurrent state (GDN, Mamba2): time gathering it after the forward (prefill), and waiting for it and
+    # writing it into vLLM's blocks before the forward (decode)
+    "push_state_us": 0, "load_state_us": 0, "load_states": 0, "push_truncated": 0,
+    # asynchronous loads (models of several KV cache groups): loaded once committed, or failed (recomputed)
+    "load_async": 0, "load_async_failed": 0,
 }
 
 # The last events of this process's pushes (kind, push id, layer, monotonic seconds): how the
@@ -42,6 +47,7 @@ class LoadSpec:
     start: int  # tokens [start, end) come from the pool
     end: int
     tokens: int = 0  # the prompt's (a sliding window's chunks are those of its last tokens); 0: end + 1
+    asynchronous: bool = False  # loaded outside the forward once the push has committed (get_finished)
 
 
 @dataclass

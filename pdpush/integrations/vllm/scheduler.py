@@ -43,6 +43,7 @@ class _Req:
     first_ask: float | None = None
     next_ask: float = 0.0
     claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
+    async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
 
 
 def push_id_of(params: dict, default: str) -> str:
@@ -65,8 +66,27 @@ class SchedulerSide:
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._receiver_down_until = 0.0
         self._idle = False  # the last step scheduled no tokens at all
+        # a model of several KV cache groups (sliding windows, state) loads asynchronously: vLLM can take a
+        # failed load only as a failed request then, never as failed blocks (it recomputes it from token 0)
+        self.load_async = bool(layout.windows or layout.state_layers)
         if consumer:
             self.receiver.get()  # a wrong path fails at start-up, with its name
+
+    def on_new_request(self, request: Request) -> None:
+        """A model with recurrent state: a prefill for a remote decode stops one token short of the prompt,
+        so that the state it pushes is the state after N - 1 tokens, which the decode's step on the last
+        prompt token continues (as vLLM's NixlConnector does: ``_truncate_request_for_prefill``)."""
+        params = request.kv_transfer_params
+        if not (self.producer and self.layout.state_layers and params and params.get("do_remote_decode")):
+            return
+        if params.get("_pdpush_truncated") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_pdpush_truncated"] = True
+        STATS["push_truncated"] += 1
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
@@ -100,9 +120,9 @@ class SchedulerSide:
             STATS["match_missing"] += 1
             return 0, False
         STATS["match_queries"] += 1
-        try:
-            reply = self.receiver.get().query(prompt, self.layout, req_id=str(push_id),
-                                           timeout_s=self.settings.query_timeout_s)
+        try:  # a model with state: the push is of the prompt's first N - 1 tokens (on_new_request)
+            reply = self.receiver.get().query(prompt[:want] if self.layout.state_layers else prompt, self.layout,
+                                              req_id=str(push_id), timeout_s=self.settings.query_timeout_s)
         except PdpushError as e:
             # the scheduler loop must not stall on a dead receiver: recompute, and stop asking for a while;
             # a fresh connection next time, so a late reply to this query can never answer another
@@ -130,11 +150,13 @@ class SchedulerSide:
             return 0, False
         r.first_ask = None
         end = min(want, reply.request_chunks * self.layout.chunk_tokens)
-        if end <= num_computed_tokens:
+        if end <= num_computed_tokens or (self.layout.state_layers and end < want):
+            if end < want and self.layout.state_layers:  # its state is after N - 1 tokens: all of them, or none
+                STATS["match_missing"] += 1
             return 0, False
         r.plan = (str(push_id), num_computed_tokens, end)
         STATS["match_tokens"] += end - num_computed_tokens
-        return end - num_computed_tokens, False
+        return end - num_computed_tokens, self.load_async
 
     def _claim(self, request: Request, r: _Req, push_id: str, prompt: list[int], want: int,
                computed: int) -> tuple[int, bool]:
@@ -157,21 +179,28 @@ class SchedulerSide:
         r.plan = (push_id, computed, end)
         STATS["match_tokens"] += end - computed
         STATS["claimed_tokens"] += end - computed
-        return end - computed, False
+        return end - computed, self.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)
-        if r is None or r.plan is None or r.plan[2] - r.plan[1] == num_external_tokens:
+        if r is None or r.plan is None:
             return
         if num_external_tokens == 0:
             r.plan = None
-        else:  # the scheduler trimmed the load's start (a partial local block); keep its end
-            r.plan = (r.plan[0], r.plan[2] - num_external_tokens, r.plan[2])
+        elif r.plan[2] - r.plan[1] != num_external_tokens:  # the scheduler trimmed the load's start (a partial
+            r.plan = (r.plan[0], r.plan[2] - num_external_tokens, r.plan[2])  # local block); keep its end
+        if self.load_async and r.plan is not None:  # not scheduled this step: it waits for the load
+            r.async_blocks = [list(b) for b in blocks.get_block_ids()]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdpushConnectorMetadata:
         meta = PdpushConnectorMetadata()
         so = scheduler_output
         self._idle = so.total_num_scheduled_tokens == 0
+        for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
+            if r.async_blocks is not None and r.plan is not None:
+                meta.loads.append(LoadSpec(rid, r.plan[0], r.async_blocks, r.plan[1], r.plan[2], r.prompt_tokens,
+                                           asynchronous=True))
+                r.plan, r.planned_once, r.async_blocks = None, True, None
         for new in so.scheduled_new_reqs:
             rid = new.req_id
             r = self.reqs.get(rid)

@@ -13,7 +13,7 @@ from pdpush.client import DecodeClient
 from pdpush.config import ReceiverConfig, SenderConfig, load
 from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, check_prefill_tp, dtype_name, rank_heads
-from pdpush.model_layout import ModelConfigError, windows_of
+from pdpush.model_layout import ATTENTION, ModelConfigError, layer_kinds, state_of, windows_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -176,23 +176,28 @@ def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings, kv_cache_config
         raise ConfigError("PdpushConnector does not move fp8 KV caches whose scales are computed at run time "
                           "(calculate_kv_scales): the two sides' scales could not be checked")
     mla = bool(getattr(mc, "use_mla", False))
-    layers = mc.get_total_num_hidden_layers()
+    tc = mc.hf_text_config.to_dict()
     check_groups(kv_cache_config)
     try:
-        windows = windows_of(mc.hf_text_config.to_dict(), layers, "the model's config")
+        kinds = layer_kinds(tc, "the model's config")
+        windows = windows_of(tc, "the model's config")
+        conv_dt, ssm_dt = _state_dtypes(kv_cache_config, dtype)
+        state_layers, state, units = state_of(tc, conv_dt, ssm_dt, "the model's config")
     except ModelConfigError as e:
         raise ConfigError(f"PdpushConnector: {e}") from None
-    lay = KVLayout(layers, 1 if mla else mc.get_total_num_kv_heads(),
-                   mc.get_head_size(), dtype, chunk or 256,  # type: ignore[arg-type]
+    layers = sum(1 for k in kinds if k in ATTENTION)
+    lay = KVLayout(layers, 1 if mla else (mc.get_total_num_kv_heads() if layers else 1),
+                   mc.get_head_size() if layers else 1, dtype, chunk or 256,  # type: ignore[arg-type]
                    model_id or mc.served_model_name or mc.model, kind="mla" if mla else "mha",
-                   kv_scales=scales, windows=engine_windows(kv_cache_config, windows))  # type: ignore[arg-type]
+                   kv_scales=scales, windows=engine_windows(kv_cache_config, windows, kinds),  # type: ignore[arg-type]
+                   state_layers=state_layers, state=state, state_units=units)
     if rc is not None and (mismatch := rc.layout.mismatch(lay)):
         raise ConfigError(f"receiver {s.receiver_config} holds another layout than this model's, receiver vs "
                           f"model: {mismatch}")
     return lay
 
 
-_ATTENTION_SPECS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "ChunkedLocalAttentionSpec"}
+_MOVED_SPECS = {"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "MambaSpec"}
 
 
 def _group_kinds(kv_cache_config) -> list[str]:
@@ -200,19 +205,29 @@ def _group_kinds(kv_cache_config) -> list[str]:
 
 
 def check_groups(kv_cache_config) -> None:
-    """vLLM's KV cache groups pdpush moves: attention (full, sliding window, MLA). A group of recurrent
-    state (MambaSpec: GDN, Mamba2) is refused at start-up, naming every group's kind: no push may skip
-    a group silently."""
+    """vLLM's KV cache groups pdpush moves: attention (full, sliding window, MLA) and recurrent state
+    (MambaSpec: GDN, Mamba2). Any other is refused at start-up, naming every group's kind: no push may
+    skip a group silently."""
     if kv_cache_config is None:
         return
     kinds = _group_kinds(kv_cache_config)
-    other = sorted({k for k in kinds if k not in _ATTENTION_SPECS} | ({"ChunkedLocalAttentionSpec"} & set(kinds)))
+    other = sorted({k for k in kinds if k not in _MOVED_SPECS})
     if other:
         raise ConfigError(f"PdpushConnector does not move KV cache groups of kind {other} (this model's groups: "
-                          f"{kinds}); it moves attention KV (full and sliding window) and MLA latents")
+                          f"{kinds}); it moves attention KV (full and sliding window), MLA latents and Mamba "
+                          "state (GDN, Mamba2)")
 
 
-def engine_windows(kv_cache_config, windows: tuple[int, ...]) -> tuple[int, ...]:
+def _state_dtypes(kv_cache_config, dtype: str) -> tuple[str, str | None]:
+    """The conv and SSM state's element types as this engine keeps them (its MambaSpec), else the model's."""
+    for g in (kv_cache_config.kv_cache_groups if kv_cache_config is not None else ()):
+        if type(g.kv_cache_spec).__name__ == "MambaSpec":
+            dts = [dtype_name(str(d)) for d in g.kv_cache_spec.dtypes]
+            return dts[0], dts[-1]
+    return dtype, None
+
+
+def engine_windows(kv_cache_config, windows: tuple[int, ...], kinds: list[str]) -> tuple[int, ...]:
     """The windows this engine keeps: a sliding-window layer whose blocks vLLM keeps whole (its hybrid KV
     cache manager off: a full-attention group) moves every chunk, since vLLM's prefix cache would keep
     the blocks a window push never wrote; a sliding-window group's window must be the model's."""
@@ -221,10 +236,14 @@ def engine_windows(kv_cache_config, windows: tuple[int, ...]) -> tuple[int, ...]
     from vllm.model_executor.models.utils import extract_layer_index
 
     out = list(windows)
+    attention = [i for i, k in enumerate(kinds) if k in ATTENTION]  # model layer -> attention layer
     for g in kv_cache_config.kv_cache_groups:
         sliding = type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"
+        if type(g.kv_cache_spec).__name__ == "MambaSpec":
+            continue
         for name in g.layer_names:
             la = extract_layer_index(name)
+            la = attention.index(la) if la in attention else len(out)
             if la >= len(out):
                 continue
             if not sliding:
@@ -246,10 +265,14 @@ def check_parallelism(vllm_config: VllmConfig, layout: KVLayout, producer: bool,
                           "stage that failed its load would leave the others' KV in place; run the decode instance "
                           "with tensor parallelism instead (prefill-side pipeline parallelism is supported)")
     tp = pc.tensor_parallel_size
+    if layout.state_layers and pc.pipeline_parallel_size > 1:
+        raise ConfigError("PdpushConnector does not support pipeline parallelism for a model with recurrent state "
+                          f"({layout.state_layers} GDN/Mamba2 layers): one stage would have to push every layer's state")
     try:
         if producer:
             check_prefill_tp(layout, tp)
         if consumer:
             rank_heads(layout.kv_heads, tp, 0)
+        layout.check_state_tp(tp)
     except ValueError as e:
         raise ConfigError(f"PdpushConnector: {e}") from None

@@ -7,6 +7,7 @@ codec (kvcodec.py) places the bytes. Every rank pushes under the same push id
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,13 +21,15 @@ from pdpush.integrations import vllm_layout as vl
 from pdpush.integrations.device_copy import D2HStager, H2DLoader
 from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
-from pdpush.layout import KVLayout, rank_heads
+from pdpush.layout import DTYPES, KVLayout, dtype_name, rank_heads
 
 log = logging.getLogger("pdpush.vllm")
 
 # What one request's push or load may raise without taking the engine down: pdpush's typed errors,
 # and torch/numpy errors from a malformed transfer (logged with the request, then recomputed).
 _REQUEST_ERRORS = (PdpushError, ValueError, RuntimeError, IndexError)
+# backends of recurrent-state layers (GDN_ATTN, MAMBA2_ATTN, ...): their layers are moved as state, not paged KV
+_STATE_BACKENDS = ("MAMBA", "GDN", "LINEAR", "SHORT_CONV")
 
 
 @dataclass
@@ -49,10 +52,12 @@ class _Load:
     failed: str | None = None
     tickets: dict = field(default_factory=dict)  # a CUDA cache: layer -> H2D copy started (H2DLoader)
     dev_idx: dict = field(default_factory=dict)  # a CUDA cache: vLLM group -> indexes on the device
+    state_blocks: list[int] = field(default_factory=list)  # the state groups' blocks the state goes into
+    deadline: float = 0.0  # an asynchronous load: its push must have committed by then
 
     @property
     def block_ids(self) -> set[int]:
-        return {b for d in self.dst for b in d.block_ids}
+        return {b for d in self.dst if d is not None for b in d.block_ids} | set(self.state_blocks)
 
 
 def _cpu_writer(dtype: torch.dtype, slots: int, head_size: int, cache_dtype: str) -> vl.Writer:
@@ -110,12 +115,18 @@ class WorkerSide:
         # the scheduler passes is one of theirs; each is one pdpush layer group (a window), whose items it holds
         self._vgroup_names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups] \
             if kv_cache_config is not None else None
+        self._vgroup_specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups] \
+            if kv_cache_config is not None else None
         self._vgroup_of: dict[str, int] = {}
-        self._pgroup: list[int] = []  # vLLM group -> pdpush group (layout.groups)
+        self._pgroup: list[int] = []  # vLLM group -> pdpush group (layout.groups); -1: a state group
+        # recurrent state (GDN, Mamba2): layer name -> state layer; the engine tensors of a state page
+        self._state_of: dict[str, int] = {}
+        self._state_tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._paged: vl.PagedKV | None = None
         self._pushes: list[_Push] = []
         self._finishing: list[PushHandle] = []
         self._loads: list[_Load] = []
+        self._async: list[_Load] = []  # asynchronous loads waiting for their push's commit (get_finished)
         self._load_errors: set[int] = set()
         self._sender_down_until = 0.0
         # connect at start-up: a wrong path or config fails here, with its name, not on a request
@@ -138,8 +149,24 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         self._kv_caches = dict(kv_caches)
-        self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
+        specs = self._vgroup_specs or []
+        state_names = {n for g, spec in zip(self._vgroup_names or [], specs, strict=True)
+                       if type(spec).__name__ == "MambaSpec" for n in g}
+        attention = sorted((n for n in kv_caches if n not in state_names), key=extract_layer_index)
+        if self.layout.state_layers:  # a hybrid's layers by kind, in model order (no pipeline parallelism here)
+            self._layer_of = {n: i for i, n in enumerate(attention)}
+            self._state_of = {n: i for i, n in enumerate(sorted(state_names, key=extract_layer_index))}
+            self._check_state(specs)
+        else:
+            self._layer_of = {name: extract_layer_index(name) for name in attention}
+        if state_names and not self.layout.state_layers:
+            raise ConfigError(f"PdpushConnector: layers {sorted(state_names)[:4]} keep recurrent state; the layout has "
+                              "no state layers")
         self._map_groups()
+        kv_caches = {n: kv_caches[n] for n in attention}
+        if not kv_caches:  # state only (Mamba2): no attention layer, no save_kv_layer or wait_for_layer_load
+            log.info("PdpushConnector: %d state layers, no attention layer", len(self._state_of))
+            return
         heads = {1 if t.dim() == 3 else t.shape[1] for t in kv_caches.values()}
         if heads != {self.heads[1] - self.heads[0]}:
             raise ConfigError(f"PdpushConnector: rank {self.tp_rank} of {self.tp_size} holds {sorted(heads)} KV "
@@ -149,6 +176,7 @@ class WorkerSide:
                               f"layers [{self.stage.start}, {self.stage.stop}) of the layout's {self.layout.layers}"
                               + (f" (pipeline stage {self.pp_rank} of {self.pp_size})" if self.pp_size > 1 else ""))
         names = {b.get_name() for b in get_current_attn_backends(self._vllm_config)}
+        names = {n for n in names if not n.startswith(_STATE_BACKENDS)}  # a hybrid's state layers' own
         if len(names) != 1:
             raise ConfigError(f"PdpushConnector needs one attention backend, found {sorted(names)}")
         backend = names.pop()
@@ -179,6 +207,37 @@ class WorkerSide:
         log.info("PdpushConnector: %d layers, backend %s, cache view %s", len(kv_caches), backend,
                  tuple(sample.shape))
 
+    def _check_state(self, specs: list) -> None:
+        """This rank's state tensors as vLLM keeps them (its MambaSpec: conv, then SSM, in each page) must be
+        the layout's (kvcodec.state_shapes), else the engine stops here, naming both."""
+        want = kvcodec.state_shapes(self.layout, self.tp_size)
+        dts = {s.tensor: s.dtype for s in self.layout.state}
+        for spec in specs:
+            if type(spec).__name__ != "MambaSpec":
+                continue
+            got = [tuple(int(x) for x in sh) for sh in spec.shapes]
+            if got != list(want.values()) or [dtype_name(str(d)) for d in spec.dtypes] != list(dts.values()):
+                raise ConfigError(f"PdpushConnector: this rank keeps state {got} of {[str(d) for d in spec.dtypes]}; the "
+                                  f"layout's at tp {self.tp_size} is {list(want.values())} of {list(dts.values())} "
+                                  "(conv as [kernel - 1, channels]: VLLM_SSM_CONV_STATE_LAYOUT=DS is not moved)")
+        self._state_tensors = [(name, shape, getattr(torch, DTYPES[dts[name]].torch)) for name, shape in want.items()]
+
+    def _state_views(self, name: str, block: int) -> dict[str, torch.Tensor]:
+        """State layer ``name``'s tensors in block ``block`` (views of its page: conv first, then SSM)."""
+        page = self._kv_caches[name][block]
+        if not page.is_contiguous():
+            raise ValueError(f"{name}: block {block} is not one contiguous page")
+        raw = page.reshape(-1).view(torch.uint8)
+        out, off = {}, 0
+        for tname, shape, dt in self._state_tensors:
+            nb = math.prod(shape) * dt.itemsize
+            out[tname] = raw[off:off + nb].view(dt).view(shape)
+            off += nb
+        return out
+
+    def _state_names(self) -> list[str]:
+        return sorted(self._state_of, key=self._state_of.__getitem__)
+
     def _map_groups(self) -> None:
         """Each vLLM KV cache group's layers keep one window: map it to that pdpush layer group. A window
         moves whole chunks, and vLLM caches whole blocks: with a chunk of one block, every block a decode
@@ -189,6 +248,10 @@ class WorkerSide:
         names = self._vgroup_names or [list(self._kv_caches)]
         self._vgroup_of, self._pgroup = {}, []
         for vi, group in enumerate(names):
+            if any(n in self._state_of for n in group):
+                self._pgroup.append(-1)
+                self._vgroup_of.update({n: vi for n in group if n in self._state_of})
+                continue
             mine = [n for n in group if n in self._layer_of]
             kinds = {self.layout.group_of(self._layer_of[n]).index for n in mine}
             if len(kinds) > 1:
@@ -270,7 +333,7 @@ class WorkerSide:
             return
         T = lay.chunk_tokens
         n = len(spec.token_ids)
-        if not handle.plan.n_new:  # the receiver holds every item: nothing to move
+        if not handle.plan.n_new and not lay.state_layers:  # the receiver holds every item: nothing to move
             handle.finish_nowait()
             self._finishing.append(handle)
             STATS["push_requests"] += 1
@@ -278,6 +341,9 @@ class WorkerSide:
         src = []
         try:  # each vLLM group's layers: their pdpush group's new chunks (a sliding window's: of its window)
             for vi, pg in enumerate(self._pgroup):
+                if pg < 0:  # a state group: its running state, gathered once the forward is done
+                    src.append(None)
+                    continue
                 gp = handle.plan.groups[pg]
                 tokens = torch.cat([torch.arange(c * T, min(n, (c + 1) * T)) for c in gp.new_chunks]) \
                     if gp.new_chunks else torch.empty(0, dtype=torch.int64)
@@ -290,7 +356,7 @@ class WorkerSide:
         self._pushes.append(_Push(spec, handle, src))
         EVENTS.append(("begun", spec.push_id, -1, time.monotonic()))
         STATS["push_requests"] += 1
-        STATS["push_tokens_staged"] += sum(sm.tokens for sm in src)
+        STATS["push_tokens_staged"] += sum(sm.tokens for sm in src if sm is not None)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if not self._pushes:  # decode steps and unmarked requests: nothing to do
@@ -322,6 +388,24 @@ class WorkerSide:
                 self._fail_push(p, f"layer {layer}: {e}")
         STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
 
+    def _push_state(self, p: _Push) -> None:
+        """The prompt's running state, after its last token here (the prefill stopped one short of the
+        prompt: ``SchedulerSide.on_new_request``), from each state group's last block (vLLM keeps a
+        request's running state there), as this rank's units of the state (kvcodec.stage_state); it lands
+        last, as the layer ``layout.layers``. Mamba layers have no save hook: this is after the forward."""
+        t0 = time.perf_counter()
+        by_name = {}
+        for vi, pg in enumerate(self._pgroup):
+            if pg < 0:
+                block = p.spec.block_ids[vi][-1]
+                for name in self._vgroup_names[vi]:
+                    if name in self._state_of:
+                        by_name[name] = self._state_views(name, block)
+        p.handle.stage_state([by_name[name] for name in self._state_names()])
+        p.handle.layer_ready(self.layout.layers)
+        EVENTS.append(("state_ready", p.spec.push_id, self.layout.layers, time.monotonic()))
+        STATS["push_state_us"] += int((time.perf_counter() - t0) * 1e6)
+
     def _fail_push(self, p: _Push, why: str) -> None:
         STATS["push_failures"] += 1
         log.error("pdpush: push of %s (%s) failed: %s", p.spec.req_id, p.spec.push_id, why)
@@ -349,9 +433,11 @@ class WorkerSide:
                         self._stager.wait(p.handle, self.settings.timeout_s)
                     finally:
                         STATS["push_handover_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+                if self.layout.state_layers:
+                    self._push_state(p)
                 p.handle.finish_nowait()  # the commit completes in the background; the decode side waits for layers
                 self._finishing.append(p.handle)
-            except PdpushError as e:
+            except _REQUEST_ERRORS as e:
                 self._fail_push(p, str(e))
                 continue
             self._pushes.remove(p)
@@ -378,11 +464,20 @@ class WorkerSide:
     def _open_load(self, spec: LoadSpec) -> None:
         lay = self.layout
         tokens = torch.arange(spec.start, spec.end)
-        dst = []
+        prompt = spec.tokens or spec.end + 1
+        pushed = prompt - 1 if lay.state_layers else prompt  # a model with state: the prefill stopped one short
+        dst, state_blocks = [], []
         try:  # each vLLM group: the tokens its layers load (a sliding window's: those of its window)
             for vi, pg in enumerate(self._pgroup):
+                if pg < 0:  # a state group: the block the forward reads its running state from (the last), and
+                    # the one before where it differs (vLLM copies that one into the last before the step)
+                    blocks = spec.block_ids[vi]
+                    prev = blocks[(prompt - 2) // self.block_size] if prompt >= 2 else 0
+                    state_blocks.extend(dict.fromkeys(b for b in (blocks[-1], prev) if b))
+                    dst.append(None)
+                    continue
                 group = lay.groups[pg]
-                first = lay.group_chunks(group, spec.tokens or spec.end + 1).start * lay.chunk_tokens
+                first = lay.group_chunks(group, pushed).start * lay.chunk_tokens
                 blocks = spec.block_ids[vi]
                 t = tokens[tokens >= first]
                 if group.window:  # vLLM's null block holds what fell out of its window: nothing to load there
@@ -391,11 +486,18 @@ class WorkerSide:
                 dst.append(self._slots(blocks, t, bool(group.window)))
         except (ValueError, IndexError) as e:  # the blocks do not cover the load: a bug, loud but not fatal
             log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
+            if spec.asynchronous:
+                self._async.append(_Load(spec, None, [], [], [], failed=str(e)))
+                return
             STATS["load_failures"] += 1
             self._load_errors.update(b for ids in spec.block_ids for b in ids if b)
             return
-        load_ = _Load(spec, None, dst, [], [])
-        self._loads.append(load_)
+        load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
+                      deadline=time.monotonic() + self.settings.load_timeout_s)
+        (self._async if spec.asynchronous else self._loads).append(load_)
+        if lay.state_layers and spec.end != pushed:  # the state is after the prompt's first N - 1 tokens
+            load_.failed = f"a load of tokens [{spec.start}, {spec.end}) with a state after {pushed}"
+            return
         t0 = time.perf_counter()
         try:
             req = self.receiver.get().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
@@ -412,6 +514,10 @@ class WorkerSide:
             load_.failed = f"the push carries {req.tokens} tokens, {spec.end} needed"
         else:
             for d, pg in zip(dst, self._pgroup, strict=True):
+                if d is None:
+                    load_.src_chunk.append(None)
+                    load_.src_page.append(None)
+                    continue
                 chunks = req.plan.groups[pg].chunks
                 rel = d.chunk_idx - chunks.start
                 if len(rel) and (int(rel.min()) < 0 or int(rel.max()) >= len(chunks)):
@@ -419,33 +525,110 @@ class WorkerSide:
                     break
                 load_.src_chunk.append(rel)
                 load_.src_page.append(torch.tensor(req.group_pages(pg), dtype=torch.int64)[rel])
+            if lay.state_layers and load_.failed is None and not spec.asynchronous:
+                self._load_state(load_)
+
+    def _load_state(self, ld: _Load) -> None:
+        """The pushed running state into the decode's state blocks, before its forward (Mamba layers have no
+        load hook): it lands last, so this waits for the push's end (``load_timeout_s``, then recompute)."""
+        t0 = time.perf_counter()
+        try:
+            state = kvcodec.read_state(torch.from_numpy(ld.req.state_bytes(timeout_s=self.settings.load_timeout_s)),
+                                       self.layout, self.tp_size, self.tp_rank)
+            for vi, pg in enumerate(self._pgroup):
+                if pg >= 0:
+                    continue
+                blocks = ld.spec.block_ids[vi]
+                prompt = ld.spec.tokens or ld.spec.end + 1
+                prev = blocks[(prompt - 2) // self.block_size] if prompt >= 2 else 0
+                for name in self._vgroup_names[vi]:
+                    if name not in self._state_of:
+                        continue
+                    for b in dict.fromkeys(x for x in (blocks[-1], prev) if x):
+                        for tname, view in self._state_views(name, b).items():
+                            view.copy_(state[self._state_of[name]][tname])
+            STATS["load_states"] += 1
+        except _REQUEST_ERRORS as e:
+            ld.failed = f"state: {e}"
+        finally:
+            STATS["load_state_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
+            return
+        t0 = time.perf_counter()
+        for ld in self._loads:
+            self._load_layer(ld, layer_name)
+        STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _load_layer(self, ld: _Load, layer_name: str) -> None:
+        """One layer of one load, from the pool into vLLM's blocks (it waits for the layer to land)."""
+        if ld.failed is not None or ld.req is None:
             return
         layer = self._layer_of[layer_name]
         vg = self._vgroup_of[layer_name]
         kv = self._kv_caches[layer_name]
         n = self._paged.slots_per_block(kv)
+        if self._loader is not None:
+            self._load_layer_staged(ld, layer, vg, kv, n)
+            return
+        try:
+            dst = ld.dst[vg]
+            pool = torch.from_numpy(ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s))
+            if dst.tokens:
+                rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page[vg], dst.chunk_rows,
+                                         ld.req.heads)
+                self._paged.scatter(kv, *dst.addresses(n), *_comps(rows, self.layout.dtype, kv))
+            ld.layers_done += 1
+            STATS["load_layers"] += 1
+        except _REQUEST_ERRORS as e:
+            ld.failed = f"layer {layer}: {e}"
+
+    def poll_async_loads(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads (a model of several KV cache groups, whose failed loads vLLM can only take as a
+        failed request): each whose push has committed is copied whole now, every layer and the state, outside
+        the forward; one that failed, or did not commit by its deadline, fails (vLLM recomputes it from its
+        first token). Returns (loaded, failed) vLLM request ids."""
+        done: set[str] = set()
+        failed: set[str] = set()
         t0 = time.perf_counter()
-        for ld in self._loads:
-            if ld.failed is not None or ld.req is None:
-                continue
-            if self._loader is not None:
-                self._load_layer_staged(ld, layer, vg, kv, n)
-                continue
-            try:
-                dst = ld.dst[vg]
-                pool = torch.from_numpy(ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s))
-                if dst.tokens:
-                    rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page[vg], dst.chunk_rows,
-                                             ld.req.heads)
-                    self._paged.scatter(kv, *dst.addresses(n), *_comps(rows, self.layout.dtype, kv))
-                ld.layers_done += 1
-                STATS["load_layers"] += 1
-            except _REQUEST_ERRORS as e:
-                ld.failed = f"layer {layer}: {e}"
+        for ld in list(self._async):
+            if ld.failed is None:
+                try:
+                    if not ld.req.poll_committed():
+                        if time.monotonic() < ld.deadline:
+                            continue
+                        ld.failed = f"the push did not commit within load_timeout_s={self.settings.load_timeout_s}"
+                except _REQUEST_ERRORS as e:
+                    ld.failed = str(e)
+            if ld.failed is None:
+                for name in sorted(self._layer_of, key=self._layer_of.__getitem__):
+                    self._load_layer(ld, name)
+                if ld.failed is None and ld.layers_done != self.layout.layers:
+                    ld.failed = f"only {ld.layers_done} of {self.layout.layers} layers were loaded"
+                if ld.failed is None and self.layout.state_layers:
+                    self._load_state(ld)
+            self._async.remove(ld)
+            if ld.failed is None:
+                done.add(ld.spec.req_id)
+                STATS["load_requests"] += 1
+                STATS["load_async"] += 1
+                STATS["load_tokens"] += ld.spec.end - ld.spec.start
+            else:
+                failed.add(ld.spec.req_id)
+                STATS["load_failures"] += 1
+                STATS["load_async_failed"] += 1
+                log.error("pdpush: load of %s (%s) failed, it will be recomputed: %s", ld.spec.req_id,
+                          ld.spec.push_id, ld.failed)
+            if ld.req is not None:
+                try:
+                    ld.req.release()
+                except PdpushError as e:
+                    log.warning("pdpush: release of %s: %s", ld.spec.push_id, e)
+        if failed and not self._async:  # late replies to a failed open must not linger for the next request
+            self.receiver.reset()
         STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+        return done, failed
 
     def _load_layer_staged(self, ld: _Load, layer: int, vg: int, kv: torch.Tensor, n: int) -> None:
         """A GPU cache: this layer's pages go up on a side stream (H2DLoader), with every later layer

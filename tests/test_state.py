@@ -1,0 +1,151 @@
+"""Recurrent state (GDN, Mamba2) as pdpush moves it (pure logic): a state layer's page of units
+(layout.StateSegment), each rank's units written and read back by the KV codec at any pair of tensor
+parallel sizes dividing the units, and the layout that carries it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdpush import kvcodec as kc
+from pdpush.layout import KVLayout
+
+# Mamba2-like: conv = [x | B | C] along its channels (B, C replicated: one group), ssm split by heads
+SEGS = [("conv", "float32", (3, 8), 1, False), ("conv", "float32", (3, 4), 1, True),
+        ("conv", "float32", (3, 4), 1, True), ("ssm", "float32", (4, 2, 3), 0, False)]
+LAY = KVLayout(1, 2, 64, "float32", 32, state_layers=2, state=SEGS, state_units=2)
+
+
+def _model_state(seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((3, 8)).astype("f4"), "B": rng.standard_normal((3, 4)).astype("f4"),
+             "C": rng.standard_normal((3, 4)).astype("f4"), "ssm": rng.standard_normal((4, 2, 3)).astype("f4")}
+            for _ in range(LAY.state_layers)]
+
+
+def _rank(f: dict, tp: int, r: int) -> dict:
+    """What rank r of tp holds, as vLLM's Mamba2 does: its heads of x and ssm, every group of B and C."""
+    n, h = 8 // tp, 4 // tp
+    return {"conv": np.concatenate([f["x"][:, r * n:(r + 1) * n], f["B"], f["C"]], 1), "ssm": f["ssm"][r * h:(r + 1) * h]}
+
+
+@pytest.mark.parametrize("tp_in,tp_out", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_state_units_written_at_one_tp_read_back_at_another(tp_in, tp_out):
+    model = _model_state(1)
+    page = np.zeros((LAY.state_units, LAY.state_layers, LAY.state_unit_bytes), np.uint8)
+    k = LAY.state_units // tp_in
+    for r in range(tp_in):
+        kc.stage_state(page[r * k:(r + 1) * k], [_rank(f, tp_in, r) for f in model], LAY, tp_in, r)
+    k = LAY.state_units // tp_out
+    for r in range(tp_out):
+        got = kc.read_state(torch.from_numpy(page[r * k:(r + 1) * k]), LAY, tp_out, r)
+        for f, g in zip(model, got, strict=True):
+            want = _rank(f, tp_out, r)
+            assert np.array_equal(g["conv"].numpy(), want["conv"]) and np.array_equal(g["ssm"].numpy(), want["ssm"])
+
+
+def test_a_rank_s_tensor_of_another_shape_or_a_tp_splitting_a_unit_is_refused():
+    page = np.zeros((2, 2, LAY.state_unit_bytes), np.uint8)
+    bad = [{"conv": np.zeros((3, 12), "f4"), "ssm": np.zeros((4, 2, 3), "f4")}] * 2  # a rank of 2's conv at tp 1
+    with pytest.raises(ValueError, match="conv is"):
+        kc.stage_state(page, bad, LAY, 1, 0)
+    with pytest.raises(ValueError, match="does not divide"):
+        kc.stage_state(page, bad, LAY, 4, 0)
+    assert kc.state_shapes(LAY, 2) == {"conv": (3, 12), "ssm": (2, 2, 3)}
+
+
+def test_the_state_is_part_of_the_layout_s_description():
+    assert LAY.state_page_bytes == 2 * LAY.state_unit_bytes and LAY.push_layers == 2
+    assert LAY.state_unit_bytes == (3 * 4 + 3 * 4 * 2 + 2 * 2 * 3) * 4
+    assert KVLayout(**LAY.to_dict()) == LAY
+    other = KVLayout(**{**LAY.to_dict(), "state_units": 1})
+    assert other.fingerprint() != LAY.fingerprint() and "state_units" in LAY.mismatch(other)
+    assert KVLayout(0, 1, 1, "float32", 32, state_layers=1, state=SEGS, state_units=2).push_layers == 1  # pure Mamba2
+    with pytest.raises(ValueError):
+        KVLayout(1, 2, 64, "float32", 32, state_layers=1)  # state layers without segments
+
+
+def _done(w, rid: str):
+    from pdpush import protocol
+
+    return next((m for m in w.to_client if getattr(m, "req_id", None) == rid
+                 and isinstance(m, (protocol.Done, protocol.Error))), None)
+
+
+def test_a_push_carries_its_state_in_one_put_per_rank_into_a_slot_of_its_own():
+    from pdpush import protocol
+    from tests.test_sessions import Wire
+
+    w = Wire(lay=LAY)
+    rx = w.rx["tcp://rx-a:1"]
+    ids = list(range(100, 150))  # 2 chunks
+    w.push("a", ids)
+    state_puts = [p for p in w.posted if LAY.layers in p.token[1]]
+    assert len(state_puts) == 1 and len(state_puts[0].ops) == 1 and state_puts[0].ops[0].nbytes == LAY.state_slot_bytes
+    assert state_puts[0].ops[0].dst == (1 << 30) + rx.geometry.state_at(rx.reqs["a"].state_slot)
+    w.complete()
+    w.complete()
+    done = _done(w, "a")
+    assert isinstance(done, protocol.Done) and done.bytes_sent == 2 * LAY.page_bytes + LAY.state_slot_bytes
+    assert done.layers == LAY.push_layers
+    # the same prompt again: its chunks are held, its state is pushed again (a state is never shared)
+    w.push("b", ids)
+    w.complete()
+    w.complete()
+    done = _done(w, "b")
+    assert done.chunks_skipped == 2 and done.bytes_sent == LAY.state_slot_bytes
+    assert rx.reqs["a"].state_slot != rx.reqs["b"].state_slot
+    rx.check()
+    # read and released: the slots come back
+    for rid in ("a", "b"):
+        rx.on_local(b"d", protocol.Open(req_id=rid), w.now)
+        rx.on_local(b"d", protocol.Release(req_id=rid), w.now)
+    assert rx.state_pool.free_pages == rx.state_pool.num_pages
+    rx.check()
+
+
+def test_a_push_that_fails_before_its_state_lands_frees_its_slot_after_quarantine():
+    from pdpush import protocol
+    from tests.test_sessions import Wire
+
+    w = Wire(lay=LAY)
+    rx = w.rx["tcp://rx-a:1"]
+    w.engine(protocol.Begin(**{**_begin(list(range(60))), "req_id": "a"}))
+    w.engine(protocol.LayerReady(req_id="a", layers=[0]))
+    w.complete()
+    w.engine(protocol.Abort(req_id="a", reason="engine gave up mid-state"))
+    assert isinstance(_done(w, "a"), protocol.Error) or "a" not in w.tx.reqs
+    assert "a" not in rx.reqs and rx.state_pool.free_pages == rx.state_pool.num_pages - 1  # in quarantine
+    w.tick(rx.limits.quarantine_ms + 1)
+    assert rx.state_pool.free_pages == rx.state_pool.num_pages and rx.pool.free_pages == rx.pool.num_pages
+    rx.check()
+
+
+def _begin(ids):
+    from tests.test_sessions import begin
+
+    return dict(begin("x", ids, lay=LAY))
+
+
+def test_two_prefill_ranks_each_put_their_units_of_the_state_and_it_lands_with_both():
+    from pdpush import protocol
+    from tests.test_sessions import RANKS, Wire, begin
+
+    w = Wire(lay=LAY, shards=1)
+    rx = w.rx["tcp://rx-a:1"]
+    for r in (0, 1):
+        w.engine(begin("t", list(range(40)), lay=LAY, tp_rank=r, tp_size=2, client_pid=100 + r), RANKS[r])
+    for r in (0, 1):
+        w.engine(protocol.LayerReady(req_id="t", layers=[0, LAY.layers]), RANKS[r])
+    share = LAY.state_slot_bytes // 2
+    state = [op for p in w.posted for op in p.ops if op.nbytes == share]
+    base = (1 << 30) + rx.geometry.state_at(rx.reqs["t"].state_slot)
+    assert sorted(op.dst for op in state) == [base, base + share]  # each rank its units, one put each
+    w.complete()
+    w.complete()
+    for r in (0, 1):
+        w.engine(protocol.Finish(req_id="t"), RANKS[r])
+    w.complete()
+    assert rx.reqs["t"].state is protocol.ReqState.COMMITTED and rx.reqs["t"].layers_done == {0, LAY.layers}
+    rx.check()
