@@ -18,6 +18,7 @@ model), stopped by pid at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -64,6 +65,19 @@ def _kv_pages(lay: KVLayout, tokens: int) -> int:
     return lay.layers * lay.num_chunks(tokens) * lay.page_bytes
 
 
+@contextlib.contextmanager
+def _pair(tmp_path_factory, size: str, layout: dict, args: dict, prompts: dict):
+    """A fleet of one model with its colocated references, then a TP 1 prefill p1 and decode d1."""
+    with fleet_of(tmp_path_factory, f"vllm-{size}", size, layout, args, shards=(1,)) as f:
+        f.shards, f.prompts = 1, prompts
+        _check_layout(f, layout)
+        f.refs = colocated_refs(f, "colocated", 1, prompts, NEW_TOKENS)
+        f.start("p1", "kv_producer", 1, 1)
+        f.start("d1", "kv_consumer", 1, 1)
+        f.ready("p1", "d1")
+        yield f
+
+
 # ---- Nemotron-H: Mamba2 + attention ---------------------------------------------------------------------
 
 NH = dict(layers=1, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-nemotron-h",
@@ -79,13 +93,8 @@ NH_PROMPTS["1to2"] = _prompt(135)
 
 @pytest.fixture(scope="module")
 def nh(tmp_path_factory):
-    with fleet_of(tmp_path_factory, "vllm-nemotron-h", "nemotron_h", NH, NH_ARGS, shards=(1,)) as f:
-        f.shards, f.prompts = 1, NH_PROMPTS
-        _check_layout(f, NH)
-        f.refs = colocated_refs(f, "colocated", 1, {k: p for k, p in NH_PROMPTS.items() if k != "1to2"}, NEW_TOKENS)
-        f.start("p1", "kv_producer", 1, 1)
-        f.start("d1", "kv_consumer", 1, 1)
-        f.ready("p1", "d1")
+    with _pair(tmp_path_factory, "nemotron_h", NH, NH_ARGS, {k: p for k, p in NH_PROMPTS.items() if k != "1to2"}) as f:
+        f.prompts = NH_PROMPTS  # "1to2" is compared with a colocated TP 2 engine (its test)
         yield f
 
 
@@ -197,13 +206,7 @@ M2_PROMPTS = {"long": _prompt(150)}
 
 
 def test_mamba2_alone_moves_only_its_state(tmp_path_factory):
-    with fleet_of(tmp_path_factory, "vllm-mamba2", "mamba2", M2, M2_ARGS, shards=(1,)) as f:
-        f.shards, f.prompts = 1, M2_PROMPTS
-        _check_layout(f, M2)
-        f.refs = colocated_refs(f, "colocated", 1, M2_PROMPTS, NEW_TOKENS)
-        f.start("p1", "kv_producer", 1, 1)
-        f.start("d1", "kv_consumer", 1, 1)
-        f.ready("p1", "d1")
+    with _pair(tmp_path_factory, "mamba2", M2, M2_ARGS, M2_PROMPTS) as f:
         rx, tx = _push(f, "long")
         lay = KVLayout(**M2)
         assert lay.layers == 0 and tx["bytes_put"] == lay.state_slot_bytes, tx  # no attention layer: state only
@@ -222,14 +225,7 @@ Q3_PROMPTS = {"long": _prompt(385)}
 
 
 def test_qwen3_next_gdn_state_and_kv_prefill_tp1_to_decode_tp1(tmp_path_factory):
-    with fleet_of(tmp_path_factory, "vllm-qwen3-next", "qwen3_next", Q3, {**Q3_ARGS, "dtype": "bfloat16"},
-                  shards=(1,)) as f:
-        f.shards, f.prompts = 1, Q3_PROMPTS
-        _check_layout(f, Q3)
-        f.refs = colocated_refs(f, "colocated", 1, Q3_PROMPTS, NEW_TOKENS)
-        f.start("p1", "kv_producer", 1, 1)
-        f.start("d1", "kv_consumer", 1, 1)
-        f.ready("p1", "d1")
+    with _pair(tmp_path_factory, "qwen3_next", Q3, {**Q3_ARGS, "dtype": "bfloat16"}, Q3_PROMPTS) as f:
         rx, tx = _push(f, "long")
         lay = KVLayout(**Q3)
         assert lay.state_layers == 3 and tx["bytes_put"] == _kv_pages(lay, 384) + lay.state_slot_bytes, tx
