@@ -347,21 +347,23 @@ class PushHandle:
         lay = self.client.layout
         if not lay.state_layers:
             raise ValueError("the layout has no state layers")
-        share = lay.state_slot_bytes // self.tp_size
-        off = self.plan.staging_bytes + self.tp_rank * share
-        return self._base[off:off + share].reshape(lay.state_units // self.tp_size, lay.state_layers,
-                                                   lay.state_unit_bytes)
+        slot = self._base[self.plan.staging_bytes:self.plan.staging_bytes + lay.state_slot_bytes]
+        k = lay.state_units // self.tp_size
+        return slot.reshape(lay.state_layers, lay.state_units, lay.state_unit_bytes)[:, self.tp_rank * k:
+                                                                                        (self.tp_rank + 1) * k]
 
-    def stage_state(self, tensors) -> None:
-        """Copy this rank's recurrent state into staging: per state layer, its engine tensors by name
-        (``kvcodec.stage_state``); hand it over with ``state_ready`` (it is the layer ``layout.layers``)."""
+    def stage_state(self, first: int, tensors) -> None:
+        """Copy this rank's recurrent state of state layers ``first, first + 1, ...`` into staging: per state
+        layer, its engine tensors by name (``kvcodec.stage_state``); hand each over as the layer
+        ``layout.layers + s`` (``layer_ready``)."""
         self._check_open()
-        kvcodec.stage_state(self.staging_state(), [{k: _on_host(v) for k, v in t.items()} for t in tensors],
-                            self.client.layout, self.tp_size, self.tp_rank)
+        kvcodec.stage_state(self.staging_state()[first:first + len(tensors)],
+                            [{k: _on_host(v) for k, v in t.items()} for t in tensors], self.client.layout,
+                            self.tp_size, self.tp_rank)
 
-    def put_state(self, tensors) -> None:
-        self.stage_state(tensors)
-        self.layer_ready(self.client.layout.layers)
+    def put_state(self, first: int, tensors) -> None:
+        self.stage_state(first, tensors)
+        self.layers_ready([self.client.layout.layers + first + i for i in range(len(tensors))])
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
@@ -497,7 +499,7 @@ class PrefillClient:
         if not isinstance(reply, BeginOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to begin")
         return PushHandle(self, req_id, len(ids), reply, tp_rank, tp_size,
-                          range(*layers) if layers else range(self.layout.layers))
+                          range(*layers) if layers else range(self.layout.push_layers))
 
     def status(self) -> dict:
         reply = self._conn.call(StatusRequest(), None, self.timeout_s)
@@ -532,6 +534,8 @@ class DecodeRequest:
                              for gp in self.plan.groups]
         self.ready: set[int] = set(ok.layers_ready)
         self.committed = ok.committed
+        if ok.committed:  # a committed request has every layer (its state layers too)
+            self.ready.update(range(self.layout.push_layers))
         self.pool_pages = ok.pool_pages
         self._shmid = ok.shmid
         self._pool = client._segments.hold(ok.shmid, self.geometry.total_bytes)
@@ -607,6 +611,7 @@ class DecodeRequest:
             self.ready.update(msg.layers)
         elif isinstance(msg, Committed):
             self.committed = True
+            self.ready.update(range(self.layout.push_layers))
         else:
             if isinstance(msg, Error):
                 self.broken = f"{msg.code.value}: {msg.message}"
@@ -709,17 +714,18 @@ class DecodeRequest:
         return tuple(x[:, :, c].clone() for c in range(self.layout.components))
 
     def state_bytes(self, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
-        """This rank's units of the request's state, zero-copy: ``[units / tp, state_layers, unit bytes]``
-        (it lands last, as the layer ``layout.layers``)."""
+        """This rank's units of the request's state, zero-copy: ``[state_layers, units / tp, unit bytes]``
+        (state layer ``s`` lands as the layer ``layout.layers + s``; this waits for them all)."""
         lay = self.layout
         if self.state_slot < 0:
             raise ValueError(f"request {self.req_id!r} carries no state")
-        self._ready_layer(lay.layers, wait, timeout_s)
+        for s in range(lay.state_layers):
+            self._ready_layer(lay.layers + s, wait, timeout_s)
         lay.check_state_tp(self.tp_size)
-        share = lay.state_slot_bytes // self.tp_size
-        off = self.geometry.state_at(self.state_slot) + self.tp_rank * share
-        return self._pool.array[off:off + share].reshape(lay.state_units // self.tp_size, lay.state_layers,
-                                                         lay.state_unit_bytes)
+        off = self.geometry.state_at(self.state_slot)
+        k = lay.state_units // self.tp_size
+        return self._pool.array[off:off + lay.state_slot_bytes].reshape(
+            lay.state_layers, lay.state_units, lay.state_unit_bytes)[:, self.tp_rank * k:(self.tp_rank + 1) * k]
 
     def state(self, wait: bool = True, timeout_s: float | None = None) -> list[dict]:
         """This rank's recurrent state as the engine holds it: per state layer, its tensors by name

@@ -275,9 +275,9 @@ def state_shapes(layout, tp: int) -> dict[str, tuple[int, ...]]:
 
 
 def stage_state(dst, tensors: Sequence[dict], layout, tp: int, rank: int) -> None:
-    """Write rank ``rank``'s units of every state layer into ``dst`` (uint8 ``[units / tp, state_layers,
-    unit bytes]``). ``tensors``: per state layer, the rank's engine tensors by name, as the engine holds them
-    (each the concatenation of its segments' parts along its axis)."""
+    """Write rank ``rank``'s units of some state layers into ``dst`` (uint8 ``[layers, units / tp, unit
+    bytes]``). ``tensors``: per one of those state layers, the rank's engine tensors by name, as the engine
+    holds them (each the concatenation of its segments' parts along its axis)."""
     layout.check_state_tp(tp)
     k = layout.state_units // tp
     shapes = state_shapes(layout, tp)
@@ -296,16 +296,16 @@ def stage_state(dst, tensors: Sequence[dict], layout, tp: int, rank: int) -> Non
                 nb = s.unit_bytes(layout.state_units)
                 for j in range(k):
                     piece = part if s.replicated else _narrow(part, s.axis, j * (n // k), n // k)
-                    dst[j, la, off:off + nb] = _bytes_of(piece)
+                    dst[la, j, off:off + nb] = _bytes_of(piece)
 
 
 def read_state(src, layout, tp: int, rank: int) -> list[dict]:
-    """Rank ``rank``'s engine tensors of every state layer from its units ``src`` (uint8 ``[units / tp,
-    state_layers, unit bytes]``): the inverse of ``stage_state`` (a replicated part comes from the first unit)."""
+    """Rank ``rank``'s engine tensors of some state layers from its units ``src`` (uint8 ``[layers, units / tp,
+    unit bytes]``): the inverse of ``stage_state`` (a replicated part comes from the first unit)."""
     layout.check_state_tp(tp)
     k = layout.state_units // tp
     out = []
-    for la in range(layout.state_layers):
+    for la in range(src.shape[0]):
         local = {}
         for name, parts in _tensor_parts(layout, tp).items():
             pieces = []
@@ -314,7 +314,7 @@ def read_state(src, layout, tp: int, rank: int) -> list[dict]:
                 off = sum(layout.state[j].unit_bytes(layout.state_units) for j in range(i))
                 nb = s.unit_bytes(layout.state_units)
                 ush = s.unit_shape(layout.state_units)
-                units = [elements(src[j, la, off:off + nb], s.dtype).reshape(ush) for j in range(1 if s.replicated
+                units = [elements(src[la, j, off:off + nb], s.dtype).reshape(ush) for j in range(1 if s.replicated
                                                                                           else k)]
                 pieces.append(units[0] if len(units) == 1 else _cat(units, s.axis))
             local[name] = pieces[0] if len(pieces) == 1 else _cat(pieces, layout.state[parts[0][0]].axis)

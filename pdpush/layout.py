@@ -230,14 +230,17 @@ class KVLayout:
 
     @property
     def state_slot_bytes(self) -> int:
-        """A request's state: every state layer's page, unit-major ``[units, state_layers, unit bytes]``."""
+        """A request's state: every state layer's page, ``[state_layers, units, unit bytes]``."""
         return self.state_layers * self.state_page_bytes
 
     @property
     def push_layers(self) -> int:
-        """What a push hands over and lands: the attention layers, then the state (one more, index
-        ``layers``) where the model has state layers."""
-        return self.layers + (1 if self.state_layers else 0)
+        """What a push hands over and lands, by index: the attention layers ``[0, layers)``, then each state
+        layer ``s`` as ``layers + s``."""
+        return self.layers + self.state_layers
+
+    def is_state(self, layer: int) -> bool:
+        return layer >= self.layers
 
     def check_state_tp(self, tp: int) -> None:
         """A TP whose every rank holds whole units of the state: it divides ``state_units``."""

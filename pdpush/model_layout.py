@@ -43,9 +43,15 @@ ATTENTION = ("full", "sliding")
 STATE = ("gdn", "mamba2")
 
 
-def layer_kinds(cfg: dict, where: str = "model config") -> list[str]:
+def layer_kinds(cfg: dict, where: str = "model config", layers: int | None = None) -> list[str]:
     """Each model layer's kind (``full``, ``sliding``, ``gdn``, ``mamba2`` or ``none``), from a text config;
-    a kind pdpush does not move is refused, naming it."""
+    a kind pdpush does not move is refused, naming it. ``layers``: the model's layer count where the config
+    names it otherwise than ``num_hidden_layers`` (GPT-2's ``n_layer``: vLLM's count)."""
+    if layers is not None and "num_hidden_layers" not in cfg:
+        cfg = {**cfg, "num_hidden_layers": layers}
+    if "num_hidden_layers" not in cfg and not isinstance(cfg.get("hybrid_override_pattern"), str) \
+            and not isinstance(cfg.get("layer_types") or cfg.get("layers_block_type"), list):
+        raise ModelConfigError(f"{where}: no num_hidden_layers")
     mt = str(cfg.get("model_type", ""))
     pattern = cfg.get("hybrid_override_pattern")
     types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else cfg.get("layers_block_type")
@@ -73,11 +79,11 @@ def layer_kinds(cfg: dict, where: str = "model config") -> list[str]:
     return ["sliding" if w and cfg.get("use_sliding_window", True) else "full"] * n
 
 
-def windows_of(cfg: dict, where: str = "model config") -> tuple[int, ...]:
+def windows_of(cfg: dict, where: str = "model config", layers: int | None = None) -> tuple[int, ...]:
     """Each attention layer's sliding window (0: full attention), in order: ``layer_types`` with
     ``sliding_window`` (Gemma 3, gpt-oss), or one ``sliding_window`` for every layer where no
     ``layer_types`` says otherwise and ``use_sliding_window`` is not off (Mistral 7B v0.1)."""
-    kinds = [k for k in layer_kinds(cfg, where) if k in ATTENTION]
+    kinds = [k for k in layer_kinds(cfg, where, layers) if k in ATTENTION]
     w = cfg.get("sliding_window")
     if "sliding" in kinds and not w:
         raise ModelConfigError(f"{where}: sliding_attention layers but no sliding_window")
@@ -90,15 +96,15 @@ def _units(*counts: int) -> int:
     return next(u for u in (8, 4, 2, 1) if all(c % u == 0 for c in counts))
 
 
-def state_of(cfg: dict, dtype: str, ssm_dtype: str | None = None,
-             where: str = "model config") -> tuple[int, tuple, int]:
+def state_of(cfg: dict, dtype: str, ssm_dtype: str | None = None, where: str = "model config",
+             layers: int | None = None) -> tuple[int, tuple, int]:
     """(state layers, segments, units) of a model's recurrent state, in the layout's terms: each engine
     tensor as vLLM keeps it per layer (conv ``[kernel - 1, channels]``, channels split by TP part by part;
     ssm split on its heads). Gated DeltaNet: conv = [q | k | v], ssm ``[v_heads, v_dim, k_dim]``; Mamba2:
     conv = [x | B | C] (B and C replicated where there is one group), ssm ``[heads, head_dim, state]``.
     ``ssm_dtype``: the SSM state's element type where the engine keeps it in another (default ``dtype``; for
     Gated DeltaNet float32, which vLLM keeps it in)."""
-    kinds = layer_kinds(cfg, where)
+    kinds = layer_kinds(cfg, where, layers)
     state = sorted({k for k in kinds if k in STATE})
     if not state:
         return 0, (), 1

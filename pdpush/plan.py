@@ -80,9 +80,9 @@ class RequestPlan:
         return self.groups[self.layout.group_of(layer).index]
 
     def layer_bytes(self, layer: int) -> int:
-        """Bytes of ``layer``'s new pages (layer ``layout.layers``: the request's state, every state layer)."""
-        if layer == self.layout.layers:
-            return self.layout.state_slot_bytes
+        """Bytes of ``layer``'s new pages (a state layer, ``layout.is_state``: its state page)."""
+        if self.layout.is_state(layer):
+            return self.layout.state_page_bytes
         return self.of(layer).n_new * self.layout.page_bytes
 
     def full_bytes(self, layers: int = 1) -> int:

@@ -200,12 +200,16 @@ class PagePool:
     def indexed_keys(self) -> list[bytes]:
         return list(self._index)
 
-    def abort(self, req_id: str, now_ms: int) -> None:
-        """Reclaim an uncommitted lease: its pages go to quarantine."""
+    def abort(self, req_id: str, now_ms: int, published: bool = True) -> None:
+        """Reclaim an uncommitted lease: its pages go to quarantine (``published`` False: its pages were never
+        told to anyone, so nothing can write them late; they are free at once)."""
         req = self._get(req_id)
         if req.indexed:
             raise UnexpectedMessage(f"request {req_id!r} is committed; cannot abort")
-        self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages))
+        if published:
+            self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages))
+        else:
+            self._give(req.new_pages)
         self._unpin(req)
         del self.requests[req_id]
 

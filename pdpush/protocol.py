@@ -69,6 +69,9 @@ class LayoutSpec(Msg):
             raise ValueError(f"{len(self.windows)} windows for {self.layers} layers")
         if bool(self.state_layers) != bool(self.state) or (self.layers == 0 and not self.state_layers):
             raise ValueError("state layers need state segments (and a layout with no attention layer, state layers)")
+        from pdpush.layout import KVLayout  # every rule of the description (state segments' axes, units, ...)
+
+        KVLayout(**self.model_dump())
         return self
 
 

@@ -314,7 +314,7 @@ def test_receiver_session_fuzz(steps):
     rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300,
                                                  max_leases_per_sender=3),
                          PoolInfo(1 << 30, 12, 1, b"k", 1 << 31, "127.0.0.1", 1, 1), new_token=lambda: b"t" * 32,
-                         layer_checksum=lambda layer, runs: 2)
+                         layer_checksum=lambda ranges: 2)
     now = 0
     for ident, local, msg, dt in steps:
         now += dt

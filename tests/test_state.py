@@ -33,20 +33,20 @@ def _rank(f: dict, tp: int, r: int) -> dict:
 @pytest.mark.parametrize("tp_in,tp_out", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_state_units_written_at_one_tp_read_back_at_another(tp_in, tp_out):
     model = _model_state(1)
-    page = np.zeros((LAY.state_units, LAY.state_layers, LAY.state_unit_bytes), np.uint8)
+    page = np.zeros((LAY.state_layers, LAY.state_units, LAY.state_unit_bytes), np.uint8)  # a slot
     k = LAY.state_units // tp_in
     for r in range(tp_in):
-        kc.stage_state(page[r * k:(r + 1) * k], [_rank(f, tp_in, r) for f in model], LAY, tp_in, r)
+        kc.stage_state(page[:, r * k:(r + 1) * k], [_rank(f, tp_in, r) for f in model], LAY, tp_in, r)
     k = LAY.state_units // tp_out
     for r in range(tp_out):
-        got = kc.read_state(torch.from_numpy(page[r * k:(r + 1) * k]), LAY, tp_out, r)
+        got = kc.read_state(torch.from_numpy(page[:, r * k:(r + 1) * k]), LAY, tp_out, r)
         for f, g in zip(model, got, strict=True):
             want = _rank(f, tp_out, r)
             assert np.array_equal(g["conv"].numpy(), want["conv"]) and np.array_equal(g["ssm"].numpy(), want["ssm"])
 
 
 def test_a_rank_s_tensor_of_another_shape_or_a_tp_splitting_a_unit_is_refused():
-    page = np.zeros((2, 2, LAY.state_unit_bytes), np.uint8)
+    page = np.zeros((2, 2, LAY.state_unit_bytes), np.uint8)  # [state layers, units, unit bytes]
     bad = [{"conv": np.zeros((3, 12), "f4"), "ssm": np.zeros((4, 2, 3), "f4")}] * 2  # a rank of 2's conv at tp 1
     with pytest.raises(ValueError, match="conv is"):
         kc.stage_state(page, bad, LAY, 1, 0)
@@ -56,12 +56,12 @@ def test_a_rank_s_tensor_of_another_shape_or_a_tp_splitting_a_unit_is_refused():
 
 
 def test_the_state_is_part_of_the_layout_s_description():
-    assert LAY.state_page_bytes == 2 * LAY.state_unit_bytes and LAY.push_layers == 2
+    assert LAY.state_page_bytes == 2 * LAY.state_unit_bytes and LAY.push_layers == 3 and LAY.is_state(1)
     assert LAY.state_unit_bytes == (3 * 4 + 3 * 4 * 2 + 2 * 2 * 3) * 4
     assert KVLayout(**LAY.to_dict()) == LAY
     other = KVLayout(**{**LAY.to_dict(), "state_units": 1})
     assert other.fingerprint() != LAY.fingerprint() and "state_units" in LAY.mismatch(other)
-    assert KVLayout(0, 1, 1, "float32", 32, state_layers=1, state=SEGS, state_units=2).push_layers == 1  # pure Mamba2
+    assert KVLayout(0, 1, 1, "float32", 32, state_layers=1, state=SEGS, state_units=2).push_layers == 1  # Mamba2 alone
     with pytest.raises(ValueError):
         KVLayout(1, 2, 64, "float32", 32, state_layers=1)  # state layers without segments
 
@@ -73,7 +73,7 @@ def _done(w, rid: str):
                  and isinstance(m, (protocol.Done, protocol.Error))), None)
 
 
-def test_a_push_carries_its_state_in_one_put_per_rank_into_a_slot_of_its_own():
+def test_a_push_carries_each_state_layer_in_one_put_per_rank_into_a_slot_of_its_own():
     from pdpush import protocol
     from tests.test_sessions import Wire
 
@@ -81,9 +81,10 @@ def test_a_push_carries_its_state_in_one_put_per_rank_into_a_slot_of_its_own():
     rx = w.rx["tcp://rx-a:1"]
     ids = list(range(100, 150))  # 2 chunks
     w.push("a", ids)
-    state_puts = [p for p in w.posted if LAY.layers in p.token[1]]
-    assert len(state_puts) == 1 and len(state_puts[0].ops) == 1 and state_puts[0].ops[0].nbytes == LAY.state_slot_bytes
-    assert state_puts[0].ops[0].dst == (1 << 30) + rx.geometry.state_at(rx.reqs["a"].state_slot)
+    state_puts = [op for p in w.posted for op in p.ops if any(LAY.is_state(la) for la in p.token[1])]
+    base = (1 << 30) + rx.geometry.state_at(rx.reqs["a"].state_slot)
+    assert [(op.dst - base, op.nbytes) for op in state_puts] == [
+        (s * LAY.state_page_bytes, LAY.state_page_bytes) for s in range(LAY.state_layers)]
     w.complete()
     w.complete()
     done = _done(w, "a")
@@ -137,15 +138,49 @@ def test_two_prefill_ranks_each_put_their_units_of_the_state_and_it_lands_with_b
     for r in (0, 1):
         w.engine(begin("t", list(range(40)), lay=LAY, tp_rank=r, tp_size=2, client_pid=100 + r), RANKS[r])
     for r in (0, 1):
-        w.engine(protocol.LayerReady(req_id="t", layers=[0, LAY.layers]), RANKS[r])
-    share = LAY.state_slot_bytes // 2
+        w.engine(protocol.LayerReady(req_id="t", layers=list(range(LAY.push_layers))), RANKS[r])
+    share = LAY.state_page_bytes // 2
     state = [op for p in w.posted for op in p.ops if op.nbytes == share]
     base = (1 << 30) + rx.geometry.state_at(rx.reqs["t"].state_slot)
-    assert sorted(op.dst for op in state) == [base, base + share]  # each rank its units, one put each
+    assert sorted(op.dst - base for op in state) == sorted(  # each rank its units of each state layer: one put
+        s * LAY.state_page_bytes + r * share for s in range(LAY.state_layers) for r in (0, 1))
     w.complete()
     w.complete()
     for r in (0, 1):
         w.engine(protocol.Finish(req_id="t"), RANKS[r])
     w.complete()
-    assert rx.reqs["t"].state is protocol.ReqState.COMMITTED and rx.reqs["t"].layers_done == {0, LAY.layers}
+    assert rx.reqs["t"].state is protocol.ReqState.COMMITTED and rx.reqs["t"].layers_done == set(range(LAY.push_layers))
+    rx.check()
+
+
+def test_a_repeated_prompt_s_state_is_ready_to_a_decode_that_opens_after_the_commit():
+    """Every chunk held: only the state moves, and an open after the commit finds every layer, its state
+    layers too (nothing to wait for)."""
+    from pdpush import protocol
+    from tests.test_sessions import Wire
+
+    w = Wire(lay=LAY)
+    rx = w.rx["tcp://rx-a:1"]
+    for rid in ("a", "b"):
+        w.push(rid, list(range(100, 132)))  # 2 whole chunks
+        w.complete()
+        w.complete()
+    ok = next(a.msg for a in rx.on_local(b"d", protocol.Open(req_id="b"), w.now) if isinstance(a.msg, protocol.OpenOk))
+    assert ok.committed and set(ok.layers_ready) == set(range(LAY.push_layers))
+
+
+def test_a_state_slot_taken_by_an_allocation_that_then_fails_is_free_at_once():
+    """No AllocResponse went out, so nothing can write the slot late: it is not quarantined."""
+    from pdpush import protocol
+    from pdpush.layout import chunk_keys
+    from tests.test_sessions import receiver
+
+    rx = receiver(pages=2, lay=LAY)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(),
+                                       layout=protocol.LayoutSpec(**LAY.to_dict())), 0)
+    for i in range(5):  # 4 chunks each: the pool of 2 pages never fits, every try fails after its slot
+        out = rx.on_control(b"s", protocol.AllocRequest(req_id=f"r{i}", chunk_keys=chunk_keys(list(range(100)), LAY),
+                                                        last_chunk_tokens=4, lease_ms=1000), 0)
+        assert out[-1].msg.code.value == "too_large"
+    assert rx.state_pool.free_pages == rx.state_pool.num_pages
     rx.check()

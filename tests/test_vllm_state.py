@@ -119,10 +119,10 @@ def test_corrupting_one_layer_s_ssm_state_in_the_pool_changes_the_decode_tokens(
     try:
         held = dc.open(params["pdpush_req_id"])
         held.wait_committed()
-        units = held.state_bytes()  # [units, state layers, unit bytes], zero-copy in the pool
+        units = held.state_bytes()  # [state layers, units, unit bytes], zero-copy in the pool
         ssm = next(s for s in NH_LAY.state if s.tensor == "ssm")
         off = sum(s.unit_bytes(NH_LAY.state_units) for s in NH_LAY.state[:NH_LAY.state.index(ssm)])
-        units[:, 0, off:off + ssm.unit_bytes(NH_LAY.state_units)] ^= 0x40  # every fp32 of its SSM state
+        units[0, :, off:off + ssm.unit_bytes(NH_LAY.state_units)] ^= 0x40  # every fp32 of its SSM state
         d0 = nh.engines["d1"].stats()
         out, d1 = nh.engines["d1"].generate(NH_PROMPTS["corrupt"], NEW_TOKENS, params)
         held.release()

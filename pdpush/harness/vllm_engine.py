@@ -125,7 +125,7 @@ def _inject_fault(fault: str) -> None:
         raise SystemExit(f"unknown PDPUSH_TEST_FAULT {fault!r}")
     from pdpush.integrations.vllm.worker import WorkerSide
 
-    def abort_state(self, p):
+    def abort_state(self, p, upto):
         p.handle.abort("PDPUSH_TEST_FAULT: the engine gave the push up before its state")
         raise ValueError("PDPUSH_TEST_FAULT: push given up mid-state")
     WorkerSide._push_state = abort_state

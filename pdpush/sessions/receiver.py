@@ -357,15 +357,21 @@ class ReceiverSession:
         try:
             alloc = self.pool.allocate(rid, keys)
         except PdpushError:
-            if self.state_pool is not None:
-                self.state_pool.abort(rid, now)
+            if self.state_pool is not None:  # never told to the sender: free at once, not quarantined
+                self.state_pool.abort(rid, now, published=False)
             raise
         lease = min(msg.lease_ms, self.limits.lease_ms)
         r = RxRequest(rid, ident, alloc, self._next_lease, now + lease, msg.last_chunk_tokens, now)
         self._next_lease += 1
         r.new_runs = runs(alloc.new_pages)
-        r.plan = RequestPlan(self.layout, tokens, alloc.held_idx)
-        r.plan.set_pages(alloc.new_pages)
+        try:
+            r.plan = RequestPlan(self.layout, tokens, alloc.held_idx)
+            r.plan.set_pages(alloc.new_pages)
+        except ValueError as e:  # never told to the sender: its pages and slot are free at once
+            self.pool.abort(rid, now, published=False)
+            if self.state_pool is not None:
+                self.state_pool.abort(rid, now, published=False)
+            raise RemoteProtocolError(f"request {rid!r}: {e}", req_id=rid) from None
         r.chunks, r.keys = len(msg.chunk_keys), list(msg.chunk_keys)
         r.tp_size = msg.tp_size
         r.state_slot = slot if self.state_pool is not None else -1
@@ -392,9 +398,10 @@ class ReceiverSession:
         cap = self.limits.max_inflight_bytes_per_sender
         if cap:
             page_set = self.layout.layers * self.layout.page_bytes  # one page index in every layer
-            held = sum(len(r.alloc.new_idx) for r in mine) * page_set
-            if held + items * page_set > cap:
-                raise PoolExhausted(f"sender would hold {held + items * page_set} bytes "
+            st = self.layout.state_slot_bytes  # and a state slot each, where the model has state
+            held = sum(len(r.alloc.new_idx) * page_set + st for r in mine)
+            if held + items * page_set + st > cap:
+                raise PoolExhausted(f"sender would hold {held + items * page_set + st} bytes "
                                     f"uncommitted (max_inflight_bytes_per_sender={cap})", req_id=msg.req_id)
 
     def _owned(self, ident: bytes, req_id: str) -> RxRequest:
@@ -413,10 +420,10 @@ class ReceiverSession:
         r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
         if msg.checksums is not None and self.limits.verify_checksums and self._layer_checksum is not None:
             for layer, want in zip(msg.layers, msg.checksums, strict=True):
-                if layer == self.layout.layers:  # the state: each rank's units of the request's slot
-                    share = self.layout.state_slot_bytes // r.tp_size
-                    ranges = [[(self.geometry.state_at(r.state_slot) + rank * share, share)]
-                              for rank in range(r.tp_size)]
+                if self.layout.is_state(layer):  # a state layer: each rank's units of its page in the slot
+                    page = self.layout.state_page_bytes
+                    at = self.geometry.state_at(r.state_slot) + (layer - self.layout.layers) * page
+                    ranges = [[(at + rank * page // r.tp_size, page // r.tp_size)] for rank in range(r.tp_size)]
                 else:
                     gp = r.plan.of(layer)
                     shares = StagingShares(self.layout, r.tp_size, self.geometry.shards, gp.n_new)
@@ -454,10 +461,12 @@ class ReceiverSession:
         self.counters.add("requests_committed")
         out.append(Count("requests"))
         out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
-        if not r.new_runs:
-            r.layers_done = set(range(self.layout.layers))
+        if not r.new_runs:  # every item was held: its attention layers are all there (its state layers landed)
+            kv = [la for la in range(self.layout.layers) if la not in r.layers_done]
+            r.layers_done.update(kv)
             for w in r.watchers:
-                out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=list(range(self.layout.layers)))))
+                if kv:
+                    out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=kv)))
         for w in r.watchers:
             out.append(ToDecode(w, Committed(req_id=r.req_id)))
         out.append(Log(logging.DEBUG, f"committed {n} new chunks", r.req_id))

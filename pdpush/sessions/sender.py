@@ -450,7 +450,7 @@ class SenderSession:
         if msg.tp_size * msg.pp_size > MAX_PARTICIPANTS:
             raise RemoteProtocolError(f"tp_size {msg.tp_size} x pp_size {msg.pp_size} exceeds {MAX_PARTICIPANTS} ranks")
         stage = _stage_layers(msg)
-        push_layers = msg.layout.layers + (1 if msg.layout.state_layers else 0)  # the state: one more (layout.py)
+        push_layers = msg.layout.layers + msg.layout.state_layers  # each state layer after them (layout.py)
         if msg.pp_size > 1 and msg.layout.state_layers:
             raise RemoteProtocolError("pipeline parallelism with state layers is not supported: one stage pushes "
                                       "the state")
@@ -475,7 +475,7 @@ class SenderSession:
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
         if RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)).staging_bytes \
-                > self.staging.size:
+                + layout.state_slot_bytes > self.staging.size:
             raise RequestTooLarge(f"request needs more staging than staging_bytes={self.staging.size}")
         receiver = msg.receiver or self.default_receiver
         if not receiver:
@@ -572,11 +572,12 @@ class SenderSession:
         ops: list[PutOp] = []
         srcs = []
         for layer in moving:  # the group's first layer's ranges, shifted (layout.StagingShares.ranges)
-            if layer == r.layout.layers:  # the state: the rank's units of every state layer, one put (layout.py)
-                share = r.layout.state_slot_bytes // r.tp
-                src = base + plan.staging_bytes + k.tp_rank * share
-                ops.append(PutOp(src, r.peer.ack.pool_base + pool.state_at(r.state_slot) + k.tp_rank * share, share))
-                srcs.append((src, share))
+            if r.layout.is_state(layer):  # a state layer: the rank's units of its page, one put (layout.py)
+                page = r.layout.state_page_bytes
+                at = (layer - r.layout.layers) * page + k.tp_rank * page // r.tp
+                src = base + plan.staging_bytes + at
+                ops.append(PutOp(src, r.peer.ack.pool_base + pool.state_at(r.state_slot) + at, page // r.tp))
+                srcs.append((src, page // r.tp))
                 continue
             gp = plan.of(layer)
             g, sh = gp.group.index, r.shares[gp.group.index]
@@ -617,7 +618,7 @@ class SenderSession:
             if tp_rank in got:
                 return False
             got[tp_rank] = digest
-        puts = 1 if layer == r.layout.layers else r.share_puts[r.plan.of(layer).group.index]
+        puts = 1 if r.layout.is_state(layer) else r.share_puts[r.plan.of(layer).group.index]
         r.ranks[rank].puts += puts
         r.puts += puts
         self.counters.add("puts", puts)
@@ -724,7 +725,7 @@ class SenderSession:
             return
         r.n_new = r.plan.n_new
         r.state_slot = a.state_slot
-        if (a.state_slot >= 0) != bool(layout.state_layers):
+        if (a.state_slot >= 0) != bool(layout.state_layers) or a.state_slot >= r.peer.ack.state_slots > 0:
             self._fail(r, RemoteProtocolError(f"receiver's allocation has state slot {a.state_slot} for a layout "
                                               f"of {layout.state_layers} state layers"), now, out, tell_receiver=True)
             return
@@ -821,7 +822,7 @@ def _stage_layers(msg: Begin) -> range:
     if msg.end_layer == 0 and msg.first_layer == 0:
         if msg.pp_size > 1:
             raise RemoteProtocolError(f"stage {msg.pp_rank} of {msg.pp_size} did not say its layers")
-        return range(int(msg.layout.layers) + (1 if msg.layout.state_layers else 0))
+        return range(int(msg.layout.layers) + int(msg.layout.state_layers))
     if not msg.first_layer < msg.end_layer:
         raise RemoteProtocolError(f"stage layers [{msg.first_layer}, {msg.end_layer}) are empty")
     return range(msg.first_layer, msg.end_layer)

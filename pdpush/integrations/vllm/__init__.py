@@ -104,7 +104,8 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
                                       self.is_consumer, kv_cache_config)
         else:
             self._sched = SchedulerSide(self.settings, endpoints, self.layout, self.engine_tag, self.is_producer,
-                                        self.is_consumer)
+                                        self.is_consumer,
+                                        len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1)
         log.info("PdpushConnector %s role=%s producer=%s consumer=%s layout=%s tp=%d", self.engine_tag, role.name,
                  self.is_producer, self.is_consumer, self.layout, vllm_config.parallel_config.tensor_parallel_size)
 

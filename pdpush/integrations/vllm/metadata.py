@@ -20,7 +20,7 @@ STATS: dict[str, int] = {
     "push_layers_copied": 0, "push_handover_wait_us": 0, "load_layers_copied": 0, "load_layers_prefetched": 0,
     # recurrent state (GDN, Mamba2): time gathering it after the forward (prefill), and waiting for it and
     # writing it into vLLM's blocks before the forward (decode)
-    "push_state_us": 0, "load_state_us": 0, "load_states": 0, "push_truncated": 0,
+    "push_state_us": 0, "push_state_layers": 0, "load_state_us": 0, "load_states": 0, "push_truncated": 0,
     # asynchronous loads (models of several KV cache groups): loaded once committed, or failed (recomputed)
     "load_async": 0, "load_async_failed": 0,
 }

@@ -58,7 +58,7 @@ def push_id_of(params: dict, default: str) -> str:
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, endpoints: Endpoints, layout: KVLayout, engine_tag: str,
-                 producer: bool, consumer: bool) -> None:
+                 producer: bool, consumer: bool, kv_groups: int = 1) -> None:
         self.settings, self.endpoints, self.layout = settings, endpoints, layout
         self.engine_tag = engine_tag
         self.producer, self.consumer = producer, consumer
@@ -68,7 +68,7 @@ class SchedulerSide:
         self._idle = False  # the last step scheduled no tokens at all
         # a model of several KV cache groups (sliding windows, state) loads asynchronously: vLLM can take a
         # failed load only as a failed request then, never as failed blocks (it recomputes it from token 0)
-        self.load_async = bool(layout.windows or layout.state_layers)
+        self.load_async = bool(layout.windows or layout.state_layers) or kv_groups > 1
         if consumer:
             self.receiver.get()  # a wrong path fails at start-up, with its name
 
@@ -81,6 +81,9 @@ class SchedulerSide:
             return
         if params.get("_pdpush_truncated") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
             return
+        if request.get_skip_reading_prefix_cache() or not self.endpoints.receiver_allowed(
+                str(params.get("pdpush_receiver") or self.settings.receiver or "")):
+            return  # the decode recomputes the whole prompt (prompt logprobs), or this push will be refused
         del request.prompt_token_ids[-1:]
         del request._all_token_ids[-1:]
         request.num_prompt_tokens -= 1

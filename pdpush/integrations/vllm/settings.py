@@ -178,11 +178,12 @@ def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings, kv_cache_config
     mla = bool(getattr(mc, "use_mla", False))
     tc = mc.hf_text_config.to_dict()
     check_groups(kv_cache_config)
+    n = mc.get_total_num_hidden_layers()
     try:
-        kinds = layer_kinds(tc, "the model's config")
-        windows = windows_of(tc, "the model's config")
+        kinds = layer_kinds(tc, "the model's config", n)
+        windows = windows_of(tc, "the model's config", n)
         conv_dt, ssm_dt = _state_dtypes(kv_cache_config, dtype)
-        state_layers, state, units = state_of(tc, conv_dt, ssm_dt, "the model's config")
+        state_layers, state, units = state_of(tc, conv_dt, ssm_dt, "the model's config", n)
     except ModelConfigError as e:
         raise ConfigError(f"PdpushConnector: {e}") from None
     layers = sum(1 for k in kinds if k in ATTENTION)

@@ -39,6 +39,7 @@ class _Push:
     src: list[vl.SlotMap]    # by vLLM KV cache group: its layers' new chunks' tokens in vLLM's cache, in order
     layers_sent: int = 0
     dev_addr: dict = field(default_factory=dict)  # a CUDA cache: (group, slots) -> slot addresses on its device
+    states_sent: int = 0  # state layers handed over (in model order: those before each attention layer first)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class WorkerSide:
         self._pgroup: list[int] = []  # vLLM group -> pdpush group (layout.groups); -1: a state group
         # recurrent state (GDN, Mamba2): layer name -> state layer; the engine tensors of a state page
         self._state_of: dict[str, int] = {}
+        self._state_before: dict[str, int] = {}  # attention layer -> the state layers before it (model order)
         self._state_tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._paged: vl.PagedKV | None = None
         self._pushes: list[_Push] = []
@@ -156,6 +158,8 @@ class WorkerSide:
         if self.layout.state_layers:  # a hybrid's layers by kind, in model order (no pipeline parallelism here)
             self._layer_of = {n: i for i, n in enumerate(attention)}
             self._state_of = {n: i for i, n in enumerate(sorted(state_names, key=extract_layer_index))}
+            self._state_before = {a: sum(1 for s in state_names if extract_layer_index(s) < extract_layer_index(a))
+                                  for a in attention}
             self._check_state(specs)
         else:
             self._layer_of = {name: extract_layer_index(name) for name in attention}
@@ -384,26 +388,27 @@ class WorkerSide:
                 EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
                 p.layers_sent += 1
                 STATS["push_layers"] += 1
+                if self._state_before.get(layer_name, 0) > p.states_sent:  # state layers the forward has passed
+                    self._push_state(p, self._state_before[layer_name])
             except _REQUEST_ERRORS as e:
                 self._fail_push(p, f"layer {layer}: {e}")
         STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
 
-    def _push_state(self, p: _Push) -> None:
-        """The prompt's running state, after its last token here (the prefill stopped one short of the
-        prompt: ``SchedulerSide.on_new_request``), from each state group's last block (vLLM keeps a
-        request's running state there), as this rank's units of the state (kvcodec.stage_state); it lands
-        last, as the layer ``layout.layers``. Mamba layers have no save hook: this is after the forward."""
+    def _push_state(self, p: _Push, upto: int) -> None:
+        """The prompt's running state of state layers ``[p.states_sent, upto)``, after its last token here
+        (the prefill stopped one short of the prompt: ``SchedulerSide.on_new_request``), from each state
+        group's last block (vLLM keeps a request's running state there), as this rank's units of them
+        (kvcodec.stage_state), each handed over as the layer ``layout.layers + s``. Mamba and GDN layers
+        have no save hook: the state of those before an attention layer goes at that layer's save (while the
+        forward goes on), the rest once the forward is done (``wait_for_save``)."""
         t0 = time.perf_counter()
-        by_name = {}
-        for vi, pg in enumerate(self._pgroup):
-            if pg < 0:
-                block = p.spec.block_ids[vi][-1]
-                for name in self._vgroup_names[vi]:
-                    if name in self._state_of:
-                        by_name[name] = self._state_views(name, block)
-        p.handle.stage_state([by_name[name] for name in self._state_names()])
-        p.handle.layer_ready(self.layout.layers)
-        EVENTS.append(("state_ready", p.spec.push_id, self.layout.layers, time.monotonic()))
+        names = self._state_names()[p.states_sent:upto]
+        tensors = [self._state_views(name, p.spec.block_ids[self._vgroup_of[name]][-1]) for name in names]
+        p.handle.stage_state(p.states_sent, tensors)
+        p.handle.layers_ready([self.layout.layers + s for s in range(p.states_sent, upto)])
+        EVENTS.append(("state_ready", p.spec.push_id, self.layout.layers + upto - 1, time.monotonic()))
+        p.states_sent = upto
+        STATS["push_state_layers"] += len(names)
         STATS["push_state_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def _fail_push(self, p: _Push, why: str) -> None:
@@ -433,8 +438,8 @@ class WorkerSide:
                         self._stager.wait(p.handle, self.settings.timeout_s)
                     finally:
                         STATS["push_handover_wait_us"] += int((time.perf_counter() - t0) * 1e6)
-                if self.layout.state_layers:
-                    self._push_state(p)
+                if p.states_sent < self.layout.state_layers:  # those after the last attention layer
+                    self._push_state(p, self.layout.state_layers)
                 p.handle.finish_nowait()  # the commit completes in the background; the decode side waits for layers
                 self._finishing.append(p.handle)
             except _REQUEST_ERRORS as e:
@@ -463,7 +468,6 @@ class WorkerSide:
     # ---- decode: load ----
     def _open_load(self, spec: LoadSpec) -> None:
         lay = self.layout
-        tokens = torch.arange(spec.start, spec.end)
         prompt = spec.tokens or spec.end + 1
         pushed = prompt - 1 if lay.state_layers else prompt  # a model with state: the prefill stopped one short
         dst, state_blocks = [], []
@@ -477,13 +481,7 @@ class WorkerSide:
                     dst.append(None)
                     continue
                 group = lay.groups[pg]
-                first = lay.group_chunks(group, pushed).start * lay.chunk_tokens
-                blocks = spec.block_ids[vi]
-                t = tokens[tokens >= first]
-                if group.window:  # vLLM's null block holds what fell out of its window: nothing to load there
-                    ids = torch.tensor(blocks, dtype=torch.int64)[t // self.block_size] if len(t) else t
-                    t = t[ids != 0]
-                dst.append(self._slots(blocks, t, bool(group.window)))
+                dst.append(self._group_dst(spec, vi, group, lay.group_chunks(group, pushed).start))
         except (ValueError, IndexError) as e:  # the blocks do not cover the load: a bug, loud but not fatal
             log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
             if spec.asynchronous:
@@ -495,9 +493,6 @@ class WorkerSide:
         load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
                       deadline=time.monotonic() + self.settings.load_timeout_s)
         (self._async if spec.asynchronous else self._loads).append(load_)
-        if lay.state_layers and spec.end != pushed:  # the state is after the prompt's first N - 1 tokens
-            load_.failed = f"a load of tokens [{spec.start}, {spec.end}) with a state after {pushed}"
-            return
         t0 = time.perf_counter()
         try:
             req = self.receiver.get().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
@@ -512,13 +507,23 @@ class WorkerSide:
             load_.failed = f"layout mismatch: pushed {req.layout}, this engine has {lay}"
         elif req.tokens < spec.end:
             load_.failed = f"the push carries {req.tokens} tokens, {spec.end} needed"
+        elif lay.state_layers and spec.end != req.tokens:  # its state is after all of them: all, or nothing
+            load_.failed = f"a load of tokens [{spec.start}, {spec.end}) with a state after {req.tokens}"
         else:
-            for d, pg in zip(dst, self._pgroup, strict=True):
+            for i, (d, pg) in enumerate(zip(dst, self._pgroup, strict=True)):
                 if d is None:
                     load_.src_chunk.append(None)
                     load_.src_page.append(None)
                     continue
                 chunks = req.plan.groups[pg].chunks
+                group = lay.groups[pg]
+                if group.window:  # the push's own window (a claim's is of its shorter prompt), which must hold
+                    # every token the decode's next one attends to: [end - W + 1, end)
+                    if max(0, spec.end - group.window + 1) < chunks.start * lay.chunk_tokens:
+                        load_.failed = (f"the push holds the window of tokens from {chunks.start * lay.chunk_tokens}"
+                                        f", the decode's token {spec.end} attends from {spec.end - group.window + 1}")
+                        break
+                    d = dst[i] = self._group_dst(spec, i, group, chunks.start)
                 rel = d.chunk_idx - chunks.start
                 if len(rel) and (int(rel.min()) < 0 or int(rel.max()) >= len(chunks)):
                     load_.failed = f"the push holds chunks {chunks} of layer group {pg}, the load needs others"
@@ -527,6 +532,15 @@ class WorkerSide:
                 load_.src_page.append(torch.tensor(req.group_pages(pg), dtype=torch.int64)[rel])
             if lay.state_layers and load_.failed is None and not spec.asynchronous:
                 self._load_state(load_)
+
+    def _group_dst(self, spec: LoadSpec, vi: int, group, first_chunk: int) -> vl.SlotMap:
+        """The tokens of ``[spec.start, spec.end)`` that vLLM group ``vi``'s layers load: from chunk
+        ``first_chunk`` on (a window's first), and for a window not in vLLM's null block (out of its window)."""
+        t = torch.arange(max(spec.start, first_chunk * self.layout.chunk_tokens), spec.end)
+        blocks = spec.block_ids[vi]
+        if group.window and len(t):
+            t = t[torch.tensor(blocks, dtype=torch.int64)[t // self.block_size] != 0]
+        return self._slots(blocks, t, bool(group.window))
 
     def _load_state(self, ld: _Load) -> None:
         """The pushed running state into the decode's state blocks, before its forward (Mamba layers have no
