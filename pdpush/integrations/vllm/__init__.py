@@ -35,7 +35,10 @@ Flow (one request, driven by a proxy such as ``pdpush proxy``):
 
 Models: MHA/GQA attention and MLA latents (kvcodec.py), 16/32-bit floats and fp8 caches with unit
 scales (fp8 with other static scales, run-time scales and formats with scales inside the cache are
-refused by name). Parallelism: any tensor_parallel_size on either role, equal or not: where a prefill
+refused by name). Hybrids, with vLLM's hybrid KV cache manager (``SupportsHMA``: one block list per KV
+cache group): sliding-window groups move only their window's chunks, and GDN / Mamba2 state goes as one
+page per state layer per request, the prefill stopping one token short (``on_new_request``) so that the
+decode continues the state after N - 1 tokens; such models load asynchronously (docs/layout.md). Parallelism: any tensor_parallel_size on either role, equal or not: where a prefill
 TP exceeds the KV heads (an MLA latent is one), the ranks holding a head split its bytes; decode
 ranks read vLLM's replicas. Pipeline parallelism on the prefill side: each stage pushes its own
 layers under the same push id; decode-side pipeline parallelism is refused. GPU backends (FLASH_ATTN/TRITON_ATTN
