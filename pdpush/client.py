@@ -361,10 +361,6 @@ class PushHandle:
                             [{k: _on_host(v) for k, v in t.items()} for t in tensors], self.client.layout,
                             self.tp_size, self.tp_rank)
 
-    def put_state(self, first: int, tensors) -> None:
-        self.stage_state(first, tensors)
-        self.layers_ready([self.client.layout.layers + first + i for i in range(len(tensors))])
-
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
         self.layers_ready([layer])
@@ -726,12 +722,6 @@ class DecodeRequest:
         k = lay.state_units // self.tp_size
         return self._pool.array[off:off + lay.state_slot_bytes].reshape(
             lay.state_layers, lay.state_units, lay.state_unit_bytes)[:, self.tp_rank * k:(self.tp_rank + 1) * k]
-
-    def state(self, wait: bool = True, timeout_s: float | None = None) -> list[dict]:
-        """This rank's recurrent state as the engine holds it: per state layer, its tensors by name
-        (``kvcodec.read_state``; numpy, a copy)."""
-        return [{k: np.array(v) for k, v in t.items()}
-                for t in kvcodec.read_state(self.state_bytes(wait, timeout_s), self.layout, self.tp_size, self.tp_rank)]
 
     def release(self) -> None:
         if not self._released:

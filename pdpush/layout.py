@@ -267,6 +267,11 @@ class KVLayout:
                 out[la] = g
         return tuple(out)
 
+    @functools.cached_property
+    def local_index(self) -> tuple[int, ...]:
+        """Each layer's position among its group's layers."""
+        return tuple(self._group_of[la].layers.index(la) for la in range(self.layers))
+
     def group_chunks(self, group: Group, tokens: int) -> range:
         """The chunks of a ``tokens``-token prompt that ``group``'s layers need on decode: every chunk
         for full attention; for a window of W, those holding the prompt's last W tokens. A token at p

@@ -17,7 +17,6 @@ from pathlib import Path
 from pdpush.layout import DTYPES, KVLayout, dtype_name
 
 DEFAULT_CHUNK_TOKENS = 256
-_HYBRID_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "block_types")
 
 
 class ModelConfigError(ValueError):

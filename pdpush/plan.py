@@ -32,6 +32,7 @@ class GroupPlan:
     new_first: int                # its first new item's index among the request's new items
     staging_off: int = 0          # its layers' staging, from the request's staging start
     page_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (new item of the group, page, n)
+    layout_local: tuple[int, ...] = ()  # each layer's position in its group (KVLayout.local_index)
 
     @property
     def n_new(self) -> int:
@@ -44,7 +45,7 @@ class GroupPlan:
 
     def local(self, layer: int) -> int:
         """``layer``'s position among the group's layers."""
-        return self.group.layers.index(layer)
+        return self.layout_local[layer]
 
 
 class RequestPlan:
@@ -58,7 +59,7 @@ class RequestPlan:
         for g in layout.groups:
             chunks = layout.group_chunks(g, tokens)
             mine = [c for i, c in zip(range(item, item + len(chunks)), chunks, strict=True) if i not in held_set]
-            gp = GroupPlan(g, chunks, item, mine, new)
+            gp = GroupPlan(g, chunks, item, mine, new, layout_local=layout.local_index)
             item += len(chunks)
             new += len(mine)
             self.groups.append(gp)
@@ -85,9 +86,11 @@ class RequestPlan:
             return self.layout.state_page_bytes
         return self.of(layer).n_new * self.layout.page_bytes
 
-    def full_bytes(self, layers: int = 1) -> int:
-        """What a push of every chunk's layers would move for ``layers`` layers (windows not clipped)."""
-        return self.layout.num_chunks(self.tokens) * self.layout.page_bytes * layers
+    @property
+    def window_saved_bytes(self) -> int:
+        """What the windows saved: the chunks a push of every layer's every chunk would also have moved."""
+        n = self.layout.num_chunks(self.tokens)
+        return sum(len(g.group.layers) * (n - len(g.chunks)) for g in self.groups) * self.layout.page_bytes
 
     def set_pages(self, new_pages: list[int]) -> None:
         """The receiver's pages of the new items, in item order: each group's page runs."""

@@ -375,9 +375,8 @@ class ReceiverSession:
         r.chunks, r.keys = len(msg.chunk_keys), list(msg.chunk_keys)
         r.tp_size = msg.tp_size
         r.state_slot = slot if self.state_pool is not None else -1
-        if self.layout.windows:  # what the windows saved: the chunks a full push would also have moved
-            saved = sum(len(g.group.layers) * (r.chunks - len(g.chunks)) for g in r.plan.groups) * self.layout.page_bytes
-            self.counters.add("bytes_window_saved", saved)
+        if self.layout.windows:
+            self.counters.add("bytes_window_saved", r.plan.window_saved_bytes)
         self.reqs[rid] = r
         self._due(r.expires_at_ms)
         self.finished.pop(rid, None)
@@ -419,6 +418,7 @@ class ReceiverSession:
             raise RemoteProtocolError(f"{len(msg.checksums)} checksums for {len(msg.layers)} layers")
         r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
         if msg.checksums is not None and self.limits.verify_checksums and self._layer_checksum is not None:
+            shares: dict[int, StagingShares] = {}  # by layer group
             for layer, want in zip(msg.layers, msg.checksums, strict=True):
                 if self.layout.is_state(layer):  # a state layer: each rank's units of its page in the slot
                     page = self.layout.state_page_bytes
@@ -426,8 +426,9 @@ class ReceiverSession:
                     ranges = [[(at + rank * page // r.tp_size, page // r.tp_size)] for rank in range(r.tp_size)]
                 else:
                     gp = r.plan.of(layer)
-                    shares = StagingShares(self.layout, r.tp_size, self.geometry.shards, gp.n_new)
-                    ranges = [[(dst, n) for _, dst, n in shares.ranges(layer, rank, gp.page_runs, self.geometry)]
+                    sh = shares.get(gp.group.index) or shares.setdefault(
+                        gp.group.index, StagingShares(self.layout, r.tp_size, self.geometry.shards, gp.n_new))
+                    ranges = [[(dst, n) for _, dst, n in sh.ranges(layer, rank, gp.page_runs, self.geometry)]
                               for rank in range(r.tp_size)]
                 if self._layer_checksum(ranges) != want:
                     self.counters.add("checksum_failures")

@@ -743,9 +743,8 @@ class SenderSession:
         except ValueError as e:
             self._fail(r, IncompatiblePeer(str(e)), now, out, tell_receiver=True)
             return
-        if layout.windows:  # what the windows saved: the chunks a full push would also have moved
-            self.counters.add("bytes_window_saved", sum(
-                len(gp.group.layers) * (len(b.chunk_keys) - len(gp.chunks)) for gp in r.plan.groups) * layout.page_bytes)
+        if layout.windows:
+            self.counters.add("bytes_window_saved", r.plan.window_saved_bytes)
         if r.n_new:
             out.append(FillWords(self._words(r), a.lease_id, r.n_new))
         elif not layout.state_layers:  # the receiver holds every chunk: every layer is there already, a finish commits

@@ -473,11 +473,8 @@ class WorkerSide:
         dst, state_blocks = [], []
         try:  # each vLLM group: the tokens its layers load (a sliding window's: those of its window)
             for vi, pg in enumerate(self._pgroup):
-                if pg < 0:  # a state group: the block the forward reads its running state from (the last), and
-                    # the one before where it differs (vLLM copies that one into the last before the step)
-                    blocks = spec.block_ids[vi]
-                    prev = blocks[(prompt - 2) // self.block_size] if prompt >= 2 else 0
-                    state_blocks.extend(dict.fromkeys(b for b in (blocks[-1], prev) if b))
+                if pg < 0:  # a state group
+                    state_blocks.extend(self._state_targets(spec, vi))
                     dst.append(None)
                     continue
                 group = lay.groups[pg]
@@ -542,6 +539,15 @@ class WorkerSide:
             t = t[torch.tensor(blocks, dtype=torch.int64)[t // self.block_size] != 0]
         return self._slots(blocks, t, bool(group.window))
 
+    def _state_targets(self, spec: LoadSpec, vi: int) -> list[int]:
+        """State group ``vi``'s blocks a load writes the state into: the one the forward reads the running
+        state from (the last), and the one before where it differs (vLLM copies that one into the last
+        before the step)."""
+        blocks = spec.block_ids[vi]
+        prompt = spec.tokens or spec.end + 1
+        prev = blocks[(prompt - 2) // self.block_size] if prompt >= 2 else 0
+        return list(dict.fromkeys(b for b in (blocks[-1], prev) if b))
+
     def _load_state(self, ld: _Load) -> None:
         """The pushed running state into the decode's state blocks, before its forward (Mamba layers have no
         load hook): it lands last, so this waits for the push's end (``load_timeout_s``, then recompute)."""
@@ -552,13 +558,11 @@ class WorkerSide:
             for vi, pg in enumerate(self._pgroup):
                 if pg >= 0:
                     continue
-                blocks = ld.spec.block_ids[vi]
-                prompt = ld.spec.tokens or ld.spec.end + 1
-                prev = blocks[(prompt - 2) // self.block_size] if prompt >= 2 else 0
+                targets = self._state_targets(ld.spec, vi)
                 for name in self._vgroup_names[vi]:
                     if name not in self._state_of:
                         continue
-                    for b in dict.fromkeys(x for x in (blocks[-1], prev) if x):
+                    for b in targets:
                         for tname, view in self._state_views(name, b).items():
                             view.copy_(state[self._state_of[name]][tname])
             STATS["load_states"] += 1
