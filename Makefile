@@ -51,23 +51,23 @@ bench: install
 
 soak: install
 	mkdir -p bench-out
-	$(PY) -m pdpush.bench.soak --seconds $${SOAK_SECONDS:-600} --json bench-out/soak.json
+	$(PY) -m pdpush_tools.bench.soak --seconds $${SOAK_SECONDS:-600} --json bench-out/soak.json
 
 # real vLLM engines: the decode instance's wait for pushed KV against recomputing the prefill
 bench-vllm: install vllm-env
 	mkdir -p bench-out
-	$(PY) -m pdpush.bench.vllm_ttft --json bench-out/vllm.json --report docs/bench/vllm.md
+	$(PY) -m pdpush_tools.bench.vllm_ttft --json bench-out/vllm.json --report docs/bench/vllm.md
 
 # real vLLM servers behind pdpush router: placement policies on a multi-turn chat workload
 bench-fleet: install vllm-env
 	mkdir -p bench-out docs/bench
-	$(PY) -m pdpush.bench.fleet --json bench-out/fleet.json --report docs/bench/fleet.md
+	$(PY) -m pdpush_tools.bench.fleet --json bench-out/fleet.json --report docs/bench/fleet.md
 
 # the README's one-host vLLM example, run as written (examples/vllm-one-host.sh) with a tiny model;
 # needs ports 5710, 5711, 9710, 9711, 8000, 8100 and 8200 free
 vllm-one-host: install vllm-env
 	mkdir -p bench-out
-	test -d bench-out/tiny-model || $(VLLM_VENV)/bin/python -m pdpush.harness.vllm_engine --build-model bench-out/tiny-model
+	test -d bench-out/tiny-model || $(VLLM_VENV)/bin/python -m pdpush_tools.harness.vllm_engine --build-model bench-out/tiny-model
 	MODEL=bench-out/tiny-model PDPUSH_MODEL=bench-out/tiny-model PDPUSH_DTYPE=bfloat16 \
 		VLLM_CPU_KVCACHE_SPACE=1 examples/vllm-one-host.sh
 
@@ -92,7 +92,7 @@ test-slow: install
 	$(PY) -m pytest -q -m slow
 
 lint: install
-	$(VENV)/bin/ruff check pdpush tests
+	$(VENV)/bin/ruff check pdpush pdpush_tools tests
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache bench-out

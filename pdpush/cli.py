@@ -1,6 +1,7 @@
 """Command-line entry points (typer): parse -> config -> run, nothing else.
 
-``pdpush-receiver``, ``pdpush-sender`` and ``pdpush {bench,status,...}``.
+``pdpush-receiver``, ``pdpush-sender`` and ``pdpush {status,layout,router,...}``; ``demo`` and ``bench``
+come from the tooling (``pdpush_tools/cli.py``).
 Keeps ``--help`` fast: torch and ucxx are imported only inside commands.
 """
 
@@ -190,129 +191,6 @@ def keygen(
 
 
 @app.command()
-def demo(
-    layers: int = typer.Option(8), hidden: int = typer.Option(256), heads: int = typer.Option(4),
-    kv_heads: int = typer.Option(2), prompt_tokens: int = typer.Option(1000), new_tokens: int = typer.Option(16),
-    dtype: str = typer.Option("float32", help="float32 (exact logits) or bfloat16/float16"),
-    chunk_tokens: int = typer.Option(64),
-    layer_compute_ms: float = typer.Option(25.0, help="Emulated GPU compute per layer (a sleep), ms."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
-    receiver_config: Optional[Path] = typer.Option(None, help="Use a running receiver with this config."),
-    sender_config: Optional[Path] = typer.Option(None, help="Use a running sender with this config."),
-    device: str = typer.Option("cpu", help="Where the model runs: cpu, or cuda / cuda:N (real compute: "
-                                             "give --layer-compute-ms 0)."),
-    handover: Optional[str] = typer.Option(None, help="How copied layers reach the sender: thread (the CUDA "
-                                                      "default), poll, or sync (the CPU default)."),
-) -> None:
-    """Prefill on one process, decode on another, KV pushed layer by layer; compare with colocated."""
-    if (receiver_config is None) != (sender_config is None):
-        typer.echo("pdpush demo: give both --receiver-config and --sender-config, or neither", err=True)
-        raise typer.Exit(2)
-    from pdpush.demo.run import main_cli
-
-    try:
-        code = main_cli(json_path, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                        prompt_tokens=prompt_tokens, new_tokens=new_tokens, dtype=dtype, chunk_tokens=chunk_tokens,
-                        layer_compute_ms=layer_compute_ms, receiver_config=receiver_config,
-                        sender_config=sender_config, device=device, handover=handover)
-    except PdpushError as e:
-        typer.echo(f"pdpush demo: {type(e).__name__}: {e}", err=True)
-        raise typer.Exit(1) from None
-    raise typer.Exit(code)
-
-
-def _latency(layout):
-    from pdpush.bench import latency
-
-    return latency.run(layout)
-
-
-def _isolation(layout):
-    from pdpush.bench import isolation
-
-    return isolation.run(layout)
-
-
-@app.command()
-def bench(
-    scenario: str = typer.Option("goodput", help="goodput, latency, pipeline, incremental, concurrency, control, "
-                                                 "isolation or all"),
-    layers: int = typer.Option(32), kv_heads: int = typer.Option(8), head_dim: int = typer.Option(128),
-    dtype: str = typer.Option("bfloat16", help="float16, bfloat16, float32, float8_e4m3fn or float8_e5m2"),
-    kind: str = typer.Option("mha", help="mha (K/V per KV head) or mla (one latent of head_dim per token: "
-                                         "set --kv-heads 1)"),
-    tokens: int = typer.Option(4096), chunk_tokens: int = typer.Option(256),
-    requests: int = typer.Option(3, help="Requests to push (after the warm-up)."),
-    prefix_shared: float = typer.Option(0.5, help="Fraction of tokens a second request shares with the first."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="With --scenario all: write the figures here (PNG)."),
-    report: Optional[Path] = typer.Option(None, "--report", help="With --scenario all: write BENCHMARKS.md here."),
-    receiver_config: Optional[Path] = typer.Option(None, help="goodput: use a running receiver with this config."),
-    sender_config: Optional[Path] = typer.Option(None, help="goodput: use a running sender with this config."),
-    compare: Optional[str] = typer.Option(None, "--compare", help="nixl: also measure NIXL's raw write."),
-    prefill_ranks: int = typer.Option(1, "--prefill-ranks", min=1,
-                                      help="goodput: push each request from this many TP rank processes."),
-    decode_ranks: int = typer.Option(1, "--decode-ranks", min=1,
-                                     help="goodput: read each request as this many TP decode ranks."),
-) -> None:
-    """Measure pdpush against raw UCX put+flush and memcpy, verifying every byte."""
-    if compare not in (None, "nixl"):
-        typer.echo(f"pdpush bench: --compare {compare!r}: only 'nixl' is supported", err=True)
-        raise typer.Exit(2)
-    from pdpush.layout import KVLayout
-
-    known = ("goodput", "latency", "pipeline", "incremental", "concurrency", "control", "isolation", "all")
-    if scenario not in known:
-        typer.echo(f"pdpush bench: unknown scenario {scenario!r} (one of {', '.join(known)})", err=True)
-        raise typer.Exit(2)
-    if (receiver_config is None) != (sender_config is None):
-        typer.echo("pdpush bench: give both --receiver-config and --sender-config, or neither", err=True)
-        raise typer.Exit(2)
-    shape = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens,
-                 kind=kind)
-    try:
-        if scenario == "goodput" and (prefill_ranks > 1 or decode_ranks > 1):
-            from pdpush.bench import tp
-
-            result = tp.run(KVLayout(**shape), tokens, requests, prefill_ranks, decode_ranks)
-            typer.echo(json.dumps(result, indent=2))
-        elif scenario == "goodput":
-            from pdpush.bench import goodput
-
-            result = goodput.run(**shape, tokens=tokens, requests=requests, prefix_shared=prefix_shared,
-                                 receiver_config=receiver_config, sender_config=sender_config,
-                                 compare_nixl=compare == "nixl")
-            goodput.print_table(result)
-        elif scenario == "all":
-            from pdpush.bench import report as rep
-
-            result = rep.run_all(shape, tokens, compare_nixl=compare == "nixl")
-            result["verified"] = all(result[k]["verified"] for k in rep.SCENARIOS)
-            rep.write(result, None, plot, report)
-            typer.echo(rep.markdown(result, str(plot or "")))
-        else:
-            from pdpush.bench import scenarios
-
-            layout = KVLayout(**shape)
-            fn = {"latency": lambda: _latency(layout),
-                  "isolation": lambda: _isolation(layout),
-                  "pipeline": lambda: scenarios.pipeline(layout, tokens),
-                  "incremental": lambda: scenarios.incremental(layout, tokens),
-                  "concurrency": lambda: scenarios.concurrency(layout, tokens),
-                  "control": lambda: scenarios.control(layout)}[scenario]
-            result = fn()
-            typer.echo(json.dumps({k: v for k, v in result.items() if k not in ("curve", "rows")}, indent=2))
-    except PdpushError as e:
-        typer.echo(f"pdpush bench: {type(e).__name__}: {e}", err=True)
-        raise typer.Exit(1) from None
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
-    if not result["verified"]:
-        raise typer.Exit(1)
-
-
-@app.command()
 def router(
     config: Optional[Path] = _CONFIG,
     bind: Optional[str] = _BIND,
@@ -360,6 +238,19 @@ def router(
     except OSError as e:
         typer.echo(f"pdpush router: cannot start: {e}", err=True)
         raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
+
+
+def _add_tooling() -> None:
+    """``pdpush demo`` and ``pdpush bench`` live with the tooling (pdpush_tools), absent from a product-only
+    install; registering them imports only its typer signatures."""
+    try:
+        from pdpush_tools.cli import register
+    except ImportError:
+        return
+    register(app)
+
+
+_add_tooling()
 
 
 def receiver_main() -> None:

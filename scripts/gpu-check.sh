@@ -4,7 +4,7 @@
 # That machine has python3 with torch (CUDA), transformers, numpy, msgpack, typer, xxhash, rich and
 # prometheus-client, and no network: the rest comes from the wheels `make gpu-wheels` put in
 # $GPU_WHEELS (carry that folder along). Writes $OUT/gpu-check.json (OUT defaults to bench-out).
-# Extra arguments go to `python -m pdpush.bench.gpu_check` (--device cpu --small: a dry run anywhere).
+# Extra arguments go to `python -m pdpush_tools.bench.gpu_check` (--device cpu --small: a dry run anywhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -23,7 +23,7 @@ export UCX_WARN_UNUSED_ENV_VARS=n
 mkdir -p "$OUT"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 rc=0
-timeout --signal=TERM --kill-after=20 "$LIMIT_S" "$PYTHON" -m pdpush.bench.gpu_check --json "$OUT/gpu-check.json" "$@" || rc=$?
+timeout --signal=TERM --kill-after=20 "$LIMIT_S" "$PYTHON" -m pdpush_tools.bench.gpu_check --json "$OUT/gpu-check.json" "$@" || rc=$?
 if [ "$rc" = 124 ]; then
     echo "gpu-check: stopped after ${LIMIT_S}s" >&2
 fi

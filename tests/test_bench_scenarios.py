@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pdpush.bench import goodput, latency, report, scenarios
 from pdpush.layout import KVLayout
+from pdpush_tools.bench import goodput, latency, report, scenarios
+from pdpush_tools.bench.registry import SCENARIOS
 
 LAY = KVLayout(4, 2, 64, "float16", 32)
 
@@ -22,7 +23,7 @@ def test_scenarios_and_report(tmp_path):
     res["incremental"] = scenarios.incremental(LAY, 256, hits=(0.0, 0.5))
     res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2)
     res["control"] = scenarios.control(LAY, n=50, requests=5)
-    for k in report.SCENARIOS:
+    for k in SCENARIOS:
         assert res[k]["verified"], (k, res[k].get("errors"))
     assert res["latency"]["one_chunk_p50_ms"] > 0 and res["latency"]["sender_layer_ops_per_s"] > 0
     assert res["incremental"]["target_met"]  # bytes are exact; this is not a speed claim
@@ -46,7 +47,7 @@ def test_isolation_scenario():
     """Two receivers, one partitioned in its own network namespace mid-run (needs root)."""
     import pytest
 
-    from pdpush.bench import isolation, netns
+    from pdpush_tools.bench import isolation, netns
 
     try:
         res = isolation.run(KVLayout(4, 2, 64, "float16", 16), per_phase=10)

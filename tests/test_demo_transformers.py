@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdpush.demo import run as demo
 from pdpush.integrations.transformers import ModelSpec
+from pdpush_tools.demo import run as demo
 
 SMALL = dict(layers=4, hidden=128, heads=4, kv_heads=2, prompt_tokens=200, new_tokens=8, chunk_tokens=16,
              layer_compute_ms=30.0)

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from pdpush.harness.fleet import openai_fleet
-from pdpush.harness.vllm_cluster import VLLM_PY, build_model
+from pdpush_tools.harness.fleet import openai_fleet
+from pdpush_tools.harness.vllm_cluster import VLLM_PY, build_model
 from tests.helpers import until
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_gpu_check_runs_on_the_cpu_and_reports_every_mode(tmp_path):
     out = tmp_path / "gpu-check.json"
-    r = subprocess.run([sys.executable, "-m", "pdpush.bench.gpu_check", "--device", "cpu", "--small", "--repeats",
+    r = subprocess.run([sys.executable, "-m", "pdpush_tools.bench.gpu_check", "--device", "cpu", "--small", "--repeats",
                         "2", "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
     res = json.loads(out.read_text())
     assert "error" not in res, res.get("traceback")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,30 @@ def test_import_pdpush_does_not_import_torch_or_ucxx():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_product_imports_no_tooling_module():
+    """The CLI adds the tooling's commands from their signatures alone: no bench, demo or harness module loads,
+    and nothing of the product imports the tooling (pdpush_tools)."""
+    code = ("import sys, pdpush.cli, pdpush.sender, pdpush.receiver, pdpush.client, pdpush.transport.ucx; "
+            "bad = [m for m in sys.modules if m.startswith('pdpush_tools') and m not in "
+            "('pdpush_tools', 'pdpush_tools.cli', 'pdpush_tools.bench', 'pdpush_tools.bench.registry')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    product = Path(__file__).resolve().parents[1] / "pdpush"
+    users = [str(p) for p in product.rglob("*.py") if "pdpush_tools" in p.read_text() and p.name != "cli.py"]
+    assert not users, users
+
+
+def test_bench_scenarios_come_from_one_registry():
+    from typer.testing import CliRunner
+
+    from pdpush.cli import app
+    from pdpush_tools.bench.registry import SCENARIOS
+
+    r = CliRunner().invoke(app, ["bench", "--scenario", "nope"])
+    assert r.exit_code == 2 and ", ".join(SCENARIOS) in r.output
 
 
 @pytest.mark.parametrize("role", ["receiver", "sender"])

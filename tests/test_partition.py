@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from pdpush import launch
-from pdpush.bench import netns
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
+from pdpush_tools.bench import netns
 from tests.helpers import kv, rx_opts
 
 LAY = KVLayout(4, 2, 64, "float16", 16)

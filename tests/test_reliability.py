@@ -236,7 +236,7 @@ def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
 @pytest.mark.slow
 def test_soak_short():
     """A shortened soak (make soak runs 10 minutes): zero mismatches, zero leaked pages."""
-    from pdpush.bench import soak
+    from pdpush_tools.bench import soak
 
     res = soak.run(60)
     assert res["requests_ok"] > 0 and res["kills"] >= 3

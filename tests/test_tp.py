@@ -10,9 +10,9 @@ import signal
 import numpy as np
 import pytest
 
-from pdpush.bench.tp import Ranks, read_ranks, source
 from pdpush.client import DecodeClient, status
 from pdpush.layout import KVLayout
+from pdpush_tools.bench.tp import Ranks, read_ranks, source
 from tests.helpers import rx_opts, sock, until
 
 LAY = KVLayout(3, 4, 16, "float16", 16)  # 4 KV heads: TP 1, 2 and 4 all hold whole heads

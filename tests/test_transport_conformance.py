@@ -1,6 +1,6 @@
 """Conformance of the UCX transport to pdpush/transport/base.py: posted batches, polled completions.
 
-The peer is a real second process (``python -m pdpush.bench.ceiling``) serving a
+The peer is a real second process (``python -m pdpush_tools.peer``) serving a
 region allocated as the receiver's pool is; bytes are read back through its
 SysV segment. Stalls use UCX over tcp and a SIGSTOPped peer (shared memory needs
 no peer progress, so nothing can stall it); every process is stopped by pid.
@@ -28,7 +28,7 @@ TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 class Peer:
     def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdpush.bench.ceiling", str(REGION)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(REGION)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", **env})
         line = self.proc.stdout.readline()

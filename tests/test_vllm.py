@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from pdpush.client import DecodeClient, PrefillClient
-from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model, push_timeline
-from pdpush.harness.vllm_cluster import cluster as vllm_cluster
 from pdpush.layout import KVLayout
+from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model, push_timeline
+from pdpush_tools.harness.vllm_cluster import cluster as vllm_cluster
 
-# pdpush/harness/vllm_engine.py's "tiny" model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
+# pdpush_tools/harness/vllm_engine.py's "tiny" model: 4 layers, 2 KV heads of 64, fp32; chunks of 48 tokens (not the
 # 32-token vLLM block, so the conversion cannot lean on the two being equal)
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
 # query_timeout_s: the scheduler's question to the receiver takes well under a millisecond, but on a loaded
@@ -54,7 +54,7 @@ def test_connector_matches_the_vllm_api(api):
     env = {**os.environ}
     if "0.33" in api:
         env["PYTHONPATH"] = str(VLLM_PY.parent.parent / "vllm-0.33.0")
-    r = subprocess.run([str(VLLM_PY), "-m", "pdpush.harness.vllm_api_check"], capture_output=True, text=True,
+    r = subprocess.run([str(VLLM_PY), "-m", "pdpush_tools.harness.vllm_api_check"], capture_output=True, text=True,
                        timeout=300, env=env, cwd=ROOT)
     report = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
     assert r.returncode == 0 and report, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
@@ -150,7 +150,7 @@ def test_the_device_copy_path_gives_colocated_tokens(cluster, tmp_path):
     """The GPU path's logic in the connector (device_copy.py), run on the CPU: the prefill gathers each
     layer through the stager (a completion thread hands it over), wait_for_save waits for every copy,
     and the decode loads through H2DLoader with prefetch. Tokens equal colocated; prefix reuse holds."""
-    from pdpush.harness.vllm_cluster import Engine
+    from pdpush_tools.harness.vllm_cluster import Engine
 
     extra = {**COMMON, "handover": "thread"}
     engines = []

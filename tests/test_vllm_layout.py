@@ -178,7 +178,7 @@ def test_the_connector_derives_every_kind_of_layout_and_refuses_by_name(tmp_path
     import json
     import subprocess
 
-    from pdpush.harness.vllm_cluster import ROOT, require_vllm_python
+    from pdpush_tools.harness.vllm_cluster import ROOT, require_vllm_python
 
     rc = tmp_path / "receiver.toml"
     rc.write_text('layers = 4\nkv_heads = 2\nhead_dim = 64\ndtype = "float32"\nchunk_tokens = 48\nmodel_id = "m"\n')

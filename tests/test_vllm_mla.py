@@ -22,8 +22,8 @@ import random
 import pytest
 
 from pdpush.client import DecodeClient
-from pdpush.harness.vllm_cluster import Fleet, build_model
 from pdpush.layout import KVLayout
+from pdpush_tools.harness.vllm_cluster import Fleet, build_model
 from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, loaded, prompt_pair
 
 LAYOUT = dict(layers=1, kv_heads=1, head_dim=576, dtype="float32", chunk_tokens=48, model_id="tiny-mla", kind="mla")
@@ -108,7 +108,7 @@ def test_mla_prefill_tp2_to_decode_tp2(fleet):
 def test_a_decode_engine_whose_model_differs_from_the_receiver_s_layout_is_refused_at_start_up(
         fleet, tmp_path, model, receiver, why):
     """The connector reads the receiver's config and refuses to start, naming both sides' values."""
-    from pdpush.harness.vllm_cluster import Engine
+    from pdpush_tools.harness.vllm_cluster import Engine
 
     rc = tmp_path / "receiver.toml"
     rc.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in receiver.items()))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdpush.harness.vllm_cluster import Fleet
 from pdpush.layout import KVLayout
+from pdpush_tools.harness.vllm_cluster import Fleet
 from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, prompt_pair
 
 LAYOUT = dict(layers=4, kv_heads=1, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-kv1")

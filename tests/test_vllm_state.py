@@ -25,9 +25,9 @@ import random
 import pytest
 
 from pdpush.client import DecodeClient, status
-from pdpush.harness.vllm_cluster import Engine
 from pdpush.layout import KVLayout
 from pdpush.model_layout import layout_of
+from pdpush_tools.harness.vllm_cluster import Engine
 from tests.helpers import until
 from tests.vllm_pairs import colocated_refs, disaggregated, fleet_of, loaded
 

@@ -17,10 +17,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from pdpush.bench.tp import Ranks
 from pdpush.client import DecodeClient, status
-from pdpush.harness.vllm_cluster import ROOT, VLLM_PY, Fleet
 from pdpush.layout import KVLayout
+from pdpush_tools.bench.tp import Ranks
+from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY, Fleet
 from tests.helpers import until
 from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, loaded, prompt_pair
 

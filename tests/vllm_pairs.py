@@ -9,8 +9,8 @@ import random
 import pytest
 
 from pdpush.client import status
-from pdpush.harness.vllm_cluster import VLLM_PY, Fleet, build_model
 from pdpush.layout import KVLayout
+from pdpush_tools.harness.vllm_cluster import VLLM_PY, Fleet, build_model
 from tests.helpers import until
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdpush.errors import ConnectError, TransferError, TransportError, TransportTimeout
@@ -140,19 +140,6 @@ class Endpoint(_Closable):
         self._worker.wait_raw([r] if r is not None else [], timeout_s, f"flush to {self.name}")
         if self.error is not None:
             raise TransferError(f"endpoint {self.name} died: {self.error}")
-
-    def put_many(self, ops: Iterable[PutOp], timeout_s: float) -> int:
-        """Post the puts and one flush, then wait for them: the blocking form of ``post_puts``, for
-        references and tools (the daemons never wait). Raises TransferError or TransportTimeout."""
-        token = object()
-        n = self.post_puts(list(ops), token, time.monotonic() + timeout_s)
-        while True:
-            for c in self._worker.poll(time.monotonic()):
-                if c.token is token:
-                    if c.error is not None:
-                        raise c.error
-                    return n
-                self._worker._orphans.append(c)  # another endpoint's: reported on the next poll
 
     @property
     def in_flight(self) -> int:

@@ -1,6 +1,6 @@
 """A prefill or decode engine process for the demo and tests: JSON lines on stdin -> stdout.
 
-``python -m pdpush.demo.worker prefill|decode --spec JSON --chunk-tokens N --socket PATH``
+``python -m pdpush_tools.demo.worker prefill|decode --spec JSON --chunk-tokens N --socket PATH``
 
 It builds the same seeded model as everyone else, prints ``{"ready": true}``,
 then serves commands. Logs go to stderr; stdout carries only replies.

@@ -7,7 +7,7 @@ Every chunk's bytes are a function of its chunk key, so the decode side checks
 every delivered byte by checksum. At the end every receiver's pool must be
 whole: free + cached == total, no lease, nothing quarantined.
 
-``python -m pdpush.bench.soak --seconds 600`` (``make soak``).
+``python -m pdpush_tools.bench.soak --seconds 600`` (``make soak``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 import xxhash
 
 from pdpush import launch
-from pdpush.bench.report import save
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
+from pdpush_tools.bench.report import save
 
 LAYOUT = KVLayout(4, 2, 64, "float16", 16)
 POOL_PAGES = 96

@@ -15,10 +15,10 @@ import numpy as np
 import zmq
 
 from pdpush import launch, protocol
-from pdpush.bench.common import Source, push_one, verify
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
+from pdpush_tools.bench.common import Source, push_one, verify
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from pdpush import launch
-from pdpush.bench import ceiling
-from pdpush.bench.common import Source, push_one
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
+from pdpush_tools.bench import ceiling
+from pdpush_tools.bench.common import Source, push_one
 
 
 def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, chunk_tokens: int, requests: int,
@@ -87,7 +87,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         mem = ceiling.measure_memcpy(layer_bytes, layout.layers)
         nixl = None
         if compare_nixl:
-            from pdpush.bench import nixl_ref
+            from pdpush_tools.bench import nixl_ref
 
             nixl = (nixl_ref.measure(layer_bytes, layout.layers) if nixl_ref.available()
                     else {"error": "nixl is not installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)"})

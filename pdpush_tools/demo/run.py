@@ -33,7 +33,7 @@ class Worker:
         self.role = role
         self.log_path = workdir / f"{role}-engine.log"
         self._log = open(self.log_path, "wb")
-        args = [sys.executable, "-m", "pdpush.demo.worker", role, "--spec", json.dumps(spec), "--chunk-tokens",
+        args = [sys.executable, "-m", "pdpush_tools.demo.worker", role, "--spec", json.dumps(spec), "--chunk-tokens",
                 str(chunk_tokens), "--socket", sock, "--receiver", receiver, "--device", device]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}, text=True, bufsize=1)

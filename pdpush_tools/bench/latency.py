@@ -28,10 +28,10 @@ import time
 import numpy as np
 
 from pdpush import launch
-from pdpush.bench import ceiling
-from pdpush.bench.common import Source, verify
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.layout import KVLayout
+from pdpush_tools.bench import ceiling
+from pdpush_tools.bench.common import Source, verify
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -20,11 +20,11 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from pdpush import launch
-from pdpush.bench import ceiling
-from pdpush.bench.common import Source, verify
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
+from pdpush_tools.bench import ceiling
+from pdpush_tools.bench.common import Source, verify
 
 
 def source(layout: KVLayout, spec: dict) -> Source:

@@ -17,11 +17,11 @@ import time
 import numpy as np
 
 from pdpush import launch
-from pdpush.bench import netns
-from pdpush.bench.common import Source, verify
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
+from pdpush_tools.bench import netns
+from pdpush_tools.bench.common import Source, verify
 
 TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"}
 

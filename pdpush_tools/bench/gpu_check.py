@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdpush.bench.report import save
+from pdpush_tools.bench.report import save
 
 # An 8B-class layer (Llama-3-8B's shapes, 16 of its 32 layers): the forward is GPU-bound, as in serving,
 # so that what the push costs the forward is measured, not the host's kernel-launch rate.
@@ -169,8 +169,8 @@ def _overlap(dev, side, host, src, repeats: int) -> dict:
 def demo_check(device: str, spec_kw: dict, prompt_tokens: int, chunk_tokens: int, new_tokens: int, repeats: int,
                say) -> dict:
     from pdpush import launch
-    from pdpush.demo import run as demo
     from pdpush.integrations.transformers import ModelSpec
+    from pdpush_tools.demo import run as demo
 
     spec = ModelSpec(**spec_kw)
     lay = spec.layout(chunk_tokens)

@@ -21,9 +21,9 @@ import httpx
 
 from pdpush import launch
 from pdpush.client import status
-from pdpush.harness.vllm_cluster import ROOT, Engine, require_vllm_python
+from pdpush_tools.harness.vllm_cluster import ROOT, Engine, require_vllm_python
 
-BLOCK_SIZE, MAX_MODEL_LEN = 32, 512  # as pdpush.harness.vllm_engine's (not imported: it sets vLLM's environment)
+BLOCK_SIZE, MAX_MODEL_LEN = 32, 512  # as pdpush_tools.harness.vllm_engine's (not imported: it sets vLLM's environment)
 
 
 def _die_with_us() -> None:

@@ -9,43 +9,18 @@ import platform
 from pathlib import Path
 
 from pdpush.layout import KVLayout
+from pdpush_tools.bench.registry import SCENARIOS, BenchArgs
 
 SHAPE = dict(layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=256)
 
 
 def run_all(shape: dict | None = None, tokens: int = 4096, compare_nixl: bool = False) -> dict:
-    from pdpush.bench import goodput, latency, scenarios
-
-    shape = {**SHAPE, **(shape or {})}
-    layout = KVLayout(**shape)
+    """Every scenario of the registry, as the suite runs it (``make bench``)."""
+    args = BenchArgs(KVLayout(**{**SHAPE, **(shape or {})}), tokens=tokens, compare_nixl=compare_nixl)
     out: dict = {"machine": machine()}
-    out["goodput"] = goodput.run(**shape, tokens=tokens, requests=5, prefix_shared=0.5, compare_nixl=compare_nixl)
-    # goodput over layer sizes (tokens per request), each against its own ceiling: 1, 4 and 16 MiB layers
-    keys = ("layer_bytes", "goodput_gbps", "ceiling_gbps", "memcpy_gbps", "ratio", "transport_goodput_gbps",
-            "ratio_transport", "verified")
-    out["goodput_sweep"] = []
-    for t in (tokens // 16, tokens // 4):
-        r = goodput.run(**shape, tokens=t, requests=5, prefix_shared=0.5)
-        out["goodput_sweep"].append({k: r[k] for k in keys})
-    out["goodput_sweep"].append({k: out["goodput"][k] for k in keys})
-    # the fixed cost per layer: one 16-token chunk per layer (64 KiB in the default shape)
-    out["latency"] = latency.run(KVLayout(layout.layers, layout.kv_heads, layout.head_dim, layout.dtype, 16,
-                                          kind=layout.kind))
-    out["pipeline"] = scenarios.pipeline(layout, min(tokens, 2048))
-    out["incremental"] = scenarios.incremental(layout, min(tokens, 2048))
-    out["concurrency"] = scenarios.concurrency(layout, 256)
-    out["control"] = scenarios.control(layout)
-    try:
-        from pdpush.bench import isolation, netns
-
-        out["isolation"] = isolation.run(KVLayout(8, layout.kv_heads, layout.head_dim, layout.dtype, 64,
-                                                  kind=layout.kind))
-    except netns.Unavailable as e:
-        out["isolation"] = {"scenario": "isolation", "skipped": str(e), "verified": True}
+    for s in SCENARIOS.values():
+        out.update(s.suite(args))
     return out
-
-
-SCENARIOS = ("goodput", "latency", "pipeline", "incremental", "concurrency", "control", "isolation")
 
 
 def machine() -> dict:

@@ -1,9 +1,8 @@
 """Reference speeds measured in the same run: raw UCX put+flush between two processes, and memcpy.
 
-``python -m pdpush.bench.ceiling`` is the passive side: it allocates a region
-exactly as the receiver does, prints one JSON line (port, address,
-rkey) and waits for stdin to close. ``measure_put`` is the active side and
-uses the same transport code and pattern as the sender: one put+flush per layer.
+The passive side is ``pdpush_tools.peer``, a region allocated exactly as the receiver's pool is.
+``measure_put`` is the active side and uses the same transport code and pattern as the sender:
+one put+flush per layer.
 """
 
 from __future__ import annotations
@@ -18,36 +17,16 @@ import time
 import numpy as np
 
 
-def _serve(nbytes: int) -> None:
-    from pdpush.transport.ucx import UcxWorker
-
-    w = UcxWorker()
-    peers = []
-    port = w.listen("127.0.0.1", 0, peers.append)
-    region, shmid, _ = w.alloc_shared(nbytes)  # the same memory the receiver's pool uses
-    print(json.dumps({"port": port, "address": region.address, "rkey": region.pack_rkey().hex(), "shmid": shmid,
-                      "pid": os.getpid()}), flush=True)
-    os.set_blocking(sys.stdin.fileno(), False)
-    while True:
-        w.progress()
-        try:
-            if sys.stdin.buffer.read() == b"":
-                break
-        except (BlockingIOError, TypeError):
-            pass
-        time.sleep(0.0005)  # passive side: one-sided puts need no receiver work beyond progress
-    region.close()
-
-
 def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes."""
     from pdpush.shm import array_at
     from pdpush.transport.base import PutOp
     from pdpush.transport.ucx import UcxWorker
+    from pdpush_tools.peer import put_and_wait
 
     total = layer_bytes * layers
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdpush.bench.ceiling", str(total)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(total)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env)
     try:
         line = proc.stdout.readline()
@@ -62,7 +41,7 @@ def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
             t = time.perf_counter()
             for layer in range(layers):
                 off = layer * layer_bytes
-                ep.put_many([PutOp(src.address + off, info["address"] + off, layer_bytes)], 30.0)
+                put_and_wait(w, ep, [PutOp(src.address + off, info["address"] + off, layer_bytes)], 30.0)
             rates.append(total / (time.perf_counter() - t) / 1e9)
         ep.close()
         src.close()
@@ -90,6 +69,3 @@ def measure_memcpy(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     rates = rates[1:]
     return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
 
-
-if __name__ == "__main__":
-    _serve(int(sys.argv[1]))

@@ -1,8 +1,8 @@
 """One real vLLM engine (``vllm.LLM``) in its own process, driven by JSON lines on stdin.
 
-Run with the vLLM venv's python (``make vllm-env``); ``pdpush.harness.vllm_cluster.Engine`` does:
+Run with the vLLM venv's python (``make vllm-env``); ``pdpush_tools.harness.vllm_cluster.Engine`` does:
 
-    python -m pdpush.harness.vllm_engine --model DIR --role {colocated,kv_producer,kv_consumer} [--extra JSON]
+    python -m pdpush_tools.harness.vllm_engine --model DIR --role {colocated,kv_producer,kv_consumer} [--extra JSON]
 
 Commands (one JSON object per line; one JSON reply per line on stdout):
     {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": [{...}|null, ...],

@@ -1,4 +1,4 @@
-"""Drive real vLLM engines (pdpush.harness.vllm_engine) from this venv: used by tests/test_vllm.py
+"""Drive real vLLM engines (pdpush_tools.harness.vllm_engine) from this venv: used by tests/test_vllm.py
 and ``make bench-vllm``. The engines run with the vLLM venv's python (``make vllm-env``).
 Imports no vLLM or torch.
 """
@@ -27,7 +27,7 @@ def require_vllm_python() -> Path:
 
 
 def build_model(out_dir: Path, size: str = "tiny", timeout_s: float = 600) -> Path:
-    subprocess.run([str(require_vllm_python()), "-m", "pdpush.harness.vllm_engine", "--build-model", str(out_dir),
+    subprocess.run([str(require_vllm_python()), "-m", "pdpush_tools.harness.vllm_engine", "--build-model", str(out_dir),
                     "--size", size], check=True, timeout=timeout_s, capture_output=True, cwd=ROOT)
     return out_dir
 
@@ -44,7 +44,7 @@ class Engine:
             if tp > 1 else {}
         self.log = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([str(require_vllm_python()), "-m", "pdpush.harness.vllm_engine", "--model",
+        self.proc = subprocess.Popen([str(require_vllm_python()), "-m", "pdpush_tools.harness.vllm_engine", "--model",
                                       str(model), "--role", role, "--extra", json.dumps(extra),
                                       "--llm-args", json.dumps(llm_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,

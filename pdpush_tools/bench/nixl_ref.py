@@ -1,7 +1,7 @@
 """``--compare nixl``: NIXL's raw DRAM->DRAM WRITE of the same bytes, between two processes, in the same run.
 
 Optional: NIXL is not a dependency (``pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1``).
-``python -m pdpush.bench.nixl_ref NBYTES LAYERS`` is the passive side; ``measure`` the initiator.
+``python -m pdpush_tools.bench.nixl_ref NBYTES LAYERS`` is the passive side; ``measure`` the initiator.
 Like the pdpush ceiling, one WRITE per layer, each waited for. NIXL's progress thread is off
 (it cost 2.5-8x bandwidth here, notes/ucx.md). The target checks what landed with a checksum.
 """
@@ -70,7 +70,7 @@ def measure(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     from nixl._api import nixl_agent, nixl_agent_config
 
     total = layer_bytes * layers
-    proc = subprocess.Popen([sys.executable, "-m", "pdpush.bench.nixl_ref", str(total), str(layers)],
+    proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.bench.nixl_ref", str(total), str(layers)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         info = _hear(proc.stdout)
