@@ -49,11 +49,13 @@ from pdpush.protocol import (
     LayerReady,
     LayoutSpec,
     Msg,
+    NeedStaging,
     Open,
     OpenOk,
     Query,
     QueryReply,
     Release,
+    StagingGranted,
     StatusReply,
     StatusRequest,
 )
@@ -293,7 +295,8 @@ class PushHandle:
         self.shares = self._shares[0] if g0 else None
         self._shmid = ok.staging_shmid
         st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
-        self._base = st.array[ok.staging_offset: ok.staging_offset + self.plan.staging_bytes + lay.state_slot_bytes]
+        self._base = st.array  # the whole staging region: the sender grants each layer a block of it
+        self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
         self._sent: set[int] = set()
         self._done: Done | None = None
         self._aborted: str | None = None
@@ -316,11 +319,38 @@ class PushHandle:
 
     def staging_layer(self, layer: int) -> np.ndarray:
         """Raw writable bytes of this rank's share of layer ``layer``, shaped ``StagingShares.share_shape``
-        ``[units, new_chunks, unit bytes]`` (layout.py); ``kvcodec.stage`` fills them."""
+        ``[units, new_chunks, unit bytes]`` (layout.py); ``kvcodec.stage`` fills them. Waits for the
+        layer's staging block where staging is full (``_block``)."""
+        self._check_open()
         gp = self.plan.of(layer)
         sh = self._shares[gp.group.index]
-        off = gp.staging_off + sh.share_offset(gp.local(layer), self.tp_rank)
+        if not gp.n_new:
+            return self._base[:0].reshape(sh.share_shape())
+        off = self._block(layer) + sh.share_offset(0, self.tp_rank)
         return self._base[off:off + sh.share_bytes].reshape(sh.share_shape())
+
+    def _block(self, unit: int) -> int:
+        """Where the sender put ``unit``'s staging block (plan.py). A request that fits in staging has every
+        block granted with its BeginOk; otherwise the engine asks for the block when it is about to write
+        it and waits, in the order engines asked, for layers in flight to give theirs back: the forward
+        feels the backpressure, bounded by the client's timeout and ended by the request's own failure."""
+        word = int(self._grants[unit])
+        if word:
+            return word - 1
+        conn, timeout = self.client._conn, self.client.timeout_s
+        conn.send(NeedStaging(req_id=self.req_id, unit=unit), timeout)
+        try:
+            reply = conn.recv_for(self.req_id, time.monotonic() + timeout)
+        except TransportTimeout:
+            what = "its state" if unit == self.plan.state_unit else f"layer {unit}"
+            raise TransportTimeout(f"request {self.req_id!r}: the sender granted no staging for {what} within "
+                                   f"{timeout:g} s (staging is held by the layers in flight)",
+                                   req_id=self.req_id) from None
+        if not (isinstance(reply, StagingGranted) and reply.unit == unit):
+            self._end()
+            _raise(reply)
+            raise ProtocolError(f"unexpected {reply.type} while {self.req_id!r} waited for staging")
+        return int(self._grants[unit]) - 1
 
     def put_layer(self, layer: int, *comps) -> None:
         """Copy layer ``layer``'s new chunks into staging, then push (``stage_layer``)."""
@@ -347,7 +377,9 @@ class PushHandle:
         lay = self.client.layout
         if not lay.state_layers:
             raise ValueError("the layout has no state layers")
-        slot = self._base[self.plan.staging_bytes:self.plan.staging_bytes + lay.state_slot_bytes]
+        self._check_open()
+        off = self._block(self.plan.state_unit)
+        slot = self._base[off:off + lay.state_slot_bytes]
         k = lay.state_units // self.tp_size
         return slot.reshape(lay.state_layers, lay.state_units, lay.state_unit_bytes)[:, self.tp_rank * k:
                                                                                         (self.tp_rank + 1) * k]
@@ -401,7 +433,7 @@ class PushHandle:
 
     def _end(self) -> None:
         if self._base is not None:
-            self._base = None
+            self._base = self._grants = None
             self.client._segments.drop(self._shmid)
 
     def finish(self, timeout_s: float | None = None) -> Done:

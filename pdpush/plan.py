@@ -1,5 +1,5 @@
-"""A request's items by layer group: which are new, their pages, where each group's layers lie in
-staging (pure; imports no array library).
+"""A request's items by layer group: which are new, their pages, and the request's staging blocks
+(pure; imports no array library).
 
 A request's items are ``layout.items(tokens)``: (group, chunk) in order, group 0's chunks first
 (layout.py). The receiver's page pool and chunk index count items, so ``already_sent_indexes``
@@ -7,13 +7,12 @@ and ``page_runs`` are over items. Both sides build the same ``RequestPlan`` from
 prompt's tokens and the held items; the sender adds the page runs, and the staging shares of its
 prefill ranks.
 
-Staging of a request, group after group, with ``n_g`` new items of group ``g`` and its ``L_g``
-layers (``StagingShares`` of ``n_g`` pages)::
-
-    staging = [group 0: L_0 layers x n_0 pages][group 1: L_1 x n_1] ... then one readiness word per
-    new item, in item order
-
-so a layer's new pages are one block, as with one group (``StagingShares.ranges`` apply per group).
+Staging holds the layers in flight, not the request (``staging_units``): each layer with new items
+is one block of its group's new pages (``StagingShares`` of ``n_g`` pages, every rank's share), and
+the recurrent state, where the model has one, is one block of every state layer. The sender grants
+the blocks in order, the state first, and takes each back once its flush completes. The request's
+own metadata is its grant table, one word per unit (``grant_words``), then a readiness word per new
+item, in item order.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ class GroupPlan:
     first_item: int               # its first item's index among the request's items
     new_chunks: list[int]         # the chunks it writes (not held), ascending
     new_first: int                # its first new item's index among the request's new items
-    staging_off: int = 0          # its layers' staging, from the request's staging start
     page_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (new item of the group, page, n)
     layout_local: tuple[int, ...] = ()  # each layer's position in its group (KVLayout.local_index)
 
@@ -66,16 +64,31 @@ class RequestPlan:
         self.items, self.n_new = item, new
         if any(not 0 <= i < item for i in held_set):
             raise ValueError(f"held item index out of range (the request has {item} items)")
-        off = 0
-        for gp in self.groups:
-            gp.staging_off = off
-            off += len(gp.group.layers) * gp.n_new * layout.page_bytes
-        self.kv_bytes = off  # staging bytes of the request's new pages, every layer
 
     @property
-    def staging_bytes(self) -> int:
-        """The new pages of every layer, then a readiness word per new item."""
-        return self.kv_bytes + self.n_new * READY_WORD
+    def state_unit(self) -> int:
+        """The grant-table index of the state block (after one per attention layer)."""
+        return self.layout.layers
+
+    @property
+    def grant_words(self) -> int:
+        return self.layout.layers + 1
+
+    @property
+    def meta_bytes(self) -> int:
+        """The request's metadata in staging: its grant table, then a readiness word per new item."""
+        return (self.grant_words + self.n_new) * READY_WORD
+
+    def staging_units(self) -> list[tuple[int, int]]:
+        """(unit, bytes) of every staging block the request needs, in grant order: the state (unit
+        ``state_unit``; it is written from the first state layer on), then each layer with new pages."""
+        lay = self.layout
+        out = [(self.state_unit, lay.state_slot_bytes)] if lay.state_layers else []
+        return out + [(layer, nb) for layer in range(lay.layers) if (nb := self.layer_bytes(layer))]
+
+    def unit_of(self, layer: int) -> int:
+        """The staging block ``layer`` is written in (a state layer's: the state block)."""
+        return self.state_unit if self.layout.is_state(layer) else layer
 
     def of(self, layer: int) -> GroupPlan:
         return self.groups[self.layout.group_of(layer).index]

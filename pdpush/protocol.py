@@ -194,7 +194,7 @@ class BeginOk(Msg):
     already_sent_indexes: list[U32]
     staging_shmid: int
     staging_bytes: U64
-    staging_offset: U64
+    staging_offset: U64  # the request's grant table in staging (plan.py): each layer's block, once granted
     new_chunks: U32
     daemon_pid: int = 0  # the prefill engine watches the sender's pid while it waits
     pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # the receiver's; with tp_size, the staging shares
@@ -206,6 +206,22 @@ class LayerReady(Msg):
     type: Literal["layer_ready"] = "layer_ready"
     req_id: ReqId
     layers: Layers
+
+
+class NeedStaging(Msg):
+    """The engine is about to write ``unit`` (plan.py: a layer, or the state) and found no block granted."""
+
+    type: Literal["need_staging"] = "need_staging"
+    req_id: ReqId
+    unit: Annotated[int, Field(ge=0, le=4096)]
+
+
+class StagingGranted(Msg):
+    """The block of ``unit`` an engine asked for is in the request's grant table."""
+
+    type: Literal["staging_granted"] = "staging_granted"
+    req_id: ReqId
+    unit: Annotated[int, Field(ge=0, le=4096)]
 
 
 class Finish(Msg):
@@ -351,7 +367,7 @@ class Ok(Msg):
 Message = Annotated[
     Union[
         Hello, HelloAck, AllocRequest, AllocResponse, LayerDone, Commit, CommitAck, Abort, Error,
-        StatusRequest, StatusReply, Begin, BeginOk, LayerReady, Finish, Done, Open, OpenOk,
+        StatusRequest, StatusReply, Begin, BeginOk, LayerReady, NeedStaging, StagingGranted, Finish, Done, Open, OpenOk,
         LayerAvailable, Committed, Release, Query, QueryReply, Ok, Claim, ClaimOk, IndexSubscribe, IndexSnapshot,
         IndexEvent,
     ],

@@ -1,6 +1,13 @@
-"""Byte-range allocator for the sender's shared staging region (pure logic).
+"""Byte-range allocators for the sender's shared staging region (pure logic).
 
-First fit over a sorted free list, coalescing on free. Imports nothing heavy.
+The region is split in two (``split``): a small area of per-request metadata (each request's grant table
+and readiness words, held for its whole life) and the layer area, where each layer of a request in
+flight gets its block when the sender grants it and gives it back once its flush completes.
+
+``StagingAllocator`` is next fit over a sorted, coalescing free list: it carries on from where its last
+allocation ended and wraps around. Layer blocks live roughly first-in first-out, so it behaves as a
+ring there, and a block held longer (a slow receiver's) is stepped over rather than blocking the space
+freed behind it. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,25 +19,54 @@ from pdpush.errors import PoolExhausted, RequestTooLarge
 ALIGN = 4096
 
 
+def split(nbytes: int) -> tuple[int, int]:
+    """(metadata bytes, layer bytes) of a staging region of ``nbytes``: 1/32 of it for metadata, between
+    64 KiB and 16 MiB (a request's metadata is 8 bytes per layer and per new chunk), the rest for layers."""
+    meta = min(max(64 << 10, nbytes // 32), 16 << 20, nbytes // 4) // ALIGN * ALIGN
+    return meta, nbytes - meta
+
+
 class StagingAllocator:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
+    """Blocks of ``[base, base + size)``, 4 KiB-aligned; offsets are from the region's start."""
+
+    def __init__(self, size: int, base: int = 0, what: str = "staging") -> None:
+        self.size, self.base, self.what = size, base, what
+        self._free: list[tuple[int, int]] = [(base, size)]  # sorted (offset, length)
         self.used: dict[int, int] = {}
+        self._rover = base  # where the next search starts
+
+    @staticmethod
+    def rounded(nbytes: int) -> int:
+        return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` could ever be allocated here (the area is big enough)."""
+        return self.rounded(nbytes) <= self.size
 
     def alloc(self, nbytes: int) -> int:
-        n = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        n = self.rounded(nbytes)
         if n > self.size:
-            raise RequestTooLarge(f"request needs {nbytes} staging bytes; staging_bytes is {self.size}")
-        for i, (off, ln) in enumerate(self._free):
-            if ln >= n:
-                if ln == n:
-                    self._free.pop(i)
-                else:
-                    self._free[i] = (off + n, ln - n)
-                self.used[off] = n
-                return off
-        raise PoolExhausted(f"staging full: need {n} bytes, {self.free_bytes} free in fragments", retry_after_ms=20)
+            raise RequestTooLarge(f"a block of {nbytes} bytes does not fit {self.what} ({self.size} bytes)")
+        k = len(self._free)
+        first = max(0, bisect.bisect_right(self._free, (self._rover, self.base + self.size + 1)) - 1)
+        for j in range(k + 1 if k else 0):  # the rover's range from the rover, the others, then it from its start
+            i = (first + j) % k
+            off, ln = self._free[i]
+            at = max(off, self._rover) if j == 0 else off
+            if at + n <= off + ln:
+                self._take(i, at, n)
+                return at
+        raise PoolExhausted(f"{self.what} full: need {n} bytes, {self.free_bytes} free in fragments",
+                            retry_after_ms=20)
+
+    def _take(self, i: int, at: int, n: int) -> None:
+        off, ln = self._free[i]
+        pieces = [(off, at - off)] if at > off else []
+        if off + ln > at + n:
+            pieces.append((at + n, off + ln - at - n))
+        self._free[i:i + 1] = pieces
+        self.used[at] = n
+        self._rover = at + n if at + n < self.base + self.size else self.base
 
     def free(self, off: int) -> None:
         n = self.used.pop(off)

@@ -21,6 +21,7 @@ from pdpush.sessions import Log
 from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 from pdpush.sessions.sender import (
     Connect,
+    FillWords,
     Flushed,
     PostPuts,
     ResetPeer,
@@ -44,8 +45,8 @@ def receiver(pages: int = 16, shards: int = 1, lay: KVLayout = LAY, **limits) ->
     return ReceiverSession(lay, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
 
 
-def sender(**limits) -> SenderSession:
-    return SenderSession(SenderLimits(**limits), StagingInfo(1 << 20, 5, 64 << 20, 41), "tcp://rx-a:1")
+def sender(staging_bytes: int = 64 << 20, **limits) -> SenderSession:
+    return SenderSession(SenderLimits(**limits), StagingInfo(1 << 20, 5, staging_bytes, 41), "tcp://rx-a:1")
 
 
 def begin(req_id: str, ids: list[int], receiver: str = "", lay: KVLayout = LAY, **tp) -> protocol.Begin:
@@ -64,12 +65,14 @@ def msgs(actions, cls, mcls):
 class Wire:
     """A sender session and receiver sessions (one per endpoint), with a driven clock."""
 
-    def __init__(self, endpoints=("tcp://rx-a:1",), shards: int = 1, lay: KVLayout = LAY, **sender_limits) -> None:
+    def __init__(self, endpoints=("tcp://rx-a:1",), shards: int = 1, lay: KVLayout = LAY, pages: int = 64,
+                 **sender_limits) -> None:
         self.now = 0
         self.lay = lay
         self.tx = sender(**sender_limits)
-        self.rx = {e: receiver(pages=64, shards=shards, lay=lay) for e in endpoints}
+        self.rx = {e: receiver(pages=pages, shards=shards, lay=lay) for e in endpoints}
         self.posted: list[PostPuts] = []  # puts posted and not completed
+        self.words: list[FillWords] = []  # staging words the sender wrote (grant tables, readiness sources)
         self.to_client: list = []
         self.by_client: list = []  # (engine identity, message)
         self.to_decoder: list = []
@@ -89,6 +92,8 @@ class Wire:
                 todo.extend(self.tx.on_connected(a.endpoint, None, self.now))
             elif isinstance(a, PostPuts):
                 self.posted.append(a)
+            elif isinstance(a, FillWords):
+                self.words.append(a)
             elif isinstance(a, ToClient):
                 self.to_client.append(a.msg)
                 self.by_client.append((a.ident, a.msg))
@@ -358,10 +363,12 @@ def test_sender_session_fuzz(steps):
         elif kind == "lost":
             w.run(w.tx.on_peer_lost("tcp://rx-a:1", "gone", w.now))
         assert w.tx.counters.values["internal_errors"] == 0
-        held = sum(1 for r in w.tx.reqs.values() if r.staging_off is not None)
-        assert len(w.tx.staging.used) == held
+        tx = w.tx
+        assert len(tx.meta.used) == sum(1 for r in tx.reqs.values() if r.meta_off is not None)
+        assert len(tx.staging.used) == sum(len(r.blocks) for r in tx.reqs.values()) + len(tx._held)
     w.tick(5000)
-    assert not w.tx.reqs and w.tx.staging.free_bytes == w.tx.staging.size
+    w.tick(201)  # blocks of failed requests come back control_timeout_ms after the failure
+    assert not w.tx.reqs and w.tx.staging.free_bytes == w.tx.staging.size and w.tx.meta.free_bytes == w.tx.meta.size
     ends: dict[str, int] = {}
     for m in w.to_client:
         if isinstance(m, protocol.Done):

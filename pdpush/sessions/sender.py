@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,14 +78,16 @@ from pdpush.protocol import (
     LayerDone,
     LayerReady,
     Msg,
+    NeedStaging,
     Ok,
     PeerEvent,
     PeerState,
+    StagingGranted,
     TxEvent,
     TxState,
 )
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
-from pdpush.staging import StagingAllocator
+from pdpush.staging import StagingAllocator, split
 from pdpush.transport.base import PutOp
 
 
@@ -202,7 +204,9 @@ class TxRequest:
     deadline_ms: int
     t0_ms: int
     state: TxState = TxState.WAIT_PEER
-    staging_off: int | None = None
+    meta_off: int | None = None  # its grant table and readiness words in staging (plan.py)
+    blocks: dict[int, int] = field(default_factory=dict)  # staging unit -> its block's offset, granted and held
+    asked: dict[int, set[bytes]] = field(default_factory=dict)  # unit -> the engines waiting for its block
     n_new: int = 0
     lease_id: int = 0
     skipped: int = 0
@@ -252,7 +256,14 @@ class SenderSession:
                  check_receiver: Callable[[str], None] | None = None) -> None:
         self.limits = limits
         self.staging_info = staging
-        self.staging = StagingAllocator(staging.nbytes)
+        meta, layers = split(staging.nbytes)
+        self.meta = StagingAllocator(meta, 0, "staging metadata")
+        self.staging = StagingAllocator(layers, meta)  # the layers in flight
+        # (request, unit, bytes) an engine waits for, in the order asked; the head waits for room
+        self._grants: deque[tuple[TxRequest, int, int]] = deque()
+        self._head_waited = False
+        # (free at ms, offset): blocks of ended requests, kept until their engines have heard of the end
+        self._held: list[tuple[int, int]] = []
         self.default_receiver = default_receiver
         self._check_receiver = check_receiver
         self.peers: dict[str, Peer] = {}
@@ -264,7 +275,7 @@ class SenderSession:
         self.draining = False
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "bytes_put", "puts", "layers_pushed",
-            "chunks_skipped", "alloc_retries", "internal_errors")})
+            "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_ingress(self, ident: bytes, msg: Msg, now: int) -> list:
@@ -275,6 +286,8 @@ class SenderSession:
                 self._begin(ident, msg, now, out)
             elif isinstance(msg, LayerReady):
                 self._layer_ready(ident, msg, now, out)
+            elif isinstance(msg, NeedStaging):
+                self._need(ident, msg, out)
             elif isinstance(msg, Finish):
                 self._finish(ident, msg, now, out)
             elif isinstance(msg, Abort):
@@ -354,6 +367,7 @@ class SenderSession:
                     self._announce(r, now, out)
                 except Exception as exc:  # noqa: BLE001 - the top-level guard
                     self._internal("a put completion", exc, r.req_id, now, out)
+        self._grant(out)  # the blocks these layers gave back
         return out
 
     def on_peer_lost(self, endpoint: str, why: str, now: int) -> list:
@@ -380,6 +394,11 @@ class SenderSession:
     def on_tick(self, now: int) -> list:
         out: list = []
         lim = self.limits
+        if self._held and min(t for t, _ in self._held) <= now:
+            for _, off in (h for h in self._held if h[0] <= now):
+                self.staging.free(off)
+            self._held = [h for h in self._held if h[0] > now]
+            self._grant(out)
         for p in self.peers.values():
             if p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING) and now > p.deadline_ms:
                 self._peer_failed(p, TransportTimeout(
@@ -427,7 +446,7 @@ class SenderSession:
                 return  # its client got the error
             except Exception as exc2:  # noqa: BLE001 - the failure path itself is broken: drop the request
                 out.append(internal_error("failing a request", exc2, rid)[1])
-                self._release(r)
+                self._release(r, now)
         if reply_to is not None:
             out.append(ToClient(reply_to, protocol.error_reply(err, rid)))
 
@@ -474,9 +493,12 @@ class SenderSession:
             layout.check_state_tp(msg.tp_size)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
-        if RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)).staging_bytes \
-                + layout.state_slot_bytes > self.staging.size:
-            raise RequestTooLarge(f"request needs more staging than staging_bytes={self.staging.size}")
+        whole = RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens))  # nothing held
+        biggest = max((nb for _, nb in whole.staging_units()), default=0)
+        if self.staging.rounded(biggest) > self.staging.size // 2 or not self.meta.fits(whole.meta_bytes):
+            raise RequestTooLarge(f"one layer of the request needs {biggest} bytes of staging (at most half of its "
+                                  f"{self.staging.size} layer bytes) and {whole.meta_bytes} of metadata (of "
+                                  f"{self.meta.size}); raise staging_bytes ({self.staging_info.nbytes})")
         receiver = msg.receiver or self.default_receiver
         if not receiver:
             raise RemoteProtocolError("no receiver named and no default_receiver configured")
@@ -529,7 +551,7 @@ class SenderSession:
     def _begin_ok(self, r: TxRequest) -> BeginOk:
         s = self.staging_info
         return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
-                       staging_bytes=s.nbytes, staging_offset=r.staging_off, new_chunks=r.n_new,
+                       staging_bytes=s.nbytes, staging_offset=r.meta_off, new_chunks=r.n_new,
                        daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards)
 
     def _hello(self, peer: Peer, begin: Begin, now: int, out: list) -> None:
@@ -558,8 +580,11 @@ class SenderSession:
         if bad or len(set(msg.layers)) != len(msg.layers):
             raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range (this stage's "
                                       f"[{k.layers.start}, {k.layers.stop})) or already sent")
-        k.layers_posted.update(msg.layers)
         plan, pool = r.plan, r.pool
+        early = [la for la in msg.layers if plan.layer_bytes(la) and plan.unit_of(la) not in r.blocks]
+        if early:
+            raise RemoteProtocolError(f"layer {early[0]} handed over before the sender granted its staging")
+        k.layers_posted.update(msg.layers)
         moving = [la for la in msg.layers if plan.layer_bytes(la)]
         if len(moving) < len(msg.layers):  # nothing new to move for these (every item held): done at once
             for layer in msg.layers:
@@ -568,14 +593,15 @@ class SenderSession:
             self._announce(r, now, out)
             if not moving:
                 return
-        base = self.staging_info.address + r.staging_off
+        base = self.staging_info.address
         ops: list[PutOp] = []
         srcs = []
-        for layer in moving:  # the group's first layer's ranges, shifted (layout.StagingShares.ranges)
+        for layer in moving:  # each in its own block: the group's layer-0 ranges (layout.StagingShares.ranges)
+            block = r.blocks[plan.unit_of(layer)]
             if r.layout.is_state(layer):  # a state layer: the rank's units of its page, one put (layout.py)
                 page = r.layout.state_page_bytes
                 at = (layer - r.layout.layers) * page + k.tp_rank * page // r.tp
-                src = base + plan.staging_bytes + at
+                src = base + block + at
                 ops.append(PutOp(src, r.peer.ack.pool_base + pool.state_at(r.state_slot) + at, page // r.tp))
                 srcs.append((src, page // r.tp))
                 continue
@@ -584,7 +610,7 @@ class SenderSession:
             rng = k.ranges.get(g)
             if rng is None:
                 rng = k.ranges[g] = sh.ranges(0, k.tp_rank, gp.page_runs, pool)
-            src0 = base + gp.staging_off + gp.local(layer) * sh.layer_bytes
+            src0 = base + block
             dst0 = r.peer.ack.pool_base + layer * pool.layer_bytes
             ops.extend([PutOp(src0 + src, dst0 + dst, n) for src, dst, n in rng])
             srcs.append((src0 + sh.share_offset(0, k.tp_rank), sh.share_bytes))
@@ -602,8 +628,82 @@ class SenderSession:
         return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready", 0), now + self.limits.layer_timeout_ms)
 
     def _words(self, r: TxRequest) -> int:
-        """Staging address of the request's readiness words, after its layers."""
-        return self.staging_info.address + r.staging_off + r.plan.kv_bytes
+        """Staging address of the request's readiness words, after its grant table."""
+        return self.staging_info.address + r.meta_off + r.plan.grant_words * 8
+
+    def _grant(self, out: list) -> None:
+        """Grant the blocks engines wait for, in the order they asked, while they fit. The head waits for
+        room and nothing overtakes it, so a large layer is not starved by small ones."""
+        q = self._grants
+        while q:
+            r, unit, nbytes = q[0]
+            if self.reqs.get(r.req_id) is not r:  # it ended meanwhile
+                q.popleft()
+                continue
+            try:
+                off = self.staging.alloc(nbytes)
+            except PoolExhausted:
+                if not self._head_waited:
+                    self._head_waited = True
+                    self.counters.add("staging_waits")
+                return
+            q.popleft()
+            self._head_waited = False
+            self._give(r, unit, off, out)
+            granted = StagingGranted(req_id=r.req_id, unit=unit)
+            out.extend(ToClient(c, granted) for c in r.asked.pop(unit, ()))
+
+    def _give(self, r: TxRequest, unit: int, off: int, out: list) -> None:
+        """The engine finds a block at its unit's word of the grant table: offset + 1 (0: not granted)."""
+        r.blocks[unit] = off
+        out.append(FillWords(self.staging_info.address + r.meta_off + unit * 8, off + 1, 1))
+
+    def _grant_ahead(self, r: TxRequest, out: list) -> None:
+        """At allocation, grant the request's blocks in order while staging stays at most half full and no
+        engine waits: a request that fits never asks. What is left is granted when asked for (``_need``);
+        the half kept free is what guarantees an engine that asks (and then writes at once) gets room,
+        whatever order the engines write their requests in."""
+        if self._grants:
+            return
+        limit = self.staging.size // 2
+        for unit, nbytes in r.plan.staging_units():
+            if self.staging.size - self.staging.free_bytes + self.staging.rounded(nbytes) > limit:
+                return
+            try:
+                off = self.staging.alloc(nbytes)
+            except PoolExhausted:
+                return
+            self._give(r, unit, off, out)
+
+    def _need(self, ident: bytes, msg: NeedStaging, out: list) -> None:
+        r, rank = self._client_req(ident, msg.req_id)
+        if r.state is not TxState.STREAMING:
+            raise UnexpectedMessage(f"need_staging for {r.req_id!r} in state {r.state.value}")
+        units = dict(r.plan.staging_units())
+        if msg.unit not in units:
+            raise RemoteProtocolError(f"request {r.req_id!r} has no staging unit {msg.unit}")
+        if msg.unit in r.blocks:  # granted already (another rank asked first)
+            out.append(ToClient(ident, StagingGranted(req_id=r.req_id, unit=msg.unit)))
+            return
+        if any(la in r.ranks[rank].layers_posted for la in _unit_layers(r.layout, msg.unit)):
+            raise RemoteProtocolError(f"staging unit {msg.unit} of {r.req_id!r} was handed over already")
+        waiting = r.asked.setdefault(msg.unit, set())
+        if not waiting:
+            self._grants.append((r, msg.unit, units[msg.unit]))
+            self.counters.add("staging_asks")
+        waiting.add(ident)
+        self._grant(out)
+
+    def _land(self, r: TxRequest, layer: int) -> None:
+        """Every share of ``layer`` is flushed: its block goes back (the state's with the last state layer)."""
+        plan = r.plan
+        unit = plan.unit_of(layer)
+        if unit == plan.state_unit and not all(la in r.layers_done for la in range(r.layout.layers,
+                                                                                     r.layout.push_layers)):
+            return
+        off = r.blocks.pop(unit, None)
+        if off is not None:
+            self.staging.free(off)
 
     def _share_flushed(self, r: TxRequest, layer: int, rank: int, digest: int | None) -> bool:
         """Participant ``rank``'s share of ``layer`` is in the pool; True when that completes the layer
@@ -629,6 +729,7 @@ class SenderSession:
         nbytes = r.plan.layer_bytes(layer)
         r.bytes_sent += nbytes
         r.layers_done.add(layer)
+        self._land(r, layer)
         r.unannounced.append((layer, None if None in digests else combine_digests(digests)))
         c = self.counters
         c.add("bytes_pushed", nbytes)
@@ -729,8 +830,8 @@ class SenderSession:
             self._fail(r, RemoteProtocolError(f"receiver's allocation has state slot {a.state_slot} for a layout "
                                               f"of {layout.state_layers} state layers"), now, out, tell_receiver=True)
             return
-        try:  # the layers' new pages, one readiness word per new item (the lease id), then the state
-            r.staging_off = self.staging.alloc(max(1, r.plan.staging_bytes + layout.state_slot_bytes))
+        try:  # the grant table and a readiness word per new item (the lease id); staging comes layer by layer
+            r.meta_off = self.meta.alloc(r.plan.meta_bytes)
         except PdpushError as e:
             self._fail(r, e, now, out, tell_receiver=True)
             return
@@ -745,6 +846,7 @@ class SenderSession:
             return
         if layout.windows:
             self.counters.add("bytes_window_saved", r.plan.window_saved_bytes)
+        out.append(FillWords(self.staging_info.address + r.meta_off, 0, r.plan.grant_words))
         if r.n_new:
             out.append(FillWords(self._words(r), a.lease_id, r.n_new))
         elif not layout.state_layers:  # the receiver holds every chunk: every layer is there already, a finish commits
@@ -754,12 +856,13 @@ class SenderSession:
         # the engine has until just before the lease ends to hand over every layer
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
         self.counters.add("chunks_skipped", r.skipped)
+        self._grant_ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
         ok = self._begin_ok(r)
         out.extend(ToClient(c, ok) for c in r.clients)
 
     def _done(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")
-        self._release(r)
+        self._release(r, now)
         self.counters.add("requests_done")
         out.append(Count("requests"))
         out.append(Observe("request_seconds", (now - r.t0_ms) / 1000))
@@ -768,10 +871,14 @@ class SenderSession:
                                                rank_puts=k.puts, layers=len(r.layers_done),
                                                chunks_skipped=r.skipped, layer_done_ms=r.layer_done_ms)))
 
-    def _release(self, r: TxRequest) -> None:
-        if r.staging_off is not None:
-            self.staging.free(r.staging_off)
-            r.staging_off = None
+    def _release(self, r: TxRequest, now: int) -> None:
+        if r.meta_off is not None:
+            self.meta.free(r.meta_off)
+            r.meta_off = None
+        # Blocks not yet landed: an engine that has not heard of the end may still be writing one, so
+        # they go back only once it has had control_timeout_ms to notice (its next call raises).
+        self._held.extend((now + self.limits.control_timeout_ms, off) for off in r.blocks.values())
+        r.blocks.clear()
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
         if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
@@ -787,11 +894,12 @@ class SenderSession:
             out.append(ToPeer(r.peer.endpoint, Abort(req_id=r.req_id, reason=str(err)[:1000])))
         r.state = SENDER_REQUEST.next(r.state, TxEvent.FAIL, f"request {r.req_id!r}")
         r.failure = err
-        self._release(r)
+        self._release(r, now)
         self.counters.add("requests_failed")
         out.append(Count("failures", label=err.code.value))
         reply = protocol.error_reply(err, r.req_id)
         out.extend(ToClient(c, reply) for c in r.clients)
+        self._grant(out)  # its place in the queue goes to the next
 
     def _fail_waiting(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
         for r in [r for r in self.reqs.values() if r.peer is p]:
@@ -810,10 +918,17 @@ class SenderSession:
     def stats(self) -> dict:
         return {"requests_inflight": len(self.reqs),
                 "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
-                "staging_bytes_free": self.staging.free_bytes, "draining": self.draining, **self.counters.values}
+                "staging_bytes_free": self.staging.free_bytes, "staging_grants_waiting": len(self._grants),
+                "staging_held_bytes": sum(self.staging.used.get(off, 0) for _, off in self._held),
+                "draining": self.draining, **self.counters.values}
 
 
 MAX_PARTICIPANTS = 4096  # tp_size x pp_size of one request
+
+
+def _unit_layers(layout: KVLayout, unit: int) -> range:
+    """The layers written in staging unit ``unit`` (plan.py)."""
+    return range(layout.layers, layout.push_layers) if unit == layout.layers else range(unit, unit + 1)
 
 
 def _stage_layers(msg: Begin) -> range:

@@ -174,8 +174,9 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
     req_bytes = layout.layers * chunks * layout.page_bytes
     total_reqs = senders * in_flight
     rng = np.random.default_rng(9)
-    with _Pair(layout, pool_pages=chunks * (total_reqs + 2), staging_bytes=in_flight * req_bytes + (1 << 20),
-               senders=senders) as pair:
+    # staging holds layers in flight (docs/layout.md): four layers of every request a sender has in flight
+    staging = max(64 << 20, 4 * in_flight * chunks * layout.page_bytes)
+    with _Pair(layout, pool_pages=chunks * (total_reqs + 2), staging_bytes=staging, senders=senders) as pair:
         cl = [pair.clients(i) for i in range(senders)]
         # single stream: one request at a time through one sender (after a warm-up touching the pool)
         srcs = [Source(layout, _ids(rng, tokens), rng) for _ in range(in_flight)]

@@ -1,0 +1,251 @@
+"""Staging sized by the layers in flight: each layer's block is granted when it fits and given back
+when its flush completes; an engine that finds staging full asks and waits, in order, with a deadline.
+
+Pure allocator and session logic first, then real daemons pushing requests several times the size
+of the sender's staging, byte for byte."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdpush import protocol
+from pdpush.client import DecodeClient, PrefillClient, status
+from pdpush.errors import ErrorCode, PoolExhausted, RequestTooLarge, TransportTimeout
+from pdpush.layout import KVLayout
+from pdpush.sessions.sender import Flushed, ToClient
+from pdpush.staging import ALIGN, StagingAllocator, split
+from tests.helpers import kv, push, read_back, rx_opts, sock
+from tests.test_sessions import ENG, Wire, begin
+
+# ---- the allocator -----------------------------------------------------------------------------
+
+
+def test_next_fit_carries_on_past_the_last_block_and_wraps():
+    a = StagingAllocator(8 * ALIGN, base=4 * ALIGN)
+    blocks = [a.alloc(ALIGN) for _ in range(3)]
+    assert blocks == [4 * ALIGN, 5 * ALIGN, 6 * ALIGN]
+    a.free(blocks[0])
+    assert a.alloc(ALIGN) == 7 * ALIGN  # not the freed first block: it carries on
+    assert a.alloc(4 * ALIGN) == 8 * ALIGN  # up to the end
+    assert a.alloc(ALIGN) == 4 * ALIGN  # then wraps around
+    with pytest.raises(PoolExhausted, match="free in fragments"):
+        a.alloc(ALIGN)
+    with pytest.raises(RequestTooLarge):
+        a.alloc(9 * ALIGN)
+
+
+def test_a_block_held_long_is_stepped_over():
+    """A slow receiver's layer keeps its block; the space freed behind it is used (first-in first-out
+    lifetimes otherwise, as a ring)."""
+    a = StagingAllocator(4 * ALIGN)
+    slow, b, c, d = (a.alloc(ALIGN) for _ in range(4))
+    for x in (b, c, d):
+        a.free(x)
+    assert [a.alloc(ALIGN) for _ in range(3)] == [b, c, d] and slow == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=200))
+def test_blocks_never_overlap_and_every_byte_comes_back(steps):
+    a = StagingAllocator(32 * ALIGN, base=ALIGN)
+    live: dict[int, int] = {}
+    for free, n in steps:
+        if free and live:
+            off = sorted(live)[n % len(live)]
+            a.free(off)
+            del live[off]
+            continue
+        try:
+            off = a.alloc(n * ALIGN)
+        except PoolExhausted:
+            assert a.free_bytes < 32 * ALIGN
+            continue
+        assert ALIGN <= off and off + n * ALIGN <= 33 * ALIGN
+        assert all(off + n * ALIGN <= o or o + m <= off for o, m in live.items())
+        live[off] = n * ALIGN
+        assert a.free_bytes + sum(live.values()) == 32 * ALIGN
+    for off in list(live):
+        a.free(off)
+    assert a.free_bytes == 32 * ALIGN and a.alloc(32 * ALIGN) == ALIGN  # coalesced back into one range
+
+
+def test_split_keeps_a_small_metadata_area():
+    assert split(1 << 20) == (64 << 10, (1 << 20) - (64 << 10))
+    assert split(1 << 30) == (16 << 20, (1 << 30) - (16 << 20))
+
+
+# ---- the session -------------------------------------------------------------------------------
+
+LAY = KVLayout(4, 2, 64, "float16", 16)  # 8 KiB pages
+STAGING = 1 << 20  # 960 KiB of layer blocks: half of it holds one layer of a 48-chunk request
+BIG = list(range(48 * 16))  # 48 chunks: 384 KiB a layer, 1.5 MiB in all
+
+
+def _wire(**kw) -> Wire:
+    return Wire(lay=LAY, pages=256, staging_bytes=STAGING, **kw)
+
+
+def _granted(w: Wire, rid: str) -> set[int]:
+    return set(w.tx.reqs[rid].blocks)
+
+
+def _ask(w: Wire, rid: str, unit: int, ident: bytes = ENG) -> list:
+    out = w.tx.on_ingress(ident, protocol.NeedStaging(req_id=rid, unit=unit), w.now)
+    w.run(out)
+    return [a.msg for a in out if isinstance(a, ToClient) and isinstance(a.msg, protocol.StagingGranted)]
+
+
+def _hand_over(w: Wire, rid: str, layer: int, ident: bytes = ENG) -> None:
+    w.engine(protocol.LayerReady(req_id=rid, layers=[layer]), ident)
+    posted, w.posted = w.posted, []
+    for p in posted:
+        w.run(w.tx.on_flushed([Flushed(p.token)], w.now))
+
+
+def test_a_request_larger_than_staging_gets_each_layer_as_the_one_before_lands():
+    w = _wire()
+    w.engine(begin("big", BIG, lay=LAY))
+    assert _granted(w, "big") == {0}  # granted ahead only while staging stays half free
+    words = w.words
+    assert words[0].count == LAY.layers + 1 and words[0].value == 0  # the grant table, cleared, first
+    assert any(a.count == 1 and a.value == w.tx.reqs["big"].blocks[0] + 1 for a in words)
+    w.engine(protocol.LayerReady(req_id="big", layers=[1]))  # before its block: refused, nothing posted
+    assert w.to_client[-1].code is ErrorCode.BAD_MESSAGE and "granted" in w.to_client[-1].message and not w.posted
+    assert _ask(w, "big", 1) == [protocol.StagingGranted(req_id="big", unit=1)]  # room for a second layer
+    _hand_over(w, "big", 0)
+    _hand_over(w, "big", 1)
+    assert _granted(w, "big") == set()  # both landed: their blocks are back
+    for layer in (2, 3):
+        assert _ask(w, "big", layer)
+        _hand_over(w, "big", layer)
+    w.engine(protocol.Finish(req_id="big"))
+    assert isinstance(w.outcome("big"), protocol.Done) and w.outcome("big").layers == LAY.layers
+    assert w.tx.staging.free_bytes == w.tx.staging.size and w.tx.meta.free_bytes == w.tx.meta.size
+
+
+def test_engines_that_ask_are_served_in_the_order_they_asked():
+    w = _wire()
+    for rid in ("a", "b", "c"):
+        w.engine(begin(rid, BIG, lay=LAY), ident=rid.encode())
+    assert _granted(w, "a") == {0} and _granted(w, "b") == set() and _granted(w, "c") == set()
+    assert _ask(w, "b", 0, b"b")  # fits beside a's layer 0
+    assert _ask(w, "c", 0, b"c") == [] and _ask(w, "a", 1, b"a") == []  # staging full: c asked first
+    assert w.tx.stats()["staging_grants_waiting"] == 2 and w.tx.counters.values["staging_waits"] == 1
+    _hand_over(w, "b", 0, b"b")  # b's block comes back: c's turn, though a asked for less
+    assert _granted(w, "c") == {0} and _granted(w, "a") == {0}
+    granted = [m for ident, m in w.by_client if isinstance(m, protocol.StagingGranted)]
+    assert granted[-1] == protocol.StagingGranted(req_id="c", unit=0)
+    _hand_over(w, "a", 0, b"a")
+    assert _granted(w, "a") == {1}
+
+
+def test_a_failed_request_keeps_its_blocks_until_its_engine_has_heard():
+    """An engine may still be writing a block when its request fails: the block is reused only after
+    control_timeout_ms, the time its next call takes to raise."""
+    w = _wire(control_timeout_ms=500)
+    w.engine(begin("a", BIG, lay=LAY), ident=b"a")
+    w.engine(begin("b", BIG, lay=LAY), ident=b"b")
+    assert _ask(w, "a", 1, b"a") and _ask(w, "b", 0, b"b") == []
+    w.engine(protocol.Abort(req_id="a", reason="test"), ident=b"a")
+    assert _granted(w, "b") == set() and w.tx.stats()["staging_held_bytes"] == 2 * 384 * 1024
+    w.tick(499)
+    assert _granted(w, "b") == set()
+    w.tick(2)
+    assert _granted(w, "b") == {0}
+    assert protocol.StagingGranted(req_id="b", unit=0) in [m for _, m in w.by_client]
+
+
+def test_only_a_layer_over_half_of_staging_is_too_large():
+    w = _wire()
+    w.engine(begin("held-prefix-is-free", BIG, lay=LAY))
+    assert "held-prefix-is-free" in w.tx.reqs  # 1.5 MiB of KV through 1 MiB of staging
+    w.engine(begin("huge", list(range(64 * 16)), lay=LAY))  # 512 KiB a layer: more than half of 960 KiB
+    assert w.to_client[-1].code is ErrorCode.TOO_LARGE and "half" in w.to_client[-1].message
+
+
+# ---- real daemons ------------------------------------------------------------------------------
+
+REAL = KVLayout(16, 8, 128, "float16", 64)  # 256 KiB pages
+TOKENS = 3 * 64  # 768 KiB a layer, 12 MiB in all: six times the sender's 2 MiB of staging
+
+
+def test_a_request_several_times_the_staging_is_pushed_byte_for_byte(daemons):
+    rx = daemons.receiver(**rx_opts(REAL, pool_pages=32))
+    tx = daemons.sender(rx, staging_bytes=2 << 20)
+    pc = PrefillClient(REAL, sock(tx), timeout_s=30)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        k, v = kv(REAL, TOKENS, seed=7)
+        h, done = push(pc, "big", list(range(TOKENS)), k, v)
+        assert done.bytes_sent == REAL.layers * 3 * REAL.page_bytes == 6 * (2 << 20)
+        got_k, got_v = read_back(dc, "big", REAL, TOKENS)
+        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+        st = status(sock(tx))
+        # the first layer was granted with the BeginOk, every other one asked for as the engine came to it
+        assert st["staging_asks"] == REAL.layers - 1 and st["requests_done"] == 1
+    finally:
+        pc.close()
+        dc.close()
+
+
+def test_engines_pushing_at_once_share_a_small_staging_and_all_succeed(daemons):
+    rx = daemons.receiver(**rx_opts(REAL, pool_pages=64))
+    tx = daemons.sender(rx, staging_bytes=2 << 20)
+    results: dict[str, object] = {}
+
+    def engine(rid: str, seed: int) -> None:
+        pc = PrefillClient(REAL, sock(tx), timeout_s=30)
+        try:
+            k, v = kv(REAL, TOKENS, seed=seed)
+            ids = list(range(seed * 10_000, seed * 10_000 + TOKENS))
+            results[rid] = (push(pc, rid, ids, k, v)[1], k, v)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[rid] = e
+        finally:
+            pc.close()
+
+    threads = [threading.Thread(target=engine, args=(f"r{i}", i + 1)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        for rid, res in sorted(results.items()):
+            assert not isinstance(res, Exception), (rid, res)
+            _, k, v = res
+            got_k, got_v = read_back(dc, rid, REAL, TOKENS)
+            assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+        assert len(results) == 3 and status(sock(tx))["staging_asks"] >= 3 * (REAL.layers - 1) - 2
+    finally:
+        dc.close()
+
+
+def test_an_engine_waits_for_staging_only_until_its_deadline(daemons):
+    """A request holds every block it was granted (its engine never hands them over); the next one's
+    engine waits, then gets a typed timeout; once the first is aborted, its blocks come back."""
+    rx = daemons.receiver(**rx_opts(REAL, pool_pages=32))
+    tx = daemons.sender(rx, staging_bytes=2 << 20, control_timeout_ms=500)
+    hog = PrefillClient(REAL, sock(tx), timeout_s=30)
+    pc = PrefillClient(REAL, sock(tx), timeout_s=1)
+    try:
+        h1 = hog.begin("hog", list(range(TOKENS)))
+        h1.staging_layer(0)  # granted ahead
+        h1.staging_layer(1)  # asked for: the rest of staging
+        h2 = pc.begin("waits", list(range(50_000, 50_000 + TOKENS)))
+        with pytest.raises(TransportTimeout, match="granted no staging"):
+            h2.staging_layer(0)
+        h2.abort("gave up")
+        h1.abort("done hogging")
+        pc.timeout_s = 30
+        k, v = kv(REAL, TOKENS, seed=3)
+        _, done = push(pc, "after", list(range(70_000, 70_000 + TOKENS)), k, v)
+        assert done.layers == REAL.layers
+    finally:
+        hog.close()
+        pc.close()
