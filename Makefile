@@ -14,11 +14,16 @@ BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --c
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+NATIVE_SRC := native/pyproject.toml native/CMakeLists.txt $(wildcard native/src/*.cpp native/src/pdpush_native/*.py)
+
+# The native data plane (native/, nanobind + scikit-build-core) is compiled here from its sources, against the
+# UCX headers and libucp of the libucx wheel in requirements.txt (hence --no-build-isolation).
+$(STAMP): requirements.txt pyproject.toml $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation ./native
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -78,10 +83,16 @@ GPU_WHEELS  ?= gpu-wheels
 GPU_MAX_MIB ?= 60
 GPU_PLATFORMS := $(foreach n,2_17 2_24 2_26 2_27 2_28,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
 
-gpu-wheels: requirements-gpu.txt
+# The native data plane is built here for $(GPU_PY) too, in a scratch venv (python$(GPU_PY) must be on PATH).
+GPU_BUILD ?= /tmp/pdpush-gpu-build
+
+gpu-wheels: requirements-gpu.txt $(NATIVE_SRC)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 		$(GPU_PLATFORMS) -d $(GPU_WHEELS) -r requirements-gpu.txt
+	rm -rf $(GPU_BUILD) && python$(GPU_PY) -m venv $(GPU_BUILD)
+	$(GPU_BUILD)/bin/python -m pip install -q $$(grep -E '^(scikit-build-core|nanobind|pathspec|packaging|libucx-cu12)==' requirements.txt)
+	$(GPU_BUILD)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEELS) ./native
 	@mib=$$(du -sm $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$(ls $(GPU_WHEELS) | wc -l) wheels, $$mib MiB"; \
 		test $$mib -le $(GPU_MAX_MIB) || { echo "over $(GPU_MAX_MIB) MiB" >&2; exit 1; }
 

@@ -177,3 +177,35 @@ def test_closing_an_endpoint_with_batches_in_flight_reports_them(world):
     ep.close()
     got = _poll_until(w, {"pending"}, timeout_s=2)
     assert isinstance(got[0].error, TransferError)
+
+
+@pytest.mark.parametrize("env", [{}, TCP], ids=["default", "tcp"])
+def test_native_batches_split_puts_at_max_put_and_complete_whole(world, env):
+    """The native queue under the endpoint: a put above ``max_put`` goes as several, the batch completes
+    once (its flush after all of them), and every byte lands."""
+    import pdpush_native as native
+
+    make, peer = world
+    w, src = make(env)
+    p, ep = peer(w, env)
+    data = np.random.default_rng(2).integers(0, 256, REGION, dtype=np.uint8)
+    array_at(src.address, REGION)[:] = data
+    q = native.Batches(ep.handle, ep.rkey.handle, 64 << 10)
+    try:
+        assert q.post([PutOp(src.address, p.info["address"], 1 << 20), (src.address + (1 << 20),
+                                                                         p.info["address"] + (1 << 20), 1000)]) == 17
+        assert q.post([]) == 0 and len(q) == 2  # a flush alone is a batch too
+        got: list[int] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2:
+            assert time.monotonic() < deadline, got
+            native.progress(w.worker.handle)
+            got += q.reap()
+        assert got == [0, 0] and len(q) == 0
+    finally:
+        q.drop_all()
+    remote = Attached(p.info["shmid"], REGION)
+    try:
+        assert np.array_equal(remote.array[:(1 << 20) + 1000], data[:(1 << 20) + 1000])
+    finally:
+        remote.close()

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pdpush.errors import TransportError
 
 
-@dataclass(frozen=True)
-class PutOp:
-    """One contiguous put: local address -> remote address, ``nbytes`` long."""
+class PutOp(NamedTuple):
+    """One contiguous put: local address -> remote address, ``nbytes`` long (a tuple: the native data
+    plane reads it as one)."""
 
     src: int
     dst: int

@@ -1,4 +1,6 @@
-"""Thin ctypes binding to the libucp bundled with ucxx: memory map, rkey, put, flush.
+"""Thin ctypes binding to the libucp bundled with ucxx, for set-up: memory map, rkey, listener, flush.
+
+The per-batch path (puts, their flush, completions) is native: ``pdpush_native`` (native/).
 
 ucxx's Python API has no one-sided RMA, so this module binds exactly the calls
 we need. Struct layouts and flag values come from the headers of the installed
@@ -161,8 +163,6 @@ def lib() -> ctypes.CDLL:
     L.ucp_ep_rkey_unpack.restype = c_int
     L.ucp_rkey_destroy.argtypes = [c_void_p]
     L.ucp_rkey_destroy.restype = None
-    L.ucp_put_nbx.argtypes = [c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, POINTER(RequestParam)]
-    L.ucp_put_nbx.restype = c_void_p
     L.ucp_ep_flush_nbx.argtypes = [c_void_p, POINTER(RequestParam)]
     L.ucp_ep_flush_nbx.restype = c_void_p
     L.ucp_request_check_status.argtypes = [c_void_p]
@@ -265,14 +265,6 @@ class RemoteKey:
 
 
 _NO_PARAM = RequestParam()  # op_attr_mask 0: defaults, no callback
-
-
-def put_nbx(ep: int, src: int, nbytes: int, remote_addr: int, rkey: int) -> int | None:
-    """Post one put; returns a request to wait on, or None if it completed at once."""
-    status, req = _ptr_status(lib().ucp_put_nbx(ep, src, nbytes, remote_addr, rkey, byref(_NO_PARAM)))
-    if status < 0:
-        raise UcpError("ucp_put_nbx", status)
-    return req
 
 
 def flush_nbx(ep: int) -> int | None:

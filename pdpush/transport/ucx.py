@@ -1,9 +1,10 @@
 """UCX data plane: one worker per daemon, a listener, endpoints, coalesced puts.
 
 Built on ucxx's low-level synchronous API (context, worker, listener, endpoint,
-tag send/recv, close callbacks) plus ``ucp.py`` for one-sided RMA. Progress
-runs on the thread that issues the work (a separate progress thread cost
-2.5-8x bandwidth here, see notes/ucx.md).
+tag send/recv, close callbacks) plus ``ucp.py`` for memory maps and rkeys. The per-batch
+work, posting puts and their flush and reaping completions, is native (``pdpush_native``,
+native/src/dataplane.cpp). Progress runs on the thread that issues the work (a separate
+progress thread cost 2.5-8x bandwidth here, see notes/ucx.md).
 
 Every ucxx/UcpError is mapped to a pdpush TransportError here; none escapes.
 Imports ucxx lazily (inside ``UcxWorker.__init__``).
@@ -16,7 +17,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdpush.errors import ConnectError, TransferError, TransportError, TransportTimeout
 from pdpush.transport.base import Completion, PutOp
@@ -51,13 +52,11 @@ def configure_env(overrides: Mapping[str, str] | None = None) -> None:
 
 @dataclass
 class _Batch:
-    """Posted puts and their flush: raw ucp requests still in progress."""
+    """Posted puts and their flush (their requests are the native queue's, in the same order)."""
 
     token: Hashable
     puts: int
     deadline: float
-    reqs: list[int] = field(default_factory=list)
-    failure: str | None = None
 
 
 class _Closable:
@@ -98,6 +97,7 @@ class Endpoint(_Closable):
         self._ep = ep
         self.rkey = None
         self._batches: deque[_Batch] = deque()
+        self._native = None  # pdpush_native.Batches, once the rkey is known
         ep.set_close_callback(self._closed)
 
     @property
@@ -118,6 +118,9 @@ class Endpoint(_Closable):
             self.rkey = ucp.RemoteKey(self._ep.handle, packed)
         except ucp.UcpError as e:
             raise TransferError(f"cannot unpack rkey from {self.name}: {e}") from e
+        from pdpush_native import Batches
+
+        self._native = Batches(self._ep.handle, self.rkey.handle, MAX_PUT_BYTES)
 
     def stream_send(self, payload: bytes, timeout_s: float) -> None:
         """Send bytes on this endpoint's stream (used for the one-time session token)."""
@@ -151,87 +154,65 @@ class Endpoint(_Closable):
         The batch completes through ``UcxWorker.poll``. A put that UCX finished
         inline (shared memory) costs its copy here; nothing waits for a peer.
         """
-        from pdpush.transport import ucp
+        from pdpush_native import UcpError
 
         if self.error is not None:
             raise TransferError(f"endpoint {self.name} is dead: {self.error}")
-        if self.rkey is None or self.rkey.handle is None:
+        if self._native is None:
             raise TransferError(f"endpoint {self.name} has no rkey")
-        ep = self._ep.handle
-        rk = self.rkey.handle
-        b = _Batch(token, 0, deadline)
         try:
-            for op in ops:
-                off = 0
-                while off < op.nbytes:
-                    size = min(MAX_PUT_BYTES, op.nbytes - off)
-                    r = ucp.put_nbx(ep, op.src + off, size, op.dst + off, rk)
-                    if r is not None:
-                        b.reqs.append(r)
-                    off += size
-                    b.puts += 1
-            r = ucp.flush_nbx(ep)
-            if r is not None:
-                b.reqs.append(r)
-        except ucp.UcpError as e:
-            for r in b.reqs:
-                ucp.request_free(r)
+            puts = self._native.post(ops)
+        except UcpError as e:
             raise TransferError(f"put to {self.name} failed: {e}") from e
-        self._batches.append(b)
+        self._batches.append(_Batch(token, puts, deadline))
         self._worker._busy.add(self)
-        return b.puts
+        return puts
 
     def _reap(self, now: float, out: list[Completion]) -> None:
         """Completed batches, head first (one endpoint's batches complete in posting order)."""
         from pdpush.transport import ucp
 
-        while self._batches:
-            b = self._batches[0]
-            still = []
-            for r in b.reqs:
-                st = ucp.request_status(r)
-                if st == ucp.UCS_INPROGRESS:
-                    still.append(r)
-                    continue
-                ucp.request_free(r)
-                if st != ucp.UCS_OK and b.failure is None:
-                    b.failure = ucp.status_name(st)
-            b.reqs = still
-            if b.failure is None and self.error is not None and still:
-                b.failure = self.error
-            if still and b.failure is None and now <= b.deadline:
-                return  # the head is in progress: later batches wait behind it
-            if still and b.failure is None:
-                # a stalled endpoint: time out this batch and everything behind it, and fail the endpoint
-                self.error = self.error or "a put+flush did not complete in time (stalled or partitioned peer)"
-                err: TransportError = TransportTimeout(f"put+flush to {self.name} did not complete by its deadline")
-            elif b.failure is not None:
-                err = TransferError(f"put+flush to {self.name} failed: {b.failure}")
-            else:
-                err = None
-            for r in still:
-                ucp.request_free(r)  # UCX completes it later; we only drop our reference
-            self._batches.popleft()
-            out.append(Completion(b.token, b.puts, err))
-            if err is not None:  # nothing after a failure on this endpoint can be trusted
-                for later in self._batches:
-                    for r in later.reqs:
-                        ucp.request_free(r)
-                    out.append(Completion(later.token, later.puts,
-                                          TransferError(f"endpoint {self.name} failed: {self.error or b.failure}")))
-                self._batches.clear()
-                return
+        if self._native is None:  # closed: its batches were reported already
+            return
+        for status in self._native.reap():
+            b = self._batches.popleft()
+            if status == ucp.UCS_OK:
+                out.append(Completion(b.token, b.puts))
+                continue
+            self._fail_batches(out, b, TransferError(f"put+flush to {self.name} failed: {ucp.status_name(status)}"))
+            return
+        if not self._batches:
+            return
+        b = self._batches[0]  # in progress
+        if self.error is not None:
+            err: TransportError = TransferError(f"put+flush to {self.name} failed: {self.error}")
+        elif now > b.deadline:
+            # a stalled endpoint: time out this batch and everything behind it, and fail the endpoint
+            self.error = "a put+flush did not complete in time (stalled or partitioned peer)"
+            err = TransportTimeout(f"put+flush to {self.name} did not complete by its deadline")
+        else:
+            return  # the head is in progress: later batches wait behind it
+        self._native.drop_head()  # UCX completes its requests later; we only drop our reference
+        self._batches.popleft()
+        self._fail_batches(out, b, err)
+
+    def _fail_batches(self, out: list[Completion], b: _Batch, err: TransportError) -> None:
+        """``b`` failed: so does everything behind it (nothing after a failure on this endpoint can be trusted)."""
+        out.append(Completion(b.token, b.puts, err))
+        self._native.drop_all()
+        for later in self._batches:
+            out.append(Completion(later.token, later.puts,
+                                  TransferError(f"endpoint {self.name} failed: {self.error or err}")))
+        self._batches.clear()
 
     def close(self) -> None:
         if self._batches:  # closing cancels them; report them as failed on the next poll
             self._worker._orphans.extend(
                 Completion(b.token, b.puts, TransferError(f"endpoint {self.name} closed")) for b in self._batches)
-            from pdpush.transport import ucp
-
-            for b in self._batches:
-                for r in b.reqs:
-                    ucp.request_free(r)
             self._batches.clear()
+        if self._native is not None:
+            self._native.drop_all()
+            self._native = None
         if self.rkey is not None:
             self.rkey.destroy()
             self.rkey = None
@@ -399,12 +380,12 @@ class UcxWorker:
 
     def poll(self, now: float) -> list[Completion]:
         """Progress, then collect completed batches from every busy endpoint (transport/base.py)."""
-        from pdpush.transport import ucp
+        import pdpush_native as native
 
         out, self._orphans = self._orphans, []
         if not self._busy:
             return out
-        ucp.worker_progress(self.worker.handle)
+        native.progress(self.worker.handle)
         for ep in list(self._busy):
             ep._reap(now, out)
             if not ep._batches:

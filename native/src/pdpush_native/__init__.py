@@ -1,0 +1,8 @@
+"""pdpush's native data plane (``_dataplane``, C++ over libucp): see ``native/src/dataplane.cpp``.
+
+Import ``ucxx`` (or ``pdpush.transport.ucp.lib()``) first, so that libucp is the instance ucxx loaded.
+"""
+
+from pdpush_native._dataplane import Batches, UcpError, progress
+
+__all__ = ["Batches", "UcpError", "progress"]
