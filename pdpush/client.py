@@ -156,22 +156,51 @@ class _Conn:
         finally:
             self._flush_if_free()
 
-    def recv_for(self, req_id: str | None, deadline: float) -> Msg:
-        """Next message about ``req_id`` (others are kept for their owners)."""
+    def recv_for(self, req_id: str | None, deadline: float, grants: bool = False) -> Msg:
+        """Next message about ``req_id`` (others are kept for their owners). A ``StagingGranted`` is for
+        a wait on staging (``grants``); anyone else drops it (a late one, after its wait timed out)."""
         try:
-            return self._recv_for(req_id, deadline)
+            return self._recv_for(req_id, deadline, grants)
         finally:
             self._flush_if_free()
+
+    def drain(self) -> None:
+        """Sort what has arrived into the mailboxes, without waiting (skipped while another thread holds
+        the socket): a prefill engine notices its request's failure at its next layer."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._flush()
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                self._file(protocol.decode(frames[-1], self.max_frame))
+        finally:
+            self.lock.release()
+
+    def _file(self, msg: Msg) -> str | None:
+        """Keep ``msg`` in its request's mailbox (unless this side ended the request); its req_id."""
+        pid = getattr(msg, "daemon_pid", 0)
+        if pid:
+            self.peer_pid = pid
+        rid = getattr(msg, "req_id", None)
+        if rid not in self._ended:
+            self.mail.setdefault(rid, []).append(msg)
+        return rid
 
     def _recv_one(self, deadline: float) -> Msg:
         with self.lock:
             self._flush()
             return control.recv_until(self.sock, deadline, self.max_frame)
 
-    def _recv_for(self, req_id: str | None, deadline: float) -> Msg:
+    def _recv_for(self, req_id: str | None, deadline: float, grants: bool) -> Msg:
         box = self.mail.get(req_id)
-        if box:
-            return box.pop(0)
+        while box:
+            msg = box.pop(0)
+            if grants or not isinstance(msg, StagingGranted):
+                return msg
         alive_check = time.monotonic() + 0.25
         while True:
             try:  # wait in slices, checking every 250 ms that the daemon is still alive
@@ -190,8 +219,9 @@ class _Conn:
                 self.peer_pid = pid
             rid = getattr(msg, "req_id", None)
             if rid == req_id:
-                return msg
-            if rid not in self._ended:
+                if grants or not isinstance(msg, StagingGranted):
+                    return msg
+            elif rid not in self._ended:
                 self.mail.setdefault(rid, []).append(msg)
 
     def end(self, req_id: str) -> None:
@@ -329,6 +359,10 @@ class PushHandle:
         off = self._block(layer) + sh.share_offset(0, self.tp_rank)
         return self._base[off:off + sh.share_bytes].reshape(sh.share_shape())
 
+    def granted(self, layer: int) -> bool:
+        """Whether ``layer``'s staging is there to write now (``staging_layer`` would not wait)."""
+        return not self.plan.layer_bytes(layer) or bool(self._grants is not None and self._grants[layer])
+
     def _block(self, unit: int) -> int:
         """Where the sender put ``unit``'s staging block (plan.py). A request that fits in staging has every
         block granted with its BeginOk; otherwise the engine asks for the block when it is about to write
@@ -339,18 +373,27 @@ class PushHandle:
             return word - 1
         conn, timeout = self.client._conn, self.client.timeout_s
         conn.send(NeedStaging(req_id=self.req_id, unit=unit), timeout)
-        try:
-            reply = conn.recv_for(self.req_id, time.monotonic() + timeout)
-        except TransportTimeout:
-            what = "its state" if unit == self.plan.state_unit else f"layer {unit}"
-            raise TransportTimeout(f"request {self.req_id!r}: the sender granted no staging for {what} within "
-                                   f"{timeout:g} s (staging is held by the layers in flight)",
-                                   req_id=self.req_id) from None
-        if not (isinstance(reply, StagingGranted) and reply.unit == unit):
-            self._end()
-            _raise(reply)
-            raise ProtocolError(f"unexpected {reply.type} while {self.req_id!r} waited for staging")
-        return int(self._grants[unit]) - 1
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = conn.recv_for(self.req_id, deadline, grants=True)
+            except TransportTimeout:
+                raise TransportTimeout(f"request {self.req_id!r}: the sender granted no staging for layer {unit} "
+                                       f"within {timeout:g} s (staging is held by the layers in flight)",
+                                       req_id=self.req_id) from None
+            if isinstance(reply, StagingGranted):
+                if reply.unit == unit:
+                    return int(self._grants[unit]) - 1
+                continue  # a late one, for a wait that timed out
+            self._failed(reply)
+
+    def _failed(self, msg: Msg) -> None:
+        """An asynchronous end of the request (its receiver died, its lease expired...): raise it, and tell
+        the sender this engine has stopped writing its staging (which it keeps until then)."""
+        self._end()
+        self.client._conn.post(Abort(req_id=self.req_id, reason="the prefill engine saw the request end"))
+        _raise(msg)
+        raise ProtocolError(f"unexpected {msg.type} for {self.req_id!r} while it was being pushed")
 
     def put_layer(self, layer: int, *comps) -> None:
         """Copy layer ``layer``'s new chunks into staging, then push (``stage_layer``)."""
@@ -363,7 +406,6 @@ class PushHandle:
         all the model's (this rank's are taken); the prompt's tokens, or (``new_only``) only the new chunks'
         tokens back to back (``new_chunks(layer)``: with sliding windows, a layer's group has its own).
         A tensor on a device is copied to the host first."""
-        self._check_open()
         comps = tuple(_on_host(x) for x in comps)
         try:
             kvcodec.stage(self.staging_layer(layer), comps, self.layer_shares(layer), self.tp_rank,
@@ -371,27 +413,24 @@ class PushHandle:
         except ValueError as e:
             raise ValueError(f"layer {layer}: {e}") from None
 
-    def staging_state(self) -> np.ndarray:
-        """Raw writable bytes of this rank's units of the request's state, ``[units / tp, state_layers,
-        unit bytes]`` (layout.py); ``kvcodec.stage_state`` fills them."""
+    def staging_state(self, s: int) -> np.ndarray:
+        """Raw writable bytes of this rank's units of state layer ``s``, ``[units / tp, unit bytes]``
+        (layout.py); ``kvcodec.stage_state`` fills them. Waits for its block like ``staging_layer``."""
         lay = self.client.layout
-        if not lay.state_layers:
-            raise ValueError("the layout has no state layers")
+        if not 0 <= s < lay.state_layers:
+            raise ValueError(f"state layer {s} out of range (the layout has {lay.state_layers})")
         self._check_open()
-        off = self._block(self.plan.state_unit)
-        slot = self._base[off:off + lay.state_slot_bytes]
+        off = self._block(lay.layers + s)
         k = lay.state_units // self.tp_size
-        return slot.reshape(lay.state_layers, lay.state_units, lay.state_unit_bytes)[:, self.tp_rank * k:
-                                                                                        (self.tp_rank + 1) * k]
+        page = self._base[off:off + lay.state_page_bytes].reshape(lay.state_units, lay.state_unit_bytes)
+        return page[self.tp_rank * k:(self.tp_rank + 1) * k]
 
-    def stage_state(self, first: int, tensors) -> None:
-        """Copy this rank's recurrent state of state layers ``first, first + 1, ...`` into staging: per state
-        layer, its engine tensors by name (``kvcodec.stage_state``); hand each over as the layer
-        ``layout.layers + s`` (``layer_ready``)."""
-        self._check_open()
-        kvcodec.stage_state(self.staging_state()[first:first + len(tensors)],
-                            [{k: _on_host(v) for k, v in t.items()} for t in tensors], self.client.layout,
-                            self.tp_size, self.tp_rank)
+    def stage_state(self, s: int, tensors: dict) -> None:
+        """Copy this rank's recurrent state of state layer ``s`` into staging: its engine tensors by name
+        (``kvcodec.stage_state``); hand it over as the layer ``layout.layers + s`` (``layer_ready``), before
+        staging the next one (each has its own block, given back when it lands)."""
+        kvcodec.stage_state(self.staging_state(s)[None], [{k: _on_host(v) for k, v in tensors.items()}],
+                            self.client.layout, self.tp_size, self.tp_rank)
 
     def layer_ready(self, layer: int) -> None:
         """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
@@ -426,10 +465,13 @@ class PushHandle:
         self._check_not_aborted()
         if self._done is not None or self._base is None:
             raise UnexpectedMessage(f"request {self.req_id!r} has ended")
-        box = self.client._conn.mail.get(self.req_id)
+        conn = self.client._conn
+        conn.drain()
+        box = conn.mail.get(self.req_id)
+        while box and isinstance(box[0], StagingGranted):
+            box.pop(0)  # a late grant, for a wait that timed out
         if box:  # an asynchronous failure (receiver died, lease expired...) surfaces here
-            self._end()
-            _raise(box.pop(0))
+            self._failed(box.pop(0))
 
     def _end(self) -> None:
         if self._base is not None:

@@ -9,10 +9,9 @@ prefill ranks.
 
 Staging holds the layers in flight, not the request (``staging_units``): each layer with new items
 is one block of its group's new pages (``StagingShares`` of ``n_g`` pages, every rank's share), and
-the recurrent state, where the model has one, is one block of every state layer. The sender grants
-the blocks in order, the state first, and takes each back once its flush completes. The request's
-own metadata is its grant table, one word per unit (``grant_words``), then a readiness word per new
-item, in item order.
+each state layer one block of its state page. The sender grants a block when it fits and takes it
+back once its layer's flush completes. The request's own metadata is its grant table, one word per
+layer (``grant_words``), then a readiness word per new item, in item order.
 """
 
 from __future__ import annotations
@@ -66,13 +65,9 @@ class RequestPlan:
             raise ValueError(f"held item index out of range (the request has {item} items)")
 
     @property
-    def state_unit(self) -> int:
-        """The grant-table index of the state block (after one per attention layer)."""
-        return self.layout.layers
-
-    @property
     def grant_words(self) -> int:
-        return self.layout.layers + 1
+        """One per layer the push moves (``layout.push_layers``): its staging block's offset + 1, or 0."""
+        return self.layout.push_layers
 
     @property
     def meta_bytes(self) -> int:
@@ -80,15 +75,9 @@ class RequestPlan:
         return (self.grant_words + self.n_new) * READY_WORD
 
     def staging_units(self) -> list[tuple[int, int]]:
-        """(unit, bytes) of every staging block the request needs, in grant order: the state (unit
-        ``state_unit``; it is written from the first state layer on), then each layer with new pages."""
-        lay = self.layout
-        out = [(self.state_unit, lay.state_slot_bytes)] if lay.state_layers else []
-        return out + [(layer, nb) for layer in range(lay.layers) if (nb := self.layer_bytes(layer))]
-
-    def unit_of(self, layer: int) -> int:
-        """The staging block ``layer`` is written in (a state layer's: the state block)."""
-        return self.state_unit if self.layout.is_state(layer) else layer
+        """(layer, bytes) of every staging block the request needs: each layer with new pages, then each
+        state layer."""
+        return [(layer, nb) for layer in range(self.layout.push_layers) if (nb := self.layer_bytes(layer))]
 
     def of(self, layer: int) -> GroupPlan:
         return self.groups[self.layout.group_of(layer).index]

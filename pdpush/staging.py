@@ -27,17 +27,16 @@ def split(nbytes: int) -> tuple[int, int]:
 
 
 class StagingAllocator:
-    """Blocks of ``[base, base + size)``, 4 KiB-aligned; offsets are from the region's start."""
+    """Blocks of ``[base, base + size)``, ``align``-aligned; offsets are from the region's start."""
 
-    def __init__(self, size: int, base: int = 0, what: str = "staging") -> None:
-        self.size, self.base, self.what = size, base, what
+    def __init__(self, size: int, base: int = 0, what: str = "staging", align: int = ALIGN) -> None:
+        self.size, self.base, self.what, self.align = size, base, what, align
         self._free: list[tuple[int, int]] = [(base, size)]  # sorted (offset, length)
         self.used: dict[int, int] = {}
         self._rover = base  # where the next search starts
 
-    @staticmethod
-    def rounded(nbytes: int) -> int:
-        return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+    def rounded(self, nbytes: int) -> int:
+        return max(self.align, -(-nbytes // self.align) * self.align)
 
     def fits(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` could ever be allocated here (the area is big enough)."""

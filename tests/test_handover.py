@@ -395,3 +395,39 @@ def test_stager_pushes_the_right_bytes_through_real_daemons(daemons, mode):
         st_.close()
         pc.close()
         rc.close()
+
+
+def test_poll_mode_hands_queued_copies_over_before_waiting_for_staging(daemons):
+    """Poll mode hands copies over on the engine's thread, so before that thread waits for a staging
+    block it must hand over the layers already copied: their blocks are what it waits for. A request of
+    six times the sender's staging, with copies that complete a few milliseconds after they are queued."""
+    from pdpush.client import DecodeClient, PrefillClient
+    from tests.helpers import read_back, rx_opts, sock
+
+    class Later:  # a copy that completes 3 ms after it was queued
+        def __init__(self) -> None:
+            self.at = time.monotonic() + 0.003
+
+        def query(self) -> bool:
+            return time.monotonic() >= self.at
+
+    lay = KVLayout(layers=16, kv_heads=8, head_dim=128, dtype="float16", chunk_tokens=64)  # 768 KiB a layer
+    rx = daemons.receiver(**rx_opts(lay, pool_pages=16))
+    tx = daemons.sender(rx, staging_bytes=2 << 20)
+    pc, rc = PrefillClient(lay, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=30)
+    st_ = dc.D2HStager("cpu", mode="poll", timeout_s=10, fence=Later)
+    try:
+        g = torch.Generator().manual_seed(2)
+        k, v = (torch.randn(lay.layers, 192, 8, 128, generator=g).to(torch.float16) for _ in range(2))
+        h = pc.begin("big", list(range(192)))
+        for layer in range(lay.layers):
+            st_.put_layer(h, layer, lambda layer=layer: (k[layer], v[layer]))
+        st_.wait(h, timeout_s=10)
+        assert h.finish(timeout_s=30).layers == lay.layers
+        gk, gv = read_back(rc, "big", lay, 192)
+        assert np.array_equal(gk, k.view(torch.uint8).reshape(lay.layers, 192, 8, 256).numpy())
+        assert np.array_equal(gv, v.view(torch.uint8).reshape(lay.layers, 192, 8, 256).numpy())
+    finally:
+        st_.close()
+        pc.close()
+        rc.close()

@@ -364,10 +364,11 @@ def test_sender_session_fuzz(steps):
             w.run(w.tx.on_peer_lost("tcp://rx-a:1", "gone", w.now))
         assert w.tx.counters.values["internal_errors"] == 0
         tx = w.tx
-        assert len(tx.meta.used) == sum(1 for r in tx.reqs.values() if r.meta_off is not None)
-        assert len(tx.staging.used) == sum(len(r.blocks) for r in tx.reqs.values()) + len(tx._held)
+        held = [a for h in tx._held.values() for a, _ in h.blocks]
+        assert len(tx.meta.used) == sum(1 for r in tx.reqs.values() if r.meta_off is not None) + held.count(tx.meta)
+        assert len(tx.staging.used) == sum(len(r.blocks) for r in tx.reqs.values()) + held.count(tx.staging)
     w.tick(5000)
-    w.tick(201)  # blocks of failed requests come back control_timeout_ms after the failure
+    w.tick(1001)  # staging of failed requests unacknowledged by their engine comes back lease_ms after the failure
     assert not w.tx.reqs and w.tx.staging.free_bytes == w.tx.staging.size and w.tx.meta.free_bytes == w.tx.meta.size
     ends: dict[str, int] = {}
     for m in w.to_client:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pdpush import protocol
 from pdpush.client import DecodeClient, PrefillClient, status
-from pdpush.errors import ErrorCode, PoolExhausted, RequestTooLarge, TransportTimeout
+from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout
 from pdpush.sessions.sender import Flushed, ToClient
 from pdpush.staging import ALIGN, StagingAllocator, split
@@ -112,7 +112,7 @@ def test_a_request_larger_than_staging_gets_each_layer_as_the_one_before_lands()
     w.engine(begin("big", BIG, lay=LAY))
     assert _granted(w, "big") == {0}  # granted ahead only while staging stays half free
     words = w.words
-    assert words[0].count == LAY.layers + 1 and words[0].value == 0  # the grant table, cleared, first
+    assert words[0].count == LAY.layers and words[0].value == 0  # the grant table (a word per layer), cleared, first
     assert any(a.count == 1 and a.value == w.tx.reqs["big"].blocks[0] + 1 for a in words)
     w.engine(protocol.LayerReady(req_id="big", layers=[1]))  # before its block: refused, nothing posted
     assert w.to_client[-1].code is ErrorCode.BAD_MESSAGE and "granted" in w.to_client[-1].message and not w.posted
@@ -144,20 +144,48 @@ def test_engines_that_ask_are_served_in_the_order_they_asked():
     assert _granted(w, "a") == {1}
 
 
-def test_a_failed_request_keeps_its_blocks_until_its_engine_has_heard():
-    """An engine may still be writing a block when its request fails: the block is reused only after
-    control_timeout_ms, the time its next call takes to raise."""
-    w = _wire(control_timeout_ms=500)
+def test_a_failed_request_keeps_its_staging_until_its_engine_says_it_stopped():
+    """An engine may still read its grant table and write a block when its request fails (it has not
+    read the error yet): the request's staging is reused only once the engine says it stopped (an Abort,
+    as the client sends when it sees the failure), or dies, or lease_ms later."""
+    w = _wire(lease_ms=5000)
     w.engine(begin("a", BIG, lay=LAY), ident=b"a")
     w.engine(begin("b", BIG, lay=LAY), ident=b"b")
     assert _ask(w, "a", 1, b"a") and _ask(w, "b", 0, b"b") == []
-    w.engine(protocol.Abort(req_id="a", reason="test"), ident=b"a")
-    assert _granted(w, "b") == set() and w.tx.stats()["staging_held_bytes"] == 2 * 384 * 1024
-    w.tick(499)
-    assert _granted(w, "b") == set()
+    w.run(w.tx.on_peer_lost("tcp://rx-a:1", "receiver gone", w.now))  # both fail; a held two blocks
+    assert "a" not in w.tx.reqs and w.tx.stats()["staging_held_bytes"] > 2 * 384 * 1024  # and its grant table
+    w.tick(4000)
+    w.engine(begin("c", BIG, lay=LAY), ident=b"c")  # a new request finds a's blocks still held
+    assert _granted(w, "c") == set() and _ask(w, "c", 0, b"c") == []
+    out = w.tx.on_ingress(b"a", protocol.Abort(req_id="a", reason="saw it fail"), w.now)
+    w.run(out)
+    assert not [a for a in out if isinstance(a, ToClient) and a.ident == b"a"]  # an acknowledgement: no reply
+    assert _granted(w, "c") == {0} and 0 < w.tx.stats()["staging_held_bytes"] < 4096  # b's grant table
+    assert protocol.StagingGranted(req_id="c", unit=0) in [m for i, m in w.by_client if i == b"c"]
+    w.engine(protocol.Finish(req_id="b"), ident=b"b")  # b's engine finishing says it stopped too
+    assert w.tx.stats()["staging_held_bytes"] == 0
+
+
+def test_an_engine_that_never_says_it_stopped_gets_its_staging_back_after_the_lease():
+    w = _wire(lease_ms=5000)
+    w.engine(begin("a", BIG, lay=LAY), ident=b"a")
+    w.engine(protocol.Abort(req_id="a", reason="x"), ident=b"other")  # not a's engine: refused
+    assert "a" in w.tx.reqs
+    w.run(w.tx.on_peer_lost("tcp://rx-a:1", "receiver gone", w.now))
+    w.tick(4999)
+    assert w.tx.stats()["staging_held_bytes"] > 384 * 1024
     w.tick(2)
-    assert _granted(w, "b") == {0}
-    assert protocol.StagingGranted(req_id="b", unit=0) in [m for _, m in w.by_client]
+    assert w.tx.stats()["staging_held_bytes"] == 0 and w.tx.staging.free_bytes == w.tx.staging.size
+    assert w.tx.meta.free_bytes == w.tx.meta.size
+
+
+def test_a_dead_engine_gives_its_held_staging_back():
+    w = _wire(lease_ms=60_000)
+    w.engine(protocol.Begin(**{**begin("a", BIG, lay=LAY).model_dump(), "client_pid": 4242}), ident=b"a")
+    w.run(w.tx.on_peer_lost("tcp://rx-a:1", "receiver gone", w.now))
+    assert 4242 in w.tx.client_pids() and w.tx.stats()["staging_held_bytes"] > 0
+    w.run(w.tx.on_client_gone(4242, w.now))
+    assert w.tx.stats()["staging_held_bytes"] == 0 and 4242 not in w.tx.client_pids()
 
 
 def test_only_a_layer_over_half_of_staging_is_too_large():
@@ -248,4 +276,29 @@ def test_an_engine_waits_for_staging_only_until_its_deadline(daemons):
         assert done.layers == REAL.layers
     finally:
         hog.close()
+        pc.close()
+
+
+def test_an_engine_sees_its_request_fail_at_its_next_layer_and_its_staging_comes_back(daemons):
+    """The receiver dies mid-push: the engine's next layer raises the typed failure (it reads its mail at
+    every layer), tells the sender it stopped, and the request's held staging is free again."""
+    rx = daemons.receiver(**rx_opts(REAL, pool_pages=32))
+    tx = daemons.sender(rx, staging_bytes=2 << 20)
+    pc = PrefillClient(REAL, sock(tx), timeout_s=10)
+    try:
+        k, v = kv(REAL, TOKENS, seed=5)
+        h = pc.begin("doomed", list(range(TOKENS)))
+        h.put_layer(0, k[0], v[0])
+        rx.stop()
+        from tests.helpers import until
+
+        until(lambda: status(sock(tx))["requests_failed"] == 1, 20, "the sender failing the request")
+        assert status(sock(tx))["staging_held_bytes"] > 0  # its engine has not heard yet
+        with pytest.raises(PdpushError) as e:
+            for layer in range(1, REAL.layers):
+                h.put_layer(layer, k[layer], v[layer])
+        assert e.value.code in (ErrorCode.PEER_DEAD, ErrorCode.TRANSFER_FAILED, ErrorCode.TIMEOUT)
+        until(lambda: status(sock(tx))["staging_held_bytes"] == 0, 10, "the held staging coming back")
+        assert h.layers_handed_over < REAL.layers
+    finally:
         pc.close()

@@ -41,7 +41,7 @@ def test_a_plan_places_each_group_s_new_pages_in_staging_and_the_pool():
     assert swa.first_item == 4 and swa.new_first == 2
     plan.set_pages([9, 10, 30, 31])
     assert full.page_runs == [(0, 9, 2)] and swa.page_runs == [(0, 30, 2)]
-    assert plan.layer_bytes(0) == 2 * LAY.page_bytes and plan.meta_bytes == (LAY.layers + 1 + 4) * 8
+    assert plan.layer_bytes(0) == 2 * LAY.page_bytes and plan.meta_bytes == (LAY.layers + 4) * 8
     # staging: one block per layer with new pages, each its group's new pages, granted in layer order
     assert plan.staging_units() == [(layer, 2 * LAY.page_bytes) for layer in range(LAY.layers)]
 

@@ -127,6 +127,8 @@ class D2HStager:
             self._index[handle] = new_only
             if self.mode == "thread":
                 handle.client._conn.allow_posts()
+        if self.mode != "thread" and not handle.granted(layer):
+            self._settle()  # this thread hands copies over: those queued must go, their blocks come back
         dst = torch.from_numpy(handle.staging_layer(layer)).view(-1)
         if not handle.new_chunks(layer):
             return comps, dst, None
@@ -171,6 +173,21 @@ class D2HStager:
         finally:
             if not self._queue.pending(handle):
                 self._index.pop(handle, None)
+
+    def _settle(self) -> None:
+        """Poll and sync modes: wait for every queued copy and hand it over (bounded by ``timeout_s``), before
+        this thread waits for a staging block that those copies' layers may be holding."""
+        deadline = self._clock() + self.timeout_s
+        while True:
+            self._hand_over(post=False)
+            with self._cv:
+                head = self._queue.head() if self._queue.pending() else None
+            if head is None or self._clock() >= deadline:
+                return
+            if self.cuda and hasattr(head.fence, "synchronize"):
+                head.fence.synchronize()
+            else:
+                time.sleep(0.0002)
 
     def drop(self, handle) -> None:
         """Give ``handle`` up here: its copies are never handed over."""

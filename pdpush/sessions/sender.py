@@ -257,13 +257,14 @@ class SenderSession:
         self.limits = limits
         self.staging_info = staging
         meta, layers = split(staging.nbytes)
-        self.meta = StagingAllocator(meta, 0, "staging metadata")
+        self.meta = StagingAllocator(meta, 0, "staging metadata", align=64)  # a request's is a few hundred bytes
         self.staging = StagingAllocator(layers, meta)  # the layers in flight
         # (request, unit, bytes) an engine waits for, in the order asked; the head waits for room
         self._grants: deque[tuple[TxRequest, int, int]] = deque()
         self._head_waited = False
-        # (free at ms, offset): blocks of ended requests, kept until their engines have heard of the end
-        self._held: list[tuple[int, int]] = []
+        # staging of failed requests whose engines may still write it, by (req_id, engine): back once that
+        # engine says it stopped (Abort, Finish, a new Begin) or dies, or lease_ms after the failure
+        self._held: dict[tuple[str, bytes], _Held] = {}
         self.default_receiver = default_receiver
         self._check_receiver = check_receiver
         self.peers: dict[str, Peer] = {}
@@ -281,6 +282,11 @@ class SenderSession:
     def on_ingress(self, ident: bytes, msg: Msg, now: int) -> list:
         out: list = []
         rid = getattr(msg, "req_id", None)
+        if (rid, ident) in self._held and isinstance(msg, (Abort, Finish, Begin)):
+            self._unhold((rid, ident))  # that engine has stopped writing the failed request's staging
+            self._grant(out)
+            if isinstance(msg, Abort):
+                return out  # its acknowledgement of the failure (client.PushHandle._failed): nothing to answer
         try:
             if isinstance(msg, Begin):
                 self._begin(ident, msg, now, out)
@@ -295,6 +301,9 @@ class SenderSession:
                 who = f" ({r.who(rank)})" if r.world > 1 else ""
                 self._fail(r, Aborted(f"aborted by prefill engine{who}: {msg.reason or 'no reason given'}"), now,
                            out, tell_receiver=True)
+                if (r.req_id, ident) in self._held:  # the engine that aborts has stopped writing
+                    self._unhold((r.req_id, ident))
+                    self._grant(out)
             else:
                 raise UnexpectedMessage(f"sender does not accept {msg.type} on the ingress")
         except PdpushError as e:
@@ -378,8 +387,9 @@ class SenderSession:
         return out
 
     def client_pids(self) -> set[int]:
-        """Processes of the prefill ranks with a request in flight (the shell watches them)."""
-        return {k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid}
+        """Processes of the prefill ranks with a request in flight or staging held (the shell watches them)."""
+        return {k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid} | {
+            h.pid for h in self._held.values() if h.pid}
 
     def on_client_gone(self, pid: int, now: int) -> list:
         """A prefill rank's process died: its requests cannot complete, fail them for every rank."""
@@ -389,15 +399,20 @@ class SenderSession:
             if dead:
                 self._fail(r, BrokenResourceError(f"prefill {r.who(dead[0])} (pid {pid}) died mid-push"),
                            now, out, tell_receiver=True)
+        gone = [k for k, h in self._held.items() if h.pid == pid]
+        if gone:
+            for k in gone:
+                self._unhold(k)
+            self._grant(out)
         return out
 
     def on_tick(self, now: int) -> list:
         out: list = []
         lim = self.limits
-        if self._held and min(t for t, _ in self._held) <= now:
-            for _, off in (h for h in self._held if h[0] <= now):
-                self.staging.free(off)
-            self._held = [h for h in self._held if h[0] > now]
+        late = [k for k, h in self._held.items() if now >= h.until_ms]
+        if late:
+            for k in late:
+                self._unhold(k)
             self._grant(out)
         for p in self.peers.values():
             if p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING) and now > p.deadline_ms:
@@ -581,7 +596,7 @@ class SenderSession:
             raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range (this stage's "
                                       f"[{k.layers.start}, {k.layers.stop})) or already sent")
         plan, pool = r.plan, r.pool
-        early = [la for la in msg.layers if plan.layer_bytes(la) and plan.unit_of(la) not in r.blocks]
+        early = [la for la in msg.layers if plan.layer_bytes(la) and la not in r.blocks]
         if early:
             raise RemoteProtocolError(f"layer {early[0]} handed over before the sender granted its staging")
         k.layers_posted.update(msg.layers)
@@ -597,12 +612,13 @@ class SenderSession:
         ops: list[PutOp] = []
         srcs = []
         for layer in moving:  # each in its own block: the group's layer-0 ranges (layout.StagingShares.ranges)
-            block = r.blocks[plan.unit_of(layer)]
+            block = r.blocks[layer]
             if r.layout.is_state(layer):  # a state layer: the rank's units of its page, one put (layout.py)
                 page = r.layout.state_page_bytes
-                at = (layer - r.layout.layers) * page + k.tp_rank * page // r.tp
-                src = base + block + at
-                ops.append(PutOp(src, r.peer.ack.pool_base + pool.state_at(r.state_slot) + at, page // r.tp))
+                mine = k.tp_rank * page // r.tp
+                src = base + block + mine
+                dst = r.peer.ack.pool_base + pool.state_at(r.state_slot) + (layer - r.layout.layers) * page + mine
+                ops.append(PutOp(src, dst, page // r.tp))
                 srcs.append((src, page // r.tp))
                 continue
             gp = plan.of(layer)
@@ -685,7 +701,7 @@ class SenderSession:
         if msg.unit in r.blocks:  # granted already (another rank asked first)
             out.append(ToClient(ident, StagingGranted(req_id=r.req_id, unit=msg.unit)))
             return
-        if any(la in r.ranks[rank].layers_posted for la in _unit_layers(r.layout, msg.unit)):
+        if msg.unit in r.ranks[rank].layers_posted:
             raise RemoteProtocolError(f"staging unit {msg.unit} of {r.req_id!r} was handed over already")
         waiting = r.asked.setdefault(msg.unit, set())
         if not waiting:
@@ -695,13 +711,8 @@ class SenderSession:
         self._grant(out)
 
     def _land(self, r: TxRequest, layer: int) -> None:
-        """Every share of ``layer`` is flushed: its block goes back (the state's with the last state layer)."""
-        plan = r.plan
-        unit = plan.unit_of(layer)
-        if unit == plan.state_unit and not all(la in r.layers_done for la in range(r.layout.layers,
-                                                                                     r.layout.push_layers)):
-            return
-        off = r.blocks.pop(unit, None)
+        """Every share of ``layer`` is flushed: its block goes back."""
+        off = r.blocks.pop(layer, None)
         if off is not None:
             self.staging.free(off)
 
@@ -872,19 +883,49 @@ class SenderSession:
                                                chunks_skipped=r.skipped, layer_done_ms=r.layer_done_ms)))
 
     def _release(self, r: TxRequest, now: int) -> None:
-        if r.meta_off is not None:
-            self.meta.free(r.meta_off)
-            r.meta_off = None
-        # Blocks not yet landed: an engine that has not heard of the end may still be writing one, so
-        # they go back only once it has had control_timeout_ms to notice (its next call raises).
-        self._held.extend((now + self.limits.control_timeout_ms, off) for off in r.blocks.values())
-        r.blocks.clear()
+        self._give_back(r, now)
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
         if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
             self.ended[r.req_id] = r.failure
             while len(self.ended) > 4096:
                 self.ended.popitem(last=False)
+
+    def _give_back(self, r: TxRequest, now: int) -> None:
+        """The request's staging: back now if it committed (every layer landed; its engines wait in
+        ``finish()``). Otherwise an engine that has not heard of the failure may still read its grant
+        table and write its blocks, so they go back once every engine of the request has said it stopped
+        (Abort, Finish, a new Begin), or died, or ``lease_ms`` after the failure (``_Held``)."""
+        blocks = [(self.staging, off) for off in r.blocks.values()]
+        if r.meta_off is not None:
+            blocks.append((self.meta, r.meta_off))
+        r.blocks.clear()
+        r.meta_off = None
+        if r.state is TxState.DONE:
+            for alloc, off in blocks:
+                alloc.free(off)
+            return
+        if not blocks:
+            return
+        until = now + self.limits.lease_ms
+        for i, k in enumerate(r.ranks.values()):  # the first engine holds the blocks, the others empty holds
+            mine = blocks if i == 0 else []
+            held = self._held.get((r.req_id, k.client))
+            if held is not None:  # an earlier failed request of that id and engine, not acknowledged yet
+                held.blocks.extend(mine)
+                held.until_ms = max(held.until_ms, until)
+            else:
+                self._held[(r.req_id, k.client)] = _Held(k.pid, until, mine)
+
+    def _unhold(self, key: tuple[str, bytes]) -> None:
+        """An engine has stopped writing a failed request's staging: it goes back when every engine has."""
+        h = self._held.pop(key)
+        other = next((k for k in self._held if k[0] == key[0]), None)
+        if other is not None:  # another engine of the request may still write: it keeps the blocks
+            self._held[other].blocks.extend(h.blocks)
+            return
+        for alloc, off in h.blocks:
+            alloc.free(off)
 
     def _fail(self, r: TxRequest, err: PdpushError, now: int, out: list, tell_receiver: bool = False) -> None:
         if self.reqs.get(r.req_id) is not r:
@@ -919,16 +960,21 @@ class SenderSession:
         return {"requests_inflight": len(self.reqs),
                 "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
                 "staging_bytes_free": self.staging.free_bytes, "staging_grants_waiting": len(self._grants),
-                "staging_held_bytes": sum(self.staging.used.get(off, 0) for _, off in self._held),
+                # failed requests' blocks and grant tables, until their engines say they stopped
+                "staging_held_bytes": sum(a.used[off] for h in self._held.values() for a, off in h.blocks),
                 "draining": self.draining, **self.counters.values}
 
 
 MAX_PARTICIPANTS = 4096  # tp_size x pp_size of one request
 
 
-def _unit_layers(layout: KVLayout, unit: int) -> range:
-    """The layers written in staging unit ``unit`` (plan.py)."""
-    return range(layout.layers, layout.push_layers) if unit == layout.layers else range(unit, unit + 1)
+@dataclass
+class _Held:
+    """Staging of a failed request that one of its engines may still be writing."""
+
+    pid: int
+    until_ms: int
+    blocks: list[tuple[StagingAllocator, int]]  # (allocator, offset)
 
 
 def _stage_layers(msg: Begin) -> range:

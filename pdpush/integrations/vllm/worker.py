@@ -404,8 +404,9 @@ class WorkerSide:
         t0 = time.perf_counter()
         names = self._state_names()[p.states_sent:upto]
         tensors = [self._state_views(name, p.spec.block_ids[self._vgroup_of[name]][-1]) for name in names]
-        p.handle.stage_state(p.states_sent, tensors)
-        p.handle.layers_ready([self.layout.layers + s for s in range(p.states_sent, upto)])
+        for s, t in enumerate(tensors, p.states_sent):  # each handed over as soon as it is in: its block comes back
+            p.handle.stage_state(s, t)
+            p.handle.layer_ready(self.layout.layers + s)
         EVENTS.append(("state_ready", p.spec.push_id, self.layout.layers + upto - 1, time.monotonic()))
         p.states_sent = upto
         STATS["push_state_layers"] += len(names)
