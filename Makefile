@@ -83,14 +83,15 @@ GPU_WHEELS  ?= gpu-wheels
 GPU_MAX_MIB ?= 60
 GPU_PLATFORMS := $(foreach n,2_17 2_24 2_26 2_27 2_28,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
 
-# The native data plane is built here for $(GPU_PY) too, in a scratch venv (python$(GPU_PY) must be on PATH).
-GPU_BUILD ?= /tmp/pdpush-gpu-build
+# The native data plane is built here for $(GPU_PY) too, in a scratch venv (GPU_PYTHON: that interpreter).
+GPU_BUILD  ?= /tmp/pdpush-gpu-build
+GPU_PYTHON ?= python$(GPU_PY)
 
 gpu-wheels: requirements-gpu.txt $(NATIVE_SRC)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 		$(GPU_PLATFORMS) -d $(GPU_WHEELS) -r requirements-gpu.txt
-	rm -rf $(GPU_BUILD) && python$(GPU_PY) -m venv $(GPU_BUILD)
+	rm -rf $(GPU_BUILD) && $(GPU_PYTHON) -m venv $(GPU_BUILD)
 	$(GPU_BUILD)/bin/python -m pip install -q $$(grep -E '^(scikit-build-core|nanobind|pathspec|packaging|libucx-cu12)==' requirements.txt)
 	$(GPU_BUILD)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEELS) ./native
 	@mib=$$(du -sm $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$(ls $(GPU_WHEELS) | wc -l) wheels, $$mib MiB"; \
