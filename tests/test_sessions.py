@@ -363,13 +363,14 @@ def test_sender_session_fuzz(steps):
         elif kind == "lost":
             w.run(w.tx.on_peer_lost("tcp://rx-a:1", "gone", w.now))
         assert w.tx.counters.values["internal_errors"] == 0
-        tx = w.tx
-        held = [a for h in tx._held.values() for a, _ in h.blocks]
-        assert len(tx.meta.used) == sum(1 for r in tx.reqs.values() if r.meta_off is not None) + held.count(tx.meta)
-        assert len(tx.staging.used) == sum(len(r.blocks) for r in tx.reqs.values()) + held.count(tx.staging)
+        tx, g = w.tx, w.tx.grants
+        held = [a for h in g._held.values() for a, _ in h.blocks]
+        assert len(g.meta.used) == sum(1 for r in tx.reqs.values() if r.meta_off is not None) + held.count(g.meta)
+        assert len(g.layers.used) == sum(len(r.blocks) for r in tx.reqs.values()) + held.count(g.layers)
     w.tick(5000)
     w.tick(1001)  # staging of failed requests unacknowledged by their engine comes back lease_ms after the failure
-    assert not w.tx.reqs and w.tx.staging.free_bytes == w.tx.staging.size and w.tx.meta.free_bytes == w.tx.meta.size
+    g = w.tx.grants
+    assert not w.tx.reqs and g.layers.free_bytes == g.layers.size and g.meta.free_bytes == g.meta.size
     ends: dict[str, int] = {}
     for m in w.to_client:
         if isinstance(m, protocol.Done):

@@ -7,8 +7,11 @@ Events in (each with ``now``, monotonic milliseconds):
   * ``on_flushed(completions, now)``   posted layers' flushes completed (every one of a loop pass);
   * ``on_peer_lost(endpoint, why, now)`` a receiver's socket or UCX endpoint broke;
   * ``on_tick(now)``                    control-reply deadlines, allocation back-off.
-Actions out: ``ToClient``/``ToPeer`` messages, ``Connect``, ``PostPuts``, ``ResetPeer``,
-metric ``Count``/``Observe``, ``Log``.
+Actions out (``tx_actions.py``): ``ToClient``/``ToPeer`` messages, ``Connect``, ``PostPuts``,
+``FillWords``, ``ResetPeer``, metric ``Count``/``Observe``, ``Log``.
+
+Staging holds the layers in flight: each request's blocks are granted, given back and held after a
+failure by ``StagingGrants`` (grants.py); an engine asks for a block with ``NeedStaging``.
 
 A layer's puts are posted and the session moves on: many layers, requests and
 receivers are in flight at once. ``LayerDone`` goes out when a layer's flush
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,9 +53,7 @@ from pdpush.errors import (
     PdpushError,
     PoolExhausted,
     RemoteProtocolError,
-    RequestTooLarge,
     ShuttingDown,
-    TransportError,
     TransportTimeout,
     UnexpectedMessage,
     UnknownRequest,
@@ -82,72 +83,22 @@ from pdpush.protocol import (
     Ok,
     PeerEvent,
     PeerState,
-    StagingGranted,
     TxEvent,
     TxState,
 )
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
-from pdpush.staging import StagingAllocator, split
+from pdpush.sessions.grants import StagingGrants
+from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, importable from here
+    Connect,
+    FillWords,
+    Flushed,
+    PostPuts,
+    ResetPeer,
+    StagingInfo,
+    ToClient,
+    ToPeer,
+)
 from pdpush.transport.base import PutOp
-
-
-@dataclass(frozen=True)
-class ToClient:
-    ident: bytes
-    msg: Msg
-
-
-@dataclass(frozen=True)
-class ToPeer:
-    endpoint: str
-    msg: Msg
-
-
-@dataclass(frozen=True)
-class Connect:
-    """Open the data plane to a receiver (UCX endpoint, session token, rkey); answer with on_connected."""
-
-    endpoint: str
-    ack: HelloAck
-
-
-@dataclass(frozen=True)
-class PostPuts:
-    """Post these layers' puts and one flush on ``endpoint``; answer with on_flushed([Flushed(token, ...)]).
-
-    ``kind`` "data": the layers' puts, one per layer per page run. "ready": once their data is
-    flushed, the layers' readiness words (layout.py), which a decode client reads in the pool."""
-
-    endpoint: str
-    ops: list[PutOp]
-    token: tuple[int, tuple[int, ...], str, int]  # (request seq, layers, kind, rank)
-    deadline_ms: int
-    srcs: list[tuple[int, int]] = field(default_factory=list)  # data: (staging address, bytes) per layer
-
-
-@dataclass(frozen=True)
-class FillWords:
-    """Write ``count`` u64 words of ``value`` at ``address`` (the source of readiness puts)."""
-
-    address: int
-    value: int
-    count: int
-
-
-@dataclass(frozen=True)
-class Flushed:
-    """A posted layer's flush completed (``error`` None) or failed."""
-
-    token: tuple[int, tuple[int, ...], str, int]
-    error: TransportError | None = None
-    checksums: list[int] | None = None  # one per layer of the token, where checksums are on
-
-
-@dataclass(frozen=True)
-class ResetPeer:
-    """Close the receiver's UCX endpoint and start a fresh control socket (queued frames are stale)."""
-
-    endpoint: str
 
 
 @dataclass(frozen=True)
@@ -156,14 +107,6 @@ class SenderLimits:
     control_timeout_ms: int = 5000
     layer_timeout_ms: int = 5000
     alloc_retry_budget_ms: int = 2000
-
-
-@dataclass(frozen=True)
-class StagingInfo:
-    address: int
-    shmid: int
-    nbytes: int
-    daemon_pid: int
 
 
 @dataclass
@@ -256,15 +199,6 @@ class SenderSession:
                  check_receiver: Callable[[str], None] | None = None) -> None:
         self.limits = limits
         self.staging_info = staging
-        meta, layers = split(staging.nbytes)
-        self.meta = StagingAllocator(meta, 0, "staging metadata", align=64)  # a request's is a few hundred bytes
-        self.staging = StagingAllocator(layers, meta)  # the layers in flight
-        # (request, unit, bytes) an engine waits for, in the order asked; the head waits for room
-        self._grants: deque[tuple[TxRequest, int, int]] = deque()
-        self._head_waited = False
-        # staging of failed requests whose engines may still write it, by (req_id, engine): back once that
-        # engine says it stopped (Abort, Finish, a new Begin) or dies, or lease_ms after the failure
-        self._held: dict[tuple[str, bytes], _Held] = {}
         self.default_receiver = default_receiver
         self._check_receiver = check_receiver
         self.peers: dict[str, Peer] = {}
@@ -277,14 +211,14 @@ class SenderSession:
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "bytes_put", "puts", "layers_pushed",
             "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks")})
+        self.grants = StagingGrants(staging, self.counters, limits.lease_ms)  # the staging, by request
 
     # ---- entry points ------------------------------------------------------------------
     def on_ingress(self, ident: bytes, msg: Msg, now: int) -> list:
         out: list = []
         rid = getattr(msg, "req_id", None)
-        if (rid, ident) in self._held and isinstance(msg, (Abort, Finish, Begin)):
-            self._unhold((rid, ident))  # that engine has stopped writing the failed request's staging
-            self._grant(out)
+        if self.grants.held(rid, ident) and isinstance(msg, (Abort, Finish, Begin)):
+            self.grants.stopped(rid, ident, out)  # that engine has stopped writing the failed request's staging
             if isinstance(msg, Abort):
                 return out  # its acknowledgement of the failure (client.PushHandle._failed): nothing to answer
         try:
@@ -293,7 +227,10 @@ class SenderSession:
             elif isinstance(msg, LayerReady):
                 self._layer_ready(ident, msg, now, out)
             elif isinstance(msg, NeedStaging):
-                self._need(ident, msg, out)
+                r, rank = self._client_req(ident, msg.req_id)
+                if r.state is not TxState.STREAMING:
+                    raise UnexpectedMessage(f"need_staging for {r.req_id!r} in state {r.state.value}")
+                self.grants.ask(r, ident, msg.unit, r.ranks[rank].layers_posted, out)
             elif isinstance(msg, Finish):
                 self._finish(ident, msg, now, out)
             elif isinstance(msg, Abort):
@@ -301,9 +238,7 @@ class SenderSession:
                 who = f" ({r.who(rank)})" if r.world > 1 else ""
                 self._fail(r, Aborted(f"aborted by prefill engine{who}: {msg.reason or 'no reason given'}"), now,
                            out, tell_receiver=True)
-                if (r.req_id, ident) in self._held:  # the engine that aborts has stopped writing
-                    self._unhold((r.req_id, ident))
-                    self._grant(out)
+                self.grants.stopped(r.req_id, ident, out)  # the engine that aborts has stopped writing
             else:
                 raise UnexpectedMessage(f"sender does not accept {msg.type} on the ingress")
         except PdpushError as e:
@@ -376,7 +311,7 @@ class SenderSession:
                     self._announce(r, now, out)
                 except Exception as exc:  # noqa: BLE001 - the top-level guard
                     self._internal("a put completion", exc, r.req_id, now, out)
-        self._grant(out)  # the blocks these layers gave back
+        self.grants.pump(out)  # the blocks these layers gave back
         return out
 
     def on_peer_lost(self, endpoint: str, why: str, now: int) -> list:
@@ -388,8 +323,7 @@ class SenderSession:
 
     def client_pids(self) -> set[int]:
         """Processes of the prefill ranks with a request in flight or staging held (the shell watches them)."""
-        return {k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid} | {
-            h.pid for h in self._held.values() if h.pid}
+        return {k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid} | self.grants.pids()
 
     def on_client_gone(self, pid: int, now: int) -> list:
         """A prefill rank's process died: its requests cannot complete, fail them for every rank."""
@@ -399,21 +333,13 @@ class SenderSession:
             if dead:
                 self._fail(r, BrokenResourceError(f"prefill {r.who(dead[0])} (pid {pid}) died mid-push"),
                            now, out, tell_receiver=True)
-        gone = [k for k, h in self._held.items() if h.pid == pid]
-        if gone:
-            for k in gone:
-                self._unhold(k)
-            self._grant(out)
+        self.grants.on_client_gone(pid, out)
         return out
 
     def on_tick(self, now: int) -> list:
         out: list = []
         lim = self.limits
-        late = [k for k, h in self._held.items() if now >= h.until_ms]
-        if late:
-            for k in late:
-                self._unhold(k)
-            self._grant(out)
+        self.grants.on_tick(now, out)
         for p in self.peers.values():
             if p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING) and now > p.deadline_ms:
                 self._peer_failed(p, TransportTimeout(
@@ -508,12 +434,7 @@ class SenderSession:
             layout.check_state_tp(msg.tp_size)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
-        whole = RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens))  # nothing held
-        biggest = max((nb for _, nb in whole.staging_units()), default=0)
-        if self.staging.rounded(biggest) > self.staging.size // 2 or not self.meta.fits(whole.meta_bytes):
-            raise RequestTooLarge(f"one layer of the request needs {biggest} bytes of staging (at most half of its "
-                                  f"{self.staging.size} layer bytes) and {whole.meta_bytes} of metadata (of "
-                                  f"{self.meta.size}); raise staging_bytes ({self.staging_info.nbytes})")
+        self.grants.check(RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)))
         receiver = msg.receiver or self.default_receiver
         if not receiver:
             raise RemoteProtocolError("no receiver named and no default_receiver configured")
@@ -637,84 +558,11 @@ class SenderSession:
     def _readiness(self, r: TxRequest, layers: tuple[int, ...], now: int) -> PostPuts:
         """Layers whose data is flushed (every rank's share): put their readiness words (the lease id)."""
         ack = r.peer.ack
-        words = self._words(r)
+        words = self.grants.words(r)
         ops = [PutOp(words + (gp.new_first + idx) * 8, ack.ready_base + (layer * ack.pool_pages + page) * 8, n * 8)
                for layer in layers if layer < r.layout.layers  # the state has no readiness words: the commit says
                for gp in (r.plan.of(layer),) for idx, page, n in gp.page_runs]
         return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready", 0), now + self.limits.layer_timeout_ms)
-
-    def _words(self, r: TxRequest) -> int:
-        """Staging address of the request's readiness words, after its grant table."""
-        return self.staging_info.address + r.meta_off + r.plan.grant_words * 8
-
-    def _grant(self, out: list) -> None:
-        """Grant the blocks engines wait for, in the order they asked, while they fit. The head waits for
-        room and nothing overtakes it, so a large layer is not starved by small ones."""
-        q = self._grants
-        while q:
-            r, unit, nbytes = q[0]
-            if self.reqs.get(r.req_id) is not r:  # it ended meanwhile
-                q.popleft()
-                continue
-            try:
-                off = self.staging.alloc(nbytes)
-            except PoolExhausted:
-                if not self._head_waited:
-                    self._head_waited = True
-                    self.counters.add("staging_waits")
-                return
-            q.popleft()
-            self._head_waited = False
-            self._give(r, unit, off, out)
-            granted = StagingGranted(req_id=r.req_id, unit=unit)
-            out.extend(ToClient(c, granted) for c in r.asked.pop(unit, ()))
-
-    def _give(self, r: TxRequest, unit: int, off: int, out: list) -> None:
-        """The engine finds a block at its unit's word of the grant table: offset + 1 (0: not granted)."""
-        r.blocks[unit] = off
-        out.append(FillWords(self.staging_info.address + r.meta_off + unit * 8, off + 1, 1))
-
-    def _grant_ahead(self, r: TxRequest, out: list) -> None:
-        """At allocation, grant the request's blocks in order while staging stays at most half full and no
-        engine waits: a request that fits never asks. What is left is granted when asked for (``_need``);
-        the half kept free is what guarantees an engine that asks (and then writes at once) gets room,
-        whatever order the engines write their requests in."""
-        if self._grants:
-            return
-        limit = self.staging.size // 2
-        for unit, nbytes in r.plan.staging_units():
-            if self.staging.size - self.staging.free_bytes + self.staging.rounded(nbytes) > limit:
-                return
-            try:
-                off = self.staging.alloc(nbytes)
-            except PoolExhausted:
-                return
-            self._give(r, unit, off, out)
-
-    def _need(self, ident: bytes, msg: NeedStaging, out: list) -> None:
-        r, rank = self._client_req(ident, msg.req_id)
-        if r.state is not TxState.STREAMING:
-            raise UnexpectedMessage(f"need_staging for {r.req_id!r} in state {r.state.value}")
-        units = dict(r.plan.staging_units())
-        if msg.unit not in units:
-            raise RemoteProtocolError(f"request {r.req_id!r} has no staging unit {msg.unit}")
-        if msg.unit in r.blocks:  # granted already (another rank asked first)
-            out.append(ToClient(ident, StagingGranted(req_id=r.req_id, unit=msg.unit)))
-            return
-        if msg.unit in r.ranks[rank].layers_posted:
-            raise RemoteProtocolError(f"staging unit {msg.unit} of {r.req_id!r} was handed over already")
-        waiting = r.asked.setdefault(msg.unit, set())
-        if not waiting:
-            self._grants.append((r, msg.unit, units[msg.unit]))
-            self.counters.add("staging_asks")
-        waiting.add(ident)
-        self._grant(out)
-
-    def _land(self, r: TxRequest, layer: int) -> None:
-        """Every share of ``layer`` is flushed: its block goes back."""
-        off = r.blocks.pop(layer, None)
-        if off is not None:
-            self.staging.free(off)
 
     def _share_flushed(self, r: TxRequest, layer: int, rank: int, digest: int | None) -> bool:
         """Participant ``rank``'s share of ``layer`` is in the pool; True when that completes the layer
@@ -740,7 +588,7 @@ class SenderSession:
         nbytes = r.plan.layer_bytes(layer)
         r.bytes_sent += nbytes
         r.layers_done.add(layer)
-        self._land(r, layer)
+        self.grants.land(r, layer)
         r.unannounced.append((layer, None if None in digests else combine_digests(digests)))
         c = self.counters
         c.add("bytes_pushed", nbytes)
@@ -842,7 +690,7 @@ class SenderSession:
                                               f"of {layout.state_layers} state layers"), now, out, tell_receiver=True)
             return
         try:  # the grant table and a readiness word per new item (the lease id); staging comes layer by layer
-            r.meta_off = self.meta.alloc(r.plan.meta_bytes)
+            self.grants.open(r, out)
         except PdpushError as e:
             self._fail(r, e, now, out, tell_receiver=True)
             return
@@ -857,9 +705,8 @@ class SenderSession:
             return
         if layout.windows:
             self.counters.add("bytes_window_saved", r.plan.window_saved_bytes)
-        out.append(FillWords(self.staging_info.address + r.meta_off, 0, r.plan.grant_words))
         if r.n_new:
-            out.append(FillWords(self._words(r), a.lease_id, r.n_new))
+            out.append(FillWords(self.grants.words(r), a.lease_id, r.n_new))
         elif not layout.state_layers:  # the receiver holds every chunk: every layer is there already, a finish commits
             r.layers_done = set(range(layout.layers))
             r.flushed = {layer: dict.fromkeys(range(r.tp)) for layer in range(layout.layers)}
@@ -867,7 +714,7 @@ class SenderSession:
         # the engine has until just before the lease ends to hand over every layer
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
         self.counters.add("chunks_skipped", r.skipped)
-        self._grant_ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
+        self.grants.ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
         ok = self._begin_ok(r)
         out.extend(ToClient(c, ok) for c in r.clients)
 
@@ -883,49 +730,13 @@ class SenderSession:
                                                chunks_skipped=r.skipped, layer_done_ms=r.layer_done_ms)))
 
     def _release(self, r: TxRequest, now: int) -> None:
-        self._give_back(r, now)
+        self.grants.release(r, now)
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
         if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
             self.ended[r.req_id] = r.failure
             while len(self.ended) > 4096:
                 self.ended.popitem(last=False)
-
-    def _give_back(self, r: TxRequest, now: int) -> None:
-        """The request's staging: back now if it committed (every layer landed; its engines wait in
-        ``finish()``). Otherwise an engine that has not heard of the failure may still read its grant
-        table and write its blocks, so they go back once every engine of the request has said it stopped
-        (Abort, Finish, a new Begin), or died, or ``lease_ms`` after the failure (``_Held``)."""
-        blocks = [(self.staging, off) for off in r.blocks.values()]
-        if r.meta_off is not None:
-            blocks.append((self.meta, r.meta_off))
-        r.blocks.clear()
-        r.meta_off = None
-        if r.state is TxState.DONE:
-            for alloc, off in blocks:
-                alloc.free(off)
-            return
-        if not blocks:
-            return
-        until = now + self.limits.lease_ms
-        for i, k in enumerate(r.ranks.values()):  # the first engine holds the blocks, the others empty holds
-            mine = blocks if i == 0 else []
-            held = self._held.get((r.req_id, k.client))
-            if held is not None:  # an earlier failed request of that id and engine, not acknowledged yet
-                held.blocks.extend(mine)
-                held.until_ms = max(held.until_ms, until)
-            else:
-                self._held[(r.req_id, k.client)] = _Held(k.pid, until, mine)
-
-    def _unhold(self, key: tuple[str, bytes]) -> None:
-        """An engine has stopped writing a failed request's staging: it goes back when every engine has."""
-        h = self._held.pop(key)
-        other = next((k for k in self._held if k[0] == key[0]), None)
-        if other is not None:  # another engine of the request may still write: it keeps the blocks
-            self._held[other].blocks.extend(h.blocks)
-            return
-        for alloc, off in h.blocks:
-            alloc.free(off)
 
     def _fail(self, r: TxRequest, err: PdpushError, now: int, out: list, tell_receiver: bool = False) -> None:
         if self.reqs.get(r.req_id) is not r:
@@ -940,7 +751,7 @@ class SenderSession:
         out.append(Count("failures", label=err.code.value))
         reply = protocol.error_reply(err, r.req_id)
         out.extend(ToClient(c, reply) for c in r.clients)
-        self._grant(out)  # its place in the queue goes to the next
+        self.grants.pump(out)  # its place in the queue goes to the next
 
     def _fail_waiting(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
         for r in [r for r in self.reqs.values() if r.peer is p]:
@@ -959,22 +770,10 @@ class SenderSession:
     def stats(self) -> dict:
         return {"requests_inflight": len(self.reqs),
                 "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
-                "staging_bytes_free": self.staging.free_bytes, "staging_grants_waiting": len(self._grants),
-                # failed requests' blocks and grant tables, until their engines say they stopped
-                "staging_held_bytes": sum(a.used[off] for h in self._held.values() for a, off in h.blocks),
-                "draining": self.draining, **self.counters.values}
+                **self.grants.stats(), "draining": self.draining, **self.counters.values}
 
 
 MAX_PARTICIPANTS = 4096  # tp_size x pp_size of one request
-
-
-@dataclass
-class _Held:
-    """Staging of a failed request that one of its engines may still be writing."""
-
-    pid: int
-    until_ms: int
-    blocks: list[tuple[StagingAllocator, int]]  # (allocator, offset)
 
 
 def _stage_layers(msg: Begin) -> range:
