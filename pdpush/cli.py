@@ -245,7 +245,9 @@ def _add_tooling() -> None:
     install; registering them imports only its typer signatures."""
     try:
         from pdpush_tools.cli import register
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != "pdpush_tools":
+            raise  # the tooling is there but broken: say so, rather than lose its commands quietly
         return
     register(app)
 
