@@ -218,7 +218,8 @@ class SenderConfig(_Base):
     """Unix socket for the local prefill engine; default <runtime dir>/sender-<metrics_port>.sock (so that
     senders on one host, which need their own metrics ports anyway, get their own sockets)."""
     staging_bytes: int = Field(1 << 30, ge=1 << 20)
-    """Shared staging memory the prefill engine writes layers into."""
+    """Shared staging memory the prefill engine writes layers into: the layers in flight (a layer must fit in
+    half of it; docs/layout.md, "Staging: the layers in flight")."""
     default_receiver: str = "tcp://127.0.0.1:5710"
     """Receiver control endpoint used when a request names none."""
     lease_ms: int = Field(30_000, ge=10)
