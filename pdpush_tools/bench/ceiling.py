@@ -56,6 +56,30 @@ def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
             proc.wait(5)
 
 
+def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
+    """Median GB/s of the engine's staging copy (``kvcodec.stage``: token-major ``[tokens, heads, D]``
+    components into head-major pages, as ``PrefillClient.put_layer`` does) of ``layout.layers`` layers,
+    each from and to its own memory: the same bytes and pattern as ``measure_memcpy``, so the two compare."""
+    from pdpush import kvcodec
+    from pdpush.layout import StagingShares
+
+    n = layout.num_chunks(tokens)
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, (layout.layers, layout.components, tokens, layout.kv_heads, layout.row_bytes),
+                       dtype=np.uint8)
+    sh = StagingShares(layout, 1, 1, n)
+    dst = np.ones((layout.layers, *sh.share_shape()), dtype=np.uint8)  # written before, as staging is
+    segs = kvcodec.segments([(0, 0, n)], tokens, layout.chunk_tokens)
+    rates = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        for layer in range(layout.layers):
+            kvcodec.stage(dst[layer], tuple(src[layer]), sh, 0, segs)
+        rates.append(src.nbytes / (time.perf_counter() - t) / 1e9)
+    rates = rates[1:]
+    return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
+
+
 def measure_memcpy(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     a = np.ones(layer_bytes * layers, dtype=np.uint8)
     b = np.empty_like(a)

@@ -125,6 +125,9 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"| end to end through `PrefillClient.put_layer` >= 0.8x raw put+flush at 4 MiB and above | {e2e_txt} | "
         f"{_met(all(r['ratio'] >= 0.8 for _, r in e2e))} |",
         *nixl_row,
+        f"| the engine's staging copy (`kvcodec.stage`, token-major to head-major pages) >= 0.8x memcpy | "
+        f"{g['staging_copy_gbps']:.2f} GB/s, {g['ratio_staging_copy']:.2f}x ({g['memcpy_gbps']:.2f} GB/s) | "
+        f"{_met(g['ratio_staging_copy'] >= 0.8)} |" if "staging_copy_gbps" in g else "| staging copy | not measured | |",
         f"| latency: 1-chunk request, {lat['layout']['layers']} layers, hand-over -> decode-visible, p50 <= 1 ms | "
         f"p50 {lat['one_chunk_p50_ms']:.2f} ms, p99 {lat['one_chunk_p99_ms']:.2f} ms | "
         f"{_met(lat['one_chunk_p50_ms'] <= 1.0)} |",
