@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from pdpush import control, kvcodec, protocol
+from pdpush import control, kvcodec, protocol, ring
 from pdpush.config import default_sender_socket
 from pdpush.errors import (
     Aborted,
@@ -39,6 +39,7 @@ from pdpush.protocol import (
     Abort,
     Begin,
     BeginOk,
+    Bye,
     Claim,
     ClaimOk,
     Committed,
@@ -58,6 +59,7 @@ from pdpush.protocol import (
     StagingGranted,
     StatusReply,
     StatusRequest,
+    Wake,
 )
 from pdpush.shm import Attached
 
@@ -242,9 +244,9 @@ class _Conn:
         _raise(reply)
         return reply
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         with self.lock:
-            self.sock.close(0)
+            self.sock.close(linger_ms)
 
 
 class _Attachments:
@@ -327,6 +329,8 @@ class PushHandle:
         st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
         self._base = st.array  # the whole staging region: the sender grants each layer a block of it
         self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
+        self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
+        self._handle = ok.handle  # how its records name this request
         self._sent: set[int] = set()
         self._done: Done | None = None
         self._aborted: str | None = None
@@ -440,7 +444,7 @@ class PushHandle:
         """Hand several staged layers over in one message (eager mode, or layers that finished together)."""
         self._check_open()
         self._mark_sent(layers)
-        self.client._conn.send(LayerReady(req_id=self.req_id, layers=list(layers)), self.client.timeout_s)
+        self._hand_over(list(layers), wait=True)
 
     def post_layers_ready(self, layers: list[int]) -> None:
         """``layers_ready`` from a completion thread: never waits for the socket (``_Conn.post``).
@@ -449,7 +453,48 @@ class PushHandle:
         if self._done is not None or self._base is None or self._finishing:
             raise UnexpectedMessage(f"request {self.req_id!r} has ended")
         self._mark_sent(layers)
-        self.client._conn.post(LayerReady(req_id=self.req_id, layers=list(layers)))
+        self._hand_over(list(layers), wait=False)
+
+    def _hand_over(self, layers: list[int], wait: bool) -> None:
+        """Records in the connection's ring (ring.py), the sender woken if it sleeps; without a ring, a
+        ``LayerReady``. A full ring is waited for (``wait``: the owner thread, bounded by the client's
+        timeout) or, from a completion thread, the rest goes by message: a record is never overwritten."""
+        conn, w = self.client._conn, self._ring
+        if w is None:
+            msg = LayerReady(req_id=self.req_id, layers=layers)
+            conn.send(msg, self.client.timeout_s) if wait else conn.post(msg)
+            return
+        spans = ring.runs(layers)
+        recs = [ring.encode(self._handle, a, n) for a, n in spans]
+        done = w.push(recs)
+        if done < len(recs) and wait:
+            done = self._wait_ring(w, recs, spans, done)
+        if done < len(recs):
+            conn.post(LayerReady(req_id=self.req_id, layers=[la for a, n in spans[done:] for la in range(a, a + n)]))
+        elif w.sender_idle():
+            conn.post(Wake())
+
+    def _wait_ring(self, w: ring.RingWriter, recs: list[int], spans: list[tuple[int, int]], done: int) -> int:
+        """The ring is full: the sender has not taken records yet. Wait for room until the timeout; then
+        the layers not handed over are the engine's again (it may hand them over later)."""
+        conn = self.client._conn
+        conn.post(Wake())
+        deadline, nap = time.monotonic() + self.client.timeout_s, 50e-6
+        while done < len(recs):
+            time.sleep(nap)
+            nap = min(nap * 2, 0.001)
+            done += w.push(recs[done:])
+            err = None
+            if done < len(recs) and time.monotonic() > deadline:
+                err = TransportTimeout(f"request {self.req_id!r}: the sender took no hand-over for "
+                                       f"{self.client.timeout_s:g} s (its ring of {w.slots} records is full)",
+                                       req_id=self.req_id)
+            elif done < len(recs) and conn.peer_pid and not pid_alive(conn.peer_pid):
+                err = BrokenResourceError(f"the local pdpush daemon (pid {conn.peer_pid}) died", req_id=self.req_id)
+            if err is not None:
+                self._sent.difference_update(la for a, n in spans[done:] for la in range(a, a + n))
+                raise err
+        return done
 
     def _mark_sent(self, layers: list[int]) -> None:
         again = [la for la in layers if la in self._sent]
@@ -543,6 +588,7 @@ class PrefillClient:
         self.timeout_s = timeout_s
         self._conn = _Conn(sender_socket or default_sender_socket())
         self._segments = _Attachments()
+        self._rings: dict[int, ring.RingWriter] = {}  # by staging shmid: this connection's ring in it
         if pin_cuda:  # staging is page-locked in this process, for asynchronous device-to-host copies
             self._segments.pin_all()
 
@@ -575,9 +621,27 @@ class PrefillClient:
         reply = self._conn.call(StatusRequest(), None, self.timeout_s)
         return dict(reply.stats)  # type: ignore[union-attr]
 
+    def _ring(self, ok: BeginOk, staging: Attached) -> ring.RingWriter | None:
+        if not ok.ring_slots or not ring.available():
+            return None
+        w = self._rings.get(ok.staging_shmid)
+        if w is None or w.address != staging.address + ok.ring_offset:
+            # one ring per connection; a new segment is a restarted sender's, and the old ring is gone with it
+            w = ring.RingWriter(staging.address + ok.ring_offset, ok.ring_slots, staging.address + ok.idle_offset)
+            self._rings = {ok.staging_shmid: w}
+        return w
+
     def close(self) -> None:
+        linger = 0
+        if self._rings and (not self._conn.peer_pid or pid_alive(self._conn.peer_pid)):
+            try:  # the sender may give this connection's ring to another now
+                self._conn.send(Bye(), 1.0)
+                linger = 500
+            except TransportTimeout:
+                pass
+        self._rings.clear()
         self._segments.close()
-        self._conn.close()
+        self._conn.close(linger)
 
 
 # ----------------------------------------------------------------------------- decode side

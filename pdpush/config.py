@@ -230,6 +230,9 @@ class SenderConfig(_Base):
     """When a receiver answers pool_exhausted, retry (after its retry_after_ms) for at most this long."""
     layer_timeout_ms: int = Field(10_000, ge=10)
     """Deadline for one layer's put+flush."""
+    handover_ring_slots: int = Field(256, ge=0, le=65536)
+    """Records in each engine connection's hand-over ring, 8 bytes each, in staging (docs/layout.md, "The
+    hand-over ring"); an engine that fills it waits for the sender. 0: engines hand layers over by message."""
     checksums: bool = False
     """Send an xxhash checksum of each layer's bytes in LayerDone."""
     curve_secret_key_file: str | None = None

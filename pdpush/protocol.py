@@ -198,6 +198,11 @@ class BeginOk(Msg):
     new_chunks: U32
     daemon_pid: int = 0  # the prefill engine watches the sender's pid while it waits
     pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # the receiver's; with tp_size, the staging shares
+    # the hand-over ring of this connection (ring.py): its records name the request by ``handle``
+    handle: U32 = 0
+    ring_offset: U64 = 0
+    ring_slots: U32 = 0  # 0: no ring, hand layers over by LayerReady
+    idle_offset: U64 = 0  # the sender's idle word: wake it (Wake) after a record when it is set
 
 
 class LayerReady(Msg):
@@ -206,6 +211,18 @@ class LayerReady(Msg):
     type: Literal["layer_ready"] = "layer_ready"
     req_id: ReqId
     layers: Layers
+
+
+class Wake(Msg):
+    """The engine wrote its hand-over ring while the sender said it was idle (ring.py)."""
+
+    type: Literal["wake"] = "wake"
+
+
+class Bye(Msg):
+    """This connection will not write its hand-over ring again: the sender may reuse it."""
+
+    type: Literal["bye"] = "bye"
 
 
 class NeedStaging(Msg):
@@ -367,8 +384,8 @@ class Ok(Msg):
 Message = Annotated[
     Union[
         Hello, HelloAck, AllocRequest, AllocResponse, LayerDone, Commit, CommitAck, Abort, Error,
-        StatusRequest, StatusReply, Begin, BeginOk, LayerReady, NeedStaging, StagingGranted, Finish, Done, Open, OpenOk,
-        LayerAvailable, Committed, Release, Query, QueryReply, Ok, Claim, ClaimOk, IndexSubscribe, IndexSnapshot,
+        StatusRequest, StatusReply, Begin, BeginOk, LayerReady, Wake, Bye, NeedStaging, StagingGranted, Finish, Done,
+        Open, OpenOk, LayerAvailable, Committed, Release, Query, QueryReply, Ok, Claim, ClaimOk, IndexSubscribe, IndexSnapshot,
         IndexEvent,
     ],
     Field(discriminator="type"),

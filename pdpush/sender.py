@@ -3,7 +3,8 @@
 For each request:
   Begin (client) -> [Hello/HelloAck + UCX connect, once per receiver]
   -> AllocRequest -> AllocResponse -> BeginOk (client: staging slot, skip list)
-  -> per LayerReady (client): puts of the new chunks, coalesced by page run,
+  -> per layer handed over (a record in the client's ring in staging, ring.py, or a LayerReady):
+     puts of the new chunks, coalesced by page run,
      and one flush, posted without waiting; LayerDone when that flush completes
   -> Finish (client) -> Commit -> CommitAck -> Done.
 Every decision is the session's; this module polls sockets and UCX completions
@@ -28,11 +29,13 @@ from pdpush import control, protocol
 from pdpush.client import pid_alive
 from pdpush.config import SenderConfig
 from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportError
-from pdpush.protocol import StatusReply, StatusRequest
+from pdpush.protocol import StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
+    CloseRing,
     Connect,
     FillWords,
     Flushed,
+    OpenRing,
     PostPuts,
     ResetPeer,
     SenderLimits,
@@ -66,6 +69,8 @@ class Sender:
         self._last_refresh = 0.0
         self._last_tick = 0
         self._spin_until = 0.0
+        self.rings: dict[bytes, object] = {}  # engine connection -> its hand-over ring (pdpush_native.Ring)
+        self._idle = None  # the sender's idle word in staging (ring.py), set while it sleeps
         self.keys = None
         if cfg.curve_secret_key_file:
             from pdpush import auth
@@ -89,9 +94,16 @@ class Sender:
         c = self.cfg
         self.session = SenderSession(
             SenderLimits(lease_ms=c.lease_ms, control_timeout_ms=c.control_timeout_ms,
-                         layer_timeout_ms=c.layer_timeout_ms, alloc_retry_budget_ms=c.alloc_retry_budget_ms),
+                         layer_timeout_ms=c.layer_timeout_ms, alloc_retry_budget_ms=c.alloc_retry_budget_ms,
+                         ring_slots=c.handover_ring_slots),
             StagingInfo(self.region.address, self.shmid, self.region.length, os.getpid()),
             c.default_receiver, check_receiver=self._check_receiver)
+        from pdpush_native import fence
+
+        self._fence = fence
+        if c.handover_ring_slots:
+            self._idle = shm.array_at(self.region.address + self.session.rings.idle_offset, 8).view(np.uint64)
+            self._idle[0] = 0
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, "staging_bytes": self.region.length,
                 "shmid": self.shmid, "backing": self.backing, "metrics_endpoint": self.metrics.endpoint}
 
@@ -135,8 +147,18 @@ class Sender:
             # for a short window after the last post or completion; past it (a slow or stalled
             # peer) look at the sockets at least every millisecond, without burning a core.
             timeout_ms = 0 if time.monotonic() < self._spin_until else min(timeout_ms, 1)
-        events = dict(self._poller().poll(timeout_ms if self.ucx.arm() else 0))
+        if not self.ucx.arm():
+            timeout_ms = 0
+        if timeout_ms and self.rings:
+            self._idle[0] = 1  # engines that write a record from now on wake this loop (ring.py)
+            self._fence()
+            if self._take_rings():
+                timeout_ms = 0
+        events = dict(self._poller().poll(timeout_ms))
+        if self._idle is not None:
+            self._idle[0] = 0
         self._reap()
+        self._take_rings()
         self.ucx.dispatch_closed()
         for endpoint, sock in list(self.socks.items()):
             if sock in events:
@@ -154,6 +176,7 @@ class Sender:
             except zmq.Again:
                 break
             if len(frames) >= 2:
+                self._take_ring(frames[0])  # its records were written before this frame was sent
                 self._guard(self._on_ingress_frame, frames[0], frames[-1])
         self._post_pending()  # everything handed over in this pass: one batch per receiver
         self._reap()
@@ -197,6 +220,18 @@ class Sender:
             self._spin_until = now + SPIN_S  # every completion of this pass at once: one LayerDone per request
             self._apply(self.session.on_flushed(done, now_ms()))
 
+    def _take_rings(self) -> int:
+        return sum(self._take_ring(ident) for ident in list(self.rings))
+
+    def _take_ring(self, ident: bytes) -> int:
+        """Hand the session the records in ``ident``'s ring (layers handed over); how many."""
+        ring = self.rings.get(ident)
+        records = ring.take() if ring is not None else None
+        if records:
+            self._guard(lambda: self._apply(self.session.on_handover(ident, records, now_ms())))
+            return len(records)
+        return 0
+
     def _on_ingress_frame(self, ident: bytes, payload: bytes) -> None:
         try:
             msg = protocol.decode(payload, self.cfg.max_frame_bytes)
@@ -206,6 +241,8 @@ class Sender:
         if isinstance(msg, StatusRequest):
             control.send(self.ingress, StatusReply(stats=self.stats()), ident)
             return
+        if isinstance(msg, Wake):
+            return  # its records are taken already (_take_ring before each frame)
         self._apply(self.session.on_ingress(ident, msg, now_ms()))
 
     def _on_peer_frame(self, endpoint: str, payload: bytes) -> None:
@@ -236,6 +273,12 @@ class Sender:
                 array_at(a.address, a.count * 8).view(np.uint64)[:] = a.value
             elif isinstance(a, ResetPeer):
                 self._reset(a.endpoint)
+            elif isinstance(a, OpenRing):
+                from pdpush_native import Ring
+
+                self.rings[a.ident] = Ring(a.address, a.slots)
+            elif isinstance(a, CloseRing):
+                self.rings.pop(a.ident, None)
             else:
                 self.metrics.apply(a, log)
 

@@ -16,7 +16,7 @@ def test_scenarios_and_report(tmp_path):
     res["goodput_sweep"] = [{k: res["goodput"][k] for k in ("layer_bytes", "goodput_gbps", "ceiling_gbps",
                                                             "memcpy_gbps", "ratio", "transport_goodput_gbps",
                                                             "ratio_transport", "verified")}]
-    res["latency"] = latency.run(KVLayout(4, 2, 64, "float16", 16), samples=10, engines=2, per_engine=20,
+    res["latency"] = latency.compare(KVLayout(4, 2, 64, "float16", 16), samples=10, engines=2, per_engine=20,
                                  pool_pages=16)
     res["isolation"] = {"scenario": "isolation", "skipped": "see test_isolation_scenario", "verified": True}
     res["pipeline"] = scenarios.pipeline(LAY, 256, ratios=(0.5, 2.0), reps=1)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdpush import kvcodec
+from pdpush import kvcodec, protocol
 from pdpush.errors import HandOverTimeout, RemoteProtocolError
 from pdpush.handover import HandOverQueue
 from pdpush.layout import KVLayout, StagingShares, rank_heads, runs
@@ -327,15 +327,17 @@ def test_the_cpu_fallback_imports_no_torch_without_an_nvidia_driver(tmp_path):
 
 # ---------------------------------------------------------------- real daemons
 
-def test_posts_from_another_thread_while_the_socket_is_held_arrive_before_the_finish(daemons):
-    """A completion thread never waits for the socket: what it posts while the engine holds it is
-    sent by the engine, ahead of the engine's own next message (the finish here). Bytes checked."""
+@pytest.mark.parametrize("ring_slots", [0, 256], ids=["messages", "ring"])
+def test_posts_from_another_thread_while_the_socket_is_held_arrive_before_the_finish(daemons, ring_slots):
+    """A completion thread never waits for the socket. By message (no ring), what it posts while the
+    engine holds the socket is sent by the engine, ahead of the engine's own next message (the finish
+    here); through the ring, its records are taken before that finish. Bytes checked."""
     from pdpush.client import DecodeClient, PrefillClient
     from tests.helpers import kv, read_back, rx_opts, sock
 
     lay = KVLayout(layers=4, kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=8, model_id="default")
     rx = daemons.receiver(**rx_opts(lay))
-    tx = daemons.sender(rx)
+    tx = daemons.sender(rx, handover_ring_slots=ring_slots)
     pc, rc = PrefillClient(lay, sock(tx), timeout_s=30), DecodeClient(sock(rx), timeout_s=30)
     try:
         k, v = kv(lay, 30, seed=5)
@@ -349,11 +351,14 @@ def test_posts_from_another_thread_while_the_socket_is_held_arrive_before_the_fi
             t = threading.Thread(target=h.post_layers_ready, args=([1, 2],))
             t.start()
             t.join(5)
-            assert not t.is_alive() and len(conn._outbox) == 1
+            assert not t.is_alive() and (h._ring is None) == (not ring_slots)
+            queued = [protocol.decode(f).type for f in conn._outbox]
+            assert queued == ["layer_ready"] if not ring_slots else queued in ([], ["wake"])  # ring: at most a wake
         t = threading.Thread(target=h.post_layers_ready, args=([3],))  # the socket is free: sent at once
         t.start()
         t.join(5)
-        assert not conn._outbox
+        # (a wake queued under the lock leaves with the next frame; one through the ring needs none)
+        assert [protocol.decode(f).type for f in conn._outbox] in ([], ["wake"] if ring_slots else [])
         done = h.finish(timeout_s=30)
         assert done.bytes_sent > 0
         gk, gv = read_back(rc, "posted", lay, 30)

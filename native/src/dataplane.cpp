@@ -124,6 +124,8 @@ class Batches {
 
 }  // namespace
 
+void register_ring(nb::module_ &m);  // ring.cpp
+
 NB_MODULE(_dataplane, m) {
     m.doc() = "pdpush's native data plane: UCX puts and flushes posted, and their completions reaped, in C++";
     nb::exception<UcpFailure>(m, "UcpError");
@@ -142,4 +144,5 @@ NB_MODULE(_dataplane, m) {
     m.def(
         "status_string", [](int status) { return std::string(ucs_status_string(static_cast<ucs_status_t>(status))); },
         nb::arg("status"));
+    register_ring(m);
 }

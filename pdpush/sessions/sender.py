@@ -1,17 +1,19 @@
 """SenderSession: the sender's protocol logic, sans-I/O.
 
 Events in (each with ``now``, monotonic milliseconds):
-  * ``on_ingress(client, msg, now)``    Begin / LayerReady / Finish / Abort from a prefill engine;
+  * ``on_ingress(client, msg, now)``    Begin / LayerReady / Finish / Abort / Bye from a prefill engine;
+  * ``on_handover(client, records, now)`` records its engine wrote into its hand-over ring (ring.py);
   * ``on_peer(endpoint, msg, now)``     a decoded frame from a receiver;
   * ``on_connected(endpoint, error, now)`` the data plane to a receiver is up (or failed);
   * ``on_flushed(completions, now)``   posted layers' flushes completed (every one of a loop pass);
   * ``on_peer_lost(endpoint, why, now)`` a receiver's socket or UCX endpoint broke;
   * ``on_tick(now)``                    control-reply deadlines, allocation back-off.
 Actions out (``tx_actions.py``): ``ToClient``/``ToPeer`` messages, ``Connect``, ``PostPuts``,
-``FillWords``, ``ResetPeer``, metric ``Count``/``Observe``, ``Log``.
+``FillWords``, ``ResetPeer``, ``OpenRing``/``CloseRing``, metric ``Count``/``Observe``, ``Log``.
 
 Staging holds the layers in flight: each request's blocks are granted, given back and held after a
-failure by ``StagingGrants`` (grants.py); an engine asks for a block with ``NeedStaging``.
+failure by ``StagingGrants`` (grants.py); an engine asks for a block with ``NeedStaging``. Each engine
+connection hands layers over through its ring in staging (``HandoverRings``, rings.py) where it has one.
 
 A layer's puts are posted and the session moves on: many layers, requests and
 receivers are in flight at once. ``LayerDone`` goes out when a layer's flush
@@ -69,6 +71,7 @@ from pdpush.protocol import (
     AllocResponse,
     Begin,
     BeginOk,
+    Bye,
     Commit,
     CommitAck,
     Done,
@@ -88,10 +91,13 @@ from pdpush.protocol import (
 )
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
 from pdpush.sessions.grants import StagingGrants
+from pdpush.sessions.rings import HandoverRings
 from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, importable from here
+    CloseRing,
     Connect,
     FillWords,
     Flushed,
+    OpenRing,
     PostPuts,
     ResetPeer,
     StagingInfo,
@@ -107,6 +113,7 @@ class SenderLimits:
     control_timeout_ms: int = 5000
     layer_timeout_ms: int = 5000
     alloc_retry_budget_ms: int = 2000
+    ring_slots: int = 256  # per engine connection's hand-over ring (ring.py); 0: hand-overs by message only
 
 
 @dataclass
@@ -210,8 +217,10 @@ class SenderSession:
         self.draining = False
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "bytes_put", "puts", "layers_pushed",
-            "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks")})
+            "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks", "handovers_ring",
+            "handovers_stale", "rings_refused")})
         self.grants = StagingGrants(staging, self.counters, limits.lease_ms)  # the staging, by request
+        self.rings = HandoverRings(self.grants.meta, staging.address, limits.ring_slots, self.counters)
 
     # ---- entry points ------------------------------------------------------------------
     def on_ingress(self, ident: bytes, msg: Msg, now: int) -> list:
@@ -223,6 +232,7 @@ class SenderSession:
                 return out  # its acknowledgement of the failure (client.PushHandle._failed): nothing to answer
         try:
             if isinstance(msg, Begin):
+                self.rings.open(ident, msg.client_pid, out)  # the connection's ring, with its first BeginOk
                 self._begin(ident, msg, now, out)
             elif isinstance(msg, LayerReady):
                 self._layer_ready(ident, msg, now, out)
@@ -239,12 +249,28 @@ class SenderSession:
                 self._fail(r, Aborted(f"aborted by prefill engine{who}: {msg.reason or 'no reason given'}"), now,
                            out, tell_receiver=True)
                 self.grants.stopped(r.req_id, ident, out)  # the engine that aborts has stopped writing
+            elif isinstance(msg, Bye):
+                self.rings.close(ident, out)
             else:
                 raise UnexpectedMessage(f"sender does not accept {msg.type} on the ingress")
         except PdpushError as e:
             out.append(ToClient(ident, protocol.error_reply(e, rid)))
         except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
             self._internal(msg.type, exc, rid, now, out, reply_to=ident)
+        return out
+
+    def on_handover(self, ident: bytes, records: list[tuple[int, int, int]], now: int) -> list:
+        """Records taken from ``ident``'s ring, in order: (request handle, first layer, layers). Each is
+        that engine's ``LayerReady``; one for a request that has ended meanwhile is dropped."""
+        out: list = []
+        for handle, first, n in records:
+            r = self._by_seq.get(handle)
+            if r is None:
+                self.counters.add("handovers_stale")
+                continue
+            self.counters.add("handovers_ring")
+            out.extend(self.on_ingress(ident, LayerReady.model_construct(req_id=r.req_id,
+                                                                         layers=list(range(first, first + n))), now))
         return out
 
     def on_peer(self, endpoint: str, msg: Msg, now: int) -> list:
@@ -323,7 +349,8 @@ class SenderSession:
 
     def client_pids(self) -> set[int]:
         """Processes of the prefill ranks with a request in flight or staging held (the shell watches them)."""
-        return {k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid} | self.grants.pids()
+        return ({k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid} | self.grants.pids()
+                | self.rings.pids())
 
     def on_client_gone(self, pid: int, now: int) -> list:
         """A prefill rank's process died: its requests cannot complete, fail them for every rank."""
@@ -334,6 +361,7 @@ class SenderSession:
                 self._fail(r, BrokenResourceError(f"prefill {r.who(dead[0])} (pid {pid}) died mid-push"),
                            now, out, tell_receiver=True)
         self.grants.on_client_gone(pid, out)
+        self.rings.on_client_gone(pid, out)
         return out
 
     def on_tick(self, now: int) -> list:
@@ -482,13 +510,15 @@ class SenderSession:
             raise err
         r.ranks[part] = TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage)
         if r.state is TxState.STREAMING:
-            out.append(ToClient(ident, self._begin_ok(r)))
+            out.append(ToClient(ident, self._begin_ok(r, ident)))
 
-    def _begin_ok(self, r: TxRequest) -> BeginOk:
+    def _begin_ok(self, r: TxRequest, ident: bytes) -> BeginOk:
         s = self.staging_info
+        ring, slots = self.rings.of(ident)  # opened at its Begin (or none)
         return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
                        staging_bytes=s.nbytes, staging_offset=r.meta_off, new_chunks=r.n_new,
-                       daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards)
+                       daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards, handle=r.seq & 0xFFFFFFFF,
+                       ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset)
 
     def _hello(self, peer: Peer, begin: Begin, now: int, out: list) -> None:
         layout = KVLayout(**begin.layout.model_dump())
@@ -715,8 +745,7 @@ class SenderSession:
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
         self.counters.add("chunks_skipped", r.skipped)
         self.grants.ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
-        ok = self._begin_ok(r)
-        out.extend(ToClient(c, ok) for c in r.clients)
+        out.extend(ToClient(c, self._begin_ok(r, c)) for c in r.clients)  # each with its connection's ring
 
     def _done(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")
@@ -770,7 +799,7 @@ class SenderSession:
     def stats(self) -> dict:
         return {"requests_inflight": len(self.reqs),
                 "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
-                **self.grants.stats(), "draining": self.draining, **self.counters.values}
+                **self.grants.stats(), **self.rings.stats(), "draining": self.draining, **self.counters.values}
 
 
 MAX_PARTICIPANTS = 4096  # tp_size x pp_size of one request

@@ -70,6 +70,22 @@ class ResetPeer:
 
 
 @dataclass(frozen=True)
+class OpenRing:
+    """Take hand-over records (ring.py) from ``ident``'s ring of ``slots`` words at ``address``."""
+
+    ident: bytes
+    address: int
+    slots: int
+
+
+@dataclass(frozen=True)
+class CloseRing:
+    """``ident``'s ring is gone: take no more records from it."""
+
+    ident: bytes
+
+
+@dataclass(frozen=True)
 class StagingInfo:
     address: int
     shmid: int

@@ -17,6 +17,10 @@ released; unread ones leave after ``committed_ttl_ms``), and a warm-up first
 touches every page. On one host the sender writes through its own mapping of the
 receiver's segment, and a first write to a page costs a page fault there (~2 ms
 for a cold 32-layer request here); an RDMA NIC has no such cost.
+
+``handover``: "ring" (the default: records in the connection's ring in staging, docs/layout.md,
+"The hand-over ring") or "messages" (a ``LayerReady`` per hand-over, the sender started with
+``handover_ring_slots = 0``). ``compare`` runs both in one run and reports the ring's ratios.
 """
 
 from __future__ import annotations
@@ -79,15 +83,27 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
         dc.close()
 
 
+def compare(layout: KVLayout, **kw) -> dict:
+    """The scenario with the ring, then with messages, in one run: the ring's result, with the other's."""
+    ring, msgs = run(layout, handover="ring", **kw), run(layout, handover="messages", **kw)
+    ring["messages"] = {k: msgs[k] for k in ("one_chunk_p50_ms", "one_chunk_p99_ms", "layer_overhead_us",
+                                             "sender_layer_ops_per_s", "raw_put_us_per_layer", "verified")}
+    ring["ratio_ring_ops"] = ring["sender_layer_ops_per_s"] / msgs["sender_layer_ops_per_s"]
+    ring["ratio_ring_one_chunk"] = ring["one_chunk_p50_ms"] / msgs["one_chunk_p50_ms"]
+    ring["verified"] = ring["verified"] and msgs["verified"]
+    return ring
+
+
 def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int = 300,
-        pool_pages: int = 256) -> dict:
+        pool_pages: int = 256, handover: str = "ring") -> dict:
     wd = launch.scratch_dir("pdpush-bench-")
     daemons: list[launch.Daemon] = []
     try:
         rx = launch.start_receiver(wd, pool_pages=pool_pages, max_leases_per_sender=4096, committed_ttl_ms=300,
                                    **layout.to_dict())
         daemons.append(rx)
-        tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"], staging_bytes=64 << 20)
+        tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"], staging_bytes=64 << 20,
+                                 handover_ring_slots=256 if handover == "ring" else 0)
         daemons.append(tx)
         rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
         tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
@@ -139,7 +155,8 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
     raw_layer_s = layout.page_bytes / (put["median_gbps"] * 1e9)
     p50 = statistics.median(one)
     layers_done = after["layers_pushed"] - before["layers_pushed"]
-    return {"scenario": "latency", "layout": layout.to_dict(), "page_bytes": layout.page_bytes,
+    return {"scenario": "latency", "handover": handover, "layout": layout.to_dict(), "page_bytes": layout.page_bytes,
+            "handovers_ring": after.get("handovers_ring", 0) - before.get("handovers_ring", 0),
             "one_chunk_p50_ms": p50 * 1000, "one_chunk_p99_ms": _pct(one, 0.99) * 1000,
             "one_chunk_target_met": p50 * 1000 <= 1.0 * layout.layers / 32,
             "raw_put_us_per_layer": raw_layer_s * 1e6,

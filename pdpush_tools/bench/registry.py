@@ -89,7 +89,7 @@ def _show_goodput(result: dict) -> None:
 def _latency(a: BenchArgs) -> dict:
     from pdpush_tools.bench import latency
 
-    return latency.run(a.layout)
+    return latency.compare(a.layout)
 
 
 def _latency_suite(a: BenchArgs) -> dict:

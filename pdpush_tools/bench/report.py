@@ -136,6 +136,11 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"{lat['page_bytes'] // 1024} KiB) | {_met(lat['layer_overhead_target_met'])} |",
         f"| latency: sender capacity, {lat['engines']} engine processes of one-chunk requests >= 20,000 layers/s | "
         f"{lat['sender_layer_ops_per_s']:,.0f} layers/s | {_met(lat['sender_ops_target_met'])} |",
+        (f"| latency: hand-over through the ring (docs/layout.md) against a message per hand-over, same run | "
+         f"sender {lat['ratio_ring_ops']:.2f}x the layers/s ({lat['messages']['sender_layer_ops_per_s']:,.0f} by "
+         f"message); 1-chunk p50 {lat['ratio_ring_one_chunk']:.2f}x ({lat['messages']['one_chunk_p50_ms']:.2f} ms "
+         f"by message) | {_met(lat['ratio_ring_ops'] >= 1.0)} |" if "messages" in lat else
+         "| latency: ring against messages | not measured | |"),
         f"| concurrency: {c['senders']} engine processes x {c['in_flight_per_sender']} in flight >= 0.95x single "
         f"stream | {c['ratio']:.2f}x ({c['aggregate_gbps']:.2f} vs {c['single_stream_gbps']:.2f} GB/s), request "
         f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms | {_met(c['target_met'])} |",

@@ -1,0 +1,234 @@
+"""The hand-over ring (ring.py, sessions/rings.py, the sender's native Ring): its format, the engine's
+writer against the sender's reader in one process, the session's book of rings, and real daemons:
+a full ring waited for and never overwritten, and an engine killed while it writes its ring."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdpush import protocol, ring
+from pdpush.client import DecodeClient, PrefillClient, status
+from pdpush.errors import PdpushError, TransportTimeout
+from pdpush.layout import KVLayout
+from tests.helpers import kv, read_back, rx_opts, sock, until
+
+LAY = KVLayout(layers=16, kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=8, model_id="default")
+
+
+def _reader(buf: np.ndarray):
+    from pdpush.transport import ucp
+
+    ucp.lib()  # pdpush_native links the libucp ucxx loads
+    from pdpush_native import Ring
+
+    return Ring(buf.ctypes.data, len(buf))
+
+
+@given(st.integers(0, (1 << 32) - 1), st.integers(0, ring.MAX_LAYERS - 1), st.integers(1, ring.MAX_LAYERS))
+def test_a_record_names_its_request_and_layers(handle, first, n):
+    rec = ring.encode(handle, first, n)
+    assert rec & ring.VALID and ring.decode(rec) == (handle, first, n)
+
+
+def test_layers_go_as_runs_in_the_order_given():
+    assert ring.runs([3, 4, 5, 9, 1, 2]) == [(3, 3), (9, 1), (1, 2)]
+    with pytest.raises(ValueError):
+        ring.encode(1, ring.MAX_LAYERS, 1)
+
+
+def test_a_full_ring_refuses_records_and_never_overwrites_one():
+    buf = np.zeros(5, np.uint64)  # four slots and the idle word
+    w = ring.RingWriter(buf.ctypes.data, 4, buf[4:].ctypes.data)
+    rd = _reader(buf[:4])
+    recs = [ring.encode(7, la, 1) for la in range(10)]
+    assert w.push(recs) == 4 and w.push(recs[4:]) == 0
+    assert list(buf[:4]) == recs[:4]  # the records not yet taken are intact
+    assert rd.take(2) == [(7, 0, 1), (7, 1, 1)]
+    assert w.push(recs[4:]) == 2 and list(buf[:4]) == [recs[4], recs[5], recs[2], recs[3]]
+    assert [t[1] for t in rd.take()] == [2, 3, 4, 5] and not buf[:4].any() and rd.taken == 6
+    assert not w.sender_idle()
+    buf[4] = 1
+    assert w.sender_idle()
+
+
+def test_records_from_two_threads_arrive_once_each_in_each_threads_order():
+    """The engine's owner thread and its completion thread share a ring; the sender takes as it goes."""
+    buf = np.zeros(9, np.uint64)
+    w = ring.RingWriter(buf.ctypes.data, 8, buf[8:].ctypes.data)
+    rd = _reader(buf[:8])
+    n = 3000
+
+    def producer(handle):
+        recs = [ring.encode(handle, i % ring.MAX_LAYERS, 1) for i in range(n)]
+        done = 0
+        while done < n:
+            done += w.push(recs[done:done + 3])
+
+    threads = [threading.Thread(target=producer, args=(h,)) for h in (1, 2)]
+    for t in threads:
+        t.start()
+    got: list[tuple[int, int, int]] = []
+    deadline = time.monotonic() + 60
+    while len(got) < 2 * n and time.monotonic() < deadline:
+        got.extend(rd.take())
+    for t in threads:
+        t.join(10)
+    for h in (1, 2):
+        assert [la for hh, la, _ in got if hh == h] == [i % ring.MAX_LAYERS for i in range(n)]
+    assert len(got) == 2 * n and not buf[:8].any()
+
+
+# ------------------------------------------------------------------- the session's book of rings
+
+def test_a_connection_keeps_its_ring_until_bye_and_its_records_are_its_layer_ready():
+    from tests.test_sessions import ENG, Wire, begin
+    from tests.test_sessions import LAY as SLAY
+
+    w = Wire()
+    w.engine(begin("a", list(range(40)), "", SLAY, client_pid=4242))
+    ok = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
+    assert ok.ring_slots == w.tx.limits.ring_slots and ok.ring_offset and ok.handle
+    assert w.tx.rings.stats()["handover_rings"] == 1
+    w.run(w.tx.on_handover(ENG, [(ok.handle, 0, 2), (ok.handle, 2, SLAY.push_layers - 2)], w.now))
+    assert w.posted and w.tx.counters.values["handovers_ring"] == 2
+    w.complete()
+    w.engine(protocol.Finish(req_id="a"))
+    assert isinstance(w.outcome("a"), protocol.Done) and w.outcome("a").layers == SLAY.layers
+    # a record for a request that has ended is dropped and counted; the ring stays with its connection
+    w.run(w.tx.on_handover(ENG, [(ok.handle, 0, 1)], w.now))
+    assert w.tx.counters.values["handovers_stale"] == 1 and w.tx.rings.stats()["handover_rings"] == 1
+    w.engine(protocol.Bye())
+    assert w.tx.rings.stats()["handover_rings"] == 0 and w.tx.rings.meta_bytes == 64  # the idle word
+
+
+def test_no_ring_when_the_metadata_area_is_full_or_rings_are_off():
+    from pdpush.sessions import Counters
+    from pdpush.sessions.rings import HandoverRings
+    from pdpush.sessions.tx_actions import OpenRing
+    from pdpush.staging import StagingAllocator
+
+    meta = StagingAllocator(64 * 8, 0, "staging metadata", align=64)
+    c = Counters()
+    rings = HandoverRings(meta, 1 << 20, 16, c)  # 128 bytes a ring after the 64-byte idle word
+    out: list = []
+    got = [rings.open(bytes([i]), 100 + i, out) for i in range(4)]
+    assert got[:3] == [(64, 16), (192, 16), (320, 16)] and got[3] == (0, 0) and c.values["rings_refused"] == 1
+    assert [a.address for a in out if isinstance(a, OpenRing)] == [(1 << 20) + o for o, _ in got[:3]]
+    assert rings.open(b"x", 0, out) == (0, 0)  # no pid: its ring could never come back
+    rings.on_client_gone(101, out)
+    assert rings.open(bytes([9]), 109, out) == (192, 16)  # the dead engine's ring, reused
+    assert HandoverRings(StagingAllocator(512, 0, "m", align=64), 0, 0, c).open(b"e", 1, out) == (0, 0)
+
+
+# ------------------------------------------------------------------------------ real daemons
+
+def _tx_pid(tx) -> int:
+    return tx.info["pid"]
+
+
+def test_a_full_ring_makes_the_engine_wait_and_no_record_is_lost(daemons):
+    """The sender is stopped (SIGSTOP) with a ring of 4 records: the engine's fifth hand-over waits for
+    room, bounded, and raises a typed timeout if none comes; once the sender runs again every layer
+    handed over is pushed, byte for byte, so no record was overwritten."""
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx, handover_ring_slots=4)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=1.0)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    k, v = kv(LAY, 30, seed=3)
+    try:
+        h = pc.begin("waits", list(range(30)))
+        assert h._ring is not None and h._ring.slots == 4
+        os.kill(_tx_pid(tx), signal.SIGSTOP)
+        try:
+            for layer in range(4):
+                h.put_layer(layer, k[layer], v[layer])
+            t0 = time.monotonic()
+            with pytest.raises(TransportTimeout, match="ring of 4 records is full"):
+                h.put_layer(4, k[4], v[4])
+            assert time.monotonic() - t0 >= 0.9 and h.layers_handed_over == 4  # layer 4 may be handed over again
+            pc.timeout_s = 30
+            threading.Timer(0.5, os.kill, (_tx_pid(tx), signal.SIGCONT)).start()
+            t0 = time.monotonic()
+            h.put_layer(4, k[4], v[4])  # waits for the sender, then goes
+            assert time.monotonic() - t0 >= 0.3
+        finally:
+            os.kill(_tx_pid(tx), signal.SIGCONT)
+        for layer in range(5, LAY.layers):
+            h.put_layer(layer, k[layer], v[layer])
+        done = h.finish(timeout_s=30)
+        assert done.layers == LAY.layers
+        gk, gv = read_back(dc, "waits", LAY, 30)
+        assert np.array_equal(gk, k) and np.array_equal(gv, v)
+        assert status(sock(tx))["handovers_ring"] >= LAY.layers - 1
+    finally:
+        pc.close()
+        dc.close()
+
+
+ENGINE = """
+import sys, time
+import numpy as np
+from pdpush.client import PrefillClient
+from pdpush.layout import KVLayout
+lay = KVLayout(layers=512, kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=8, model_id="default")
+pc = PrefillClient(lay, sys.argv[1], timeout_s=30)
+h = pc.begin("killed", list(range(30)))
+assert h._ring is not None
+k = np.ones((30, 2, 16), np.float16)
+for layer in range(lay.layers):
+    h.put_layer(layer, k, k)
+    print(layer, flush=True)
+    time.sleep(0.002)
+"""
+
+
+def test_an_engine_killed_while_writing_its_ring_fails_its_request_typed(daemons):
+    """An engine hands layers over through its ring and is SIGKILLed mid-stream: the sender fails the
+    request (pid liveness), the decode side gets a typed error, the dead engine's ring and staging come
+    back, and the next engine pushes byte for byte."""
+    big = KVLayout(layers=512, kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=8, model_id="default")
+    rx = daemons.receiver(**rx_opts(big, pool_pages=16))
+    tx = daemons.sender(rx)
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, sock(tx)], stdout=subprocess.PIPE, text=True)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        for _ in range(40):  # forty layers handed over, then kill it between two records
+            assert proc.stdout.readline(), "the engine ended early"
+        assert status(sock(tx))["handover_rings"] == 1
+        proc.kill()
+        proc.wait(10)
+        until(lambda: status(sock(tx))["requests_failed"] == 1, 20, "the sender failing the request")
+        with pytest.raises(PdpushError, match="died"):
+            with dc.open("killed", timeout_s=10) as req:
+                req.wait_layer(big.layers - 1, timeout_s=10)
+        s = until(lambda: (lambda s: s if s["handover_rings"] == 0 and s["staging_held_bytes"] == 0 else None)(
+            status(sock(tx))), 10, "the dead engine's ring and staging coming back")
+        assert s["handovers_ring"] >= 40
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        dc.close()
+    pc = PrefillClient(big, sock(tx), timeout_s=30)
+    try:
+        k, v = kv(big, 30, seed=9)
+        h = pc.begin("next", list(range(1000, 1030)))
+        for layer in range(big.layers):
+            h.put_layer(layer, k[layer], v[layer])
+        assert h.finish(timeout_s=30).layers == big.layers
+        dc = DecodeClient(sock(rx), timeout_s=30)
+        gk, gv = read_back(dc, "next", big, 30)
+        dc.close()
+        assert np.array_equal(gk, k) and np.array_equal(gv, v)
+    finally:
+        pc.close()
