@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,9 +64,22 @@ from pdpush.protocol import (
 )
 from pdpush.shm import Attached
 
-# a waiting decode client re-reads readiness words in a tight loop for SPIN_S, then every NAP_S until
-# NAP_WINDOW_S, then between millisecond waits on the receiver's messages
-SPIN_S, NAP_S, NAP_WINDOW_S = 0.002, 0.0001, 0.2
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How a decode client waits for a layer (``DecodeRequest.wait_layer``): it re-reads the layer's
+    readiness words in a tight loop for ``spin_s``, then every ``nap_s`` until ``nap_window_s``, then
+    waits on the receiver's ``LayerAvailable`` in ``slice_s`` slices, re-reading the words between.
+    The words land by a remote put, which nothing on this host sees but a read; the receiver's notice
+    follows that layer's ``LayerDone``. The default is measured (``pdpush bench --scenario decode_wait``)."""
+
+    spin_s: float = 0.002
+    nap_s: float = 0.0001
+    nap_window_s: float = 0.2
+    slice_s: float = 0.001
+
+
+DEFAULT_WAIT = WaitPolicy()
 
 
 def _endpoint(sock: str | Path) -> str:
@@ -331,6 +345,7 @@ class PushHandle:
         self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
         self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
         self._handle = ok.handle  # how its records name this request
+        self._daemon_pid = ok.daemon_pid  # the sender whose staging (and ring) this request writes
         self._sent: set[int] = set()
         self._done: Done | None = None
         self._aborted: str | None = None
@@ -460,6 +475,11 @@ class PushHandle:
         ``LayerReady``. A full ring is waited for (``wait``: the owner thread, bounded by the client's
         timeout) or, from a completion thread, the rest goes by message: a record is never overwritten."""
         conn, w = self.client._conn, self._ring
+        if conn.peer_pid and self._daemon_pid and conn.peer_pid != self._daemon_pid:
+            raise BrokenResourceError(f"request {self.req_id!r}: the sender restarted (pid {self._daemon_pid} is "
+                                      f"gone, {conn.peer_pid} now)", req_id=self.req_id)
+        if w is not None and w.closed:
+            raise UnexpectedMessage(f"request {self.req_id!r}: its client is closed")
         if w is None:
             msg = LayerReady(req_id=self.req_id, layers=layers)
             conn.send(msg, self.client.timeout_s) if wait else conn.post(msg)
@@ -489,8 +509,8 @@ class PushHandle:
                 err = TransportTimeout(f"request {self.req_id!r}: the sender took no hand-over for "
                                        f"{self.client.timeout_s:g} s (its ring of {w.slots} records is full)",
                                        req_id=self.req_id)
-            elif done < len(recs) and conn.peer_pid and not pid_alive(conn.peer_pid):
-                err = BrokenResourceError(f"the local pdpush daemon (pid {conn.peer_pid}) died", req_id=self.req_id)
+            elif done < len(recs) and self._daemon_pid and not pid_alive(self._daemon_pid):
+                err = BrokenResourceError(f"the local pdpush daemon (pid {self._daemon_pid}) died", req_id=self.req_id)
             if err is not None:
                 self._sent.difference_update(la for a, n in spans[done:] for la in range(a, a + n))
                 raise err
@@ -589,6 +609,8 @@ class PrefillClient:
         self._conn = _Conn(sender_socket or default_sender_socket())
         self._segments = _Attachments()
         self._rings: dict[int, ring.RingWriter] = {}  # by staging shmid: this connection's ring in it
+        self._rings_lock = threading.Lock()
+        self._begun = False  # a Begin went out: close() says Bye, so the sender may reuse this one's ring
         if pin_cuda:  # staging is page-locked in this process, for asynchronous device-to-host copies
             self._segments.pin_all()
 
@@ -610,7 +632,9 @@ class PrefillClient:
         msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,
                     last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)), tp_rank=tp_rank, tp_size=tp_size,
                     client_pid=os.getpid(), pp_rank=pp_rank, pp_size=pp_size,
-                    first_layer=layers[0] if layers else 0, end_layer=layers[1] if layers else 0)
+                    first_layer=layers[0] if layers else 0, end_layer=layers[1] if layers else 0,
+                    handover_ring=ring.available())
+        self._begun = True
         reply = self._conn.call(msg, req_id, self.timeout_s)
         if not isinstance(reply, BeginOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to begin")
@@ -624,24 +648,34 @@ class PrefillClient:
     def _ring(self, ok: BeginOk, staging: Attached) -> ring.RingWriter | None:
         if not ok.ring_slots or not ring.available():
             return None
-        w = self._rings.get(ok.staging_shmid)
-        if w is None or w.address != staging.address + ok.ring_offset:
-            # one ring per connection; a new segment is a restarted sender's, and the old ring is gone with it
-            w = ring.RingWriter(staging.address + ok.ring_offset, ok.ring_slots, staging.address + ok.idle_offset)
-            self._rings = {ok.staging_shmid: w}
-        return w
+        with self._rings_lock:  # one writer per ring, whichever thread begins first
+            w = self._rings.get(ok.staging_shmid)
+            if w is None or w.address != staging.address + ok.ring_offset:
+                # one ring per connection; a new segment is a restarted sender's, its old ring gone with it
+                for old in self._rings.values():
+                    old.close()
+                w = ring.RingWriter(staging.address + ok.ring_offset, ok.ring_slots,
+                                    staging.address + ok.idle_offset)
+                self._rings = {ok.staging_shmid: w}
+            return w
 
     def close(self) -> None:
         linger = 0
-        if self._rings and (not self._conn.peer_pid or pid_alive(self._conn.peer_pid)):
-            try:  # the sender may give this connection's ring to another now
-                self._conn.send(Bye(), 1.0)
-                linger = 500
-            except TransportTimeout:
-                pass
-        self._rings.clear()
-        self._segments.close()
-        self._conn.close(linger)
+        try:
+            with self._rings_lock:
+                for w in self._rings.values():
+                    w.close()  # handles still open write no more records (a completion thread's, say)
+                self._rings.clear()
+            if self._begun and (not self._conn.peer_pid or pid_alive(self._conn.peer_pid)):
+                self._begun = False
+                try:  # the sender may give this connection's ring to another now
+                    self._conn.send(Bye(), 1.0)
+                    linger = 500
+                except (TransportTimeout, zmq.ZMQError):
+                    pass
+        finally:
+            self._segments.close()
+            self._conn.close(linger)
 
 
 # ----------------------------------------------------------------------------- decode side
@@ -716,14 +750,14 @@ class DecodeRequest:
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
         """Wait until layer ``layer`` is in the pool: its readiness words in the pool say so, or the
-        receiver's LayerAvailable does. Re-reads the words in a tight loop for ``SPIN_S``, then every
-        ``NAP_S`` for ``NAP_WINDOW_S`` (a decode engine usually waits for layers already on the way),
-        then waits on the receiver's messages in millisecond slices, re-reading the words between."""
+        receiver's LayerAvailable does, as the client's ``WaitPolicy`` says (a decode engine usually
+        waits for layers already on the way)."""
         if not 0 <= layer < self.layout.push_layers:
             raise ValueError(f"layer {layer} out of range")
         t = time.monotonic()
         deadline = t + (timeout_s if timeout_s is not None else self.client.timeout_s)
-        spin_until, nap_until = t + SPIN_S, t + NAP_WINDOW_S
+        pol = self.client.wait
+        spin_until, nap_until = t + pol.spin_s, t + pol.nap_window_s
         box = self.client._conn.mail.get(self.req_id)
         while box:
             self._apply(box.pop(0))
@@ -733,9 +767,9 @@ class DecodeRequest:
                 return
             now = time.monotonic()
             if spin_until <= now < nap_until:
-                time.sleep(NAP_S)
+                time.sleep(pol.nap_s)
             try:  # an error or a notice from the receiver, if one came
-                self._pump(now if now < nap_until else min(deadline, now + 0.001))
+                self._pump(now if now < nap_until else min(deadline, now + pol.slice_s))
             except TransportTimeout:
                 if time.monotonic() >= deadline and not self._landed(layer):
                     raise TransportTimeout(f"layer {layer} of {self.req_id!r} did not arrive in time") from None
@@ -883,8 +917,10 @@ class DecodeRequest:
 class DecodeClient:
     """Reads pushed KV from the local receiver's pool, zero-copy."""
 
-    def __init__(self, receiver_socket: str | Path, *, timeout_s: float = 30.0, pin_cuda: bool = False) -> None:
+    def __init__(self, receiver_socket: str | Path, *, timeout_s: float = 30.0, pin_cuda: bool = False,
+                 wait: WaitPolicy = DEFAULT_WAIT) -> None:
         self.timeout_s = timeout_s
+        self.wait = wait
         self._conn = _Conn(receiver_socket)
         self._segments = _Attachments()
         if pin_cuda:  # the pool is page-locked in this process, for asynchronous host-to-device copies

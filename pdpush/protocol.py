@@ -186,6 +186,7 @@ class Begin(Msg):
     pp_size: Annotated[int, Field(ge=1, le=256)] = 1
     first_layer: Annotated[int, Field(ge=0, le=4096)] = 0
     end_layer: Annotated[int, Field(ge=0, le=4096)] = 0  # 0: every layer (pp_size 1)
+    handover_ring: bool = False  # this engine can write a hand-over ring (ring.py); it says Bye when it closes
 
 
 class BeginOk(Msg):

@@ -25,8 +25,6 @@ import ctypes.util
 import logging
 import threading
 
-import numpy as np
-
 log = logging.getLogger("pdpush.ring")
 
 VALID = 1 << 63
@@ -68,6 +66,8 @@ def _atomics() -> ctypes.CDLL | None:
             lib.__atomic_compare_exchange_8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
                                                         ctypes.c_int, ctypes.c_int]
             lib.__atomic_compare_exchange_8.restype = ctypes.c_bool
+            lib.__atomic_load_8.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            lib.__atomic_load_8.restype = ctypes.c_uint64
             _lib = lib
         except OSError:
             log.warning("libatomic not found: layers are handed over by message (install libatomic1)")
@@ -88,9 +88,10 @@ class RingWriter:
         if lib is None:
             raise RuntimeError("no libatomic")
         self._cas = getattr(lib, "__atomic_compare_exchange_8")  # noqa: B009 - a class body would mangle the name
-        self.address, self.slots = address, slots
-        self._idle = np.ctypeslib.as_array((ctypes.c_uint64 * 1).from_address(idle_address))
+        self._load = getattr(lib, "__atomic_load_8")  # noqa: B009
+        self.address, self.slots, self.idle_address = address, slots, idle_address
         self._head = 0
+        self.closed = False
         self._expected = ctypes.c_uint64(0)
         self._lock = threading.Lock()
 
@@ -98,6 +99,8 @@ class RingWriter:
         """Store as many of ``records`` as there are free slots, in order; how many were stored."""
         with self._lock:
             n = 0
+            if self.closed:
+                return 0
             for rec in records:
                 self._expected.value = 0
                 if not self._cas(self.address + (self._head % self.slots) * 8, ctypes.byref(self._expected),
@@ -108,5 +111,11 @@ class RingWriter:
             return n
 
     def sender_idle(self) -> bool:
-        """Whether the sender said it sleeps (read after a ``push``, whose CAS fenced it)."""
-        return bool(self._idle[0])
+        """Whether the sender said it sleeps: a sequentially consistent load after a ``push``'s CAS, so
+        that on any CPU either this sees the sender's idle word or the sender sees the record."""
+        return bool(self._load(self.idle_address, _SEQ_CST))
+
+    def close(self) -> None:
+        """Write nothing more (the connection closes: the sender may give this ring to another)."""
+        with self._lock:
+            self.closed = True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdpush.layout import KVLayout
-from pdpush_tools.bench import goodput, latency, report, scenarios
+from pdpush_tools.bench import decode_wait, goodput, latency, report, scenarios
 from pdpush_tools.bench.registry import SCENARIOS
 
 LAY = KVLayout(4, 2, 64, "float16", 32)
@@ -23,6 +23,7 @@ def test_scenarios_and_report(tmp_path):
     res["incremental"] = scenarios.incremental(LAY, 256, hits=(0.0, 0.5))
     res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2)
     res["control"] = scenarios.control(LAY, n=50, requests=5)
+    res["decode_wait"] = decode_wait.run(KVLayout(4, 2, 64, "float16", 16), gaps_ms=(1.0,), requests=2)
     for k in SCENARIOS:
         assert res[k]["verified"], (k, res[k].get("errors"))
     assert res["latency"]["one_chunk_p50_ms"] > 0 and res["latency"]["sender_layer_ops_per_s"] > 0
@@ -30,6 +31,8 @@ def test_scenarios_and_report(tmp_path):
     assert [r["chunks_skipped"] for r in res["incremental"]["rows"]] == [0, 4]
     assert res["concurrency"]["completed"] == 4 and not res["concurrency"]["errors"]
     assert res["control"]["alloc_rtt_p50_ms"] > 0
+    assert [r["policy"] for r in res["decode_wait"]["rows"]] == list(decode_wait.POLICIES)
+    assert all(r["wake_p50_us"] > 0 and r["cpu_ms_per_request"] > 0 for r in res["decode_wait"]["rows"])
     assert res["control"]["layout"] == LAY.to_dict() and res["control"]["one_chunk_layers"] == LAY.layers
     png, md = tmp_path / "b.png", tmp_path / "B.md"
     report.write(res, tmp_path / "b.json", png, md)

@@ -28,7 +28,7 @@ SAMPLES = [
     P.BeginOk(req_id="r", already_sent_indexes=[], staging_shmid=3, staging_bytes=1 << 20, staging_offset=0,
               new_chunks=1, daemon_pid=42),
     P.LayerReady(req_id="r", layers=[0]), P.Finish(req_id="r"),
-    P.NeedStaging(req_id="r", unit=3), P.StagingGranted(req_id="r", unit=3),
+    P.NeedStaging(req_id="r", unit=3), P.StagingGranted(req_id="r", unit=3), P.Wake(), P.Bye(),
     P.Done(req_id="r", bytes_sent=10, puts=1, layers=2, chunks_skipped=0, layer_done_ms=[1.0, 2.0]),
     P.Open(req_id="r"),
     P.OpenOk(req_id="r", shmid=1, pool_base=5, pool_pages=8, layout=SPEC, pages=[1, 2], last_chunk_tokens=4,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pdpush import protocol, ring
 from pdpush.client import DecodeClient, PrefillClient, status
-from pdpush.errors import PdpushError, TransportTimeout
+from pdpush.errors import PdpushError, TransportTimeout, UnexpectedMessage
 from pdpush.layout import KVLayout
 from tests.helpers import kv, read_back, rx_opts, sock, until
 
@@ -95,7 +95,10 @@ def test_a_connection_keeps_its_ring_until_bye_and_its_records_are_its_layer_rea
     from tests.test_sessions import LAY as SLAY
 
     w = Wire()
-    w.engine(begin("a", list(range(40)), "", SLAY, client_pid=4242))
+    w.engine(begin("plain", list(range(40)), "", SLAY, client_pid=4242))  # an engine that asks for no ring
+    ok = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
+    assert ok.ring_slots == 0 and w.tx.rings.stats()["handover_rings"] == 0
+    w.engine(begin("a", list(range(100, 140)), "", SLAY, client_pid=4242, handover_ring=True))
     ok = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
     assert ok.ring_slots == w.tx.limits.ring_slots and ok.ring_offset and ok.handle
     assert w.tx.rings.stats()["handover_rings"] == 1
@@ -117,17 +120,37 @@ def test_no_ring_when_the_metadata_area_is_full_or_rings_are_off():
     from pdpush.sessions.tx_actions import OpenRing
     from pdpush.staging import StagingAllocator
 
-    meta = StagingAllocator(64 * 8, 0, "staging metadata", align=64)
+    meta = StagingAllocator(64 * 16, 0, "staging metadata", align=64)
     c = Counters()
     rings = HandoverRings(meta, 1 << 20, 16, c)  # 128 bytes a ring after the 64-byte idle word
     out: list = []
     got = [rings.open(bytes([i]), 100 + i, out) for i in range(4)]
+    # rings take at most half of the area: the fourth would pass it, and grant tables keep the rest
     assert got[:3] == [(64, 16), (192, 16), (320, 16)] and got[3] == (0, 0) and c.values["rings_refused"] == 1
+    assert meta.alloc(512) == 448
     assert [a.address for a in out if isinstance(a, OpenRing)] == [(1 << 20) + o for o, _ in got[:3]]
     assert rings.open(b"x", 0, out) == (0, 0)  # no pid: its ring could never come back
     rings.on_client_gone(101, out)
     assert rings.open(bytes([9]), 109, out) == (192, 16)  # the dead engine's ring, reused
     assert HandoverRings(StagingAllocator(512, 0, "m", align=64), 0, 0, c).open(b"e", 1, out) == (0, 0)
+    huge = HandoverRings(StagingAllocator(512, 0, "m", align=64), 0, 1 << 16, c)  # larger than the area itself
+    assert huge.open(b"e", 1, out) == (0, 0) and c.values["rings_refused"] == 2
+
+
+def test_handles_are_32_bits_and_never_a_live_requests():
+    import itertools
+
+    from tests.test_sessions import LAY as SLAY
+    from tests.test_sessions import Wire, begin
+
+    w = Wire()
+    w.engine(begin("a", list(range(40)), "", SLAY, client_pid=1, handover_ring=True))
+    # 2**32 - 1 is free; 2**32 wraps onto 0, which is no handle; 2**32 + 1 onto 1, which "a" holds
+    w.tx._seq = itertools.chain([(1 << 32) - 1, 1 << 32, (1 << 32) + 1], itertools.count(2))
+    w.engine(begin("b", list(range(100, 140)), "", SLAY, client_pid=1, handover_ring=True))
+    w.engine(begin("c", list(range(200, 240)), "", SLAY, client_pid=1, handover_ring=True))
+    oks = {m.req_id: m.handle for m in w.to_client if isinstance(m, protocol.BeginOk)}
+    assert oks == {"a": 1, "b": (1 << 32) - 1, "c": 2}
 
 
 # ------------------------------------------------------------------------------ real daemons
@@ -170,6 +193,14 @@ def test_a_full_ring_makes_the_engine_wait_and_no_record_is_lost(daemons):
         gk, gv = read_back(dc, "waits", LAY, 30)
         assert np.array_equal(gk, k) and np.array_equal(gv, v)
         assert status(sock(tx))["handovers_ring"] >= LAY.layers - 1
+        # closing the client stops its ring writer first (a handle still open writes nothing more), and
+        # its Bye gives the ring back
+        h2 = pc.begin("open-at-close", list(range(500, 530)))
+        assert status(sock(tx))["handover_rings"] == 1
+        pc.close()
+        with pytest.raises(UnexpectedMessage, match="client is closed"):
+            h2.post_layers_ready([0])
+        until(lambda: status(sock(tx))["handover_rings"] == 0, 10, "the closed client's ring coming back")
     finally:
         pc.close()
         dc.close()

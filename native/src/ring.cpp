@@ -28,6 +28,7 @@ class Ring {
     // The records in order (each: handle, first layer, layers), at most ``limit``; their slots freed.
     std::vector<std::tuple<uint32_t, uint32_t, uint32_t>> take(uint32_t limit) {
         std::vector<std::tuple<uint32_t, uint32_t, uint32_t>> out;
+        if (!limit) limit = n_;  // a ring's worth: everything written before the call
         while (out.size() < limit) {
             uint64_t *slot = &slots_[tail_ % n_];
             uint64_t rec = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
@@ -54,8 +55,9 @@ class Ring {
 void register_ring(nb::module_ &m) {
     nb::class_<Ring>(m, "Ring", "The sender's reader of one engine connection's hand-over ring (pdpush/ring.py).")
         .def(nb::init<uintptr_t, uint32_t>(), nb::arg("address"), nb::arg("slots"))
-        .def("take", &Ring::take, nb::arg("limit") = 4096,
-             "Records in order as (handle, first layer, layers), their slots given back to the engine.")
+        .def("take", &Ring::take, nb::arg("limit") = 0,
+             "Records in order as (handle, first layer, layers), their slots given back to the engine; at most "
+             "``limit`` (0: the ring's slots, which is every record written before the call).")
         .def("pending", &Ring::pending, "Whether a record waits (without taking it).")
         .def_prop_ro("taken", &Ring::taken, "Records taken so far.");
     m.def(

@@ -1,9 +1,11 @@
 """HandoverRings: which engine connection has which hand-over ring in staging (pure logic).
 
-pdpush/ring.py has the ring's format. A connection gets its ring with its first ``BeginOk``, from the
-staging metadata area, and keeps it until it says ``Bye`` or its process dies: an engine may write its
-ring whenever it holds one, so a ring is never reused before then. A connection that gets none (the
-metadata area is full, or rings are off) hands layers over by message, as before.
+pdpush/ring.py has the ring's format. A connection that asks for one (``Begin.handover_ring``) gets
+its ring with its first ``BeginOk``, from the staging metadata area, and keeps it until it says
+``Bye`` or its process dies: an engine may write its ring whenever it holds one, so a ring is never
+reused before then. Rings take at most half of the metadata area, so that grant tables always have
+the other half; a connection that gets none (that half is full, or rings are off) hands layers over
+by message, as before.
 
 The session calls it; it appends ``FillWords`` (a fresh ring cleared), ``OpenRing`` and ``CloseRing``.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdpush.errors import PoolExhausted
+from pdpush.errors import PoolExhausted, RequestTooLarge
 from pdpush.sessions import Counters
 from pdpush.sessions.tx_actions import CloseRing, FillWords, OpenRing
 from pdpush.staging import StagingAllocator
@@ -29,6 +31,7 @@ class HandoverRings:
         self.meta, self.address, self.slots, self.counters = meta, address, slots, counters
         self.idle_offset = meta.alloc(64) if slots else 0  # the sender's idle word, one for every ring
         self._rings: dict[bytes, _Ring] = {}
+        self._reserve = meta.size // 2  # rings' share of the metadata area: grant tables keep the rest
 
     def open(self, ident: bytes, pid: int, out: list) -> tuple[int, int]:
         """The connection's ring as (offset in staging, slots); (0, 0) when it has none."""
@@ -36,9 +39,12 @@ class HandoverRings:
         if ring is None:
             if not self.slots or not pid:  # without a pid, a dead engine's ring would never come back
                 return 0, 0
+            need = self.meta.rounded(self.slots * 8)
             try:
-                ring = _Ring(self.meta.alloc(self.slots * 8), pid)
-            except PoolExhausted:
+                if self.meta_bytes + need > self._reserve:
+                    raise PoolExhausted("the rings' half of the staging metadata is full")
+                ring = _Ring(self.meta.alloc(need), pid)
+            except (PoolExhausted, RequestTooLarge):
                 self.counters.add("rings_refused")
                 return 0, 0
             self._rings[ident] = ring

@@ -136,6 +136,7 @@ class TxRank:
     layers: range = range(0)  # its stage's layers
     layers_posted: set[int] = field(default_factory=set)
     finish: bool = False
+    ring: bool = False  # its Begin asked for a hand-over ring
     puts: int = 0
     ranges: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # group -> its share of the
     # group's first layer, in staging and the pool's layer 0 (StagingShares.ranges)
@@ -232,7 +233,6 @@ class SenderSession:
                 return out  # its acknowledgement of the failure (client.PushHandle._failed): nothing to answer
         try:
             if isinstance(msg, Begin):
-                self.rings.open(ident, msg.client_pid, out)  # the connection's ring, with its first BeginOk
                 self._begin(ident, msg, now, out)
             elif isinstance(msg, LayerReady):
                 self._layer_ready(ident, msg, now, out)
@@ -264,11 +264,11 @@ class SenderSession:
         that engine's ``LayerReady``; one for a request that has ended meanwhile is dropped."""
         out: list = []
         for handle, first, n in records:
-            r = self._by_seq.get(handle)
+            r = self._by_seq.get(handle)  # a request's seq is its handle (``_next_seq``)
             if r is None:
                 self.counters.add("handovers_stale")
                 continue
-            self.counters.add("handovers_ring")
+            self.counters.add("handovers_ring")  # checked as the LayerReady it is
             out.extend(self.on_ingress(ident, LayerReady.model_construct(req_id=r.req_id,
                                                                          layers=list(range(first, first + n))), now))
         return out
@@ -476,7 +476,7 @@ class SenderSession:
         if peer is None:
             peer = self.peers[receiver] = Peer(receiver)
         first = msg.pp_rank * msg.tp_size + msg.tp_rank
-        r = TxRequest(msg.req_id, next(self._seq), {first: TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage)},
+        r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)},
                       peer, msg, layout, now + self.limits.control_timeout_ms, now, tp=msg.tp_size, pp=msg.pp_size)
         self.reqs[r.req_id] = r
         self._by_seq[r.seq] = r
@@ -508,16 +508,25 @@ class SenderSession:
         if err is not None:
             self._fail(r, err, now, out, tell_receiver=True)
             raise err
-        r.ranks[part] = TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage)
+        r.ranks[part] = TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)
         if r.state is TxState.STREAMING:
-            out.append(ToClient(ident, self._begin_ok(r, ident)))
+            out.append(ToClient(ident, self._begin_ok(r, ident, out)))
 
-    def _begin_ok(self, r: TxRequest, ident: bytes) -> BeginOk:
+    def _next_seq(self) -> int:
+        """A request's seq, which is also its handle in ring records: 32 bits, never a live one's."""
+        while True:
+            seq = next(self._seq) & 0xFFFFFFFF
+            if seq and seq not in self._by_seq:
+                return seq
+
+    def _begin_ok(self, r: TxRequest, ident: bytes, out: list) -> BeginOk:
         s = self.staging_info
-        ring, slots = self.rings.of(ident)  # opened at its Begin (or none)
+        rank = next(k for k in r.ranks.values() if k.client == ident)
+        ring, slots = (self.rings.open(ident, rank.pid, out) if rank.ring  # the connection's, or none
+                       else (0, 0))
         return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
                        staging_bytes=s.nbytes, staging_offset=r.meta_off, new_chunks=r.n_new,
-                       daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards, handle=r.seq & 0xFFFFFFFF,
+                       daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards, handle=r.seq,
                        ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset)
 
     def _hello(self, peer: Peer, begin: Begin, now: int, out: list) -> None:
@@ -745,7 +754,7 @@ class SenderSession:
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
         self.counters.add("chunks_skipped", r.skipped)
         self.grants.ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
-        out.extend(ToClient(c, self._begin_ok(r, c)) for c in r.clients)  # each with its connection's ring
+        out.extend(ToClient(c, self._begin_ok(r, c, out)) for c in r.clients)  # each with its connection's ring
 
     def _done(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")

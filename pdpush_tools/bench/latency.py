@@ -164,4 +164,9 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             "layer_overhead_target_met": (p50 / layout.layers - raw_layer_s) * 1e6 <= 30,
             "sender_layer_ops_per_s": layers_done / wall, "engines": engines, "requests_per_engine": per_engine,
             "sender_ops_target_met": layers_done / wall >= 20_000,
+            # issue #22's ratios: against the same puts back to back (each put+flush waited for, one process
+            # to another, through the same native batches), measured in this run
+            "ratio_one_chunk": p50 / (layout.layers * raw_layer_s),
+            "raw_put_ops_per_s": 1 / raw_layer_s,
+            "ratio_sender_ops": layers_done / wall * raw_layer_s,
             "errors": errors, "samples": len(one), "verified": verified and not errors}

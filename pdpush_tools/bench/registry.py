@@ -133,6 +133,27 @@ def _isolation_suite(a: BenchArgs) -> dict:
         return {"isolation": {"scenario": "isolation", "skipped": str(e), "verified": True}}
 
 
+def _decode_wait(a: BenchArgs) -> dict:
+    from pdpush_tools.bench import decode_wait
+
+    return decode_wait.run(a.layout)
+
+
+def _decode_wait_suite(a: BenchArgs) -> dict:
+    """One 16-token chunk per layer, as the latency scenario: the wake-up, not the bytes."""
+    from pdpush.layout import KVLayout
+
+    lay = a.layout
+    return {"decode_wait": _decode_wait(BenchArgs(KVLayout(lay.layers, lay.kv_heads, lay.head_dim, lay.dtype, 16,
+                                                           kind=lay.kind)))}
+
+
+def _show_decode_wait(result: dict) -> None:
+    from pdpush_tools.bench import decode_wait
+
+    decode_wait.print_table(result)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("goodput", _goodput, _goodput_suite, _show_goodput),
     Scenario("latency", _latency, _latency_suite),
@@ -141,4 +162,5 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     _of_scenarios("concurrency", lambda t: 256),
     _of_scenarios("control", None),
     Scenario("isolation", _isolation, _isolation_suite),
+    Scenario("decode_wait", _decode_wait, _decode_wait_suite, _show_decode_wait),
 )}

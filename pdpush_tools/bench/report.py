@@ -128,14 +128,17 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"| the engine's staging copy (`kvcodec.stage`, token-major to head-major pages) >= 0.8x memcpy | "
         f"{g['staging_copy_gbps']:.2f} GB/s, {g['ratio_staging_copy']:.2f}x ({g['memcpy_gbps']:.2f} GB/s) | "
         f"{_met(g['ratio_staging_copy'] >= 0.8)} |" if "staging_copy_gbps" in g else "| staging copy | not measured | |",
-        f"| latency: 1-chunk request, {lat['layout']['layers']} layers, hand-over -> decode-visible, p50 <= 1 ms | "
-        f"p50 {lat['one_chunk_p50_ms']:.2f} ms, p99 {lat['one_chunk_p99_ms']:.2f} ms | "
-        f"{_met(lat['one_chunk_p50_ms'] <= 1.0)} |",
-        f"| latency: fixed cost per layer beyond the raw put of its bytes <= 30 us | "
+        f"| latency: 1-chunk request, {lat['layout']['layers']} layers, hand-over -> decode-visible, p50 <= 1.25x "
+        f"the same puts back to back | {lat.get('ratio_one_chunk', float('nan')):.2f}x: p50 "
+        f"{lat['one_chunk_p50_ms']:.2f} ms, p99 {lat['one_chunk_p99_ms']:.2f} ms | "
+        f"{_met(lat.get('ratio_one_chunk', 9) <= 1.25)} |",
+        f"| latency: fixed cost per layer beyond the raw put of its bytes <= 5 us | "
         f"{lat['layer_overhead_us']:.1f} us (raw put {lat['raw_put_us_per_layer']:.1f} us of "
-        f"{lat['page_bytes'] // 1024} KiB) | {_met(lat['layer_overhead_target_met'])} |",
-        f"| latency: sender capacity, {lat['engines']} engine processes of one-chunk requests >= 20,000 layers/s | "
-        f"{lat['sender_layer_ops_per_s']:,.0f} layers/s | {_met(lat['sender_ops_target_met'])} |",
+        f"{lat['page_bytes'] // 1024} KiB) | {_met(lat['layer_overhead_us'] <= 5)} |",
+        f"| latency: sender capacity, {lat['engines']} engine processes of one-chunk requests >= 0.8x "
+        f"`raw_put_ops_per_s` | {lat.get('ratio_sender_ops', float('nan')):.2f}x: {lat['sender_layer_ops_per_s']:,.0f} "
+        f"layers/s against {lat.get('raw_put_ops_per_s', float('nan')):,.0f} | "
+        f"{_met(lat.get('ratio_sender_ops', 0) >= 0.8)} |",
         (f"| latency: hand-over through the ring (docs/layout.md) against a message per hand-over, same run | "
          f"sender {lat['ratio_ring_ops']:.2f}x the layers/s ({lat['messages']['sender_layer_ops_per_s']:,.0f} by "
          f"message); 1-chunk p50 {lat['ratio_ring_one_chunk']:.2f}x ({lat['messages']['one_chunk_p50_ms']:.2f} ms "
@@ -173,6 +176,17 @@ def markdown(res: dict, plot_rel: str) -> str:
               "|---|---|---|---|"]
     for r in inc["rows"]:
         lines.append(f"| {r['h']} | {r['bytes_sent']:,} | {r['ideal_bytes']:,.0f} | {r['chunks_skipped']} |")
+    dw = res.get("decode_wait")
+    if dw:
+        lines += ["", "## The decode engine's wait for a layer (`--scenario decode_wait`, `client.WaitPolicy`)", "",
+                  "A prefill hands one-chunk layers over `gap` apart; a decode process waits for each with one "
+                  "policy. Wake-up = seen - handed over (the put included); CPU = the decode process's, per "
+                  "request.", "",
+                  "| policy | gap (ms) | wake-up p50 (us) | p99 (us) | CPU ms / request | CPU share of the wait |",
+                  "|---|---|---|---|---|---|"]
+        for r in dw["rows"]:
+            lines.append(f"| {r['policy']} | {r['gap_ms']:g} | {r['wake_p50_us']:.0f} | {r['wake_p99_us']:.0f} | "
+                         f"{r['cpu_ms_per_request']:.2f} | {r['cpu_share']:.2f} |")
     lines += ["", "## Where the time goes (goodput path)", "",
               f"- Per layer, the prefill engine's copy into staging (`PrefillClient.put_layer`) took "
               f"{g.get('client_copy_ms_per_layer', float('nan')):.2f} ms median and the sender's put+flush "
