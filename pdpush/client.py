@@ -71,12 +71,17 @@ class WaitPolicy:
     readiness words in a tight loop for ``spin_s``, then every ``nap_s`` until ``nap_window_s``, then
     waits on the receiver's ``LayerAvailable`` in ``slice_s`` slices, re-reading the words between.
     The words land by a remote put, which nothing on this host sees but a read; the receiver's notice
-    follows that layer's ``LayerDone``. The default is measured (``pdpush bench --scenario decode_wait``)."""
+    follows that layer's ``LayerDone``.
 
-    spin_s: float = 0.002
+    The default was measured (``pdpush bench --scenario decode_wait``, BENCHMARKS.md): a 200 us spin
+    for a layer already landing, then the receiver's wake-up, re-reading the words every 5 ms. On a
+    box with cores to spare a longer spin sees the words a little sooner; where the decode engine
+    shares cores with the daemons, spinning slows the sender that it waits for."""
+
+    spin_s: float = 0.0002
     nap_s: float = 0.0001
-    nap_window_s: float = 0.2
-    slice_s: float = 0.001
+    nap_window_s: float = 0.0002  # no naps: after the spin, the receiver wakes the wait
+    slice_s: float = 0.005
 
 
 DEFAULT_WAIT = WaitPolicy()

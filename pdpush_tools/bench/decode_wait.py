@@ -6,11 +6,13 @@ notes when it saw it. Both clocks are CLOCK_MONOTONIC on one host, so a layer's 
 seen - handed over (its put included). The decode process's CPU time per request is the cost.
 
 Policies, each measured at every gap in the same run:
-* ``spin``: re-read the readiness words in a tight loop for the whole wait: the latency floor;
-* ``default``: ``client.DEFAULT_WAIT``, what a DecodeClient does;
-* ``nap``: a 2 ms spin, then re-reads every 100 us (no receiver wake-up);
-* ``receiver``: a 50 us spin, then woken by the receiver's ``LayerAvailable`` (a blocking wait on its
-  socket), re-reading the words every millisecond.
+* ``spin``: re-read the readiness words in a tight loop for the whole wait (where cores are spare,
+  the latency floor);
+* ``nap``: what a DecodeClient did before this scenario chose: a 2 ms spin, then re-reads every
+  100 us until 200 ms, then 1 ms waits on the receiver's socket;
+* ``receiver-1ms``: a 50 us spin, then woken by the receiver's ``LayerAvailable`` (a blocking wait on
+  its socket), re-reading the words every millisecond;
+* ``default``: ``client.DEFAULT_WAIT``, what a DecodeClient does now.
 Every request's bytes are checked on the decode side.
 """
 
@@ -28,10 +30,10 @@ from pdpush.layout import KVLayout
 from pdpush_tools.bench.common import Source, verify
 
 POLICIES = {
-    "spin": WaitPolicy(spin_s=3600.0),
+    "spin": WaitPolicy(spin_s=3600.0, nap_window_s=3600.0),
+    "nap": WaitPolicy(spin_s=0.002, nap_s=0.0001, nap_window_s=0.2, slice_s=0.001),
+    "receiver-1ms": WaitPolicy(spin_s=0.00005, nap_window_s=0.00005, slice_s=0.001),
     "default": DEFAULT_WAIT,
-    "nap": WaitPolicy(spin_s=0.002, nap_s=0.0001, nap_window_s=3600.0),
-    "receiver": WaitPolicy(spin_s=0.00005, nap_window_s=0.00005, slice_s=0.001),
 }
 
 

@@ -92,13 +92,17 @@ def _latency(a: BenchArgs) -> dict:
     return latency.compare(a.layout)
 
 
-def _latency_suite(a: BenchArgs) -> dict:
-    """The fixed cost per layer: one 16-token chunk per layer (64 KiB in the default shape)."""
+def _one_chunk(a: BenchArgs) -> BenchArgs:
+    """The shape with one 16-token chunk per layer (64 KiB in the default shape): the fixed costs."""
     from pdpush.layout import KVLayout
 
     lay = a.layout
-    return {"latency": _latency(BenchArgs(KVLayout(lay.layers, lay.kv_heads, lay.head_dim, lay.dtype, 16,
-                                                   kind=lay.kind)))}
+    return BenchArgs(KVLayout(lay.layers, lay.kv_heads, lay.head_dim, lay.dtype, 16, kind=lay.kind))
+
+
+def _latency_suite(a: BenchArgs) -> dict:
+    """The fixed cost per layer."""
+    return {"latency": _latency(_one_chunk(a))}
 
 
 def _of_scenarios(name: str, suite_tokens: Callable[[int], int] | None) -> Scenario:
@@ -140,12 +144,8 @@ def _decode_wait(a: BenchArgs) -> dict:
 
 
 def _decode_wait_suite(a: BenchArgs) -> dict:
-    """One 16-token chunk per layer, as the latency scenario: the wake-up, not the bytes."""
-    from pdpush.layout import KVLayout
-
-    lay = a.layout
-    return {"decode_wait": _decode_wait(BenchArgs(KVLayout(lay.layers, lay.kv_heads, lay.head_dim, lay.dtype, 16,
-                                                           kind=lay.kind)))}
+    """One chunk per layer, as the latency scenario: the wake-up, not the bytes."""
+    return {"decode_wait": _decode_wait(_one_chunk(a))}
 
 
 def _show_decode_wait(result: dict) -> None:
