@@ -13,6 +13,7 @@
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <stdexcept>
@@ -122,6 +123,50 @@ class Batches {
     std::deque<Batch> q_;
 };
 
+// The reference the benchmarks hold the sender to (pdpush_tools/bench/ceiling.py): ``count`` puts of
+// ``nbytes``, each followed by its own flush, cycling over ``slots`` layer-sized places, with at most
+// ``window`` put+flush pairs in flight, all in C++ on the calling thread. Returns the seconds taken.
+double put_loop(uintptr_t worker, uintptr_t ep, uintptr_t rkey, uint64_t src, uint64_t dst, uint64_t nbytes,
+                uint32_t slots, uint32_t count, uint32_t window, double timeout_s) {
+    auto w = reinterpret_cast<ucp_worker_h>(worker);
+    auto e = reinterpret_cast<ucp_ep_h>(ep);
+    auto k = reinterpret_cast<ucp_rkey_h>(rkey);
+    if (!w || !e || !k || !nbytes || !slots || !window) throw std::invalid_argument("put_loop: bad arguments");
+    nb::gil_scoped_release unlocked;
+    ucp_request_param_t param{};
+    std::deque<void *> flights;  // each pair's flush, or nullptr where it completed at once
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto deadline = t0 + std::chrono::duration<double>(timeout_s);
+    auto settle = [&](size_t keep) {
+        while (flights.size() > keep) {
+            void *r = flights.front();
+            if (r != nullptr) {
+                ucs_status_t st;
+                while ((st = ucp_request_check_status(r)) == UCS_INPROGRESS) {
+                    ucp_worker_progress(w);
+                    if (std::chrono::steady_clock::now() > deadline) throw UcpFailure("put_loop: timed out");
+                }
+                ucp_request_free(r);
+                if (st != UCS_OK) throw UcpFailure(std::string("put_loop flush: ") + ucs_status_string(st));
+            }
+            flights.pop_front();
+        }
+    };
+    for (uint32_t i = 0; i < count; ++i) {
+        const uint64_t off = static_cast<uint64_t>(i % slots) * nbytes;
+        ucs_status_ptr_t p = ucp_put_nbx(e, reinterpret_cast<void *>(src + off), nbytes, dst + off, k, &param);
+        if (UCS_PTR_IS_ERR(p)) throw UcpFailure(std::string("put_loop put: ") + ucs_status_string(UCS_PTR_STATUS(p)));
+        if (p != nullptr) ucp_request_free(p);  // the flush after it completes only once it has
+        ucs_status_ptr_t f = ucp_ep_flush_nbx(e, &param);
+        if (UCS_PTR_IS_ERR(f)) throw UcpFailure(std::string("put_loop flush: ") + ucs_status_string(UCS_PTR_STATUS(f)));
+        flights.push_back(f);
+        ucp_worker_progress(w);
+        settle(window - 1);
+    }
+    settle(0);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace
 
 void register_ring(nb::module_ &m);  // ring.cpp
@@ -138,6 +183,9 @@ NB_MODULE(_dataplane, m) {
         .def("drop_head", &Batches::drop_head, "Forget the head batch (its deadline passed).")
         .def("drop_all", &Batches::drop_all, "Forget every batch (the endpoint closes).")
         .def("__len__", &Batches::size);
+    m.def("put_loop", &put_loop, nb::arg("worker"), nb::arg("ep"), nb::arg("rkey"), nb::arg("src"), nb::arg("dst"),
+          nb::arg("nbytes"), nb::arg("slots"), nb::arg("count"), nb::arg("window"), nb::arg("timeout_s"),
+          "The benchmarks' raw reference: count x (put + its own flush), window pairs in flight; seconds.");
     m.def(
         "progress", [](uintptr_t worker) { return ucp_worker_progress(reinterpret_cast<ucp_worker_h>(worker)); },
         nb::arg("worker"), "One ucp_worker_progress; returns the events it handled.");

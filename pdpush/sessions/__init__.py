@@ -50,6 +50,12 @@ class Counters:
     def add(self, name: str, n: int = 1) -> None:
         self.values[name] = self.values.get(name, 0) + n
 
+    def count(self, out: list, name: str, n: int = 1, metric: str | None = None, label: str | None = None) -> None:
+        """Count one event once: its status counter ``name``, and the metric it feeds (a ``Count`` in ``out``)."""
+        self.add(name, n)
+        if metric is not None:
+            out.append(Count(metric, n, label))
+
 
 def internal_error(what: str, exc: BaseException, req_id: str | None) -> tuple[InternalError, Log]:
     """An unexpected exception while handling one event: a typed error for the request, a traceback for the log."""

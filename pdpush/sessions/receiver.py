@@ -248,8 +248,7 @@ class ReceiverSession:
         self._next_check = now + PARKED_OPEN_MS
         for r in [r for r in self.reqs.values() if r.state in _LIVE and now >= r.expires_at_ms]:
             out.append(Log(logging.WARNING, "lease expired", r.req_id))
-            self.counters.add("leases_expired")
-            out.append(Count("leases_expired"))
+            self.counters.count(out, "leases_expired", metric="leases_expired")
             self._fail(r, LeaseExpired("lease expired before commit", req_id=r.req_id), now, out)
         for r in [r for r in self.reqs.values() if r.state is ReqState.COMMITTED and r.readers == 0
                   and now >= r.committed_at_ms + self._ttl(r)]:
@@ -440,10 +439,8 @@ class ReceiverSession:
         if new:
             r.layers_done.update(new)
             nbytes = sum(r.plan.layer_bytes(layer) for layer in new)  # the state's too (plan.py)
-            self.counters.add("layers_received", len(new))
-            self.counters.add("bytes_received", nbytes)
-            out.append(Count("layers", len(new)))
-            out.append(Count("bytes", nbytes))
+            self.counters.count(out, "layers_received", len(new), "layers")
+            self.counters.count(out, "bytes_received", nbytes, "bytes")
             for w in r.watchers:
                 out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=new)))
         # LayerDone is not acknowledged: the Commit ack covers it
@@ -459,8 +456,7 @@ class ReceiverSession:
             self.state_pool.commit(r.req_id)
         r.committed_at_ms = now
         self._due(now + self.limits.committed_ttl_ms)
-        self.counters.add("requests_committed")
-        out.append(Count("requests"))
+        self.counters.count(out, "requests_committed", metric="requests")
         out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
         if not r.new_runs:  # every item was held: its attention layers are all there (its state layers landed)
             kv = [la for la in range(self.layout.layers) if la not in r.layers_done]
@@ -481,8 +477,7 @@ class ReceiverSession:
             self.pool.abort(r.req_id, now)
             if self.state_pool is not None:
                 self.state_pool.abort(r.req_id, now)
-            self.counters.add("requests_failed")
-            out.append(Count("failures", label=err.code.value))
+            self.counters.count(out, "requests_failed", metric="failures", label=err.code.value)
         for w in r.watchers:
             out.append(ToDecode(w, protocol.error_reply(err, r.req_id)))
         self._forget(r.req_id, f"failed: {err.code.value}: {err}")

@@ -89,7 +89,7 @@ from pdpush.protocol import (
     TxEvent,
     TxState,
 )
-from pdpush.sessions import Count, Counters, Log, Observe, internal_error
+from pdpush.sessions import Counters, Log, Observe, internal_error
 from pdpush.sessions.grants import StagingGrants
 from pdpush.sessions.rings import HandoverRings
 from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, importable from here
@@ -629,9 +629,6 @@ class SenderSession:
         r.layers_done.add(layer)
         self.grants.land(r, layer)
         r.unannounced.append((layer, None if None in digests else combine_digests(digests)))
-        c = self.counters
-        c.add("bytes_pushed", nbytes)
-        c.add("layers_pushed")
         return True
 
     def _announce(self, r: TxRequest, now: int, out: list) -> None:
@@ -639,7 +636,8 @@ class SenderSession:
         done, r.unannounced = r.unannounced, []
         if done:
             nbytes = sum(r.plan.layer_bytes(la) for la, _ in done)
-            out.extend((Count("bytes", nbytes), Count("layers", len(done))))
+            self.counters.count(out, "bytes_pushed", nbytes, "bytes")
+            self.counters.count(out, "layers_pushed", len(done), "layers")
             sums = [c for _, c in done]
             out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in done],
                                                          checksums=None if None in sums else sums)))
@@ -710,7 +708,6 @@ class SenderSession:
 
     def _on_alloc(self, r: TxRequest, a: AllocResponse, now: int, out: list) -> None:
         out.append(Observe("alloc_rtt", (now - r.t_alloc_ms) / 1000))
-        out.append(Count("chunks_hit", len(a.already_sent_indexes)))
         layout = r.layout
         r.held = list(a.already_sent_indexes)
         r.skipped = len(r.held)
@@ -752,15 +749,14 @@ class SenderSession:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
         # the engine has until just before the lease ends to hand over every layer
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
-        self.counters.add("chunks_skipped", r.skipped)
+        self.counters.count(out, "chunks_skipped", r.skipped, "chunks_hit")
         self.grants.ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
         out.extend(ToClient(c, self._begin_ok(r, c, out)) for c in r.clients)  # each with its connection's ring
 
     def _done(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")
         self._release(r, now)
-        self.counters.add("requests_done")
-        out.append(Count("requests"))
+        self.counters.count(out, "requests_done", metric="requests")
         out.append(Observe("request_seconds", (now - r.t0_ms) / 1000))
         for k in r.ranks.values():
             out.append(ToClient(k.client, Done(req_id=r.req_id, bytes_sent=r.bytes_sent, puts=r.puts,
@@ -785,8 +781,7 @@ class SenderSession:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.FAIL, f"request {r.req_id!r}")
         r.failure = err
         self._release(r, now)
-        self.counters.add("requests_failed")
-        out.append(Count("failures", label=err.code.value))
+        self.counters.count(out, "requests_failed", metric="failures", label=err.code.value)
         reply = protocol.error_reply(err, r.req_id)
         out.extend(ToClient(c, reply) for c in r.clients)
         self.grants.pump(out)  # its place in the queue goes to the next

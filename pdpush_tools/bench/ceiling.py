@@ -56,6 +56,47 @@ def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
             proc.wait(5)
 
 
+def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windows: tuple[int, ...] = (1, 16),
+                     reps: int = 5) -> dict:
+    """Puts of ``layer_bytes``, each with its own flush, posted by a native loop (``pdpush_native.put_loop``,
+    no interpreter per put) into another process: median ops/s with ``window`` pairs in flight (1: back
+    to back; more: pipelined, as the sender keeps many layers in flight)."""
+    from pdpush.shm import array_at
+    from pdpush.transport.ucx import UcxWorker
+
+    total = layer_bytes * slots
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(total)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        info = json.loads(proc.stdout.readline())
+        w = UcxWorker()
+        ep = w.connect("127.0.0.1", info["port"])
+        ep.set_rkey(bytes.fromhex(info["rkey"]))
+        src, _, _ = w.alloc_shared(total)
+        array_at(src.address, total)[:] = 1
+        from pdpush_native import put_loop
+
+        out = {}
+        for window in windows:
+            rates = []
+            for _ in range(reps + 1):
+                secs = put_loop(w.worker.handle, ep.handle, ep.rkey.handle, src.address, info["address"],
+                                layer_bytes, slots, count, window, 60.0)
+                rates.append(count / secs)
+            out[window] = statistics.median(rates[1:])  # the first pass touches the remote pages
+        ep.close()
+        src.close()
+        return {"ops_per_s": out, "layer_bytes": layer_bytes}
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
     """Median GB/s of the engine's staging copy (``kvcodec.stage``: token-major ``[tokens, heads, D]``
     components into head-major pages, as ``PrefillClient.put_layer`` does) of ``layout.layers`` layers,
@@ -80,6 +121,81 @@ def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
     return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
 
 
+def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 3) -> dict:
+    """The one-host limit of an end-to-end push, with no pdpush code: a copier process memcpys each layer
+    into a staging slot, this process puts it (native ``put_loop``, one put and its flush) into a peer
+    process, pipelined over ``slots`` slots; pipes say which slot is full and which is free again.
+    Every byte is copied twice, as on this host pdpush copies it twice. Median GB/s."""
+    from pdpush.transport.ucx import UcxWorker
+
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    peer = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(layer_bytes * layers)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    copier = None
+    try:
+        info = json.loads(peer.stdout.readline())
+        w = UcxWorker()
+        ep = w.connect("127.0.0.1", info["port"])
+        ep.set_rkey(bytes.fromhex(info["rkey"]))
+        staging, shmid, _ = w.alloc_shared(layer_bytes * slots)
+        from pdpush_native import put_loop
+
+        full_r, full_w = os.pipe()
+        free_r, free_w = os.pipe()
+        copier = subprocess.Popen([sys.executable, "-m", "pdpush_tools.bench.ceiling", "copier", str(shmid),
+                                   str(layer_bytes), str(layers), str(slots), str(reps + 1), str(full_w),
+                                   str(free_r)], pass_fds=(full_w, free_r), env=env)
+        os.close(full_w)
+        os.close(free_r)
+        full, free = os.fdopen(full_r, "rb", buffering=0), os.fdopen(free_w, "wb", buffering=0)
+        rates = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            for layer in range(layers):
+                slot = full.read(1)[0]  # the copier has filled it
+                put_loop(w.worker.handle, ep.handle, ep.rkey.handle, staging.address + slot * layer_bytes,
+                         info["address"] + layer * layer_bytes, layer_bytes, 1, 1, 1, 60.0)
+                free.write(bytes([slot]))
+            rates.append(layer_bytes * layers / (time.perf_counter() - t) / 1e9)
+        copier.wait(30)
+        ep.close()
+        staging.close()
+        rates = rates[1:]  # the first pass faults the pages in
+        return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "slots": slots}
+    finally:
+        for proc in (copier, peer):
+            if proc is not None and proc.poll() is None:
+                if proc is peer:
+                    proc.stdin.close()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+
+
+def _copier(shmid: int, layer_bytes: int, layers: int, slots: int, passes: int, full_fd: int, free_fd: int) -> None:
+    """measure_two_copy's copier: each layer's bytes into the next free slot, then say so."""
+    from pdpush.shm import Attached
+
+    st = Attached(shmid, layer_bytes * slots)
+    src = np.frombuffer(np.random.default_rng(1).bytes(layer_bytes * layers), dtype=np.uint8)
+    full, free = os.fdopen(full_fd, "wb", buffering=0), os.fdopen(free_fd, "rb", buffering=0)
+    n = 0
+    for _ in range(passes):
+        for layer in range(layers):
+            slot = n % slots
+            if n >= slots:
+                free.read(1)  # the putter is done with the oldest slot, which is this one
+            np.copyto(st.array[slot * layer_bytes:(slot + 1) * layer_bytes],
+                      src[layer * layer_bytes:(layer + 1) * layer_bytes])
+            full.write(bytes([slot]))
+            n += 1
+    for _ in range(min(n, slots)):  # the putter frees every slot: take the last ones before leaving
+        free.read(1)
+    st.close()
+
+
 def measure_memcpy(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     a = np.ones(layer_bytes * layers, dtype=np.uint8)
     b = np.empty_like(a)
@@ -93,3 +209,7 @@ def measure_memcpy(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     rates = rates[1:]
     return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
 
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["copier"]:
+    _copier(*(int(x) for x in sys.argv[2:9]))

@@ -85,6 +85,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         layer_bytes = chunks * layout.page_bytes
         put = ceiling.measure_put(layer_bytes, layout.layers)
         mem = ceiling.measure_memcpy(layer_bytes, layout.layers)
+        two = ceiling.measure_two_copy(layer_bytes, layout.layers)
         stage = ceiling.measure_stage(layout, tokens)
         nixl = None
         if compare_nixl:
@@ -108,6 +109,9 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         "ceiling_gbps": put["median_gbps"],
         "ceiling_samples_gbps": put["samples_gbps"],
         "memcpy_gbps": mem["median_gbps"],
+        # the one-host limit end to end: copier process -> staging -> put by another, pipelined (issue #22)
+        "two_copy_gbps": two["median_gbps"],
+        "ratio_two_copy": good / two["median_gbps"],
         "ratio": good / put["median_gbps"],
         "ratio_memcpy": good / mem["median_gbps"],
         "transport_goodput_gbps": statistics.median(r["goodput_gbps"] for r in transport),

@@ -68,7 +68,7 @@ def _goodput_suite(a: BenchArgs) -> dict:
 
     main = goodput.run(**a.shape, tokens=a.tokens, requests=5, prefix_shared=0.5, compare_nixl=a.compare_nixl)
     keys = ("layer_bytes", "goodput_gbps", "ceiling_gbps", "memcpy_gbps", "ratio", "transport_goodput_gbps",
-            "ratio_transport", "verified")
+            "ratio_transport", "two_copy_gbps", "ratio_two_copy", "verified")
     sweep = []
     for t in (a.tokens // 16, a.tokens // 4):
         r = goodput.run(**a.shape, tokens=t, requests=5, prefix_shared=0.5)

@@ -94,6 +94,9 @@ def markdown(res: dict, plot_rel: str) -> str:
     tr = ", ".join(f"{s}: {r['ratio_transport']:.2f}x" for s, r in zip(mib, sweep, strict=True))
     e2e = [(s, r) for s, r in zip(mib, sweep, strict=True) if r["layer_bytes"] >= 4 << 20]
     e2e_txt = ", ".join(f"{s}: {r['ratio']:.2f}x" for s, r in e2e)
+    sweep_mib = list(zip(mib, sweep, strict=True))
+    two_txt = ", ".join(f"{s}: {r['ratio_two_copy']:.2f}x ({r['two_copy_gbps']:.2f} GB/s)" if "ratio_two_copy" in r
+                        else f"{s}: not measured" for s, r in sweep_mib)
     if iso.get("skipped"):
         iso_row = f"| isolation: healthy receiver p99 during a partition <= 1.2x baseline | not run: {iso['skipped']} | |"
     else:
@@ -122,8 +125,9 @@ def markdown(res: dict, plot_rel: str) -> str:
         "|---|---|---|",
         f"| transport only (KV already in staging, as a GPU's D2H DMA leaves it; hand-over -> decode-visible) "
         f">= 0.95x raw put+flush at every size | {tr} | {_met(all(r['ratio_transport'] >= 0.95 for r in sweep))} |",
-        f"| end to end through `PrefillClient.put_layer` >= 0.8x raw put+flush at 4 MiB and above | {e2e_txt} | "
-        f"{_met(all(r['ratio'] >= 0.8 for _, r in e2e))} |",
+        f"| end to end through `PrefillClient.put_layer` >= 0.9x `two_copy_gbps` (a copier process and a putter, "
+        f"pipelined, no pdpush code) | {two_txt} | {_met(all(r.get('ratio_two_copy', 0) >= 0.9 for _, r in sweep_mib))} |",
+        f"| end to end through `PrefillClient.put_layer` against raw put+flush, 4 MiB and above | {e2e_txt} | |",
         *nixl_row,
         f"| the engine's staging copy (`kvcodec.stage`, token-major to head-major pages) >= 0.8x memcpy | "
         f"{g['staging_copy_gbps']:.2f} GB/s, {g['ratio_staging_copy']:.2f}x ({g['memcpy_gbps']:.2f} GB/s) | "

@@ -208,6 +208,9 @@ def run(layout: KVLayout, tokens: int, requests: int, prefill_ranks: int, decode
             "bytes_per_request": request_bytes, "layer_bytes": chunks * layout.page_bytes,
             "goodput_gbps_1_rank": gbps(one), f"goodput_gbps_{prefill_ranks}_ranks": gbps(many),
             "ratio_ranks_to_one": gbps(many) / gbps(one), "ceiling_gbps": put["median_gbps"],
+            # every rank hands over its share of every layer: shares the one sender moved per second of a request
+            "layer_shares_per_s": (prefill_ranks * layout.layers / statistics.median(many["seconds"])
+                                   if many["seconds"] else float("nan")),
             "ratio_to_ceiling": gbps(many) / put["median_gbps"],
             "max_puts_per_layer_per_rank": max(many["rank_puts"]) / layout.layers if many["rank_puts"] else None,
             "errors": one["errors"] + many["errors"], "verified": one["verified"] and many["verified"]}

@@ -3,6 +3,6 @@
 Import ``ucxx`` (or ``pdpush.transport.ucp.lib()``) first, so that libucp is the instance ucxx loaded.
 """
 
-from pdpush_native._dataplane import Batches, Ring, UcpError, fence, progress
+from pdpush_native._dataplane import Batches, Ring, UcpError, fence, progress, put_loop
 
-__all__ = ["Batches", "Ring", "UcpError", "fence", "progress"]
+__all__ = ["Batches", "Ring", "UcpError", "fence", "progress", "put_loop"]
