@@ -74,14 +74,15 @@ class WaitPolicy:
     follows that layer's ``LayerDone``.
 
     The default was measured (``pdpush bench --scenario decode_wait``, BENCHMARKS.md): a 200 us spin
-    for a layer already landing, then the receiver's wake-up, re-reading the words every 5 ms. On a
-    box with cores to spare a longer spin sees the words a little sooner; where the decode engine
-    shares cores with the daemons, spinning slows the sender that it waits for."""
+    for a layer already landing, then the receiver's wake-up, re-reading the words every millisecond
+    (the words land before the receiver's notice, which takes two more hops). It costs a fraction of
+    the CPU of spinning or napping. On a box with cores to spare a longer spin sees the words sooner;
+    where the decode engine shares cores with the daemons, spinning slows the sender it waits for."""
 
     spin_s: float = 0.0002
     nap_s: float = 0.0001
     nap_window_s: float = 0.0002  # no naps: after the spin, the receiver wakes the wait
-    slice_s: float = 0.005
+    slice_s: float = 0.001
 
 
 DEFAULT_WAIT = WaitPolicy()

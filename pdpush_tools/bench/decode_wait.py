@@ -10,8 +10,9 @@ Policies, each measured at every gap in the same run:
   the latency floor);
 * ``nap``: what a DecodeClient did before this scenario chose: a 2 ms spin, then re-reads every
   100 us until 200 ms, then 1 ms waits on the receiver's socket;
-* ``receiver-1ms``: a 50 us spin, then woken by the receiver's ``LayerAvailable`` (a blocking wait on
-  its socket), re-reading the words every millisecond;
+* ``receiver-5ms``: a 200 us spin, then woken by the receiver's ``LayerAvailable`` (a blocking wait on
+  its socket), re-reading the words every 5 ms;
+* ``spin2ms-receiver``: a 2 ms spin, then woken by the receiver, re-reading the words every 5 ms;
 * ``default``: ``client.DEFAULT_WAIT``, what a DecodeClient does now.
 Every request's bytes are checked on the decode side.
 """
@@ -32,7 +33,8 @@ from pdpush_tools.bench.common import Source, verify
 POLICIES = {
     "spin": WaitPolicy(spin_s=3600.0, nap_window_s=3600.0),
     "nap": WaitPolicy(spin_s=0.002, nap_s=0.0001, nap_window_s=0.2, slice_s=0.001),
-    "receiver-1ms": WaitPolicy(spin_s=0.00005, nap_window_s=0.00005, slice_s=0.001),
+    "receiver-5ms": WaitPolicy(spin_s=0.0002, nap_window_s=0.0002, slice_s=0.005),
+    "spin2ms-receiver": WaitPolicy(spin_s=0.002, nap_window_s=0.002, slice_s=0.005),
     "default": DEFAULT_WAIT,
 }
 

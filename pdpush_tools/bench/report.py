@@ -227,6 +227,8 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 | warm pool (the scenario used to give every request fresh pages of a 2.6 GB pool: the sender's first write to a page of its mapping of the pool faults, ~2 ms per cold 32-layer request) | 1.9 ms | 43 us | 6,200 |
 | the decode side waits in the engine's thread, not a second thread sharing its GIL (harness) | 1.3 ms | 32 us | 7,700 |
 | no fence: readiness words posted once the layer's data flush completes (kept) | 1.6 ms | 33 us | 7,400 |
+| #22, 2026-12-01 (another box): each batch posted, flushed and reaped in C++ (`pdpush_native.Batches`), staging by the layers in flight | no gain measured at 64 KiB within noise (6.3 us instead of 8.5 us per batch, post + reap) | | |
+| #22: layers handed over through a ring in staging (a CAS per record), not a ZeroMQ message; same run, by message in brackets | 2.16 ms (2.36) | 57 us (60) | 5,119 (4,452) |
 
 - Kept: batched notices, one batch per pass, readiness words after the flush, the bounded spin. The
   readiness words take the receiver and two ZeroMQ hops off the critical path (a test stops the
@@ -238,10 +240,12 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 - Unit costs here: `ucp_put_nbx` of 64 KiB over shared memory 11-12 us (a memcpy of it: 3 us), a flush
   and its completion 2 us, posting + flushing + reaping a one-layer batch from Python 30-36 us, encoding or
   decoding a message 4 us (pydantic + msgpack).
-- Not met, and why: the sender runs Python per loop pass and per layer (~15-20 us of it beyond the
-  put), and on 2 cores the engine, the sender and the receiver share the CPUs. Next options, not built:
-  the engine writing readiness itself for local hand-over (a shared-memory ring instead of a ZeroMQ
-  message), and moving the post/reap loop into C (libucxx's C++ API has RMA).
+- Not met, and why: the sender still decides and plans each layer in Python (`SenderSession`:
+  ~40 us a layer here beyond the put), and on 2 cores the engine, the sender and the receiver share the
+  CPUs. A native loop posts 64 KiB put+flush pairs at ~160,000-190,000/s here (`raw_put_ops_per_s`);
+  the sender moves ~5,000 layers/s. Built since: the hand-over ring (no message per layer) and native
+  batches. Next: the per-layer plan of a planned request in C++ beside the ring reader, so that a
+  record becomes puts without the interpreter.
 """
 
 
