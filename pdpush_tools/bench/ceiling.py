@@ -7,6 +7,7 @@ one put+flush per layer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -17,23 +18,47 @@ import time
 import numpy as np
 
 
+def _env() -> dict:
+    return {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@contextlib.contextmanager
+def _peer(nbytes: int):
+    """A ``pdpush_tools.peer`` process holding ``nbytes``, and an endpoint to it with its rkey:
+    yields (worker, endpoint, the peer's info); the endpoint is closed and the peer stopped after."""
+    from pdpush.transport.ucx import UcxWorker
+
+    proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(nbytes)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=_env())
+    try:
+        info = json.loads(proc.stdout.readline())
+        w = UcxWorker()
+        ep = w.connect("127.0.0.1", info["port"])
+        ep.set_rkey(bytes.fromhex(info["rkey"]))
+        yield w, ep, info
+        ep.close()
+    finally:
+        proc.stdin.close()
+        _stop(proc)
+
+
 def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
     """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes."""
     from pdpush.shm import array_at
     from pdpush.transport.base import PutOp
-    from pdpush.transport.ucx import UcxWorker
     from pdpush_tools.peer import put_and_wait
 
     total = layer_bytes * layers
-    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(total)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
-    try:
-        line = proc.stdout.readline()
-        info = json.loads(line)
-        w = UcxWorker()
-        ep = w.connect("127.0.0.1", info["port"])
-        ep.set_rkey(bytes.fromhex(info["rkey"]))
+    with _peer(total) as (w, ep, info):
         src, _, _ = w.alloc_shared(total)  # the same memory the sender's staging uses
         array_at(src.address, total)[:] = 1  # fault the pages in, as a real staging area would be
         rates = []
@@ -43,17 +68,9 @@ def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
                 off = layer * layer_bytes
                 put_and_wait(w, ep, [PutOp(src.address + off, info["address"] + off, layer_bytes)], 30.0)
             rates.append(total / (time.perf_counter() - t) / 1e9)
-        ep.close()
         src.close()
-        rates = rates[1:]  # first pass touches the remote pages
-        return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    rates = rates[1:]  # first pass touches the remote pages
+    return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
 
 
 def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windows: tuple[int, ...] = (1, 16),
@@ -62,17 +79,9 @@ def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windo
     no interpreter per put) into another process: median ops/s with ``window`` pairs in flight (1: back
     to back; more: pipelined, as the sender keeps many layers in flight)."""
     from pdpush.shm import array_at
-    from pdpush.transport.ucx import UcxWorker
 
     total = layer_bytes * slots
-    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(total)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
-    try:
-        info = json.loads(proc.stdout.readline())
-        w = UcxWorker()
-        ep = w.connect("127.0.0.1", info["port"])
-        ep.set_rkey(bytes.fromhex(info["rkey"]))
+    with _peer(total) as (w, ep, info):
         src, _, _ = w.alloc_shared(total)
         array_at(src.address, total)[:] = 1
         from pdpush_native import put_loop
@@ -85,16 +94,8 @@ def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windo
                                 layer_bytes, slots, count, window, 60.0)
                 rates.append(count / secs)
             out[window] = statistics.median(rates[1:])  # the first pass touches the remote pages
-        ep.close()
         src.close()
-        return {"ops_per_s": out, "layer_bytes": layer_bytes}
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    return {"ops_per_s": out, "layer_bytes": layer_bytes}
 
 
 def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
@@ -126,17 +127,8 @@ def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 
     into a staging slot, this process puts it (native ``put_loop``, one put and its flush) into a peer
     process, pipelined over ``slots`` slots; pipes say which slot is full and which is free again.
     Every byte is copied twice, as on this host pdpush copies it twice. Median GB/s."""
-    from pdpush.transport.ucx import UcxWorker
-
-    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    peer = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(layer_bytes * layers)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     copier = None
-    try:
-        info = json.loads(peer.stdout.readline())
-        w = UcxWorker()
-        ep = w.connect("127.0.0.1", info["port"])
-        ep.set_rkey(bytes.fromhex(info["rkey"]))
+    with _peer(layer_bytes * layers) as (w, ep, info):
         staging, shmid, _ = w.alloc_shared(layer_bytes * slots)
         from pdpush_native import put_loop
 
@@ -144,34 +136,27 @@ def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 
         free_r, free_w = os.pipe()
         copier = subprocess.Popen([sys.executable, "-m", "pdpush_tools.bench.ceiling", "copier", str(shmid),
                                    str(layer_bytes), str(layers), str(slots), str(reps + 1), str(full_w),
-                                   str(free_r)], pass_fds=(full_w, free_r), env=env)
+                                   str(free_r)], pass_fds=(full_w, free_r), env=_env())
         os.close(full_w)
         os.close(free_r)
         full, free = os.fdopen(full_r, "rb", buffering=0), os.fdopen(free_w, "wb", buffering=0)
         rates = []
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            for layer in range(layers):
-                slot = full.read(1)[0]  # the copier has filled it
-                put_loop(w.worker.handle, ep.handle, ep.rkey.handle, staging.address + slot * layer_bytes,
-                         info["address"] + layer * layer_bytes, layer_bytes, 1, 1, 1, 60.0)
-                free.write(bytes([slot]))
-            rates.append(layer_bytes * layers / (time.perf_counter() - t) / 1e9)
-        copier.wait(30)
-        ep.close()
+        try:
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                for layer in range(layers):
+                    slot = full.read(1)[0]  # the copier has filled it
+                    put_loop(w.worker.handle, ep.handle, ep.rkey.handle, staging.address + slot * layer_bytes,
+                             info["address"] + layer * layer_bytes, layer_bytes, 1, 1, 1, 60.0)
+                    free.write(bytes([slot]))
+                rates.append(layer_bytes * layers / (time.perf_counter() - t) / 1e9)
+        finally:
+            full.close()
+            free.close()
+            _stop(copier)
         staging.close()
-        rates = rates[1:]  # the first pass faults the pages in
-        return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "slots": slots}
-    finally:
-        for proc in (copier, peer):
-            if proc is not None and proc.poll() is None:
-                if proc is peer:
-                    proc.stdin.close()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+    rates = rates[1:]  # the first pass faults the pages in
+    return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "slots": slots}
 
 
 def _copier(shmid: int, layer_bytes: int, layers: int, slots: int, passes: int, full_fd: int, free_fd: int) -> None:
