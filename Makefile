@@ -14,7 +14,7 @@ BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --c
 
 install: $(STAMP)
 
-NATIVE_SRC := native/pyproject.toml native/CMakeLists.txt $(wildcard native/src/*.cpp native/src/pdpush_native/*.py)
+NATIVE_SRC := native/pyproject.toml native/CMakeLists.txt $(wildcard native/src/*.cpp native/src/*.hpp native/src/pdpush_native/*.py)
 
 # The native data plane (native/, nanobind + scikit-build-core) is compiled here from its sources, against the
 # UCX headers and libucp of the libucx wheel in requirements.txt (hence --no-build-isolation).

@@ -4,18 +4,20 @@ For each request:
   Begin (client) -> [Hello/HelloAck + UCX connect, once per receiver]
   -> AllocRequest -> AllocResponse -> BeginOk (client: staging slot, skip list)
   -> per layer handed over (a record in the client's ring in staging, ring.py, or a LayerReady):
-     puts of the new chunks, coalesced by page run,
-     and one flush, posted without waiting; LayerDone when that flush completes
+     puts of the new chunks, coalesced by page run, and one flush per receiver per pass, posted
+     without waiting; readiness words and LayerDone when every rank's share is flushed
   -> Finish (client) -> Commit -> CommitAck -> Done.
-Every decision is the session's; this module polls sockets and UCX completions
-and carries out the session's actions. The loop never waits on one receiver:
+Every decision is the session's; this module polls sockets and carries out the
+session's actions. The per-layer path is native (``pdpush_native.Pusher``,
+native/src/pusher.cpp): it takes ring records, posts puts and flushes, reaps
+completions and puts readiness words, and this loop hands the session what
+landed, in batches. The loop never waits on one receiver:
 a stalled receiver's puts time out at their own deadlines. Imports ucxx only
 through pdpush.transport.ucx, when started.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -25,24 +27,28 @@ import numpy as np
 import xxhash
 import zmq
 
-from pdpush import control, protocol
+from pdpush import control, protocol, ring
 from pdpush.client import pid_alive
 from pdpush.config import SenderConfig
-from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportError
+from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportTimeout
+from pdpush.layout import combine_digests
 from pdpush.protocol import StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
     CloseRing,
     Connect,
     FillWords,
-    Flushed,
+    Hand,
     OpenRing,
-    PostPuts,
+    PlanGrant,
+    PlanRank,
+    PlanRequest,
     ResetPeer,
     SenderLimits,
     SenderSession,
     StagingInfo,
     ToClient,
     ToPeer,
+    Unplan,
 )
 
 log = logging.getLogger("pdpush.sender")
@@ -61,15 +67,16 @@ class Sender:
         self.session: SenderSession | None = None
         self.socks: dict[str, zmq.Socket] = {}  # receiver endpoint -> control DEALER
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
-        self.pending: dict[str, list[PostPuts]] = {}  # this loop pass's posts, per receiver
-        self.posted: dict[int, tuple[float, list]] = {}  # batch -> (posted at, [(session token, checksums)])
-        self._batch_ids = itertools.count(1)
+        self.pusher = None  # the native per-layer path (pdpush_native.Pusher), once started
+        self._eids: dict[str, int] = {}  # receiver endpoint -> its id in the pusher (kept for the daemon's life)
+        self._eid_names: dict[int, str] = {}
+        self.conns = _Connections()  # engine connections -> their ids in the pusher
         self.shell_counters = {"loop_errors": 0}
         self._poller_dirty = True
         self._last_refresh = 0.0
         self._last_tick = 0
         self._spin_until = 0.0
-        self.rings: dict[bytes, object] = {}  # engine connection -> its hand-over ring (pdpush_native.Ring)
+        self._rings = 0  # hand-over rings open (read by the pusher)
         self._idle = None  # the sender's idle word in staging (ring.py), set while it sleeps
         self.keys = None
         if cfg.curve_secret_key_file:
@@ -98,9 +105,13 @@ class Sender:
                          ring_slots=c.handover_ring_slots),
             StagingInfo(self.region.address, self.shmid, self.region.length, os.getpid()),
             c.default_receiver, check_receiver=self._check_receiver)
-        from pdpush_native import fence
+        from pdpush_native import Pusher, fence
+
+        from pdpush.transport.ucx import MAX_PUT_BYTES
 
         self._fence = fence
+        self.pusher = Pusher(self.ucx.worker.handle, self.region.address, self.region.length, MAX_PUT_BYTES,
+                             c.layer_timeout_ms / 1000)
         if c.handover_ring_slots:
             self._idle = shm.array_at(self.region.address + self.session.rings.idle_offset, 8).view(np.uint64)
             self._idle[0] = 0
@@ -108,6 +119,8 @@ class Sender:
                 "shmid": self.shmid, "backing": self.backing, "metrics_endpoint": self.metrics.endpoint}
 
     def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()  # its batches go before the endpoints and the worker do
         for ep in list(self.eps.values()):
             ep.close()
         self.eps.clear()
@@ -142,14 +155,14 @@ class Sender:
     # ---- loop ----
     def step(self, timeout_ms: int) -> None:
         self._reap()
-        if self.ucx.in_flight:
+        if self.pusher.in_flight:
             # Flushes in flight. Shared-memory completions need progress, not an fd event, so spin
             # for a short window after the last post or completion; past it (a slow or stalled
             # peer) look at the sockets at least every millisecond, without burning a core.
             timeout_ms = 0 if time.monotonic() < self._spin_until else min(timeout_ms, 1)
         if not self.ucx.arm():
             timeout_ms = 0
-        if timeout_ms and self.rings:
+        if timeout_ms and self._rings:
             self._idle[0] = 1  # engines that write a record from now on wake this loop (ring.py)
             self._fence()
             if self._take_rings():
@@ -178,7 +191,7 @@ class Sender:
             if len(frames) >= 2:
                 self._take_ring(frames[0])  # its records were written before this frame was sent
                 self._guard(self._on_ingress_frame, frames[0], frames[-1])
-        self._post_pending()  # everything handed over in this pass: one batch per receiver
+        self.pusher.post()  # everything handed over in this pass: one batch per receiver
         self._reap()
         t = now_ms()
         if t - self._last_tick >= 5:
@@ -200,37 +213,59 @@ class Sender:
 
     def _reap(self) -> None:
         """UCX progress (endpoint errors and closes too: without it an idle sender never saw a
-        receiver die, and spun on its fd), completions out (one notice per request), and the
-        readiness words they call for posted."""
+        receiver die, and spun on its fd), then what the native path completed: layers landed (one
+        notice per request) and receivers whose puts failed."""
         self.ucx.progress()
-        self._completions()
-        self._post_pending()
+        landed, failed = self.pusher.poll()
+        if failed:
+            from pdpush_native import TIMED_OUT
 
-    def _completions(self) -> None:
-        now = time.monotonic()
-        done = []
-        for c in self.ucx.poll(now):
-            posted_at, parts = self.posted.pop(c.token, (now, []))
-            if c.error is None:  # one sample per layer: its batch's post-to-flush time
-                layers = sum(len(t[1]) for t, _ in parts if t[2] == "data")
-                for _ in range(layers):
-                    self.metrics.layer_seconds.observe(now - posted_at)
-            done.extend(Flushed(token, c.error, sums) for token, sums in parts)
-        if done:
-            self._spin_until = now + SPIN_S  # every completion of this pass at once: one LayerDone per request
-            self._apply(self.session.on_flushed(done, now_ms()))
+            from pdpush.transport.ucp import status_name
+
+            for eid, status in failed:
+                endpoint = self._eid_names[eid]
+                err = (TransportTimeout(f"put+flush to {endpoint} did not complete by its deadline (stalled or "
+                                        "partitioned receiver)") if status == TIMED_OUT
+                       else TransferError(f"put+flush to {endpoint} failed: {status_name(status)}"))
+                self._apply(self.session.on_peer_lost(endpoint, str(err), now_ms(), err))
+        if landed:
+            self._spin_until = time.monotonic() + SPIN_S
+            for _, _, seconds in landed:  # one sample per layer: its batch's post-to-flush time
+                self.metrics.layer_seconds.observe(seconds)
+            sums = [self._checksum(seq, layer) for seq, layer, _ in landed] if self.cfg.checksums else None
+            self._apply(self.session.on_landed([(seq, layer) for seq, layer, _ in landed], now_ms(), sums))
+
+    def _checksum(self, seq: int, layer: int) -> int | None:
+        """A landed layer's checksum over its shares in staging; None for one that moved nothing."""
+        from pdpush.shm import array_at
+
+        spans = self.session.layer_checksum_spans(seq, layer)
+        return combine_digests([xxhash.xxh3_64_intdigest(array_at(a, n)) for a, n in spans]) if spans else None
 
     def _take_rings(self) -> int:
-        return sum(self._take_ring(ident) for ident in list(self.rings))
+        return self._taken(self.pusher.take(-1))
 
     def _take_ring(self, ident: bytes) -> int:
-        """Hand the session the records in ``ident``'s ring (layers handed over); how many."""
-        ring = self.rings.get(ident)
-        records = ring.take() if ring is not None else None
-        if records:
-            self._guard(lambda: self._apply(self.session.on_handover(ident, records, now_ms())))
-            return len(records)
-        return 0
+        """Take the records in ``ident``'s ring (layers handed over); how many."""
+        cid = self.conns.ids.get(ident)
+        return self._taken(self.pusher.take(cid)) if cid is not None else 0
+
+    def _taken(self, taken: tuple[int, list]) -> int:
+        n, refused = taken
+        if refused:
+            self._refused(refused)
+        if n:
+            self._spin_until = time.monotonic() + SPIN_S
+        return n
+
+    def _refused(self, refused: list[tuple[int, int, int, int, int]]) -> None:
+        by_conn: dict[int, list] = {}
+        for cid, handle, first, n, why in refused:
+            by_conn.setdefault(cid, []).append((handle, first, n, why))
+        for cid, records in by_conn.items():
+            ident = self.conns.idents.get(cid)
+            if ident is not None:
+                self._guard(lambda i=ident, rs=records: self._apply(self.session.on_refused(i, rs, now_ms())))
 
     def _on_ingress_frame(self, ident: bytes, payload: bytes) -> None:
         try:
@@ -263,8 +298,21 @@ class Sender:
                 if not control.send(self._sock(a.endpoint), a.msg):
                     todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
                                                           now_ms()))
-            elif isinstance(a, PostPuts):
-                self.pending.setdefault(a.endpoint, []).append(a)  # posted at the end of the loop pass
+            elif isinstance(a, Hand):
+                cid = self.conns.ids.get(a.ident)
+                refused = [(cid, a.handle, first, n, why) for first, n in ring.runs(list(a.layers))
+                           if (why := self.pusher.hand(cid, a.handle, first, n))] if cid is not None else []
+                if refused:
+                    self._refused(refused)
+            elif isinstance(a, PlanGrant):
+                self.pusher.grant(a.handle, a.layer, a.offset)
+            elif isinstance(a, PlanRequest):
+                self.pusher.add_request(a.handle, self._eid(a.endpoint), a.layers, a.ready, a.tp)
+            elif isinstance(a, PlanRank):
+                self.pusher.add_rank(a.handle, self.conns.ref(a.ident, a.handle), a.first, a.end, a.ranges)
+            elif isinstance(a, Unplan):
+                self.pusher.drop_request(a.handle)
+                self.conns.unref_request(a.handle)
             elif isinstance(a, Connect):
                 todo.extend(self._connect(a))
             elif isinstance(a, FillWords):
@@ -274,11 +322,14 @@ class Sender:
             elif isinstance(a, ResetPeer):
                 self._reset(a.endpoint)
             elif isinstance(a, OpenRing):
-                from pdpush_native import Ring
-
-                self.rings[a.ident] = Ring(a.address, a.slots)
+                self.pusher.add_ring(self.conns.ref(a.ident), a.address, a.slots)
+                self._rings += 1
             elif isinstance(a, CloseRing):
-                self.rings.pop(a.ident, None)
+                cid = self.conns.ids.get(a.ident)
+                if cid is not None:
+                    self.pusher.drop_ring(cid)
+                    self._rings -= 1
+                    self.conns.unref(a.ident)
             else:
                 self.metrics.apply(a, log)
 
@@ -319,41 +370,17 @@ class Sender:
             ep.set_rkey(ack.rkey, timeout)
             ep.on_close(lambda _e, endpoint=a.endpoint: self._apply(self.session.on_peer_lost(
                 endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
+            self.pusher.add_endpoint(self._eid(a.endpoint), ep.handle, ep.rkey.handle)
         except PdpushError as e:
             return self.session.on_connected(a.endpoint, e, now_ms())
         return self.session.on_connected(a.endpoint, None, now_ms())
 
-    def _post_pending(self) -> None:
-        """Post what this loop pass handed over: one batch (one flush) per receiver, whatever the
-        number of layers and requests in it; each layer keeps its own fence and readiness words."""
-        pending, self.pending = self.pending, {}
-        for endpoint, posts in pending.items():
-            self._apply(self._post(endpoint, posts))
-
-    def _post(self, endpoint: str, posts: list[PostPuts]) -> list:
-        ep = self.eps.get(endpoint)
-        parts = []
-        token = next(self._batch_ids)
-        try:
-            if ep is None:
-                raise TransferError(f"no data plane to {endpoint}")
-            for a in posts:
-                sums = None
-                if self.cfg.checksums:
-                    from pdpush.shm import array_at
-
-                    sums = [xxhash.xxh3_64_intdigest(array_at(*src)) for src in a.srcs]
-                parts.append((a.token, sums))
-            ops = posts[0].ops if len(posts) == 1 else [op for a in posts for op in a.ops]
-            deadline = time.monotonic() + (min(a.deadline_ms for a in posts) - now_ms()) / 1000
-            self.posted[token] = (time.monotonic(), parts)
-            self._spin_until = time.monotonic() + SPIN_S
-            ep.post_puts(ops, token, deadline)
-        except PdpushError as e:
-            self.posted.pop(token, None)
-            err = e if isinstance(e, TransportError) else TransferError(str(e))
-            return self.session.on_flushed([Flushed(a.token, err) for a in posts], now_ms())
-        return []
+    def _eid(self, endpoint: str) -> int:
+        eid = self._eids.get(endpoint)
+        if eid is None:
+            eid = self._eids[endpoint] = len(self._eids) + 1
+            self._eid_names[eid] = endpoint
+        return eid
 
     @staticmethod
     def _ucx_host(control_endpoint: str, advertised: str) -> str:
@@ -364,6 +391,8 @@ class Sender:
 
     def _drop_ep(self, endpoint: str) -> None:
         ep = self.eps.pop(endpoint, None)
+        if endpoint in self._eids:
+            self.pusher.drop_endpoint(self._eids[endpoint])  # its batches, before the endpoint goes
         if ep is not None:
             ep.close()
 
@@ -377,8 +406,45 @@ class Sender:
 
     def stats(self) -> dict:
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, **self.session.stats(),
-                "puts_in_flight": self.ucx.in_flight, "metrics_endpoint": self.metrics.endpoint,
-                **self.shell_counters}
+                **self.pusher.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters}
+
+
+class _Connections:
+    """Engine connections (ZeroMQ identities) by their ids in the pusher, while a ring or a planned request
+    names them: an id goes once nothing does, so a sender that serves many short connections keeps none."""
+
+    def __init__(self) -> None:
+        self.ids: dict[bytes, int] = {}
+        self.idents: dict[int, bytes] = {}
+        self._refs: dict[bytes, int] = {}
+        self._by_request: dict[int, list[bytes]] = {}
+        self._next = 0
+
+    def ref(self, ident: bytes, handle: int | None = None) -> int:
+        cid = self.ids.get(ident)
+        if cid is None:
+            self._next = (self._next + 1) & 0xFFFFFFFF
+            while self._next in self.idents or not self._next:
+                self._next = (self._next + 1) & 0xFFFFFFFF
+            cid = self.ids[ident] = self._next
+            self.idents[cid] = ident
+        self._refs[ident] = self._refs.get(ident, 0) + 1
+        if handle is not None:
+            self._by_request.setdefault(handle, []).append(ident)
+        return cid
+
+    def unref(self, ident: bytes) -> None:
+        left = self._refs.get(ident, 0) - 1
+        if left > 0:
+            self._refs[ident] = left
+            return
+        self._refs.pop(ident, None)
+        cid = self.ids.pop(ident, None)
+        self.idents.pop(cid, None)
+
+    def unref_request(self, handle: int) -> None:
+        for ident in self._by_request.pop(handle, ()):
+            self.unref(ident)
 
 
 __all__ = ["Sender"]

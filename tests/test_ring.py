@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pdpush import protocol, ring
 from pdpush.client import DecodeClient, PrefillClient, status
-from pdpush.errors import PdpushError, TransportTimeout, UnexpectedMessage
+from pdpush.errors import ErrorCode, PdpushError, TransportTimeout, UnexpectedMessage
 from pdpush.layout import KVLayout
 from tests.helpers import kv, read_back, rx_opts, sock, until
 
@@ -102,13 +102,17 @@ def test_a_connection_keeps_its_ring_until_bye_and_its_records_are_its_layer_rea
     ok = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
     assert ok.ring_slots == w.tx.limits.ring_slots and ok.ring_offset and ok.handle
     assert w.tx.rings.stats()["handover_rings"] == 1
-    w.run(w.tx.on_handover(ENG, [(ok.handle, 0, 2), (ok.handle, 2, SLAY.push_layers - 2)], w.now))
-    assert w.posted and w.tx.counters.values["handovers_ring"] == 2
+    w.records(ENG, [(ok.handle, 0, 2), (ok.handle, 2, SLAY.push_layers - 2)])
+    assert w.posted and w.tx.counters.values["handovers_refused"] == 0
+    w.records(b"other", [(ok.handle, 0, 1)])  # another connection's request: refused, answered, nothing posted
+    assert w.by_client[-1][0] == b"other" and w.by_client[-1][1].code is ErrorCode.UNKNOWN_REQUEST
+    w.records(ENG, [(ok.handle, 1, 1)])  # a layer already handed over
+    assert "already sent" in w.to_client[-1].message and w.tx.counters.values["handovers_refused"] == 2
     w.complete()
     w.engine(protocol.Finish(req_id="a"))
     assert isinstance(w.outcome("a"), protocol.Done) and w.outcome("a").layers == SLAY.layers
     # a record for a request that has ended is dropped and counted; the ring stays with its connection
-    w.run(w.tx.on_handover(ENG, [(ok.handle, 0, 1)], w.now))
+    w.records(ENG, [(ok.handle, 0, 1)])
     assert w.tx.counters.values["handovers_stale"] == 1 and w.tx.rings.stats()["handover_rings"] == 1
     w.engine(protocol.Bye())
     assert w.tx.rings.stats()["handover_rings"] == 0 and w.tx.rings.meta_bytes == 64  # the idle word

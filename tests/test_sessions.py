@@ -1,8 +1,9 @@
 """The sans-I/O sessions, driven directly: no sockets, no threads, a clock the test moves.
 
 ``Wire`` joins a SenderSession and a ReceiverSession the way h11's ConnectionPair
-does: actions out of one become events into the other, and posted puts are
-completed (or failed, or stalled) by the test.
+does: actions out of one become events into the other, and posted puts (a model of
+the native per-layer path, tests/fake_pusher.py) are completed (or failed, or
+stalled) by the test.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, 
 from pdpush.sessions.sender import (
     Connect,
     FillWords,
-    Flushed,
-    PostPuts,
     ResetPeer,
     SenderLimits,
     SenderSession,
@@ -31,6 +30,7 @@ from pdpush.sessions.sender import (
     ToClient,
     ToPeer,
 )
+from tests.fake_pusher import FakePusher, Posted
 
 LAY = KVLayout(3, 2, 64, "float16", 16)
 SPEC = protocol.LayoutSpec(**LAY.to_dict())
@@ -71,7 +71,7 @@ class Wire:
         self.lay = lay
         self.tx = sender(**sender_limits)
         self.rx = {e: receiver(pages=pages, shards=shards, lay=lay) for e in endpoints}
-        self.posted: list[PostPuts] = []  # puts posted and not completed
+        self.pusher = FakePusher(self.tx.staging_info.address, self.tx.limits.layer_timeout_ms)
         self.words: list[FillWords] = []  # staging words the sender wrote (grant tables, readiness sources)
         self.to_client: list = []
         self.by_client: list = []  # (engine identity, message)
@@ -90,8 +90,11 @@ class Wire:
                         self.to_decoder.append(b.msg)
             elif isinstance(a, Connect):
                 todo.extend(self.tx.on_connected(a.endpoint, None, self.now))
-            elif isinstance(a, PostPuts):
-                self.posted.append(a)
+            elif (refused := self.pusher.apply(a, self.now)) is not None:
+                if refused:
+                    todo.extend(self.tx.on_refused(a.ident, [x for x in refused], self.now))
+                if landed := self.pusher.take_landed():
+                    todo.extend(self.tx.on_landed(landed, self.now))
             elif isinstance(a, FillWords):
                 self.words.append(a)
             elif isinstance(a, ToClient):
@@ -101,15 +104,43 @@ class Wire:
     def engine(self, msg, ident: bytes = ENG) -> None:
         self.run(self.tx.on_ingress(ident, msg, self.now))
 
+    @property
+    def posted(self) -> list[Posted]:
+        """Puts posted and not completed."""
+        return self.pusher.posted
+
+    @posted.setter
+    def posted(self, value: list[Posted]) -> None:
+        self.pusher.posted = value
+
+    def flushed(self, p: Posted) -> list:
+        """``p``'s flush completed: the session's actions for the layers it lands (not yet run)."""
+        return self.tx.on_landed(self.pusher.land(p, self.now), self.now)
+
     def complete(self, endpoint: str | None = None) -> None:
         """Flushes complete for every posted batch (of one endpoint)."""
         keep = []
-        for p in self.posted:
+        while self.posted:
+            p = self.posted.pop(0)
             if endpoint is None or p.endpoint == endpoint:
-                self.run(self.tx.on_flushed([Flushed(p.token)], self.now))
+                self.run(self.flushed(p))
             else:
                 keep.append(p)
-        self.posted = keep
+        self.posted = keep + self.posted
+
+    def fail(self, endpoint: str, err, now: int | None = None) -> list:
+        """``endpoint``'s puts failed (or timed out): its batches go, and the session's actions (run)."""
+        self.posted = [p for p in self.posted if p.endpoint != endpoint]
+        actions = self.tx.on_peer_lost(endpoint, str(err), self.now if now is None else now, err)
+        self.run(actions)
+        return actions
+
+    def records(self, ident: bytes, records: list[tuple[int, int, int]]) -> None:
+        """Records from ``ident``'s ring, taken by the native path."""
+        refused = self.pusher.hand_all(ident, records, self.now)
+        self.run(self.tx.on_refused(ident, refused, self.now) if refused else [])
+        if landed := self.pusher.take_landed():
+            self.run(self.tx.on_landed(landed, self.now))
 
     def tick(self, dt: int) -> None:
         self.now += dt
@@ -141,11 +172,11 @@ def test_a_push_commits_only_after_every_flush_and_the_ack():
     data = list(w.posted)
     w.posted = []
     for p in data:  # each layer's flush completes: its readiness words follow, into the words area
-        actions = w.tx.on_flushed([Flushed(p.token)], w.now)
-        ready = [a for a in actions if isinstance(a, PostPuts)]
-        assert len(ready) == 1 and ready[0].token == (p.token[0], p.token[1], "ready", 0)
+        w.run(w.flushed(p))
+        ready = [q for q in w.posted if q.token[2] == "ready"]
+        assert len(ready) == 1 and ready[0].token[:2] == (p.token[0], p.token[1])
         assert ready[0].ops[0].dst >= (1 << 30) + LAY.kv_bytes(64) and ready[0].ops[0].nbytes == 3 * 8
-        w.run(actions)
+        w.posted = []
     w.complete()
     done = w.outcome("r1")
     assert isinstance(done, protocol.Done) and done.layers == LAY.layers and done.puts == LAY.layers
@@ -165,7 +196,7 @@ def test_layer_done_goes_out_when_its_flush_completes_in_any_order():
         w.engine(protocol.LayerReady(req_id="r", layers=[layer]))
     rx = w.rx["tcp://rx-a:1"]
     last = w.posted.pop()
-    w.run(w.tx.on_flushed([Flushed(last.token)], w.now))
+    w.run(w.flushed(last))
     assert rx.reqs["r"].layers_done == {LAY.layers - 1}
     w.engine(protocol.Finish(req_id="r"))
     assert w.outcome("r") is None  # two layers still in flight: no commit yet
@@ -191,8 +222,7 @@ def test_a_stalled_receiver_holds_only_its_own_requests():
     stalled = [p for p in w.posted if p.endpoint == a]
     assert stalled and all(p.deadline_ms == 500 for p in stalled)
     w.posted = []
-    actions = w.tx.on_flushed([Flushed(stalled[0].token, TransportTimeout("flush did not complete"))], 600)
-    w.run(actions)
+    actions = w.fail(a, TransportTimeout("flush did not complete"), 600)
     err = w.outcome("on-a")
     assert isinstance(err, protocol.Error) and err.code is ErrorCode.TIMEOUT
     assert of(actions, ResetPeer) == [ResetPeer(a)]
@@ -357,7 +387,10 @@ def test_sender_session_fuzz(steps):
             w.engine(arg)
         elif kind == "complete" and w.posted:
             p = w.posted.pop(0)
-            w.run(w.tx.on_flushed([Flushed(p.token, None if arg else TransportTimeout("x"))], w.now))
+            if arg:
+                w.run(w.flushed(p))
+            else:
+                w.fail(p.endpoint, TransportTimeout("x"))
         elif kind == "peer":
             w.run(w.tx.on_peer("tcp://rx-a:1", arg, w.now))
         elif kind == "lost":

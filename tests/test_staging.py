@@ -17,7 +17,7 @@ from pdpush import protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout
-from pdpush.sessions.sender import Flushed, ToClient
+from pdpush.sessions.sender import ToClient
 from pdpush.staging import ALIGN, StagingAllocator, split
 from tests.helpers import kv, push, read_back, rx_opts, sock
 from tests.test_sessions import ENG, Wire, begin
@@ -102,9 +102,7 @@ def _ask(w: Wire, rid: str, unit: int, ident: bytes = ENG) -> list:
 
 def _hand_over(w: Wire, rid: str, layer: int, ident: bytes = ENG) -> None:
     w.engine(protocol.LayerReady(req_id=rid, layers=[layer]), ident)
-    posted, w.posted = w.posted, []
-    for p in posted:
-        w.run(w.tx.on_flushed([Flushed(p.token)], w.now))
+    w.complete()
 
 
 def test_a_request_larger_than_staging_gets_each_layer_as_the_one_before_lands():

@@ -1,4 +1,5 @@
-"""Conformance of the UCX transport to pdpush/transport/base.py: posted batches, polled completions.
+"""Conformance of the native data plane: the UCX transport's posted batches and polled completions
+(pdpush/transport/base.py), and the sender's per-layer path built on them (native/src/pusher.cpp).
 
 The peer is a real second process (``python -m pdpush_tools.peer``) serving a
 region allocated as the receiver's pool is; bytes are read back through its
@@ -192,15 +193,17 @@ def test_native_batches_split_puts_at_max_put_and_complete_whole(world, env):
     array_at(src.address, REGION)[:] = data
     q = native.Batches(ep.handle, ep.rkey.handle, 64 << 10)
     try:
+        due = time.monotonic() + 10
         assert q.post([PutOp(src.address, p.info["address"], 1 << 20), (src.address + (1 << 20),
-                                                                         p.info["address"] + (1 << 20), 1000)]) == 17
-        assert q.post([]) == 0 and len(q) == 2  # a flush alone is a batch too
+                                                                         p.info["address"] + (1 << 20), 1000)],
+                      due) == 17
+        assert q.post([], due) == 0 and len(q) == 2  # a flush alone is a batch too
         got: list[int] = []
         deadline = time.monotonic() + 10
         while len(got) < 2:
             assert time.monotonic() < deadline, got
             native.progress(w.worker.handle)
-            got += q.reap()
+            got += q.reap(time.monotonic())
         assert got == [0, 0] and len(q) == 0
     finally:
         q.drop_all()
@@ -209,3 +212,211 @@ def test_native_batches_split_puts_at_max_put_and_complete_whole(world, env):
         assert np.array_equal(remote.array[:(1 << 20) + 1000], data[:(1 << 20) + 1000])
     finally:
         remote.close()
+
+
+# ------------------------------------------------- the sender's native per-layer path (pusher.cpp)
+
+LB = 64 << 10  # a layer's bytes
+READY_AT = 6 << 20  # the peer's readiness words (a u64 per layer here)
+WORDS_AT = 7 << 20  # the lease words in staging, put as readiness words
+RING_AT = (7 << 20) + 4096
+
+
+def _pusher(w, src, timeout_s: float = 10.0):
+    import pdpush_native as native
+
+    from pdpush.transport.ucx import MAX_PUT_BYTES
+
+    return native.Pusher(w.worker.handle, src.address, REGION, MAX_PUT_BYTES, timeout_s)
+
+
+def _request(pu, src, p, handle: int, layers: int = 4, tp: int = 1, ranks=(3,), moves: bool = True,
+             grant: bool = True) -> None:
+    dst = p.info["address"]
+    share = LB // tp
+    pu.add_request(handle, 1, [(0, dst + la * LB, dst + READY_AT + la * 8, LB if moves else 0) for la in range(layers)],
+                   [[(src.address + WORDS_AT, 0, 8)]], tp)
+    for i, cid in enumerate(ranks):  # two puts for a rank's share: the path posts every span
+        half = share // 2
+        pu.add_rank(handle, cid, 0, layers, [[(i * share, i * share, half), (i * share + half, i * share + half,
+                                                                            share - half)]])
+    if grant and moves:
+        for la in range(layers):
+            pu.grant(handle, la, la * LB)
+
+
+def _poll(pu, want: int, timeout_s: float = 10.0):
+    landed, failed = [], []
+    deadline = time.monotonic() + timeout_s
+    while len(landed) < want and not failed:
+        assert time.monotonic() < deadline, f"landed {landed}, waiting for {want}"
+        a, b = pu.poll()
+        landed += a
+        failed += b
+    return landed, failed
+
+
+@pytest.mark.parametrize("env", [{}, TCP], ids=["default", "tcp"])
+def test_the_native_path_posts_each_layer_handed_over_and_lands_it_in_order_with_its_readiness_words(world, env):
+    from pdpush import ring
+
+    make, peer = world
+    w, src = make(env)
+    p, ep = peer(w, env)
+    data = np.random.default_rng(3).integers(0, 256, 4 * LB, dtype=np.uint8)
+    array_at(src.address, 4 * LB)[:] = data
+    array_at(src.address + WORDS_AT, 8).view(np.uint64)[0] = 0xABCDEF  # the lease id
+    slots = array_at(src.address + RING_AT, 16 * 8).view(np.uint64)
+    slots[:] = 0
+    pu = _pusher(w, src)
+    try:
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        pu.add_ring(3, src.address + RING_AT, 16)
+        _request(pu, src, p, 7)
+        slots[0] = ring.encode(7, 0, 2)  # layers 0 and 1 from the ring, 2 and 3 by message
+        slots[1] = ring.encode(99, 0, 1)  # a request it does not know: refused, for the session to count
+        assert pu.take() == (2, [(3, 99, 0, 1, 1)]) and not slots.any()  # slots given back
+        assert pu.hand(3, 7, 2, 2) == 0
+        assert pu.in_flight == 0 and pu.pending()
+        pu.post()
+        assert pu.in_flight == 1  # one batch: every layer handed over in the pass
+        landed, failed = _poll(pu, 4)
+        assert failed == [] and [(h, la) for h, la, _ in landed] == [(7, la) for la in range(4)]
+        assert all(s >= 0 for _, _, s in landed) and pu.in_flight == 1  # the readiness words' batch
+        _poll(pu, 0)
+        deadline = time.monotonic() + 10
+        while pu.in_flight:
+            assert time.monotonic() < deadline
+            pu.poll()
+        stats = pu.stats()
+        assert stats["handovers_ring"] == 2 and stats["layers_handed"] == 4 and stats["bytes_put"] == 4 * LB
+        # refusals: nothing of a refused hand-over is taken
+        assert pu.hand(4, 7, 0, 1) == 2  # not one of the request's ranks
+        assert pu.hand(3, 7, 3, 2) == 3  # past its stage's layers
+        assert pu.hand(3, 7, 0, 1) == 4  # handed over already
+        _request(pu, src, p, 8, grant=False)
+        assert pu.hand(3, 8, 0, 1) == 5  # its block not granted
+        pu.drop_request(8)
+        assert pu.hand(3, 8, 0, 1) == 1
+    finally:
+        pu.close()
+    remote = Attached(p.info["shmid"], REGION)
+    try:
+        assert np.array_equal(remote.array[:4 * LB], data)
+        assert list(remote.array[READY_AT:READY_AT + 32].view(np.uint64)) == [0xABCDEF] * 4
+    finally:
+        remote.close()
+
+
+def test_the_native_path_lands_a_layer_once_every_tp_rank_s_share_is_in(world):
+    make, peer = world
+    w, src = make()
+    p, ep = peer(w)
+    pu = _pusher(w, src)
+    try:
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        _request(pu, src, p, 5, layers=2, tp=2, ranks=(3, 4))
+        assert pu.hand(3, 5, 0, 2) == 0
+        pu.post()
+        deadline = time.monotonic() + 2
+        while pu.in_flight and time.monotonic() < deadline:  # rank 0's shares flush: nothing lands yet
+            assert pu.poll() == ([], [])
+        assert pu.hand(4, 5, 1, 1) == 0 and pu.hand(4, 5, 0, 1) == 0
+        pu.post()
+        landed, _ = _poll(pu, 2)
+        assert sorted((h, la) for h, la, _ in landed) == [(5, 0), (5, 1)]
+        _request(pu, src, p, 6, layers=2, moves=False)  # nothing new to move: it lands as it is handed over
+        assert pu.hand(3, 6, 0, 2) == 0 and [(h, la) for h, la, s in pu.poll()[0]] == [(6, 0), (6, 1)]
+    finally:
+        pu.close()
+
+
+def test_the_native_path_times_a_stalled_receiver_out_and_holds_nothing_else(world):
+    import pdpush_native as native
+
+    make, peer = world
+    w, src = make(TCP)
+    slow, slow_ep = peer(w, TCP)
+    fast, fast_ep = peer(w, TCP)
+    pu = _pusher(w, src, timeout_s=1.0)
+    try:
+        pu.add_endpoint(1, slow_ep.handle, slow_ep.rkey.handle)
+        pu.add_endpoint(2, fast_ep.handle, fast_ep.rkey.handle)
+        os.kill(slow.proc.pid, signal.SIGSTOP)
+        _request(pu, src, slow, 1, layers=16)  # 1 MiB into a stopped peer over tcp
+        dst = fast.info["address"]
+        pu.add_request(2, 2, [(0, dst + la * LB, dst + READY_AT + la * 8, LB) for la in range(4)],
+                       [[(src.address + WORDS_AT, 0, 8)]], 1)
+        pu.add_rank(2, 3, 0, 4, [[(0, 0, LB)]])
+        for la in range(4):
+            pu.grant(2, la, la * LB)
+        t0 = time.monotonic()
+        assert pu.hand(3, 1, 0, 16) == 0
+        pu.post()
+        for la in range(4):  # the healthy receiver's layers land while the stalled one's are in flight
+            assert pu.hand(3, 2, la, 1) == 0
+            pu.post()
+            landed, failed = _poll(pu, 1)
+            assert [(h, x) for h, x, _ in landed] == [(2, la)] and failed == []
+        landed, failed = _poll(pu, 1, timeout_s=10)
+        assert landed == [] and failed == [(1, native.TIMED_OUT)] and time.monotonic() - t0 >= 1.0
+        assert pu.hand(3, 1, 0, 1) == 1  # a failed receiver takes nothing more (the session ends its requests)
+        deadline = time.monotonic() + 5
+        while pu.in_flight:  # the fast receiver's readiness words; nothing of the stalled one is left
+            assert time.monotonic() < deadline
+            pu.poll()
+    finally:
+        pu.close()
+
+
+@pytest.mark.parametrize("env", [{}, TCP], ids=["default", "tcp"])
+def test_the_native_path_reports_a_dead_receiver(world, env):
+    make, peer = world
+    w, src = make(env)
+    p, ep = peer(w, env)
+    pu = _pusher(w, src, timeout_s=5.0)
+    try:
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        p.proc.kill()
+        p.proc.wait(10)
+        deadline = time.monotonic() + 10
+        handle = 0
+        while ep.alive:  # a put+flush may still "succeed" right after the death (notes/ucx.md)
+            assert time.monotonic() < deadline, "peer death never surfaced"
+            handle += 1
+            _request(pu, src, p, handle, layers=1)
+            if pu.hand(3, handle, 0, 1) == 1:
+                break  # the path saw its puts fail already
+            pu.post()
+            _, failed = pu.poll()
+            if failed:
+                assert failed[0][0] == 1 and failed[0][1] < 0
+                break
+            w.progress()
+            w.dispatch_closed()
+        pu.drop_endpoint(1)  # what the sender does once it knows: its batches go
+        assert pu.in_flight == 0 and pu.poll() == ([], [])
+    finally:
+        pu.close()
+
+
+def test_the_native_path_drops_a_receiver_with_batches_in_flight(world):
+    make, peer = world
+    w, src = make(TCP)
+    p, ep = peer(w, TCP)
+    pu = _pusher(w, src)
+    try:
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        _request(pu, src, p, 1, layers=16)
+        assert pu.hand(3, 1, 0, 16) == 0
+        pu.post()
+        assert pu.in_flight == 1
+        pu.drop_endpoint(1)
+        assert pu.in_flight == 0 and pu.poll() == ([], []) and pu.hand(3, 1, 0, 1) == 1
+        ep.close()  # UCX completes the dropped requests as canceled, later
+        os.kill(p.proc.pid, signal.SIGCONT)
+        for _ in range(100):
+            w.progress()
+    finally:
+        pu.close()

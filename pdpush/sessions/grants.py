@@ -11,7 +11,8 @@ or 0 until granted; then a readiness word per new item) and, layer by layer, a b
   * back when the layer lands (every rank's share flushed), or, for a request that failed, once each of
     its engines has said it stopped writing (Abort, Finish, a new Begin), died, or ``lease_ms`` passed.
 
-The session calls it; it appends ``FillWords`` (grant words) and ``ToClient`` (``StagingGranted``) actions.
+The session calls it; it appends ``PlanGrant`` and ``FillWords`` (grant words) and ``ToClient``
+(``StagingGranted``) actions.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pdpush.errors import PoolExhausted, RemoteProtocolError, RequestTooLarge
 from pdpush.plan import RequestPlan
 from pdpush.protocol import StagingGranted, TxState
 from pdpush.sessions import Counters
-from pdpush.sessions.tx_actions import FillWords, StagingInfo, ToClient
+from pdpush.sessions.tx_actions import FillWords, PlanGrant, StagingInfo, ToClient
 from pdpush.staging import StagingAllocator, split
 
 if TYPE_CHECKING:
@@ -183,7 +184,8 @@ class StagingGrants:
 
     def _give(self, r: TxRequest, layer: int, off: int, out: list) -> None:
         r.blocks[layer] = off
-        out.append(FillWords(self.info.address + r.meta_off + layer * 8, off + 1, 1))
+        out.append(PlanGrant(r.seq, layer, off))  # where the native path reads it from (put_plan.py)
+        out.append(FillWords(self.info.address + r.meta_off + layer * 8, off + 1, 1))  # where the engine does
 
     def _unhold(self, key: tuple[str, bytes]) -> None:
         h = self._held.pop(key)

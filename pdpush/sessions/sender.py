@@ -2,30 +2,35 @@
 
 Events in (each with ``now``, monotonic milliseconds):
   * ``on_ingress(client, msg, now)``    Begin / LayerReady / Finish / Abort / Bye from a prefill engine;
-  * ``on_handover(client, records, now)`` records its engine wrote into its hand-over ring (ring.py);
+  * ``on_refused(client, refused, now)`` hand-overs the native per-layer path would not take;
   * ``on_peer(endpoint, msg, now)``     a decoded frame from a receiver;
   * ``on_connected(endpoint, error, now)`` the data plane to a receiver is up (or failed);
-  * ``on_flushed(completions, now)``   posted layers' flushes completed (every one of a loop pass);
-  * ``on_peer_lost(endpoint, why, now)`` a receiver's socket or UCX endpoint broke;
+  * ``on_landed(landed, now)``          layers whose every share's flush completed (a loop pass's);
+  * ``on_peer_lost(endpoint, why, now)`` a receiver's socket or UCX endpoint broke, or its puts failed;
   * ``on_tick(now)``                    control-reply deadlines, allocation back-off.
-Actions out (``tx_actions.py``): ``ToClient``/``ToPeer`` messages, ``Connect``, ``PostPuts``,
-``FillWords``, ``ResetPeer``, ``OpenRing``/``CloseRing``, metric ``Count``/``Observe``, ``Log``.
+Actions out (``tx_actions.py``): ``ToClient``/``ToPeer`` messages, ``Connect``, ``FillWords``,
+``ResetPeer``, ``OpenRing``/``CloseRing``, the put plan (``PlanRequest``, ``PlanRank``, ``PlanGrant``,
+``Unplan``) and ``Hand``, metric ``Count``/``Observe``, ``Log``.
+
+The per-layer path is native (``native/src/pusher.cpp``): once a request's allocation is known the
+session hands it the request's put plan (put_plan.py), and from then on the native path takes each
+layer handed over (ring records, or ``Hand`` for a ``LayerReady``), posts its puts, puts its
+readiness words once every rank's share is flushed, and reports the layers landed in batches.
 
 Staging holds the layers in flight: each request's blocks are granted, given back and held after a
 failure by ``StagingGrants`` (grants.py); an engine asks for a block with ``NeedStaging``. Each engine
 connection hands layers over through its ring in staging (``HandoverRings``, rings.py) where it has one.
 
-A layer's puts are posted and the session moves on: many layers, requests and
-receivers are in flight at once. ``LayerDone`` goes out when a layer's flush
-completes, one notice per request for all its layers that completed in the same
-pass; a stalled receiver's batches time out at their own deadlines and fail only
+Many layers, requests and receivers are in flight at once. ``LayerDone`` goes out
+when a layer lands, one notice per request for all its layers that landed in the
+same pass; a stalled receiver's batches time out at their own deadlines and fail only
 that receiver's requests. A request counts as delivered only on CommitAck.
 
 Tensor parallelism: every prefill rank sends its own ``Begin`` under the same
 req_id (``tp_rank``/``tp_size``); the first one allocates, and every rank gets
 the same ``already_sent_indexes``. Each rank hands over its share of a layer
-(layout.py: ``StagingShares``), and the layer counts as landed (readiness words,
-``LayerDone``) only when every rank's share is flushed; the commit goes out once
+(layout.py: ``StagingShares``), and the layer lands (readiness words, ``LayerDone``)
+only when every rank's share is flushed; the commit goes out once
 every rank has finished. One rank's failure, abort or death fails the request
 for all of them.
 
@@ -61,7 +66,7 @@ from pdpush.errors import (
     UnknownRequest,
     error_from_code,
 )
-from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp, combine_digests
+from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp
 from pdpush.plan import RequestPlan, tokens_of
 from pdpush.protocol import (
     SENDER_PEER,
@@ -89,22 +94,24 @@ from pdpush.protocol import (
     TxEvent,
     TxState,
 )
-from pdpush.sessions import Counters, Log, Observe, internal_error
+from pdpush.sessions import Counters, Log, Observe, internal_error, put_plan
 from pdpush.sessions.grants import StagingGrants
 from pdpush.sessions.rings import HandoverRings
 from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, importable from here
     CloseRing,
     Connect,
     FillWords,
-    Flushed,
+    Hand,
     OpenRing,
-    PostPuts,
+    PlanGrant,
+    PlanRank,
+    PlanRequest,
     ResetPeer,
     StagingInfo,
     ToClient,
     ToPeer,
+    Unplan,
 )
-from pdpush.transport.base import PutOp
 
 
 @dataclass(frozen=True)
@@ -134,12 +141,10 @@ class TxRank:
     tp_rank: int = 0
     pp_rank: int = 0
     layers: range = range(0)  # its stage's layers
-    layers_posted: set[int] = field(default_factory=set)
+    layers_posted: set[int] = field(default_factory=set)  # its layers landed (the native path knows the rest)
     finish: bool = False
     ring: bool = False  # its Begin asked for a hand-over ring
     puts: int = 0
-    ranges: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # group -> its share of the
-    # group's first layer, in staging and the pool's layer 0 (StagingShares.ranges)
 
 
 @dataclass
@@ -167,8 +172,7 @@ class TxRequest:
     shares: list[StagingShares] = field(default_factory=list)  # by group
     pool: PoolGeometry | None = None  # the receiver's pool
     share_puts: list[int] = field(default_factory=list)  # by group: puts of one rank's share of one layer
-    flushed: dict[int, dict[int, int | None]] = field(default_factory=dict)  # layer -> rank -> share digest
-    layers_done: set[int] = field(default_factory=set)  # every rank's share flushed
+    layers_done: set[int] = field(default_factory=set)  # landed: every rank's share flushed
     unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
     puts: int = 0
     bytes_sent: int = 0
@@ -217,9 +221,9 @@ class SenderSession:
         self.ended: OrderedDict[str, PdpushError | None] = OrderedDict()
         self.draining = False
         self.counters = Counters({k: 0 for k in (
-            "requests_total", "requests_done", "requests_failed", "bytes_pushed", "bytes_put", "puts", "layers_pushed",
-            "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks", "handovers_ring",
-            "handovers_stale", "rings_refused")})
+            "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
+            "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks",
+            "handovers_stale", "handovers_refused", "rings_refused")})
         self.grants = StagingGrants(staging, self.counters, limits.lease_ms)  # the staging, by request
         self.rings = HandoverRings(self.grants.meta, staging.address, limits.ring_slots, self.counters)
 
@@ -259,18 +263,21 @@ class SenderSession:
             self._internal(msg.type, exc, rid, now, out, reply_to=ident)
         return out
 
-    def on_handover(self, ident: bytes, records: list[tuple[int, int, int]], now: int) -> list:
-        """Records taken from ``ident``'s ring, in order: (request handle, first layer, layers). Each is
-        that engine's ``LayerReady``; one for a request that has ended meanwhile is dropped."""
+    def on_refused(self, ident: bytes, refused: list[tuple[int, int, int, int]], now: int) -> list:
+        """Hand-overs from ``ident`` that the native path would not take, as (request handle, first layer,
+        layers, why: ``put_plan.REFUSED``): one for a request that has ended is dropped and counted; the
+        engine gets an error for any other."""
         out: list = []
-        for handle, first, n in records:
+        for handle, first, n, why in refused:
             r = self._by_seq.get(handle)  # a request's seq is its handle (``_next_seq``)
-            if r is None:
+            if r is None or why == put_plan.UNKNOWN:
                 self.counters.add("handovers_stale")
                 continue
-            self.counters.add("handovers_ring")  # checked as the LayerReady it is
-            out.extend(self.on_ingress(ident, LayerReady.model_construct(req_id=r.req_id,
-                                                                         layers=list(range(first, first + n))), now))
+            self.counters.add("handovers_refused")
+            k = next((k for k in r.ranks.values() if k.client == ident), None)
+            err = (UnknownRequest(f"unknown request {r.req_id!r}") if k is None or why == put_plan.NOT_YOURS
+                   else RemoteProtocolError(put_plan.refusal(why, r, k, first, n)))
+            out.append(ToClient(ident, protocol.error_reply(err, r.req_id)))
         return out
 
     def on_peer(self, endpoint: str, msg: Msg, now: int) -> list:
@@ -308,43 +315,44 @@ class SenderSession:
                 self._send_alloc(r, TxEvent.PEER_READY, now, out)
         return out
 
-    def on_flushed(self, completions: list[Flushed], now: int) -> list:
-        """Every completion of one loop pass: one LayerDone per request for its layers, then commits."""
+    def on_landed(self, landed: list[tuple[int, int]], now: int, checksums: list[int | None] | None = None) -> list:
+        """Layers that landed in one loop pass, as (request handle, layer), with their checksums where
+        they are on (``layer_checksum``): one LayerDone per request for its layers, then commits."""
         out: list = []
         touched: dict[int, TxRequest] = {}
-        for c in completions:
-            seq, layers, kind, rank = c.token
+        for i, (seq, layer) in enumerate(landed):
             r = self._by_seq.get(seq)
-            if r is None or (r.state is not TxState.STREAMING and kind == "data"):
+            if r is None or r.state is not TxState.STREAMING:
                 continue  # the request ended meanwhile (failed, aborted): nothing to announce
             try:
-                if c.error is not None:
-                    # the endpoint is not trustworthy any more: fail its requests, start afresh next time
-                    self._peer_failed(r.peer, c.error, now, out)
-                    continue
-                if kind == "ready":
-                    continue
-                landed = [layer for i, layer in enumerate(layers)
-                          if self._share_flushed(r, layer, rank, c.checksums[i] if c.checksums else None)]
-                if landed:
-                    out.append(self._readiness(r, tuple(landed), now))
+                self._landed(r, layer, checksums[i] if checksums else None)
                 touched[seq] = r
             except Exception as exc:  # noqa: BLE001 - the top-level guard
-                self._internal("a put completion", exc, r.req_id, now, out)
+                self._internal("a layer landing", exc, r.req_id, now, out)
         for r in touched.values():
             if r.state is TxState.STREAMING:
                 try:
                     self._announce(r, now, out)
                 except Exception as exc:  # noqa: BLE001 - the top-level guard
-                    self._internal("a put completion", exc, r.req_id, now, out)
+                    self._internal("a layer landing", exc, r.req_id, now, out)
         self.grants.pump(out)  # the blocks these layers gave back
         return out
 
-    def on_peer_lost(self, endpoint: str, why: str, now: int) -> list:
+    def layer_checksum_spans(self, seq: int, layer: int) -> list[tuple[int, int]]:
+        """Where a landed layer's shares lie in staging (address, bytes), by TP rank: the shell hashes them
+        for its checksum before ``on_landed`` gives the block back."""
+        r = self._by_seq.get(seq)
+        if r is None or layer not in r.blocks:
+            return []
+        return put_plan.share_spans(r, layer, self.staging_info.address)
+
+    def on_peer_lost(self, endpoint: str, why: str, now: int, error: PdpushError | None = None) -> list:
+        """A receiver's socket or endpoint broke (``BrokenResourceError``), or its puts failed or timed out
+        (``error``): its requests fail, and the next request starts afresh."""
         out: list = []
         p = self.peers.get(endpoint)
         if p is not None and p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING, PeerState.READY):
-            self._peer_failed(p, BrokenResourceError(why), now, out)
+            self._peer_failed(p, error or BrokenResourceError(why), now, out)
         return out
 
     def client_pids(self) -> set[int]:
@@ -415,7 +423,7 @@ class SenderSession:
                 return  # its client got the error
             except Exception as exc2:  # noqa: BLE001 - the failure path itself is broken: drop the request
                 out.append(internal_error("failing a request", exc2, rid)[1])
-                self._release(r, now)
+                self._release(r, now, out)
         if reply_to is not None:
             out.append(ToClient(reply_to, protocol.error_reply(err, rid)))
 
@@ -510,6 +518,7 @@ class SenderSession:
             raise err
         r.ranks[part] = TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)
         if r.state is TxState.STREAMING:
+            out.append(self._plan_rank(r, r.ranks[part]))
             out.append(ToClient(ident, self._begin_ok(r, ident, out)))
 
     def _next_seq(self) -> int:
@@ -518,6 +527,10 @@ class SenderSession:
             seq = next(self._seq) & 0xFFFFFFFF
             if seq and seq not in self._by_seq:
                 return seq
+
+    @staticmethod
+    def _plan_rank(r: TxRequest, k: TxRank) -> PlanRank:
+        return PlanRank(r.seq, k.client, k.layers.start, k.layers.stop, put_plan.ranges(r, k))
 
     def _begin_ok(self, r: TxRequest, ident: bytes, out: list) -> BeginOk:
         s = self.staging_info
@@ -547,89 +560,28 @@ class SenderSession:
                                                         lease_ms=self.limits.lease_ms, tp_size=r.tp)))
 
     def _layer_ready(self, ident: bytes, msg: LayerReady, now: int, out: list) -> None:
-        r, rank = self._client_req(ident, msg.req_id)
+        """Layers handed over by message: the native path takes them as it takes ring records."""
+        r, _ = self._client_req(ident, msg.req_id)
         if r.state is not TxState.STREAMING:
             raise UnexpectedMessage(f"layer_ready for {r.req_id!r} in state {r.state.value}")
-        k = r.ranks[rank]
-        bad = [la for la in msg.layers if la not in k.layers or la in k.layers_posted]
-        if bad or len(set(msg.layers)) != len(msg.layers):
-            raise RemoteProtocolError(f"layer {bad[0] if bad else msg.layers} out of range (this stage's "
-                                      f"[{k.layers.start}, {k.layers.stop})) or already sent")
-        plan, pool = r.plan, r.pool
-        early = [la for la in msg.layers if plan.layer_bytes(la) and la not in r.blocks]
-        if early:
-            raise RemoteProtocolError(f"layer {early[0]} handed over before the sender granted its staging")
-        k.layers_posted.update(msg.layers)
-        moving = [la for la in msg.layers if plan.layer_bytes(la)]
-        if len(moving) < len(msg.layers):  # nothing new to move for these (every item held): done at once
-            for layer in msg.layers:
-                if not plan.layer_bytes(layer):
-                    self._share_flushed(r, layer, rank, None)
-            self._announce(r, now, out)
-            if not moving:
-                return
-        base = self.staging_info.address
-        ops: list[PutOp] = []
-        srcs = []
-        for layer in moving:  # each in its own block: the group's layer-0 ranges (layout.StagingShares.ranges)
-            block = r.blocks[layer]
-            if r.layout.is_state(layer):  # a state layer: the rank's units of its page, one put (layout.py)
-                page = r.layout.state_page_bytes
-                mine = k.tp_rank * page // r.tp
-                src = base + block + mine
-                dst = r.peer.ack.pool_base + pool.state_at(r.state_slot) + (layer - r.layout.layers) * page + mine
-                ops.append(PutOp(src, dst, page // r.tp))
-                srcs.append((src, page // r.tp))
-                continue
-            gp = plan.of(layer)
-            g, sh = gp.group.index, r.shares[gp.group.index]
-            rng = k.ranges.get(g)
-            if rng is None:
-                rng = k.ranges[g] = sh.ranges(0, k.tp_rank, gp.page_runs, pool)
-            src0 = base + block
-            dst0 = r.peer.ack.pool_base + layer * pool.layer_bytes
-            ops.extend([PutOp(src0 + src, dst0 + dst, n) for src, dst, n in rng])
-            srcs.append((src0 + sh.share_offset(0, k.tp_rank), sh.share_bytes))
-        self.counters.add("bytes_put", sum(op.nbytes for op in ops))  # every rank's data puts: MLA's latent once
-        out.append(PostPuts(r.peer.endpoint, ops, (r.seq, tuple(moving), "data", rank),
-                            now + self.limits.layer_timeout_ms, srcs))
+        out.append(Hand(ident, r.seq, tuple(msg.layers)))
 
-    def _readiness(self, r: TxRequest, layers: tuple[int, ...], now: int) -> PostPuts:
-        """Layers whose data is flushed (every rank's share): put their readiness words (the lease id)."""
-        ack = r.peer.ack
-        words = self.grants.words(r)
-        ops = [PutOp(words + (gp.new_first + idx) * 8, ack.ready_base + (layer * ack.pool_pages + page) * 8, n * 8)
-               for layer in layers if layer < r.layout.layers  # the state has no readiness words: the commit says
-               for gp in (r.plan.of(layer),) for idx, page, n in gp.page_runs]
-        return PostPuts(r.peer.endpoint, ops, (r.seq, layers, "ready", 0), now + self.limits.layer_timeout_ms)
-
-    def _share_flushed(self, r: TxRequest, layer: int, rank: int, digest: int | None) -> bool:
-        """Participant ``rank``'s share of ``layer`` is in the pool; True when that completes the layer
-        (every TP rank of the layer's stage)."""
-        if r.tp == 1:  # the common case, on every layer: no per-rank bookkeeping
-            if layer in r.layers_done:
-                return False
-            digests = [digest]
-        else:
-            got = r.flushed.setdefault(layer, {})
-            tp_rank = r.ranks[rank].tp_rank
-            if tp_rank in got:
-                return False
-            got[tp_rank] = digest
-        puts = 1 if r.layout.is_state(layer) else r.share_puts[r.plan.of(layer).group.index]
-        r.ranks[rank].puts += puts
-        r.puts += puts
-        self.counters.add("puts", puts)
-        if r.tp > 1:
-            if len(got) < r.tp:
-                return False
-            digests = [got[k] for k in range(r.tp)]
-        nbytes = r.plan.layer_bytes(layer)
-        r.bytes_sent += nbytes
+    def _landed(self, r: TxRequest, layer: int, digest: int | None) -> None:
+        """Every share of ``layer`` is flushed (its readiness words are on their way): count it, give its
+        block back, and queue it for the request's next LayerDone."""
+        if layer in r.layers_done:
+            return
+        puts = put_plan.share_puts(r, layer)
+        for k in r.ranks.values():
+            if layer in k.layers:
+                k.puts += puts
+                k.layers_posted.add(layer)
+        r.puts += puts * r.tp
+        self.counters.add("puts", puts * r.tp)
+        r.bytes_sent += r.plan.layer_bytes(layer)
         r.layers_done.add(layer)
         self.grants.land(r, layer)
-        r.unannounced.append((layer, None if None in digests else combine_digests(digests)))
-        return True
+        r.unannounced.append((layer, digest))
 
     def _announce(self, r: TxRequest, now: int, out: list) -> None:
         """One LayerDone for every layer flushed since the last notice; commit once all are in."""
@@ -736,26 +688,30 @@ class SenderSession:
             r.pool = PoolGeometry(layout, ack.pool_pages, ack.pool_shards)
             r.shares = [StagingShares(layout, r.tp, ack.pool_shards, gp.n_new) for gp in r.plan.groups]
             r.share_puts = [sh.puts(gp.page_runs) for sh, gp in zip(r.shares, r.plan.groups, strict=True)]
+            plan = PlanRequest(r.seq, r.peer.endpoint, put_plan.layers(r), put_plan.ready(r, self.grants.words(r)),
+                               r.tp)
         except ValueError as e:
             self._fail(r, IncompatiblePeer(str(e)), now, out, tell_receiver=True)
             return
+        out.append(plan)  # before any grant (grants.py) or hand-over of it
         if layout.windows:
             self.counters.add("bytes_window_saved", r.plan.window_saved_bytes)
         if r.n_new:
             out.append(FillWords(self.grants.words(r), a.lease_id, r.n_new))
         elif not layout.state_layers:  # the receiver holds every chunk: every layer is there already, a finish commits
             r.layers_done = set(range(layout.layers))
-            r.flushed = {layer: dict.fromkeys(range(r.tp)) for layer in range(layout.layers)}
         r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
         # the engine has until just before the lease ends to hand over every layer
         r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
         self.counters.count(out, "chunks_skipped", r.skipped, "chunks_hit")
         self.grants.ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
-        out.extend(ToClient(c, self._begin_ok(r, c, out)) for c in r.clients)  # each with its connection's ring
+        for k in r.ranks.values():  # each rank's plan, then its BeginOk with its connection's ring
+            out.append(self._plan_rank(r, k))
+            out.append(ToClient(k.client, self._begin_ok(r, k.client, out)))
 
     def _done(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")
-        self._release(r, now)
+        self._release(r, now, out)
         self.counters.count(out, "requests_done", metric="requests")
         out.append(Observe("request_seconds", (now - r.t0_ms) / 1000))
         for k in r.ranks.values():
@@ -763,8 +719,9 @@ class SenderSession:
                                                rank_puts=k.puts, layers=len(r.layers_done),
                                                chunks_skipped=r.skipped, layer_done_ms=r.layer_done_ms)))
 
-    def _release(self, r: TxRequest, now: int) -> None:
+    def _release(self, r: TxRequest, now: int, out: list) -> None:
         self.grants.release(r, now)
+        out.append(Unplan(r.seq))
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
         if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
@@ -780,7 +737,7 @@ class SenderSession:
             out.append(ToPeer(r.peer.endpoint, Abort(req_id=r.req_id, reason=str(err)[:1000])))
         r.state = SENDER_REQUEST.next(r.state, TxEvent.FAIL, f"request {r.req_id!r}")
         r.failure = err
-        self._release(r, now)
+        self._release(r, now, out)
         self.counters.count(out, "requests_failed", metric="failures", label=err.code.value)
         reply = protocol.error_reply(err, r.req_id)
         out.extend(ToClient(c, reply) for c in r.clients)

@@ -3,11 +3,9 @@ shell (``pdpush.sender``) to do. Pure data; imports no zmq, ucxx or torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdpush.errors import TransportError
 from pdpush.protocol import HelloAck, Msg
-from pdpush.transport.base import PutOp
 
 
 @dataclass(frozen=True)
@@ -31,17 +29,52 @@ class Connect:
 
 
 @dataclass(frozen=True)
-class PostPuts:
-    """Post these layers' puts and one flush on ``endpoint``; answer with on_flushed([Flushed(token, ...)]).
+class PlanRequest:
+    """A request's put plan for the native per-layer path (put_plan.py): from now on its layers handed
+    over are posted to ``endpoint``, and each that lands is reported (``SenderSession.on_landed``)."""
 
-    ``kind`` "data": the layers' puts, one per layer per page run. "ready": once their data is
-    flushed, the layers' readiness words (layout.py), which a decode client reads in the pool."""
-
+    handle: int
     endpoint: str
-    ops: list[PutOp]
-    token: tuple[int, tuple[int, ...], str, int]  # (request seq, layers, kind, rank)
-    deadline_ms: int
-    srcs: list[tuple[int, int]] = field(default_factory=list)  # data: (staging address, bytes) per layer
+    layers: list[tuple[int, int, int, int]]  # per layer: (group, pool address, readiness address, block bytes)
+    ready: list[list[tuple[int, int, int]]]  # per group: readiness puts (staging address, offset, bytes)
+    tp: int  # shares per layer
+
+
+@dataclass(frozen=True)
+class PlanRank:
+    """One rank (connection ``ident``) of a planned request: its stage's layers and its share's spans."""
+
+    handle: int
+    ident: bytes
+    first: int
+    end: int
+    ranges: list[list[tuple[int, int, int]]]  # per group: (offset in the block, offset in the pool, bytes)
+
+
+@dataclass(frozen=True)
+class PlanGrant:
+    """``layer`` of a planned request has its staging block at ``offset``."""
+
+    handle: int
+    layer: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Hand:
+    """Connection ``ident`` handed ``layers`` of request ``handle`` over by message: take them as its ring
+    records are taken; answer refusals with ``on_refused``."""
+
+    ident: bytes
+    handle: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Unplan:
+    """The request ended: its plan goes (completions still in flight for it are dropped)."""
+
+    handle: int
 
 
 @dataclass(frozen=True)
@@ -51,15 +84,6 @@ class FillWords:
     address: int
     value: int
     count: int
-
-
-@dataclass(frozen=True)
-class Flushed:
-    """A posted layer's flush completed (``error`` None) or failed."""
-
-    token: tuple[int, tuple[int, ...], str, int]
-    error: TransportError | None = None
-    checksums: list[int] | None = None  # one per layer of the token, where checksums are on
 
 
 @dataclass(frozen=True)

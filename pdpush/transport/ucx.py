@@ -52,11 +52,10 @@ def configure_env(overrides: Mapping[str, str] | None = None) -> None:
 
 @dataclass
 class _Batch:
-    """Posted puts and their flush (their requests are the native queue's, in the same order)."""
+    """Posted puts and their flush (their requests and deadline are the native queue's, in the same order)."""
 
     token: Hashable
     puts: int
-    deadline: float
 
 
 class _Closable:
@@ -161,49 +160,41 @@ class Endpoint(_Closable):
         if self._native is None:
             raise TransferError(f"endpoint {self.name} has no rkey")
         try:
-            puts = self._native.post(ops)
+            puts = self._native.post(ops, deadline)
         except UcpError as e:
             raise TransferError(f"put to {self.name} failed: {e}") from e
-        self._batches.append(_Batch(token, puts, deadline))
+        self._batches.append(_Batch(token, puts))
         self._worker._busy.add(self)
         return puts
 
     def _reap(self, now: float, out: list[Completion]) -> None:
-        """Completed batches, head first (one endpoint's batches complete in posting order)."""
-        from pdpush.transport import ucp
+        """Completed batches, head first (one endpoint's batches complete in posting order); a batch past
+        its deadline times out and fails the endpoint, and nothing behind a failure completes."""
+        import pdpush_native as native
 
         if self._native is None:  # closed: its batches were reported already
             return
-        for status in self._native.reap():
+        for status in self._native.reap(now):
             b = self._batches.popleft()
-            if status == ucp.UCS_OK:
+            if status == 0:
                 out.append(Completion(b.token, b.puts))
                 continue
-            self._fail_batches(out, b, TransferError(f"put+flush to {self.name} failed: {ucp.status_name(status)}"))
-            return
-        if not self._batches:
-            return
-        b = self._batches[0]  # in progress
-        if self.error is not None:
-            err: TransportError = TransferError(f"put+flush to {self.name} failed: {self.error}")
-        elif now > b.deadline:
-            # a stalled endpoint: time out this batch and everything behind it, and fail the endpoint
-            self.error = "a put+flush did not complete in time (stalled or partitioned peer)"
-            err = TransportTimeout(f"put+flush to {self.name} did not complete by its deadline")
-        else:
-            return  # the head is in progress: later batches wait behind it
-        self._native.drop_head()  # UCX completes its requests later; we only drop our reference
-        self._batches.popleft()
-        self._fail_batches(out, b, err)
+            if status == native.TIMED_OUT:  # a stalled or partitioned peer
+                self.error = self.error or "a put+flush did not complete in time (stalled or partitioned peer)"
+                err: TransportError = TransportTimeout(f"put+flush to {self.name} did not complete by its deadline")
+            elif status == native.CANCELED:  # behind a failure
+                err = TransferError(f"endpoint {self.name} failed: {self.error}")
+            else:
+                from pdpush.transport import ucp
 
-    def _fail_batches(self, out: list[Completion], b: _Batch, err: TransportError) -> None:
-        """``b`` failed: so does everything behind it (nothing after a failure on this endpoint can be trusted)."""
-        out.append(Completion(b.token, b.puts, err))
-        self._native.drop_all()
-        for later in self._batches:
-            out.append(Completion(later.token, later.puts,
-                                  TransferError(f"endpoint {self.name} failed: {self.error or err}")))
-        self._batches.clear()
+                self.error = self.error or ucp.status_name(status)
+                err = TransferError(f"put+flush to {self.name} failed: {ucp.status_name(status)}")
+            out.append(Completion(b.token, b.puts, err))
+        if self._batches and self.error is not None:  # the endpoint died (its close callback said)
+            self._native.drop_all()
+            for b in self._batches:
+                out.append(Completion(b.token, b.puts, TransferError(f"put+flush to {self.name} failed: {self.error}")))
+            self._batches.clear()
 
     def close(self) -> None:
         if self._batches:  # closing cancels them; report them as failed on the next poll

@@ -3,6 +3,6 @@
 Import ``ucxx`` (or ``pdpush.transport.ucp.lib()``) first, so that libucp is the instance ucxx loaded.
 """
 
-from pdpush_native._dataplane import Batches, Ring, UcpError, fence, progress, put_loop
+from pdpush_native._dataplane import CANCELED, TIMED_OUT, Batches, Pusher, Ring, UcpError, fence, progress, put_loop
 
-__all__ = ["Batches", "Ring", "UcpError", "fence", "progress", "put_loop"]
+__all__ = ["CANCELED", "TIMED_OUT", "Batches", "Pusher", "Ring", "UcpError", "fence", "progress", "put_loop"]

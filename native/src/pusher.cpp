@@ -1,0 +1,364 @@
+// The sender's per-layer path, without the interpreter (pdpush/sender.py drives it; docs/layout.md,
+// "The per-layer path").
+//
+// The session (Python) decides each request once: after its AllocResponse it hands the Pusher the
+// request's put plan (sessions/put_plan.py) and, as staging is granted, each layer's block. From then on
+// a layer handed over (a record in an engine's ring, or a LayerReady the session checked) is checked
+// against that plan here, its puts are posted (one batch and one flush per receiver per pass), and when
+// the flush of every TP rank's share has completed, its readiness words are put and it is reported
+// landed. The session hears back in batches: layers landed, receivers failed, records it must answer.
+//
+// A record is refused, and handed to the session to answer, unless it names a request planned here,
+// comes from one of that request's ranks, stays in that rank's stage, repeats no layer, and every layer
+// that moves bytes has its block granted. Addresses come only from the plan and the grants, never from
+// the shared segment an engine can write. The UCX worker is the caller's: it is progressed here, on the
+// thread that posts (notes/ucx.md), and nothing here waits.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+#include <time.h>
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "batches.hpp"
+#include "ring.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+using pdpush::Batches;
+using pdpush::Op;
+
+// Why a hand-over was refused (pdpush/sessions/put_plan.py has the same numbers).
+enum Refusal : int { kOk = 0, kUnknown = 1, kNotYours = 2, kRange = 3, kDuplicate = 4, kUngranted = 5 };
+
+using Span = std::tuple<uint64_t, uint64_t, uint64_t>;  // (source, destination, bytes)
+using Spans = std::vector<Span>;
+using Landed = std::tuple<uint32_t, uint32_t, double>;   // (handle, layer, seconds from post to flush)
+using Refused = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, int>;  // (connection, handle, first, n, why)
+
+double monotonic() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  // time.monotonic()'s clock
+    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+struct Layer {
+    uint32_t group;  // its spans: each rank's ``ranges[group]``, the request's ``ready[group]``
+    uint64_t dst;    // its place in the receiver's pool; spans' destinations are relative to it
+    uint64_t ready;  // its readiness words in the pool (ready spans' destinations are relative to it)
+    uint64_t bytes;  // its staging block (0: no new bytes, a share lands as it is handed over)
+    uint32_t left;   // shares not flushed yet (one per TP rank of its stage)
+    uint64_t block = 0;  // its staging block's offset + 1, once granted
+};
+
+struct Rank {
+    uint32_t first, end;         // its stage's layers
+    std::vector<Spans> ranges;   // by group: (offset in the layer's block, offset from Layer::dst, bytes)
+    std::vector<uint8_t> posted;  // by layer of its stage
+};
+
+struct Req {
+    uint32_t eid;
+    std::vector<Layer> layers;
+    std::vector<Spans> ready;  // by group: (staging address of the lease words, offset from Layer::ready, bytes)
+    std::unordered_map<uint32_t, Rank> ranks;  // by connection
+};
+
+struct Share {
+    uint32_t handle, layer;
+};
+
+struct Flight {
+    std::vector<Share> shares;
+    double posted;
+};
+
+struct Ep {
+    std::unique_ptr<Batches> batches;
+    std::deque<Flight> flights;
+    std::vector<Op> ops;         // this pass's puts, posted together by post()
+    std::vector<Share> shares;
+    bool dead = false;
+};
+
+class Pusher {
+  public:
+    Pusher(uintptr_t worker, uintptr_t staging, uint64_t staging_bytes, uint64_t max_put, double timeout_s)
+        : worker_(reinterpret_cast<ucp_worker_h>(worker)), staging_(staging), staging_bytes_(staging_bytes),
+          max_put_(max_put), timeout_(timeout_s) {
+        if (!worker || !staging || !staging_bytes || !max_put || timeout_s <= 0)
+            throw std::invalid_argument("Pusher needs a worker, staging, max_put and a timeout");
+    }
+    Pusher(const Pusher &) = delete;
+    Pusher &operator=(const Pusher &) = delete;
+
+    // ---- receivers ----
+    void add_endpoint(uint32_t eid, uintptr_t ep, uintptr_t rkey) {
+        Ep e;
+        e.batches = std::make_unique<Batches>(ep, rkey, max_put_);
+        eps_[eid] = std::move(e);
+    }
+
+    // Forget a receiver's batches (its requests are failed by the session): UCX completes them later.
+    void drop_endpoint(uint32_t eid) {
+        auto it = eps_.find(eid);
+        if (it == eps_.end()) return;
+        in_flight_ -= it->second.flights.size();
+        eps_.erase(it);
+    }
+
+    // ---- engine connections' rings ----
+    void add_ring(uint32_t cid, uintptr_t address, uint32_t slots) {
+        if (address < staging_ || address + uint64_t{slots} * 8 > staging_ + staging_bytes_)
+            throw std::invalid_argument("a ring outside staging");
+        rings_.insert_or_assign(cid, pdpush::Ring(address, slots));
+    }
+    void drop_ring(uint32_t cid) { rings_.erase(cid); }
+
+    // ---- requests ----
+    void add_request(uint32_t handle, uint32_t eid, const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>> &layers,
+                     const std::vector<Spans> &ready, uint32_t tp) {
+        if (!tp || layers.size() > (1u << 14)) throw std::invalid_argument("a plan needs tp > 0 and at most 2^14 layers");
+        Req r;
+        r.eid = eid;
+        r.ready = ready;
+        for (const auto &[group, dst, rdy, bytes] : layers) {
+            if (group >= ready.size() || bytes > staging_bytes_) throw std::invalid_argument("a layer's group or block does not fit");
+            r.layers.push_back(Layer{group, dst, rdy, bytes, tp});
+        }
+        reqs_.insert_or_assign(handle, std::move(r));
+    }
+
+    void add_rank(uint32_t handle, uint32_t cid, uint32_t first, uint32_t end, const std::vector<Spans> &ranges) {
+        Req &r = req(handle);
+        if (!(first < end && end <= r.layers.size()) || ranges.size() != r.ready.size())
+            throw std::invalid_argument("a rank's stage or groups do not fit its request's plan");
+        for (uint32_t l = first; l < end; ++l)  // every span stays inside its layer's block (if it moves)
+            for (const auto &[src, dst, n] : ranges[r.layers[l].group])
+                if (r.layers[l].bytes && src + n > r.layers[l].bytes)
+                    throw std::invalid_argument("a rank's span outside its layer's block");
+        r.ranks.insert_or_assign(cid, Rank{first, end, ranges, std::vector<uint8_t>(end - first)});
+    }
+
+    void grant(uint32_t handle, uint32_t layer, uint64_t offset) {
+        Req &r = req(handle);
+        if (layer >= r.layers.size() || offset + r.layers[layer].bytes > staging_bytes_)
+            throw std::invalid_argument("a grant outside its plan or staging");
+        r.layers[layer].block = offset + 1;
+    }
+
+    void drop_request(uint32_t handle) { reqs_.erase(handle); }  // later completions naming it are dropped
+
+    // ---- the per-layer path ----
+    // Connection ``cid`` hands over layers [first, first + n) of request ``handle``: 0 and its puts queued
+    // for post(), or why not (nothing of it is taken then).
+    int hand(uint32_t cid, uint32_t handle, uint32_t first, uint32_t n) {
+        auto it = reqs_.find(handle);
+        if (it == reqs_.end()) return kUnknown;
+        Req &r = it->second;
+        auto rk = r.ranks.find(cid);
+        if (rk == r.ranks.end()) return kNotYours;
+        Rank &k = rk->second;
+        auto ep = eps_.find(r.eid);
+        if (ep == eps_.end() || ep->second.dead) return kUnknown;  // its receiver failed: the session ends it
+        if (!n || first < k.first || first + n > k.end) return kRange;
+        for (uint32_t l = first; l < first + n; ++l) {
+            if (k.posted[l - k.first]) return kDuplicate;
+            if (r.layers[l].bytes && !r.layers[l].block) return kUngranted;
+        }
+        Ep &e = ep->second;
+        for (uint32_t l = first; l < first + n; ++l) {
+            k.posted[l - k.first] = 1;
+            Layer &L = r.layers[l];
+            if (!L.bytes) {
+                share(r, handle, l, 0.0);
+                continue;
+            }
+            const uint64_t src0 = staging_ + L.block - 1;
+            for (const auto &[src, dst, nbytes] : k.ranges[L.group]) {
+                e.ops.emplace_back(src0 + src, L.dst + dst, nbytes);
+                bytes_ += nbytes;
+            }
+            e.shares.push_back({handle, l});
+        }
+        layers_ += n;
+        return kOk;
+    }
+
+    // Take the records in ``cid``'s ring (every ring when cid < 0), a ring's worth at most each: how many,
+    // and those refused.
+    std::pair<uint64_t, std::vector<Refused>> take(int64_t cid) {
+        std::vector<Refused> refused;
+        uint64_t taken = 0;
+        auto one = [&](uint32_t id, pdpush::Ring &ring) {
+            pdpush::Record rec;
+            for (uint32_t i = 0; i < ring.slots() && ring.next(rec); ++i) {
+                ++taken;
+                if (int why = hand(id, rec.handle, rec.first, rec.layers)) refused.emplace_back(id, rec.handle, rec.first, rec.layers, why);
+            }
+        };
+        if (cid < 0) {
+            for (auto &[id, ring] : rings_) one(id, ring);
+        } else if (auto it = rings_.find(static_cast<uint32_t>(cid)); it != rings_.end()) {
+            one(it->first, it->second);
+        }
+        records_ += taken;
+        return {taken, std::move(refused)};
+    }
+
+    // Post what was handed over since the last call (and the readiness words of what landed): one batch,
+    // one flush, per receiver.
+    void post() {
+        const double now = monotonic();
+        for (auto &[eid, e] : eps_) {
+            if (e.ops.empty() && e.shares.empty()) continue;
+            if (e.dead) {
+                e.ops.clear();
+                e.shares.clear();
+                continue;
+            }
+            try {
+                e.batches->post(e.ops, now + timeout_);
+            } catch (const pdpush::UcpFailure &f) {
+                die(eid, e, f.status);
+                continue;
+            }
+            e.ops.clear();
+            e.flights.push_back(Flight{std::move(e.shares), now});
+            e.shares.clear();
+            ++in_flight_;
+        }
+    }
+
+    // Progress the worker, reap every receiver's batches, put the readiness words of the layers that
+    // landed; returns (landed: (handle, layer, seconds), failed: (receiver, UCX status)) since the last call.
+    std::pair<std::vector<Landed>, std::vector<std::pair<uint32_t, int>>> poll(double now) {
+        ucp_worker_progress(worker_);
+        if (now < 0) now = monotonic();
+        for (auto &[eid, e] : eps_) {
+            if (e.flights.empty()) continue;
+            for (int st : e.batches->reap(now)) {
+                Flight f = std::move(e.flights.front());
+                e.flights.pop_front();
+                --in_flight_;
+                if (st != UCS_OK) {
+                    die(eid, e, static_cast<ucs_status_t>(st));
+                    continue;
+                }
+                for (const Share &s : f.shares) {
+                    auto it = reqs_.find(s.handle);
+                    if (it != reqs_.end()) share(it->second, s.handle, s.layer, now - f.posted);
+                }
+            }
+        }
+        post();
+        std::pair<std::vector<Landed>, std::vector<std::pair<uint32_t, int>>> out{std::move(landed_), std::move(failed_)};
+        landed_.clear();
+        failed_.clear();
+        return out;
+    }
+
+    // Everything goes (the sender stops): before the worker does.
+    void close() {
+        eps_.clear();
+        rings_.clear();
+        reqs_.clear();
+        in_flight_ = 0;
+    }
+
+    size_t in_flight() const { return in_flight_; }
+    bool pending() const {  // handed over, or landed, since the last post()/poll()
+        if (!landed_.empty() || !failed_.empty()) return true;
+        for (const auto &[eid, e] : eps_)
+            if (!e.ops.empty() || !e.shares.empty()) return true;
+        return false;
+    }
+    nb::dict stats() const {
+        nb::dict d;
+        d["handovers_ring"] = records_;
+        d["layers_handed"] = layers_;
+        d["bytes_put"] = bytes_;  // every rank's data puts (an MLA latent replicated over ranks goes once)
+        d["puts_in_flight"] = in_flight_;
+        d["plans"] = reqs_.size();
+        return d;
+    }
+
+  private:
+    Req &req(uint32_t handle) {
+        auto it = reqs_.find(handle);
+        if (it == reqs_.end()) throw std::invalid_argument("no plan for request handle " + std::to_string(handle));
+        return it->second;
+    }
+
+    // One rank's share of ``layer`` is in the pool; the last one lands the layer and puts its readiness words.
+    void share(Req &r, uint32_t handle, uint32_t layer, double seconds) {
+        Layer &L = r.layers[layer];
+        if (!L.left || --L.left) return;
+        landed_.emplace_back(handle, layer, seconds);
+        auto ep = eps_.find(r.eid);
+        if (ep == eps_.end()) return;
+        for (const auto &[src, dst, n] : r.ready[L.group]) ep->second.ops.emplace_back(src, L.ready + dst, n);
+    }
+
+    void die(uint32_t eid, Ep &e, ucs_status_t st) {
+        if (!e.dead) failed_.emplace_back(eid, static_cast<int>(st));
+        e.dead = true;
+        in_flight_ -= e.flights.size();
+        e.flights.clear();
+        e.batches->drop_all();
+        e.ops.clear();
+        e.shares.clear();
+    }
+
+    ucp_worker_h worker_;
+    uint64_t staging_, staging_bytes_, max_put_;
+    double timeout_;
+    std::map<uint32_t, Ep> eps_;
+    std::map<uint32_t, pdpush::Ring> rings_;
+    std::unordered_map<uint32_t, Req> reqs_;
+    std::vector<Landed> landed_;
+    std::vector<std::pair<uint32_t, int>> failed_;
+    size_t in_flight_ = 0;
+    uint64_t records_ = 0, layers_ = 0, bytes_ = 0;
+};
+
+}  // namespace
+
+void register_pusher(nb::module_ &m) {
+    nb::class_<Pusher>(m, "Pusher", "The sender's per-layer path: plans in, puts posted, landings out (pusher.cpp).")
+        .def(nb::init<uintptr_t, uintptr_t, uint64_t, uint64_t, double>(), nb::arg("worker"), nb::arg("staging"),
+             nb::arg("staging_bytes"), nb::arg("max_put"), nb::arg("timeout_s"))
+        .def("add_endpoint", &Pusher::add_endpoint, nb::arg("eid"), nb::arg("ep"), nb::arg("rkey"))
+        .def("drop_endpoint", &Pusher::drop_endpoint, nb::arg("eid"))
+        .def("add_ring", &Pusher::add_ring, nb::arg("cid"), nb::arg("address"), nb::arg("slots"))
+        .def("drop_ring", &Pusher::drop_ring, nb::arg("cid"))
+        .def("add_request", &Pusher::add_request, nb::arg("handle"), nb::arg("eid"), nb::arg("layers"),
+             nb::arg("ready"), nb::arg("tp"))
+        .def("add_rank", &Pusher::add_rank, nb::arg("handle"), nb::arg("cid"), nb::arg("first"), nb::arg("end"),
+             nb::arg("ranges"))
+        .def("grant", &Pusher::grant, nb::arg("handle"), nb::arg("layer"), nb::arg("offset"))
+        .def("drop_request", &Pusher::drop_request, nb::arg("handle"))
+        .def("hand", &Pusher::hand, nb::arg("cid"), nb::arg("handle"), nb::arg("first"), nb::arg("n"))
+        .def("take", &Pusher::take, nb::arg("cid") = -1)
+        .def("post", &Pusher::post)
+        .def("poll", &Pusher::poll, nb::arg("now") = -1.0)
+        .def("close", &Pusher::close)
+        .def("pending", &Pusher::pending)
+        .def("stats", &Pusher::stats)
+        .def_prop_ro("in_flight", &Pusher::in_flight);
+}
