@@ -56,10 +56,10 @@ class Receiver:
     # ---- lifecycle ----
     def start(self) -> dict:
         from pdpush import shm
-        from pdpush.transport.ucx import UcxWorker
+        from pdpush.transport.base import open_transport
 
         cfg = self.cfg
-        self.ucx = UcxWorker(dict(cfg.ucx_env))
+        self.ucx = open_transport(dict(cfg.ucx_env))
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
         if cfg.prefault:
             shm.prefault(self.region.address, self.region.length)

@@ -87,9 +87,9 @@ class Sender:
     # ---- lifecycle ----
     def start(self) -> dict:
         from pdpush import shm
-        from pdpush.transport.ucx import UcxWorker
+        from pdpush.transport.base import open_transport
 
-        self.ucx = UcxWorker(dict(self.cfg.ucx_env))
+        self.ucx = open_transport(dict(self.cfg.ucx_env))
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)
         if self.cfg.prefault:
             shm.prefault(self.region.address, self.region.length)

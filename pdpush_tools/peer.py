@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 
 def serve(nbytes: int) -> None:
-    from pdpush.transport.ucx import UcxWorker
+    from pdpush.transport.base import open_transport
 
-    w = UcxWorker()
+    w = open_transport()
     peers = []
     port = w.listen("127.0.0.1", 0, peers.append)
     region, shmid, _ = w.alloc_shared(nbytes)  # the same memory the receiver's pool uses

@@ -1,4 +1,5 @@
-"""The data-plane interface: posted puts and flushes, completions polled by the loop.
+"""The data-plane interface: posted puts and flushes, completions polled by the loop, and the one
+factory the daemons and tools get a transport from (``open_transport``).
 
 Nothing here ever waits. ``Endpoint.post_puts`` posts a batch of one-sided
 puts and one flush and returns at once; the owner's loop calls
@@ -20,7 +21,7 @@ Imports no ucxx; implementations (``ucx.py``) do.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -65,6 +66,41 @@ class Endpoint(Protocol):
 
 
 class Transport(Protocol):
+    """One worker of the data plane, progressed by the thread that owns it (notes/ucx.md)."""
+
+    @property
+    def epoll_fd(self) -> int:
+        """An fd to sleep on (after ``arm``): it turns readable when the transport has work."""
+        ...
+
+    def arm(self) -> bool:
+        """True if it is safe to sleep on ``epoll_fd``; False means progress again first."""
+        ...
+
+    def progress(self) -> None:
+        """Progress: completions, endpoint errors and closes, accepted connections."""
+        ...
+
     def poll(self, now: float) -> list[Completion]:
         """Progress every endpoint; the batches that completed (or failed, or timed out)."""
         ...
+
+    def alloc_shared(self, nbytes: int):
+        """Registered memory a local process can map: (region, SysV shmid, backing)."""
+        ...
+
+    def listen(self, host: str, port: int, on_endpoint: Callable) -> int:
+        """Accept peers on ``host:port`` (0: any free port); returns the port."""
+        ...
+
+    def connect(self, host: str, port: int) -> Endpoint: ...
+
+    def close(self) -> None: ...
+
+
+def open_transport(env: Mapping[str, str] | None = None) -> Transport:
+    """The data plane: a UCX worker (``ucx.py``) whose batches are posted and reaped natively
+    (``pdpush_native``, native/). ``env``: UCX_* settings for it. Imports ucxx, so only when called."""
+    from pdpush.transport.ucx import UcxWorker
+
+    return UcxWorker(env)

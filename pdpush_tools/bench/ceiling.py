@@ -35,13 +35,13 @@ def _stop(proc: subprocess.Popen | None) -> None:
 def _peer(nbytes: int):
     """A ``pdpush_tools.peer`` process holding ``nbytes``, and an endpoint to it with its rkey:
     yields (worker, endpoint, the peer's info); the endpoint is closed and the peer stopped after."""
-    from pdpush.transport.ucx import UcxWorker
+    from pdpush.transport.base import open_transport
 
     proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(nbytes)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=_env())
     try:
         info = json.loads(proc.stdout.readline())
-        w = UcxWorker()
+        w = open_transport()
         ep = w.connect("127.0.0.1", info["port"])
         ep.set_rkey(bytes.fromhex(info["rkey"]))
         yield w, ep, info

@@ -2,7 +2,9 @@
 
 * ``one_chunk_p50_ms`` / ``p99``: a request of one chunk, every layer already in
   staging (as a GPU's DMA would leave it), from hand-over to every layer visible on
-  the decode side; every byte checked there. The hand-over does not block, so the
+  the decode side (its readiness words read in a spin, so the clock stops when they
+  land; what a decode engine's own wait adds is the decode_wait scenario's); every
+  byte checked there. The hand-over does not block, so the
   same thread then waits as the decode engine would (a second thread in this
   process would share the GIL with the first and add its switching to the clock).
 * ``layer_overhead_us``: per layer, that time less a raw UCX put+flush of the same
@@ -32,7 +34,7 @@ import time
 import numpy as np
 
 from pdpush import launch
-from pdpush.client import DecodeClient, PrefillClient, status
+from pdpush.client import DecodeClient, PrefillClient, WaitPolicy, status
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import ceiling
 from pdpush_tools.bench.common import Source, verify
@@ -107,7 +109,10 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
         daemons.append(tx)
         rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
         tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
-        pc, dc = PrefillClient(layout, tx_sock, timeout_s=60), DecodeClient(rx_sock, timeout_s=60)
+        # the decode side spins on the readiness words: this measures when they land, not how a decode
+        # engine chooses to wait for them (that is the decode_wait scenario's, against this same spin)
+        pc = PrefillClient(layout, tx_sock, timeout_s=60)
+        dc = DecodeClient(rx_sock, timeout_s=60, wait=WaitPolicy(spin_s=60.0))
         rng = np.random.default_rng(5)
         one, verified = [], True
         warm = pool_pages + 20  # every page touched once before anything is measured

@@ -70,8 +70,9 @@ def _goodput_suite(a: BenchArgs) -> dict:
     keys = ("layer_bytes", "goodput_gbps", "ceiling_gbps", "memcpy_gbps", "ratio", "transport_goodput_gbps",
             "ratio_transport", "two_copy_gbps", "ratio_two_copy", "verified")
     sweep = []
-    for t in (a.tokens // 16, a.tokens // 4):
-        r = goodput.run(**a.shape, tokens=t, requests=5, prefix_shared=0.5)
+    small = {**a.shape, "chunk_tokens": a.shape["chunk_tokens"] // 4}  # one chunk of a quarter: 256 KiB a layer
+    for shape, t in ((small, small["chunk_tokens"]), (a.shape, a.tokens // 16), (a.shape, a.tokens // 4)):
+        r = goodput.run(**shape, tokens=t, requests=5, prefix_shared=0.5)
         sweep.append({k: r[k] for k in keys})
     sweep.append({k: main[k] for k in keys})
     return {"goodput": main, "goodput_sweep": sweep}
