@@ -230,8 +230,9 @@ class Sender:
                 self._apply(self.session.on_peer_lost(endpoint, str(err), now_ms(), err))
         if landed:
             self._spin_until = time.monotonic() + SPIN_S
-            for _, _, seconds in landed:  # one sample per layer: its batch's post-to-flush time
-                self.metrics.layer_seconds.observe(seconds)
+            for _, _, seconds in landed:  # one sample per layer that moved: its batch's post-to-flush time
+                if seconds >= 0:
+                    self.metrics.layer_seconds.observe(seconds)
             sums = [self._checksum(seq, layer) for seq, layer, _ in landed] if self.cfg.checksums else None
             self._apply(self.session.on_landed([(seq, layer) for seq, layer, _ in landed], now_ms(), sums))
 
@@ -299,11 +300,7 @@ class Sender:
                     todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
                                                           now_ms()))
             elif isinstance(a, Hand):
-                cid = self.conns.ids.get(a.ident)
-                refused = [(cid, a.handle, first, n, why) for first, n in ring.runs(list(a.layers))
-                           if (why := self.pusher.hand(cid, a.handle, first, n))] if cid is not None else []
-                if refused:
-                    self._refused(refused)
+                self._hand(a)
             elif isinstance(a, PlanGrant):
                 self.pusher.grant(a.handle, a.layer, a.offset)
             elif isinstance(a, PlanRequest):
@@ -374,6 +371,22 @@ class Sender:
         except PdpushError as e:
             return self.session.on_connected(a.endpoint, e, now_ms())
         return self.session.on_connected(a.endpoint, None, now_ms())
+
+    def _hand(self, a: Hand) -> None:
+        """A LayerReady's layers, taken whole or not at all (as its Python checks did before)."""
+        cid = self.conns.ids.get(a.ident)
+        runs = ring.runs(list(a.layers))
+        if cid is None:  # no plan names the connection: the request ended meanwhile
+            refused = [(0, a.handle, runs[0][0], runs[0][1], 1)]
+        else:
+            refused = [(cid, a.handle, first, n, why) for first, n in runs
+                       if (why := self.pusher.check(cid, a.handle, first, n))][:1]
+        if refused:
+            self._refused(refused) if cid is not None else self._apply(
+                self.session.on_refused(a.ident, [r[1:] for r in refused], now_ms()))
+            return
+        for first, n in runs:
+            self.pusher.hand(cid, a.handle, first, n)
 
     def _eid(self, endpoint: str) -> int:
         eid = self._eids.get(endpoint)

@@ -293,6 +293,8 @@ def test_the_native_path_posts_each_layer_handed_over_and_lands_it_in_order_with
         # refusals: nothing of a refused hand-over is taken
         assert pu.hand(4, 7, 0, 1) == 2  # not one of the request's ranks
         assert pu.hand(3, 7, 3, 2) == 3  # past its stage's layers
+        assert pu.hand(3, 7, 0xFFFFFFFF, 1) == 3  # a range that would wrap 32 bits
+        assert pu.check(3, 7, 0, 1) == 4 and pu.check(3, 7, 3, 1) == 4  # check() says why and takes nothing
         assert pu.hand(3, 7, 0, 1) == 4  # handed over already
         _request(pu, src, p, 8, grant=False)
         assert pu.hand(3, 8, 0, 1) == 5  # its block not granted
@@ -351,8 +353,11 @@ def test_the_native_path_times_a_stalled_receiver_out_and_holds_nothing_else(wor
         for la in range(4):
             pu.grant(2, la, la * LB)
         t0 = time.monotonic()
-        assert pu.hand(3, 1, 0, 16) == 0
+        assert pu.hand(3, 1, 0, 8) == 0
         pu.post()
+        assert pu.hand(3, 1, 8, 8) == 0  # a second batch behind the first: both fail with it
+        pu.post()
+        assert pu.in_flight == 2
         for la in range(4):  # the healthy receiver's layers land while the stalled one's are in flight
             assert pu.hand(3, 2, la, 1) == 0
             pu.post()

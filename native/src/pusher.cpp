@@ -48,7 +48,7 @@ enum Refusal : int { kOk = 0, kUnknown = 1, kNotYours = 2, kRange = 3, kDuplicat
 
 using Span = std::tuple<uint64_t, uint64_t, uint64_t>;  // (source, destination, bytes)
 using Spans = std::vector<Span>;
-using Landed = std::tuple<uint32_t, uint32_t, double>;   // (handle, layer, seconds from post to flush)
+using Landed = std::tuple<uint32_t, uint32_t, double>;   // (handle, layer, seconds from post to flush; < 0: moved nothing)
 using Refused = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, int>;  // (connection, handle, first, n, why)
 
 double monotonic() {
@@ -148,6 +148,7 @@ class Pusher {
         Req &r = req(handle);
         if (!(first < end && end <= r.layers.size()) || ranges.size() != r.ready.size())
             throw std::invalid_argument("a rank's stage or groups do not fit its request's plan");
+        if (r.ranks.count(cid)) throw std::invalid_argument("a connection already pushes a rank of this request");
         for (uint32_t l = first; l < end; ++l)  // every span stays inside its layer's block (if it moves)
             for (const auto &[src, dst, n] : ranges[r.layers[l].group])
                 if (r.layers[l].bytes && src + n > r.layers[l].bytes)
@@ -168,25 +169,15 @@ class Pusher {
     // Connection ``cid`` hands over layers [first, first + n) of request ``handle``: 0 and its puts queued
     // for post(), or why not (nothing of it is taken then).
     int hand(uint32_t cid, uint32_t handle, uint32_t first, uint32_t n) {
-        auto it = reqs_.find(handle);
-        if (it == reqs_.end()) return kUnknown;
-        Req &r = it->second;
-        auto rk = r.ranks.find(cid);
-        if (rk == r.ranks.end()) return kNotYours;
-        Rank &k = rk->second;
-        auto ep = eps_.find(r.eid);
-        if (ep == eps_.end() || ep->second.dead) return kUnknown;  // its receiver failed: the session ends it
-        if (!n || first < k.first || first + n > k.end) return kRange;
-        for (uint32_t l = first; l < first + n; ++l) {
-            if (k.posted[l - k.first]) return kDuplicate;
-            if (r.layers[l].bytes && !r.layers[l].block) return kUngranted;
-        }
-        Ep &e = ep->second;
+        if (int why = check(cid, handle, first, n)) return why;
+        Req &r = reqs_.find(handle)->second;
+        Rank &k = r.ranks.find(cid)->second;
+        Ep &e = eps_.find(r.eid)->second;
         for (uint32_t l = first; l < first + n; ++l) {
             k.posted[l - k.first] = 1;
             Layer &L = r.layers[l];
             if (!L.bytes) {
-                share(r, handle, l, 0.0);
+                share(r, handle, l, -1.0);  // nothing moved: no post-to-flush time
                 continue;
             }
             const uint64_t src0 = staging_ + L.block - 1;
@@ -197,6 +188,24 @@ class Pusher {
             e.shares.push_back({handle, l});
         }
         layers_ += n;
+        return kOk;
+    }
+
+    // Whether hand() would take it: 0, or why not (nothing changes either way).
+    int check(uint32_t cid, uint32_t handle, uint32_t first, uint32_t n) const {
+        auto it = reqs_.find(handle);
+        if (it == reqs_.end()) return kUnknown;
+        const Req &r = it->second;
+        auto rk = r.ranks.find(cid);
+        if (rk == r.ranks.end()) return kNotYours;
+        const Rank &k = rk->second;
+        auto ep = eps_.find(r.eid);
+        if (ep == eps_.end() || ep->second.dead) return kUnknown;  // its receiver failed: the session ends it
+        if (!n || first < k.first || first >= k.end || n > k.end - first) return kRange;
+        for (uint32_t l = first; l < first + n; ++l) {
+            if (k.posted[l - k.first]) return kDuplicate;
+            if (r.layers[l].bytes && !r.layers[l].block) return kUngranted;
+        }
         return kOk;
     }
 
@@ -256,9 +265,9 @@ class Pusher {
                 Flight f = std::move(e.flights.front());
                 e.flights.pop_front();
                 --in_flight_;
-                if (st != UCS_OK) {
+                if (st != UCS_OK) {  // the statuses behind it are its CANCELED flights, which die() dropped
                     die(eid, e, static_cast<ucs_status_t>(st));
-                    continue;
+                    break;
                 }
                 for (const Share &s : f.shares) {
                     auto it = reqs_.find(s.handle);
@@ -307,6 +316,7 @@ class Pusher {
 
     // One rank's share of ``layer`` is in the pool; the last one lands the layer and puts its readiness words.
     void share(Req &r, uint32_t handle, uint32_t layer, double seconds) {
+        if (layer >= r.layers.size()) return;
         Layer &L = r.layers[layer];
         if (!L.left || --L.left) return;
         landed_.emplace_back(handle, layer, seconds);
@@ -354,6 +364,7 @@ void register_pusher(nb::module_ &m) {
         .def("grant", &Pusher::grant, nb::arg("handle"), nb::arg("layer"), nb::arg("offset"))
         .def("drop_request", &Pusher::drop_request, nb::arg("handle"))
         .def("hand", &Pusher::hand, nb::arg("cid"), nb::arg("handle"), nb::arg("first"), nb::arg("n"))
+        .def("check", &Pusher::check, nb::arg("cid"), nb::arg("handle"), nb::arg("first"), nb::arg("n"))
         .def("take", &Pusher::take, nb::arg("cid") = -1)
         .def("post", &Pusher::post)
         .def("poll", &Pusher::poll, nb::arg("now") = -1.0)

@@ -500,7 +500,7 @@ class SenderSession:
         """Another rank (or stage) of a request in flight begins it: it shares the allocation and the staging."""
         b = r.begin
         part = msg.pp_rank * r.tp + msg.tp_rank
-        if r.world == 1 or part in r.ranks:
+        if r.world == 1 or part in r.ranks or ident in r.clients:
             raise DuplicateRequest(f"request {msg.req_id!r} already in flight"
                                    + (f" ({r.who(part)} began it already)" if r.world > 1 else ""))
         if (msg.tp_size, msg.pp_size) != (r.tp, r.pp):
@@ -564,6 +564,8 @@ class SenderSession:
         r, _ = self._client_req(ident, msg.req_id)
         if r.state is not TxState.STREAMING:
             raise UnexpectedMessage(f"layer_ready for {r.req_id!r} in state {r.state.value}")
+        if len(set(msg.layers)) != len(msg.layers):
+            raise RemoteProtocolError(f"layer_ready for {r.req_id!r} names a layer twice: {msg.layers}")
         out.append(Hand(ident, r.seq, tuple(msg.layers)))
 
     def _landed(self, r: TxRequest, layer: int, digest: int | None) -> None:
