@@ -327,3 +327,28 @@ def test_a_sender_meets_a_receiver_of_another_layout_kind_and_both_sides_values_
             pc.begin("x", list(range(20)))
     finally:
         pc.close()
+
+
+@pytest.mark.parametrize("ring_slots", [0, 256], ids=["messages", "ring"])
+def test_a_hand_over_naming_a_bad_layer_is_refused_and_nothing_of_it_is_taken(daemons, ring_slots):
+    """The native per-layer path takes a hand-over whole or not at all: a LayerReady naming a layer past
+    the layout posts nothing of it, and the engine is told. In a ring each record is a hand-over of its
+    own: the bad one is refused, the good one before it is taken."""
+    from tests.helpers import until
+
+    layout = LAYOUTS[0][0]
+    rx = daemons.receiver(**rx_opts(layout))
+    tx = daemons.sender(rx, handover_ring_slots=ring_slots)
+    pc = PrefillClient(layout, sock(tx), timeout_s=10)
+    try:
+        ids = list(range(40))
+        k, v = kv(layout, len(ids), 3)
+        h = pc.begin("bad", ids)
+        for layer in range(layout.layers):
+            h.stage_layer(layer, k[layer], v[layer])
+        h.layers_ready([0, layout.layers + 5])
+        until(lambda: status(sock(tx))["handovers_refused"] == 1, 10, "the refusal")
+        assert status(sock(tx))["layers_handed"] == (1 if ring_slots else 0)
+        h.abort("the test is done with it")
+    finally:
+        pc.close()
