@@ -90,7 +90,7 @@ def markdown(res: dict, plot_rel: str) -> str:
                 if "median_gbps" in n else [f"| NIXL comparison | {n.get('error', 'not run (--compare nixl)')} | |"])
     inc_summary = ", ".join(f"h={r['h']}: {r['ratio_to_ideal']:.3f}" for r in inc["rows"])
     sweep = sorted(res["goodput_sweep"], key=lambda r: r["layer_bytes"])
-    mib = [f"{r['layer_bytes'] / 2**20:.0f} MiB" for r in sweep]
+    mib = [_size(r["layer_bytes"]) for r in sweep]
     tr = ", ".join(f"{s}: {r['ratio_transport']:.2f}x" for s, r in zip(mib, sweep, strict=True))
     e2e = [(s, r) for s, r in zip(mib, sweep, strict=True) if r["layer_bytes"] >= 4 << 20]
     e2e_txt = ", ".join(f"{s}: {r['ratio']:.2f}x" for s, r in e2e)
@@ -168,7 +168,7 @@ def markdown(res: dict, plot_rel: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in sweep:
-        lines.append(f"| {r['layer_bytes'] / 2**20:.0f} MiB | {r['goodput_gbps']:.2f} | "
+        lines.append(f"| {_size(r['layer_bytes'])} | {r['goodput_gbps']:.2f} | "
                      f"{r['transport_goodput_gbps']:.2f} | {r['ceiling_gbps']:.2f} | {r['memcpy_gbps']:.2f} | "
                      f"{r['ratio']:.2f} | {r['ratio_transport']:.2f} | {r['verified']} |")
     lines += ["", "## Pipelining (emulated compute c per layer; a sleep, since GPU compute costs the host no CPU)", "",
@@ -251,6 +251,10 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   flush of its 32 puts (2 MiB), where 32 raw puts take 0.3 ms: that gap is the next thing to profile
   (how often the worker is progressed while those puts are pending).
 """
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
 def save(path: Path | None, content: str | dict) -> None:
