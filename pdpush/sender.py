@@ -381,9 +381,11 @@ class Sender:
         else:
             refused = [(cid, a.handle, first, n, why) for first, n in runs
                        if (why := self.pusher.check(cid, a.handle, first, n))][:1]
+        if refused and cid is not None:
+            self._refused(refused)
+        elif refused:
+            self._apply(self.session.on_refused(a.ident, [r[1:] for r in refused], now_ms()))
         if refused:
-            self._refused(refused) if cid is not None else self._apply(
-                self.session.on_refused(a.ident, [r[1:] for r in refused], now_ms()))
             return
         for first, n in runs:
             self.pusher.hand(cid, a.handle, first, n)

@@ -231,10 +231,11 @@ def _pusher(w, src, timeout_s: float = 10.0):
 
 
 def _request(pu, src, p, handle: int, layers: int = 4, tp: int = 1, ranks=(3,), moves: bool = True,
-             grant: bool = True) -> None:
+             grant: bool = True, eid: int = 1) -> None:
     dst = p.info["address"]
     share = LB // tp
-    pu.add_request(handle, 1, [(0, dst + la * LB, dst + READY_AT + la * 8, LB if moves else 0) for la in range(layers)],
+    pu.add_request(handle, eid, [(0, dst + la * LB, dst + READY_AT + la * 8, LB if moves else 0)
+                                 for la in range(layers)],
                    [[(src.address + WORDS_AT, 0, 8)]], tp)
     for i, cid in enumerate(ranks):  # two puts for a rank's share: the path posts every span
         half = share // 2
@@ -346,12 +347,7 @@ def test_the_native_path_times_a_stalled_receiver_out_and_holds_nothing_else(wor
         pu.add_endpoint(2, fast_ep.handle, fast_ep.rkey.handle)
         os.kill(slow.proc.pid, signal.SIGSTOP)
         _request(pu, src, slow, 1, layers=16)  # 1 MiB into a stopped peer over tcp
-        dst = fast.info["address"]
-        pu.add_request(2, 2, [(0, dst + la * LB, dst + READY_AT + la * 8, LB) for la in range(4)],
-                       [[(src.address + WORDS_AT, 0, 8)]], 1)
-        pu.add_rank(2, 3, 0, 4, [[(0, 0, LB)]])
-        for la in range(4):
-            pu.grant(2, la, la * LB)
+        _request(pu, src, fast, 2, eid=2)
         t0 = time.monotonic()
         assert pu.hand(3, 1, 0, 8) == 0
         pu.post()
