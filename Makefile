@@ -31,12 +31,15 @@ $(STAMP): requirements.txt pyproject.toml $(NATIVE_SRC)
 # pdpush's daemons and tests run from $(VENV).
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): requirements-vllm.txt pyproject.toml
+# Its engines stage KV through pdpush_native._copy alone (no UCX in that venv): built from native/ too.
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml $(NATIVE_SRC)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q $$(grep -E '^(scikit-build-core|nanobind|pathspec)==' requirements.txt)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -C cmake.define.PDPUSH_DATAPLANE=OFF -C "build-dir=build/{wheel_tag}-copy-only" ./native
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	# the official (CUDA) vllm 0.33.0, unpacked --no-deps: tests check the connector against its API
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --target $(VLLM_VENV)/vllm-0.33.0 vllm==0.33.0

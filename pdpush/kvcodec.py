@@ -12,7 +12,9 @@ element type of ``layout.DTYPES`` (fp8 included): only bytes move, rows of ``D *
 * ``elements`` / ``as_row_bytes`` convert between element arrays and row bytes.
 
 Works on numpy arrays and on torch tensors (any device; the array library of the inputs is used,
-so a CUDA gather stays on its device), and imports torch only when handed a torch tensor.
+so a CUDA gather stays on its device), and imports torch only when handed a torch tensor. Rows move
+between host arrays by ``pdpush_native._copy`` (native/src/copy.cpp: the source walked in its memory
+order, at memcpy speed) where it is installed, else by the array library.
 """
 
 from __future__ import annotations
@@ -49,6 +51,38 @@ def _items(x, row_bytes: int):
         if row_bytes % w == 0 and x.storage_offset() % w == 0:
             return x.view(dt)
     return x
+
+
+_NATIVE: list = []  # [copy_rows or None], loaded on the first copy
+
+
+def _native_copy():
+    if not _NATIVE:
+        try:
+            from pdpush_native._copy import copy_rows
+        except ImportError:  # an engine venv without pdpush's native build: the array library copies
+            copy_rows = None
+        _NATIVE.append(copy_rows)
+    return _NATIVE[0]
+
+
+def _row_bytes_view(x):
+    """Row items ``[..., k]`` (last axis contiguous) as bytes ``[..., row bytes]``, the same memory."""
+    if _is_torch(x):
+        import torch
+
+        return x.view(torch.uint8)
+    return x.view(np.uint8)
+
+
+def _copy(dst, src) -> None:
+    """``dst[...] = src`` for row items of one shape: natively between host arrays, else by the library."""
+    native = _native_copy()
+    if native is not None and (not _is_torch(dst) or dst.device.type == "cpu") and \
+            (not _is_torch(src) or src.device.type == "cpu") and _is_torch(dst) == _is_torch(src) and dst.ndim:
+        native(_row_bytes_view(dst), _row_bytes_view(src))
+    else:
+        dst[...] = src
 
 
 def _zero(x) -> None:
@@ -104,9 +138,9 @@ def _write_pages(dst, rows: Sequence, h0: int, T: int, segs: list[Segment]) -> N
         for j0, s0, m in segs:  # one vectorised copy per run of chunks (usually one)
             full, rest = divmod(m, T)
             if full:
-                dst[j0:j0 + full, :, c] = _perm(src[s0:s0 + full * T].reshape(full, T, hu, -1), 0, 2, 1, 3)
+                _copy(dst[j0:j0 + full, :, c], _perm(src[s0:s0 + full * T].reshape(full, T, hu, -1), 0, 2, 1, 3))
             if rest:  # a partial last chunk: its tail rows are zeroed, never another request's bytes
-                dst[j0 + full, :, c, :rest] = _perm(src[s0 + full * T:s0 + m], 1, 0, 2)
+                _copy(dst[j0 + full, :, c, :rest], _perm(src[s0 + full * T:s0 + m], 1, 0, 2))
                 _zero(dst[j0 + full, :, c, rest:])
 
 
@@ -122,11 +156,11 @@ def _write_rows(dst, rows: Sequence, r0: int, C: int, T: int, segs: list[Segment
         for j0, s0, m in segs:
             full, rest = divmod(m, T)
             if full:
-                dst[j0:j0 + full, at:at + tb - ta] = src[s0:s0 + full * T].reshape(full, T, -1)[:, ta:tb]
+                _copy(dst[j0:j0 + full, at:at + tb - ta], src[s0:s0 + full * T].reshape(full, T, -1)[:, ta:tb])
             if rest:  # a partial last chunk: the rows it has, then zeroed tail rows
                 hi = min(tb, rest)
                 if hi > ta:
-                    dst[j0 + full, at:at + hi - ta] = src[s0 + full * T + ta:s0 + full * T + hi]
+                    _copy(dst[j0 + full, at:at + hi - ta], src[s0 + full * T + ta:s0 + full * T + hi])
                 z = max(ta, rest)
                 if tb > z:
                     _zero(dst[j0 + full, at + z - ta:at + tb - ta])
@@ -183,7 +217,7 @@ def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Seg
         tmp = np.empty((n, h, C, T, rb), dtype=np.uint8)
     _write_pages(_items(tmp, rb), rows, 0, T, segs)
     part = tmp.reshape(n, h * lay.head_page_bytes)[:, b0:b1].reshape(n, Ur, ub)
-    dst.reshape(Ur, n, ub)[...] = _perm(part, 1, 0, 2)
+    _copy(dst.reshape(Ur, n, ub), _perm(part, 1, 0, 2))
 
 
 def _as_torch(a, like):

@@ -85,10 +85,41 @@ def test_every_element_round_trips_staging_pool_and_every_decode_rank(case, dtyp
     ("mla", 1, 36, 4, 2, 8),  # an MLA latent's 2 token rows per unit
     ("mla", 1, 36, 8, 4, 4),  # a unit cuts rows: pages, then bytes
 ])
-def test_each_staging_path_round_trips(kind, heads, dim, tp, shards, chunk):
+@pytest.mark.parametrize("native", [True, False], ids=["native-copy", "array-library"])
+def test_each_staging_path_round_trips(kind, heads, dim, tp, shards, chunk, native, monkeypatch):
+    if native:
+        assert kc._native_copy() is not None, "make install builds pdpush_native._copy"
+    else:
+        monkeypatch.setattr(kc, "_NATIVE", [None])
     lay = KVLayout(2, heads, dim, "bfloat16", chunk, "m", kind=kind)
     for torch_dst in (False, True):
         _round_trip(lay, tp, shards, 3 * chunk + 3, {1}, [5, 0, 2, 4], 7, torch_dst)
+
+
+def test_native_copy_rows_walks_any_strides_and_refuses_what_it_cannot_copy():
+    from pdpush_native._copy import copy_rows
+
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, (5, 3, 4, 6), dtype=np.uint8)
+    for perm in [(0, 1, 2, 3), (2, 0, 1, 3), (1, 2, 0, 3)]:
+        view = src.transpose(perm)[::-1]  # a negative stride too
+        dst = np.zeros(view.shape, np.uint8)
+        copy_rows(dst, view)
+        assert np.array_equal(dst, view)
+        out = np.zeros((9, 12, 9, 6), np.uint8)[1:1 + view.shape[0], ::2][:, :view.shape[1], :view.shape[2]]
+        copy_rows(out, view)  # a strided destination
+        assert np.array_equal(out, view)
+    ro = src.copy()
+    ro.flags.writeable = False
+    dst = np.zeros_like(src)
+    copy_rows(dst, ro)  # a read-only source is fine
+    assert np.array_equal(dst, src)
+    with pytest.raises(ValueError, match="shapes differ"):
+        copy_rows(np.zeros((5, 3, 4, 5), np.uint8), src)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_rows(np.zeros((5, 3, 6, 4), np.uint8).transpose(0, 1, 3, 2), src)
+    with pytest.raises(TypeError):  # not bytes
+        copy_rows(np.zeros((5, 3, 4, 6), np.float32), src)
 
 
 def _round_trip(lay: KVLayout, tp: int, shards: int, tokens: int, held: set[int], pages: list[int], seed: int,

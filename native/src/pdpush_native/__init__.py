@@ -1,8 +1,19 @@
-"""pdpush's native data plane (``_dataplane``, C++ over libucp): see ``native/src/dataplane.cpp``.
+"""pdpush's native code: the data plane (``_dataplane``, C++ over libucp: see ``native/src/dataplane.cpp``)
+and the KV codec's row copies (``_copy``: ``native/src/copy.cpp``, no UCX).
 
-Import ``ucxx`` (or ``pdpush.transport.ucp.lib()``) first, so that libucp is the instance ucxx loaded.
+The data plane's names load on first use, so that ``pdpush_native._copy`` alone loads no libucp (an
+engine's venv may have only it). Import ``ucxx`` (or ``pdpush.transport.ucp.lib()``) before using the data
+plane, so that libucp is the instance ucxx loaded.
 """
 
-from pdpush_native._dataplane import CANCELED, TIMED_OUT, Batches, Pusher, Ring, UcpError, fence, progress, put_loop
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["CANCELED", "TIMED_OUT", "Batches", "Pusher", "Ring", "UcpError", "fence", "progress", "put_loop"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(importlib.import_module("pdpush_native._dataplane"), name)
+    raise AttributeError(f"module 'pdpush_native' has no attribute {name!r}")
