@@ -26,19 +26,9 @@ when a layer lands, one notice per request for all its layers that landed in the
 same pass; a stalled receiver's batches time out at their own deadlines and fail only
 that receiver's requests. A request counts as delivered only on CommitAck.
 
-Tensor parallelism: every prefill rank sends its own ``Begin`` under the same
-req_id (``tp_rank``/``tp_size``); the first one allocates, and every rank gets
-the same ``already_sent_indexes``. Each rank hands over its share of a layer
-(layout.py: ``StagingShares``), and the layer lands (readiness words, ``LayerDone``)
-only when every rank's share is flushed; the commit goes out once
-every rank has finished. One rank's failure, abort or death fails the request
-for all of them.
-
-Pipeline parallelism joins stages the same way: each stage's ranks begin the request too
-(``pp_rank``/``pp_size``, with the stage's layers ``[first_layer, end_layer)``), and a rank
-hands over only its stage's layers. One allocation and one skip list for every stage's every
-rank (``pp_size * tp_size`` participants); a layer lands when its stage's ranks' shares are in;
-the commit goes out once every participant has finished; a dead stage fails it for all.
+Receivers (``PeerTable``, peers.py): a request waits for its receiver's hello and data plane, and
+fails with it. Tensor and pipeline parallelism (participants.py): every rank of every stage begins the
+request; the first allocates, the others join it, and it commits once every one has finished.
 
 Imports no zmq, ucxx, torch or clock.
 """
@@ -47,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,7 +44,6 @@ from pdpush import protocol
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
-    DuplicateRequest,
     IncompatiblePeer,
     PdpushError,
     PoolExhausted,
@@ -69,7 +57,6 @@ from pdpush.errors import (
 from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp
 from pdpush.plan import RequestPlan, tokens_of
 from pdpush.protocol import (
-    SENDER_PEER,
     SENDER_REQUEST,
     Abort,
     AllocRequest,
@@ -82,20 +69,25 @@ from pdpush.protocol import (
     Done,
     Error,
     Finish,
-    Hello,
     HelloAck,
     LayerDone,
     LayerReady,
     Msg,
     NeedStaging,
     Ok,
-    PeerEvent,
     PeerState,
     TxEvent,
     TxState,
 )
-from pdpush.sessions import Counters, Log, Observe, internal_error, put_plan
+from pdpush.sessions import Counters, Log, Observe, internal_error, participants, put_plan
 from pdpush.sessions.grants import StagingGrants
+from pdpush.sessions.participants import (  # noqa: F401 - importable from here
+    MAX_PARTICIPANTS,
+    Ended,
+    Participants,
+    TxRank,
+)
+from pdpush.sessions.peers import Peer, PeerTable
 from pdpush.sessions.rings import HandoverRings
 from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, importable from here
     CloseRing,
@@ -124,36 +116,12 @@ class SenderLimits:
 
 
 @dataclass
-class Peer:
-    endpoint: str
-    state: PeerState = PeerState.NEW
-    ack: HelloAck | None = None
-    deadline_ms: int = 0
-    waiting: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TxRank:
-    """One prefill rank of a request (of one pipeline stage): its connection, and what it has handed over."""
-
-    client: bytes
-    pid: int
-    tp_rank: int = 0
-    pp_rank: int = 0
-    layers: range = range(0)  # its stage's layers
-    layers_posted: set[int] = field(default_factory=set)  # its layers landed (the native path knows the rest)
-    finish: bool = False
-    ring: bool = False  # its Begin asked for a hand-over ring
-    puts: int = 0
-
-
-@dataclass
-class TxRequest:
+class TxRequest(Participants):
     """One request, its whole life on the sender (all its ranks)."""
 
     req_id: str
     seq: int  # distinguishes completions of a request from an earlier one with the same id
-    ranks: dict[int, TxRank]  # by participant: pp_rank * tp + tp_rank
+    ranks: dict[int, TxRank]  # by participant: pp_rank * tp + tp_rank (participants.py)
     peer: Peer
     begin: Begin
     layout: KVLayout
@@ -183,42 +151,17 @@ class TxRequest:
     tp: int = 1  # ranks pushing each layer (Begin.tp_size)
     pp: int = 1  # pipeline stages (Begin.pp_size)
 
-    @property
-    def world(self) -> int:
-        """Participants: every stage's every rank."""
-        return self.tp * self.pp
-
-    @property
-    def clients(self) -> list[bytes]:
-        return [k.client for k in self.ranks.values()]
-
-    def finished(self) -> bool:
-        return len(self.ranks) == self.world and all(k.finish for k in self.ranks.values())
-
-    def late(self) -> list[int]:
-        """Participants missing from a stage whose other ranks have begun."""
-        begun = {k.pp_rank for k in self.ranks.values()}
-        return [p for s in sorted(begun) for p in range(s * self.tp, (s + 1) * self.tp) if p not in self.ranks]
-
-    def who(self, participant: int) -> str:
-        """A participant as errors name it."""
-        stage, rank = divmod(participant, self.tp)
-        return (f"stage {stage} of {self.pp}, " if self.pp > 1 else "") + f"rank {rank} of {self.tp}"
-
 
 class SenderSession:
     def __init__(self, limits: SenderLimits, staging: StagingInfo, default_receiver: str = "", *,
                  check_receiver: Callable[[str], None] | None = None) -> None:
         self.limits = limits
         self.staging_info = staging
-        self.default_receiver = default_receiver
-        self._check_receiver = check_receiver
-        self.peers: dict[str, Peer] = {}
+        self.peers = PeerTable(limits.control_timeout_ms, default_receiver, check_receiver)  # the receivers
         self.reqs: dict[str, TxRequest] = {}
         self._by_seq: dict[int, TxRequest] = {}
         self._seq = itertools.count(1)
-        # recently ended multi-rank requests (bounded): req_id -> the error that ended it, None if it completed
-        self.ended: OrderedDict[str, PdpushError | None] = OrderedDict()
+        self.ended = Ended()  # recently ended multi-rank requests, for a rank that begins one late
         self.draining = False
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
@@ -274,7 +217,7 @@ class SenderSession:
                 self.counters.add("handovers_stale")
                 continue
             self.counters.add("handovers_refused")
-            k = next((k for k in r.ranks.values() if k.client == ident), None)
+            k = r.ranks.get(r.rank_of(ident))
             err = (UnknownRequest(f"unknown request {r.req_id!r}") if k is None or why == put_plan.NOT_YOURS
                    else RemoteProtocolError(put_plan.refusal(why, r, k, first, n)))
             out.append(ToClient(ident, protocol.error_reply(err, r.req_id)))
@@ -293,24 +236,18 @@ class SenderSession:
 
     def on_connected(self, endpoint: str, error: PdpushError | None, now: int) -> list:
         out: list = []
-        p = self.peers.get(endpoint)
-        if p is None or p.state is not PeerState.CONNECTING:
+        p = self.peers.connecting(endpoint)
+        if p is None:
             return out
         if error is not None:
             self._peer_failed(p, BrokenResourceError(f"cannot open the data plane to {endpoint}: {error}"), now, out)
             return out
-        p.state = SENDER_PEER.next(p.state, PeerEvent.CONNECTED, f"receiver {endpoint}")
-        out.append(Log(logging.INFO, f"receiver {endpoint} ready (pool {p.ack.pool_pages} pages x "
-                                     f"{p.ack.page_bytes} B)"))
-        waiting, p.waiting = p.waiting, []
-        for rid in waiting:
+        for rid in self.peers.ready(p, out):
             r = self.reqs.get(rid)
             if r is None or r.state is not TxState.WAIT_PEER:
                 continue
-            if r.begin.layout != p.ack.layout:
-                mine, theirs = KVLayout(**r.begin.layout.model_dump()), KVLayout(**p.ack.layout.model_dump())
-                self._fail(r, IncompatiblePeer(f"layout differs from receiver {p.endpoint}'s, request vs receiver: "
-                                               f"{mine.mismatch(theirs)}"), now, out)
+            if (err := p.layout_error(r.begin.layout)) is not None:
+                self._fail(r, err, now, out)
             else:
                 self._send_alloc(r, TxEvent.PEER_READY, now, out)
         return out
@@ -350,8 +287,7 @@ class SenderSession:
         """A receiver's socket or endpoint broke (``BrokenResourceError``), or its puts failed or timed out
         (``error``): its requests fail, and the next request starts afresh."""
         out: list = []
-        p = self.peers.get(endpoint)
-        if p is not None and p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING, PeerState.READY):
+        if (p := self.peers.live(endpoint)) is not None:
             self._peer_failed(p, error or BrokenResourceError(why), now, out)
         return out
 
@@ -376,19 +312,11 @@ class SenderSession:
         out: list = []
         lim = self.limits
         self.grants.on_tick(now, out)
-        for p in self.peers.values():
-            if p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING) and now > p.deadline_ms:
-                self._peer_failed(p, TransportTimeout(
-                    f"receiver {p.endpoint} did not answer hello within {lim.control_timeout_ms} ms (down, "
-                    "unreachable, or refusing our CURVE key)"), now, out)
+        for p, err in self.peers.expired(now):
+            self._peer_failed(p, err, now, out)
         for r in list(self.reqs.values()):
-            if len(r.ranks) < r.world and now > r.t0_ms + lim.control_timeout_ms and (late := r.late()):
-                # the TP ranks of a stage begin together; a later pipeline stage may begin a forward later (it
-                # has until the lease deadline, below)
-                more = f" and {len(late) - 8} more" if len(late) > 8 else ""
-                self._fail(r, TransportTimeout(f"{', '.join(r.who(k) for k in late[:8])}{more} did not begin the "
-                                               f"request within {lim.control_timeout_ms} ms of the first"), now, out,
-                           tell_receiver=True)
+            if (err := r.late_error(now - r.t0_ms, lim.control_timeout_ms)) is not None:
+                self._fail(r, err, now, out, tell_receiver=True)  # a stage's ranks did not all begin in time
             elif r.state is TxState.ALLOC_BACKOFF and now >= r.deadline_ms:
                 self._send_alloc(r, TxEvent.RETRY, now, out)
             elif r.state in (TxState.ALLOCATING, TxState.COMMITTING, TxState.WAIT_PEER) and now > r.deadline_ms:
@@ -430,40 +358,19 @@ class SenderSession:
     # ---- prefill engine ----------------------------------------------------------------
     def _client_req(self, ident: bytes, req_id: str) -> tuple[TxRequest, int]:
         r = self.reqs.get(req_id)
-        if r is not None:
-            for rank, k in r.ranks.items():
-                if k.client == ident:
-                    return r, rank
+        if r is not None and (rank := r.rank_of(ident)) is not None:
+            return r, rank
         raise UnknownRequest(f"unknown request {req_id!r}")
 
     def _begin(self, ident: bytes, msg: Begin, now: int, out: list) -> None:
         if self.draining:
             raise ShuttingDown("sender is draining")
-        if msg.tp_rank >= msg.tp_size:
-            raise RemoteProtocolError(f"tp_rank {msg.tp_rank} out of range for tp_size {msg.tp_size}")
-        if msg.pp_rank >= msg.pp_size:
-            raise RemoteProtocolError(f"pp_rank {msg.pp_rank} out of range for pp_size {msg.pp_size}")
-        if msg.tp_size * msg.pp_size > MAX_PARTICIPANTS:
-            raise RemoteProtocolError(f"tp_size {msg.tp_size} x pp_size {msg.pp_size} exceeds {MAX_PARTICIPANTS} ranks")
-        stage = _stage_layers(msg)
-        push_layers = msg.layout.layers + msg.layout.state_layers  # each state layer after them (layout.py)
-        if msg.pp_size > 1 and msg.layout.state_layers:
-            raise RemoteProtocolError("pipeline parallelism with state layers is not supported: one stage pushes "
-                                      "the state")
-        if stage.stop > push_layers or (msg.pp_size == 1 and stage != range(push_layers)):
-            raise RemoteProtocolError(f"stage layers [{stage.start}, {stage.stop}) do not fit the layout's "
-                                      f"{push_layers} layers" + (" (one stage pushes them all)"
-                                                                  if msg.pp_size == 1 else ""))
+        stage = participants.check_begin(msg)
         r = self.reqs.get(msg.req_id)
         if r is not None:
             self._join(r, ident, msg, stage, now, out)
             return
-        if msg.tp_size * msg.pp_size > 1 and msg.req_id in self.ended:  # a late rank: it gets what the others got
-            why = self.ended[msg.req_id]
-            who = (f"stage {msg.pp_rank} " if msg.pp_size > 1 else "") + f"rank {msg.tp_rank}"
-            if why is None:
-                raise UnknownRequest(f"request {msg.req_id!r} already completed without {who}")
-            raise type(why)(f"request {msg.req_id!r} ended before {who} began it: {why}")
+        self.ended.check(msg)  # a late rank of a request that ended: it gets what the others got
         layout = KVLayout(**msg.layout.model_dump())
         try:
             check_prefill_tp(layout, msg.tp_size)
@@ -471,52 +378,25 @@ class SenderSession:
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
         self.grants.check(RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)))
-        receiver = msg.receiver or self.default_receiver
-        if not receiver:
-            raise RemoteProtocolError("no receiver named and no default_receiver configured")
-        if self._check_receiver is not None:
-            self._check_receiver(receiver)
-        peer = self.peers.get(receiver)
-        if peer is not None and peer.ack is not None and peer.ack.layout != msg.layout:
-            theirs = KVLayout(**peer.ack.layout.model_dump())
-            raise IncompatiblePeer(f"receiver {receiver} serves another layout, request vs receiver: "
-                                   f"{layout.mismatch(theirs)} (receiver {theirs.describe()})")
-        if peer is None:
-            peer = self.peers[receiver] = Peer(receiver)
+        peer = self.peers.for_begin(msg, layout)
         first = msg.pp_rank * msg.tp_size + msg.tp_rank
-        r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)},
-                      peer, msg, layout, now + self.limits.control_timeout_ms, now, tp=msg.tp_size, pp=msg.pp_size)
+        r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank.of(ident, msg, stage)}, peer, msg, layout,
+                      now + self.limits.control_timeout_ms, now, tp=msg.tp_size, pp=msg.pp_size)
         self.reqs[r.req_id] = r
         self._by_seq[r.seq] = r
         self.counters.add("requests_total")
         if peer.state is PeerState.READY:
             self._send_alloc(r, TxEvent.PEER_READY, now, out)
         else:
-            peer.waiting.append(r.req_id)
-            if peer.state in (PeerState.NEW, PeerState.DEAD):
-                self._hello(peer, msg, now, out)
+            self.peers.wait(peer, r.req_id, msg, now, out)
 
     def _join(self, r: TxRequest, ident: bytes, msg: Begin, stage: range, now: int, out: list) -> None:
         """Another rank (or stage) of a request in flight begins it: it shares the allocation and the staging."""
-        b = r.begin
-        part = msg.pp_rank * r.tp + msg.tp_rank
-        if r.world == 1 or part in r.ranks or ident in r.clients:
-            raise DuplicateRequest(f"request {msg.req_id!r} already in flight"
-                                   + (f" ({r.who(part)} began it already)" if r.world > 1 else ""))
-        if (msg.tp_size, msg.pp_size) != (r.tp, r.pp):
-            raise DuplicateRequest(f"request {msg.req_id!r} already in flight with tp_size {r.tp}, pp_size {r.pp} "
-                                   f"(this Begin says {msg.tp_size}, {msg.pp_size})")
-        err = None
-        if (msg.chunk_keys, msg.last_chunk_tokens, msg.layout, msg.receiver) != (
-                b.chunk_keys, b.last_chunk_tokens, b.layout, b.receiver):
-            err = RemoteProtocolError(f"{r.who(part)} began {msg.req_id!r} with a different prompt, layout "
-                                      "or receiver than the ranks before it")
-        else:
-            err = _check_stage(r, msg.pp_rank, stage)
+        part, err = participants.check_join(r, ident, msg, stage)
         if err is not None:
             self._fail(r, err, now, out, tell_receiver=True)
             raise err
-        r.ranks[part] = TxRank(ident, msg.client_pid, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)
+        r.ranks[part] = TxRank.of(ident, msg, stage)
         if r.state is TxState.STREAMING:
             out.append(self._plan_rank(r, r.ranks[part]))
             out.append(ToClient(ident, self._begin_ok(r, ident, out)))
@@ -534,20 +414,13 @@ class SenderSession:
 
     def _begin_ok(self, r: TxRequest, ident: bytes, out: list) -> BeginOk:
         s = self.staging_info
-        rank = next(k for k in r.ranks.values() if k.client == ident)
+        rank = r.ranks[r.rank_of(ident)]
         ring, slots = (self.rings.open(ident, rank.pid, out) if rank.ring  # the connection's, or none
                        else (0, 0))
         return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
                        staging_bytes=s.nbytes, staging_offset=r.meta_off, new_chunks=r.n_new,
                        daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards, handle=r.seq,
                        ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset)
-
-    def _hello(self, peer: Peer, begin: Begin, now: int, out: list) -> None:
-        layout = KVLayout(**begin.layout.model_dump())
-        peer.state = SENDER_PEER.next(peer.state, PeerEvent.HELLO, f"receiver {peer.endpoint}")
-        peer.deadline_ms = now + self.limits.control_timeout_ms
-        out.append(ToPeer(peer.endpoint, Hello(version=protocol.PROTOCOL_VERSION, fingerprint=layout.fingerprint(),
-                                               layout=begin.layout)))
 
     def _send_alloc(self, r: TxRequest, event: TxEvent, now: int, out: list) -> None:
         b = r.begin
@@ -615,10 +488,7 @@ class SenderSession:
     # ---- receivers ---------------------------------------------------------------------
     def _peer_msg(self, p: Peer, msg: Msg, now: int, out: list) -> None:
         if isinstance(msg, HelloAck):
-            if p.state is PeerState.HELLO_SENT:
-                p.state = SENDER_PEER.next(p.state, PeerEvent.HELLO_ACK, f"receiver {p.endpoint}")
-                p.ack = msg
-                out.append(Connect(p.endpoint, msg))
+            self.peers.hello_ack(p, msg, out)
         elif isinstance(msg, AllocResponse):
             r = self.reqs.get(msg.req_id)
             if r is not None and r.peer is p and r.state is TxState.ALLOCATING:
@@ -638,10 +508,7 @@ class SenderSession:
                     self._fail(r, error_from_code(msg.code, f"receiver: {msg.message}", r.req_id,
                                                   msg.retry_after_ms), now, out)
             elif p.state is PeerState.HELLO_SENT:
-                err = error_from_code(msg.code, f"receiver refused hello: {msg.message}")
-                out.append(Log(logging.WARNING, str(err)))
-                p.state = SENDER_PEER.next(p.state, PeerEvent.REFUSED, f"receiver {p.endpoint}")
-                self._fail_waiting(p, err, now, out)
+                self._fail_waiting(p, self.peers.refused(p, msg, out), now, out)
             else:
                 out.append(Log(logging.WARNING, f"error from receiver {p.endpoint}: {msg.code.value} {msg.message}",
                                msg.req_id))
@@ -726,10 +593,7 @@ class SenderSession:
         out.append(Unplan(r.seq))
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
-        if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
-            self.ended[r.req_id] = r.failure
-            while len(self.ended) > 4096:
-                self.ended.popitem(last=False)
+        self.ended.add(r)
 
     def _fail(self, r: TxRequest, err: PdpushError, now: int, out: list, tell_receiver: bool = False) -> None:
         if self.reqs.get(r.req_id) is not r:
@@ -751,45 +615,12 @@ class SenderSession:
         p.waiting = []
 
     def _peer_failed(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
-        out.append(Log(logging.WARNING, f"receiver {p.endpoint} failed: {err}"))
-        if SENDER_PEER.allows(p.state, PeerEvent.FAIL):
-            p.state = SENDER_PEER.next(p.state, PeerEvent.FAIL, f"receiver {p.endpoint}")
-        p.ack = None
+        self.peers.fail(p, err, out)  # DEAD until the next request
         self._fail_waiting(p, err, now, out)
         out.append(ResetPeer(p.endpoint))
 
     # ---- state -------------------------------------------------------------------------
     def stats(self) -> dict:
         return {"requests_inflight": len(self.reqs),
-                "receivers_connected": sum(1 for p in self.peers.values() if p.state is PeerState.READY),
+                "receivers_connected": self.peers.connected(),
                 **self.grants.stats(), **self.rings.stats(), "draining": self.draining, **self.counters.values}
-
-
-MAX_PARTICIPANTS = 4096  # tp_size x pp_size of one request
-
-
-def _stage_layers(msg: Begin) -> range:
-    """The layers a Begin's stage pushes (every layer for one stage)."""
-    if msg.end_layer == 0 and msg.first_layer == 0:
-        if msg.pp_size > 1:
-            raise RemoteProtocolError(f"stage {msg.pp_rank} of {msg.pp_size} did not say its layers")
-        return range(int(msg.layout.layers) + int(msg.layout.state_layers))
-    if not msg.first_layer < msg.end_layer:
-        raise RemoteProtocolError(f"stage layers [{msg.first_layer}, {msg.end_layer}) are empty")
-    return range(msg.first_layer, msg.end_layer)
-
-
-def _check_stage(r: TxRequest, pp_rank: int, stage: range) -> PdpushError | None:
-    """A joining rank's stage layers: the same as its stage's other ranks', disjoint from the other
-    stages'; once every stage has begun, the stages cover every layer exactly."""
-    for k in {k.pp_rank: k for k in r.ranks.values()}.values():  # one rank per stage
-        same = k.pp_rank == pp_rank
-        if (same and k.layers != stage) or (not same and k.layers.start < stage.stop and stage.start < k.layers.stop):
-            return RemoteProtocolError(f"stage {pp_rank} pushes layers [{stage.start}, {stage.stop}), stage "
-                                       f"{k.pp_rank} [{k.layers.start}, {k.layers.stop}): stages must split the "
-                                       "layers between them")
-    stages = {k.pp_rank: k.layers for k in r.ranks.values()} | {pp_rank: stage}
-    if len(stages) == r.pp and sorted(la for x in stages.values() for la in x) != list(range(r.layout.push_layers)):
-        return RemoteProtocolError(f"the stages' layers {sorted((x.start, x.stop) for x in stages.values())} do "
-                                   f"not cover the layout's {r.layout.push_layers} layers")
-    return None
