@@ -438,6 +438,22 @@ class PushHandle:
         except ValueError as e:
             raise ValueError(f"layer {layer}: {e}") from None
 
+    def share_rows(self, layer: int, src_heads: int):
+        """What each row of this rank's share of ``layer`` holds (``kvcodec.share_rows``, the new chunks'
+        tokens back to back), for ``stage_gathered``; None where the share's units cut rows. The same for
+        every layer of a group: compute once, gather every layer."""
+        return kvcodec.share_rows(self.layer_shares(layer), self.tp_rank, self.layer_segments(layer, True),
+                                  src_heads)
+
+    def stage_gathered(self, layer: int, src, base, sel, emap) -> None:
+        """Copy layer ``layer``'s share into staging straight from an engine's own memory (a paged KV
+        cache's host bytes ``src``), one pass, no copy between (``kvcodec.gather``: rows addressed by
+        ``base``/``sel``/``emap`` in ``share_rows``' order); hand it over as ``stage_layer``'s."""
+        try:
+            kvcodec.gather(self.staging_layer(layer), self.layer_shares(layer), src, base, sel, emap)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"layer {layer}: {e}") from None
+
     def staging_state(self, s: int) -> np.ndarray:
         """Raw writable bytes of this rank's units of state layer ``s``, ``[units / tp, unit bytes]``
         (layout.py); ``kvcodec.stage_state`` fills them. Waits for its block like ``staging_layer``."""

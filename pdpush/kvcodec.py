@@ -53,17 +53,21 @@ def _items(x, row_bytes: int):
     return x
 
 
-_NATIVE: list = []  # [copy_rows or None], loaded on the first copy
+_NATIVE: list = []  # [pdpush_native._copy or None], loaded on the first copy
+
+
+def _native():
+    if not _NATIVE:
+        try:
+            from pdpush_native import _copy
+        except ImportError:  # an engine venv without pdpush's native build: the array library copies
+            _copy = None
+        _NATIVE.append(_copy)
+    return _NATIVE[0]
 
 
 def _native_copy():
-    if not _NATIVE:
-        try:
-            from pdpush_native._copy import copy_rows
-        except ImportError:  # an engine venv without pdpush's native build: the array library copies
-            copy_rows = None
-        _NATIVE.append(copy_rows)
-    return _NATIVE[0]
+    return getattr(_native(), "copy_rows", None)
 
 
 def _row_bytes_view(x):
@@ -218,6 +222,55 @@ def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Seg
     _write_pages(_items(tmp, rb), rows, 0, T, segs)
     part = tmp.reshape(n, h * lay.head_page_bytes)[:, b0:b1].reshape(n, Ur, ub)
     _copy(dst.reshape(Ur, n, ub), _perm(part, 1, 0, 2))
+
+
+def share_rows(shares: StagingShares, rank: int, segs: list[Segment], src_heads: int):
+    """What each row of rank ``rank``'s share of a layer holds, in the share's order (``share_shape``'s
+    ``[units / tp, new pages, rows of a unit]``, flattened), where its units are whole rows (else None:
+    ``stage`` cuts rows there). Three arrays: the component, the input token row (as ``stage``'s ``segs``
+    number them; -1 for a zeroed tail row of a partial chunk), and the head among the ``src_heads`` an
+    engine's memory holds (the rank's, ``rank_heads``, or every head of the model). ``gather`` fills the
+    share from them in one pass; an engine computes them once per request and group, not per layer."""
+    lay = shares.layout
+    C, T, rb = lay.components, lay.chunk_tokens, lay.row_bytes
+    Ur, n, ub = shares.share_shape()
+    b0, _ = shares.share_span(rank)
+    if b0 % rb or ub % rb:
+        return None
+    h0, h1 = rank_heads(lay.kv_heads, shares.tp, rank)
+    if src_heads == lay.kv_heads:
+        first = h0
+    elif src_heads == h1 - h0:
+        first = 0
+    else:
+        raise ValueError(f"a source of {src_heads} heads; rank {rank} of {shares.tp} holds {h1 - h0} "
+                         f"(of {lay.kv_heads})")
+    Q = ub // rb
+    page_row = b0 // rb + np.arange(Ur)[:, None] * Q + np.arange(Q)[None, :]  # [Ur, Q]: (head * C + c) * T + t
+    head, rest = np.divmod(page_row, C * T)
+    comp, t = np.divmod(rest, T)
+    tok = np.full((n, T), -1, np.int64)  # each new page's token rows
+    for j0, s0, m in segs:
+        r = np.arange(m)
+        tok[j0 + r // T, r % T] = s0 + r
+    token = tok[np.arange(n)[None, :, None], t[:, None, :]]  # [Ur, n, Q]
+    shape = (Ur, n, Q)
+    return (np.broadcast_to(comp[:, None, :], shape).reshape(-1), token.reshape(-1),
+            np.broadcast_to(head[:, None, :] + first, shape).reshape(-1))
+
+
+def can_gather() -> bool:
+    """Whether ``gather`` can run here (it is native: ``pdpush_native._copy``)."""
+    return hasattr(_native(), "gather_rows")
+
+
+def gather(dst, shares: StagingShares, src, base, sel, emap) -> None:
+    """Fill a rank's share of a layer (``dst``, its staging bytes) straight from an engine's own memory, in
+    one pass (native/src/copy.cpp): share row ``r`` (``share_rows``' order) is the ``D`` elements at byte
+    ``base[r] + emap[sel[r], d] * B`` of ``src`` (flat host bytes; ``base`` int64, < 0 zeroes the row;
+    ``sel`` int32; ``emap`` int32 ``[M, D]`` element offsets). Every address is checked against ``src``."""
+    lay = shares.layout
+    _native().gather_rows(dst.reshape(-1, lay.row_bytes), src, base, sel, emap, DTYPES[lay.dtype].bytes)
 
 
 def _as_torch(a, like):

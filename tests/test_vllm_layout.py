@@ -201,3 +201,70 @@ def test_the_connector_derives_every_kind_of_layout_and_refuses_by_name(tmp_path
     assert out["fnuz"] == [["float8_e4m3fnuz", "static"], ["float8_e4m3fn", "static"], ["float8_e5m2", "static"]]
     # refused at start-up, naming both sides' values
     assert "kv_heads: 2 vs 1, head_dim: 64 vs 576, kind: 'mha' vs 'mla'" in out["receiver"], out["receiver"]
+
+
+@pytest.mark.parametrize("case", [
+    # backend, kv heads in the layout, engine heads (this rank's), tp, pool shards, writer, chunk tokens
+    ("CPU_ATTN", 4, 2, 2, 1, transposed_k_writer, 8),    # heads aligned, K dimension-major in the tile
+    ("CPU_ATTN", 2, 2, 1, 4, transposed_k_writer, 8),    # units of K or V rows of a head
+    ("CPU_ATTN", 1, 1, 2, 1, token_major_writer, 8),     # a replicated head: K rows on one rank, V on the other
+    ("FLASH_ATTN", 4, 4, 1, 2, None, 8),                 # K and V side by side in each slot
+    ("FLASH_ATTN", 2, 1, 2, 2, None, 8),                 # this rank's one head of two
+    ("CPU_MLA", 1, 1, 4, 2, None, 8),                    # an MLA latent: token rows split between 4 ranks
+    ("CPU_MLA", 1, 1, 8, 4, None, 4),                    # units that cut rows: no table (gather then stage)
+])
+def test_one_pass_gather_from_paged_blocks_equals_gather_then_stage(case):
+    """kvcodec.gather from vLLM's blocks into a rank's staging share (the connector's one-pass path) writes
+    the same bytes as gathering token-major rows and staging them, partial and held chunks included."""
+    import numpy as np
+
+    from pdpush import kvcodec as kc
+    from pdpush.layout import KVLayout, StagingShares
+
+    backend, kv_heads, heads, tp, shards, writer, T = case
+    mla = backend == "CPU_MLA"
+    D, N, tokens, held = (36 if mla else 16), 8, 3 * T + 5, {1}
+    lay = KVLayout(2, kv_heads, D, "bfloat16", T, "m", kind="mla" if mla else "mha")
+    B = 8
+    g = torch.Generator().manual_seed(5)
+    if mla:
+        kv = torch.randn(B, 1, N, D, generator=g).to(torch.bfloat16)
+        paged = vl.PagedLatent(backend, D)
+    else:
+        kv = torch.randn(B, heads, N, 2 * D, generator=g).to(torch.bfloat16)
+        maps = vl.learn_tile_map(N, D, torch.bfloat16, writer) if writer else None
+        paged = vl.PagedKV(backend, D, maps)
+    paged.check(kv)
+    chunks = [c for c in range(lay.num_chunks(tokens)) if c not in held]
+    new_tok = torch.cat([torch.arange(c * T, min(tokens, (c + 1) * T)) for c in chunks])
+    sm = vl.SlotMap([6, 2, 7, 0, 5], N, new_tok, T)  # scattered blocks
+    blk, off = sm.addresses(N)
+    segs = kc.segments([(j, c, 1) for j, c in enumerate(chunks)], tokens, T, new_only=True)  # a partial last
+    sh = StagingShares(lay, tp, shards, len(chunks))
+    for rank in range(tp):
+        want = np.full(sh.share_bytes, 7, np.uint8)
+        kc.stage(want.reshape(sh.share_shape()), paged.gather(kv, blk, off), sh, rank, segs)
+        what = kc.share_rows(sh, rank, segs, 1 if mla else heads)
+        if T == 4:
+            assert what is None  # stage cuts rows there; the connector gathers then stages
+            continue
+        got = np.full(sh.share_bytes, 7, np.uint8)
+        kc.gather(got.reshape(sh.share_shape()), sh, vl.storage(kv), *paged.rows(kv, blk, off, *what))
+        assert np.array_equal(got, want), rank
+
+
+def test_one_pass_gather_refuses_addresses_outside_the_cache():
+    import numpy as np
+    from pdpush_native._copy import gather_rows
+
+    src = np.arange(64, dtype=np.uint8)
+    emap = np.arange(4, dtype=np.int32)[None]
+    dst = np.zeros((2, 8), np.uint8)
+    gather_rows(dst, src, np.array([0, -1], np.int64), np.zeros(2, np.int32), emap, 2)
+    assert dst[0].tolist() == list(range(8)) and not dst[1].any()  # a negative base zeroes the row
+    with pytest.raises(IndexError, match="outside"):
+        gather_rows(dst, src, np.array([0, 58], np.int64), np.zeros(2, np.int32), emap, 2)
+    with pytest.raises(IndexError, match="outside"):
+        gather_rows(dst, src, np.array([0, 0], np.int64), np.array([0, 1], np.int32), emap, 2)
+    with pytest.raises(ValueError, match="rows of"):
+        gather_rows(dst, src, np.array([0, 0], np.int64), np.zeros(2, np.int32), emap, 4)

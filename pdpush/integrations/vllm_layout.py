@@ -127,6 +127,22 @@ class PagedKV:
                 self._offsets.pop(next(iter(self._offsets)))
         return flat, cache[2], cache[3]
 
+    def rows(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, comp, token, head):
+        """Where rows live, for ``kvcodec.gather``: row ``r`` is component ``comp[r]`` (0 K, 1 V) of head
+        ``head[r]`` of token ``token[r]`` (``blk``/``off``: the tokens' kernel block and slot; -1: a zeroed
+        row). Returns (base bytes from ``storage``'s start, int64; map row, int32; the map, int32 ``[M, D]``)."""
+        B, H, N, C = kv_layer.shape
+        sB, sH, sN = kv_layer.stride()[:3]
+        D = self.head_size
+        if self.kind == CHANNEL:  # K and V side by side in each slot: [0, D) and [D, 2D) from the slot
+            emap = torch.arange(2 * D, dtype=torch.int32).reshape(2, D)
+            return _row_bases(kv_layer, blk, off, token, head, sB, sH, sN), _as_i32(comp), emap
+        kmap, vmap = self.tile_maps  # type: ignore[misc]
+        emap = torch.cat([kmap, vmap]).to(torch.int32)  # [2N, D]: K of slot n is map row n, V is N + n
+        tok = _as_i64(token)
+        sel = _as_i64(comp) * N + off[tok.clamp(min=0)]
+        return _row_bases(kv_layer, blk, off, token, head, sB, sH, 0), sel.to(torch.int32), emap
+
     def gather(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == CHANNEL:
             D = self.head_size
@@ -206,12 +222,42 @@ class PagedLatent:
     def slots_per_block(self, kv_layer: torch.Tensor) -> int:
         return kv_layer.shape[-2]
 
+    def rows(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, comp, token, head):
+        """As ``PagedKV.rows``: each row is a token's latent (one component, one head)."""
+        b = self._blocks(kv_layer)
+        emap = torch.arange(self.head_size, dtype=torch.int32)[None]
+        return _row_bases(kv_layer, blk, off, token, head, b.stride(0), 0, b.stride(1)), _as_i32(comp) * 0, emap
+
     def gather(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor]:
         return (self._blocks(kv_layer)[blk, off].unsqueeze(1),)
 
     def scatter(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, latent: torch.Tensor) -> None:
         b = self._blocks(kv_layer)
         b[blk, off] = latent.to(b.device, b.dtype).squeeze(1)
+
+
+def storage(kv_layer: torch.Tensor) -> torch.Tensor:
+    """A layer's paged cache as flat bytes from its first element (what ``rows``' bases count from)."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(kv_layer.shape, kv_layer.stride(), strict=True))
+    return kv_layer.as_strided((extent,), (1,), kv_layer.storage_offset()).view(torch.uint8)
+
+
+def _as_i64(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int64)
+
+
+def _as_i32(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int32).contiguous()
+
+
+def _row_bases(kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, token, head, sB: int, sH: int,
+               sN: int) -> torch.Tensor:
+    """Each row's base in bytes: its token's block, its head and (``sN``) its slot, in elements, times the
+    element size; -1 for a row of no token (a zeroed tail row)."""
+    tok = _as_i64(token)
+    t = tok.clamp(min=0)
+    base = (blk[t] * sB + _as_i64(head) * sH + off[t] * sN) * kv_layer.element_size()
+    return torch.where(tok >= 0, base, -1).contiguous()
 
 
 def paged_cache(backend: str, head_size: int, kind: str, tile_maps=None) -> PagedKV | PagedLatent:

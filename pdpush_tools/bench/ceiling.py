@@ -122,6 +122,57 @@ def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
     return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
 
 
+def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> dict:
+    """Median GB/s of the vLLM connector's staging copy from paged blocks (CPU_ATTN's tiles: K
+    dimension-major ``[D, N]``, V token-major, blocks scattered) into staging, ``layout.layers`` layers:
+    one pass (``kvcodec.gather``, what the connector does) and, for comparison, the two passes it replaced
+    (gather token-major rows, then ``kvcodec.stage``)."""
+    import torch
+
+    from pdpush import kvcodec
+    from pdpush.integrations import vllm_layout as vl
+    from pdpush.layout import StagingShares
+
+    if layout.kind != "mha" or layout.dtype not in ("bfloat16", "float16", "float32"):
+        return {"error": f"the paged copy is measured for attention K/V in 16/32-bit floats, not {layout.kind} "
+                         f"{layout.dtype}"}
+    N, D, H = slots, layout.head_dim, layout.kv_heads
+    d, n = torch.arange(D)[None, :], torch.arange(N)[:, None]
+    maps = (d * N + n, N * D + n * D + d)  # the vec kernel's tile: K[n, d] at d * N + n, then V token-major
+    paged = vl.PagedKV("CPU_ATTN", D, maps)
+    blocks = -(-tokens // N)
+    g = torch.Generator().manual_seed(3)
+    dt = getattr(torch, layout.dtype)
+    caches = [torch.randint(-100, 100, (2 * blocks, H, N, 2 * D), generator=g).to(dt) for _ in range(layout.layers)]
+    order = torch.randperm(2 * blocks, generator=g)[:blocks].tolist()  # a request's blocks, scattered
+    sm = vl.SlotMap(order, N, torch.arange(tokens), layout.chunk_tokens)
+    blk, off = sm.addresses(N)
+    chunks = layout.num_chunks(tokens)
+    sh = StagingShares(layout, 1, 1, chunks)
+    segs = kvcodec.segments([(0, 0, chunks)], tokens, layout.chunk_tokens, new_only=True)
+    dst = np.ones((layout.layers, *sh.share_shape()), dtype=np.uint8)
+    rows = paged.rows(caches[0], blk, off, *kvcodec.share_rows(sh, 0, segs, H))
+
+    def one_pass():
+        for layer, kv in enumerate(caches):
+            kvcodec.gather(dst[layer], sh, vl.storage(kv), *rows)
+
+    def two_pass():
+        for layer, kv in enumerate(caches):
+            kvcodec.stage(dst[layer], paged.gather(kv, blk, off), sh, 0, segs)
+
+    out = {}
+    nbytes = dst.nbytes
+    for name, f in (("one_pass", one_pass), ("two_pass", two_pass)):
+        rates = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            f()
+            rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+        out[f"{name}_gbps"] = statistics.median(rates[1:])
+    return out
+
+
 def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 3) -> dict:
     """The one-host limit of an end-to-end push, with no pdpush code: a copier process memcpys each layer
     into a staging slot, this process puts it (native ``put_loop``, one put and its flush) into a peer

@@ -87,6 +87,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         mem = ceiling.measure_memcpy(layer_bytes, layout.layers)
         two = ceiling.measure_two_copy(layer_bytes, layout.layers)
         stage = ceiling.measure_stage(layout, tokens)
+        paged = ceiling.measure_paged_stage(layout, tokens)
         nixl = None
         if compare_nixl:
             from pdpush_tools.bench import nixl_ref
@@ -127,6 +128,10 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         "ratio_nixl": good / nixl["median_gbps"] if nixl and "median_gbps" in nixl else None,
         "staging_copy_gbps": stage["median_gbps"],  # kvcodec.stage of one layer: the engine's copy into staging
         "ratio_staging_copy": stage["median_gbps"] / mem["median_gbps"],
+        # the vLLM connector's copy from paged blocks (CPU_ATTN tiles) into staging: one pass, and the two it replaced
+        "paged_stage_gbps": paged.get("one_pass_gbps"),
+        "paged_two_pass_gbps": paged.get("two_pass_gbps"),
+        "ratio_paged_stage": paged["one_pass_gbps"] / mem["median_gbps"] if "one_pass_gbps" in paged else None,
         "client_copy_ms_per_layer": statistics.median(r["client_copy_s"] for r in results) * 1000 / layout.layers,
         "sender_put_ms_per_layer": ((put_after[0] - put_before[0]) / (put_after[1] - put_before[1]) * 1000
                                     if put_before and put_after and put_after[1] > put_before[1] else float("nan")),

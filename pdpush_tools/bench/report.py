@@ -132,6 +132,10 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"| the engine's staging copy (`kvcodec.stage`, token-major to head-major pages) >= 0.8x memcpy | "
         f"{g['staging_copy_gbps']:.2f} GB/s, {g['ratio_staging_copy']:.2f}x ({g['memcpy_gbps']:.2f} GB/s) | "
         f"{_met(g['ratio_staging_copy'] >= 0.8)} |" if "staging_copy_gbps" in g else "| staging copy | not measured | |",
+        f"| the vLLM connector's copy from paged blocks (CPU_ATTN tiles, K dimension-major) into staging, one pass "
+        f"(reported; no target) | {g['paged_stage_gbps']:.2f} GB/s, {g['ratio_paged_stage']:.2f}x memcpy; the two "
+        f"passes it replaced (gather, then stage) {g['paged_two_pass_gbps']:.2f} GB/s | |"
+        if g.get("paged_stage_gbps") else "| paged copy into staging | not measured | |",
         f"| latency: 1-chunk request, {lat['layout']['layers']} layers, hand-over -> decode-visible, p50 <= 1.25x "
         f"the same puts back to back | {lat.get('ratio_one_chunk', float('nan')):.2f}x: p50 "
         f"{lat['one_chunk_p50_ms']:.2f} ms, p99 {lat['one_chunk_p99_ms']:.2f} ms | "

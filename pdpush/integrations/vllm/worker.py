@@ -39,6 +39,7 @@ class _Push:
     src: list[vl.SlotMap]    # by vLLM KV cache group: its layers' new chunks' tokens in vLLM's cache, in order
     layers_sent: int = 0
     dev_addr: dict = field(default_factory=dict)  # a CUDA cache: (group, slots) -> slot addresses on its device
+    rows: dict = field(default_factory=dict)  # (group, slots, shape, strides) -> the one-pass gather's rows, or None
     states_sent: int = 0  # state layers handed over (in model order: those before each attention layer first)
 
 
@@ -381,7 +382,9 @@ class WorkerSide:
                     STATS["push_layers"] += 1
                     STATS["push_layers_copied"] += 1
                     continue
-                if p.src[vg].tokens:  # [new tokens, heads, D] each
+                if p.src[vg].tokens and (rows := self._gather_rows(p, vg, layer, kv_layer, n)) is not None:
+                    p.handle.stage_gathered(layer, vl.storage(kv_layer), *rows)  # one pass, cache to staging
+                elif p.src[vg].tokens:  # [new tokens, heads, D] each, then into staging
                     comps = self._paged.gather(kv_layer, *p.src[vg].addresses(n))
                     p.handle.stage_layer(layer, *comps, new_only=True)
                 p.handle.layer_ready(layer)
@@ -393,6 +396,22 @@ class WorkerSide:
             except _REQUEST_ERRORS as e:
                 self._fail_push(p, f"layer {layer}: {e}")
         STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _gather_rows(self, p: _Push, vg: int, layer: int, kv_layer: torch.Tensor, n: int):
+        """Where each row of this rank's share of the group's layers lives in vLLM's cache (``kvcodec.gather``:
+        one pass from the paged blocks into staging), computed at the group's first layer, as every layer of
+        it has the same shape and strides. None where that cannot run here (no native copy, a cache on a
+        device, units that cut rows): the layer is gathered, then staged."""
+        key = (vg, n, tuple(kv_layer.shape), tuple(kv_layer.stride()))
+        if key not in p.rows:
+            rows = None
+            if kv_layer.device.type == "cpu" and kvcodec.can_gather():
+                heads = 1 if isinstance(self._paged, vl.PagedLatent) else kv_layer.shape[1]
+                what = p.handle.share_rows(layer, heads)
+                if what is not None:
+                    rows = self._paged.rows(kv_layer, *p.src[vg].addresses(n), *what)
+            p.rows[key] = rows
+        return p.rows[key]
 
     def _push_state(self, p: _Push, upto: int) -> None:
         """The prompt's running state of state layers ``[p.states_sent, upto)``, after its last token here
