@@ -26,6 +26,7 @@ import zmq
 
 from pdpush import control, kvcodec, protocol, ring
 from pdpush.config import default_sender_socket
+from pdpush.doorbell import Bell
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
@@ -350,6 +351,7 @@ class PushHandle:
         self._base = st.array  # the whole staging region: the sender grants each layer a block of it
         self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
         self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
+        self._bell = client._bell(ok.doorbell) if self._ring is not None else None  # wakes the sender
         self._handle = ok.handle  # how its records name this request
         self._daemon_pid = ok.daemon_pid  # the sender whose staging (and ring) this request writes
         self._sent: set[int] = set()
@@ -514,13 +516,18 @@ class PushHandle:
         if done < len(recs):
             conn.post(LayerReady(req_id=self.req_id, layers=[la for a, n in spans[done:] for la in range(a, a + n)]))
         elif w.sender_idle():
-            conn.post(Wake())
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake a sleeping sender: its doorbell, from the kernel; else (none offered, or the sender is gone) a
+        ``Wake`` message, through ZeroMQ's I/O threads."""
+        if self._bell is None or not self._bell.ring():
+            self.client._conn.post(Wake())
 
     def _wait_ring(self, w: ring.RingWriter, recs: list[int], spans: list[tuple[int, int]], done: int) -> int:
         """The ring is full: the sender has not taken records yet. Wait for room until the timeout; then
         the layers not handed over are the engine's again (it may hand them over later)."""
-        conn = self.client._conn
-        conn.post(Wake())
+        self._wake()
         deadline, nap = time.monotonic() + self.client.timeout_s, 50e-6
         while done < len(recs):
             time.sleep(nap)
@@ -631,6 +638,7 @@ class PrefillClient:
         self._conn = _Conn(sender_socket or default_sender_socket())
         self._segments = _Attachments()
         self._rings: dict[int, ring.RingWriter] = {}  # by staging shmid: this connection's ring in it
+        self._bells: dict[str, Bell] = {}  # by path: the sender's doorbell (doorbell.py)
         self._rings_lock = threading.Lock()
         self._begun = False  # a Begin went out: close() says Bye, so the sender may reuse this one's ring
         if pin_cuda:  # staging is page-locked in this process, for asynchronous device-to-host copies
@@ -681,6 +689,19 @@ class PrefillClient:
                 self._rings = {ok.staging_shmid: w}
             return w
 
+    def _bell(self, path: str) -> Bell | None:
+        """The doorbell the sender offers (``BeginOk.doorbell``), opened once; None: wake it by message."""
+        if not path:
+            return None
+        with self._rings_lock:
+            b = self._bells.get(path)
+            if b is None:
+                for old in self._bells.values():  # one sender per connection: an old path is a restarted one's
+                    old.close()
+                b = Bell(path)
+                self._bells = {path: b}
+            return b
+
     def close(self) -> None:
         linger = 0
         try:
@@ -688,6 +709,9 @@ class PrefillClient:
                 for w in self._rings.values():
                     w.close()  # handles still open write no more records (a completion thread's, say)
                 self._rings.clear()
+                for b in self._bells.values():
+                    b.close()
+                self._bells.clear()
             if self._begun and (not self._conn.peer_pid or pid_alive(self._conn.peer_pid)):
                 self._begun = False
                 try:  # the sender may give this connection's ring to another now

@@ -203,7 +203,8 @@ class BeginOk(Msg):
     handle: U32 = 0
     ring_offset: U64 = 0
     ring_slots: U32 = 0  # 0: no ring, hand layers over by LayerReady
-    idle_offset: U64 = 0  # the sender's idle word: wake it (Wake) after a record when it is set
+    idle_offset: U64 = 0  # the sender's idle word: wake it after a record when it is set
+    doorbell: Annotated[str, Field(max_length=4096)] = ""  # its FIFO to wake it (doorbell.py); "": by Wake
 
 
 class LayerReady(Msg):

@@ -71,13 +71,14 @@ class Sender:
         self._eids: dict[str, int] = {}  # receiver endpoint -> its id in the pusher (kept for the daemon's life)
         self._eid_names: dict[int, str] = {}
         self.conns = _Connections()  # engine connections -> their ids in the pusher
-        self.shell_counters = {"loop_errors": 0}
+        self.shell_counters = {"loop_errors": 0, "doorbell_rings": 0}
         self._poller_dirty = True
         self._last_refresh = 0.0
         self._last_tick = 0
         self._spin_until = 0.0
         self._rings = 0  # hand-over rings open (read by the pusher)
         self._idle = None  # the sender's idle word in staging (ring.py), set while it sleeps
+        self.doorbell = None  # the FIFO engines ring to wake it (doorbell.py), with the rings
         self.keys = None
         if cfg.curve_secret_key_file:
             from pdpush import auth
@@ -99,11 +100,16 @@ class Sender:
 
         self.metrics = Metrics("sender", self.cfg.metrics_host, self.cfg.metrics_port)
         c = self.cfg
+        if c.handover_ring_slots:
+            from pdpush.doorbell import Doorbell, path_for
+
+            self.doorbell = Doorbell(path_for(self.cfg.ingress_socket_path()))
         self.session = SenderSession(
             SenderLimits(lease_ms=c.lease_ms, control_timeout_ms=c.control_timeout_ms,
                          layer_timeout_ms=c.layer_timeout_ms, alloc_retry_budget_ms=c.alloc_retry_budget_ms,
                          ring_slots=c.handover_ring_slots),
-            StagingInfo(self.region.address, self.shmid, self.region.length, os.getpid()),
+            StagingInfo(self.region.address, self.shmid, self.region.length, os.getpid(),
+                        self.doorbell.path if self.doorbell else ""),
             c.default_receiver, check_receiver=self._check_receiver)
         from pdpush_native import Pusher, fence
 
@@ -128,6 +134,8 @@ class Sender:
             sock.close(0)
         if getattr(self, "ingress", None) is not None:
             self.ingress.close(0)
+        if self.doorbell is not None:
+            self.doorbell.close()
         if getattr(self, "region", None) is not None:
             self.region.close()
         if getattr(self, "metrics", None) is not None:
@@ -147,6 +155,8 @@ class Sender:
             self.poller = zmq.Poller()
             self.poller.register(self.ingress, zmq.POLLIN)
             self.poller.register(self.ucx.epoll_fd, zmq.POLLIN)
+            if self.doorbell is not None:
+                self.poller.register(self.doorbell.fileno(), zmq.POLLIN)
             for sock in self.socks.values():
                 self.poller.register(sock, zmq.POLLIN)
             self._poller_dirty = False
@@ -170,6 +180,8 @@ class Sender:
         events = dict(self._poller().poll(timeout_ms))
         if self._idle is not None:
             self._idle[0] = 0
+        if self.doorbell is not None and self.doorbell.fileno() in events:
+            self.shell_counters["doorbell_rings"] += self.doorbell.drain()  # rung: the rings are taken next
         self._reap()
         self._take_rings()
         self.ucx.dispatch_closed()

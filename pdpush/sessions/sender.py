@@ -420,7 +420,8 @@ class SenderSession:
         return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
                        staging_bytes=s.nbytes, staging_offset=r.meta_off, new_chunks=r.n_new,
                        daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards, handle=r.seq,
-                       ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset)
+                       ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset,
+                       doorbell=s.doorbell if slots else "")
 
     def _send_alloc(self, r: TxRequest, event: TxEvent, now: int, out: list) -> None:
         b = r.begin

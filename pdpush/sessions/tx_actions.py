@@ -115,3 +115,4 @@ class StagingInfo:
     shmid: int
     nbytes: int
     daemon_pid: int
+    doorbell: str = ""  # the FIFO that wakes the sender (doorbell.py), offered with a hand-over ring
