@@ -28,6 +28,7 @@ for a cold 32-layer request here); an RDMA NIC has no such cost.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -38,6 +39,13 @@ from pdpush.client import DecodeClient, PrefillClient, WaitPolicy, status
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import ceiling
 from pdpush_tools.bench.common import Source, verify
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -77,7 +85,7 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
                 settle(*in_flight.pop(0))
         for h, req in in_flight:
             settle(h, req)
-        q.put({"error": None, "verified": verified})
+        q.put({"error": None, "verified": verified, "cpu_s": time.process_time()})
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
         q.put({"error": f"{type(e).__name__}: {e}", "verified": False})
     finally:
@@ -135,6 +143,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
                 one.append(t1 - t0)
         # capacity: engine processes at once, the sender's own counters
         before = status(tx_sock)
+        cpu0 = {"sender": _cpu_s(tx.pid), "receiver": _cpu_s(rx.pid)}
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         procs = [ctx.Process(target=_engine, args=(layout.to_dict(), tx_sock, rx_sock, f"cap{e}", per_engine,
@@ -144,6 +153,8 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             p.start()
         outs = [q.get(timeout=600) for _ in procs]
         wall = time.perf_counter() - t0
+        cpu = {"sender": _cpu_s(tx.pid) - cpu0["sender"], "receiver": _cpu_s(rx.pid) - cpu0["receiver"],
+               "engines": sum(o.get("cpu_s", 0.0) for o in outs)}
         for p in procs:
             p.join(30)
             if p.is_alive():
@@ -169,6 +180,9 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             "layer_overhead_us": (p50 / layout.layers - raw_layer_s) * 1e6,
             "layer_overhead_target_met": (p50 / layout.layers - raw_layer_s) * 1e6 <= 30,
             "sender_layer_ops_per_s": layers_done / wall, "engines": engines, "requests_per_engine": per_engine,
+            # who bounds the capacity run on this host's cores: each side's CPU, per 1,000 layers and as cores busy
+            "capacity_cpu_ms_per_1k_layers": {k: v * 1e6 / max(layers_done, 1) for k, v in cpu.items()},
+            "capacity_cores_busy": {k: v / wall for k, v in cpu.items()},
             "sender_ops_target_met": layers_done / wall >= 20_000,
             # issue #22's ratios, against references measured in this run: the 1-chunk request against the
             # same puts back to back (each put+flush waited for, through pdpush's transport), and the sender's

@@ -77,6 +77,15 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _cpu_split(lat: dict) -> str:
+    """Where the capacity run's CPU went: ms per 1,000 layers and cores busy, by process."""
+    ms, busy = lat.get("capacity_cpu_ms_per_1k_layers"), lat.get("capacity_cores_busy")
+    if not ms:
+        return ""
+    parts = ", ".join(f"{k} {ms[k]:.0f} ms ({busy[k]:.2f} cores)" for k in ("sender", "receiver", "engines"))
+    return f"; CPU per 1,000 layers: {parts}"
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -145,7 +154,7 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"{lat['page_bytes'] // 1024} KiB) | {_met(lat['layer_overhead_us'] <= 5)} |",
         f"| latency: sender capacity, {lat['engines']} engine processes of one-chunk requests >= 0.8x "
         f"`raw_put_ops_per_s` | {lat.get('ratio_sender_ops', float('nan')):.2f}x: {lat['sender_layer_ops_per_s']:,.0f} "
-        f"layers/s against {lat.get('raw_put_ops_per_s', float('nan')):,.0f} | "
+        f"layers/s against {lat.get('raw_put_ops_per_s', float('nan')):,.0f}{_cpu_split(lat)} | "
         f"{_met(lat.get('ratio_sender_ops', 0) >= 0.8)} |",
         (f"| latency: hand-over through the ring (docs/layout.md) against a message per hand-over, same run | "
          f"sender {lat['ratio_ring_ops']:.2f}x the layers/s ({lat['messages']['sender_layer_ops_per_s']:,.0f} by "
