@@ -17,7 +17,7 @@ from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import ceiling
-from pdpush_tools.bench.common import Source, push_one
+from pdpush_tools.bench.common import OBSERVER, Source, push_one
 
 
 def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, chunk_tokens: int, requests: int,
@@ -51,7 +51,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
             tx_ingress = tx.info["ingress_endpoint"].removeprefix("ipc://")
             receiver = rx.info["control_endpoint"]
         pc = PrefillClient(layout, tx_ingress, receiver=receiver, timeout_s=60)
-        dc = DecodeClient(rx_local, timeout_s=60)
+        dc = DecodeClient(rx_local, timeout_s=60, wait=OBSERVER)  # the clock stops when the layers land
         rng = np.random.default_rng(1234)
         tag = f"{time.time_ns():x}"
 

@@ -18,7 +18,7 @@ from pdpush import launch, protocol
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
-from pdpush_tools.bench.common import Source, push_one, verify
+from pdpush_tools.bench.common import OBSERVER, Source, push_one, verify
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -48,7 +48,7 @@ class _Pair:
 
     def clients(self, i: int = 0) -> tuple[PrefillClient, DecodeClient]:
         return (PrefillClient(self.layout, self.tx[i].info["ingress_endpoint"].removeprefix("ipc://"), timeout_s=60),
-                DecodeClient(self.rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=60))
+                DecodeClient(self.rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=60, wait=OBSERVER))
 
     def close(self) -> None:
         for d in self.daemons:
