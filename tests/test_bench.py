@@ -18,7 +18,7 @@ def test_goodput_bench_small(tmp_path):
     assert res["verified"] is True
     assert res["puts_per_layer"] == 1
     for key in ("bytes_total", "goodput_gbps", "ceiling_gbps", "ratio", "bytes_sent_first", "bytes_sent_second",
-                "staging_copy_gbps", "ratio_staging_copy"):
+                "staging_copy_gbps", "ratio_staging_copy", "paged_stage_gbps", "paged_two_pass_gbps"):
         assert res[key] > 0, key
     # 300 tokens = 10 chunks of 32 (last partial); sharing 150 tokens = 4 full chunks
     assert res["chunks_skipped_second"] == 4

@@ -75,7 +75,10 @@ def _goodput_suite(a: BenchArgs) -> dict:
         r = goodput.run(**shape, tokens=t, requests=5, prefix_shared=0.5)
         sweep.append({k: r[k] for k in keys})
     sweep.append({k: main[k] for k in keys})
-    return {"goodput": main, "goodput_sweep": sweep}
+    from pdpush_tools.bench import tp
+
+    ranks = tp.run(a.layout, 1024, 3, 8, 1)  # 8 prefill ranks into 8 pool shards through one sender
+    return {"goodput": main, "goodput_sweep": sweep, "goodput_tp8": ranks}
 
 
 def _show_goodput(result: dict) -> None:
@@ -102,8 +105,12 @@ def _one_chunk(a: BenchArgs) -> BenchArgs:
 
 
 def _latency_suite(a: BenchArgs) -> dict:
-    """The fixed cost per layer."""
-    return {"latency": _latency(_one_chunk(a))}
+    """The fixed cost per layer (one-chunk layers), and the sender's capacity at the default chunk's layers
+    (1 MiB in the default shape; a smaller pool and fewer samples: each request is 32 MiB)."""
+    from pdpush_tools.bench import latency
+
+    return {"latency": _latency(_one_chunk(a)),
+            "latency_big": latency.run(a.layout, samples=40, per_engine=60, pool_pages=48)}
 
 
 def _of_scenarios(name: str, suite_tokens: Callable[[int], int] | None) -> Scenario:
