@@ -240,6 +240,66 @@ def router(
         raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
 
 
+@app.command()
+def simulate(
+    trace: Path = typer.Option(..., "--trace", help="A request trace, Mooncake FAST'25 format (JSON lines)."),
+    prefill: int = typer.Option(8, "--prefill", min=1, help="Prefill instances."),
+    decode: int = typer.Option(8, "--decode", min=1, help="Decode instances."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write the table here (markdown)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a plot here (PNG)."),
+    policy: Optional[list[str]] = typer.Option(None, "--policy", help="Only this policy (repeat); default all."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N requests."),
+    block_tokens: int = typer.Option(512, help="Tokens per block of the trace's hash_ids (the receivers' chunk)."),
+    pool_blocks: int = typer.Option(0, min=0, help="Blocks per receiver pool (0: --pool-share of unique blocks)."),
+    pool_share: float = typer.Option(0.05, min=0.0, help="Receiver pool, as a share of the trace's unique blocks."),
+    prefill_cache_blocks: int = typer.Option(0, min=0, help="Blocks per prefill instance's own cache (0: share)."),
+    prefill_cache_share: float = typer.Option(0.05, min=0.0, help="Prefill cache, as a share of unique blocks."),
+    prefill_tokens_per_s: float = typer.Option(20_000.0, min=1.0, help="Prefill speed of each prefill instance."),
+    bandwidth_gbps: float = typer.Option(12.5, min=0.001, help="GB/s of pushes into each receiver."),
+    kv_bytes_per_token: int = typer.Option(327_680, min=1, help="KV bytes per token, every layer."),
+    layers: int = typer.Option(80, min=1, help="Layers streamed per request."),
+    tpot_ms: float = typer.Option(30.0, min=0.0, help="Decode time per output token."),
+    decode_slots: int = typer.Option(32, min=1, help="Requests each decode instance decodes at once."),
+    local_tokens_per_s: float = typer.Option(0.0, min=0.0,
+                                             help="A decode instance's own prefill speed (conditional; 0: off)."),
+    max_imbalance: int = typer.Option(4, min=0, help="Load cap: in flight over the least loaded instance."),
+    ttft_slo_ms: Optional[float] = typer.Option(None, min=1.0, help="The cost model refuses what it predicts over this."),
+) -> None:
+    """Replay a request trace through the router's placement code: each policy's prefix hits, bytes pushed,
+    prefill tokens, TTFT, SLO attainment and imbalance, against a pooled cache of every receiver."""
+    from pdpush.router import simulate as sim
+
+    chosen = tuple(policy) if policy else sim.POLICIES
+    bad = [p for p in chosen if p not in sim.POLICIES]
+    if bad:
+        _fail_config(ValueError(f"--policy {bad[0]!r}: policies are {', '.join(sim.POLICIES)}"))
+    try:
+        reqs = sim.load_trace(trace, limit)
+    except (OSError, ValueError) as e:
+        typer.echo(f"pdpush simulate: {e}", err=True)
+        raise typer.Exit(2) from None
+    if not reqs:
+        typer.echo(f"pdpush simulate: {trace} holds no request", err=True)
+        raise typer.Exit(2)
+    cfg = sim.SimConfig(prefill=prefill, decode=decode, block_tokens=block_tokens, pool_blocks=pool_blocks,
+                        pool_share=pool_share, prefill_cache_blocks=prefill_cache_blocks,
+                        prefill_cache_share=prefill_cache_share, prefill_tokens_per_s=prefill_tokens_per_s,
+                        bytes_per_s=bandwidth_gbps * 1e9, kv_bytes_per_token=kv_bytes_per_token, layers=layers,
+                        tpot_s=tpot_ms / 1000, decode_slots=decode_slots, local_tokens_per_s=local_tokens_per_s,
+                        max_imbalance=max_imbalance, ttft_slo_ms=ttft_slo_ms)
+    res = sim.run(reqs, cfg, chosen)
+    res["trace"] = str(trace)
+    table = sim.markdown(res, f"{trace.name}: {prefill} prefill x {decode} decode")
+    typer.echo(table)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    if markdown:
+        markdown.write_text(table)
+    if plot:
+        sim.plot(res, plot)
+
+
 def _add_tooling() -> None:
     """``pdpush demo`` and ``pdpush bench`` live with the tooling (pdpush_tools), absent from a product-only
     install; registering them imports only its typer signatures."""

@@ -255,8 +255,8 @@ def share_rows(shares: StagingShares, rank: int, segs: list[Segment], src_heads:
         tok[j0 + r // T, r % T] = s0 + r
     token = tok[np.arange(n)[None, :, None], t[:, None, :]]  # [Ur, n, Q]
     shape = (Ur, n, Q)
-    return (np.broadcast_to(comp[:, None, :], shape).reshape(-1), token.reshape(-1),
-            np.broadcast_to(head[:, None, :] + first, shape).reshape(-1))
+    return (np.broadcast_to(comp[:, None, :], shape).reshape(-1).copy(), token.reshape(-1),
+            np.broadcast_to(head[:, None, :] + first, shape).reshape(-1).copy())
 
 
 def can_gather() -> bool:
