@@ -1,0 +1,216 @@
+"""The router's subscription to a prefill engine's vLLM KV events, on asyncio: frames in, and the
+engine's ``EngineCacheView`` (engine_cache.py) kept from them. Every decision is the view's.
+
+vLLM's ``ZmqEventPublisher`` sends each ``KVEventBatch`` on a PUB socket as three frames: the topic,
+the sequence number (8 bytes, big-endian) and the batch (msgpack: ``[ts, [event, ...], dp_rank]``, an
+event a map tagged ``{"type": "BlockStored", ...}``, or in older vLLM an array ``["BlockStored",
+...]``). Its replay socket (a ROUTER) answers a request of one frame, the first sequence number wanted,
+with the batches it still holds from there (the same three frames each) and an end frame whose sequence
+is -1: several replies to one request, so the router asks from a DEALER (a REQ socket keeps only the
+first). ``decode_batch`` reads a batch, checking every field it uses; ``EngineEvents`` subscribes,
+fills a gap from the replay socket with a deadline, and hands batches to the view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from pdpush.router.engine_cache import Cleared, EngineCacheView, Event, Removed, Stored
+
+log = logging.getLogger("pdpush.router.kv_events")
+
+MAX_BATCH_BYTES = 64 << 20
+REPLAY_TIMEOUT_S = 2.0
+END_SEQ = -1
+
+# each event type's fields in vLLM's order (distributed/kv_events.py), for the array form
+_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+           "extra_keys", "group_idx")
+_REMOVED = ("block_hashes", "medium", "group_idx")
+
+
+class BadBatch(ValueError):
+    """A frame that is not a KV event batch."""
+
+
+def _fields(e, names: tuple[str, ...]) -> dict:
+    if isinstance(e, dict):
+        return {k: e.get(k) for k in names}
+    return dict(zip(names, list(e[1:]) + [None] * (len(names) - len(e) + 1), strict=False))
+
+
+def _hashes(v) -> list:
+    if not isinstance(v, list) or not all(isinstance(h, (int, bytes)) for h in v):
+        raise BadBatch("block_hashes: a list of ints or bytes")
+    return v
+
+
+def _event(e) -> Event | None:
+    kind = e.get("type") if isinstance(e, dict) else (e[0] if isinstance(e, list) and e else None)
+    if kind == "BlockStored":
+        f = _fields(e, _STORED)
+        toks, bs = f["token_ids"], f["block_size"]
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise BadBatch("token_ids: a list of ints")
+        if not isinstance(bs, int) or bs <= 0:
+            raise BadBatch("block_size: a positive int")
+        parent = f["parent_block_hash"]
+        if parent is not None and not isinstance(parent, (int, bytes)):
+            raise BadBatch("parent_block_hash: an int, bytes or null")
+        extra = f["extra_keys"]
+        return Stored(_hashes(f["block_hashes"]), parent, toks, bs, f["lora_id"], f["medium"], f["lora_name"],
+                      extra if isinstance(extra, list) else None, f["group_idx"])
+    if kind == "BlockRemoved":
+        f = _fields(e, _REMOVED)
+        return Removed(_hashes(f["block_hashes"]), f["medium"], f["group_idx"])
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    return None  # an event this router does not know: not about what it matches
+
+
+def decode_batch(payload: bytes) -> list[Event]:
+    """The events of one ``KVEventBatch``; ``BadBatch`` if it is not one."""
+    if len(payload) > MAX_BATCH_BYTES:
+        raise BadBatch(f"a batch of {len(payload)} bytes (at most {MAX_BATCH_BYTES})")
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise BadBatch(f"not msgpack: {e}") from None
+    events = obj[1] if isinstance(obj, list) and len(obj) >= 2 else (obj.get("events") if isinstance(obj, dict)
+                                                                    else None)
+    if not isinstance(events, list):
+        raise BadBatch("not a KVEventBatch ([ts, events, dp_rank])")
+    out = []
+    for e in events:
+        ev = _event(e)
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
+def _seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise BadBatch(f"a sequence frame of {len(frame)} bytes")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an engine publishes (its ``--kv-events-config``, as this host reaches it)."""
+
+    endpoint: str
+    replay_endpoint: str = ""
+    topic: str = ""
+
+
+class EngineEvents:
+    """Keeps ``view`` following one engine's events: subscribe, fill gaps from the replay buffer, and
+    count what could not be read (``bad_batches``)."""
+
+    def __init__(self, source: Source, view: EngineCacheView, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.source, self.view = source, view
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.sub: zmq.asyncio.Socket | None = None
+        self.bad_batches = 0
+        self.replays = 0
+        self._dup: tuple[int, int] | None = None  # the last replay's batches: live copies of them are dropped
+
+    def _open(self) -> None:
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        self.sub.setsockopt(zmq.RCVHWM, 100_000)
+        self.sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+        self.sub.connect(self.source.endpoint)
+
+    async def run(self) -> None:
+        self._open()
+        while True:
+            frames = await self.sub.recv_multipart()
+            await self._maybe_replay(frames)
+            self._on_frames(frames)
+
+    async def _maybe_replay(self, frames: list[bytes]) -> None:
+        """Fill the gap before a live batch from the replay buffer."""
+        try:
+            seq = _seq(frames[1]) if len(frames) == 3 else None
+        except BadBatch:
+            return
+        if seq is None:
+            return
+        if self._dup is not None and seq > self._dup[1]:
+            self._dup = None
+        if self._dup is not None and seq >= self._dup[0]:
+            return  # a live copy of a batch the last replay brought
+        self.view.check_restart(seq)
+        start = self.view.wants_replay(seq)
+        if start is None:
+            return
+        if not self.source.replay_endpoint:
+            if self.view.last_seq is not None:
+                self.view.replay_missed(None)
+            return
+        self.replays += 1
+        first, upto = await self._replay(start)
+        self.view.replay_missed(first)
+        if first is not None:
+            self._dup = (first, upto)
+
+    async def _replay(self, start: int) -> tuple[int | None, int]:
+        """Ask the replay buffer for the batches from ``start`` and apply them: the first and the last one's
+        numbers (None: none came, within the deadline)."""
+        req = self.ctx.socket(zmq.DEALER)  # a REQ socket would take the first reply only
+        req.setsockopt(zmq.LINGER, 0)
+        req.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        req.connect(self.source.replay_endpoint)
+        first, upto = None, -1
+        try:
+            await req.send_multipart([b"", start.to_bytes(8, "big", signed=True)])  # as a REQ would frame it
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + REPLAY_TIMEOUT_S
+            while True:
+                left = deadline - loop.time()
+                if left <= 0 or not await req.poll(int(left * 1000), zmq.POLLIN):
+                    log.warning("replay from %s timed out", self.source.replay_endpoint)
+                    return first, upto
+                frames = await req.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                seq = _seq(frames[1]) if len(frames) == 3 else None
+                if seq == END_SEQ:
+                    return first, upto
+                if seq is not None:
+                    first = seq if first is None else first
+                    upto = max(upto, seq)
+                self._on_frames(frames, replayed=True)
+        except (zmq.ZMQError, BadBatch) as e:
+            log.warning("replay from %s failed: %s", self.source.replay_endpoint, e)
+            return first, upto
+        finally:
+            req.close(0)
+
+    def _on_frames(self, frames: list[bytes], replayed: bool = False) -> None:
+        seq = None
+        try:
+            if len(frames) != 3:
+                raise BadBatch(f"{len(frames)} frames (topic, sequence, batch)")
+            seq = _seq(frames[1])
+            events = decode_batch(frames[2])
+        except BadBatch as e:
+            self.bad_batches += 1
+            log.warning("bad KV event batch from %s: %s", self.source.endpoint, e)
+            if seq is not None:
+                self.view.lost(seq, "bad_batch")  # its events are missing: what the view held may be stale
+            return
+        dup = self._dup is not None and self._dup[0] <= seq <= self._dup[1]
+        self.view.on_batch(seq, events, replayed=replayed or dup)
+
+    def close(self) -> None:
+        if self.sub is not None:
+            self.sub.close(0)

@@ -1,0 +1,228 @@
+"""The router's view of a prefill engine's own prefix cache from vLLM's KV events (router/engine_cache.py,
+router/kv_events.py): the view's logic on its own, the wire format, and a subscriber following vLLM's own
+publisher (ZmqEventPublisher in the vLLM venv) through a late join, a gap its replay fills, a replay
+that cannot reach back, and a publisher restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from pdpush.router import engine_cache as ec
+from pdpush.router.kv_events import BadBatch, EngineEvents, Source, decode_batch
+from pdpush_tools.harness.vllm_cluster import VLLM_PY
+from tests.helpers import until
+
+BS = 4  # tokens per engine block here
+
+
+def stored(hashes, parent, tokens, **kw):
+    return ec.Stored(hashes, parent, tokens, BS, **kw)
+
+
+def test_the_view_keys_blocks_by_token_ids_and_follows_removals():
+    v = ec.EngineCacheView()
+    v.on_batch(0, [stored([11, 12], None, list(range(8)))])
+    v.on_batch(1, [stored([13], 12, [8, 9, 10, 11])])
+    assert v.exact and v.held_tokens(list(range(14))) == 12  # three whole blocks; the 2 tokens after are not
+    assert v.held_tokens([0, 1, 2, 3, 9, 9, 9, 9]) == 4
+    v.on_batch(2, [ec.Removed([12])])
+    assert v.held_tokens(list(range(14))) == 4  # the prefix breaks at the second block
+    v.on_batch(3, [ec.Cleared()])
+    assert v.held_tokens(list(range(14))) == 0 and not v.by_hash
+
+
+def test_blocks_the_router_cannot_match_are_left_out_and_counted():
+    v = ec.EngineCacheView()
+    v.on_batch(0, [stored([1], None, [0, 1, 2, 3], lora_name="a"),
+                   stored([2], None, [0, 1, 2, 3], extra_keys=[("salt",)]),
+                   stored([3], None, [0, 1, 2, 3], medium="CPU"),
+                   stored([4], 99, [4, 5, 6, 7]),
+                   stored([5], None, [0, 1])])
+    assert v.held_tokens([0, 1, 2, 3]) == 0 and not v.by_hash
+    assert v.skipped == {"lora": 1, "extra_keys": 1, "other_medium": 1, "unknown_parent": 1, "malformed": 1}
+    v.on_batch(1, [stored([6], None, [0, 1, 2, 3], extra_keys=[None])])  # a None per block: nothing extra
+    assert v.held_tokens([0, 1, 2, 3]) == 4
+
+
+def test_the_same_tokens_under_two_hashes_are_held_until_both_go():
+    v = ec.EngineCacheView()
+    v.on_batch(0, [stored([1], None, [0, 1, 2, 3]), stored([2], None, [0, 1, 2, 3])])
+    v.on_batch(1, [ec.Removed([1])])
+    assert v.held_tokens([0, 1, 2, 3]) == 4
+    v.on_batch(2, [ec.Removed([2, 2, 77])])
+    assert v.held_tokens([0, 1, 2, 3]) == 0
+
+
+def test_sequence_gaps_restarts_and_replays():
+    v = ec.EngineCacheView()
+    assert v.wants_replay(5) == 0  # a first look: ask for what the engine published before
+    v.on_batch(5, [stored([1], None, [0, 1, 2, 3])])
+    assert not v.exact and v.resyncs == {"joined_late": 1}
+    assert v.wants_replay(6) is None and v.wants_replay(9) == 6
+    v.on_batch(6, [])
+    v.on_batch(6, [stored([9], None, [9, 9, 9, 9])], replayed=True)  # a replayed copy: dropped
+    assert v.held_tokens([9, 9, 9, 9]) == 0
+    v.replay_missed(8)  # the buffer starts past the gap: the view is cleared
+    assert v.resyncs["replay_short"] == 1 and not v.by_hash
+    v.on_batch(9, [stored([1], None, [0, 1, 2, 3])])  # the live batch after the gap: applied, the gap counted
+    assert v.resyncs["gap"] == 1 and v.held_tokens([0, 1, 2, 3]) == 4
+    v.on_batch(0, [stored([2], None, [4, 4, 4, 4])])  # the sequence went back: a restarted engine
+    assert v.resyncs["restart"] == 1 and v.exact and v.held_tokens([0, 1, 2, 3]) == 0
+    assert v.held_tokens([4, 4, 4, 4]) == 4
+    v.on_batch(3, [])  # a gap nobody filled
+    assert v.resyncs["gap"] == 2 and not v.by_hash
+
+
+def test_decode_batch_reads_vllm_maps_and_the_older_arrays_and_refuses_the_rest():
+    m = msgpack.packb([1.5, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                              "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU",
+                              "lora_name": None},
+                             {"type": "BlockRemoved", "block_hashes": [b"\x01" * 32], "medium": "GPU"},
+                             {"type": "AllBlocksCleared"}, {"type": "SomethingNew", "x": 1}], 0])
+    ev = decode_batch(m)
+    assert isinstance(ev[0], ec.Stored) and ev[0].block_hashes == [1, 2] and isinstance(ev[1], ec.Removed)
+    assert isinstance(ev[2], ec.Cleared) and len(ev) == 3
+    arr = msgpack.packb([1.5, [["BlockStored", [1], 7, [0, 1, 2, 3], 4, None, "GPU", None]], 0])
+    assert decode_batch(arr)[0].parent_block_hash == 7
+    for bad in (b"\xc1", msgpack.packb({"x": 1}), msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": "x"}]]),
+                msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1.5],
+                                      "block_size": 4}]])):
+        with pytest.raises(BadBatch):
+            decode_batch(bad)
+
+
+# ---------------------------------------------------------------------------- vLLM's own publisher
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Publisher:
+    def __init__(self, pub: str, replay: str, buffer_steps: int) -> None:
+        if not VLLM_PY.exists():
+            pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does)")
+        script = Path(__file__).with_name("vllm_kv_publisher.py")
+        self.p = subprocess.Popen([str(VLLM_PY), str(script), pub, replay, str(buffer_steps)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert self._line(120) == "ready"
+
+    def _line(self, timeout_s: float) -> str:
+        out: list[str] = []
+        t = threading.Thread(target=lambda: out.append(self.p.stdout.readline().strip()), daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if not out:
+            raise AssertionError("the vLLM publisher did not answer")
+        return out[0]
+
+    def send(self, *events) -> None:
+        self.p.stdin.write(json.dumps(list(events)) + "\n")
+        self.p.stdin.flush()
+        assert self._line(30).startswith("sent")
+
+    def stop(self) -> None:
+        try:
+            if self.p.poll() is None:
+                self.p.stdin.write('"quit"\n')
+                self.p.stdin.flush()
+                self.p.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait(10)
+
+
+class Subscriber:
+    """EngineEvents on its own event loop, in a thread."""
+
+    def __init__(self, source: Source) -> None:
+        self.view = ec.EngineCacheView()
+        self.loop = asyncio.new_event_loop()
+        self.ev = None
+        ready = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+            import zmq.asyncio
+
+            self.ev = EngineEvents(source, self.view, zmq.asyncio.Context())
+            self.task = self.loop.create_task(self.ev.run())
+            ready.set()
+            try:
+                self.loop.run_until_complete(self.task)
+            except asyncio.CancelledError:
+                pass
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(10)
+        self.ev.close()
+        self.ev.ctx.term()
+        self.loop.close()
+
+
+@pytest.fixture
+def endpoints():
+    a, b = _ports(2)
+    return f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}"
+
+
+def test_a_subscriber_follows_vllms_publisher_through_a_late_join_a_restart_and_a_short_replay(endpoints):
+    pub_ep, replay_ep = endpoints
+    bind = (pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"))
+    toks = list(range(12))
+    pub = Publisher(*bind, buffer_steps=100)
+    sub = None
+    try:
+        pub.send(["stored", [101, 102], None, toks[:8], BS])  # before anyone listens
+        sub = Subscriber(Source(pub_ep, replay_ep, "kv"))
+        until(lambda: pub.send(["stored", [103], 102, toks[8:12], BS]) or sub.view.held_tokens(toks) == 12, 30,
+              "the subscriber joining, its replay bringing the blocks stored before it listened")
+        assert sub.view.exact and sub.ev.replays >= 1  # the buffer reached back to the first batch
+        pub.send(["removed", [102]])
+        until(lambda: sub.view.held_tokens(toks) == 4, 10, "a removal")
+        pub.stop()
+        pub = Publisher(*bind, buffer_steps=100)  # the engine restarts: its sequence begins again
+        until(lambda: pub.send(["stored", [201], None, toks[:4], BS]) or (
+            sub.view.resyncs.get("restart") and sub.view.held_tokens(toks) == 4), 30,
+            "the restart seen, the view rebuilt from the new sequence")
+        assert sub.view.exact and sub.view.resyncs == {"restart": 1}  # its replay reached back to its first batch
+    finally:
+        pub.stop()
+        if sub is not None:
+            sub.close()
+    # a publisher whose buffer no longer holds what came before the subscriber: counted, not exact
+    pub = Publisher(*bind, buffer_steps=2)
+    sub = None
+    try:
+        for i in range(5):
+            pub.send(["stored", [300 + i], None, [i] * BS, BS])
+        sub = Subscriber(Source(pub_ep, replay_ep, "kv"))
+        until(lambda: pub.send(["stored", [400], None, [7] * BS, BS]) or sub.view.held_tokens([7] * BS) == 4, 30,
+              "new blocks after a late join")
+        assert not sub.view.exact and sub.view.resyncs.get("joined_late") == 1
+        assert sub.view.held_tokens([0] * BS) == 0  # dropped from the buffer before the subscriber came
+    finally:
+        pub.stop()
+        if sub is not None:
+            sub.close()
