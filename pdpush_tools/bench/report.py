@@ -262,6 +262,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 | #22, 2026-12-01 (another box): each batch posted, flushed and reaped in C++ (`pdpush_native.Batches`), staging by the layers in flight | no gain measured at 64 KiB within noise (6.3 us instead of 8.5 us per batch, post + reap) | | |
 | #22: layers handed over through a ring in staging (a CAS per record), not a ZeroMQ message; same run, by message in brackets | 2.16 ms (2.36) | 57 us (60) | 5,119 (4,452) |
 | #22: the per-layer path native (`pdpush_native.Pusher`): ring records checked against the request's put plan, puts, flush, reaping and readiness words in C++, landings reported in batches; same run, by message in brackets | 1.45 ms (1.58) | 35 us (38) | 7,171 (5,406) |
+| #22, 2026-12-02: an idle sender woken by a byte in a FIFO it polls (`doorbell.py`), not a ZeroMQ `Wake`; same run, by message in brackets (`make bench`) | 1.34 ms (1.61) | 26 us (33) | 5,951 (5,983) |
 
 - Kept: batched notices, one batch per pass, readiness words after the flush, the bounded spin. The
   readiness words take the receiver and two ZeroMQ hops off the critical path (a test stops the
@@ -273,15 +274,29 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 - Unit costs here: `ucp_put_nbx` of 64 KiB over shared memory 11-12 us (a memcpy of it: 3 us), a flush
   and its completion 2 us, posting + flushing + reaping a one-layer batch from Python 30-36 us, encoding or
   decoding a message 4 us (pydantic + msgpack).
-- Not met, and why: a layer no longer passes through the interpreter on the sender (its landing is
-  bookkept in a batch), but each request still costs the Python control plane on every side (Begin,
-  AllocRequest/AllocResponse, BeginOk, Finish, Commit/CommitAck, Done, LayerDone: ~8 messages of
-  ~20-40 us each), and on 2 cores the engine processes, the sender and the receiver share the CPUs. A
-  native loop posts 64 KiB put+flush pairs at ~180,000/s here (`raw_put_ops_per_s`; ~98,000/s to
-  destinations cycling over 256 MiB, as a pool's are); the sender moves ~7,000 layers/s. In a one-chunk
-  request traced on the sender (2026-12-01), 1.2 ms pass between taking the record and reaping the
-  flush of its 32 puts (2 MiB), where 32 raw puts take 0.3 ms: that gap is the next thing to profile
-  (how often the worker is progressed while those puts are pending).
+- Where the one-chunk latency went (traced 2026-12-02, timestamps from inside the sender's loop against
+  the engine's hand-over, CLOCK_MONOTONIC across processes): all 32 layers land within ~80 us of each
+  other, and most of the rest was the sender **waking up**. A sender asleep in its poll was woken by a
+  ZeroMQ `Wake`, which passes an I/O thread in the engine and another in the sender; with the engine, a
+  spinning decode reader and both daemons on 2 cores those threads waited for a CPU, and the poll
+  returned 0.2 to 3 ms after the hand-over (a plain pipe between two processes woke in 10-40 us on the
+  same box). Engines now ring a FIFO the sender polls (`doorbell.py`): a request handed over 2 ms after
+  the sender went idle became visible in 0.6 ms instead of 2.9 ms (same probe). After longer idle
+  periods a wake-up can still wait for the next scheduler tick (4 ms here) while the other core is
+  busy. `make bench`'s one-chunk loop rarely finds the sender asleep (it spins 2 ms after each
+  completion), so its p50 moved less than the probe's.
+- Not met, and why: a layer no longer passes through the interpreter on the sender, but each request
+  still costs the Python control plane on every side (Begin, AllocRequest/AllocResponse, BeginOk,
+  Finish, Commit/CommitAck, Done, LayerDone: ~8 messages of ~20-40 us each, each ZeroMQ hop also an
+  I/O-thread wake-up: a `begin` takes 1.6-1.8 ms here), and on 2 cores the engine processes, the
+  sender and the receiver share the CPUs. The capacity row's CPU split says who: the engines take a
+  whole core, the sender about half (90 us of CPU per 64 KiB layer, ~2.9 ms per 32-layer request,
+  its 2 ms spin after each completion included), the receiver a quarter. A native loop posts 64 KiB
+  put+flush pairs at ~190,000/s here; 0.8x of that is ~4,800 requests/s of 32 layers, which needs
+  the per-request control plane native too (or longer requests), not a faster per-layer path.
+- End to end at small layers, the `begin` round trip (1.6-1.8 ms, four ZeroMQ hops) and the
+  engine's Python per layer (`stage` + hand-over, ~50-100 us) are most of a 256 KiB x 32 request
+  (8 MiB, ~1.3 ms at the two-copy rate); the two-copy reference has no per-request control at all.
 """
 
 
