@@ -198,7 +198,9 @@ def router(
     prefill: Optional[list[str]] = typer.Option(None, "--prefill", help="Prefill vLLM instance URL (repeat)."),
     decode: Optional[list[str]] = typer.Option(
         None, "--decode", help="Decode vLLM instance and its receiver: URL=tcp://HOST:PORT (repeat)."),
-    policy: Optional[str] = typer.Option(None, "--policy", help="cache_aware or round_robin."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="cache_aware, round_robin or cost_model."),
+    ttft_slo_ms: Optional[float] = typer.Option(None, "--ttft-slo-ms",
+                                                help="cost_model: refuse (429) what is predicted over this."),
     concurrent_legs: Optional[bool] = typer.Option(None, "--concurrent-legs/--sequential-legs",
                                                    help="Send the prefill and decode legs at once."),
     local_prefill_max_tokens: Optional[int] = typer.Option(
@@ -221,7 +223,7 @@ def router(
             decodes.append({"url": url, "receiver": rcv})
     try:
         cfg = cfgmod.load(cfgmod.RouterConfig, config, host=bind, port=port, prefill=list(prefill) if prefill else None,
-                          decode=decodes, policy=policy, concurrent_legs=concurrent_legs,
+                          decode=decodes, policy=policy, ttft_slo_ms=ttft_slo_ms, concurrent_legs=concurrent_legs,
                           local_prefill_max_tokens=local_prefill_max_tokens, tokenizer=tokenizer,
                           api_key_file=api_key_file, ready_file=ready_file, log_level=log_level,
                           log_format=log_format)

@@ -264,6 +264,20 @@ class DecodeInstance(BaseModel):
     """The receiver's CURVE public key (Z85 or a ``.key`` file), where it is exposed with CURVE."""
 
 
+class KvEventsSource(BaseModel):
+    """Where a prefill vLLM instance publishes its KV events (its ``--kv-events-config``), as the router
+    reaches it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str
+    """Its PUB endpoint (tcp://host:5557)."""
+    replay_endpoint: str = ""
+    """Its replay endpoint (tcp://host:5558): gaps are filled from it; without one, a gap clears the view."""
+    topic: str = ""
+    """Its topic (``topic`` in --kv-events-config)."""
+
+
 class RouterConfig(_Settings):
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port of the OpenAI-compatible front (0 = any free port; see ready_file)."""
@@ -271,8 +285,26 @@ class RouterConfig(_Settings):
     """Prefill vLLM instances' base URLs."""
     decode: list[DecodeInstance] = Field(default_factory=list)
     """Decode vLLM instances, each with its receiver."""
-    policy: Literal["cache_aware", "round_robin"] = "cache_aware"
-    """Decode placement: by the held prefix weighed against load, or in turn."""
+    policy: Literal["cache_aware", "round_robin", "cost_model"] = "cache_aware"
+    """Placement: ``cache_aware`` puts the decode leg where the held prefix weighs most against load and the
+    prefill leg on the least loaded instance; ``round_robin`` takes each in turn; ``cost_model`` predicts
+    each (prefill, decode) pair's time to first token (router/costmodel.py) from the prefill engines' own
+    caches (``kv_events``), the receivers' pools, queues and learned speeds, and takes the least."""
+    ttft_slo_ms: float | None = Field(None, gt=0)
+    """With ``cost_model``: a request whose best predicted time to first token is over this is refused at
+    once (429 with Retry-After), before any leg runs."""
+    kv_events: dict[str, KvEventsSource] = Field(default_factory=dict)
+    """By prefill URL: where that instance publishes its vLLM KV events (``cost_model`` follows its prefix
+    cache from them; an instance with none is placed by load alone)."""
+    prefill_tokens_per_s: float = Field(20_000.0, gt=0)
+    """``cost_model``: a prefill instance's speed until the router has measured it."""
+    push_gbps: float = Field(5.0, gt=0)
+    """``cost_model``: a receiver's push bandwidth until the router has measured it."""
+    decode_wait_ms_per_request: float = Field(2.0, ge=0)
+    """``cost_model``: what each request in flight on a decode instance adds to a new one's wait."""
+    local_tokens_per_s: float = Field(0.0, ge=0)
+    """``cost_model``: a decode instance's own prefill speed, for requests it may compute itself from the
+    prefix its receiver holds (conditional disaggregation as a candidate of the model); 0 = never."""
     concurrent_legs: bool = False
     """Send the prefill and decode legs at once (the decode loads each layer as it lands), rather than
     the decode leg after the prefill's answer. Off by default: measured slower where prefill and decode
@@ -323,6 +355,11 @@ class RouterConfig(_Settings):
             raise ValueError("decode: give at least one decode instance (url and receiver)")
         if any(d.receiver_public_key for d in self.decode) and not self.curve_secret_key_file:
             raise ValueError("curve_secret_key_file: a receiver key is set but this router has no key pair")
+        unknown = [u for u in self.kv_events if u not in self.prefill]
+        if unknown:
+            raise ValueError(f"kv_events: {unknown[0]!r} is not one of the prefill instances {self.prefill}")
+        if self.ttft_slo_ms is not None and self.policy != "cost_model":
+            raise ValueError("ttft_slo_ms: refusing by predicted time to first token needs policy = \"cost_model\"")
         return self
 
 

@@ -437,3 +437,62 @@ def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, s
     finally:
         tx.stop()
         rx.stop()
+
+
+# ---- cost model: both legs, the prefill engines' own caches, SLO admission -------------------------
+
+def test_a_request_predicted_over_the_slo_gets_429_and_no_leg_runs(upstreams, start_router):
+    p_url, p, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], policy="cost_model", ttft_slo_ms=1000,
+                     prefill_tokens_per_s=2.0, retry_after_s=1)
+    url = r.info["url"]
+    res = post(url, {"prompt": "abcdefgh", "max_tokens": 2})  # 8 tokens at 2 tokens/s: 4 s predicted
+    assert res.status_code == 429 and res.json()["error"]["type"] == "overloaded"
+    assert "over the SLO of 1000 ms" in res.json()["error"]["message"] and int(res.headers["retry-after"]) >= 3
+    assert not [b for path, b in p.seen + d.seen if path.startswith("/v1/")]  # no leg ran (only /tokenize)
+    ok = post(url, {"prompt": "a", "max_tokens": 2})  # 0.5 s predicted: served
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "decode"
+    h = httpx.get(url + "/health").json()
+    assert h["rejected_slo"] == 1
+    m = httpx.get(url + "/metrics").text
+    assert "pdpush_router_slo_rejections_total 1.0" in m and "pdpush_router_ttft_predicted_seconds_count 1.0" in m
+    assert 'pdpush_router_ttft_observed_seconds_count{stream="no"} 1.0' in m
+
+
+def test_the_cost_model_sends_the_prefill_leg_where_the_engines_own_cache_holds_the_prompt(
+        upstreams, start_router, tmp_path):
+    """Two prefill stand-ins, each with vLLM's own KV event publisher: blocks of a prompt stored on the
+    second make the router send that prompt's prefill there, whatever the load order says."""
+    from tests.test_kv_events import Publisher, _ports
+
+    p1_url, p1, _ = upstreams("prefill1")
+    p2_url, p2, _ = upstreams("prefill2")
+    d_url, _, _ = upstreams("decode")
+    a, b, c, e = _ports(4)
+    pubs = [Publisher(f"tcp://*:{a}", f"tcp://*:{b}", 100), Publisher(f"tcp://*:{c}", f"tcp://*:{e}", 100)]
+    try:
+        events = {p1_url: {"endpoint": f"tcp://127.0.0.1:{a}", "replay_endpoint": f"tcp://127.0.0.1:{b}", "topic": "kv"},
+                  p2_url: {"endpoint": f"tcp://127.0.0.1:{c}", "replay_endpoint": f"tcp://127.0.0.1:{e}", "topic": "kv"}}
+        r = start_router([p1_url, p2_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], policy="cost_model",
+                         kv_events=events, prefill_tokens_per_s=1000.0, concurrent_legs=False)
+        url = r.info["url"]
+        prompt = "abcdefghijklmnop"  # the stand-ins tokenize it as 1..16: four blocks of 4
+        toks = list(range(1, 17))
+        # the second engine holds the first 12 tokens; the first holds another prompt's blocks
+        pubs[0].send(["stored", [10, 11], None, [9] * 8, 4])
+        until(lambda: pubs[1].send(["stored", [21, 22, 23], None, toks[:12], 4]) or
+              httpx.get(url + "/health").json()["instances"][f"prefill:{p2_url}"]["cache_view"]["blocks"] == 3, 30,
+              "the router following the second engine's events")
+        for _ in range(3):
+            assert post(url, {"prompt": prompt, "max_tokens": 2}).status_code == 200
+        legs = lambda h: [b for path, b in h.seen if path == "/v1/completions"]  # noqa: E731
+        assert len(legs(p2)) == 3 and not legs(p1)
+        h = httpx.get(url + "/health").json()["instances"]
+        assert h[f"prefill:{p1_url}"]["cache_view"]["blocks"] == 2 and h[f"prefill:{p2_url}"]["cache_view"]["exact"]
+        m = httpx.get(url + "/metrics").text
+        assert 'pdpush_router_decisions_total{leg="prefill",reason="own_cache"} 3.0' in m
+        assert f'pdpush_router_prefill_view_blocks{{instance="{p2_url}"}} 3.0' in m
+    finally:
+        for pub in pubs:
+            pub.stop()

@@ -6,6 +6,9 @@ For each completion (``/v1/completions``, ``/v1/chat/completions``, streamed or 
   2. placement.py picks the decode instance (held prefix weighed against load) and, unless the
      chosen one holds all but ``local_prefill_max_tokens`` of the prompt (then it claims the held
      chunks and computes the rest itself: no prefill, no push), the least-loaded prefill instance;
+     or, with ``policy = "cost_model"``, costmodel.py predicts every (prefill, decode) pair's time to
+     first token (the prefill engines' own caches followed from their vLLM KV events, kv_events.py)
+     and takes the least, refusing with 429 what would miss ``ttft_slo_ms``;
   3. the router makes the push id (``<prefix>-<uuid>``; a client's ``kv_transfer_params`` are
      dropped, so no client can name or reuse one) and sends the prefill leg (``max_tokens = 1``, push
      to the decode's receiver) and the decode leg: at once (the decode loads each layer as it
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import hmac
 import json
 import logging
@@ -35,16 +37,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdpush import kv_params
 from pdpush.config import RouterConfig
 from pdpush.layout import KVLayout, chunk_keys
+from pdpush.router import costmodel, legs
+from pdpush.router.engine_cache import EngineCacheView
 from pdpush.router.feeds import Feed
 from pdpush.router.fleet import Fleet, Instance
+from pdpush.router.kv_events import EngineEvents, Source
+from pdpush.router.metrics import Metrics
 from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill
 from pdpush.router.tokens import EngineTokens, LocalTokens, PromptError, check_prompt
 
@@ -57,31 +64,6 @@ def error(status: int, message: str, kind: str = "invalid_request_error", header
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
 
 
-class Metrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdpush_router_requests", "Completions by route and outcome", ["route", "outcome"],
-                                registry=r)
-        self.decisions = Counter("pdpush_router_decisions", "Placement decisions by leg and reason",
-                                 ["leg", "reason"], registry=r)
-        self.prompt_chunks = Counter("pdpush_router_prompt_chunks", "Chunks of routed prompts", registry=r)
-        self.hit_chunks = Counter("pdpush_router_hit_chunks", "Chunks of routed prompts the chosen decode node held",
-                                  registry=r)
-        self.upstream_errors = Counter("pdpush_router_upstream_errors", "Failed upstream calls", ["instance"],
-                                       registry=r)
-        self.healthy = Gauge("pdpush_router_instance_healthy", "1 if the instance is admitted", ["instance"],
-                             registry=r)
-        self.inflight = Gauge("pdpush_router_inflight", "Requests in flight", ["instance"], registry=r)
-        self.index_chunks = Gauge("pdpush_router_index_chunks", "Chunks the receiver's index holds (as seen)",
-                                  ["receiver"], registry=r)
-        self.index_synced = Gauge("pdpush_router_index_synced", "1 if the view of the receiver's index is exact",
-                                  ["receiver"], registry=r)
-        self.index_resyncs = Counter("pdpush_router_index_resyncs", "Snapshots after gaps, restarts or silence",
-                                     ["receiver"], registry=r)
-        self.seconds = Histogram("pdpush_router_request_seconds", "Whole request, router to answer", ["mode"],
-                                 registry=r)
-
-
 @dataclass
 class Route_:
     """One request's placement."""
@@ -92,6 +74,7 @@ class Route_:
     prompt_tokens: int
     hit_chunks: int
     reason: str
+    estimate: costmodel.Estimate | None = None  # cost_model: the prediction it was chosen by
 
 
 class Router:
@@ -111,7 +94,17 @@ class Router:
         self._feeds: list[Feed] = []
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
-                         "decode_retries": 0, "rejected_503": 0}
+                         "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0}
+        self.estimates = costmodel.Estimates(cfg.prefill_tokens_per_s, cfg.push_gbps * 1e9,
+                                             cfg.decode_wait_ms_per_request / 1000, cfg.local_tokens_per_s)
+        self.caps = costmodel.Caps(cfg.max_inflight, cfg.max_imbalance)
+        self._sources: dict[str, Source] = {}
+        for p, url in zip(self.fleet.prefill, cfg.prefill, strict=True):
+            src = cfg.kv_events.get(url)
+            if src is not None:
+                p.cache = EngineCacheView()
+                self._sources[p.url] = Source(src.endpoint, src.replay_endpoint, src.topic)
+        self._events: list[EngineEvents] = []
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -138,7 +131,27 @@ class Router:
                         on_change=lambda kind, name=name: self._feed_changed(name, kind))
             self._feeds.append(feed)
             self._tasks.append(asyncio.create_task(feed.run(), name=f"feed {d.receiver}"))
+        for p in self.fleet.prefill:
+            if p.cache is not None:
+                self._tasks.append(asyncio.create_task(self._follow(p), name=f"kv events {p.url}"))
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
+
+    async def _follow(self, p: Instance) -> None:
+        """Follow a prefill engine's KV events for the router's life; a broken subscription starts again."""
+        while True:
+            ev = EngineEvents(self._sources[p.url], p.cache)
+            self._events.append(ev)
+            try:
+                await ev.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a subscription's failure must not end the router
+                log.warning("KV events of %s: %s; subscribing again", p.url, e)
+                p.cache.clear("subscription_failed")
+                await asyncio.sleep(1.0)
+            finally:
+                ev.close()
+                self._events.remove(ev)
 
     async def stop(self) -> None:
         for t in list(self._legs) + self._tasks:
@@ -193,6 +206,8 @@ class Router:
     def place(self, ids: list[int] | None, exclude: Instance | None = None) -> Route_ | JSONResponse:
         layout = self._layout()
         keys = chunk_keys(ids, layout) if ids and layout is not None else []
+        if self.cfg.policy == "cost_model":
+            return self._place_by_cost(ids or [], layout, keys, exclude)
         cands = []
         for d in self.fleet.decode:
             v = d.index
@@ -220,59 +235,88 @@ class Router:
         self._last_prefill = pd.index
         return Route_(decode, self.fleet.prefill[pd.index], push_id, n, dd.hit_chunks, dd.reason)
 
+    def _place_by_cost(self, ids: list[int], layout: KVLayout | None, keys: list, exclude: Instance | None
+                       ) -> Route_ | JSONResponse:
+        """Every (prefill, decode) pair's predicted TTFT (costmodel.py), and the least under load caps."""
+        est = self.estimates
+        n = len(ids)
+        prompt = costmodel.Prompt(n, layout.chunk_tokens if layout else 1,
+                                  layout.page_bytes * layout.push_layers if layout else 0, layout.layers if layout else 1)
+        pcs = [costmodel.PrefillCand(p.healthy, p.inflight, est.prefill_speed(p.url), p.pending_tokens,
+                                     p.cache.held_tokens(ids) if p.cache is not None and ids else 0)
+               for p in self.fleet.prefill]
+        dcs = [costmodel.DecodeCand(d.healthy and d is not exclude, d.inflight, est.push_speed(d.url),
+                                    d.index.held_prefix(keys) if keys else 0, est.decode_wait(d.inflight),
+                                    est.local_speed(d.url)) for d in self.fleet.decode]
+        plan = costmodel.choose(prompt, pcs, dcs, self.caps, self.cfg.ttft_slo_ms / 1000 if self.cfg.ttft_slo_ms
+                                else None)
+        self.metrics.decisions.labels("both", plan.reason).inc()
+        if plan.reason == "slo":
+            self.counters["rejected_slo"] += 1
+            self.metrics.slo_rejections.inc()
+            retry = max(self.cfg.retry_after_s, int(plan.best.ttft_s - self.cfg.ttft_slo_ms / 1000 + 0.999))
+            return error(429, f"the best predicted time to first token, {plan.best.ttft_s * 1000:.0f} ms, is over the "
+                         f"SLO of {self.cfg.ttft_slo_ms:.0f} ms; retry later", "overloaded", {"Retry-After": str(retry)})
+        if plan.best is None:
+            return self._busy(f"no instance can take it ({plan.reason})")
+        b = plan.best
+        decode = self.fleet.decode[b.decode]
+        self._last_decode = b.decode
+        prefill = None if b.prefill is None else self.fleet.prefill[b.prefill]
+        if prefill is not None:
+            self._last_prefill = b.prefill
+            self.metrics.decisions.labels("prefill", "own_cache" if prefill.cache is not None else "no_events").inc()
+        else:
+            self.metrics.decisions.labels("prefill", "skipped_held").inc()
+        self.metrics.ttft_predicted.observe(b.ttft_s)
+        return Route_(decode, prefill, f"{self.prefix}-{uuid.uuid4().hex}", n, dcs[b.decode].held_chunks, "cost", b)
+
     def _busy(self, why: str) -> JSONResponse:
         self.counters["rejected_503"] += 1
         return error(503, f"every instance is busy or down: {why}; retry later", "overloaded",
                      {"Retry-After": str(self.cfg.retry_after_s)})
 
     # ---- legs ----
-    def _prefill_body(self, body: dict, route: Route_) -> dict:
-        b = copy.deepcopy(body)
-        b["max_tokens"] = 1
-        if "max_completion_tokens" in b:
-            b["max_completion_tokens"] = 1
-        b["stream"] = False
-        b.pop("stream_options", None)
-        b["n"] = 1
-        b["kv_transfer_params"] = {"do_remote_decode": True, "pdpush_receiver": route.decode.receiver,
-                                   "pdpush_push_id": route.push_id}
-        return b
-
-    def _decode_body(self, body: dict, params: dict | None) -> dict:
-        b = copy.deepcopy(body)
-        b.pop("kv_transfer_params", None)
-        if params:
-            b["kv_transfer_params"] = params
-        return b
-
     async def _prefill(self, path: str, body: dict, route: Route_, headers: dict) -> dict | None:
-        """The prefill leg, retried once on another instance if the first cannot be reached or fails.
-        Returns its kv_transfer_params, or None (the decode instance recomputes)."""
+        """The prefill leg, tried again elsewhere as legs.py says. Returns its kv_transfer_params, or None
+        (the decode instance recomputes)."""
         tried: set[int] = set()
-        inst = route.prefill
-        for attempt in range(2):
-            tried.add(id(inst))
+        i = self.fleet.prefill.index(route.prefill)
+        work = route.estimate.computed_tokens if route.estimate else 0
+        leg = legs.prefill_body(body, route.decode.receiver, route.push_id)
+        for attempt in range(legs.PREFILL_ATTEMPTS):
+            inst = self.fleet.prefill[i]
+            tried.add(i)
             inst.inflight += 1
+            ahead, t = inst.pending_tokens, time.monotonic()
+            inst.pending_tokens += work
+            status, why = None, ""
             try:
-                r = await self.client.post(inst.url + path, json=self._prefill_body(body, route), headers=headers)
-                if r.status_code == 200:
+                r = await self.client.post(inst.url + path, json=leg, headers=headers)
+                status, why = r.status_code, r.text[:300]
+                if legs.prefill_outcome(status) is legs.Outcome.PUSHED:
                     self.fleet.ok(inst)
+                    if work:  # the instance worked through what was ahead of this leg and the leg in that time
+                        self.estimates.observe_prefill(inst.url, work, ahead, time.monotonic() - t)
                     return r.json().get("kv_transfer_params") or None
-                if 400 <= r.status_code < 500:
-                    log.warning("prefill %s refused %s: %s", inst.url, route.push_id, r.text[:300])
-                    return None  # the same request would be refused anywhere; the decode leg will say why
-                raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
             except (httpx.HTTPError, ValueError) as e:
                 self._unreachable(inst, e)
-                log.warning("prefill %s failed for %s: %s", inst.url, route.push_id, e,
-                            extra={"fields": {"event": "prefill_failed", "push_id": route.push_id,
-                                              "instance": inst.url, "attempt": attempt}})
+                status, why = None, f"{type(e).__name__}: {e}"
             finally:
                 inst.inflight -= 1
-            others = [p for p in self.fleet.prefill if p.healthy and id(p) not in tried]
-            if not others or attempt:
+                inst.pending_tokens = max(0.0, inst.pending_tokens - work)
+            if legs.prefill_outcome(status) is legs.Outcome.REFUSED:
+                log.warning("prefill %s refused %s: %s", inst.url, route.push_id, why)
+                return None  # the same request would be refused anywhere; the decode leg will say why
+            if status is not None:
+                self._unreachable(inst, RuntimeError(f"HTTP {status} from the prefill leg"))
+            log.warning("prefill %s failed for %s: %s", inst.url, route.push_id, why,
+                        extra={"fields": {"event": "prefill_failed", "push_id": route.push_id, "instance": inst.url,
+                                          "attempt": attempt}})
+            nxt = legs.next_prefill(self.fleet.prefill, tried, attempt)
+            if nxt is None:
                 break
-            inst = min(others, key=lambda p: p.inflight)
+            i = nxt
             self.counters["prefill_retries"] += 1
         return None
 
@@ -366,10 +410,10 @@ class Router:
         prefill_task = None
         if route.prefill is None:
             self.counters["conditional"] += 1
-            params = {"do_remote_prefill": True, "pdpush_req_id": route.push_id, "pdpush_claim": True}
+            params = kv_params.for_decode(route.push_id, claim=True)
         elif self.cfg.concurrent_legs:
             prefill_task = asyncio.create_task(self._prefill(path, body, route, headers))
-            params = {"do_remote_prefill": True, "pdpush_req_id": route.push_id}
+            params = kv_params.for_decode(route.push_id)
         else:
             params = await self._prefill(path, body, route, headers)
         if route.prefill is not None and prefill_task is None:
@@ -387,7 +431,7 @@ class Router:
         resp = None
         try:
             try:
-                resp = await self._open_decode(decode, path, self._decode_body(body, params), headers)
+                resp = await self._open_decode(decode, path, legs.decode_body(body, params), headers)
             except httpx.HTTPError as e:  # it could not be reached: another one, recomputing
                 self._unreachable(decode, e)
                 other = self.place(None, exclude=decode)
@@ -399,7 +443,7 @@ class Router:
                 decode.inflight -= 1
                 decode = other.decode
                 decode.inflight += 1
-                resp = await self._open_decode(decode, path, self._decode_body(body, None), headers)
+                resp = await self._open_decode(decode, path, legs.decode_body(body, None), headers)
         except httpx.HTTPError as e:
             decode.inflight -= 1
             self.metrics.requests.labels(path, "upstream_error").inc()
@@ -421,8 +465,12 @@ class Router:
         extra = {"X-Pdpush-Route": mode, "X-Pdpush-Decode": decode.url, "X-Pdpush-Push-Id": route.push_id}
         if body.get("stream"):
             async def relay():
+                first = True
                 try:
                     async for part in resp.aiter_raw():
+                        if first:
+                            first = False
+                            self._observed(route, t0, True)
                         yield part
                     self.metrics.requests.labels(path, "ok").inc()
                 except httpx.HTTPError as e:  # the decode instance died mid-stream: the stream ends unfinished
@@ -447,9 +495,24 @@ class Router:
             await resp.aclose()
             decode.inflight -= 1
             self._settle_later(prefill_task, route)  # the answer does not wait for the prefill's reply
+        self._observed(route, t0, False)
         self.metrics.requests.labels(path, "ok").inc()
         self.metrics.seconds.labels(mode).observe(time.monotonic() - t0)
         return Response(data, 200, media_type="application/json", headers=extra)
+
+    def _observed(self, route: Route_, t0: float, stream: bool) -> None:
+        """A cost-model decision's predicted and observed time to first token, logged and exported."""
+        if route.estimate is None:
+            return
+        seen = time.monotonic() - t0
+        self.metrics.ttft_observed.labels("yes" if stream else "no").observe(seen)
+        e = route.estimate
+        log.info("ttft %s", route.push_id, extra={"fields": {
+            "event": "ttft", "push_id": route.push_id, "predicted_ms": round(e.ttft_s * 1000, 1),
+            "observed_ms": round(seen * 1000, 1), "stream": stream, "queue_ms": round(e.queue_s * 1000, 1),
+            "compute_ms": round(e.compute_s * 1000, 1), "transfer_ms": round(e.transfer_s * 1000, 1),
+            "wait_ms": round(e.wait_s * 1000, 1), "computed_tokens": e.computed_tokens,
+            "pushed_chunks": e.pushed_chunks}})
 
     def _settle_later(self, task: asyncio.Task | None, route: Route_) -> None:
         """Count how a concurrent prefill leg went when it ends (bounded by its own deadline); the
@@ -475,7 +538,8 @@ class Router:
         inst = {i.name: {"healthy": i.healthy, "inflight": i.inflight, "failures": i.failures,
                          "ejections": i.ejections, "last_error": i.last_error,
                          **({"index_synced": i.index.synced, "index_chunks": len(i.index.keys),
-                             "index_seq": i.index.seq, "index_resyncs": i.index.resyncs} if i.role == "decode" else {})}
+                             "index_seq": i.index.seq, "index_resyncs": i.index.resyncs} if i.role == "decode" else {}),
+                         **({"cache_view": i.cache.stats()} if i.cache is not None else {})}
                 for i in f.all()}
         ok = any(d.healthy for d in f.decode)
         return JSONResponse({"status": "ok" if ok else "unavailable", "instances": inst, **self.counters},
@@ -498,6 +562,11 @@ class Router:
         for i in self.fleet.all():
             m.healthy.labels(i.url).set(1 if i.healthy else 0)
             m.inflight.labels(i.url).set(i.inflight)
+        for p in self.fleet.prefill:
+            if p.cache is not None:
+                m.prefill_view_blocks.labels(p.url).set(len(p.cache.by_hash))
+                for why, n in p.cache.resyncs.items():
+                    m.prefill_view_resyncs.labels(p.url, why).set(n)
         for d in self.fleet.decode:
             m.index_chunks.labels(d.receiver).set(len(d.index.keys))
             m.index_synced.labels(d.receiver).set(1 if d.index.synced else 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdpush.index import IndexView
+from pdpush.router.engine_cache import EngineCacheView
 
 
 @dataclass
@@ -23,6 +24,8 @@ class Instance:
     ejections: int = 0
     last_error: str = ""
     index: IndexView = field(default_factory=IndexView)
+    cache: EngineCacheView | None = None  # prefill: its own prefix cache, from its KV events (kv_events.py)
+    pending_tokens: float = 0.0  # prefill: tokens of the legs in flight there that it has not computed yet
 
     @property
     def name(self) -> str:

@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdpush import kv_params
 from pdpush.errors import PdpushError
 from pdpush.integrations.vllm.metadata import STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
+from pdpush.kv_params import KvParams
 from pdpush.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -46,16 +48,6 @@ class _Req:
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
 
 
-def push_id_of(params: dict, default: str) -> str:
-    """The push id a router chose (``pdpush_push_id``), else this engine's own."""
-    pid = params.get("pdpush_push_id")
-    if isinstance(pid, str) and 0 < len(pid) <= 200 and pid.isprintable():
-        return pid
-    if pid is not None:
-        log.warning("pdpush: ignoring an invalid pdpush_push_id %r", pid)
-    return default
-
-
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, endpoints: Endpoints, layout: KVLayout, engine_tag: str,
                  producer: bool, consumer: bool, kv_groups: int = 1) -> None:
@@ -77,12 +69,13 @@ class SchedulerSide:
         so that the state it pushes is the state after N - 1 tokens, which the decode's step on the last
         prompt token continues (as vLLM's NixlConnector does: ``_truncate_request_for_prefill``)."""
         params = request.kv_transfer_params
-        if not (self.producer and self.layout.state_layers and params and params.get("do_remote_decode")):
+        kp = KvParams.parse(params)
+        if not (self.producer and self.layout.state_layers and kp.do_remote_decode):
             return
         if params.get("_pdpush_truncated") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
             return
         if request.get_skip_reading_prefix_cache() or not self.endpoints.receiver_allowed(
-                str(params.get("pdpush_receiver") or self.settings.receiver or "")):
+                str(kp.pdpush_receiver or self.settings.receiver or "")):
             return  # the decode recomputes the whole prompt (prompt logprobs), or this push will be refused
         del request.prompt_token_ids[-1:]
         del request._all_token_ids[-1:]
@@ -92,20 +85,20 @@ class SchedulerSide:
         STATS["push_truncated"] += 1
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params or {}
+        params = KvParams.parse(request.kv_transfer_params)
         rid = request.request_id
         r = self.reqs.get(rid)
-        if self.producer and params.get("do_remote_decode") and (r is None or not r.push_id):
-            receiver = str(params.get("pdpush_receiver") or self.settings.receiver or "")
+        if self.producer and params.do_remote_decode and (r is None or not r.push_id):
+            receiver = str(params.pdpush_receiver or self.settings.receiver or "")
             if self.endpoints.receiver_allowed(receiver):
                 r = self.reqs.setdefault(rid, _Req())
-                r.push_id, r.receiver, r.token_ids = (push_id_of(params, f"{self.engine_tag}-{rid}"), receiver,
+                r.push_id, r.receiver, r.token_ids = (params.push_id_or(f"{self.engine_tag}-{rid}"), receiver,
                                                       list(request.prompt_token_ids or []))
             else:
                 STATS["push_refused"] += 1
                 log.warning("pdpush: request %s names receiver %r, which is not in allowed_receivers; "
                             "not pushing it", rid, receiver)
-        push_id = params.get("pdpush_req_id")
+        push_id = params.pdpush_req_id
         if not (self.consumer and push_id) or (r is not None and r.planned_once):
             return 0, False  # a request planned before (then preempted) recomputes: its push was released
         prompt = list(request.prompt_token_ids or [])
@@ -114,7 +107,7 @@ class SchedulerSide:
             return 0, False
         r = self.reqs.setdefault(rid, _Req())
         r.prompt_tokens = len(prompt)
-        if params.get("pdpush_claim"):
+        if params.pdpush_claim:
             return self._claim(request, r, str(push_id), prompt, want, num_computed_tokens)
         now = time.monotonic()
         if now < r.next_ask:
@@ -240,8 +233,7 @@ class SchedulerSide:
         if r is None or not r.pushed:
             return False, None
         # the blocks were copied into staging during the forward: vLLM may free them now
-        return False, {"do_remote_prefill": True, "pdpush_req_id": r.push_id, "pdpush_tokens": len(r.token_ids),
-                       "pdpush_receiver": r.receiver, "pdpush_layout": self.layout.fingerprint()}
+        return False, kv_params.pushed(r.push_id, len(r.token_ids), r.receiver, self.layout.fingerprint())
 
     def shutdown(self) -> None:
         self.receiver.reset()

@@ -1,0 +1,71 @@
+"""The legs' policy (pure logic: no I/O, no clock): what each leg's request body is, what a leg's answer
+means, and where a failed prefill leg is tried again. app.py moves the bytes.
+
+* A prefill leg computes one token (``max_tokens = 1``, not streamed, one choice) and pushes the
+  prompt's KV to the decode instance's receiver (``kv_params.for_prefill``).
+* Its answer: 200 is done (its ``kv_transfer_params`` say what it pushed); a 4xx would be refused
+  anywhere, so the decode instance recomputes (it says why); anything else, or no answer, is tried
+  once more on another healthy prefill instance, the least loaded, under the same push id.
+* The decode leg is the client's body with the router's ``kv_transfer_params`` in place of any the
+  client sent (push ids are the router's).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from enum import Enum
+from typing import Protocol
+
+PREFILL_ATTEMPTS = 2
+
+
+class Outcome(Enum):
+    PUSHED = "pushed"  # 200
+    REFUSED = "refused"  # 4xx: the same anywhere; the decode recomputes
+    FAILED = "failed"  # 5xx or no answer: another instance may do it
+
+
+class _Inst(Protocol):
+    healthy: bool
+    inflight: int
+
+
+def prefill_body(body: dict, receiver: str, push_id: str) -> dict:
+    from pdpush.kv_params import for_prefill
+
+    b = copy.deepcopy(body)
+    b["max_tokens"] = 1
+    if "max_completion_tokens" in b:
+        b["max_completion_tokens"] = 1
+    b["stream"] = False
+    b.pop("stream_options", None)
+    b["n"] = 1
+    b["kv_transfer_params"] = for_prefill(receiver, push_id)
+    return b
+
+
+def decode_body(body: dict, params: dict | None) -> dict:
+    b = copy.deepcopy(body)
+    b.pop("kv_transfer_params", None)
+    if params:
+        b["kv_transfer_params"] = params
+    return b
+
+
+def prefill_outcome(status: int | None) -> Outcome:
+    """A prefill leg's answer (``status`` None: it could not be reached or broke off)."""
+    if status == 200:
+        return Outcome.PUSHED
+    if status is not None and 400 <= status < 500:
+        return Outcome.REFUSED
+    return Outcome.FAILED
+
+
+def next_prefill(prefills: Sequence[_Inst], tried: set[int], attempt: int) -> int | None:
+    """After a failed attempt: the healthy prefill instance not tried yet with the fewest in flight, while
+    attempts remain; None: the decode instance recomputes."""
+    if attempt + 1 >= PREFILL_ATTEMPTS:
+        return None
+    others = [i for i, p in enumerate(prefills) if p.healthy and i not in tried]
+    return min(others, key=lambda i: prefills[i].inflight) if others else None

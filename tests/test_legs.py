@@ -1,0 +1,55 @@
+"""The legs' policy (router/legs.py) and the kv_transfer_params model the router and the connector's
+scheduler side share (kv_params.py): pure logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdpush import kv_params
+from pdpush.kv_params import KvParams
+from pdpush.router import legs
+
+
+def test_each_leg_carries_the_routers_params_and_never_the_clients():
+    body = {"prompt": "x", "max_tokens": 50, "max_completion_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}, "n": 3, "kv_transfer_params": {"pdpush_push_id": "evil"}}
+    pre = legs.prefill_body(body, "tcp://r:5710", "rt-1")
+    assert pre["max_tokens"] == pre["max_completion_tokens"] == pre["n"] == 1 and pre["stream"] is False
+    assert "stream_options" not in pre and pre["kv_transfer_params"] == {
+        "do_remote_decode": True, "pdpush_receiver": "tcp://r:5710", "pdpush_push_id": "rt-1"}
+    dec = legs.decode_body(body, kv_params.for_decode("rt-1"))
+    assert dec["kv_transfer_params"] == {"do_remote_prefill": True, "pdpush_req_id": "rt-1"}
+    assert dec["max_tokens"] == 50 and body["kv_transfer_params"] == {"pdpush_push_id": "evil"}  # not mutated
+    assert "kv_transfer_params" not in legs.decode_body(body, None)  # recompute: no params at all
+    assert kv_params.for_decode("rt-2", claim=True)["pdpush_claim"] is True
+
+
+def test_outcomes_and_the_retry_rule():
+    assert legs.prefill_outcome(200) is legs.Outcome.PUSHED
+    assert legs.prefill_outcome(400) is legs.prefill_outcome(422) is legs.Outcome.REFUSED
+    assert legs.prefill_outcome(500) is legs.prefill_outcome(None) is legs.Outcome.FAILED
+
+    @dataclass
+    class P:
+        healthy: bool
+        inflight: int
+
+    ps = [P(True, 0), P(True, 3), P(False, 0), P(True, 1)]
+    assert legs.next_prefill(ps, {0}, 0) == 3  # the least loaded healthy one not tried
+    assert legs.next_prefill(ps, {0, 3}, 0) == 1
+    assert legs.next_prefill(ps, {0}, 1) is None  # attempts spent: the decode recomputes
+    assert legs.next_prefill([P(True, 0), P(False, 0)], {0}, 0) is None
+
+
+def test_params_parse_leniently_and_keep_other_connectors_fields():
+    p = KvParams.parse({"do_remote_decode": True, "pdpush_receiver": "tcp://r:1", "pdpush_push_id": "a b",
+                        "remote_engine_id": "nixl-x"})
+    assert p.do_remote_decode and p.push_id_or("own") == "a b" and p.dump()["remote_engine_id"] == "nixl-x"
+    bad = KvParams.parse({"do_remote_prefill": True, "pdpush_req_id": 7, "pdpush_claim": "maybe",
+                          "pdpush_push_id": "x" * 500})
+    assert bad.do_remote_prefill and bad.pdpush_req_id is None and not bad.pdpush_claim
+    assert bad.push_id_or("own") == "own"
+    assert KvParams.parse({"pdpush_push_id": "tab\there"}).push_id_or("own") == "own"  # not printable
+    assert KvParams.parse(None) == KvParams() and KvParams.parse({}).dump() == {}
+    out = kv_params.pushed("p1", 40, "tcp://r:1", "ab12")
+    assert KvParams.parse(out).pdpush_tokens == 40 and out["do_remote_prefill"] is True
