@@ -8,11 +8,11 @@ import json
 import random
 import subprocess
 import sys
-from collections import OrderedDict
 
 import pytest
 
 from pdpush.router import simulate as sim
+from pdpush_tools.bench.simulate import replay  # written apart from the simulator, as the check needs
 
 
 def conversations(n_conv: int = 12, turns: int = 6, seed: int = 1, gap_ms: float = 400.0) -> list[sim.TraceRequest]:
@@ -33,34 +33,15 @@ def conversations(n_conv: int = 12, turns: int = 6, seed: int = 1, gap_ms: float
     return out
 
 
-def _lru_replay(trace, caps: int, nodes: int, pick) -> float:
-    """An independent replay: node ``pick(i)`` of ``nodes`` LRU sets; the share of blocks held there."""
-    caches = [OrderedDict() for _ in range(nodes)]
-    hit = total = 0
-    for i, r in enumerate(trace):
-        c = caches[pick(i)]
-        n = 0
-        while n < len(r.hash_ids) and r.hash_ids[n] in c:
-            n += 1
-        hit += n
-        total += len(r.hash_ids)
-        for h in r.hash_ids:
-            c.pop(h, None)
-            c[h] = True
-            if len(c) > caps:
-                c.popitem(last=False)
-    return hit / total
-
-
 @pytest.mark.parametrize("nodes,capacity", [(1, 10), (3, 12), (4, 40)])
 def test_round_robin_and_pooled_agree_with_an_independent_replay(nodes, capacity):
     trace = conversations()
     cfg = sim.SimConfig(prefill=nodes, decode=nodes, pool_blocks=capacity, prefill_cache_blocks=capacity)
     res = sim.run(trace, cfg, ("round_robin",))
     rr = res["policies"]["round_robin"]
-    assert rr["decode_hit_share"] == pytest.approx(_lru_replay(trace, capacity, nodes, lambda i: i % nodes))
-    assert rr["prefill_hit_share"] == pytest.approx(_lru_replay(trace, capacity, nodes, lambda i: i % nodes))
-    assert res["pooled"]["decode_hit_share"] == pytest.approx(_lru_replay(trace, capacity * nodes, 1, lambda i: 0))
+    assert rr["decode_hit_share"] == pytest.approx(replay(trace, capacity, nodes, lambda i: i % nodes))
+    assert rr["prefill_hit_share"] == pytest.approx(replay(trace, capacity, nodes, lambda i: i % nodes))
+    assert res["pooled"]["decode_hit_share"] == pytest.approx(replay(trace, capacity * nodes, 1, lambda i: 0))
     assert rr["bytes_pushed"] == rr["blocks_pushed"] * 512 * cfg.kv_bytes_per_token
     assert rr["served"] == len(trace) and rr["rejected"] == 0
 

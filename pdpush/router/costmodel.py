@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdpush.router.placement import eligible
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -88,17 +90,6 @@ class Plan:
     candidates: int = 0
 
 
-def _eligible(inflight: list[int], healthy: list[bool], caps: Caps) -> tuple[list[int], str]:
-    ok = [i for i, h in enumerate(healthy) if h]
-    if not ok:
-        return [], "no_healthy"
-    ok = [i for i in ok if inflight[i] < caps.max_inflight]
-    if not ok:
-        return [], "saturated"
-    least = min(inflight[i] for i in ok)
-    return [i for i in ok if inflight[i] <= least + caps.max_imbalance], ""
-
-
 def predict(prompt: Prompt, p: PrefillCand | None, d: DecodeCand, pi: int | None = None, di: int = 0) -> Estimate:
     """The TTFT of ``prompt`` on ``p`` then ``d`` (``p`` None: ``d`` alone)."""
     n = prompt.tokens
@@ -122,10 +113,12 @@ def choose(prompt: Prompt, prefills: list[PrefillCand], decodes: list[DecodeCand
     """The pair (or decode instance alone) of least predicted TTFT among those within the load caps, or,
     among those near it (``Caps.near_*``), the one pushing the fewest chunks; ties go to fewer in flight
     on the decode side, then the prefill side, then the lower index."""
-    dok, why = _eligible([d.inflight for d in decodes], [d.healthy for d in decodes], caps)
+    dok, why = eligible([d.healthy for d in decodes], [d.inflight for d in decodes], caps.max_inflight,
+                        caps.max_imbalance)
     if not dok:
         return Plan(None, why)
-    pok, pwhy = _eligible([p.inflight for p in prefills], [p.healthy for p in prefills], caps)
+    pok, pwhy = eligible([p.healthy for p in prefills], [p.inflight for p in prefills], caps.max_inflight,
+                         caps.max_imbalance)
     cands = [predict(prompt, prefills[i], decodes[j], i, j) for j in dok for i in pok]
     cands += [predict(prompt, None, decodes[j], None, j) for j in dok
               if decodes[j].local_tokens_per_s > 0 and decodes[j].held_chunks > 0]

@@ -18,6 +18,7 @@ most ``max_imbalance`` requests more than the idlest one, whatever it holds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -47,15 +48,22 @@ class Decision:
     best_hit_chunks: int = 0  # the most any instance held, chosen or not
 
 
-def _eligible(cands: list[Candidate], w: Weights) -> tuple[list[int], str]:
-    healthy = [i for i, c in enumerate(cands) if c.healthy]
-    if not healthy:
+def eligible(healthy: Sequence[bool], inflight: Sequence[int], max_inflight: int,
+             max_imbalance: int) -> tuple[list[int], str]:
+    """The load caps (this router's and the cost model's): healthy, fewer than ``max_inflight`` in flight,
+    and at most ``max_imbalance`` more than the least loaded such instance; else why none is."""
+    ok = [i for i, h in enumerate(healthy) if h]
+    if not ok:
         return [], "no_healthy"
-    open_ = [i for i in healthy if cands[i].inflight < w.max_inflight]
-    if not open_:
+    ok = [i for i in ok if inflight[i] < max_inflight]
+    if not ok:
         return [], "saturated"
-    least = min(cands[i].inflight for i in open_)
-    return [i for i in open_ if cands[i].inflight <= least + w.max_imbalance], ""
+    least = min(inflight[i] for i in ok)
+    return [i for i in ok if inflight[i] <= least + max_imbalance], ""
+
+
+def _eligible(cands: list[Candidate], w: Weights) -> tuple[list[int], str]:
+    return eligible([c.healthy for c in cands], [c.inflight for c in cands], w.max_inflight, w.max_imbalance)
 
 
 def score(c: Candidate, chunks: int, w: Weights) -> float:

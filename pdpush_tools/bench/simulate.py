@@ -15,12 +15,13 @@ from pdpush.router import simulate as sim
 TRACES = ("conversation_trace.jsonl", "synthetic_trace.jsonl")
 
 
-def replay_round_robin(trace: list[sim.TraceRequest], nodes: int, capacity: int) -> float:
-    """Round-robin's decode-leg hit share, replayed without the simulator: node i % nodes, an LRU each."""
+def replay(trace: list[sim.TraceRequest], capacity: int, nodes: int, pick=lambda i: 0) -> float:
+    """A decode-leg hit share replayed without the simulator: request ``i`` goes to node ``pick(i)`` of
+    ``nodes``, each an LRU of ``capacity`` blocks (round-robin: ``pick = i % nodes``; pooled: one node)."""
     caches = [OrderedDict() for _ in range(nodes)]
     hit = total = 0
     for i, r in enumerate(trace):
-        c = caches[i % nodes]
+        c = caches[pick(i)]
         n = 0
         while n < len(r.hash_ids) and r.hash_ids[n] in c:
             n += 1
@@ -58,7 +59,7 @@ def main() -> None:
             if n == 8:
                 p, pooled = res["policies"], res["pooled"]["decode_hit_share"]
                 cost = p["cost_model"]
-                rr = replay_round_robin(trace, n, res["config"]["pool_blocks"])
+                rr = replay(trace, res["config"]["pool_blocks"], n, lambda i, n=n: i % n)
                 best_other = min(v["ttft_p50_ms"] for k, v in p.items() if k != "cost_model")
                 rows = [("decode-leg hit share within 3 points of pooled",
                          f"{cost['decode_hit_share']:.3f} vs {pooled:.3f}", pooled - cost["decode_hit_share"] <= 0.03),
