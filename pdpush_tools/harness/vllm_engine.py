@@ -141,6 +141,10 @@ def make_llm(model: str, role: str, extra: dict, llm_args: dict):
             kv_connector="PdpushConnector", kv_connector_module_path="pdpush.integrations.vllm",
             kv_role=role, kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute")  # a failed load is recomputed, never used
+    if isinstance(llm_args.get("kv_events_config"), dict):  # JSON from the harness: vLLM wants its config class
+        from vllm.config import KVEventsConfig
+
+        llm_args = {**llm_args, "kv_events_config": KVEventsConfig(**llm_args["kv_events_config"])}
     args = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "enforce_eager": True,
             "seed": 0, **llm_args}
     return LLM(model=model, **args, **kw)
