@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 from pdpush.router import simulate as sim
@@ -60,20 +61,21 @@ def main() -> None:
                 p, pooled = res["policies"], res["pooled"]["decode_hit_share"]
                 cost = p["cost_model"]
                 rr = replay(trace, res["config"]["pool_blocks"], n, lambda i, n=n: i % n)
+                # the router's round-robin skips an instance past the load cap; strictly in turn, it is the replay
+                strict = sim.simulate(trace, replace(cfg, max_imbalance=1 << 30), "round_robin")
                 best_other = min(v["ttft_p50_ms"] for k, v in p.items() if k != "cost_model")
                 rows = [("decode-leg hit share within 3 points of pooled",
                          f"{cost['decode_hit_share']:.3f} vs {pooled:.3f}", pooled - cost["decode_hit_share"] <= 0.03),
                         ("imbalance <= 1.6", f"{cost['imbalance']:.2f}", cost["imbalance"] <= 1.6),
                         ("TTFT p50 no worse than any other policy", f"{cost['ttft_p50_ms']:.0f} ms vs best other "
                          f"{best_other:.0f} ms", cost["ttft_p50_ms"] <= best_other),
-                        ("round-robin hit share = an independent replay",
-                         f"{p['round_robin']['decode_hit_share']:.4f} vs {rr:.4f}",
-                         abs(p["round_robin"]["decode_hit_share"] - rr) < 1e-9)]
+                        ("round-robin (strictly in turn: no load cap) hit share = an independent replay",
+                         f"{strict['decode_hit_share']:.4f} vs {rr:.4f}", abs(strict["decode_hit_share"] - rr) < 1e-9)]
                 targets += [f"| {name} | {t} | {m} | {'met' if ok else '**not met**'} |" for t, m, ok in rows]
                 if a.plot and name == TRACES[0]:
                     sim.plot(res, a.plot)
-    text = "\n".join(md[:5] + targets + [""] + (["![conversation trace, 8 x 8](simulate.png)", ""] if a.plot else [])
-                     + md[5:])
+    text = "\n".join(md[:4] + targets + [""] + (["![conversation trace, 8 x 8](simulate.png)", ""] if a.plot else [])
+                     + md[4:])
     print(text)
     if a.report:
         a.report.write_text(text)
