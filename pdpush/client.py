@@ -351,7 +351,7 @@ class PushHandle:
         self._base = st.array  # the whole staging region: the sender grants each layer a block of it
         self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
         self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
-        self._bell = client._bell(ok.doorbell) if self._ring is not None else None  # wakes the sender
+        self._bell = client._bell(ok.doorbell, ok.daemon_pid) if self._ring is not None else None  # wakes it
         self._handle = ok.handle  # how its records name this request
         self._daemon_pid = ok.daemon_pid  # the sender whose staging (and ring) this request writes
         self._sent: set[int] = set()
@@ -638,7 +638,7 @@ class PrefillClient:
         self._conn = _Conn(sender_socket or default_sender_socket())
         self._segments = _Attachments()
         self._rings: dict[int, ring.RingWriter] = {}  # by staging shmid: this connection's ring in it
-        self._bells: dict[str, Bell] = {}  # by path: the sender's doorbell (doorbell.py)
+        self._bells: dict[tuple[str, int], Bell] = {}  # by (path, sender pid): the sender's doorbell (doorbell.py)
         self._rings_lock = threading.Lock()
         self._begun = False  # a Begin went out: close() says Bye, so the sender may reuse this one's ring
         if pin_cuda:  # staging is page-locked in this process, for asynchronous device-to-host copies
@@ -689,17 +689,18 @@ class PrefillClient:
                 self._rings = {ok.staging_shmid: w}
             return w
 
-    def _bell(self, path: str) -> Bell | None:
-        """The doorbell the sender offers (``BeginOk.doorbell``), opened once; None: wake it by message."""
+    def _bell(self, path: str, daemon_pid: int) -> Bell | None:
+        """The doorbell the sender offers (``BeginOk.doorbell``), opened once per sender process (a restarted
+        sender makes its FIFO anew at the same path); None: wake it by message."""
         if not path:
             return None
         with self._rings_lock:
-            b = self._bells.get(path)
+            b = self._bells.get((path, daemon_pid))
             if b is None:
-                for old in self._bells.values():  # one sender per connection: an old path is a restarted one's
+                for old in self._bells.values():  # one sender per connection: another is a restarted one's
                     old.close()
                 b = Bell(path)
-                self._bells = {path: b}
+                self._bells = {(path, daemon_pid): b}
             return b
 
     def close(self) -> None:

@@ -22,9 +22,9 @@ its rings as it would on its next pass. Imports no zmq.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
+import threading
 from pathlib import Path
 
 
@@ -69,10 +69,14 @@ class Doorbell:
 
 
 class Bell:
-    """An engine's end of one sender's doorbell."""
+    """An engine's end of one sender's doorbell, shared by the client's threads: a bell that fails is
+    marked dead, and its descriptor is closed only by ``close`` (under the lock), never while another
+    thread may be writing to it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._lock = threading.Lock()
+        self._dead = False
         try:  # no reader (the sender is gone) is ENXIO; a missing or wrong path, another OSError
             fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
         except OSError:
@@ -85,20 +89,21 @@ class Bell:
 
     def ring(self) -> bool:
         """Wake the sender; False if it cannot be rung (the caller wakes it by message)."""
-        if self._fd < 0:
-            return False
-        try:
-            os.write(self._fd, b"\0")
-        except BlockingIOError:
-            return True  # full: the sender has a wake-up pending already
-        except OSError as e:
-            if e.errno in (errno.EPIPE, errno.EBADF):
-                self.close()
-            return False
-        return True
+        with self._lock:
+            if self._fd < 0 or self._dead:
+                return False
+            try:
+                os.write(self._fd, b"\0")
+            except BlockingIOError:
+                return True  # full: the sender has a wake-up pending already
+            except OSError:
+                self._dead = True  # no reader any more (EPIPE): the sender is gone
+                return False
+            return True
 
     def close(self) -> None:
-        if self._fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = -1

@@ -25,8 +25,11 @@ log = logging.getLogger("pdpush.kv_params")
 PushId = str
 
 
+MAX_ID = 256  # the control protocol's request id (protocol.ReqId)
+
+
 def valid_push_id(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= 200 and v.isprintable()
+    return isinstance(v, str) and 0 < len(v) <= MAX_ID and v.isprintable()
 
 
 class KvParams(BaseModel):
@@ -35,8 +38,8 @@ class KvParams(BaseModel):
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
     pdpush_receiver: str | None = Field(None, max_length=1024)
-    pdpush_push_id: PushId | None = Field(None, max_length=200)
-    pdpush_req_id: PushId | None = Field(None, max_length=200)
+    pdpush_push_id: PushId | None = Field(None, max_length=MAX_ID)
+    pdpush_req_id: PushId | None = Field(None, max_length=MAX_ID)
     pdpush_claim: bool = False
     pdpush_tokens: int | None = Field(None, ge=0)
     pdpush_layout: str | None = Field(None, max_length=64)
@@ -77,6 +80,7 @@ def for_decode(push_id: str, claim: bool = False) -> dict[str, Any]:
 
 
 def pushed(push_id: str, tokens: int, receiver: str, layout: str) -> dict[str, Any]:
-    """The prefill's answer: what it pushed, for the decode leg."""
-    return KvParams(do_remote_prefill=True, pdpush_req_id=push_id, pdpush_tokens=tokens, pdpush_receiver=receiver,
-                    pdpush_layout=layout).dump()
+    """The prefill's answer: what it pushed, for the decode leg (built unchecked: it runs inside the engine's
+    scheduler, where a raise would end the engine, and every field was checked on the way in)."""
+    return KvParams.model_construct(do_remote_prefill=True, pdpush_req_id=push_id, pdpush_tokens=tokens,
+                                    pdpush_receiver=receiver, pdpush_layout=layout).dump()

@@ -78,7 +78,7 @@ def test_an_idle_sender_is_woken_by_its_doorbell_and_every_layer_lands(daemons):
     pc = PrefillClient(LAY, sock(tx), timeout_s=30)
     dc = DecodeClient(sock(rx), timeout_s=30)
     try:
-        for i in range(3):
+        for i in range(5):
             k, v = kv(LAY, 20, seed=i)
             h = pc.begin(f"rung-{i}", list(range(100 * i, 100 * i + 20)))
             assert h._bell is not None
@@ -89,7 +89,8 @@ def test_an_idle_sender_is_woken_by_its_doorbell_and_every_layer_lands(daemons):
             assert h.finish(timeout_s=30).layers == LAY.layers
             gk, gv = read_back(dc, f"rung-{i}", LAY, 20)
             assert np.array_equal(gk, k) and np.array_equal(gv, v)
-        assert status(sock(tx))["doorbell_rings"] >= 3
+        # a hand-over rings only while the sender sleeps; it wakes every 20 ms for its timers, so not every one
+        assert status(sock(tx))["doorbell_rings"] >= 1
     finally:
         pc.close()
         dc.close()

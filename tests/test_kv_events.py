@@ -70,10 +70,10 @@ def test_sequence_gaps_restarts_and_replays():
     v.on_batch(6, [])
     v.on_batch(6, [stored([9], None, [9, 9, 9, 9])], replayed=True)  # a replayed copy: dropped
     assert v.held_tokens([9, 9, 9, 9]) == 0
-    v.replay_missed(8)  # the buffer starts past the gap: the view is cleared
-    assert v.resyncs["replay_short"] == 1 and not v.by_hash
-    v.on_batch(9, [stored([1], None, [0, 1, 2, 3])])  # the live batch after the gap: applied, the gap counted
-    assert v.resyncs["gap"] == 1 and v.held_tokens([0, 1, 2, 3]) == 4
+    v.on_batch(8, [stored([1], None, [0, 1, 2, 3])], replayed=True)  # the replay began past the gap (at 8):
+    assert v.resyncs["gap"] == 1 and v.held_tokens([0, 1, 2, 3]) == 4  # cleared once, counted once, then applied
+    v.on_batch(9, [ec.Removed([1], medium="CPU"), ec.Removed([1], group_idx=1)])  # other tiers' copies go
+    assert v.held_tokens([0, 1, 2, 3]) == 4
     v.on_batch(0, [stored([2], None, [4, 4, 4, 4])])  # the sequence went back: a restarted engine
     assert v.resyncs["restart"] == 1 and v.exact and v.held_tokens([0, 1, 2, 3]) == 0
     assert v.held_tokens([4, 4, 4, 4]) == 4

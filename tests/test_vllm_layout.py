@@ -268,3 +268,20 @@ def test_one_pass_gather_refuses_addresses_outside_the_cache():
         gather_rows(dst, src, np.array([0, 0], np.int64), np.array([0, 1], np.int32), emap, 2)
     with pytest.raises(ValueError, match="rows of"):
         gather_rows(dst, src, np.array([0, 0], np.int64), np.zeros(2, np.int32), emap, 4)
+
+
+def test_one_pass_gather_refuses_a_reversed_row_and_an_empty_map():
+    import numpy as np
+
+    from pdpush_native._copy import gather_rows
+
+    src = np.arange(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="contiguous"):  # one row, written backwards: refused, not overrun
+        gather_rows(np.zeros((1, 8), np.uint8)[:, ::-1], src, np.zeros(1, np.int64), np.zeros(1, np.int32),
+                    np.arange(4, dtype=np.int32)[None], 2)
+    with pytest.raises(ValueError, match="no elements"):
+        gather_rows(np.zeros((1, 0), np.uint8), src, np.zeros(1, np.int64), np.zeros(1, np.int32),
+                    np.zeros((1, 0), np.int32), 2)
+    with pytest.raises(IndexError, match="outside"):  # a base past the source, with a map reaching back
+        gather_rows(np.zeros((1, 8), np.uint8), src, np.array([(1 << 62)], np.int64), np.zeros(1, np.int32),
+                    np.array([[-(1 << 30), 0, 1, 2]], np.int32), 2)

@@ -109,7 +109,8 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
     if (eb != 1 && eb != 2 && eb != 4 && eb != 8) throw std::invalid_argument("gather_rows: elements of 1, 2, 4 or 8 bytes");
     if (rb != D * eb) throw std::invalid_argument("gather_rows: rows of " + std::to_string(rb) + " bytes, the map's are " +
                                                   std::to_string(D * eb));
-    if (R > 1 && rb > 1 && dst.stride(1) != 1) throw std::invalid_argument("gather_rows: a row's bytes must be contiguous");
+    if (D == 0) throw std::invalid_argument("gather_rows: a map of rows of no elements");
+    if (rb > 1 && dst.stride(1) != 1) throw std::invalid_argument("gather_rows: a row's bytes must be contiguous");
     if (base.shape(0) != R || sel.shape(0) != R)
         throw std::invalid_argument("gather_rows: base and sel need one entry per row");
     const int32_t *map = emap.data();
@@ -141,7 +142,8 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
             continue;
         }
         const int32_t m = sl[r];
-        if (m < 0 || static_cast<size_t>(m) >= M || b + lo[m] * static_cast<int64_t>(eb) < 0 ||
+        // b <= S first: then b + an offset of the map (|offset| < 2^31 elements of at most 8 bytes) cannot overflow
+        if (m < 0 || static_cast<size_t>(m) >= M || b > S || b + lo[m] * static_cast<int64_t>(eb) < 0 ||
             b + (hi[m] + 1) * static_cast<int64_t>(eb) > S)
             throw std::out_of_range("gather_rows: row " + std::to_string(r) + " reaches outside the source");
         const uint8_t *s = s0 + b;

@@ -248,8 +248,8 @@ class Router:
         dcs = [costmodel.DecodeCand(d.healthy and d is not exclude, d.inflight, est.push_speed(d.url),
                                     d.index.held_prefix(keys) if keys else 0, est.decode_wait(d.inflight),
                                     est.local_speed(d.url)) for d in self.fleet.decode]
-        plan = costmodel.choose(prompt, pcs, dcs, self.caps, self.cfg.ttft_slo_ms / 1000 if self.cfg.ttft_slo_ms
-                                else None)
+        slo = self.cfg.ttft_slo_ms / 1000 if self.cfg.ttft_slo_ms and exclude is None else None  # a retry is not
+        plan = costmodel.choose(prompt, pcs, dcs, self.caps, slo)  # refused: its decode leg recomputes now
         self.metrics.decisions.labels("both", plan.reason).inc()
         if plan.reason == "slo":
             self.counters["rejected_slo"] += 1
@@ -296,8 +296,8 @@ class Router:
                 status, why = r.status_code, r.text[:300]
                 if legs.prefill_outcome(status) is legs.Outcome.PUSHED:
                     self.fleet.ok(inst)
-                    if work:  # the instance worked through what was ahead of this leg and the leg in that time
-                        self.estimates.observe_prefill(inst.url, work, ahead, time.monotonic() - t)
+                    if work and not ahead and not attempt:  # it ran alone: its time is this leg's compute
+                        self.estimates.observe_prefill(inst.url, work, 0.0, time.monotonic() - t)
                     return r.json().get("kv_transfer_params") or None
             except (httpx.HTTPError, ValueError) as e:
                 self._unreachable(inst, e)

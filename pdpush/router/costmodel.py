@@ -20,7 +20,9 @@ Load caps keep affinity from piling onto one instance: an instance is a candidat
 fewer than ``max_inflight`` in flight and at most ``max_imbalance`` more than the least loaded of its
 role. With ``slo_s`` set, a best prediction over it is ``reason = "slo"``: the router refuses it.
 
-``Estimates`` learns the speeds online from what the router observes (exponentially weighted).
+``Estimates`` holds the speeds: a prefill instance's is learned online from the legs the router sees it
+run alone (exponentially weighted; a leg that shared the instance says little about either); push
+bandwidth and a decode instance's own prefill speed stay as configured until something measures them.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ key and the block's tokens), remembers which engine hash is which key, and a pro
 the leading run of its own chain found (``held_tokens``), whole engine blocks.
 
 Exactness: the view is exact while batches come in order. A gap is the subscriber's to fill from the
-engine's replay buffer (``wants_replay``); if the replay does not reach back, or the sequence starts
-again (the engine restarted), the view is cleared and rebuilt from the events that follow, and the
-clear is counted (``resyncs``, by reason). vLLM keeps no snapshot, so a view cleared misses the
+engine's replay buffer (``wants_replay``); if the replay does not reach back (a batch still follows a
+gap), or the sequence starts again (the engine restarted), the view is cleared and rebuilt from the
+events that follow, and the clear is counted (``resyncs``, by reason). vLLM keeps no snapshot, so a view cleared misses the
 blocks the engine already held until they are stored again: it under-counts, never over-counts.
 
 Blocks the router cannot match are left out and counted: a LoRA adapter's, a multimodal or salted
@@ -32,7 +32,7 @@ ROOT = 0  # the chain's key before the first block
 def chain(parent: int, tokens: Iterable[int]) -> int:
     """A block's key: its parent's key and its token ids."""
     h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    h.update(b"".join((int(t) & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little") for t in tokens))
     return h.intdigest()
 
 
@@ -124,14 +124,6 @@ class EngineCacheView:
         for e in events:
             self._apply(e)
 
-    def replay_missed(self, first_available: int | None) -> None:
-        """The replay buffer began at ``first_available`` (None: it had nothing) after the last batch
-        applied: a gap it cannot fill clears the view."""
-        want = 0 if self.last_seq is None else self.last_seq + 1
-        if first_available is None or first_available > want:
-            if self.last_seq is not None:
-                self.clear("replay_short")
-
     def lost(self, seq: int, reason: str) -> None:
         """Batch ``seq`` could not be read: the view starts again after it."""
         self.clear(reason)
@@ -149,6 +141,8 @@ class EngineCacheView:
             self.by_hash.clear()
             self.held.clear()
         elif isinstance(e, Removed):
+            if e.medium not in (None, "GPU") or e.group_idx not in (None, 0):
+                return  # another tier's or group's copy went: the one the view counts may still be there
             for h in e.block_hashes:
                 key = self.by_hash.pop(_hkey(h), None)
                 if key is not None:

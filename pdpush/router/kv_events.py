@@ -120,6 +120,7 @@ class EngineEvents:
         self.bad_batches = 0
         self.replays = 0
         self._dup: tuple[int, int] | None = None  # the last replay's batches: live copies of them are dropped
+        self._live_last: int | None = None  # the last live batch's number: one not above it is a restart
 
     def _open(self) -> None:
         self.sub = self.ctx.socket(zmq.SUB)
@@ -144,8 +145,9 @@ class EngineEvents:
             return
         if seq is None:
             return
-        if self._dup is not None and seq > self._dup[1]:
-            self._dup = None
+        if (self._live_last is not None and seq <= self._live_last) or (self._dup is not None and seq > self._dup[1]):
+            self._dup = None  # a live number that went back is a restarted engine, never a copy of a replayed batch
+        self._live_last = seq
         if self._dup is not None and seq >= self._dup[0]:
             return  # a live copy of a batch the last replay brought
         self.view.check_restart(seq)
@@ -153,12 +155,9 @@ class EngineEvents:
         if start is None:
             return
         if not self.source.replay_endpoint:
-            if self.view.last_seq is not None:
-                self.view.replay_missed(None)
-            return
+            return  # the gap stays: the view counts it and starts again (on_batch)
         self.replays += 1
         first, upto = await self._replay(start)
-        self.view.replay_missed(first)
         if first is not None:
             self._dup = (first, upto)
 
@@ -166,11 +165,11 @@ class EngineEvents:
         """Ask the replay buffer for the batches from ``start`` and apply them: the first and the last one's
         numbers (None: none came, within the deadline)."""
         req = self.ctx.socket(zmq.DEALER)  # a REQ socket would take the first reply only
-        req.setsockopt(zmq.LINGER, 0)
-        req.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
-        req.connect(self.source.replay_endpoint)
         first, upto = None, -1
         try:
+            req.setsockopt(zmq.LINGER, 0)
+            req.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+            req.connect(self.source.replay_endpoint)
             await req.send_multipart([b"", start.to_bytes(8, "big", signed=True)])  # as a REQ would frame it
             loop = asyncio.get_running_loop()
             deadline = loop.time() + REPLAY_TIMEOUT_S
@@ -202,14 +201,13 @@ class EngineEvents:
                 raise BadBatch(f"{len(frames)} frames (topic, sequence, batch)")
             seq = _seq(frames[1])
             events = decode_batch(frames[2])
-        except BadBatch as e:
+            dup = self._dup is not None and self._dup[0] <= seq <= self._dup[1]
+            self.view.on_batch(seq, events, replayed=replayed or dup)
+        except (BadBatch, ValueError, TypeError, OverflowError) as e:
             self.bad_batches += 1
             log.warning("bad KV event batch from %s: %s", self.source.endpoint, e)
             if seq is not None:
                 self.view.lost(seq, "bad_batch")  # its events are missing: what the view held may be stale
-            return
-        dup = self._dup is not None and self._dup[0] <= seq <= self._dup[1]
-        self.view.on_batch(seq, events, replayed=replayed or dup)
 
     def close(self) -> None:
         if self.sub is not None:
