@@ -272,7 +272,6 @@ def test_one_pass_gather_refuses_addresses_outside_the_cache():
 
 def test_one_pass_gather_refuses_a_reversed_row_and_an_empty_map():
     import numpy as np
-
     from pdpush_native._copy import gather_rows
 
     src = np.arange(64, dtype=np.uint8)
