@@ -118,7 +118,11 @@ class Publisher:
         script = Path(__file__).with_name("vllm_kv_publisher.py")
         self.p = subprocess.Popen([str(VLLM_PY), str(script), pub, replay, str(buffer_steps)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
-        assert self._line(120) == "ready"
+        try:
+            assert self._line(120) == "ready"
+        except BaseException:
+            self.stop()  # a publisher that never came up is stopped by its pid, not left behind
+            raise
 
     def _line(self, timeout_s: float) -> str:
         out: list[str] = []

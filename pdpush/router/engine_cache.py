@@ -195,12 +195,17 @@ class EngineCacheView:
         return ""
 
     # ---- queries ----
-    def held_tokens(self, token_ids: list[int]) -> int:
-        """Leading prompt tokens this engine's cache holds (whole blocks)."""
+    def held_tokens(self, token_ids: list[int], keys: dict[int, list[int]] | None = None) -> int:
+        """Leading prompt tokens this engine's cache holds (whole blocks). ``keys``: the prompt's chain keys
+        by block size, filled here as needed, so that several engines' views hash a prompt once."""
         if not self.block_size or not self.held:
             return 0
+        if keys is None:
+            keys = {}
+        if self.block_size not in keys:
+            keys[self.block_size] = prompt_keys(token_ids, self.block_size)
         n = 0
-        for key in prompt_keys(token_ids, self.block_size):
+        for key in keys[self.block_size]:
             if key not in self.held:
                 break
             n += 1
