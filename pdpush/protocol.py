@@ -317,6 +317,7 @@ class QueryReply(Msg):
     held_prefix: U32  # leading keys held complete in the chunk index
     request_chunks: U32 = 0  # leading keys that the request named in the query carries (0: not live here)
     request_gone: bool = False  # the named request was here and has ended (failed, expired or released)
+    request_committed: bool = False  # the named request is here and committed: every layer has landed
 
 
 class Claim(Msg):

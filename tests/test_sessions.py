@@ -272,12 +272,19 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert "a" not in rx.reqs and rx.pool.quarantined_pages == 3
     rx.check()
     # committed, read and released: dropped; committed and never read: dropped after its TTL
+    def query(rid):  # what a decode scheduler asks of a live push (load_mode: committed or still arriving)
+        return msgs(rx.on_local(DEC, protocol.Query(chunk_keys=[], req_id=rid), 200), ToDecode,
+                    protocol.QueryReply)[0]
+
     for rid, base in (("b", 100), ("c", 200)):
         rx.on_control(b"s", alloc.model_copy(update={"req_id": rid, "chunk_keys": chunk_keys(
             list(range(base, base + 16)), LAY)}), 200)
         for layer in range(LAY.layers):
+            assert not query(rid).request_committed
             rx.on_control(b"s", protocol.LayerDone(req_id=rid, layers=[layer]), 200)
+        assert not query(rid).request_committed  # every layer landed, not committed yet
         assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid), 200), ToSender, protocol.CommitAck)
+        assert query(rid).request_committed and not query(rid).request_gone
     rx.on_local(DEC, protocol.Open(req_id="b"), 250)
     rx.on_local(DEC, protocol.Release(req_id="b"), 260)
     assert "b" not in rx.reqs and "c" in rx.reqs
@@ -287,7 +294,7 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert "c" not in rx.reqs
     rx.check()
     reply = msgs(rx.on_local(DEC, protocol.Query(chunk_keys=[], req_id="a"), 1300), ToDecode, protocol.QueryReply)
-    assert reply[0].request_gone
+    assert reply[0].request_gone and not reply[0].request_committed
 
 
 def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_serving(monkeypatch):

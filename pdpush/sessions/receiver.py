@@ -529,7 +529,8 @@ class ReceiverSession:
             out.append(ToDecode(ident, QueryReply(
                 held_prefix=self.pool.held_prefix(msg.chunk_keys),
                 request_chunks=self._request_prefix(msg.req_id, msg.chunk_keys),
-                request_gone=msg.req_id is not None and msg.req_id not in self.reqs and msg.req_id in self.finished)))
+                request_gone=msg.req_id is not None and msg.req_id not in self.reqs and msg.req_id in self.finished,
+                request_committed=self._committed(msg.req_id))))
         else:
             raise UnexpectedMessage(f"receiver does not accept {msg.type} on the local endpoint")
 
@@ -576,6 +577,10 @@ class ReceiverSession:
             if self.pool.held_prefix(items) == len(items):
                 return h, items, last
         return 0, [], 0
+
+    def _committed(self, req_id: str | None) -> bool:
+        r = self.reqs.get(req_id) if req_id else None
+        return r is not None and r.state is ReqState.COMMITTED
 
     def _request_prefix(self, req_id: str | None, keys: list[bytes]) -> int:
         """How many leading ``keys`` the live request ``req_id`` carries (0 if it is not here)."""

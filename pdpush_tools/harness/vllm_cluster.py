@@ -127,9 +127,12 @@ def push_timeline(events, push_id: str) -> dict:
 
 @contextlib.contextmanager
 def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_bytes: int = 64 << 20,
-            pool_pages: int = 64, prefault: bool = False, llm_args: dict | None = None):
+            pool_pages: int = 64, prefault: bool = False, llm_args: dict | None = None,
+            env: dict[str, dict] | None = None):
     """A receiver and a sender (real daemons) with decode (kv_consumer), prefill (kv_producer) and
-    colocated engines around them; everything is stopped by pid on the way out, even on failure."""
+    colocated engines around them; everything is stopped by pid on the way out, even on failure.
+    ``env``: more environment by engine ("decode", "prefill", "colocated"), e.g. a PDPUSH_TEST_FAULT."""
+    env = env or {}
     wd = launch.scratch_dir()
     rx = tx = None
     engines: list[Engine] = []
@@ -139,11 +142,11 @@ def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_b
         rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
         tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
         engines = [Engine("kv_consumer", model, {**common, "receiver_socket": rx_sock}, workdir / "decode.log",
-                          llm_args),
+                          llm_args, env.get("decode")),
                    Engine("kv_producer", model, {**common, "sender_socket": tx_sock,
                                                  "receiver": rx.info["control_endpoint"]}, workdir / "prefill.log",
-                          llm_args),
-                   Engine("colocated", model, {}, workdir / "colocated.log", llm_args)]
+                          llm_args, env.get("prefill")),
+                   Engine("colocated", model, {}, workdir / "colocated.log", llm_args, env.get("colocated"))]
         for e in engines:  # they start in parallel; wait for each
             e.ready()
         decode, prefill, colocated = engines

@@ -120,10 +120,25 @@ def build_model(out_dir: str, size: str = "tiny") -> None:
     fast.save_pretrained(out_dir)
 
 
+SLOW_LAYER_S = 0.25
+
+
 def _inject_fault(fault: str) -> None:
+    """``abort_state``: the prefill gives its push up before the state; ``slow_push``: each layer's hand-over
+    waits SLOW_LAYER_S first, so that a push is still arriving when its decode request is scheduled."""
+    from pdpush.integrations.vllm.worker import WorkerSide
+
+    if fault == "slow_push":
+        save = WorkerSide.save_kv_layer
+
+        def slow_save(self, *a, **kw):
+            if self._pushes:  # a step that pushes (not the earlier steps of a chunked prefill)
+                time.sleep(SLOW_LAYER_S)
+            return save(self, *a, **kw)
+        WorkerSide.save_kv_layer = slow_save
+        return
     if fault != "abort_state":
         raise SystemExit(f"unknown PDPUSH_TEST_FAULT {fault!r}")
-    from pdpush.integrations.vllm.worker import WorkerSide
 
     def abort_state(self, p, upto):
         p.handle.abort("PDPUSH_TEST_FAULT: the engine gave the push up before its state")

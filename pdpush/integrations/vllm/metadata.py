@@ -21,8 +21,12 @@ STATS: dict[str, int] = {
     # recurrent state (GDN, Mamba2): time gathering it after the forward (prefill), and waiting for it and
     # writing it into vLLM's blocks before the forward (decode)
     "push_state_us": 0, "push_state_layers": 0, "load_state_us": 0, "load_states": 0, "push_truncated": 0,
-    # asynchronous loads (models of several KV cache groups): loaded once committed, or failed (recomputed)
+    # asynchronous loads (load_mode; always for models of several KV cache groups): loaded once committed, or
+    # failed (recomputed)
     "load_async": 0, "load_async_failed": 0,
+    # the decode scheduler's choice per planned load (load_mode): outside the batch, or layer by layer
+    "match_async": 0, "match_layerwise": 0,
+    "load_async_naps": 0,  # empty steps while only asynchronous loads waited: napped IDLE_NAP_S, not spun
 }
 
 # The last events of this process's pushes (kind, push id, layer, monotonic seconds): how the

@@ -28,6 +28,14 @@ log = logging.getLogger("pdpush.vllm")
 IDLE_NAP_S = 0.01
 
 
+def loads_async(mode: str, committed: bool, running: int) -> bool:
+    """Whether a pushed request loads outside the batch (``load_mode``, settings.py): always or never as
+    set, else only while its push is still arriving and ``running`` other requests would wait on it."""
+    if mode != "auto":
+        return mode == "async"
+    return not committed and running > 0
+
+
 @dataclass
 class _Req:
     """Everything the scheduler side knows of one request."""
@@ -45,6 +53,7 @@ class _Req:
     first_ask: float | None = None
     next_ask: float = 0.0
     claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
+    asynchronous: bool = False  # the load planned is asynchronous (loads_async)
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
 
 
@@ -58,6 +67,8 @@ class SchedulerSide:
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._receiver_down_until = 0.0
         self._idle = False  # the last step scheduled no tokens at all
+        self._running = 0  # requests the last step scheduled
+        self._awaiting: set[str] = set()  # asynchronous loads handed to the workers, not yet scheduled
         # a model of several KV cache groups (sliding windows, state) loads asynchronously: vLLM can take a
         # failed load only as a failed request then, never as failed blocks (it recomputes it from token 0)
         self.load_async = bool(layout.windows or layout.state_layers) or kv_groups > 1
@@ -151,8 +162,11 @@ class SchedulerSide:
                 STATS["match_missing"] += 1
             return 0, False
         r.plan = (str(push_id), num_computed_tokens, end)
+        r.asynchronous = self.load_async or loads_async(self.settings.load_mode, reply.request_committed,
+                                                        self._running)
         STATS["match_tokens"] += end - num_computed_tokens
-        return end - num_computed_tokens, self.load_async
+        STATS["match_async" if r.asynchronous else "match_layerwise"] += 1
+        return end - num_computed_tokens, r.asynchronous
 
     def _claim(self, request: Request, r: _Req, push_id: str, prompt: list[int], want: int,
                computed: int) -> tuple[int, bool]:
@@ -173,9 +187,10 @@ class SchedulerSide:
                 STATS["match_missing"] += 1
             return 0, False
         r.plan = (push_id, computed, end)
+        r.asynchronous = self.load_async  # claimed chunks are all there: nothing to wait for
         STATS["match_tokens"] += end - computed
         STATS["claimed_tokens"] += end - computed
-        return end - computed, self.load_async
+        return end - computed, r.asynchronous
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)
@@ -185,18 +200,27 @@ class SchedulerSide:
             r.plan = None
         elif r.plan[2] - r.plan[1] != num_external_tokens:  # the scheduler trimmed the load's start (a partial
             r.plan = (r.plan[0], r.plan[2] - num_external_tokens, r.plan[2])  # local block); keep its end
-        if self.load_async and r.plan is not None:  # not scheduled this step: it waits for the load
+        if r.asynchronous and r.plan is not None:  # not scheduled this step: it waits for the load
             r.async_blocks = [list(b) for b in blocks.get_block_ids()]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdpushConnectorMetadata:
         meta = PdpushConnectorMetadata()
         so = scheduler_output
         self._idle = so.total_num_scheduled_tokens == 0
+        self._running = len(so.num_scheduled_tokens)
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
             if r.async_blocks is not None and r.plan is not None:
                 meta.loads.append(LoadSpec(rid, r.plan[0], r.async_blocks, r.plan[1], r.plan[2], r.prompt_tokens,
                                            asynchronous=True))
                 r.plan, r.planned_once, r.async_blocks = None, True, None
+                self._awaiting.add(rid)
+        for new in so.scheduled_new_reqs:  # loaded (or failed, then recomputed): it runs now
+            self._awaiting.discard(new.req_id)
+        if self._idle and self._awaiting and not meta.loads:
+            # only asynchronous loads wait: each empty step polls them (get_finished), and vLLM's loop would run
+            # such steps back to back, a core spinning while the layers arrive; nap, as for a push not yet begun
+            time.sleep(IDLE_NAP_S)
+            STATS["load_async_naps"] += 1
         for new in so.scheduled_new_reqs:
             rid = new.req_id
             r = self.reqs.get(rid)
@@ -229,6 +253,7 @@ class SchedulerSide:
             r.pushed = True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._awaiting.discard(request.request_id)
         r = self.reqs.pop(request.request_id, None)
         if r is None or not r.pushed:
             return False, None

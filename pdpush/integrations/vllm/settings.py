@@ -65,6 +65,15 @@ class ConnectorSettings(BaseModel):
     push_wait_s: float = Field(2.0, ge=0)
     """Decode: how long a request whose push has not reached the receiver yet waits before it is
     recomputed instead."""
+    load_mode: Literal["auto", "layerwise", "async"] = "auto"
+    """Decode: how a pushed request's KV gets into vLLM's blocks. ``layerwise``: inside the forward that
+    computes its last prompt token, each layer read as it lands (the transfer overlaps that forward, but
+    every request in the step waits for the layers still on the wire). ``async``: outside the batch, the
+    request waiting (vLLM's WAITING_FOR_REMOTE_KVS) until its push has committed, then copied whole, so
+    running requests' steps never wait on its layers. ``auto``: async when the push has not committed
+    by the time the request is scheduled and the engine is running other requests; layer by layer when
+    it has committed (nothing to wait for) or the engine is idle (nobody to hold up). Models of several
+    KV cache groups always load asynchronously."""
 
 
 # vLLM cache dtypes whose bytes pdpush moves as they are, one element per byte: fp8 with per-layer
