@@ -32,6 +32,10 @@ Flow (one request, driven by a proxy such as ``pdpush proxy``):
   layer ``l`` and scatters this rank's heads from the pool (zero-copy views) into vLLM's blocks. A
   failed or late load is reported by block id (``get_block_ids_with_load_errors``): vLLM discards
   the step's output and recomputes from the first bad block, so no block is left holding wrong KV.
+* decode, scheduler, with ``--kv-events-config``: ``take_events`` reports the receiver pool's chunks of
+  the prompts this engine loaded as vLLM KV events (``BlockStored`` once the receiver's index holds
+  them, ``BlockRemoved`` once it evicts them; medium ``pdpush:<receiver control endpoint>``; events.py),
+  and ``get_external_cache_hit_sources`` names the loaded tokens' tier (``p2p``; ``host`` for a claim).
 
 Models: MHA/GQA attention and MLA latents (kvcodec.py), 16/32-bit floats and fp8 caches with unit
 scales (fp8 with other static scales, run-time scales and formats with scales inside the cache are
@@ -48,6 +52,7 @@ and the GPU MLA backends) follow vLLM's source but are not run here; see vllm_la
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from pdpush.integrations.vllm.events import PoolEvents
 from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.scheduler import SchedulerSide
 from pdpush.integrations.vllm.settings import (
@@ -70,6 +76,12 @@ from pdpush.integrations.vllm.settings import (
     settings_of,
 )
 from pdpush.integrations.vllm.worker import WorkerSide
+from pdpush.kv_params import KvParams
+
+try:  # vLLM's cache-hit tiers (prompt_tokens_cached_by_source)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # a vLLM without them
+    CacheHitSource = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +102,9 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
     hybrid KV cache manager (``SupportsHMA``), every block-id list is one per KV cache group, and a
     sliding-window group moves only its window's chunks."""
 
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.P2P  # pushed from the prefill instance (get_external_cache_hit_sources)
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
@@ -102,6 +117,7 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_tag = uuid.uuid4().hex[:12]
         self._worker: WorkerSide | None = None
         self._sched: SchedulerSide | None = None
+        self._events: PoolEvents | None = None  # the receiver pool in vLLM's KV events (events.py)
         if role == KVConnectorRole.WORKER:
             self._worker = WorkerSide(vllm_config, self.settings, endpoints, self.layout, self.is_producer,
                                       self.is_consumer, kv_cache_config)
@@ -109,6 +125,11 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self.settings, endpoints, self.layout, self.engine_tag, self.is_producer,
                                         self.is_consumer,
                                         len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1)
+            kec = getattr(vllm_config, "kv_events_config", None)
+            if self.is_consumer and kec is not None and kec.enable_kv_cache_events:
+                s = self.settings
+                self._events = PoolEvents(endpoints.receiver_socket, self.layout, timeout_s=s.query_timeout_s,
+                                          retry_s=s.receiver_retry_s, pending_s=max(s.timeout_s, s.push_wait_s) * 2)
         log.info("PdpushConnector %s role=%s producer=%s consumer=%s layout=%s tp=%d", self.engine_tag, role.name,
                  self.is_producer, self.is_consumer, self.layout, vllm_config.parallel_config.tensor_parallel_size)
 
@@ -153,6 +174,8 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self._worker, self._sched):
             if side is not None:
                 side.shutdown()
+        if self._events is not None:
+            self._events.close()
 
     # ---- scheduler side ----
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
@@ -163,17 +186,43 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        n, load_async = self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        if n and self._events is not None:
+            self._events.planned(request.request_id, request.prompt_token_ids)
+        return n, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
+        """The tier of the tokens loaded (``vllm:prompt_tokens_cached_by_source``): ``p2p`` for a pushed
+        request (its KV came from the prefill instance), ``host`` for a claim of chunks the receiver's
+        pool already held (conditional disaggregation: host memory on this node, nothing moved)."""
+        if not num_external_tokens or CacheHitSource is None:
+            return {}
+        claim = KvParams.parse(request.kv_transfer_params).pdpush_claim
+        return {CacheHitSource.HOST if claim else CacheHitSource.P2P: num_external_tokens}
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        meta = self._sched.build_connector_meta(scheduler_output)
+        if self._events is not None and meta.loads:
+            now = time.monotonic()
+            for load in meta.loads:
+                self._events.loaded(load.req_id, now)
+        return meta
+
+    def take_events(self):
+        """The receiver pool's chunks as vLLM KV events (events.py): a decode instance with
+        ``--kv-events-config`` only."""
+        return self._events.take_events(time.monotonic()) if self._events is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._events is not None:
+            self._events.finished(request.request_id)
         return self._sched.request_finished(request)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        if self._events is not None:
+            self._events.finished(request.request_id)
         return self._sched.request_finished(request)  # the hybrid manager's: one block list per group
