@@ -66,7 +66,7 @@ def turn(fleet, url: str, chat: Chat, timeout_s: float = 120) -> dict:
     ref = fleet.colocated.generate(prompt, NEW)[0]["tokens"]
     chat.answered(ch["message"]["content"])
     return {"decode": res.headers["x-pdpush-decode"], "route": res.headers["x-pdpush-route"], "prompt": prompt,
-            "tokens": ch["token_ids"], "match": ch["token_ids"] == ref}
+            "tokens": ch["token_ids"], "match": ch["token_ids"] == ref, "headers": res.headers}
 
 
 def rx(fleet) -> list[dict]:

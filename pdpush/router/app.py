@@ -75,6 +75,7 @@ class Route_:
     hit_chunks: int
     reason: str
     estimate: costmodel.Estimate | None = None  # cost_model: the prediction it was chosen by
+    prefill_served: Instance | None = None  # the instance whose prefill leg pushed (another one after a retry)
 
 
 class Router:
@@ -182,6 +183,7 @@ class Router:
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
             ok, why = False, f"/health: {type(e).__name__}: {e}"
+            self._maybe_gone(inst, e)
         if ok:
             if self.fleet.ok(inst):
                 log.warning("re-admitted %s", inst.name, extra={"fields": {"event": "readmit", "instance": inst.url}})
@@ -189,8 +191,18 @@ class Router:
             log.warning("ejected %s: %s", inst.name, why, extra={"fields": {"event": "eject", "instance": inst.url,
                                                                            "why": why}})
 
+    def _maybe_gone(self, inst: Instance, e: Exception) -> None:
+        """Nothing listens where a prefill engine was: it stopped, and whatever comes back there starts with
+        an empty cache. Its view is cleared now (counted, ``unreachable``), not when the new engine's first
+        event batch shows its sequence began again: until then placement would claim hits on blocks that
+        are gone (a conversation's next turn sent back to an engine that lost its history)."""
+        if isinstance(e, httpx.ConnectError) and inst.cache is not None and inst.cache.by_hash:
+            log.warning("%s is unreachable: its cache view is cleared", inst.name)
+            inst.cache.clear("unreachable")
+
     def _unreachable(self, inst: Instance, e: Exception) -> None:
         self.metrics.upstream_errors.labels(inst.url).inc()
+        self._maybe_gone(inst, e)
         hard = isinstance(e, httpx.ConnectError)
         if self.fleet.failed(inst, f"{type(e).__name__}: {e}", hard=hard):
             log.warning("ejected %s: %s", inst.name, e, extra={"fields": {"event": "eject", "instance": inst.url,
@@ -297,6 +309,7 @@ class Router:
                 status, why = r.status_code, r.text[:300]
                 if legs.prefill_outcome(status) is legs.Outcome.PUSHED:
                     self.fleet.ok(inst)
+                    route.prefill_served = inst
                     if work and not ahead and not attempt:  # it ran alone: its time is this leg's compute
                         self.estimates.observe_prefill(inst.url, work, 0.0, time.monotonic() - t)
                     return r.json().get("kv_transfer_params") or None
@@ -464,6 +477,11 @@ class Router:
                             headers={"X-Pdpush-Upstream": decode.url})
         self.fleet.ok(decode)
         extra = {"X-Pdpush-Route": mode, "X-Pdpush-Decode": decode.url, "X-Pdpush-Push-Id": route.push_id}
+        served = route.prefill_served or route.prefill  # a concurrent leg may not have answered yet: the planned one
+        if served is not None:
+            extra["X-Pdpush-Prefill"] = served.url
+            if route.estimate is not None and served is route.prefill:  # cost_model: its cache's predicted share
+                extra["X-Pdpush-Prefill-Cached"] = str(route.prompt_tokens - route.estimate.computed_tokens)
         if body.get("stream"):
             async def relay():
                 first = True

@@ -1,8 +1,10 @@
-"""A fleet of real vLLM OpenAI servers with pdpush between them, for tests/test_fleet.py and
-``make bench-fleet``: one receiver per decode instance, one sender on the prefill side, prefill and
-decode ``vllm.entrypoints.openai.api_server`` processes (the vLLM venv), a colocated engine for
-reference tokens, and ``pdpush router`` processes started on demand. Everything is stopped by pid
-on the way out, even on failure. Imports no vLLM or torch.
+"""A fleet of real vLLM OpenAI servers with pdpush between them, for tests/test_fleet.py,
+tests/test_fleet_2p.py and ``make bench-fleet``: one receiver per decode instance, one sender on the
+prefill side, prefill and decode ``vllm.entrypoints.openai.api_server`` processes (the vLLM venv), each
+prefill instance optionally publishing its vLLM KV events (``kv_events=True``: its own PUB and replay
+ports, for the router's ``kv_events``), a colocated engine for reference tokens, and ``pdpush router``
+processes started on demand. A server can be restarted on the same port and event endpoints. Everything
+is stopped by pid on the way out, even on failure. Imports no vLLM or torch.
 """
 
 from __future__ import annotations
@@ -40,13 +42,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held until every one is chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def kv_events_config(pub_port: int, replay_port: int, topic: str = "kv") -> dict:
+    """An engine's ``--kv-events-config``: vLLM binds its PUB socket only for a wildcard (or ipc)
+    endpoint and connects otherwise, so the engine side says ``*``; ``Server.events_source`` is how
+    a router on this host reaches it."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}", "topic": topic}
+
+
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group (its engine core is
-    a child process), stopped by the group's id."""
+    a child process), stopped by the group's id. ``kv_events``: its ``--kv-events-config``
+    (``kv_events_config``). ``restart`` stops it and starts it again with the same arguments: the same
+    port and event endpoints, an empty cache."""
 
     def __init__(self, role: str, model: Path, ktc: dict | None, log: Path, llm_args: dict | None = None,
-                 env: dict | None = None) -> None:
-        self.role, self.log = role, log
+                 env: dict | None = None, kv_events: dict | None = None) -> None:
+        self.role, self.log, self.kv_events = role, log, kv_events
+        self.starts = 0
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # the engine's worker in the engine core process ("uni", vLLM's default for one GPU; on CPU it
@@ -61,11 +86,36 @@ class Server:
             args += [f"--{k.replace('_', '-')}", str(v)]
         if ktc is not None:
             args += ["--kv-transfer-config", json.dumps(ktc)]
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen([str(require_vllm_python()), *args], stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, start_new_session=True, preexec_fn=_die_with_us,
-                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **launch.QUIET_UCX, **(env or {})})
+        if kv_events is not None:
+            args += ["--kv-events-config", json.dumps(kv_events)]
+        self._args = [str(require_vllm_python()), *args]
+        self._env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                     **launch.QUIET_UCX, **(env or {})}
+        self._start()
+
+    def _start(self) -> None:
+        self._log = open(self.log, "a" if self.starts else "w")
+        if self.starts:
+            self._log.write(f"\n---- restart {self.starts} ----\n")
+            self._log.flush()
+        self.starts += 1
+        self.proc = subprocess.Popen(self._args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True, preexec_fn=_die_with_us, env=self._env)
+
+    @property
+    def events_source(self) -> dict | None:
+        """Where a router on this host follows its KV events (the router's ``kv_events`` entry)."""
+        if self.kv_events is None:
+            return None
+        here = {k: self.kv_events[k].replace("*", "127.0.0.1") for k in ("endpoint", "replay_endpoint")}
+        return {**here, "topic": self.kv_events.get("topic", "")}
+
+    def restart(self, timeout_s: float = 300) -> None:
+        """Stop it (SIGTERM to its group, as an operator would) and start it again, the same way, on the
+        same port and event endpoints; returns once it answers /health."""
+        self.stop()
+        self._start()
+        self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -124,6 +174,10 @@ class Fleet:
     def rx_status(self, i: int) -> dict:
         return status(self.rx_sock(i))
 
+    def kv_events(self) -> dict:
+        """The router's ``kv_events``: each prefill instance that publishes them, by URL."""
+        return {p.url: p.events_source for p in self.prefill if p.events_source is not None}
+
     def router(self, **opts) -> launch.Daemon:
         r = launch.start_router(self.work, prefill=[p.url for p in self.prefill],
                                 decode=[{"url": d.url, "receiver": rx.info["control_endpoint"]}
@@ -135,10 +189,12 @@ class Fleet:
 @contextlib.contextmanager
 def openai_fleet(work: Path, model: Path, layout: dict, common: dict, *, decodes: int = 2, prefills: int = 1,
                  pool_pages: int = 256, staging_bytes: int = 64 << 20, llm_args: dict | None = None,
-                 colocated: bool = True, prefault: bool = False, cores: dict[str, str] | None = None):
+                 colocated: bool = True, prefault: bool = False, cores: dict[str, str] | None = None,
+                 kv_events: bool = False):
     """``cores``: role ("prefill", "decode") -> the CPUs its servers' compute threads are bound to
     (VLLM_CPU_OMP_THREADS_BIND), e.g. to keep prefill and decode off each other's cores as they would
-    be on separate hosts."""
+    be on separate hosts. ``kv_events``: each prefill instance publishes its vLLM KV events on ports of
+    its own (``Fleet.kv_events()`` gives the router's config for them)."""
     bind = {role: {"VLLM_CPU_OMP_THREADS_BIND": c} for role, c in (cores or {}).items()}
     receivers: list[launch.Daemon] = []
     servers: list[Server] = []
@@ -152,10 +208,14 @@ def openai_fleet(work: Path, model: Path, layout: dict, common: dict, *, decodes
         rx_eps = [rx.info["control_endpoint"] for rx in receivers]
         tx_sock = tx.info["ingress_endpoint"].removeprefix("ipc://")
         base = {"kv_connector": "PdpushConnector", "kv_connector_module_path": "pdpush.integrations.vllm"}
-        prefill = [Server("prefill", model, {**base, "kv_role": "kv_producer", "kv_connector_extra_config": {
-            **common, "sender_socket": tx_sock, "receiver": rx_eps[0], "allowed_receivers": rx_eps}},
-            work / f"prefill{i}.log", llm_args, bind.get("prefill")) for i in range(prefills)]
-        servers += prefill
+        ports = free_ports(2 * prefills) if kv_events else []
+        prefill = []
+        for i in range(prefills):
+            prefill.append(Server("prefill", model, {**base, "kv_role": "kv_producer", "kv_connector_extra_config": {
+                **common, "sender_socket": tx_sock, "receiver": rx_eps[0], "allowed_receivers": rx_eps}},
+                work / f"prefill{i}.log", llm_args, bind.get("prefill"),
+                kv_events_config(ports[2 * i], ports[2 * i + 1]) if kv_events else None))
+            servers.append(prefill[-1])
         decode = [Server("decode", model, {**base, "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
                                            "kv_connector_extra_config": {
                                                **common, "receiver_socket": rx.info["local_endpoint"].removeprefix(
