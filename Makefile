@@ -10,7 +10,7 @@ export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install vllm-env bench-vllm bench-fleet bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
+.PHONY: install vllm-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -70,6 +70,11 @@ bench-vllm: install vllm-env
 bench-fleet: install vllm-env
 	mkdir -p bench-out docs/bench
 	$(PY) -m pdpush_tools.bench.fleet --json bench-out/fleet.json --report docs/bench/fleet.md
+
+# real vLLM servers: running requests' inter-token latency while pushed requests arrive, by decode load_mode
+bench-itl: install vllm-env
+	mkdir -p bench-out docs/bench
+	$(PY) -m pdpush_tools.bench.itl --json bench-out/itl.json --report docs/bench/itl.md
 
 # pdpush simulate on the Mooncake FAST'25 traces (shared data, never committed): every policy at N = M = 4, 8, 16
 TRACES ?= ../shared/data/mooncake-traces
