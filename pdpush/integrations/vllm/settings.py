@@ -74,6 +74,9 @@ class ConnectorSettings(BaseModel):
     by the time the request is scheduled and the engine is running other requests; layer by layer when
     it has committed (nothing to wait for) or the engine is idle (nobody to hold up). Models of several
     KV cache groups always load asynchronously."""
+    async_layers_per_step: int = Field(2, ge=1)
+    """Decode, asynchronous loads: layers copied into vLLM's blocks per engine step, over all such loads, as
+    they land (before the commit): a step pays for a few layers' copy, never for a whole request's."""
 
 
 # vLLM cache dtypes whose bytes pdpush moves as they are, one element per byte: fp8 with per-layer

@@ -113,6 +113,7 @@ class WorkerSide:
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
+        self._load_order: list[str] = []  # attention layer names in model order (asynchronous loads copy so)
         # vLLM's KV cache groups (one per layer kind with its hybrid KV cache manager): each block-id list
         # the scheduler passes is one of theirs; each is one pdpush layer group (a window), whose items it holds
         self._vgroup_names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups] \
@@ -164,6 +165,7 @@ class WorkerSide:
             self._check_state(specs)
         else:
             self._layer_of = {name: extract_layer_index(name) for name in attention}
+        self._load_order = sorted(self._layer_of, key=self._layer_of.__getitem__)  # layer names, in model order
         if state_names and not self.layout.state_layers:
             raise ConfigError(f"PdpushConnector: layers {sorted(state_names)[:4]} keep recurrent state; the layout has "
                               "no state layers")
@@ -623,29 +625,33 @@ class WorkerSide:
             ld.failed = f"layer {layer}: {e}"
 
     def poll_async_loads(self) -> tuple[set[str], set[str]]:
-        """Asynchronous loads (a model of several KV cache groups, whose failed loads vLLM can only take as a
-        failed request): each whose push has committed is copied whole now, every layer and the state, outside
-        the forward; one that failed, or did not commit by its deadline, fails (vLLM recomputes it from its
-        first token). Returns (loaded, failed) vLLM request ids."""
+        """Asynchronous loads (``load_mode``; always for a model of several KV cache groups, whose failed loads
+        vLLM can only take as a failed request), once per engine step, outside the forward: the layers that
+        have landed are copied in order, at most ``async_layers_per_step`` over all loads, so that no step
+        pays for a whole request's copy; a load whose every layer is copied and whose push has committed
+        gets its state (if any) and is done. One that failed, or did not commit by its deadline, fails (vLLM
+        recomputes it from its first token). Returns (loaded, failed) vLLM request ids."""
         done: set[str] = set()
         failed: set[str] = set()
         t0 = time.perf_counter()
+        budget = self.settings.async_layers_per_step
+        names = self._load_order
         for ld in list(self._async):
             if ld.failed is None:
                 try:
-                    if not ld.req.poll_committed():
+                    while (ld.layers_done < len(names) and budget > 0 and ld.failed is None
+                           and ld.req.landed(self._layer_of[names[ld.layers_done]])):
+                        self._load_layer(ld, names[ld.layers_done])
+                        budget -= 1
+                    if ld.failed is None and not (ld.layers_done == len(names) and ld.req.poll_committed()):
                         if time.monotonic() < ld.deadline:
                             continue
-                        ld.failed = f"the push did not commit within load_timeout_s={self.settings.load_timeout_s}"
+                        ld.failed = (f"the push did not commit, or its layers were not copied ({ld.layers_done} of "
+                                     f"{len(names)}), within load_timeout_s={self.settings.load_timeout_s}")
                 except _REQUEST_ERRORS as e:
                     ld.failed = str(e)
-            if ld.failed is None:
-                for name in sorted(self._layer_of, key=self._layer_of.__getitem__):
-                    self._load_layer(ld, name)
-                if ld.failed is None and ld.layers_done != self.layout.layers:
-                    ld.failed = f"only {ld.layers_done} of {self.layout.layers} layers were loaded"
-                if ld.failed is None and self.layout.state_layers:
-                    self._load_state(ld)
+            if ld.failed is None and self.layout.state_layers:
+                self._load_state(ld)
             self._async.remove(ld)
             if ld.failed is None:
                 done.add(ld.spec.req_id)
