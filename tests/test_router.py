@@ -7,6 +7,7 @@ with real vLLM engines is tests/test_fleet.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -461,6 +462,24 @@ def test_a_request_predicted_over_the_slo_gets_429_and_no_leg_runs(upstreams, st
     m = httpx.get(url + "/metrics").text
     assert "pdpush_router_slo_rejections_total 1.0" in m and "pdpush_router_ttft_predicted_seconds_count 1.0" in m
     assert 'pdpush_router_ttft_observed_seconds_count{stream="no"} 1.0' in m
+
+
+def test_requests_arriving_together_see_each_others_prefill_load_with_both_legs_at_once(upstreams, start_router):
+    """Both legs at once: a prefill leg is counted on its instance when it is placed, not when its task first
+    runs, so requests placed in the same moment spread over the prefill instances instead of piling up."""
+    (p1_url, p1, _), (p2_url, p2, _) = upstreams("prefill1", mode="slow", sleep=1.5), \
+        upstreams("prefill2", mode="slow", sleep=1.5)
+    d_url, _, _ = upstreams("decode")
+    r = start_router([p1_url, p2_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], policy="cost_model",
+                     prefill_tokens_per_s=1000.0, concurrent_legs=True)
+    url = r.info["url"]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        answers = list(ex.map(lambda i: post(url, {"prompt": f"abcdefgh{i}", "max_tokens": 2}), range(4)))
+    assert all(a.status_code == 200 for a in answers)
+    assert sorted(a.headers["x-pdpush-prefill"] for a in answers) == sorted([p1_url, p2_url] * 2)
+    legs = lambda h: [b for path, b in h.seen if path == "/v1/completions"]  # noqa: E731
+    until(lambda: len(legs(p1)) + len(legs(p2)) == 4, 10, "the four prefill legs")
+    assert len(legs(p1)) == len(legs(p2)) == 2
 
 
 def test_the_cost_model_sends_the_prefill_leg_where_the_engines_own_cache_holds_the_prompt(

@@ -290,9 +290,19 @@ class Router:
                      {"Retry-After": str(self.cfg.retry_after_s)})
 
     # ---- legs ----
-    async def _prefill(self, path: str, body: dict, route: Route_, headers: dict) -> dict | None:
+    @staticmethod
+    def _take(inst: Instance, work: float) -> float:
+        """A prefill leg counted on its instance (in flight, and its tokens pending); returns the tokens
+        that were pending there before it."""
+        inst.inflight += 1
+        ahead = inst.pending_tokens
+        inst.pending_tokens += work
+        return ahead
+
+    async def _prefill(self, path: str, body: dict, route: Route_, headers: dict,
+                       taken: float | None = None) -> dict | None:
         """The prefill leg, tried again elsewhere as legs.py says. Returns its kv_transfer_params, or None
-        (the decode instance recomputes)."""
+        (the decode instance recomputes). ``taken``: the first attempt was already counted (``_take``)."""
         tried: set[int] = set()
         i = self.fleet.prefill.index(route.prefill)
         work = route.estimate.computed_tokens if route.estimate else 0
@@ -300,9 +310,8 @@ class Router:
         for attempt in range(legs.PREFILL_ATTEMPTS):
             inst = self.fleet.prefill[i]
             tried.add(i)
-            inst.inflight += 1
-            ahead, t = inst.pending_tokens, time.monotonic()
-            inst.pending_tokens += work
+            ahead = taken if attempt == 0 and taken is not None else self._take(inst, work)
+            t = time.monotonic()
             status, why = None, ""
             try:
                 r = await self.client.post(inst.url + path, json=leg, headers=headers)
@@ -426,7 +435,9 @@ class Router:
             self.counters["conditional"] += 1
             params = kv_params.for_decode(route.push_id, claim=True)
         elif self.cfg.concurrent_legs:
-            prefill_task = asyncio.create_task(self._prefill(path, body, route, headers))
+            # counted now, not when the task first runs: a request placed before then must see this one's load
+            taken = self._take(route.prefill, route.estimate.computed_tokens if route.estimate else 0)
+            prefill_task = asyncio.create_task(self._prefill(path, body, route, headers, taken))
             params = kv_params.for_decode(route.push_id)
         else:
             params = await self._prefill(path, body, route, headers)
