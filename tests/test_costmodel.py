@@ -113,14 +113,31 @@ def test_the_choice_is_eligible_and_near_the_least_ttft(prefills, decodes, token
 
 def test_estimates_learn_each_instances_speed_and_ignore_nonsense():
     e = cm.Estimates(prefill_tokens_per_s=1000.0, alpha=0.5)
-    assert e.prefill_speed("a") == 1000.0
-    e.observe_prefill("a", 1000, 1000.0, 1.0)  # 2000 tokens/s: the first sample is taken as it is
-    assert e.prefill_speed("a") == 2000.0
-    e.observe_prefill("a", 4000, 0.0, 1.0)
-    assert e.prefill_speed("a") == 3000.0
+    assert e.prefill_speed("a") == 1000.0 and e.prefill_overhead("a") == 0.0
+    e.observe_prefill("a", 1000, 1000.0, 1.0)  # 2000 tokens/s: one length seen, tokens over time
+    assert e.prefill_speed("a") == 2000.0 and e.prefill_overhead("a") == 0.0
     e.observe_prefill("a", 10, 0.0, 0.0)
+    e.observe_prefill("a", 10, 0.0, math.inf)
     e.observe_push("b", 0, 1.0)
     e.observe_push("b", 10, math.inf)
-    assert e.prefill_speed("a") == 3000.0 and e.push_speed("b") == e.push_bytes_per_s
-    assert e.prefill_speed("b") == 1000.0 and e.local_speed("b") == 0.0
+    assert e.prefill_speed("a") == 2000.0 and e.push_speed("b") == e.push_bytes_per_s
+    # an instance not measured yet is taken to be as the measured ones are, not the (flattering) default
+    assert e.prefill_speed("b") == 2000.0 and e.local_speed("b") == 0.0
+
+
+@given(speed=st.floats(100.0, 1e6), overhead=st.floats(0.0, 0.5),
+       lengths=st.lists(st.integers(1, 20_000), min_size=3, max_size=20))
+def test_estimates_separate_a_legs_overhead_from_its_speed(speed, overhead, lengths):
+    """Legs of differing lengths on an instance with a fixed cost per leg: the fit finds both, so a long
+    prompt is not predicted at a short one's (overhead-laden) speed."""
+    if max(lengths) < 1.5 * min(lengths):
+        lengths = [*lengths, 2 * max(lengths)]
+    e = cm.Estimates(alpha=0.2)
+    for n in lengths:
+        e.observe_prefill("a", n, 0.0, overhead + n / speed)
+    assert e.prefill_speed("a") == pytest.approx(speed, rel=1e-3)
+    assert e.prefill_overhead("a") == pytest.approx(overhead, rel=1e-3, abs=1e-6)
+    p = cm.PrefillCand(True, 0, e.prefill_speed("a"), overhead_s=e.prefill_overhead("a"))
+    est = cm.predict(PROMPT, p, cm.DecodeCand(True, 0, 1e12))
+    assert est.compute_s == pytest.approx(overhead + PROMPT.tokens / speed, rel=1e-3)
     assert e.decode_wait(3) == pytest.approx(3 * e.decode_wait_s_per_request)

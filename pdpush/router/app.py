@@ -256,7 +256,8 @@ class Router:
         prompt = costmodel.Prompt(n, layout.chunk_tokens if layout else 1,
                                   layout.page_bytes * layout.push_layers if layout else 0, layout.layers if layout else 1)
         pcs = [costmodel.PrefillCand(p.healthy, p.inflight, est.prefill_speed(p.url), p.pending_tokens,
-                                     p.cache.held_tokens(ids, keys_by_size) if p.cache is not None and ids else 0)
+                                     p.cache.held_tokens(ids, keys_by_size) if p.cache is not None and ids else 0,
+                                     est.prefill_overhead(p.url))
                for p in self.fleet.prefill]
         dcs = [costmodel.DecodeCand(d.healthy and d is not exclude, d.inflight, est.push_speed(d.url),
                                     d.index.held_prefix(keys) if keys else 0, est.decode_wait(d.inflight),

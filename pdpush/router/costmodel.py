@@ -5,7 +5,7 @@ load caps. Pure logic: no I/O, no clock; the router and ``pdpush simulate`` (sim
 For a prompt of ``n`` tokens on prefill instance ``p`` and decode instance ``d``:
 
     queue(p)    = pending(p) / speed(p)                 work already in flight there, at its speed
-    compute(p)  = (n - held(p)) / speed(p)              the tokens its own cache does not hold
+    compute(p)  = overhead(p) + (n - held(p)) / speed(p)  the tokens its own cache does not hold
     push(d)     = new_chunks(d) * chunk_bytes / bw(d)   the chunks d's receiver does not hold
     exposed(d)  = max(push(d) / layers, push(d) - compute(p))   layers stream while the prefill computes
     TTFT(p, d)  = queue(p) + compute(p) + exposed(d) + wait(d)
@@ -21,7 +21,11 @@ fewer than ``max_inflight`` in flight and at most ``max_imbalance`` more than th
 role. With ``slo_s`` set, a best prediction over it is ``reason = "slo"``: the router refuses it.
 
 ``Estimates`` holds the speeds: a prefill instance's is learned online from the legs the router sees it
-run alone (exponentially weighted; a leg that shared the instance says little about either); push
+run alone (a leg that shared the instance says little about either), as a line through the legs' times
+against their tokens (exponentially weighted least squares): its slope the speed, its intercept the
+per-leg overhead, once the legs seen differ enough in length to tell them apart (before, tokens over
+time). An instance not measured yet takes the mean of those that are, not the configured default: a
+default that flatters it would pull requests away from the instances holding their prefixes. Push
 bandwidth and a decode instance's own prefill speed stay as configured until something measures them.
 """
 
@@ -48,6 +52,7 @@ class PrefillCand:
     tokens_per_s: float
     pending_tokens: float = 0.0  # tokens of the requests in flight there, not computed yet
     held_tokens: int = 0  # leading prompt tokens its own prefix cache holds (0 where unknown)
+    overhead_s: float = 0.0  # a leg's cost whatever its length (scheduling, the sampled token, HTTP)
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ def predict(prompt: Prompt, p: PrefillCand | None, d: DecodeCand, pi: int | None
         return Estimate(None, di, d.wait_s + compute, 0.0, compute, 0.0, d.wait_s, n - held, 0)
     held = min(p.held_tokens, n - 1) if n else 0
     queue = p.pending_tokens / p.tokens_per_s
-    compute = (n - held) / p.tokens_per_s
+    compute = p.overhead_s + (n - held) / p.tokens_per_s
     new = chunks - held_d
     push = new * prompt.chunk_bytes / d.bytes_per_s if new else 0.0
     exposed = max(push / max(prompt.layers, 1), push - compute)
@@ -151,7 +156,8 @@ class Estimates:
     decode_wait_s_per_request: float = 0.002
     local_tokens_per_s: float = 0.0  # 0: conditional disaggregation off
     alpha: float = 0.2
-    prefill: dict[str, float] = field(default_factory=dict)
+    prefill: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (tokens/s, overhead s)
+    _fits: dict[str, list[float]] = field(default_factory=dict)  # name -> weighted sums w, x, y, xx, xy
     push: dict[str, float] = field(default_factory=dict)
     local: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
@@ -164,7 +170,18 @@ class Estimates:
         self.samples[name] = self.samples.get(name, 0) + 1
 
     def prefill_speed(self, name: str) -> float:
-        return self.prefill.get(name, self.prefill_tokens_per_s)
+        return self._prefill_fit(name)[0]
+
+    def prefill_overhead(self, name: str) -> float:
+        return self._prefill_fit(name)[1]
+
+    def _prefill_fit(self, name: str) -> tuple[float, float]:
+        if name in self.prefill:
+            return self.prefill[name]
+        if self.prefill:  # not measured yet: as the measured ones are, on average
+            n = len(self.prefill)
+            return (sum(v[0] for v in self.prefill.values()) / n, sum(v[1] for v in self.prefill.values()) / n)
+        return self.prefill_tokens_per_s, 0.0
 
     def push_speed(self, name: str) -> float:
         return self.push.get(name, self.push_bytes_per_s)
@@ -175,8 +192,23 @@ class Estimates:
     def observe_prefill(self, name: str, computed_tokens: int, pending_tokens: float, seconds: float) -> None:
         """A prefill leg that computed ``computed_tokens`` with ``pending_tokens`` ahead of it took
         ``seconds``: its instance worked through both in that time."""
-        if seconds > 0:
-            self._fold(self.prefill, name, (computed_tokens + pending_tokens) / seconds)
+        x = computed_tokens + pending_tokens
+        if not (seconds > 0 and x > 0 and math.isfinite(seconds) and math.isfinite(x)):
+            return
+        f = self._fits.setdefault(name, [0.0] * 5)
+        keep = 1.0 - self.alpha if f[0] else 0.0
+        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+            f[i] = f[i] * keep + v
+        self.samples[name] = self.samples.get(name, 0) + 1
+        w, sx, sy, sxx, sxy = f
+        mx, my = sx / w, sy / w
+        var, cov = sxx / w - mx * mx, sxy / w - mx * my
+        speed, overhead = sx / sy, 0.0  # one length seen so far: tokens over time
+        if var > (0.1 * mx) ** 2 and cov > 0:  # lengths that differ: the line's slope and intercept
+            slope = cov / var
+            if my - slope * mx > 0:
+                speed, overhead = 1.0 / slope, my - slope * mx
+        self.prefill[name] = (speed, overhead)
 
     def observe_push(self, name: str, nbytes: int, seconds: float) -> None:
         if seconds > 0 and nbytes > 0:
