@@ -66,10 +66,12 @@ bench-vllm: install vllm-env
 	mkdir -p bench-out
 	$(PY) -m pdpush_tools.bench.vllm_ttft --json bench-out/vllm.json --report docs/bench/vllm.md
 
-# real vLLM servers behind pdpush router: placement policies on a multi-turn chat workload
+# real vLLM servers behind pdpush router: placement policies on a multi-turn chat workload; then two prefill
+# instances, least-loaded prefill placement against the cost model
 bench-fleet: install vllm-env
 	mkdir -p bench-out docs/bench
 	$(PY) -m pdpush_tools.bench.fleet --json bench-out/fleet.json --report docs/bench/fleet.md
+	$(PY) -m pdpush_tools.bench.fleet --two-prefill --json bench-out/fleet-2p.json --report docs/bench/fleet-2p.md
 
 # real vLLM servers: running requests' inter-token latency while pushed requests arrive, by decode load_mode
 bench-itl: install vllm-env
