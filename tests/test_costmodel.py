@@ -141,3 +141,18 @@ def test_estimates_separate_a_legs_overhead_from_its_speed(speed, overhead, leng
     est = cm.predict(PROMPT, p, cm.DecodeCand(True, 0, 1e12))
     assert est.compute_s == pytest.approx(overhead + PROMPT.tokens / speed, rel=1e-3)
     assert e.decode_wait(3) == pytest.approx(3 * e.decode_wait_s_per_request)
+
+
+def test_idle_prefill_instances_alike_take_cold_prompts_in_turn():
+    """Nothing to tell two prefill instances apart: each cold prompt goes to the one after the last chosen,
+    not always to the first (which would leave the other idle while its queue grows)."""
+    prefills = [cm.PrefillCand(True, 0, 1000.0), cm.PrefillCand(True, 0, 1000.0), cm.PrefillCand(True, 0, 1000.0)]
+    d = [cm.DecodeCand(True, 0, 1e9)]
+    last, seen = -1, []
+    for _ in range(6):
+        last = cm.choose(PROMPT, prefills, d, cm.Caps(), last_prefill=last).best.prefill
+        seen.append(last)
+    assert seen == [0, 1, 2, 0, 1, 2]
+    # a prefix held on one of them still wins over the turn
+    held = [prefills[0], cm.PrefillCand(True, 0, 1000.0, held_tokens=2048), prefills[2]]
+    assert cm.choose(PROMPT, held, d, cm.Caps(), last_prefill=1).best.prefill == 1

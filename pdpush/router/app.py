@@ -262,8 +262,9 @@ class Router:
         dcs = [costmodel.DecodeCand(d.healthy and d is not exclude, d.inflight, est.push_speed(d.url),
                                     d.index.held_prefix(keys) if keys else 0, est.decode_wait(d.inflight),
                                     est.local_speed(d.url)) for d in self.fleet.decode]
-        slo = self.cfg.ttft_slo_ms / 1000 if self.cfg.ttft_slo_ms and exclude is None else None  # a retry is not
-        plan = costmodel.choose(prompt, pcs, dcs, self.caps, slo)  # refused: its decode leg recomputes now
+        # a retry is not refused: its decode leg recomputes now
+        slo = self.cfg.ttft_slo_ms / 1000 if self.cfg.ttft_slo_ms and exclude is None else None
+        plan = costmodel.choose(prompt, pcs, dcs, self.caps, slo, self._last_prefill)
         self.metrics.decisions.labels("both", plan.reason).inc()
         if plan.reason == "slo":
             self.counters["rejected_slo"] += 1

@@ -116,10 +116,11 @@ def predict(prompt: Prompt, p: PrefillCand | None, d: DecodeCand, pi: int | None
 
 
 def choose(prompt: Prompt, prefills: list[PrefillCand], decodes: list[DecodeCand], caps: Caps,
-           slo_s: float | None = None) -> Plan:
+           slo_s: float | None = None, last_prefill: int = -1) -> Plan:
     """The pair (or decode instance alone) of least predicted TTFT among those within the load caps, or,
     among those near it (``Caps.near_*``), the one pushing the fewest chunks; ties go to fewer in flight
-    on the decode side, then the prefill side, then the lower index."""
+    on the decode side, then the prefill side, then the lower decode index, then the prefill instances in
+    turn after ``last_prefill`` (idle instances alike share cold prompts, rather than the first taking all)."""
     dok, why = eligible([d.healthy for d in decodes], [d.inflight for d in decodes], caps.max_inflight,
                         caps.max_imbalance)
     if not dok:
@@ -134,7 +135,7 @@ def choose(prompt: Prompt, prefills: list[PrefillCand], decodes: list[DecodeCand
 
     def key(e: Estimate):
         return (e.ttft_s, decodes[e.decode].inflight, -1 if e.prefill is None else prefills[e.prefill].inflight,
-                e.decode, -1 if e.prefill is None else e.prefill)
+                e.decode, -1 if e.prefill is None else (e.prefill - last_prefill - 1) % len(prefills))
 
     fastest = min(cands, key=key)
     if slo_s is not None and fastest.ttft_s > slo_s:

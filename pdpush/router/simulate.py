@@ -186,7 +186,7 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, policy: str) -> dict:
                                         p_held[j] * cfg.block_tokens) for j, p in enumerate(pre)]
             dcs = [costmodel.DecodeCand(True, d_in[j], cfg.bytes_per_s, d_held[j], max(0.0, d.slots[0] - now),
                                         cfg.local_tokens_per_s) for j, d in enumerate(dec)]
-            plan = costmodel.choose(prompt, pc, dcs, caps, slo_s)
+            plan = costmodel.choose(prompt, pc, dcs, caps, slo_s, last_p)
             if plan.best is None or plan.reason != "cost":
                 rejected += 1
                 continue
