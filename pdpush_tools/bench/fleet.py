@@ -585,10 +585,10 @@ def markdown_2p(res: dict) -> str:
             "  (`pdpush/router/app.py`, `_prefill`), and an instance is measured again only when it is chosen.",
             "  Here both prefill engines share core 0, so a leg that ran beside a leg on the other instance",
             "  measures its instance slower than it is, and the instance that looked slower got a cold prompt only",
-            "  when the other one had a queue. The speeds it predicted at, in tokens/s, at each of its decisions:",
-            f"  instance 0 {_speeds(sp[0])}; instance 1 {_speeds(sp[1])} (the first at the default",
-            "  `prefill_tokens_per_s`; later ones fall as the turns' computed tokens shrink: the legs' fixed costs",
-            "  are counted as compute). "
+            "  when the other one had a queue. The effective speeds it predicted at (tokens over predicted compute",
+            f"  time, in tokens/s) at each of its decisions: instance 0 {_speeds(sp[0])}; instance 1 {_speeds(sp[1])}",
+            "  (the first at the default `prefill_tokens_per_s`; the predicted time includes the learned per-leg",
+            "  overhead, so the effective speed falls as the turns' computed tokens shrink). "
             + ("It did not cost TTFT p50 here. " if met["ttft_p50"] else "")
             + "On separate hosts the shared core goes, but",
             "  an instance measured slow once, by any transient, stays out of cold placement until the other queues.",
