@@ -125,6 +125,20 @@ def test_estimates_learn_each_instances_speed_and_ignore_nonsense():
     assert e.prefill_speed("b") == 2000.0 and e.local_speed("b") == 0.0
 
 
+def test_an_instance_measured_on_few_legs_is_drawn_towards_the_fleet():
+    """One slow leg (a transient) does not keep an instance out of placement: its fit is drawn towards the
+    fleet's mean until its own legs outweigh it; legs that keep saying it is slow do."""
+    e = cm.Estimates(prefill_tokens_per_s=1000.0, alpha=0.2, prior_legs=2.0)
+    for _ in range(20):
+        e.observe_prefill("a", 1000, 0.0, 1.0)  # 1000 tokens/s, many legs
+    e.observe_prefill("b", 1000, 0.0, 10.0)  # one leg at 100 tokens/s
+    once = e.prefill_speed("b")
+    assert 100.0 < once < 1000.0 and e.prefill_speed("a") > once
+    for _ in range(40):
+        e.observe_prefill("b", 1000, 0.0, 10.0)
+    assert e.prefill_speed("b") == pytest.approx(100.0, rel=0.05)  # its own legs, many now, say it is slow
+
+
 @given(speed=st.floats(100.0, 1e6), overhead=st.floats(0.0, 0.5),
        lengths=st.lists(st.integers(1, 20_000), min_size=3, max_size=20))
 def test_estimates_separate_a_legs_overhead_from_its_speed(speed, overhead, lengths):

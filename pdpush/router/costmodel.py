@@ -24,8 +24,9 @@ role. With ``slo_s`` set, a best prediction over it is ``reason = "slo"``: the r
 run alone (a leg that shared the instance says little about either), as a line through the legs' times
 against their tokens (exponentially weighted least squares): its slope the speed, its intercept the
 per-leg overhead, once the legs seen differ enough in length to tell them apart (before, tokens over
-time). An instance not measured yet takes the mean of those that are, not the configured default: a
-default that flatters it would pull requests away from the instances holding their prefixes. Push
+time). An instance not measured yet takes the mean of those that are, not the configured default (a
+default that flatters it would pull requests away from the instances holding their prefixes), and one
+measured on few legs is drawn towards that mean (one slow leg must not keep it out of placement). Push
 bandwidth and a decode instance's own prefill speed stay as configured until something measures them.
 """
 
@@ -157,6 +158,7 @@ class Estimates:
     decode_wait_s_per_request: float = 0.002
     local_tokens_per_s: float = 0.0  # 0: conditional disaggregation off
     alpha: float = 0.2
+    prior_legs: float = 2.0  # how many legs the fleet's mean weighs in an instance's prefill fit
     prefill: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (tokens/s, overhead s)
     _fits: dict[str, list[float]] = field(default_factory=dict)  # name -> weighted sums w, x, y, xx, xy
     push: dict[str, float] = field(default_factory=dict)
@@ -177,12 +179,20 @@ class Estimates:
         return self._prefill_fit(name)[1]
 
     def _prefill_fit(self, name: str) -> tuple[float, float]:
-        if name in self.prefill:
-            return self.prefill[name]
-        if self.prefill:  # not measured yet: as the measured ones are, on average
-            n = len(self.prefill)
-            return (sum(v[0] for v in self.prefill.values()) / n, sum(v[1] for v in self.prefill.values()) / n)
-        return self.prefill_tokens_per_s, 0.0
+        """An instance's own fit, drawn towards the fleet's mean while it rests on few legs (``prior_legs``
+        of weight): one leg slowed by a transient must not keep an instance out of placement, since it is
+        measured again only when chosen. Not measured yet: the fleet's mean; nothing measured: the default."""
+        if not self.prefill:
+            return self.prefill_tokens_per_s, 0.0
+        n = len(self.prefill)
+        per_token = sum(1.0 / v[0] for v in self.prefill.values()) / n
+        overhead = sum(v[1] for v in self.prefill.values()) / n
+        own = self.prefill.get(name)
+        if own is not None:
+            w = self.samples.get(name, 0) / (self.samples.get(name, 0) + self.prior_legs)
+            per_token = w / own[0] + (1 - w) * per_token
+            overhead = w * own[1] + (1 - w) * overhead
+        return 1.0 / per_token, overhead
 
     def push_speed(self, name: str) -> float:
         return self.push.get(name, self.push_bytes_per_s)
