@@ -482,6 +482,27 @@ def test_requests_arriving_together_see_each_others_prefill_load_with_both_legs_
     assert len(legs(p1)) == len(legs(p2)) == 2
 
 
+def test_a_prefill_leg_that_shared_its_instance_teaches_the_cost_model_nothing(upstreams, start_router):
+    """A leg's time measures its instance's speed only if no other leg ran there meanwhile: neither one
+    ahead of it nor one that started beside it (both would slow it)."""
+    p_url, _, _ = upstreams("prefill", mode="slow", sleep=0.5)
+    d_url, _, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], policy="cost_model",
+                     prefill_tokens_per_s=1000.0, concurrent_legs=False)
+    url = r.info["url"]
+
+    def fit():
+        return httpx.get(url + "/health", timeout=10).json()["instances"][f"prefill:{p_url}"]["prefill_fit"]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        assert all(a.status_code == 200 for a in ex.map(
+            lambda i: post(url, {"prompt": f"abcdefgh{i}", "max_tokens": 2}), range(2)))
+    assert fit() == {"tokens_per_s": 1000.0, "overhead_ms": 0.0, "legs_measured": 0}
+    assert post(url, {"prompt": "abcdefgh", "max_tokens": 2}).status_code == 200  # alone: 8 tokens in 0.5 s
+    f = fit()
+    assert f["legs_measured"] == 1 and 5.0 < f["tokens_per_s"] < 17.0, f
+
+
 def test_the_cost_model_sends_the_prefill_leg_where_the_engines_own_cache_holds_the_prompt(
         upstreams, start_router, tmp_path):
     """Two prefill stand-ins, each with vLLM's own KV event publisher: blocks of a prompt stored on the

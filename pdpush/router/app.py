@@ -293,16 +293,17 @@ class Router:
 
     # ---- legs ----
     @staticmethod
-    def _take(inst: Instance, work: float) -> float:
+    def _take(inst: Instance, work: float) -> tuple[float, int]:
         """A prefill leg counted on its instance (in flight, and its tokens pending); returns the tokens
-        that were pending there before it."""
+        that were pending there before it, and the instance's leg count with it."""
         inst.inflight += 1
         ahead = inst.pending_tokens
         inst.pending_tokens += work
-        return ahead
+        inst.legs_started += 1
+        return ahead, inst.legs_started
 
     async def _prefill(self, path: str, body: dict, route: Route_, headers: dict,
-                       taken: float | None = None) -> dict | None:
+                       taken: tuple[float, int] | None = None) -> dict | None:
         """The prefill leg, tried again elsewhere as legs.py says. Returns its kv_transfer_params, or None
         (the decode instance recomputes). ``taken``: the first attempt was already counted (``_take``)."""
         tried: set[int] = set()
@@ -312,7 +313,7 @@ class Router:
         for attempt in range(legs.PREFILL_ATTEMPTS):
             inst = self.fleet.prefill[i]
             tried.add(i)
-            ahead = taken if attempt == 0 and taken is not None else self._take(inst, work)
+            ahead, mark = taken if attempt == 0 and taken is not None else self._take(inst, work)
             t = time.monotonic()
             status, why = None, ""
             try:
@@ -321,7 +322,8 @@ class Router:
                 if legs.prefill_outcome(status) is legs.Outcome.PUSHED:
                     self.fleet.ok(inst)
                     route.prefill_served = inst
-                    if work and not ahead and not attempt:  # it ran alone: its time is this leg's compute
+                    # it ran alone (nothing ahead, nothing started beside it): its time is this leg's compute
+                    if work and not ahead and not attempt and inst.legs_started == mark:
                         self.estimates.observe_prefill(inst.url, work, 0.0, time.monotonic() - t)
                     return r.json().get("kv_transfer_params") or None
             except (httpx.HTTPError, ValueError) as e:
@@ -565,13 +567,20 @@ class Router:
 
         task.add_done_callback(done)
 
+    def _fit(self, inst: Instance) -> dict:
+        """What the cost model takes a prefill instance's speed to be, and from how many legs of its own."""
+        e = self.estimates
+        return {"tokens_per_s": round(e.prefill_speed(inst.url), 1), "overhead_ms": round(e.prefill_overhead(inst.url)
+                * 1000, 2), "legs_measured": e.samples.get(inst.url, 0)}
+
     async def health(self, request: Request) -> Response:
         f = self.fleet
         inst = {i.name: {"healthy": i.healthy, "inflight": i.inflight, "failures": i.failures,
                          "ejections": i.ejections, "last_error": i.last_error,
                          **({"index_synced": i.index.synced, "index_chunks": len(i.index.keys),
                              "index_seq": i.index.seq, "index_resyncs": i.index.resyncs} if i.role == "decode" else {}),
-                         **({"cache_view": i.cache.stats()} if i.cache is not None else {})}
+                         **({"cache_view": i.cache.stats()} if i.cache is not None else {}),
+                         **({"prefill_fit": self._fit(i)} if i.role == "prefill" else {})}
                 for i in f.all()}
         ok = any(d.healthy for d in f.decode)
         return JSONResponse({"status": "ok" if ok else "unavailable", "instances": inst, **self.counters},

@@ -26,6 +26,7 @@ class Instance:
     index: IndexView = field(default_factory=IndexView)
     cache: EngineCacheView | None = None  # prefill: its own prefix cache, from its KV events (kv_events.py)
     pending_tokens: float = 0.0  # prefill: tokens of the legs in flight there that it has not computed yet
+    legs_started: int = 0  # prefill: legs counted on it so far (one that started beside another overlapped it)
 
     @property
     def name(self) -> str:

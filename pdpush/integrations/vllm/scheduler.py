@@ -67,7 +67,7 @@ class SchedulerSide:
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._receiver_down_until = 0.0
         self._idle = False  # the last step scheduled no tokens at all
-        self._running = 0  # requests the last step scheduled
+        self._live: set[str] = set()  # requests scheduled at least once and not finished: those a load could hold up
         self._awaiting: set[str] = set()  # asynchronous loads handed to the workers, not yet scheduled
         # a model of several KV cache groups (sliding windows, state) loads asynchronously: vLLM can take a
         # failed load only as a failed request then, never as failed blocks (it recomputes it from token 0)
@@ -163,7 +163,7 @@ class SchedulerSide:
             return 0, False
         r.plan = (str(push_id), num_computed_tokens, end)
         r.asynchronous = self.load_async or loads_async(self.settings.load_mode, reply.request_committed,
-                                                        self._running)
+                                                        len(self._live - {rid}))
         STATS["match_tokens"] += end - num_computed_tokens
         STATS["match_async" if r.asynchronous else "match_layerwise"] += 1
         return end - num_computed_tokens, r.asynchronous
@@ -194,6 +194,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)
+        if not (r is not None and r.plan is not None and r.asynchronous and num_external_tokens):
+            self._live.add(request.request_id)  # scheduled in this very step: a later request sees it running
         if r is None or r.plan is None:
             return
         if num_external_tokens == 0:
@@ -207,7 +209,7 @@ class SchedulerSide:
         meta = PdpushConnectorMetadata()
         so = scheduler_output
         self._idle = so.total_num_scheduled_tokens == 0
-        self._running = len(so.num_scheduled_tokens)
+        self._live.update(so.num_scheduled_tokens)
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
             if r.async_blocks is not None and r.plan is not None:
                 meta.loads.append(LoadSpec(rid, r.plan[0], r.async_blocks, r.plan[1], r.plan[2], r.prompt_tokens,
@@ -254,6 +256,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._awaiting.discard(request.request_id)
+        self._live.discard(request.request_id)
         r = self.reqs.pop(request.request_id, None)
         if r is None or not r.pushed:
             return False, None
