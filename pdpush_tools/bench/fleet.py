@@ -581,8 +581,9 @@ def markdown_2p(res: dict) -> str:
         lines += [
             "- **The cost model piled the prefill legs onto one instance** (a cold prompt goes to the instance",
             "  predicted fastest, and a conversation's later turns follow its history). The speed it predicts an",
-            "  instance at is learned from that instance's own legs that had nothing ahead *on that instance*",
-            "  (`pdpush/router/app.py`, `_prefill`), and an instance is measured again only when it is chosen.",
+            "  instance at is learned from that instance's own legs that had nothing ahead or beside them *on",
+            "  that instance* (`pdpush/router/app.py`, `_prefill`; an instance measured on few legs is drawn",
+            "  towards the fleet's mean), and an instance is measured again only when it is chosen.",
             "  Here both prefill engines share core 0, so a leg that ran beside a leg on the other instance",
             "  measures its instance slower than it is, and the instance that looked slower got a cold prompt only",
             "  when the other one had a queue. The effective speeds it predicted at (tokens over predicted compute",
