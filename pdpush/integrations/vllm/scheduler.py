@@ -163,7 +163,7 @@ class SchedulerSide:
             return 0, False
         r.plan = (str(push_id), num_computed_tokens, end)
         r.asynchronous = self.load_async or loads_async(self.settings.load_mode, reply.request_committed,
-                                                        len(self._live - {rid}))
+                                                        len(self._live) - (rid in self._live))
         STATS["match_tokens"] += end - num_computed_tokens
         STATS["match_async" if r.asynchronous else "match_layerwise"] += 1
         return end - num_computed_tokens, r.asynchronous
