@@ -25,7 +25,7 @@ from pdpush.errors import (
     UnexpectedMessage,
 )
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_CHUNKS = 1 << 20  # absolute ceiling; daemons enforce a smaller configured cap
 
@@ -117,7 +117,9 @@ class AllocResponse(Msg):
     # Pages for the new chunks, in chunk order, as (first page, count) runs.
     page_runs: list[tuple[U32, U32]]
     lease_id: U64
-    expires_at_ms: U64
+    # The lease granted, as a duration: hosts' monotonic clocks share no epoch, so no clock reading crosses
+    # the wire. The sender's deadline runs on its own clock from when it sent the AllocRequest.
+    lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
     state_slot: Annotated[int, Field(ge=-1, lt=1 << 32)] = -1  # the request's state pages (-1: no state)
 
 

@@ -18,7 +18,7 @@ SAMPLES = [
     P.HelloAck(version=1, fingerprint="ab", layout=SPEC, pool_base=1 << 40, pool_pages=8, page_bytes=4096, ready_base=7,
                rkey=b"\x00\xff" * 20, ucx_host="127.0.0.1", ucx_port=5711, ucx_token=b"t" * 32),
     P.AllocRequest(req_id="r", chunk_keys=[KEY, b"\x02" * 16], last_chunk_tokens=3, lease_ms=100),
-    P.AllocResponse(req_id="r", already_sent_indexes=[0], page_runs=[(4, 1)], lease_id=7, expires_at_ms=99),
+    P.AllocResponse(req_id="r", already_sent_indexes=[0], page_runs=[(4, 1)], lease_id=7, lease_ms=99),
     P.LayerDone(req_id="r", layers=[1, 2], checksums=[(1 << 64) - 1, 0]),
     P.LayerDone(req_id="r", layers=[0]),
     P.Commit(req_id="r"), P.CommitAck(req_id="r", chunks_committed=1), P.Abort(req_id="r", reason="x"),

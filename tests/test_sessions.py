@@ -77,13 +77,18 @@ class Wire:
         self.by_client: list = []  # (engine identity, message)
         self.to_decoder: list = []
         self.partitioned: set[str] = set()
+        self.rx_offset = 0  # the receivers' host's monotonic clock minus the sender's (hosts booted apart)
+
+    @property
+    def rx_now(self) -> int:
+        return self.now + self.rx_offset
 
     def run(self, actions) -> None:
         todo = list(actions)
         while todo:
             a = todo.pop(0)
             if isinstance(a, ToPeer) and a.endpoint not in self.partitioned:
-                for b in self.rx[a.endpoint].on_control(b"tx", a.msg, self.now):
+                for b in self.rx[a.endpoint].on_control(b"tx", a.msg, self.rx_now):
                     if isinstance(b, ToSender):
                         todo.extend(self.tx.on_peer(a.endpoint, b.msg, self.now))
                     elif isinstance(b, ToDecode):
@@ -146,7 +151,7 @@ class Wire:
         self.now += dt
         self.run(self.tx.on_tick(self.now))
         for r in self.rx.values():
-            for b in r.on_tick(self.now):
+            for b in r.on_tick(self.rx_now):
                 if isinstance(b, ToDecode):
                     self.to_decoder.append(b.msg)
 
@@ -187,6 +192,25 @@ def test_a_push_commits_only_after_every_flush_and_the_ack():
     w.complete()
     d2 = w.outcome("r2")
     assert d2.chunks_skipped == 2 and d2.bytes_sent == LAY.layers * LAY.page_bytes
+
+
+@pytest.mark.parametrize("rx_offset", [-86_400_000, 0, 86_400_000])
+def test_a_push_with_the_hosts_clocks_a_day_apart_keeps_its_whole_lease(rx_offset):
+    """The receiver's host booted a day later (or earlier) than the sender's: the lease crosses the wire
+    as a duration, so the engine still has the lease's time to hand its layers over, 50 ms apart."""
+    w = Wire(lease_ms=30_000)
+    w.now = 90_000_000
+    w.rx_offset = rx_offset
+    w.engine(begin("r", list(range(40))))
+    r = w.tx.reqs["r"]
+    assert r.state is TxState.STREAMING and r.deadline_ms == r.t_alloc_ms + 27_000  # 0.9 of the lease, our clock
+    for layer in range(LAY.layers):
+        w.tick(50)  # a layer's compute
+        w.engine(protocol.LayerReady(req_id="r", layers=[layer]))
+        w.complete()
+    w.engine(protocol.Finish(req_id="r"))
+    w.complete()
+    assert isinstance(w.outcome("r"), protocol.Done), w.outcome("r")
 
 
 def test_layer_done_goes_out_when_its_flush_completes_in_any_order():
@@ -264,7 +288,7 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
                                   lease_ms=5000)
     assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 0), ToDecode, protocol.OpenOk) == []  # parked
     out = rx.on_control(b"s", alloc, 10)
-    assert msgs(out, ToSender, protocol.AllocResponse)[0].expires_at_ms == 110  # lease capped by the receiver
+    assert msgs(out, ToSender, protocol.AllocResponse)[0].lease_ms == 100  # lease capped by the receiver, as a duration
     assert msgs(out, ToDecode, protocol.OpenOk)  # the parked open is answered
     assert rx.on_tick(109) == [] and "a" in rx.reqs
     out = rx.on_tick(110)

@@ -387,7 +387,7 @@ class ReceiverSession:
             out.append(self._open_ok(dident, r))
         return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
-                             expires_at_ms=r.expires_at_ms, state_slot=r.state_slot)
+                             lease_ms=lease, state_slot=r.state_slot)
 
     def _check_sender_caps(self, ident: bytes, msg: AllocRequest, items: int) -> None:
         mine = [r for r in self.reqs.values() if r.sender == ident and r.state in _LIVE]

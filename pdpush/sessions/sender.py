@@ -571,8 +571,10 @@ class SenderSession:
         elif not layout.state_layers:  # the receiver holds every chunk: every layer is there already, a finish commits
             r.layers_done = set(range(layout.layers))
         r.state = SENDER_REQUEST.next(r.state, TxEvent.ALLOC_OK, f"request {r.req_id!r}")
-        # the engine has until just before the lease ends to hand over every layer
-        r.deadline_ms = now + int(min(self.limits.lease_ms, max(0, a.expires_at_ms - r.t_alloc_ms)) * 0.9)
+        # The engine has until just before the lease ends to hand over every layer. The lease is a duration
+        # (no clock crosses the wire); the receiver started it after our AllocRequest left, so counting from
+        # the send on our own clock ends before it on any host.
+        r.deadline_ms = r.t_alloc_ms + int(min(self.limits.lease_ms, a.lease_ms) * 0.9)
         self.counters.count(out, "chunks_skipped", r.skipped, "chunks_hit")
         self.grants.ahead(r, out)  # before the BeginOk: those blocks are in the table when the engine looks
         for k in r.ranks.values():  # each rank's plan, then its BeginOk with its connection's ring
