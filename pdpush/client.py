@@ -14,7 +14,7 @@ Imports numpy and zmq; torch only when a torch tensor is passed or asked for.
 
 from __future__ import annotations
 
-import os
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from pdpush import control, kvcodec, protocol, ring
+from pdpush import control, kvcodec, lifeline, protocol, ring
 from pdpush.config import default_sender_socket
 from pdpush.doorbell import Bell
 from pdpush.errors import (
@@ -36,6 +36,7 @@ from pdpush.errors import (
     error_from_code,
 )
 from pdpush.layout import KVLayout, PoolGeometry, StagingShares, chunk_keys, rank_heads, runs
+from pdpush.lifeline import Lifeline
 from pdpush.plan import RequestPlan, tokens_of
 from pdpush.protocol import (
     Abort,
@@ -100,20 +101,6 @@ def _on_host(x):
     return x
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _raise(msg: Msg) -> None:
     if isinstance(msg, Error):
         raise error_from_code(msg.code, msg.message, msg.req_id, msg.retry_after_ms)
@@ -124,10 +111,15 @@ class _Conn:
 
     def __init__(self, sock_path: str | Path, max_frame: int = protocol.DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
-        self.sock = control.dealer(_endpoint(sock_path), max_frame)
+        # our own identity, which the lifeline names to the daemon (lifeline.py): liveness with no pid
+        self.ident = secrets.token_bytes(16)
+        self.sock = control.dealer(_endpoint(sock_path), max_frame,
+                                   lambda s: s.setsockopt(zmq.IDENTITY, self.ident))
+        self._life_path = lifeline.path_for(str(sock_path))
+        self.life: Lifeline | None = None
         self.mail: dict[str | None, list[Msg]] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # requests this side gave up on: late mail is dropped
-        self.peer_pid = 0  # learnt from BeginOk/OpenOk: the local daemon's pid, watched while waiting
+        self.peer_id = ""  # learnt from BeginOk/OpenOk: the local daemon's start (a new one: it restarted)
         # The socket is used by one thread at a time, under ``lock``. A completion thread
         # (integrations/device_copy.py) never waits for it: ``post`` queues its frame in ``_outbox``, which
         # whoever holds the lock sends first; waits then run in short slices so that queued frames leave soon.
@@ -205,9 +197,8 @@ class _Conn:
 
     def _file(self, msg: Msg) -> str | None:
         """Keep ``msg`` in its request's mailbox (unless this side ended the request); its req_id."""
-        pid = getattr(msg, "daemon_pid", 0)
-        if pid:
-            self.peer_pid = pid
+        if did := getattr(msg, "daemon_id", ""):
+            self.peer_id = did
         rid = getattr(msg, "req_id", None)
         if rid not in self._ended:
             self.mail.setdefault(rid, []).append(msg)
@@ -232,14 +223,13 @@ class _Conn:
                 if time.monotonic() < min(deadline, alive_check):
                     continue
                 alive_check = time.monotonic() + 0.25
-                if self.peer_pid and not pid_alive(self.peer_pid):
-                    raise BrokenResourceError(f"the local pdpush daemon (pid {self.peer_pid}) died") from None
+                if not self.daemon_alive():
+                    raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)") from None
                 if time.monotonic() >= deadline:
                     raise
                 continue
-            pid = getattr(msg, "daemon_pid", 0)
-            if pid:
-                self.peer_pid = pid
+            if did := getattr(msg, "daemon_id", ""):
+                self.peer_id = did
             rid = getattr(msg, "req_id", None)
             if rid == req_id:
                 if grants or not isinstance(msg, StagingGranted):
@@ -259,6 +249,19 @@ class _Conn:
         """A new request under ``req_id``: its mail is wanted again."""
         self._ended.pop(req_id, None)
 
+    def lifeline(self) -> Lifeline | None:
+        """This connection's lifeline to its daemon, opened anew when the daemon it had died (a restarted one
+        is another daemon); None while no daemon serves the socket."""
+        if self.life is None or not self.life.alive():
+            if self.life is not None:
+                self.life.close()
+            self.life = Lifeline.connect(self._life_path, self.ident)
+        return self.life
+
+    def daemon_alive(self) -> bool:
+        """False once the daemon this connection's lifeline reached has died."""
+        return self.life is None or self.life.alive()
+
     def call(self, msg: Msg, req_id: str | None, timeout_s: float) -> Msg:
         self.send(msg, timeout_s)
         reply = self.recv_for(req_id, time.monotonic() + timeout_s)
@@ -268,6 +271,8 @@ class _Conn:
     def close(self, linger_ms: int = 0) -> None:
         with self.lock:
             self.sock.close(linger_ms)
+        if self.life is not None:
+            self.life.close()
 
 
 class _Attachments:
@@ -351,9 +356,10 @@ class PushHandle:
         self._base = st.array  # the whole staging region: the sender grants each layer a block of it
         self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
         self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
-        self._bell = client._bell(ok.doorbell, ok.daemon_pid) if self._ring is not None else None  # wakes it
+        self._bell = client._bell(ok.doorbell, ok.daemon_id) if self._ring is not None else None  # wakes it
         self._handle = ok.handle  # how its records name this request
-        self._daemon_pid = ok.daemon_pid  # the sender whose staging (and ring) this request writes
+        self._daemon_id = ok.daemon_id  # the sender whose staging (and ring) this request writes
+        self._life = client._conn.life  # that sender's lifeline: closed, it died
         self._sent: set[int] = set()
         self._done: Done | None = None
         self._aborted: str | None = None
@@ -499,11 +505,11 @@ class PushHandle:
         ``LayerReady``. A full ring is waited for (``wait``: the owner thread, bounded by the client's
         timeout) or, from a completion thread, the rest goes by message: a record is never overwritten."""
         conn, w = self.client._conn, self._ring
-        if conn.peer_pid and self._daemon_pid and conn.peer_pid != self._daemon_pid:
-            raise BrokenResourceError(f"request {self.req_id!r}: the sender restarted (pid {self._daemon_pid} is "
-                                      f"gone, {conn.peer_pid} now)", req_id=self.req_id)
         if w is not None and w.closed:
             raise UnexpectedMessage(f"request {self.req_id!r}: its client is closed")
+        if (conn.peer_id and self._daemon_id and conn.peer_id != self._daemon_id) or not self._sender_alive():
+            raise BrokenResourceError(f"request {self.req_id!r}: the sender it began on died or restarted",
+                                      req_id=self.req_id)
         if w is None:
             msg = LayerReady(req_id=self.req_id, layers=layers)
             conn.send(msg, self.client.timeout_s) if wait else conn.post(msg)
@@ -538,12 +544,15 @@ class PushHandle:
                 err = TransportTimeout(f"request {self.req_id!r}: the sender took no hand-over for "
                                        f"{self.client.timeout_s:g} s (its ring of {w.slots} records is full)",
                                        req_id=self.req_id)
-            elif done < len(recs) and self._daemon_pid and not pid_alive(self._daemon_pid):
-                err = BrokenResourceError(f"the local pdpush daemon (pid {self._daemon_pid}) died", req_id=self.req_id)
+            elif done < len(recs) and not self._sender_alive():
+                err = BrokenResourceError("the local pdpush daemon died (its lifeline closed)", req_id=self.req_id)
             if err is not None:
                 self._sent.difference_update(la for a, n in spans[done:] for la in range(a, a + n))
                 raise err
         return done
+
+    def _sender_alive(self) -> bool:
+        return self._life is None or self._life.alive()
 
     def _mark_sent(self, layers: list[int]) -> None:
         again = [la for la in layers if la in self._sent]
@@ -659,9 +668,10 @@ class PrefillClient:
             raise ValueError("empty prompt")
         keys = chunk_keys(ids, self.layout)
         self._conn.begin(req_id)
+        self._conn.lifeline()  # before the Begin: the sender fails the request if this process dies
         msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,
                     last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)), tp_rank=tp_rank, tp_size=tp_size,
-                    client_pid=os.getpid(), pp_rank=pp_rank, pp_size=pp_size,
+                    pp_rank=pp_rank, pp_size=pp_size,
                     first_layer=layers[0] if layers else 0, end_layer=layers[1] if layers else 0,
                     handover_ring=ring.available())
         self._begun = True
@@ -689,18 +699,18 @@ class PrefillClient:
                 self._rings = {ok.staging_shmid: w}
             return w
 
-    def _bell(self, path: str, daemon_pid: int) -> Bell | None:
+    def _bell(self, path: str, daemon_id: str) -> Bell | None:
         """The doorbell the sender offers (``BeginOk.doorbell``), opened once per sender process (a restarted
         sender makes its FIFO anew at the same path); None: wake it by message."""
         if not path:
             return None
         with self._rings_lock:
-            b = self._bells.get((path, daemon_pid))
+            b = self._bells.get((path, daemon_id))
             if b is None:
                 for old in self._bells.values():  # one sender per connection: another is a restarted one's
                     old.close()
                 b = Bell(path)
-                self._bells = {(path, daemon_pid): b}
+                self._bells = {(path, daemon_id): b}
             return b
 
     def close(self) -> None:
@@ -713,7 +723,7 @@ class PrefillClient:
                 for b in self._bells.values():
                     b.close()
                 self._bells.clear()
-            if self._begun and (not self._conn.peer_pid or pid_alive(self._conn.peer_pid)):
+            if self._begun and self._conn.daemon_alive():
                 self._begun = False
                 try:  # the sender may give this connection's ring to another now
                     self._conn.send(Bye(), 1.0)
@@ -764,6 +774,7 @@ class DecodeRequest:
                        if ok.ready_in_pool and ok.lease_id else None)
         self._released = False
         self.broken: str | None = None
+        self._life = client._conn.life  # the receiver's lifeline: closed, it died
 
     def _pump(self, deadline: float) -> None:
         try:
@@ -774,9 +785,8 @@ class DecodeRequest:
         self._apply(msg)
 
     def _check_receiver(self) -> None:
-        pid = self.client._conn.peer_pid  # learnt from OpenOk
-        if self.broken is None and pid and not pid_alive(pid):
-            self.broken = f"receiver (pid {pid}) died"
+        if self.broken is None and self._life is not None and not self._life.alive():
+            self.broken = "receiver died (its lifeline closed)"
         if self.broken is not None:
             raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
 
@@ -978,6 +988,7 @@ class DecodeClient:
         """Open a request (waits until its allocation exists on the receiver). A decode rank of
         ``tp_size`` reads its own heads (``layout.rank_heads``: replicated where TP exceeds the KV heads)."""
         self._conn.begin(req_id)
+        self._conn.lifeline()  # the receiver releases this engine's opens if it dies, and we see the receiver die
         reply = self._conn.call(Open(req_id=req_id, tp_size=tp_size), req_id,
                                 timeout_s if timeout_s is not None else self.timeout_s)
         if not isinstance(reply, OpenOk):

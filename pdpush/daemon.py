@@ -102,8 +102,9 @@ def die_with_launcher(signals: dict) -> None:
         return
     import ctypes
 
+    parent = os.getppid()  # 0 where the parent is outside our PID namespace (a launcher entering a host's)
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(launcher):  # it died before the prctl took effect
+    if parent == 1 or os.getppid() != parent:  # it died before the prctl took effect: we were reparented
         signals["count"] += 1
 
 

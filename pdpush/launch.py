@@ -81,6 +81,22 @@ class Daemon:
         return self.proc.returncode
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of *this* PID namespace runs (not a zombie): for the processes this launcher
+    started. Daemons and engines never judge each other by pid (lifeline.py)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def start_receiver(workdir: Path, *, config: Path | None = None, env: dict | None = None,
                    prefix: list[str] | None = None, **opts) -> Daemon:
     args = ["--config", str(config)] if config else []

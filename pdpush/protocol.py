@@ -182,7 +182,6 @@ class Begin(Msg):
     # tensor parallelism: every rank sends its own Begin under the same req_id; one request on the wire
     tp_rank: Annotated[int, Field(ge=0, le=4095)] = 0
     tp_size: Annotated[int, Field(ge=1, le=4096)] = 1
-    client_pid: Annotated[int, Field(ge=0)] = 0  # the sender fails the request when this process dies
     # pipeline parallelism: each stage's ranks begin it too, pushing their stage's layers [first, end)
     pp_rank: Annotated[int, Field(ge=0, le=255)] = 0
     pp_size: Annotated[int, Field(ge=1, le=256)] = 1
@@ -199,7 +198,8 @@ class BeginOk(Msg):
     staging_bytes: U64
     staging_offset: U64  # the request's grant table in staging (plan.py): each layer's block, once granted
     new_chunks: U32
-    daemon_pid: int = 0  # the prefill engine watches the sender's pid while it waits
+    # this sender's start (random; new on every start): a request begun on another start writes a dead staging
+    daemon_id: Annotated[str, Field(max_length=64)] = ""
     pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # the receiver's; with tp_size, the staging shares
     # the hand-over ring of this connection (ring.py): its records name the request by ``handle``
     handle: U32 = 0
@@ -286,7 +286,7 @@ class OpenOk(Msg):
     last_chunk_tokens: U32
     layers_ready: list[U32]
     committed: bool
-    daemon_pid: int = 0  # the decode engine has no UCX endpoint: it watches this pid for liveness
+    daemon_id: Annotated[str, Field(max_length=64)] = ""  # this receiver's start (liveness: lifeline.py)
     pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # PoolGeometry.shards (layout.py)
 
 

@@ -18,14 +18,13 @@ only through pdpush.transport.ucx, when started.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 
 import xxhash
 import zmq
 
-from pdpush import control, protocol
+from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.errors import PdpushError
 from pdpush.layout import combine_digests
@@ -84,12 +83,13 @@ class Receiver:
         self.router, self.control_endpoint = control.bind_router(cfg.host, cfg.control_port, cfg.max_frame_bytes,
                                                                  configure)
         self.local, self.local_endpoint = control.bind_local(cfg.local_socket_path(), cfg.max_frame_bytes)
+        self.lifelines = lifeline.Lifelines(lifeline.path_for(cfg.local_socket_path()))  # decode engines' deaths
         from pdpush.metrics import Metrics
 
         self.metrics = Metrics("receiver", cfg.metrics_host, cfg.metrics_port)
         info = PoolInfo(base=self.region.address, pages=cfg.pool_pages, shmid=self.shmid, rkey=self.rkey,
                         ready_base=self.region.address + self.layout.kv_bytes(cfg.pool_pages), ucx_host=cfg.host,
-                        ucx_port=self.ucx_port, daemon_pid=os.getpid(), shards=cfg.pool_shards,
+                        ucx_port=self.ucx_port, daemon_id=secrets.token_hex(8), shards=cfg.pool_shards,
                         state_slots=cfg.geometry.state_slots)
         self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
@@ -98,6 +98,7 @@ class Receiver:
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.local, zmq.POLLIN)
         self.poller.register(self.ucx.epoll_fd, zmq.POLLIN)
+        self.poller.register(self.lifelines.fileno(), zmq.POLLIN)
         return {"role": "receiver", "control_endpoint": self.control_endpoint, "local_endpoint": self.local_endpoint,
                 "ucx_port": self.ucx_port, "pool_bytes": cfg.pool_bytes, "shmid": self.shmid, "backing": self.backing,
                 "fingerprint": self.layout.fingerprint(), "auth": "curve" if self.auth else "none",
@@ -116,6 +117,8 @@ class Receiver:
         for ep in self.ucx_peers + [p[0] for p in self.ucx_pending]:
             ep.close()
         self.ucx_peers, self.ucx_pending = [], []
+        if getattr(self, "lifelines", None) is not None:
+            self.lifelines.close()
         if self.auth is not None:
             self.auth.stop()
         if getattr(self, "metrics", None) is not None:
@@ -148,6 +151,9 @@ class Receiver:
                 break
         if self.ucx_pending:
             self._check_ucx_peers()
+        _, gone = self.lifelines.service()
+        for ident in gone:  # decode connections whose engine died: their opens are released
+            self._apply(self.session.on_reader_gone(ident, now_ms()))
         t = now_ms()
         if t - self._last_tick >= 10:
             self._last_tick = t
@@ -235,6 +241,7 @@ class Receiver:
     def stats(self) -> dict:
         return {"role": "receiver", "control_endpoint": self.control_endpoint, **self.session.stats(),
                 "ucx_peers": len(self.ucx_peers), "ucx_peers_pending": len(self.ucx_pending),
+                **self.lifelines.stats(),
                 "auth": "curve" if self.auth else "none", "metrics_endpoint": self.metrics.endpoint,
                 **self.shell_counters}
 

@@ -19,7 +19,7 @@ through pdpush.transport.ucx, when started.
 from __future__ import annotations
 
 import logging
-import os
+import secrets
 import time
 from collections import deque
 
@@ -27,12 +27,11 @@ import numpy as np
 import xxhash
 import zmq
 
-from pdpush import control, protocol, ring
-from pdpush.client import pid_alive
+from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig
 from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportTimeout
 from pdpush.layout import combine_digests
-from pdpush.protocol import StatusReply, StatusRequest, Wake
+from pdpush.protocol import Begin, StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
     CloseRing,
     Connect,
@@ -96,6 +95,7 @@ class Sender:
             shm.prefault(self.region.address, self.region.length)
         self.ingress, self.ingress_endpoint = control.bind_local(self.cfg.ingress_socket_path(),
                                                                  self.cfg.max_frame_bytes)
+        self.lifelines = lifeline.Lifelines(lifeline.path_for(self.cfg.ingress_socket_path()))  # engines' deaths
         from pdpush.metrics import Metrics
 
         self.metrics = Metrics("sender", self.cfg.metrics_host, self.cfg.metrics_port)
@@ -108,7 +108,7 @@ class Sender:
             SenderLimits(lease_ms=c.lease_ms, control_timeout_ms=c.control_timeout_ms,
                          layer_timeout_ms=c.layer_timeout_ms, alloc_retry_budget_ms=c.alloc_retry_budget_ms,
                          ring_slots=c.handover_ring_slots),
-            StagingInfo(self.region.address, self.shmid, self.region.length, os.getpid(),
+            StagingInfo(self.region.address, self.shmid, self.region.length, secrets.token_hex(8),
                         self.doorbell.path if self.doorbell else ""),
             c.default_receiver, check_receiver=self._check_receiver)
         from pdpush_native import Pusher, fence
@@ -134,6 +134,8 @@ class Sender:
             sock.close(0)
         if getattr(self, "ingress", None) is not None:
             self.ingress.close(0)
+        if getattr(self, "lifelines", None) is not None:
+            self.lifelines.close()
         if self.doorbell is not None:
             self.doorbell.close()
         if getattr(self, "region", None) is not None:
@@ -155,6 +157,7 @@ class Sender:
             self.poller = zmq.Poller()
             self.poller.register(self.ingress, zmq.POLLIN)
             self.poller.register(self.ucx.epoll_fd, zmq.POLLIN)
+            self.poller.register(self.lifelines.fileno(), zmq.POLLIN)
             if self.doorbell is not None:
                 self.poller.register(self.doorbell.fileno(), zmq.POLLIN)
             for sock in self.socks.values():
@@ -185,6 +188,8 @@ class Sender:
         self._reap()
         self._take_rings()
         self.ucx.dispatch_closed()
+        if self.lifelines.fileno() in events:
+            self._lifelines()
         for endpoint, sock in list(self.socks.items()):
             if sock in events:
                 for _ in range(256):
@@ -209,12 +214,18 @@ class Sender:
         if t - self._last_tick >= 5:
             self._last_tick = t
             self._apply(self.session.on_tick(t))
-        if time.monotonic() - self._last_refresh > 0.1:  # gauges and prefill ranks' liveness ~10 times a second
+        if time.monotonic() - self._last_refresh > 0.1:  # gauges ~10 times a second
             self._last_refresh = time.monotonic()
-            for pid in self.session.client_pids():
-                if not pid_alive(pid):
-                    self._apply(self.session.on_client_gone(pid, now_ms()))
+            self._lifelines()  # a lifeline's hello that never came is closed by its deadline
             self.metrics.refresh(self.stats())
+
+    def _lifelines(self) -> None:
+        """Engine connections whose lifeline opened, or closed (their process died): lifeline.py."""
+        named, gone = self.lifelines.service()
+        for ident in named:
+            self.session.on_lifeline(ident)
+        for ident in gone:
+            self._apply(self.session.on_client_gone(ident, now_ms()))
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -291,6 +302,8 @@ class Sender:
             return
         if isinstance(msg, Wake):
             return  # its records are taken already (_take_ring before each frame)
+        if isinstance(msg, Begin) and ident not in self.session.lifelines:
+            self._lifelines()  # its engine opened its lifeline before it sent this
         self._apply(self.session.on_ingress(ident, msg, now_ms()))
 
     def _on_peer_frame(self, endpoint: str, payload: bytes) -> None:
@@ -433,7 +446,7 @@ class Sender:
 
     def stats(self) -> dict:
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, **self.session.stats(),
-                **self.pusher.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters}
+                **self.pusher.stats(), **self.lifelines.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters}
 
 
 class _Connections:

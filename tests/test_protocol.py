@@ -26,7 +26,7 @@ SAMPLES = [
     P.StatusRequest(), P.StatusReply(stats={"a": 1, "b": "x", "c": 1.5, "d": True}),
     P.Begin(req_id="r", receiver="tcp://h:1", layout=SPEC, chunk_keys=[KEY], last_chunk_tokens=16),
     P.BeginOk(req_id="r", already_sent_indexes=[], staging_shmid=3, staging_bytes=1 << 20, staging_offset=0,
-              new_chunks=1, daemon_pid=42),
+              new_chunks=1, daemon_id="5e1d"),
     P.LayerReady(req_id="r", layers=[0]), P.Finish(req_id="r"),
     P.NeedStaging(req_id="r", unit=3), P.StagingGranted(req_id="r", unit=3), P.Wake(), P.Bye(),
     P.Done(req_id="r", bytes_sent=10, puts=1, layers=2, chunks_skipped=0, layer_done_ms=[1.0, 2.0]),

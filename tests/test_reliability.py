@@ -279,7 +279,7 @@ def test_daemons_die_with_a_crashed_launcher(tmp_path):
     import subprocess
     import sys
 
-    from pdpush.client import pid_alive
+    from pdpush.launch import pid_alive
 
     code = ("import sys, time; from pathlib import Path; from pdpush import launch; "
             f"d = launch.start_receiver(Path({str(tmp_path)!r}), layers=2, kv_heads=1, head_dim=8, pool_pages=2, "

@@ -95,10 +95,11 @@ def test_a_connection_keeps_its_ring_until_bye_and_its_records_are_its_layer_rea
     from tests.test_sessions import LAY as SLAY
 
     w = Wire()
-    w.engine(begin("plain", list(range(40)), "", SLAY, client_pid=4242))  # an engine that asks for no ring
+    w.tx.on_lifeline(ENG)  # its lifeline is open: the sender will see it die
+    w.engine(begin("plain", list(range(40)), "", SLAY))  # an engine that asks for no ring
     ok = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
     assert ok.ring_slots == 0 and w.tx.rings.stats()["handover_rings"] == 0
-    w.engine(begin("a", list(range(100, 140)), "", SLAY, client_pid=4242, handover_ring=True))
+    w.engine(begin("a", list(range(100, 140)), "", SLAY, handover_ring=True))
     ok = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
     assert ok.ring_slots == w.tx.limits.ring_slots and ok.ring_offset and ok.handle
     assert w.tx.rings.stats()["handover_rings"] == 1
@@ -128,31 +129,32 @@ def test_no_ring_when_the_metadata_area_is_full_or_rings_are_off():
     c = Counters()
     rings = HandoverRings(meta, 1 << 20, 16, c)  # 128 bytes a ring after the 64-byte idle word
     out: list = []
-    got = [rings.open(bytes([i]), 100 + i, out) for i in range(4)]
+    got = [rings.open(bytes([i]), True, out) for i in range(4)]
     # rings take at most half of the area: the fourth would pass it, and grant tables keep the rest
     assert got[:3] == [(64, 16), (192, 16), (320, 16)] and got[3] == (0, 0) and c.values["rings_refused"] == 1
     assert meta.alloc(512) == 448
     assert [a.address for a in out if isinstance(a, OpenRing)] == [(1 << 20) + o for o, _ in got[:3]]
-    assert rings.open(b"x", 0, out) == (0, 0)  # no pid: its ring could never come back
-    rings.on_client_gone(101, out)
-    assert rings.open(bytes([9]), 109, out) == (192, 16)  # the dead engine's ring, reused
-    assert HandoverRings(StagingAllocator(512, 0, "m", align=64), 0, 0, c).open(b"e", 1, out) == (0, 0)
+    assert rings.open(b"x", False, out) == (0, 0)  # no lifeline: its ring could never come back
+    rings.close(bytes([1]), out)  # that engine's lifeline closed
+    assert rings.open(bytes([9]), True, out) == (192, 16)  # the dead engine's ring, reused
+    assert HandoverRings(StagingAllocator(512, 0, "m", align=64), 0, 0, c).open(b"e", True, out) == (0, 0)
     huge = HandoverRings(StagingAllocator(512, 0, "m", align=64), 0, 1 << 16, c)  # larger than the area itself
-    assert huge.open(b"e", 1, out) == (0, 0) and c.values["rings_refused"] == 2
+    assert huge.open(b"e", True, out) == (0, 0) and c.values["rings_refused"] == 2
 
 
 def test_handles_are_32_bits_and_never_a_live_requests():
     import itertools
 
     from tests.test_sessions import LAY as SLAY
-    from tests.test_sessions import Wire, begin
+    from tests.test_sessions import ENG, Wire, begin
 
     w = Wire()
-    w.engine(begin("a", list(range(40)), "", SLAY, client_pid=1, handover_ring=True))
+    w.tx.on_lifeline(ENG)
+    w.engine(begin("a", list(range(40)), "", SLAY, handover_ring=True))
     # 2**32 - 1 is free; 2**32 wraps onto 0, which is no handle; 2**32 + 1 onto 1, which "a" holds
     w.tx._seq = itertools.chain([(1 << 32) - 1, 1 << 32, (1 << 32) + 1], itertools.count(2))
-    w.engine(begin("b", list(range(100, 140)), "", SLAY, client_pid=1, handover_ring=True))
-    w.engine(begin("c", list(range(200, 240)), "", SLAY, client_pid=1, handover_ring=True))
+    w.engine(begin("b", list(range(100, 140)), "", SLAY, handover_ring=True))
+    w.engine(begin("c", list(range(200, 240)), "", SLAY, handover_ring=True))
     oks = {m.req_id: m.handle for m in w.to_client if isinstance(m, protocol.BeginOk)}
     assert oks == {"a": 1, "b": (1 << 32) - 1, "c": 2}
 

@@ -40,13 +40,13 @@ DEC = b"decoder"
 
 def receiver(pages: int = 16, shards: int = 1, lay: KVLayout = LAY, **limits) -> ReceiverSession:
     tokens = (bytes([i]) * 32 for i in itertools.count(1))
-    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + lay.kv_bytes(pages), "127.0.0.1", 9, 42, shards,
+    info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + lay.kv_bytes(pages), "127.0.0.1", 9, "rx-42", shards,
                     state_slots=8 if lay.state_layers else 0)
     return ReceiverSession(lay, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
 
 
 def sender(staging_bytes: int = 64 << 20, **limits) -> SenderSession:
-    return SenderSession(SenderLimits(**limits), StagingInfo(1 << 20, 5, staging_bytes, 41), "tcp://rx-a:1")
+    return SenderSession(SenderLimits(**limits), StagingInfo(1 << 20, 5, staging_bytes, "tx-41"), "tcp://rx-a:1")
 
 
 def begin(req_id: str, ids: list[int], receiver: str = "", lay: KVLayout = LAY, **tp) -> protocol.Begin:
@@ -379,7 +379,7 @@ def test_receiver_session_fuzz(steps):
     """Random messages in random order on both endpoints: every reply typed, the accounting whole."""
     rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300,
                                                  max_leases_per_sender=3),
-                         PoolInfo(1 << 30, 12, 1, b"k", 1 << 31, "127.0.0.1", 1, 1), new_token=lambda: b"t" * 32,
+                         PoolInfo(1 << 30, 12, 1, b"k", 1 << 31, "127.0.0.1", 1, "rx-1"), new_token=lambda: b"t" * 32,
                          layer_checksum=lambda ranges: 2)
     now = 0
     for ident, local, msg, dt in steps:
@@ -472,7 +472,8 @@ RANKS = (b"rank0", b"rank1")
 
 def _tp_begin(w: Wire, req_id: str, ids: list[int], ranks=(0, 1)) -> None:
     for r in ranks:
-        w.engine(begin(req_id, ids, tp_rank=r, tp_size=2, client_pid=100 + r), RANKS[r])
+        w.tx.on_lifeline(RANKS[r])
+        w.engine(begin(req_id, ids, tp_rank=r, tp_size=2), RANKS[r])
 
 
 def _for(w: Wire, ident: bytes, cls):
@@ -514,10 +515,10 @@ def test_one_rank_dying_fails_the_request_for_every_rank_and_frees_the_lease():
     w = Wire()
     _tp_begin(w, "t", list(range(40)))
     w.engine(protocol.LayerReady(req_id="t", layers=[0]), RANKS[0])
-    assert w.tx.client_pids() == {100, 101}
-    w.run(w.tx.on_client_gone(101, w.now))
+    assert w.tx.lifelines == set(RANKS)
+    w.run(w.tx.on_client_gone(RANKS[1], w.now))
     errs = [_for(w, r, protocol.Error)[-1] for r in RANKS]
-    assert all(e.code is ErrorCode.PEER_DEAD for e in errs) and "rank 1 of 2 (pid 101) died" in errs[0].message
+    assert all(e.code is ErrorCode.PEER_DEAD for e in errs) and "rank 1 of 2 died" in errs[0].message
     assert "t" not in w.rx["tcp://rx-a:1"].reqs  # the receiver was told: the pages go to quarantine
     w.engine(begin("t", list(range(40)), tp_rank=1, tp_size=2), RANKS[1])  # a late rank is told, not re-begun
     late = _for(w, RANKS[1], protocol.Error)[-1]  # the same typed error the other ranks got
@@ -582,8 +583,8 @@ def test_a_push_of_chunks_all_held_commits_on_finish_without_any_layer(tp):
 
 def _pp_begin(w: Wire, req_id: str, ids: list[int], stages=((0, 0, 2), (1, 2, 3))) -> None:
     for s, first, end in stages:
-        w.engine(begin(req_id, ids, pp_rank=s, pp_size=2, first_layer=first, end_layer=end, client_pid=100 + s),
-                 RANKS[s])
+        w.tx.on_lifeline(RANKS[s])
+        w.engine(begin(req_id, ids, pp_rank=s, pp_size=2, first_layer=first, end_layer=end), RANKS[s])
 
 
 def test_two_stages_share_one_allocation_push_only_their_layers_and_commit_once():
@@ -617,9 +618,9 @@ def test_stages_that_do_not_split_the_layers_fail_the_request(stages, why):
 def test_a_dead_stage_fails_the_request_for_the_other_naming_it():
     w = Wire()
     _pp_begin(w, "p", list(range(40)))
-    w.run(w.tx.on_client_gone(101, w.now))
+    w.run(w.tx.on_client_gone(RANKS[1], w.now))
     err = _for(w, RANKS[0], protocol.Error)[-1]
-    assert err.code is ErrorCode.PEER_DEAD and "stage 1 of 2, rank 0 of 1 (pid 101) died" in err.message
+    assert err.code is ErrorCode.PEER_DEAD and "stage 1 of 2, rank 0 of 1 died" in err.message
 
 
 def test_a_stage_s_layers_beyond_the_layout_or_too_many_ranks_are_refused_at_begin():

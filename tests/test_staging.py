@@ -179,11 +179,12 @@ def test_an_engine_that_never_says_it_stopped_gets_its_staging_back_after_the_le
 
 def test_a_dead_engine_gives_its_held_staging_back():
     w = _wire(lease_ms=60_000)
-    w.engine(protocol.Begin(**{**begin("a", BIG, lay=LAY).model_dump(), "client_pid": 4242}), ident=b"a")
+    w.tx.on_lifeline(b"a")
+    w.engine(begin("a", BIG, lay=LAY), ident=b"a")
     w.run(w.tx.on_peer_lost("tcp://rx-a:1", "receiver gone", w.now))
-    assert 4242 in w.tx.client_pids() and w.tx.stats()["staging_held_bytes"] > 0
-    w.run(w.tx.on_client_gone(4242, w.now))
-    assert w.tx.stats()["staging_held_bytes"] == 0 and 4242 not in w.tx.client_pids()
+    assert w.tx.stats()["staging_held_bytes"] > 0
+    w.run(w.tx.on_client_gone(b"a", w.now))  # its lifeline closed
+    assert w.tx.stats()["staging_held_bytes"] == 0 and b"a" not in w.tx.lifelines
 
 
 def test_only_a_layer_over_half_of_staging_is_too_large():

@@ -136,7 +136,7 @@ def test_two_prefill_ranks_each_put_their_units_of_the_state_and_it_lands_with_b
     w = Wire(lay=LAY, shards=1)
     rx = w.rx["tcp://rx-a:1"]
     for r in (0, 1):
-        w.engine(begin("t", list(range(40)), lay=LAY, tp_rank=r, tp_size=2, client_pid=100 + r), RANKS[r])
+        w.engine(begin("t", list(range(40)), lay=LAY, tp_rank=r, tp_size=2), RANKS[r])
     for r in (0, 1):
         w.engine(protocol.LayerReady(req_id="t", layers=list(range(LAY.push_layers))), RANKS[r])
     share = LAY.state_page_bytes // 2

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 class _Held:
     """Staging of a failed request that one of its engines may still be writing."""
 
-    pid: int
     until_ms: int
     blocks: list[tuple[StagingAllocator, int]]  # (allocator, offset)
 
@@ -130,7 +129,7 @@ class StagingGrants:
                 held.blocks.extend(mine)
                 held.until_ms = max(held.until_ms, until)
             else:
-                self._held[(r.req_id, k.client)] = _Held(k.pid, until, mine)
+                self._held[(r.req_id, k.client)] = _Held(until, mine)
 
     # ---- failed requests' engines ----
     def held(self, req_id: str | None, ident: bytes) -> bool:
@@ -150,15 +149,13 @@ class StagingGrants:
         if late:
             self.pump(out)
 
-    def on_client_gone(self, pid: int, out: list) -> None:
-        gone = [k for k, h in self._held.items() if h.pid == pid]
+    def on_client_gone(self, ident: bytes, out: list) -> None:
+        """Engine connection ``ident`` is gone (its lifeline closed): it writes no staging any more."""
+        gone = [k for k in self._held if k[1] == ident]
         for k in gone:
             self._unhold(k)
         if gone:
             self.pump(out)
-
-    def pids(self) -> set[int]:
-        return {h.pid for h in self._held.values() if h.pid}
 
     # ---- grants ----
     def pump(self, out: list) -> None:

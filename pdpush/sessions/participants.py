@@ -44,7 +44,6 @@ class TxRank:
     """One prefill rank of a request (of one pipeline stage): its connection, and what it has handed over."""
 
     client: bytes
-    pid: int
     tp_rank: int = 0
     pp_rank: int = 0
     layers: range = range(0)  # its stage's layers
@@ -56,7 +55,7 @@ class TxRank:
     @classmethod
     def of(cls, client: bytes, msg: Begin, stage: range) -> TxRank:
         """The rank that sent ``msg`` on ``client``, pushing the layers ``stage``."""
-        return cls(client, msg.client_pid, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)
+        return cls(client, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)
 
 
 class Participants:

@@ -99,7 +99,7 @@ class PoolInfo:
     ready_base: int  # address of the readiness words (layout.py)
     ucx_host: str
     ucx_port: int
-    daemon_pid: int
+    daemon_id: str  # this receiver's start (OpenOk.daemon_id)
     shards: int = 1  # PoolGeometry.shards
     state_slots: int = 0  # PoolGeometry.state_slots
 
@@ -131,6 +131,7 @@ class RxRequest:
     readers: int = 0  # opens not yet released
     layers_done: set[int] = field(default_factory=set)
     watchers: set[bytes] = field(default_factory=set)
+    opens: dict[bytes, int] = field(default_factory=dict)  # decode connection -> its opens not released
     new_runs: list[tuple[int, int, int]] = field(default_factory=list)
     tp_size: int = 1  # prefill ranks whose shares make up each layer
     decode_ranks: int = 1  # opens it takes: a committed request stays until that many releases
@@ -176,7 +177,7 @@ class ReceiverSession:
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
-            "chunks_claimed")})
+            "chunks_claimed", "readers_gone")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int) -> list:
@@ -515,13 +516,7 @@ class ReceiverSession:
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
             if r is not None:
-                r.watchers.discard(ident)
-                r.readers = max(0, r.readers - 1)
-                r.releases += 1
-                if r.readers == 0 and r.state is ReqState.COMMITTED and r.releases >= r.decode_ranks:
-                    self._drop(r, "committed and released")
-                elif r.readers == 0:
-                    self._due(r.expires_at_ms)
+                self._release(r, ident, 1)
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
             out.append(ToDecode(ident, self._claim(msg, now, out)))
@@ -533,6 +528,33 @@ class ReceiverSession:
                 request_committed=self._committed(msg.req_id))))
         else:
             raise UnexpectedMessage(f"receiver does not accept {msg.type} on the local endpoint")
+
+    def _release(self, r: RxRequest, ident: bytes, n: int) -> None:
+        r.watchers.discard(ident)
+        if r.opens.get(ident, 0) > n:
+            r.opens[ident] -= n
+        else:
+            r.opens.pop(ident, None)
+        r.readers = max(0, r.readers - n)
+        r.releases += n
+        if r.readers == 0 and r.state is ReqState.COMMITTED and r.releases >= r.decode_ranks:
+            self._drop(r, "committed and released")
+        elif r.readers == 0:
+            self._due(r.expires_at_ms)
+
+    def on_reader_gone(self, ident: bytes, now: int) -> list:
+        """Decode connection ``ident``'s lifeline closed (its engine died, in whatever PID namespace): its
+        opens are released, so a dead reader pins no page, and its parked opens go."""
+        out: list = []
+        for r in [r for r in self.reqs.values() if ident in r.opens or ident in r.watchers]:
+            self._release(r, ident, r.opens.get(ident, 0))
+        for rid in [rid for rid, ws in self.parked.items() if any(w[0] == ident for w in ws)]:
+            self.parked[rid] = [w for w in self.parked[rid] if w[0] != ident]
+            if not self.parked[rid]:
+                del self.parked[rid]
+        self.counters.add("readers_gone")
+        self._publish(now, out)
+        return out
 
     def _claim(self, msg: Claim, now: int, out: list) -> ClaimOk:
         """A committed request made of the held leading chunks: opened and released like a pushed one."""
@@ -596,6 +618,7 @@ class ReceiverSession:
 
     def _open_ok(self, ident: bytes, r: RxRequest) -> ToDecode:
         r.readers += 1
+        r.opens[ident] = r.opens.get(ident, 0) + 1
         r.watchers.add(ident)
         i = self.info
         return ToDecode(ident, OpenOk(req_id=r.req_id, shmid=i.shmid, pool_base=i.base, pool_pages=i.pages,
@@ -604,7 +627,7 @@ class ReceiverSession:
                                       lease_id=r.lease_id, ready_in_pool=not self.limits.verify_checksums,
                                       last_chunk_tokens=r.last_chunk_tokens,
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
-                                      daemon_pid=i.daemon_pid, pool_shards=i.shards))
+                                      daemon_id=i.daemon_id, pool_shards=i.shards))
 
     # ---- state -------------------------------------------------------------------------
     def stats(self) -> dict:

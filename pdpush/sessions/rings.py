@@ -23,7 +23,6 @@ from pdpush.staging import StagingAllocator
 @dataclass
 class _Ring:
     offset: int
-    pid: int
 
 
 class HandoverRings:
@@ -33,17 +32,17 @@ class HandoverRings:
         self._rings: dict[bytes, _Ring] = {}
         self._reserve = meta.size // 2  # rings' share of the metadata area: grant tables keep the rest
 
-    def open(self, ident: bytes, pid: int, out: list) -> tuple[int, int]:
+    def open(self, ident: bytes, lifeline: bool, out: list) -> tuple[int, int]:
         """The connection's ring as (offset in staging, slots); (0, 0) when it has none."""
         ring = self._rings.get(ident)
         if ring is None:
-            if not self.slots or not pid:  # without a pid, a dead engine's ring would never come back
+            if not self.slots or not lifeline:  # without a lifeline, a dead engine's ring would never come back
                 return 0, 0
             need = self.meta.rounded(self.slots * 8)
             try:
                 if self.meta_bytes + need > self._reserve:
                     raise PoolExhausted("the rings' half of the staging metadata is full")
-                ring = _Ring(self.meta.alloc(need), pid)
+                ring = _Ring(self.meta.alloc(need))
             except (PoolExhausted, RequestTooLarge):
                 self.counters.add("rings_refused")
                 return 0, 0
@@ -63,18 +62,12 @@ class HandoverRings:
             out.append(CloseRing(ident))
             self.meta.free(ring.offset)
 
-    def on_client_gone(self, pid: int, out: list) -> None:
-        for ident in [i for i, ring in self._rings.items() if ring.pid == pid]:
-            self.close(ident, out)
 
     @property
     def meta_bytes(self) -> int:
         """Staging metadata the rings and the idle word hold."""
         return sum(self.meta.used.get(o, 0) for o in [*(r.offset for r in self._rings.values()), self.idle_offset]
                    if self.slots)
-
-    def pids(self) -> set[int]:
-        return {ring.pid for ring in self._rings.values()}
 
     def stats(self) -> dict:
         return {"handover_rings": len(self._rings)}

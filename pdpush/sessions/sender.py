@@ -163,6 +163,7 @@ class SenderSession:
         self._seq = itertools.count(1)
         self.ended = Ended()  # recently ended multi-rank requests, for a rank that begins one late
         self.draining = False
+        self.lifelines: set[bytes] = set()  # engine connections whose death the shell will report (lifeline.py)
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
             "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks",
@@ -291,21 +292,22 @@ class SenderSession:
             self._peer_failed(p, error or BrokenResourceError(why), now, out)
         return out
 
-    def client_pids(self) -> set[int]:
-        """Processes of the prefill ranks with a request in flight or staging held (the shell watches them)."""
-        return ({k.pid for r in self.reqs.values() for k in r.ranks.values() if k.pid} | self.grants.pids()
-                | self.rings.pids())
+    def on_lifeline(self, ident: bytes) -> None:
+        """Engine connection ``ident`` opened a lifeline (lifeline.py): its death will be seen."""
+        self.lifelines.add(ident)
 
-    def on_client_gone(self, pid: int, now: int) -> list:
-        """A prefill rank's process died: its requests cannot complete, fail them for every rank."""
+    def on_client_gone(self, ident: bytes, now: int) -> list:
+        """Engine connection ``ident``'s lifeline closed (its process died, in whatever PID namespace):
+        its requests cannot complete, fail them for every rank; its staging and ring come back."""
         out: list = []
+        self.lifelines.discard(ident)
         for r in list(self.reqs.values()):
-            dead = [rank for rank, k in r.ranks.items() if k.pid == pid]
+            dead = [rank for rank, k in r.ranks.items() if k.client == ident]
             if dead:
-                self._fail(r, BrokenResourceError(f"prefill {r.who(dead[0])} (pid {pid}) died mid-push"),
-                           now, out, tell_receiver=True)
-        self.grants.on_client_gone(pid, out)
-        self.rings.on_client_gone(pid, out)
+                self._fail(r, BrokenResourceError(f"prefill {r.who(dead[0])} died mid-push (its connection's "
+                                                  "lifeline closed)"), now, out, tell_receiver=True)
+        self.grants.on_client_gone(ident, out)
+        self.rings.close(ident, out)
         return out
 
     def on_tick(self, now: int) -> list:
@@ -415,11 +417,11 @@ class SenderSession:
     def _begin_ok(self, r: TxRequest, ident: bytes, out: list) -> BeginOk:
         s = self.staging_info
         rank = r.ranks[r.rank_of(ident)]
-        ring, slots = (self.rings.open(ident, rank.pid, out) if rank.ring  # the connection's, or none
+        ring, slots = (self.rings.open(ident, ident in self.lifelines, out) if rank.ring  # the connection's, or none
                        else (0, 0))
         return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
                        staging_bytes=s.nbytes, staging_offset=r.meta_off, new_chunks=r.n_new,
-                       daemon_pid=s.daemon_pid, pool_shards=r.peer.ack.pool_shards, handle=r.seq,
+                       daemon_id=s.daemon_id, pool_shards=r.peer.ack.pool_shards, handle=r.seq,
                        ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset,
                        doorbell=s.doorbell if slots else "")
 

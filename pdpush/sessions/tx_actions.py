@@ -114,5 +114,5 @@ class StagingInfo:
     address: int
     shmid: int
     nbytes: int
-    daemon_pid: int
+    daemon_id: str  # this sender's start (BeginOk.daemon_id)
     doorbell: str = ""  # the FIFO that wakes the sender (doorbell.py), offered with a hand-over ring
