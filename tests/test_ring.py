@@ -145,8 +145,8 @@ def test_no_ring_when_the_metadata_area_is_full_or_rings_are_off():
 def test_handles_are_32_bits_and_never_a_live_requests():
     import itertools
 
-    from tests.test_sessions import LAY as SLAY
     from tests.test_sessions import ENG, Wire, begin
+    from tests.test_sessions import LAY as SLAY
 
     w = Wire()
     w.tx.on_lifeline(ENG)
