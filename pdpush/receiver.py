@@ -17,6 +17,7 @@ only through pdpush.transport.ucx, when started.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -238,10 +239,17 @@ class Receiver:
             digests.append(h.intdigest())
         return combine_digests(digests)
 
+    def transports(self) -> list[str]:
+        """Each sender's endpoint: the UCX transports and devices its lanes use."""
+        from pdpush.transport import ucp
+
+        return [" ".join(f"{t}/{d}" for t, d in ucp.ep_transports(ep.handle)) for ep in self.ucx_peers
+                if ep.handle is not None]
+
     def stats(self) -> dict:
         return {"role": "receiver", "control_endpoint": self.control_endpoint, **self.session.stats(),
                 "ucx_peers": len(self.ucx_peers), "ucx_peers_pending": len(self.ucx_pending),
-                **self.lifelines.stats(),
+                **self.lifelines.stats(), "ucx_transports": json.dumps(self.transports()),
                 "auth": "curve" if self.auth else "none", "metrics_endpoint": self.metrics.endpoint,
                 **self.shell_counters}
 

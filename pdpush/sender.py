@@ -18,6 +18,7 @@ through pdpush.transport.ucx, when started.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -444,8 +445,16 @@ class Sender:
             sock.close(0)
             self._poller_dirty = True
 
+    def transports(self) -> dict[str, str]:
+        """Each receiver's endpoint: the UCX transports and devices its lanes use (``tcp/eth0``, ...)."""
+        from pdpush.transport import ucp
+
+        return {e: " ".join(f"{t}/{d}" for t, d in ucp.ep_transports(ep.handle))
+                for e, ep in self.eps.items() if ep.alive}
+
     def stats(self) -> dict:
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, **self.session.stats(),
+                "ucx_transports": json.dumps(self.transports()),
                 **self.pusher.stats(), **self.lifelines.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters}
 
 

@@ -114,6 +114,22 @@ class ListenerAttr(ctypes.Structure):
     _fields_ = [("field_mask", c_uint64), ("sockaddr", c_uint8 * 128)]  # struct sockaddr_storage
 
 
+class TransportEntry(ctypes.Structure):  # ucp_transport_entry_t
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class Transports(ctypes.Structure):  # ucp_transports_t
+    _fields_ = [("entries", POINTER(TransportEntry)), ("num_entries", ctypes.c_uint), ("entry_size", c_size_t)]
+
+
+class EpAttr(ctypes.Structure):  # ucp_ep_attr_t (UCX >= 1.14: the TRANSPORTS field)
+    _fields_ = [("field_mask", c_uint64), ("name", ctypes.c_char * 32), ("local_sockaddr", c_uint8 * 128),
+                ("remote_sockaddr", c_uint8 * 128), ("transports", Transports), ("user_data", c_void_p)]
+
+
+UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+
+
 class EpParams(ctypes.Structure):
     _fields_ = [("field_mask", c_uint64), ("address", c_void_p), ("err_mode", c_int), ("err_handler", Handler),
                 ("user_data", c_void_p), ("flags", c_uint), ("sockaddr", SockAddr), ("conn_request", c_void_p),
@@ -183,6 +199,8 @@ def lib() -> ctypes.CDLL:
     L.ucp_ep_close_nbx.restype = c_void_p
     L.ucp_stream_recv_nbx.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_size_t), POINTER(RequestParam)]
     L.ucp_stream_recv_nbx.restype = c_void_p
+    L.ucp_ep_query.argtypes = [c_void_p, POINTER(EpAttr)]
+    L.ucp_ep_query.restype = c_int
     _lib = L
     return L
 
@@ -359,3 +377,22 @@ def ep_close_nbx(ep: int) -> int | None:
     """Close an endpoint at once (in-flight operations are canceled); a request to free when done."""
     status, req = _ptr_status(lib().ucp_ep_close_nbx(ep, byref(_FORCE)))
     return req
+
+
+def ep_transports(ep: int) -> list[tuple[str, str]]:
+    """The (transport, device) pairs an endpoint's lanes use, as UCX chose them: ``[("tcp", "eth0")]``
+    between hosts, ``[("sysv", "memory"), ...]`` on one. Empty where UCX cannot say."""
+    entries = (TransportEntry * 16)()
+    a = EpAttr()
+    a.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS
+    a.transports.entries = ctypes.cast(entries, POINTER(TransportEntry))
+    a.transports.num_entries = 16
+    a.transports.entry_size = ctypes.sizeof(TransportEntry)
+    if lib().ucp_ep_query(ep, byref(a)) != UCS_OK:
+        return []
+    out = []
+    for e in entries[:min(a.transports.num_entries, 16)]:
+        pair = ((e.transport_name or b"").decode(errors="replace"), (e.device_name or b"").decode(errors="replace"))
+        if pair[1] and pair not in out:  # (an entry without a device is the connection manager's)
+            out.append(pair)
+    return out
