@@ -6,6 +6,9 @@ Every page is in exactly one place at any time (``check()`` asserts it):
   indexed     -> a complete chunk in the index (prefix cache), refcounted, LRU
   private     -> committed, but its key was indexed meanwhile by another request;
                  owned by the request until it is dropped
+  unfenced    -> reclaimed from an aborted or expired lease while its sender may still have writes to it
+                 in flight: it stays out of use until ``settle`` (the sender says its writes settled, or
+                 the endpoint carrying them is closed), then goes to quarantine
   quarantine  -> reclaimed from an expired or aborted lease; a one-sided write
                  cannot be revoked, so it waits out a grace period before reuse
 
@@ -68,6 +71,7 @@ class PagePool:
         self._free = np.ones(num_pages, dtype=bool)
         self._nfree = num_pages
         self._quarantine: list[tuple[int, list[int]]] = []  # (release_at_ms, pages)
+        self._unfenced: dict[str, list[int]] = {}  # req_id -> pages a late write may still reach
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self.requests: dict[str, PoolRequest] = {}
         self.counters = {"chunks_evicted": 0, "chunks_hit": 0, "exhausted": 0}
@@ -81,6 +85,10 @@ class PagePool:
     @property
     def quarantined_pages(self) -> int:
         return sum(len(p) for _, p in self._quarantine)
+
+    @property
+    def unfenced_pages(self) -> int:
+        return sum(len(p) for p in self._unfenced.values())
 
     @property
     def chunks_cached(self) -> int:
@@ -200,18 +208,27 @@ class PagePool:
     def indexed_keys(self) -> list[bytes]:
         return list(self._index)
 
-    def abort(self, req_id: str, now_ms: int, published: bool = True) -> None:
+    def abort(self, req_id: str, now_ms: int, published: bool = True, fenced: bool = True) -> None:
         """Reclaim an uncommitted lease: its pages go to quarantine (``published`` False: its pages were never
-        told to anyone, so nothing can write them late; they are free at once)."""
+        told to anyone, so nothing can write them late; they are free at once. ``fenced`` False: writes to
+        them may still be in flight; they wait, unfenced, for ``settle``)."""
         req = self._get(req_id)
         if req.indexed:
             raise UnexpectedMessage(f"request {req_id!r} is committed; cannot abort")
-        if published:
+        if published and not fenced:
+            self._unfenced.setdefault(req_id, []).extend(req.new_pages)
+        elif published:
             self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages))
         else:
             self._give(req.new_pages)
         self._unpin(req)
         del self.requests[req_id]
+
+    def settle(self, req_id: str, now_ms: int) -> None:
+        """No write to aborted ``req_id``'s pages can land any more: they go to quarantine."""
+        pages = self._unfenced.pop(req_id, None)
+        if pages:
+            self._quarantine.append((now_ms + self.quarantine_ms, pages))
 
     def drop(self, req_id: str) -> None:
         """A committed request nobody reads any more: unpin its chunks, free its private pages."""
@@ -254,6 +271,8 @@ class PagePool:
         owner = np.zeros(self.num_pages, dtype=np.int32)
         owner[self._free] += 1
         for _, pages in self._quarantine:
+            owner[pages] += 1
+        for pages in self._unfenced.values():
             owner[pages] += 1
         for e in self._index.values():
             owner[e.page] += 1

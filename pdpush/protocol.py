@@ -151,6 +151,10 @@ class Abort(Msg):
     type: Literal["abort"] = "abort"
     req_id: ReqId
     reason: Annotated[str, Field(max_length=1024)] = ""
+    # sender -> receiver: none of the request's writes is queued or in flight any more (each completed), so
+    # its pages may be reused. False: some may still land; the receiver keeps the pages out of use until a
+    # settled Abort follows, or it has closed the sender's endpoints (sessions/receiver.py, "Fencing").
+    settled: bool = False
 
 
 class Error(Msg):

@@ -30,7 +30,7 @@ from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.errors import PdpushError
 from pdpush.layout import combine_digests
 from pdpush.protocol import StatusReply, StatusRequest
-from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
+from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 
 log = logging.getLogger("pdpush.receiver")
 
@@ -47,9 +47,10 @@ class Receiver:
         self.layout = cfg.layout
         self.session: ReceiverSession | None = None
         self.ucx_peers: list = []  # endpoints that presented a valid session token
+        self.sender_eps: dict[bytes, list] = {}  # sender session (control identity) -> its UCX endpoints
         self.ucx_pending: list = []  # (endpoint, stream request, buffer, deadline) awaiting their token
         self.auth = None
-        self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0}
+        self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0}
         self._last_tick = 0
         self._last_refresh = 0
 
@@ -196,6 +197,8 @@ class Receiver:
                 control.send(self.router, a.msg, a.ident)
             elif isinstance(a, ToDecode):
                 control.send(self.local, a.msg, a.ident)
+            elif isinstance(a, FenceSender):
+                self._fence(a.ident)
             else:
                 self.metrics.apply(a, log)
 
@@ -210,9 +213,11 @@ class Receiver:
         still, rejected = [], []
         for ep, req, buf, deadline in self.ucx_pending:
             if req.completed:
-                if ep.request_ok(req) and self.session.accept_ucx_token(buf.tobytes()):
+                ident = self.session.accept_ucx_token(buf.tobytes()) if ep.request_ok(req) else None
+                if ident is not None:
                     self.ucx_peers.append(ep)
-                    ep.on_close(lambda e: self.ucx_peers.remove(e) if e in self.ucx_peers else None)
+                    self.sender_eps.setdefault(ident, []).append(ep)
+                    ep.on_close(lambda e, i=ident: self._ucx_peer_closed(i, e))
                 else:
                     rejected.append((ep, "invalid session token"))
             elif now > deadline or not ep.alive:
@@ -226,6 +231,29 @@ class Receiver:
             log.warning("dropping UCX peer: %s", why)
             self.shell_counters["ucx_peers_rejected"] += 1
             ep.close()
+
+    def _ucx_peer_closed(self, ident: bytes, ep) -> None:
+        """A sender's endpoint closed (it died, restarted, or closed it): once it has none left, none of its
+        writes can land, and its requests in flight cannot complete."""
+        if ep in self.ucx_peers:
+            self.ucx_peers.remove(ep)
+        eps = self.sender_eps.get(ident, [])
+        if ep in eps:
+            eps.remove(ep)
+        if not eps:
+            self.sender_eps.pop(ident, None)
+            self._apply(self.session.on_sender_lost(ident, now_ms()))
+
+    def _fence(self, ident: bytes) -> None:
+        """Close every UCX endpoint of a sender session (force: its in-flight operations are canceled, and
+        what its peer still sends on the connection finds it closed): no late write of it lands after this."""
+        eps = self.sender_eps.pop(ident, [])
+        for ep in eps:
+            if ep in self.ucx_peers:
+                self.ucx_peers.remove(ep)
+            ep.close()
+        self.shell_counters["senders_fenced"] += 1
+        log.warning("fenced a sender: closed its %d UCX endpoint(s) before reusing its requests' pages", len(eps))
 
     # ---- pool bytes ----
     def _layer_checksum(self, ranges: list[list[tuple[int, int]]]) -> int:

@@ -32,7 +32,7 @@ from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig
 from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportTimeout
 from pdpush.layout import combine_digests
-from pdpush.protocol import Begin, StatusReply, StatusRequest, Wake
+from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
     CloseRing,
     Connect,
@@ -71,6 +71,7 @@ class Sender:
         self._eids: dict[str, int] = {}  # receiver endpoint -> its id in the pusher (kept for the daemon's life)
         self._eid_names: dict[int, str] = {}
         self.conns = _Connections()  # engine connections -> their ids in the pusher
+        self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
         self.shell_counters = {"loop_errors": 0, "doorbell_rings": 0}
         self._poller_dirty = True
         self._last_refresh = 0.0
@@ -241,6 +242,8 @@ class Sender:
         notice per request) and receivers whose puts failed."""
         self.ucx.progress()
         landed, failed = self.pusher.poll()
+        if self._unsettled:
+            self._settle()
         if failed:
             from pdpush_native import TIMED_OUT
 
@@ -322,7 +325,8 @@ class Sender:
             if isinstance(a, ToClient):
                 control.send(self.ingress, a.msg, a.ident)
             elif isinstance(a, ToPeer):
-                if not control.send(self._sock(a.endpoint), a.msg):
+                msg = self._settled(a) if a.handle else a.msg
+                if not control.send(self._sock(a.endpoint), msg):
                     todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
                                                           now_ms()))
             elif isinstance(a, Hand):
@@ -357,6 +361,28 @@ class Sender:
                 self.metrics.apply(a, log)
 
     # ---- receivers ----
+    def _settled(self, a: ToPeer) -> Msg:
+        """An Abort of a request whose puts may be in flight: settled if none is (the receiver may reuse its
+        pages at once); else sent unsettled, and a settled one follows once they complete (``_settle``). An
+        endpoint that failed or was dropped vouches for nothing: the receiver fences it."""
+        eid = self._eids.get(a.endpoint)
+        if eid is not None and self.pusher.settled(a.handle, eid):
+            return a.msg.model_copy(update={"settled": True})
+        if eid is not None and a.endpoint in self.eps:
+            self._unsettled.append((a.handle, eid, a.endpoint, a.msg.req_id))
+        return a.msg
+
+    def _settle(self) -> None:
+        still = []
+        for handle, eid, endpoint, rid in self._unsettled:
+            if endpoint not in self.eps:
+                continue  # reset: the receiver sees its endpoint close, or fences it
+            if self.pusher.settled(handle, eid):
+                control.send(self._sock(endpoint), Abort(req_id=rid, reason="its writes settled", settled=True))
+            else:
+                still.append((handle, eid, endpoint, rid))
+        self._unsettled = still
+
     def _check_receiver(self, endpoint: str) -> None:
         if self.keys is not None and not (self.cfg.receiver_keys.get(endpoint) or self.cfg.receiver_public_key):
             raise IncompatiblePeer(f"no CURVE public key configured for receiver {endpoint} (receiver_keys or "

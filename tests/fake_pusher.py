@@ -95,6 +95,11 @@ class FakePusher:
             return []
         return [x for la in p.token[1] for x in self._share(r, p.token[0], la, p.endpoint, p.token[3], now)]
 
+    def settled(self, handle: int, endpoint: str) -> bool:
+        """None of ``handle``'s writes to ``endpoint`` is in flight (a dead endpoint vouches for nothing)."""
+        return endpoint not in self.dead and not any(p.token[0] == handle and p.endpoint == endpoint
+                                                     for p in self.posted)
+
     def take_landed(self) -> list[tuple[int, int]]:
         """Layers that landed as they were handed over (nothing new to move), as the native poll reports them."""
         out, self.landed = self.landed, []

@@ -27,8 +27,10 @@ def _free_port() -> int:
 
 
 
-def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(daemons):
-    rx = daemons.receiver(**rx_opts(LAY, pool_pages=16), lease_ms=800, quarantine_ms=700)
+def test_sender_killed_midway_fails_its_request_at_once_and_pages_return_through_quarantine(daemons):
+    """The sender dies with a request streaming: the receiver sees its UCX endpoint close, so no write of it
+    can land any more; the request fails then (not at its lease) and its pages go through quarantine."""
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=16), lease_ms=20_000, quarantine_ms=700)
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
     k, v = kv(LAY, 100, 1)
@@ -39,10 +41,11 @@ def test_sender_killed_midway_lease_expires_and_pages_return_through_quarantine(
     tx.kill()
     pc.close()
     t0 = time.monotonic()
-    st = until(lambda: (s := status(sock(rx)))["leases_expired"] == 1 and s, 10, "lease expiry")
-    assert st["pool_pages_quarantined"] == 7 and st["pool_pages_free"] == 9  # 100 tokens = 7 chunks
+    st = until(lambda: (s := status(sock(rx)))["requests_failed"] == 1 and s, 10, "the request failing")
+    assert st["leases_active"] == 0 and st["leases_expired"] == 0 and st["pool_pages_unfenced"] == 0
+    assert st["pool_pages_quarantined"] + st["pool_pages_free"] == 16  # 100 tokens = 7 chunks, in quarantine
     st = until(lambda: (s := status(sock(rx)))["pool_pages_free"] == 16 and s, 10, "quarantine release")
-    assert st["leases_active"] == 0 and st["requests_failed"] == 1 and st["chunks_cached"] == 0
+    assert st["chunks_cached"] == 0 and st["senders_fenced"] == 0
     assert time.monotonic() - t0 < 5
     # the receiver still serves a new sender
     tx2 = daemons.sender(rx)
@@ -195,7 +198,10 @@ def test_checksums_pass_and_a_wrong_checksum_is_detected(daemons):
         reply = ask(protocol.LayerDone(req_id="torn", layers=[0], checksums=[12345]))
         assert isinstance(reply, protocol.Error) and reply.code is ErrorCode.CHECKSUM_MISMATCH
         st = status(sock(rx))
-        assert st["checksum_failures"] == 1 and st["leases_active"] == 0 and st["pool_pages_quarantined"] == 2
+        assert st["checksum_failures"] == 1 and st["leases_active"] == 0 and st["pool_pages_unfenced"] == 2
+        # its pages wait for the sender to say its writes to them settled (sessions/receiver.py, "Fencing")
+        assert isinstance(ask(protocol.Abort(req_id="torn", settled=True)), protocol.Ok)
+        assert status(sock(rx))["pool_pages_quarantined"] == 2
     finally:
         s.close(0)
 

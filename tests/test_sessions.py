@@ -19,7 +19,7 @@ from pdpush.errors import ErrorCode, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.protocol import ReqState, TxState
 from pdpush.sessions import Log
-from pdpush.sessions.receiver import PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
+from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 from pdpush.sessions.sender import (
     Connect,
     FillWords,
@@ -78,6 +78,7 @@ class Wire:
         self.to_decoder: list = []
         self.partitioned: set[str] = set()
         self.rx_offset = 0  # the receivers' host's monotonic clock minus the sender's (hosts booted apart)
+        self.unsettled: list[ToPeer] = []  # Aborts whose puts were in flight: settled ones follow (sender.py)
 
     @property
     def rx_now(self) -> int:
@@ -87,6 +88,12 @@ class Wire:
         todo = list(actions)
         while todo:
             a = todo.pop(0)
+            if isinstance(a, ToPeer) and a.handle:  # as the shell does: settled now, or once its puts are
+                if self.pusher.settled(a.handle, a.endpoint):
+                    a = ToPeer(a.endpoint, a.msg.model_copy(update={"settled": True}))
+                else:
+                    self.unsettled.append(a)
+                    a = ToPeer(a.endpoint, a.msg)
             if isinstance(a, ToPeer) and a.endpoint not in self.partitioned:
                 for b in self.rx[a.endpoint].on_control(b"tx", a.msg, self.rx_now):
                     if isinstance(b, ToSender):
@@ -132,6 +139,13 @@ class Wire:
             else:
                 keep.append(p)
         self.posted = keep + self.posted
+        self.settle()
+
+    def settle(self) -> None:
+        """Settled Aborts for aborted requests none of whose puts is in flight any more."""
+        done = [a for a in self.unsettled if self.pusher.settled(a.handle, a.endpoint)]
+        self.unsettled = [a for a in self.unsettled if a not in done]
+        self.run([ToPeer(a.endpoint, a.msg.model_copy(update={"settled": True})) for a in done])
 
     def fail(self, endpoint: str, err, now: int | None = None) -> list:
         """``endpoint``'s puts failed (or timed out): its batches go, and the session's actions (run)."""
@@ -293,7 +307,9 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert rx.on_tick(109) == [] and "a" in rx.reqs
     out = rx.on_tick(110)
     assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.LEASE_EXPIRED
-    assert "a" not in rx.reqs and rx.pool.quarantined_pages == 3
+    # the sender did not end it in time: its writes may still come, so its endpoints are closed (fenced) at once
+    assert FenceSender(b"s") in out
+    assert "a" not in rx.reqs and rx.pool.quarantined_pages == 3 and rx.pool.unfenced_pages == 0
     rx.check()
     # committed, read and released: dropped; committed and never read: dropped after its TTL
     def query(rid):  # what a decode scheduler asks of a live push (load_mode: committed or still arriving)
@@ -650,3 +666,67 @@ def test_a_later_stage_may_begin_after_the_ranks_window_but_not_after_the_lease(
     _pp_begin(w2, "p", list(range(40)), ((0, 0, 2),))
     w2.tick(40_000)  # past the 30 s lease: stage 1 never came
     assert _for(w2, RANKS[0], protocol.Error)[-1].code is ErrorCode.TIMEOUT and "p" not in w2.tx.reqs
+
+
+def _streaming(w: Wire, req_id: str = "r") -> None:
+    """``req_id`` allocated and every layer handed over: its puts are in flight, none flushed."""
+    w.engine(begin(req_id, list(range(40))))  # 3 chunks: 3 pages
+    for layer in range(LAY.push_layers):
+        w.engine(protocol.LayerReady(req_id=req_id, layers=[layer]))
+    assert w.posted and w.rx["tcp://rx-a:1"].reqs[req_id].state is ReqState.ALLOCATED
+
+
+def test_an_aborted_requests_pages_stay_out_of_use_until_its_writes_settle():
+    """A one-sided write cannot be revoked: the pages of a request aborted with puts in flight go to
+    quarantine only when the sender says those puts completed (a settled Abort), never before."""
+    w = Wire()
+    rx = w.rx["tcp://rx-a:1"]
+    _streaming(w)
+    w.engine(protocol.Abort(req_id="r", reason="engine gave up"))
+    assert "r" not in rx.reqs and rx.pool.unfenced_pages == 3 and rx.pool.quarantined_pages == 0
+    w.tick(rx.limits.quarantine_ms + 1)  # a quarantine's worth of time is no fence: a held write may still land
+    assert rx.pool.unfenced_pages == 3 and rx.pool.free_pages == rx.pool.num_pages - 3
+    rx.check()
+    w.complete()  # the puts complete: the sender's settled Abort follows
+    assert not w.unsettled and rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
+    w.tick(rx.limits.quarantine_ms + 1)
+    assert rx.pool.free_pages == rx.pool.num_pages
+    rx.check()
+
+
+def test_a_request_aborted_with_nothing_in_flight_is_settled_in_its_abort():
+    w = Wire()
+    rx = w.rx["tcp://rx-a:1"]
+    _streaming(w)
+    w.complete()
+    w.engine(protocol.Abort(req_id="r", reason="engine gave up before Finish"))
+    assert rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3 and not w.unsettled
+
+
+def test_writes_that_never_settle_get_their_sender_fenced_after_a_lease():
+    """No settled Abort comes (the puts hang, the sender froze or is cut off): after ``lease_ms`` the receiver
+    closes that sender's endpoints (FenceSender), which ends its other live requests, and only then reuses
+    the pages."""
+    w = Wire()
+    rx = w.rx["tcp://rx-a:1"]
+    _streaming(w)
+    w.engine(protocol.Abort(req_id="r", reason="engine gave up"))
+    w.engine(begin("other", list(range(500, 540))))
+    assert rx.reqs["other"].state is ReqState.ALLOCATED and rx.pool.unfenced_pages == 3
+    assert FenceSender(b"tx") not in rx.on_tick(w.rx_now + rx.limits.lease_ms - 1)
+    out = rx.on_tick(w.rx_now + rx.limits.lease_ms)
+    assert FenceSender(b"tx") in out
+    assert rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 6 and "other" not in rx.reqs
+    rx.check()
+
+
+def test_a_senders_data_plane_closing_fails_its_live_requests_at_once_and_fences_their_pages():
+    w = Wire()
+    rx = w.rx["tcp://rx-a:1"]
+    _streaming(w)
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="r"), w.rx_now), ToDecode, protocol.OpenOk)
+    out = rx.on_sender_lost(b"tx", w.rx_now)
+    assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.PEER_DEAD
+    assert "r" not in rx.reqs and rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
+    assert rx.on_sender_lost(b"another", w.rx_now) == [] and rx.pool.quarantined_pages == 3
+    rx.check()

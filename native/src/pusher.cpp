@@ -43,6 +43,8 @@ namespace {
 using pdpush::Batches;
 using pdpush::Op;
 
+constexpr uint32_t kWordsOnly = 0xFFFFFFFFu;  // a Share of readiness words only: lands no layer
+
 // Why a hand-over was refused (pdpush/sessions/put_plan.py has the same numbers).
 enum Refusal : int { kOk = 0, kUnknown = 1, kNotYours = 2, kRange = 3, kDuplicate = 4, kUngranted = 5 };
 
@@ -291,6 +293,21 @@ class Pusher {
     }
 
     size_t in_flight() const { return in_flight_; }
+
+    // Whether request ``handle``'s writes to receiver ``eid`` have settled: none is queued or in flight on its
+    // endpoint (a request dropped by drop_request keeps its flights until they complete). False where the
+    // endpoint failed or was dropped: its writes may still land, only the receiver closing it fences them.
+    bool settled(uint32_t handle, uint32_t eid) const {
+        auto it = eps_.find(eid);
+        if (it == eps_.end() || it->second.dead) return false;
+        const Ep &e = it->second;
+        for (const Share &s : e.shares)
+            if (s.handle == handle) return false;
+        for (const Flight &f : e.flights)
+            for (const Share &s : f.shares)
+                if (s.handle == handle) return false;
+        return true;
+    }
     bool pending() const {  // handed over, or landed, since the last post()/poll()
         if (!landed_.empty() || !failed_.empty()) return true;
         for (const auto &[eid, e] : eps_)
@@ -323,6 +340,8 @@ class Pusher {
         auto ep = eps_.find(r.eid);
         if (ep == eps_.end()) return;
         for (const auto &[src, dst, n] : r.ready[L.group]) ep->second.ops.emplace_back(src, L.ready + dst, n);
+        if (!r.ready[L.group].empty())  // its flight carries the request too: settled() waits for these words
+            ep->second.shares.push_back({handle, kWordsOnly});
     }
 
     void die(uint32_t eid, Ep &e, ucs_status_t st) {
@@ -370,6 +389,7 @@ void register_pusher(nb::module_ &m) {
         .def("poll", &Pusher::poll, nb::arg("now") = -1.0)
         .def("close", &Pusher::close)
         .def("pending", &Pusher::pending)
+        .def("settled", &Pusher::settled, nb::arg("handle"), nb::arg("eid"))
         .def("stats", &Pusher::stats)
         .def_prop_ro("in_flight", &Pusher::in_flight);
 }

@@ -6,6 +6,14 @@ Events in (each with ``now``, monotonic milliseconds):
   * ``on_tick(now)``                  deadlines: leases, committed TTLs, parked opens, quarantine.
 Actions out: ``ToSender``/``ToDecode`` messages, metric ``Count``/``Observe``, ``Log``.
 
+Fencing: a one-sided write cannot be revoked, and a write held up in the network (retransmits, a partition
+that heals, a frozen sender) can land long after its request ended. So the pages of a request that ends
+uncommitted go back into use only once no write to them can land: the sender's ``Abort`` says its writes
+settled (each completed), or the receiver has closed the sender's UCX endpoints (``FenceSender``: the
+connection that would carry them is gone), or they closed themselves. Until then they are unfenced
+(pool.py). A lease that expires means the sender did not end its request in time: it is fenced at once; a
+request failed without a settled Abort is fenced once ``lease_ms`` passes with none.
+
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while
 handling a message becomes that message's typed ``Error`` reply; any other
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 from pdpush import protocol
 from pdpush.errors import (
     Aborted,
+    BrokenResourceError,
     ChecksumMismatch,
     DuplicateRequest,
     IncompatiblePeer,
@@ -86,6 +95,14 @@ class ToSender:
 class ToDecode:
     ident: bytes
     msg: Msg
+
+
+@dataclass(frozen=True)
+class FenceSender:
+    """Close every UCX endpoint of the sender ``ident``'s session now: writes it may still have in flight must
+    not land (its aborted requests' pages are reused next)."""
+
+    ident: bytes
 
 
 @dataclass(frozen=True)
@@ -171,6 +188,7 @@ class ReceiverSession:
         self.tokens: OrderedDict[bytes, bytes] = OrderedDict()  # one-time UCX session token -> sender identity
         self.parked: dict[str, list[tuple[bytes, int, int]]] = {}  # req_id -> [(decode identity, since ms, tp)]
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
+        self.unfenced: dict[str, tuple[bytes, int]] = {}  # ended uncommitted: req_id -> (sender, fence at ms)
         self.draining = False
         self._next_lease = 1
         self._next_check = 0  # no lease, TTL or parked open is due before this (ms): ticks before it skip the scan
@@ -244,8 +262,16 @@ class ReceiverSession:
             self.state_pool.tick(now)
         if self.feed.subscribers:
             out.extend(ToSender(i, ev) for i, ev in self.feed.tick(self._index_load(), now))
-        if now < self._next_check:
-            return out
+        if now >= self._next_check:
+            self._scan(now, out)
+        for ident in {s for s, at in self.unfenced.values() if now >= at}:
+            out.append(Log(logging.WARNING, "fencing a sender: its writes to ended requests did not settle in time"))
+            self._fence(ident, now, out)
+            out.append(FenceSender(ident))
+        return out
+
+    def _scan(self, now: int, out: list) -> None:
+        """Leases, committed TTLs and parked opens that came due; when the next one is."""
         self._next_check = now + PARKED_OPEN_MS
         for r in [r for r in self.reqs.values() if r.state in _LIVE and now >= r.expires_at_ms]:
             out.append(Log(logging.WARNING, "lease expired", r.req_id))
@@ -254,6 +280,8 @@ class ReceiverSession:
         for r in [r for r in self.reqs.values() if r.state is ReqState.COMMITTED and r.readers == 0
                   and now >= r.committed_at_ms + self._ttl(r)]:
             self._drop(r, "committed, unread past its TTL")
+        for _, at in self.unfenced.values():
+            self._due(at)
         for r in self.reqs.values():
             if r.state in _LIVE:
                 self._due(r.expires_at_ms)
@@ -265,7 +293,6 @@ class ReceiverSession:
                 del self.parked[rid]
             else:
                 self._due(min(w[1] for w in waiters) + PARKED_OPEN_MS)
-        return out
 
     def _ttl(self, r: RxRequest) -> int:
         return r.ttl_ms or self.limits.committed_ttl_ms
@@ -282,9 +309,10 @@ class ReceiverSession:
             self._fail(r, Aborted(reason, req_id=r.req_id), now, out)
         return out
 
-    def accept_ucx_token(self, token: bytes) -> bool:
-        """A UCX peer presented ``token``: valid once, only if a HelloAck handed it out."""
-        return self.tokens.pop(token, None) is not None
+    def accept_ucx_token(self, token: bytes) -> bytes | None:
+        """A UCX peer presented ``token``: valid once, only if a HelloAck handed it out; the sender session
+        (its control identity) the endpoint belongs to, or None."""
+        return self.tokens.pop(token, None)
 
     # ---- senders -----------------------------------------------------------------------
     def _control(self, ident: bytes, msg: Msg, now: int, out: list) -> None:
@@ -305,9 +333,13 @@ class ReceiverSession:
         elif isinstance(msg, Commit):
             self._commit(ident, msg, now, out)
         elif isinstance(msg, Abort):
+            if msg.settled and self.unfenced.get(msg.req_id, (None,))[0] == ident:  # a late write can't come now
+                self._settle(msg.req_id, now)
+                out.append(ToSender(ident, Ok(req_id=msg.req_id)))
+                return
             r = self._owned(ident, msg.req_id)
             protocol.transition(r.state, ReqEvent.ABORT, r.req_id)
-            self._fail(r, Aborted(msg.reason or "aborted by sender", req_id=r.req_id), now, out)
+            self._fail(r, Aborted(msg.reason or "aborted by sender", req_id=r.req_id), now, out, settled=msg.settled)
             out.append(ToSender(ident, Ok(req_id=msg.req_id)))
         else:
             raise UnexpectedMessage(f"receiver does not accept {msg.type} on the control endpoint")
@@ -470,18 +502,46 @@ class ReceiverSession:
         out.append(Log(logging.DEBUG, f"committed {n} new chunks", r.req_id))
         out.append(ToSender(ident, CommitAck(req_id=r.req_id, chunks_committed=n)))
 
-    def _fail(self, r: RxRequest, err: PdpushError, now: int, out: list) -> None:
-        """End a live request: its pages go to quarantine, its watchers get the typed error."""
+    def _fail(self, r: RxRequest, err: PdpushError, now: int, out: list, settled: bool = False) -> None:
+        """End a live request: its pages go to quarantine once fenced (``settled``: the sender said no write
+        to them is in flight; else they wait, unfenced), its watchers get the typed error."""
         if r.state in _LIVE:
             event = ReqEvent.EXPIRE if isinstance(err, LeaseExpired) else ReqEvent.ABORT
             r.state = protocol.transition(r.state, event, r.req_id)
-            self.pool.abort(r.req_id, now)
+            fenced = settled or not r.sender
+            self.pool.abort(r.req_id, now, fenced=fenced)
             if self.state_pool is not None:
-                self.state_pool.abort(r.req_id, now)
+                self.state_pool.abort(r.req_id, now, fenced=fenced)
+            if not fenced:  # an expired lease: the sender did not end it in time, fence it now
+                self.unfenced[r.req_id] = (r.sender, now if event is ReqEvent.EXPIRE else now + self.limits.lease_ms)
+                self._due(self.unfenced[r.req_id][1])
             self.counters.count(out, "requests_failed", metric="failures", label=err.code.value)
         for w in r.watchers:
             out.append(ToDecode(w, protocol.error_reply(err, r.req_id)))
         self._forget(r.req_id, f"failed: {err.code.value}: {err}")
+
+    def _settle(self, req_id: str, now: int) -> None:
+        self.unfenced.pop(req_id, None)
+        self.pool.settle(req_id, now)
+        if self.state_pool is not None:
+            self.state_pool.settle(req_id, now)
+
+    def _fence(self, ident: bytes, now: int, out: list) -> None:
+        """Sender ``ident``'s UCX endpoints are closed (or being closed by our ``FenceSender``): none of its
+        writes can land any more. Its live requests cannot complete without them: they fail, fenced."""
+        for rid in [rid for rid, (s, _) in self.unfenced.items() if s == ident]:
+            self._settle(rid, now)
+        for r in [r for r in self.reqs.values() if r.sender == ident and r.state in _LIVE]:
+            self._fail(r, BrokenResourceError("the sender's data plane closed", req_id=r.req_id), now, out,
+                       settled=True)
+
+    def on_sender_lost(self, ident: bytes, now: int) -> list:
+        """Every UCX endpoint of sender ``ident``'s session closed (it died, restarted or closed them): no
+        write of it can land now; its requests in flight fail at once instead of at their leases."""
+        out: list = []
+        self._fence(ident, now, out)
+        self._publish(now, out)
+        return out
 
     def _drop(self, r: RxRequest, why: str) -> None:
         """A committed request nobody reads any more."""
@@ -634,7 +694,8 @@ class ReceiverSession:
         p = self.pool
         live = sum(1 for r in self.reqs.values() if r.state in _LIVE)
         return {"pool_pages_total": p.num_pages, "pool_pages_free": p.free_pages,
-                "pool_pages_quarantined": p.quarantined_pages, "chunks_cached": p.chunks_cached,
+                "pool_pages_quarantined": p.quarantined_pages, "pool_pages_unfenced": p.unfenced_pages,
+                "chunks_cached": p.chunks_cached,
                 "chunks_hit": p.counters["chunks_hit"], "leases_active": live, "requests_inflight": live,
                 "draining": self.draining, "index_subscribers": len(self.feed.subscribers),
                 "index_seq": self.feed.seq, **self._state_stats(), **self.counters.values}

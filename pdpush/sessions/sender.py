@@ -497,7 +497,8 @@ class SenderSession:
             if r is not None and r.peer is p and r.state is TxState.ALLOCATING:
                 self._on_alloc(r, msg, now, out)
             else:  # we gave up on it; do not hold the receiver's pages
-                out.append(ToPeer(p.endpoint, Abort(req_id=msg.req_id, reason="sender no longer wants it")))
+                out.append(ToPeer(p.endpoint, Abort(req_id=msg.req_id, reason="sender no longer wants it",
+                                                    settled=True)))  # nothing was ever put to its pages
         elif isinstance(msg, CommitAck):
             r = self.reqs.get(msg.req_id)
             if r is not None and r.peer is p and r.state is TxState.COMMITTING:
@@ -507,9 +508,10 @@ class SenderSession:
             if r is not None and r.peer is p:
                 if r.state is TxState.ALLOCATING and isinstance(error_from_code(msg.code, ""), PoolExhausted):
                     self._backoff(r, msg.retry_after_ms or 20, msg.message, now, out)
-                else:
+                else:  # the receiver ended it: where it had pages, say when our writes to them have settled
                     self._fail(r, error_from_code(msg.code, f"receiver: {msg.message}", r.req_id,
-                                                  msg.retry_after_ms), now, out)
+                                                  msg.retry_after_ms), now, out,
+                               tell_receiver=r.state in (TxState.STREAMING, TxState.COMMITTING))
             elif p.state is PeerState.HELLO_SENT:
                 self._fail_waiting(p, self.peers.refused(p, msg, out), now, out)
             else:
@@ -605,7 +607,9 @@ class SenderSession:
             return
         out.append(Log(logging.WARNING, f"request failed: {err.code.value}: {err}", r.req_id))
         if tell_receiver and r.state in (TxState.ALLOCATING, TxState.STREAMING, TxState.COMMITTING):
-            out.append(ToPeer(r.peer.endpoint, Abort(req_id=r.req_id, reason=str(err)[:1000])))
+            planned = r.state is not TxState.ALLOCATING  # puts may be in flight: the shell says when they settle
+            out.append(ToPeer(r.peer.endpoint, Abort(req_id=r.req_id, reason=str(err)[:1000], settled=not planned),
+                              r.seq if planned else 0))
         r.state = SENDER_REQUEST.next(r.state, TxEvent.FAIL, f"request {r.req_id!r}")
         r.failure = err
         self._release(r, now, out)

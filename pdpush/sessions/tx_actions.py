@@ -18,6 +18,7 @@ class ToClient:
 class ToPeer:
     endpoint: str
     msg: Msg
+    handle: int = 0  # an Abort's request: the shell marks it settled once none of its writes is in flight
 
 
 @dataclass(frozen=True)

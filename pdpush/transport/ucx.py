@@ -204,20 +204,21 @@ class Endpoint(_Closable):
         if self._native is not None:
             self._native.drop_all()
             self._native = None
-        if self.rkey is not None:
-            self.rkey.destroy()
-            self.rkey = None
-        if self._ep is None:
-            return
-        try:
-            self._ep.remove_close_callback()
-            # An explicit close cancels the endpoint's in-flight requests (a pending receive keeps
-            # it alive otherwise, so the peer would never notice); keep the close request until done.
-            # An endpoint that already failed is only dropped: closing it again crashed ucxx here.
-            if self.error is None:
-                self._worker._closing.append(self._ep.close())
-        except self._worker._L.UCXError as e:
-            log.debug("closing endpoint %s: %s", self.name, e)
+        rkey, self.rkey = self.rkey, None
+        if self._ep is not None:
+            try:
+                self._ep.remove_close_callback()
+                # An explicit close cancels the endpoint's in-flight requests (a pending receive keeps
+                # it alive otherwise, so the peer would never notice); keep the close request until done.
+                # An endpoint that already failed is only dropped: closing it again crashed ucxx here.
+                if self.error is None:
+                    self._worker._closing.append(self._ep.close())
+            except self._worker._L.UCXError as e:
+                log.debug("closing endpoint %s: %s", self.name, e)
+        # The rkey goes once the puts using it are cancelled (by the close, or the endpoint's failure) and
+        # before the endpoint object is (ucp_rkey_destroy's contract); not before, while puts may be queued.
+        if rkey is not None:
+            rkey.destroy()
         self._ep = None
 
 
