@@ -15,7 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pdpush import config as C
 from pdpush import launch
@@ -118,50 +117,6 @@ def test_systemd_units(tmp_path, unit):
     r = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
     problems = [line for line in (r.stdout + r.stderr).splitlines() if unit in line or "Failed" in line]
     assert r.returncode == 0 and not problems, r.stdout + r.stderr
-
-
-def test_compose_pair_matches_configs():
-    compose = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())
-    svc = compose["services"]
-    assert {"keys", "receiver", "sender", "demo"} <= set(svc)
-    mount = {}
-    for v in svc["receiver"]["volumes"]:
-        src, dst = v.split(":")[:2]
-        mount[dst] = src
-    assert (ROOT / "docker" / mount["/etc/pdpush"]).resolve() == (ROOT / "configs").resolve()
-
-    def host_path(p: str) -> Path:
-        assert p.startswith("/etc/pdpush/")
-        return ROOT / "configs" / p.removeprefix("/etc/pdpush/")
-
-    rx_cfg_path = host_path(svc["receiver"]["command"][-1])
-    tx_cfg_path = host_path(svc["sender"]["command"][-1])
-    rx_cfg = C.load(C.ReceiverConfig, rx_cfg_path)
-    tx_cfg = C.load(C.SenderConfig, tx_cfg_path)
-    # exposed on the compose network, so authenticated
-    assert rx_cfg.host == "0.0.0.0" and rx_cfg.curve_secret_key_file and rx_cfg.allowed_senders
-    assert tx_cfg.curve_secret_key_file and tx_cfg.receiver_public_key
-    assert tx_cfg.default_receiver == f"tcp://receiver:{rx_cfg.control_port}"
-    for name, cfg, path in (("receiver", rx_cfg, rx_cfg_path), ("sender", tx_cfg, tx_cfg_path)):
-        s = svc[name]
-        hc = s["healthcheck"]["test"]
-        assert hc[1:4] == ["pdpush", "status", "--config"] and host_path(hc[4]) == path
-        assert s["ulimits"]["memlock"] == -1 and s["shm_size"]
-        assert f"127.0.0.1:{cfg.metrics_port}:{cfg.metrics_port}" in s["ports"]
-        socket_dir = str((cfg.local_socket_path() if name == "receiver" else cfg.ingress_socket_path()).parent)
-        assert any(v.endswith(":" + socket_dir) for v in s["volumes"])
-    assert svc["receiver"]["ipc"] == "shareable"
-    assert svc["sender"]["ipc"] == svc["demo"]["ipc"] == "service:receiver"
-    assert svc["demo"]["depends_on"]["sender"]["condition"] == "service_healthy"
-    assert host_path(svc["demo"]["command"][svc["demo"]["command"].index("--receiver-config") + 1]) == rx_cfg_path
-    # the compose receiver serves the demo model's layout, so the demo can use the pair
-    from pdpush.integrations.transformers import ModelSpec
-
-    assert rx_cfg.layout == ModelSpec().layout(64)
-    dockerfile = (ROOT / "docker/Dockerfile").read_text()
-    assert re.search(r"^USER pdpush$", dockerfile, re.M) and "/opt/pdpush/.venv" in dockerfile
-    for port in (rx_cfg.control_port, rx_cfg.ucx_port, rx_cfg.metrics_port, tx_cfg.metrics_port):
-        assert str(port) in re.search(r"^EXPOSE (.*)$", dockerfile, re.M).group(1)
 
 
 def test_json_logs_carry_req_id(daemons):

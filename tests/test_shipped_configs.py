@@ -1,8 +1,10 @@
-"""The shipped configs work as is on one host, `pdpush status` reads them, and the bench can use them."""
+"""The shipped configs work as is on one host, `pdpush status` reads them, and the bench can use them;
+docker/compose.yaml models two hosts with configs/compose/."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +63,114 @@ def test_the_shipped_router_config_loads():
 
     cfg = load(RouterConfig, ROOT / "configs/router.toml")
     assert cfg.host == "127.0.0.1" and cfg.decode[0].receiver == "tcp://127.0.0.1:5710"
+
+
+def test_compose_models_two_hosts(tmp_path):
+    """docker/compose.yaml is two hosts: a decode side (receiver) and a prefill side (sender), each with its own
+    IPC namespace, runtime volume and keys, and only the `fabric` network between them. No Docker engine runs
+    here: the file is checked against the configs it names, and its keys script runs on local folders."""
+    import re
+
+    import yaml
+
+    from pdpush import auth, lifeline
+    from pdpush import config as C
+
+    compose = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())
+    svc = compose["services"]
+    sides = {"decode": ("receiver", "decode-check"), "prefill": ("sender", "prefill-check")}
+    assert set(svc) == {"keys", *sides["decode"], *sides["prefill"]}
+
+    def mounts(name: str) -> dict[str, str]:  # path in the container -> volume or host folder
+        return {v.split(":")[1]: v.split(":")[0] for v in svc[name].get("volumes", [])}
+
+    def host_path(p: str) -> Path:
+        assert p.startswith("/etc/pdpush/")
+        return ROOT / "configs" / p.removeprefix("/etc/pdpush/")
+
+    cfg_path = {"receiver": host_path(svc["receiver"]["command"][-1]), "sender": host_path(svc["sender"]["command"][-1])}
+    rx = C.load(C.ReceiverConfig, cfg_path["receiver"])
+    tx = C.load(C.SenderConfig, cfg_path["sender"])
+    sock = {"receiver": rx.local_socket_path(), "sender": tx.ingress_socket_path()}
+    metrics = {"receiver": rx.metrics_port, "sender": tx.metrics_port}
+    for s in svc.values():  # no PID namespace shared (lifelines), nor the host's IPC namespace; ports on loopback
+        assert "pid" not in s and s.get("ipc") != "host"
+        assert all(str(p).startswith("127.0.0.1:") for p in s.get("ports", []))
+
+    run_volume, key_volume = {}, {}
+    for side, (daemon, check) in sides.items():
+        d, c = svc[daemon], svc[check]
+        # the daemon owns its side's IPC namespace; memlock for its shared memory (pool or staging)
+        assert d["ipc"] == "shareable" and d["ulimits"]["memlock"] == -1 and d["shm_size"]
+        assert (ROOT / "docker" / mounts(daemon)["/etc/pdpush"]).resolve() == (ROOT / "configs").resolve()
+        hc = d["healthcheck"]["test"]
+        assert hc[1:4] == ["pdpush", "status", "--config"] and host_path(hc[4]) == cfg_path[daemon]
+        assert f"127.0.0.1:{metrics[daemon]}:{metrics[daemon]}" in d["ports"]
+        # the socket and its lifeline beside it are in the side's runtime volume
+        run_dir = str(sock[daemon].parent)
+        assert lifeline.path_for(sock[daemon]).parent == sock[daemon].parent
+        run_volume[side], key_volume[side] = mounts(daemon)[run_dir], mounts(daemon)["/keys"]
+        # the engine's place: the daemon's IPC namespace and runtime volume, nothing else; checked once
+        assert c["ipc"] == f"service:{daemon}" and c["network_mode"] == "none" and c["ulimits"]["memlock"] == -1
+        assert mounts(check)[run_dir] == run_volume[side] and "/keys" not in mounts(check)
+        assert c["depends_on"][daemon]["condition"] == "service_healthy"
+        script = c["command"][-1]
+        assert "/proc/sysvipc/shm" in script and f"pdpush status --config {d['command'][-1]}" in script
+    assert len(set(run_volume.values()) | set(key_volume.values())) == 4  # each side's volumes are its own
+    assert set(run_volume.values()) | set(key_volume.values()) <= set(compose["volumes"])
+    for side, names in sides.items():  # no container joins the other side's IPC namespace or volumes
+        other = "prefill" if side == "decode" else "decode"
+        for n in names:
+            assert svc[n].get("ipc") != f"service:{sides[other][0]}"
+            assert not {run_volume[other], key_volume[other]} & set(mounts(n).values())
+
+    # between the sides only the network: the receiver's control and UCX ports on `fabric`, CURVE on
+    assert svc["receiver"]["networks"] == svc["sender"]["networks"] == ["fabric"] and set(compose["networks"]) == {"fabric"}
+    assert {str(rx.control_port), str(rx.ucx_port)} <= {str(p) for p in svc["receiver"]["expose"]}
+    assert tx.default_receiver == f"tcp://receiver:{rx.control_port}"
+    assert rx.host == "0.0.0.0" and rx.curve_secret_key_file and rx.allowed_senders
+    assert tx.curve_secret_key_file and tx.receiver_public_key
+    assert set(svc["sender"]["depends_on"]) == {"keys"}  # the prefill side does not wait for the decode side
+
+    # the keys script, run on local folders: each side gets what its config names, and no other secret
+    k = svc["keys"]
+    assert k["network_mode"] == "none" and k["user"] == "root"
+    dirs = {target: tmp_path / vol for target, vol in mounts("keys").items()}
+    assert set(mounts("keys").values()) == set(key_volume.values())
+    for p in dirs.values():
+        p.mkdir()
+    script = k["command"][-1]
+    assert "chown -R pdpush:pdpush" in script  # the daemons run as pdpush (docker/Dockerfile)
+    subst = {**{t: str(p) for t, p in dirs.items()}, "/tmp/keys": str(tmp_path / "staging"),
+             "chown -R pdpush:pdpush": "true"}
+    local = re.sub("|".join(map(re.escape, sorted(subst, key=len, reverse=True))), lambda m: subst[m.group(0)], script)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # pdpush
+    r = subprocess.run(["sh", "-ec", local], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not (tmp_path / "staging").exists()
+    vol_dir = {vol: tmp_path / vol for vol in key_volume.values()}
+
+    def in_volume(side: str, p: str) -> Path:
+        assert p.startswith("/keys/")
+        return vol_dir[key_volume[side]] / p.removeprefix("/keys/")
+
+    rx_files = [rx.curve_secret_key_file, *rx.allowed_senders]
+    tx_files = [tx.curve_secret_key_file, tx.receiver_public_key]
+    assert sorted(f.name for f in vol_dir[key_volume["decode"]].iterdir()) == sorted(Path(p).name for p in rx_files)
+    assert sorted(f.name for f in vol_dir[key_volume["prefill"]].iterdir()) == sorted(Path(p).name for p in tx_files)
+    rx_pair = auth.load_keypair(str(in_volume("decode", rx.curve_secret_key_file)))
+    tx_pair = auth.load_keypair(str(in_volume("prefill", tx.curve_secret_key_file)))
+    assert auth.load_public_keys(str(in_volume("prefill", tx.receiver_public_key))) == [rx_pair.public]
+    assert [kk for p in rx.allowed_senders for kk in auth.load_public_keys(str(in_volume("decode", p)))] == [tx_pair.public]
+    for side, f in (("decode", rx.curve_secret_key_file), ("prefill", tx.curve_secret_key_file)):
+        assert in_volume(side, f).stat().st_mode & 0o077 == 0
+    before = {p: p.read_bytes() for v in vol_dir.values() for p in v.iterdir()}
+    r = subprocess.run(["sh", "-ec", local], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and {p: p.read_bytes() for p in before} == before  # made once
+
+    dockerfile = (ROOT / "docker/Dockerfile").read_text()
+    assert re.search(r"^USER pdpush$", dockerfile, re.M) and "/opt/pdpush/.venv" in dockerfile
+    owned = re.search(r"chown pdpush:pdpush ([^&\n]*)", dockerfile).group(1).split()
+    assert {"/keys", str(sock["receiver"].parent), str(sock["sender"].parent)} <= set(owned)  # volumes made there
+    for port in (rx.control_port, rx.ucx_port, rx.metrics_port, tx.metrics_port):
+        assert str(port) in re.search(r"^EXPOSE (.*)$", dockerfile, re.M).group(1)
