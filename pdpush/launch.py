@@ -117,12 +117,13 @@ def start_sender(workdir: Path, *, config: Path | None = None, env: dict | None 
     return Daemon("sender", args, workdir, {**_settings_env(opts), **(env or {})}, prefix=prefix)
 
 
-def start_router(workdir: Path, *, config: Path | None = None, env: dict | None = None, **opts) -> Daemon:
+def start_router(workdir: Path, *, config: Path | None = None, env: dict | None = None,
+                 prefix: list[str] | None = None, **opts) -> Daemon:
     """``pdpush router``; ``info["url"]`` is its base URL."""
     args = ["--config", str(config)] if config else []
     if config is None:
         opts.setdefault("port", 0)
-    return Daemon("router", args, workdir, {**_settings_env(opts), **(env or {})})
+    return Daemon("router", args, workdir, {**_settings_env(opts), **(env or {})}, prefix=prefix)
 
 
 def _settings_env(opts: dict) -> dict[str, str]:

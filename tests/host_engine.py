@@ -1,7 +1,17 @@
 """An engine process for the hosts harness (tests/test_two_hosts.py): it runs inside a host, beside its daemon.
 
     python -m tests.host_engine prefill --sock S --req R --ids 0:48 [--gap-ms 50] [--die-after N] [--hang]
-    python -m tests.host_engine decode --sock S --req R --ids 0:48 [--expect-failure]
+        [--go-file F] [--tp-rank R --tp-size N]
+    python -m tests.host_engine decode --sock S --req R --ids 0:48 [--expect-failure] [--tp-rank R --tp-size N]
+
+    python -m tests.host_engine serve-prefill --sock S --port P
+    python -m tests.host_engine serve-decode --sock S --port P
+    python -m tests.host_engine client --url U --prompts 0:48,5000:5016 ...
+
+``serve-*`` are toy OpenAI servers for ``pdpush router``: their prompt is a list of token ids, the prefill
+pushes its KV to the receiver and under the push id the router names, and the decode reads every layer of it
+and answers whether each byte is what the prompt's KV must be, and from which host. ``client`` posts each
+prompt to the router and prints each answer with the router's headers.
 
 Each token's KV is drawn from a generator seeded by its token id (``token_kv``), so prompts that share a
 prefix share its KV, as a real model's do, and a test recomputes any prompt's bytes. Results go to stdout as
@@ -15,6 +25,7 @@ import hashlib
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -60,7 +71,12 @@ def prefill(a: argparse.Namespace) -> int:
     pc = PrefillClient(LAY, a.sock, timeout_s=a.timeout)
     t0 = time.monotonic()
     try:
-        h = pc.begin(a.req, ids)
+        h = pc.begin(a.req, ids, tp_rank=a.tp_rank, tp_size=a.tp_size)  # a TP rank puts its heads of them
+        if a.go_file:  # the test does something (holds the link, say) before the layers are handed over
+            say(begun=True)
+            deadline = time.monotonic() + a.timeout
+            while not Path(a.go_file).exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         for layer in range(LAY.layers):
             time.sleep(a.gap_ms / 1000)  # the layer's compute
             h.put_layer(layer, k[layer], v[layer])
@@ -91,7 +107,7 @@ def decode(a: argparse.Namespace) -> int:
     dc = DecodeClient(a.sock, timeout_s=a.timeout)
     try:
         t0 = time.monotonic()
-        with dc.open(a.req, timeout_s=a.timeout) as req:
+        with dc.open(a.req, timeout_s=a.timeout, tp_rank=a.tp_rank, tp_size=a.tp_size) as req:
             say(opened=True)
             if a.expect_failure:
                 try:
@@ -106,7 +122,7 @@ def decode(a: argparse.Namespace) -> int:
                 gk, gv = req.kv_bytes(layer, wait=True, timeout_s=a.timeout)
                 ks.append(gk)
                 vs.append(gv)
-        say(k=digest(np.stack(ks)), v=digest(np.stack(vs)), tokens=len(ids))
+        say(k=digest(np.stack(ks)), v=digest(np.stack(vs)), tokens=len(ids), heads=list(req.heads))
         return 0
     except Exception as e:  # noqa: BLE001 - reported to the test
         say(error=type(e).__name__, message=str(e))
@@ -115,19 +131,113 @@ def decode(a: argparse.Namespace) -> int:
         dc.close()
 
 
+class _Toy:
+    """The toy servers' handler: /health, /v1/models and /v1/completions (the prefill or the decode leg)."""
+
+    def __init__(self, role: str, sock: str) -> None:
+        import socket
+        import threading
+
+        self.role, self.sock, self.host = role, sock, socket.gethostname()
+        self.lock = threading.Lock()  # one leg at a time: a toy, not a scheduler
+        self.client = None
+
+    def leg(self, body: dict) -> tuple[int, dict]:
+        from pdpush.client import DecodeClient, PrefillClient
+
+        ids = [int(t) for t in body["prompt"]]
+        kv = body.get("kv_transfer_params") or {}
+        with self.lock:
+            if self.role == "prefill":
+                self.client = self.client or PrefillClient(LAY, self.sock, timeout_s=30)
+                k, v = token_kv(LAY, ids)
+                h = self.client.begin(kv["pdpush_push_id"], ids, receiver=kv["pdpush_receiver"])
+                for layer in range(LAY.layers):
+                    h.put_layer(layer, k[layer], v[layer])
+                done = h.finish()
+                return 200, {"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "kv_transfer_params": {
+                    "do_remote_prefill": True, "pdpush_req_id": kv["pdpush_push_id"], "pdpush_tokens": len(ids),
+                    "pdpush_receiver": kv["pdpush_receiver"]}, "skipped": done.chunks_skipped}
+            self.client = self.client or DecodeClient(self.sock, timeout_s=30)
+            k, v = token_kv(LAY, ids)
+            with self.client.open(kv["pdpush_req_id"]) as req:
+                got = [req.kv_bytes(layer, wait=True) for layer in range(LAY.layers)]
+            intact = (digest(np.stack([g[0] for g in got])) == digest(k)
+                      and digest(np.stack([g[1] for g in got])) == digest(v))
+            return 200, {"choices": [{"index": 0, "text": "intact" if intact else "CORRUPT",
+                                      "finish_reason": "length"}], "host": self.host}
+
+
+def serve(a: argparse.Namespace) -> int:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    toy = _Toy(a.role.removeprefix("serve-"), a.sock)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _send(self, code: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            try:
+                self._send(*toy.leg(body))
+            except Exception as e:  # noqa: BLE001 - the leg failed: the router sees a 500 and says why
+                self._send(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
+
+    srv = ThreadingHTTPServer((a.bind, a.port), Handler)
+    say(serving=a.port)
+    srv.serve_forever()
+    return 0
+
+
+def client(a: argparse.Namespace) -> int:
+    import httpx
+
+    for spec in a.prompts:
+        r = httpx.post(a.url + "/v1/completions", json={"model": "m", "prompt": parse_ids(spec), "max_tokens": 4},
+                       timeout=60)
+        body = r.json()
+        say(prompt=spec, status=r.status_code, text=(body.get("choices") or [{}])[0].get("text"),
+            host=body.get("host"), prefill=r.headers.get("X-Pdpush-Prefill"), decode=r.headers.get("X-Pdpush-Decode"),
+            route=r.headers.get("X-Pdpush-Route"), error=body.get("error"))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["prefill", "decode"])
-    p.add_argument("--sock", required=True)
-    p.add_argument("--req", required=True)
-    p.add_argument("--ids", required=True)
+    p.add_argument("role", choices=["prefill", "decode", "serve-prefill", "serve-decode", "client"])
+    p.add_argument("--sock", default="")
+    p.add_argument("--req", default="")
+    p.add_argument("--ids", default="")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--bind", default="0.0.0.0")
+    p.add_argument("--url", default="")
+    p.add_argument("--prompts", nargs="*", default=[])
     p.add_argument("--gap-ms", type=float, default=0.0)
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--hang", action="store_true")
+    p.add_argument("--go-file", default="")
     p.add_argument("--expect-failure", action="store_true")
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
     a = p.parse_args()
-    return prefill(a) if a.role == "prefill" else decode(a)
+    if a.role.startswith("serve-"):
+        return serve(a)
+    return {"prefill": prefill, "decode": decode, "client": client}[a.role](a)
 
 
 if __name__ == "__main__":

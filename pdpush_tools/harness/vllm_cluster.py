@@ -36,7 +36,8 @@ class Engine:
     """One engine process; replies are read on a thread so every wait has a deadline."""
 
     def __init__(self, role: str, model: Path, extra: dict, log: Path, llm_args: dict | None = None,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, prefix: list[str] | None = None) -> None:
+        """``prefix``: the command runs through it (``Host.prefix()``: inside a host of the hosts harness)."""
         self.role = role
         tp = (llm_args or {}).get("tensor_parallel_size", 1) * (llm_args or {}).get("pipeline_parallel_size", 1)
         # CPU TP: one core per rank, or start-up stops ("Not enough allowed NUMA nodes"); notes/vllm.md
@@ -44,7 +45,7 @@ class Engine:
             if tp > 1 else {}
         self.log = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([str(require_vllm_python()), "-m", "pdpush_tools.harness.vllm_engine", "--model",
+        self.proc = subprocess.Popen([*(prefix or []), str(require_vllm_python()), "-m", "pdpush_tools.harness.vllm_engine", "--model",
                                       str(model), "--role", role, "--extra", json.dumps(extra),
                                       "--llm-args", json.dumps(llm_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
