@@ -43,6 +43,9 @@ class Metrics:
             self.leases_active = pc.Gauge("pdpush_leases_active", "Uncommitted allocations", registry=r)
             self.leases_expired = pc.Counter("pdpush_leases_expired", "Leases reclaimed at their deadline",
                                              registry=r)
+            self.senders_fenced = pc.Counter("pdpush_senders_fenced", "Senders whose UCX endpoints the receiver "
+                                             "closed because their writes to ended requests did not settle in time",
+                                             registry=r)
         else:
             self.receivers = pc.Gauge("pdpush_receivers_connected", "Receivers with a live session", registry=r)
             self.staging_free = pc.Gauge("pdpush_staging_free_bytes", "Free staging bytes", registry=r)
@@ -59,6 +62,7 @@ class Metrics:
             self.pool_pages.labels("total").set(stats["pool_pages_total"])
             self.pool_pages.labels("free").set(stats["pool_pages_free"])
             self.pool_pages.labels("quarantined").set(stats["pool_pages_quarantined"])
+            self.pool_pages.labels("unfenced").set(stats["pool_pages_unfenced"])
             self.chunks_cached.set(stats["chunks_cached"])
             self.leases_active.set(stats["leases_active"])
         else:

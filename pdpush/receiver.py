@@ -253,6 +253,7 @@ class Receiver:
                 self.ucx_peers.remove(ep)
             ep.close()
         self.shell_counters["senders_fenced"] += 1
+        self.metrics.senders_fenced.inc()
         log.warning("fenced a sender: closed its %d UCX endpoint(s) before reusing its requests' pages", len(eps))
 
     # ---- pool bytes ----

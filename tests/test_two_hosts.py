@@ -107,10 +107,11 @@ class Pair:
 
 @pytest.mark.parametrize("ahead", ["decode", "prefill"])
 def test_a_push_and_its_prefix_reuse_cross_two_hosts_with_clocks_a_day_apart(tmp_path, ahead):
-    """The decode host booted a day later than the prefill host (its CLOCK_MONOTONIC a day ahead), or the
-    other way round. The engine hands its 4 layers over 50 ms apart, as a prefill's compute would: the
-    request must pass byte for byte (before leases crossed the wire as durations, every such request failed
-    with the decode host ahead). A second prompt sharing two chunks moves only its new one."""
+    """One host's CLOCK_MONOTONIC is a day ahead of the other's (it booted a day earlier). The engine hands
+    its 4 layers over 50 ms apart, as a prefill's compute would: the request must pass byte for byte. Before
+    leases crossed the wire as durations, with the prefill host ahead (the decode host booted later) every
+    such request failed at once: "prefill engine did not finish the request before the lease deadline",
+    0.13 s in. A second prompt sharing two chunks moves only its new one."""
     spec = {"p": HostSpec(DAY if ahead == "prefill" else 0), "d": HostSpec(DAY if ahead == "decode" else 0)}
     with Hosts.make(tmp_path, spec) as hosts:
         pair = Pair(hosts)
