@@ -10,7 +10,7 @@ export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install vllm-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
+.PHONY: install ucx-system test-ucx-system vllm-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -45,8 +45,31 @@ $(VLLM_STAMP): requirements-vllm.txt pyproject.toml $(NATIVE_SRC)
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --target $(VLLM_VENV)/vllm-0.33.0 vllm==0.33.0
 	touch $(VLLM_STAMP)
 
-test: install vllm-env
+# The data plane built against the system's UCX as well (Debian's libucx-dev 1.13: verbs and rdmacm), into
+# a folder of its own that a run selects with PYTHONPATH; $(VENV) keeps the UCX that PDPUSH_UCX=auto picks
+# (the wheel's, on a host without an RDMA device). make test runs the UCX-facing tests on it too.
+UCX_SYSTEM := .ucx-system
+UCX_SYSTEM_STAMP := $(UCX_SYSTEM)/.pdpush-installed
+UCX_SYSTEM_TESTS := tests/test_ucx_choice.py tests/test_transport_conformance.py \
+	tests/test_two_hosts.py::test_a_push_and_its_prefix_reuse_cross_two_hosts_with_clocks_a_day_apart
+APT_UCX := DEBIAN_FRONTEND=noninteractive apt-get install -y -q libucx-dev rdma-core pkg-config
+
+ucx-system: $(UCX_SYSTEM_STAMP)
+
+$(UCX_SYSTEM_STAMP): $(STAMP) $(NATIVE_SRC)
+	pkg-config --exists ucx 2>/dev/null || $(APT_UCX) >/dev/null || { apt-get update -q >/dev/null && $(APT_UCX) >/dev/null; } \
+		|| { echo "make: the system-UCX variant needs Debian's libucx-dev and rdma-core (apt, as root)"; exit 1; }
+	rm -rf $(UCX_SYSTEM)
+	PDPUSH_UCX=system $(PY) -m pip install -q --no-deps --no-build-isolation --target $(UCX_SYSTEM) \
+		-C "build-dir=build/{wheel_tag}-system" ./native
+	touch $(UCX_SYSTEM_STAMP)
+
+test: install vllm-env ucx-system
 	$(PY) -m pytest -q -m "not slow"
+	PYTHONPATH=$(UCX_SYSTEM) PDPUSH_EXPECT_UCX=system $(PY) -m pytest -q -p no:cacheprovider $(UCX_SYSTEM_TESTS)
+
+test-ucx-system: ucx-system
+	PYTHONPATH=$(UCX_SYSTEM) PDPUSH_EXPECT_UCX=system $(PY) -m pytest -q -p no:cacheprovider $(UCX_SYSTEM_TESTS)
 
 demo: install
 	mkdir -p bench-out
@@ -124,4 +147,4 @@ lint: install
 	$(VENV)/bin/ruff check pdpush pdpush_tools tests
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache bench-out
+	rm -rf $(VENV) $(VLLM_VENV) $(UCX_SYSTEM) .pytest_cache bench-out

@@ -1,6 +1,6 @@
 """pdpush: push LLM KV cache from prefill to decode nodes, layer by layer, over UCX.
 
-Importing this package imports neither torch nor ucxx: the CLI stays fast.
+Importing this package imports neither torch nor UCX: the CLI stays fast.
 Public API (lazy): PrefillClient, DecodeClient, Sender, Receiver, KVLayout.
 """
 

@@ -2,7 +2,7 @@
 
 ``pdpush-receiver``, ``pdpush-sender`` and ``pdpush {status,layout,router,...}``; ``demo`` and ``bench``
 come from the tooling (``pdpush_tools/cli.py``).
-Keeps ``--help`` fast: torch and ucxx are imported only inside commands.
+Keeps ``--help`` fast: torch and UCX are imported only inside commands.
 """
 
 from __future__ import annotations
@@ -158,6 +158,43 @@ def status(
     for k in sorted(stats):
         t.add_row(k, str(stats[k]))
     Console().print(t)
+
+
+@app.command()
+def doctor(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="A daemon's TOML config: its ucx_env is "
+                                          "applied, and memlock is checked against its pool or staging."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """What this host's UCX can do for pdpush: version and library, transports and devices, RDMA, memlock,
+    hugepages, CUDA. Exit code 1 where a check warns."""
+    import json
+
+    import tomllib
+
+    from pdpush import config as cfgmod
+    from pdpush import doctor as doc
+
+    env, need = None, None
+    if config is not None:
+        try:
+            raw = tomllib.loads(config.read_text())
+            if "staging_bytes" in raw or "default_receiver" in raw:
+                cfg = cfgmod.load(cfgmod.SenderConfig, config)
+                need = cfg.staging_bytes
+            else:
+                cfg = cfgmod.load(cfgmod.ReceiverConfig, config)
+                need = cfg.pool_bytes
+            env = cfg.ucx_env
+        except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
+            _fail_config(e)
+    try:
+        facts = doc.gather(env, need)
+    except PdpushError as e:
+        typer.echo(f"pdpush doctor: {type(e).__name__}: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(facts, indent=2) if as_json else doc.render(facts))
+    raise typer.Exit(1 if facts["warnings"] else 0)
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """Daemon configuration: pydantic settings from flags, PDPUSH_* env, a TOML file, defaults.
 
 Precedence: CLI flags > ``PDPUSH_*`` environment > the TOML file > defaults.
-Unknown keys are an error that names the key. Imports no zmq, ucxx or torch.
+Unknown keys are an error that names the key. Imports no zmq, UCX or torch.
 """
 
 from __future__ import annotations

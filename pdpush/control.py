@@ -1,7 +1,7 @@
 """ZeroMQ sockets for the control plane and the local endpoints: bytes in/out, caps, errors.
 
 The only module that creates zmq sockets. zmq exceptions are mapped to pdpush
-errors here; ``zmq.Again`` never escapes. Imports no ucxx or torch.
+errors here; ``zmq.Again`` never escapes. Imports no UCX or torch.
 """
 
 from __future__ import annotations

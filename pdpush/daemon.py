@@ -3,7 +3,7 @@
 ``run(server)`` = startup, main loop, drain, shutdown. The first SIGTERM/SIGINT
 drains; a second forces exit. Readiness is a ready-file (JSON, written
 atomically) and ``READY=1`` to $NOTIFY_SOCKET under systemd, never a sleep.
-Imports no ucxx or torch.
+Imports no UCX or torch.
 """
 
 from __future__ import annotations
@@ -162,3 +162,25 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
         if ready_file:
             Path(ready_file).unlink(missing_ok=True)
     return int(code)
+
+
+def log_ucx(transport, exposed: str | None) -> dict:
+    """Log which UCX the daemon runs (version, library, how chosen) and what it can use; where it talks to other
+    hosts (``exposed`` names the address that says so), warn once if none of that is RDMA."""
+    from pdpush.transport.ucx_lib import no_rdma_warning
+
+    info = transport.describe()
+    log = logging.getLogger("pdpush.daemon")
+    log.info("UCX %s (%s) from %s; transports: %s", info["version"], info["source"], info["library"],
+             " ".join(info["available"]))
+    warning = no_rdma_warning(info, exposed) if exposed else None
+    if warning:
+        log.warning("%s", warning)
+    return info
+
+
+def ucx_stats(info: dict) -> dict:
+    """What ``pdpush status`` says of the daemon's UCX."""
+    return {"ucx_version": info["version"], "ucx_library": info["library"], "ucx_source": info["source"],
+            "ucx_available": " ".join(info["available"]), "ucx_rdma": info["rdma"]}
+

@@ -3,7 +3,7 @@
 Every error that crosses a module boundary is one of these classes. The wire
 code of an error is derived from its class (``type(err).code``), never passed
 around separately; ``error_from_code`` is the one inverse, used where an
-``Error`` message is received. Foreign exceptions (zmq, ucxx, OSError,
+``Error`` message is received. Foreign exceptions (zmq, UCX, OSError,
 pydantic) are mapped once, where the I/O call happens.
 
 Imports nothing from pdpush.
@@ -53,6 +53,12 @@ class InternalError(PdpushError):
 
 class ConfigError(PdpushError):
     """Invalid configuration: raised at start-up, names the field."""
+
+
+class ForeignUcx(ConfigError):
+    """Another libucp than the one pdpush_native was built against is already in this process (an
+    LD_PRELOAD, another library's UCX): two UCX instances in one process abort in the second one's
+    constructor, or mix handles. Raised before pdpush loads UCX; names both libraries."""
 
 
 # ---- protocol ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Readiness comes from the daemon's ready-file, never from a sleep; every wait
 has a deadline, and ``stop()`` escalates SIGTERM -> SIGKILL by pid. A daemon
 started here also drains when its launcher dies (PR_SET_PDEATHSIG, which fires
 when the launching *thread* exits: launch from a thread that outlives the daemon).
-Imports no ucxx or torch.
+Imports no UCX or torch.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ Chunk keys and the fingerprint describe the model's whole KV (every field of the
 all heads), not a rank's or a pool's split, so prefix reuse works across TP configurations, and
 two sides that differ in any field never share a chunk.
 
-Pure logic: imports no torch, zmq or ucxx (``kvcodec.py`` moves the bytes these formulas place).
+Pure logic: imports no torch, zmq or UCX (``kvcodec.py`` moves the bytes these formulas place).
 """
 
 from __future__ import annotations

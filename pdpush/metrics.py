@@ -8,6 +8,7 @@ imported only when metrics are enabled.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 _LAT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -37,6 +38,8 @@ class Metrics:
         self.inflight = pc.Gauge("pdpush_requests_inflight", "Requests in flight", registry=r)
         self.chunks_hit = pc.Counter("pdpush_chunks_hit", "Chunks skipped because the receiver already held them "
                                      "(already_sent_indexes)", registry=r)
+        self.peer_transport = pc.Gauge("pdpush_peer_transport_info", "The UCX transport and device of each lane of "
+                                       "each peer's endpoint (1 per lane)", ["peer", "transport", "device"], registry=r)
         if role == "receiver":
             self.pool_pages = pc.Gauge("pdpush_pool_pages", "Pool pages by state", ["state"], registry=r)
             self.chunks_cached = pc.Gauge("pdpush_chunks_cached", "Complete chunks in the index", registry=r)
@@ -58,6 +61,11 @@ class Metrics:
     def refresh(self, stats: dict[str, Any]) -> None:
         """Set gauges from a stats snapshot (called on the daemon's own thread)."""
         self.inflight.set(stats["requests_inflight"])
+        self.peer_transport.clear()
+        for peer, lanes in json.loads(stats.get("ucx_transports") or "{}").items():
+            for lane in lanes.split():
+                transport, _, device = lane.partition("/")
+                self.peer_transport.labels(peer, transport, device).set(1)
         if self.role == "receiver":
             self.pool_pages.labels("total").set(stats["pool_pages_total"])
             self.pool_pages.labels("free").set(stats["pool_pages_free"])

@@ -5,7 +5,7 @@ module is the only place that touches msgpack; it never touches a socket or a
 clock. Decoding enforces a frame-size cap before unpacking and validates every
 field, so a malformed frame becomes a ``RemoteProtocolError`` and nothing else.
 
-Imports no zmq, ucxx or torch.
+Imports no zmq, UCX or torch.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Endpoints:
 
 Every decision is the session's; this module moves bytes and carries out its
 actions. A frame that does not decode gets a typed Error reply; an exception
-anywhere in handling one frame is logged and the loop goes on. Imports ucxx
+anywhere in handling one frame is logged and the loop goes on. Loads UCX
 only through pdpush.transport.ucx, when started.
 """
 
@@ -27,6 +27,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
+from pdpush.daemon import log_ucx, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import combine_digests
 from pdpush.protocol import StatusReply, StatusRequest
@@ -61,6 +62,7 @@ class Receiver:
 
         cfg = self.cfg
         self.ucx = open_transport(dict(cfg.ucx_env))
+        self.ucx_info = log_ucx(self.ucx, None if is_loopback(cfg.host) else f"host {cfg.host}")
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
         if cfg.prefault:
             shm.prefault(self.region.address, self.region.length)
@@ -268,17 +270,14 @@ class Receiver:
             digests.append(h.intdigest())
         return combine_digests(digests)
 
-    def transports(self) -> list[str]:
-        """Each sender's endpoint: the UCX transports and devices its lanes use."""
-        from pdpush.transport import ucp
-
-        return [" ".join(f"{t}/{d}" for t, d in ucp.ep_transports(ep.handle)) for ep in self.ucx_peers
-                if ep.handle is not None]
+    def transports(self) -> dict[str, str]:
+        """Each sender's endpoint, by its peer's address: the UCX transports and devices its lanes use."""
+        return {ep.peer(): " ".join(ep.transports()) for ep in self.ucx_peers if ep.handle is not None}
 
     def stats(self) -> dict:
         return {"role": "receiver", "control_endpoint": self.control_endpoint, **self.session.stats(),
                 "ucx_peers": len(self.ucx_peers), "ucx_peers_pending": len(self.ucx_pending),
-                **self.lifelines.stats(), "ucx_transports": json.dumps(self.transports()),
+                **self.lifelines.stats(), "ucx_transports": json.dumps(self.transports()), **ucx_stats(self.ucx_info),
                 "auth": "curve" if self.auth else "none", "metrics_endpoint": self.metrics.endpoint,
                 **self.shell_counters}
 

@@ -12,7 +12,7 @@ session's actions. The per-layer path is native (``pdpush_native.Pusher``,
 native/src/pusher.cpp): it takes ring records, posts puts and flushes, reaps
 completions and puts readiness words, and this loop hands the session what
 landed, in batches. The loop never waits on one receiver:
-a stalled receiver's puts time out at their own deadlines. Imports ucxx only
+a stalled receiver's puts time out at their own deadlines. Loads UCX only
 through pdpush.transport.ucx, when started.
 """
 
@@ -23,13 +23,15 @@ import logging
 import secrets
 import time
 from collections import deque
+from urllib.parse import urlsplit
 
 import numpy as np
 import xxhash
 import zmq
 
 from pdpush import control, lifeline, protocol, ring
-from pdpush.config import SenderConfig
+from pdpush.config import SenderConfig, is_loopback
+from pdpush.daemon import log_ucx, ucx_stats
 from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportTimeout
 from pdpush.layout import combine_digests
 from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
@@ -92,6 +94,8 @@ class Sender:
         from pdpush.transport.base import open_transport
 
         self.ucx = open_transport(dict(self.cfg.ucx_env))
+        remote = urlsplit(self.cfg.default_receiver).hostname or ""
+        self.ucx_info = log_ucx(self.ucx, None if is_loopback(remote) else f"default_receiver {remote}")
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)
         if self.cfg.prefault:
             shm.prefault(self.region.address, self.region.length)
@@ -473,14 +477,11 @@ class Sender:
 
     def transports(self) -> dict[str, str]:
         """Each receiver's endpoint: the UCX transports and devices its lanes use (``tcp/eth0``, ...)."""
-        from pdpush.transport import ucp
-
-        return {e: " ".join(f"{t}/{d}" for t, d in ucp.ep_transports(ep.handle))
-                for e, ep in self.eps.items() if ep.alive}
+        return {e: " ".join(ep.transports()) for e, ep in self.eps.items() if ep.alive}
 
     def stats(self) -> dict:
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, **self.session.stats(),
-                "ucx_transports": json.dumps(self.transports()),
+                "ucx_transports": json.dumps(self.transports()), **ucx_stats(self.ucx_info),
                 **self.pusher.stats(), **self.lifelines.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters}
 
 

@@ -72,9 +72,10 @@ def test_shipped_configs_load():
     assert r.host == "127.0.0.1" and s.default_receiver == f"tcp://127.0.0.1:{r.control_port}"
 
 
-def test_import_pdpush_does_not_import_torch_or_ucxx():
+def test_import_pdpush_does_not_import_torch_or_ucx():
     code = ("import sys, pdpush, pdpush.cli, pdpush.config, pdpush.protocol, pdpush.pool; "
-            "bad = [m for m in ('torch', 'ucxx', 'transformers') if m in sys.modules]; "
+            "bad = [m for m in ('torch', 'ucxx', 'transformers', 'pdpush_native._dataplane', 'pdpush.transport.ucp') "
+            "if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

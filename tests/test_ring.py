@@ -28,7 +28,7 @@ LAY = KVLayout(layers=16, kv_heads=2, head_dim=16, dtype="float16", chunk_tokens
 def _reader(buf: np.ndarray):
     from pdpush.transport import ucp
 
-    ucp.lib()  # pdpush_native links the libucp ucxx loads
+    ucp.lib()  # the one libucp, checked (transport/ucx_lib.py), before the data plane uses it
     from pdpush_native import Ring
 
     return Ring(buf.ctypes.data, len(buf))

@@ -170,6 +170,11 @@ def test_compose_models_two_hosts(tmp_path):
 
     dockerfile = (ROOT / "docker/Dockerfile").read_text()
     assert re.search(r"^USER pdpush$", dockerfile, re.M) and "/opt/pdpush/.venv" in dockerfile
+    # RDMA-ready: the data plane linked against Debian's UCX (ib, rdmacm), the verbs providers at run time, and a
+    # fixed uid for engines in other containers
+    assert "libucx-dev" in dockerfile and "PDPUSH_UCX=system" in dockerfile
+    assert all(p in dockerfile for p in ("libucx0", "rdma-core", "ibverbs-providers"))
+    assert re.search(r"useradd .*--uid 10001 ", dockerfile) and re.search(r"groupadd .*--gid 10001 ", dockerfile)
     owned = re.search(r"chown pdpush:pdpush ([^&\n]*)", dockerfile).group(1).split()
     assert {"/keys", str(sock["receiver"].parent), str(sock["sender"].parent)} <= set(owned)  # volumes made there
     for port in (rx.control_port, rx.ucx_port, rx.metrics_port, tx.metrics_port):

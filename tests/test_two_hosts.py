@@ -97,8 +97,8 @@ class Pair:
         transport on the host's own interface: nothing crossed through shared memory or loopback."""
         tx = json.loads(status(self.tx_sock)["ucx_transports"])
         rx = json.loads(status(self.rx_sock)["ucx_transports"])
-        used = " ".join([*tx.values(), *rx])
-        assert tx and rx and used, (tx, rx)
+        used = " ".join([*tx.values(), *rx.values()])
+        assert tx and rx and all(tx.values()) and all(rx.values()), (tx, rx)  # every endpoint says its lanes
         for lane in used.split():
             transport, device = lane.split("/", 1)
             assert transport in ("tcp", "rc", "rc_mlx5", "dc_mlx5", "ud", "ud_mlx5") and device == "eth0", (tx, rx)

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+#include <dlfcn.h>
 #include <ucp/api/ucp.h>
 
 #include "batches.hpp"
@@ -99,6 +100,16 @@ NB_MODULE(_dataplane, m) {
     m.def(
         "status_string", [](int status) { return std::string(ucs_status_string(static_cast<ucs_status_t>(status))); },
         nb::arg("status"));
+    m.def(
+        "libucp_path",
+        [] {
+            Dl_info info{};
+            if (!dladdr(reinterpret_cast<void *>(&ucp_get_version), &info) || !info.dli_fname) return std::string();
+            return std::string(info.dli_fname);
+        },
+        "The file of the libucp this module's UCX calls go to, as the dynamic linker resolved it.");
+    m.def("libucp_version", [] { return std::string(ucp_get_version_string()); },
+          "The version of that libucp (ucp_get_version_string).");
     register_ring(m);
     register_pusher(m);
 }

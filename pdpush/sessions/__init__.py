@@ -4,7 +4,7 @@
 completion, a tick) with ``now`` (monotonic milliseconds) and return a list of
 actions for their shell to carry out: messages to send, puts to post, metrics
 to count, lines to log. The daemons (``pdpush.receiver``, ``pdpush.sender``)
-are the shells. Imports no zmq, ucxx or torch.
+are the shells. Imports no zmq, UCX or torch.
 """
 
 from __future__ import annotations

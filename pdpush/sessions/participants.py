@@ -20,7 +20,7 @@ of a Begin (``check_begin``) and of a rank joining (``check_join``), and the req
 (``Ended``), so that a rank that begins one late is told rather than starting a request of its own.
 The session (sender.py) allocates, fails and replies.
 
-Imports no zmq, ucxx, torch or clock.
+Imports no zmq, UCX, torch or clock.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A refused hello (``refused``), a hello unanswered in time (``expired``), a lost 
 The requests are the session's: the table says which wait on a peer and which peers failed; the
 session advances or fails the requests, and resets the peer (``ResetPeer``) after.
 
-Imports no zmq, ucxx, torch or clock.
+Imports no zmq, UCX, torch or clock.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ handling a message becomes that message's typed ``Error`` reply; any other
 exception fails the request it concerned with ``InternalError`` and is logged
 with its traceback. Either way the session keeps serving.
 
-Imports no zmq, ucxx, torch or clock.
+Imports no zmq, UCX, torch or clock.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ Receivers (``PeerTable``, peers.py): a request waits for its receiver's hello an
 fails with it. Tensor and pipeline parallelism (participants.py): every rank of every stage begins the
 request; the first allocates, the others join it, and it commits once every one has finished.
 
-Imports no zmq, ucxx, torch or clock.
+Imports no zmq, UCX, torch or clock.
 """
 
 from __future__ import annotations

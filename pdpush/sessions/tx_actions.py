@@ -1,5 +1,5 @@
 """The sender session's actions: what ``SenderSession`` (and its staging book, ``grants.py``) asks its
-shell (``pdpush.sender``) to do. Pure data; imports no zmq, ucxx or torch."""
+shell (``pdpush.sender``) to do. Pure data; imports no zmq, UCX or torch."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ gives (``tests/test_transport_conformance.py`` checks them against UCX):
     ``TransportTimeout``, and the endpoint is failed (its later batches too);
   * isolation: a stalled endpoint holds only its own batches.
 
-Imports no ucxx; implementations (``ucx.py``) do.
+Loads no UCX; implementations (``ucx.py``) do.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class Transport(Protocol):
 
 def open_transport(env: Mapping[str, str] | None = None) -> Transport:
     """The data plane: a UCX worker (``ucx.py``) whose batches are posted and reaped natively
-    (``pdpush_native``, native/). ``env``: UCX_* settings for it. Imports ucxx, so only when called."""
+    (``pdpush_native``, native/). ``env``: UCX_* settings for it. Loads UCX, so only when called."""
     from pdpush.transport.ucx import UcxWorker
 
     return UcxWorker(env)

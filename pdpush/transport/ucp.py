@@ -1,20 +1,20 @@
-"""Thin ctypes binding to the libucp bundled with ucxx, for set-up: memory map, rkey, listener, flush.
+"""Thin ctypes binding to libucp for set-up: context, worker, listener, endpoints, memory map, rkey, flush.
 
-The per-batch path (puts, their flush, completions) is native: ``pdpush_native`` (native/).
+The per-batch path (puts, their flush, completions) is native: ``pdpush_native`` (native/). Both use the one
+libucp that ``ucx_lib.load()`` chose and checked (the one pdpush_native was built against).
 
-ucxx's Python API has no one-sided RMA, so this module binds exactly the calls
-we need. Struct layouts and flag values come from the headers of the installed
-libucx (1.21): ``site-packages/libucx/include/ucp/api/ucp.h``; the unit tests
-check the binding against that version.
+This module binds exactly the calls we need. Struct layouts and flag values come from UCX's ``ucp.h``; each
+struct is read by UCX only as far as its ``field_mask`` says, which keeps the binding valid from UCX 1.13
+(Debian's) to 1.21 (the wheel's); where a call or field is newer, it is gated by ``version()``. The unit
+tests check the binding against the UCX in use.
 
-Imports ucxx (to load the same libucp instance) lazily; imported only by the
-transport layer, never by ``import pdpush``.
+Imported only by the transport layer, never by ``import pdpush``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+import re
 import socket
 import struct
 from ctypes import CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint8, c_uint32, c_uint64, c_void_p
@@ -129,6 +129,26 @@ class EpAttr(ctypes.Structure):  # ucp_ep_attr_t (UCX >= 1.14: the TRANSPORTS fi
 
 UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
 
+# context, worker and client endpoints (ucp.h)
+UCP_PARAM_FIELD_FEATURES = 1 << 0
+UCP_FEATURE_RMA = 1 << 1
+UCP_FEATURE_WAKEUP = 1 << 4
+UCP_FEATURE_STREAM = 1 << 5
+UCP_WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0
+UCS_THREAD_MODE_SINGLE = 0
+UCP_EP_PARAM_FIELD_SOCK_ADDR = 1 << 4
+UCP_EP_PARAM_FIELD_FLAGS = 1 << 5
+UCP_EP_PARAMS_FLAGS_CLIENT_SERVER = 1 << 0
+UCS_ERR_BUSY = -15
+
+
+class Params(ctypes.Structure):  # ucp_params_t: only the features field is set (the rest is newer or unused)
+    _fields_ = [("field_mask", c_uint64), ("features", c_uint64), ("_rest", c_uint8 * 256)]
+
+
+class WorkerParams(ctypes.Structure):  # ucp_worker_params_t: only the thread mode is set
+    _fields_ = [("field_mask", c_uint64), ("thread_mode", c_int), ("_rest", c_uint8 * 512)]
+
 
 class EpParams(ctypes.Structure):
     _fields_ = [("field_mask", c_uint64), ("address", c_void_p), ("err_mode", c_int), ("err_handler", Handler),
@@ -156,15 +176,39 @@ _lib: ctypes.CDLL | None = None
 
 
 def lib() -> ctypes.CDLL:
-    """The libucp that ucxx loaded (same path, so dlopen returns the same instance)."""
+    """The process's one libucp (``ucx_lib.load``: the one pdpush_native links; a second is refused)."""
     global _lib
     if _lib is not None:
         return _lib
-    import libucx  # noqa: F401  (ships the .so files)
-    import ucxx  # noqa: F401  (loads libucp with its own flags first)
+    from pdpush.transport import ucx_lib
 
-    path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
-    L = ctypes.CDLL(path)
+    L, _ = ucx_lib.load()
+    L.ucp_get_version.argtypes = [POINTER(c_uint), POINTER(c_uint), POINTER(c_uint)]
+    L.ucp_get_version.restype = None
+    L.ucp_get_version_string.argtypes = []
+    L.ucp_get_version_string.restype = c_char_p
+    L.ucp_config_read.argtypes = [c_char_p, c_char_p, POINTER(c_void_p)]
+    L.ucp_config_read.restype = c_int
+    L.ucp_config_release.argtypes = [c_void_p]
+    L.ucp_config_release.restype = None
+    L.ucp_init_version.argtypes = [c_uint, c_uint, POINTER(Params), c_void_p, POINTER(c_void_p)]
+    L.ucp_init_version.restype = c_int
+    L.ucp_cleanup.argtypes = [c_void_p]
+    L.ucp_cleanup.restype = None
+    L.ucp_context_print_info.argtypes = [c_void_p, c_void_p]
+    L.ucp_context_print_info.restype = None
+    L.ucp_ep_print_info.argtypes = [c_void_p, c_void_p]
+    L.ucp_ep_print_info.restype = None
+    L.ucp_worker_create.argtypes = [c_void_p, POINTER(WorkerParams), POINTER(c_void_p)]
+    L.ucp_worker_create.restype = c_int
+    L.ucp_worker_destroy.argtypes = [c_void_p]
+    L.ucp_worker_destroy.restype = None
+    L.ucp_worker_get_efd.argtypes = [c_void_p, POINTER(c_int)]
+    L.ucp_worker_get_efd.restype = c_int
+    L.ucp_worker_arm.argtypes = [c_void_p]
+    L.ucp_worker_arm.restype = c_int
+    L.ucp_stream_send_nbx.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(RequestParam)]
+    L.ucp_stream_send_nbx.restype = c_void_p
     L.ucp_mem_map.argtypes = [c_void_p, POINTER(MemMapParams), POINTER(c_void_p)]
     L.ucp_mem_map.restype = c_int
     L.ucp_mem_unmap.argtypes = [c_void_p, c_void_p]
@@ -199,10 +243,102 @@ def lib() -> ctypes.CDLL:
     L.ucp_ep_close_nbx.restype = c_void_p
     L.ucp_stream_recv_nbx.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_size_t), POINTER(RequestParam)]
     L.ucp_stream_recv_nbx.restype = c_void_p
-    L.ucp_ep_query.argtypes = [c_void_p, POINTER(EpAttr)]
-    L.ucp_ep_query.restype = c_int
+    if hasattr(L, "ucp_ep_query"):  # UCX >= 1.12
+        L.ucp_ep_query.argtypes = [c_void_p, POINTER(EpAttr)]
+        L.ucp_ep_query.restype = c_int
     _lib = L
     return L
+
+
+def _printed(fn, handle: int) -> str:
+    """What a ``ucp_*_print_info(handle, FILE *)`` call writes, as text."""
+    import tempfile
+
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = c_void_p
+    libc.fopen.argtypes = [c_char_p, c_char_p]
+    libc.fclose.argtypes = [c_void_p]
+    with tempfile.NamedTemporaryFile(mode="r") as f:
+        fp = libc.fopen(f.name.encode(), b"w")
+        if not fp:
+            return ""
+        fn(handle, fp)
+        libc.fclose(fp)
+        return f.read()
+
+
+def version() -> tuple[int, int, int]:
+    """The loaded libucp's (major, minor, release)."""
+    a, b, c = c_uint(), c_uint(), c_uint()
+    lib().ucp_get_version(byref(a), byref(b), byref(c))
+    return a.value, b.value, c.value
+
+
+def version_string() -> str:
+    return (lib().ucp_get_version_string() or b"").decode()
+
+
+class Context:
+    """``ucp_init`` with ``features`` (UCP_FEATURE_*), UCX_* settings read from the environment."""
+
+    def __init__(self, features: int) -> None:
+        L = lib()
+        cfg = c_void_p()
+        _check("ucp_config_read", L.ucp_config_read(None, None, byref(cfg)))
+        p = Params()
+        p.field_mask = UCP_PARAM_FIELD_FEATURES
+        p.features = features
+        h = c_void_p()
+        major, minor, _ = version()
+        try:
+            _check("ucp_init", L.ucp_init_version(major, minor, byref(p), cfg, byref(h)))
+        finally:
+            L.ucp_config_release(cfg)
+        self.handle: int | None = h.value
+
+    def print_info(self) -> str:
+        """``ucp_context_print_info``: its memory domains, devices and transport resources, as text."""
+        return _printed(lib().ucp_context_print_info, self.handle)
+
+    def cleanup(self) -> None:
+        if self.handle:
+            lib().ucp_cleanup(self.handle)
+            self.handle = None
+
+
+class Worker:
+    """A single-threaded worker with a wake-up fd (``epoll_fd``; ``arm`` before sleeping on it)."""
+
+    def __init__(self, context: int) -> None:
+        p = WorkerParams()
+        p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        p.thread_mode = UCS_THREAD_MODE_SINGLE
+        h = c_void_p()
+        _check("ucp_worker_create", lib().ucp_worker_create(context, byref(p), byref(h)))
+        self.handle: int | None = h.value
+        fd = c_int()
+        try:
+            _check("ucp_worker_get_efd", lib().ucp_worker_get_efd(self.handle, byref(fd)))
+        except UcpError:
+            self.destroy()
+            raise
+        self.epoll_fd = fd.value
+
+    def progress(self) -> int:
+        return lib().ucp_worker_progress(self.handle)
+
+    def arm(self) -> bool:
+        """True: nothing is pending, sleep on the fd; False: events are pending, progress again."""
+        st = lib().ucp_worker_arm(self.handle)
+        if st == UCS_ERR_BUSY:
+            return False
+        _check("ucp_worker_arm", st)
+        return True
+
+    def destroy(self) -> None:
+        if self.handle:
+            lib().ucp_worker_destroy(self.handle)
+            self.handle = None
 
 
 def _check(what: str, status: int) -> None:
@@ -359,6 +495,31 @@ def ep_from_conn_request(worker: int, conn_request: int, err_cb) -> int:
     return ep.value
 
 
+def ep_connect(worker: int, host: str, port: int, err_cb) -> int:
+    """A client endpoint to a listener at ``host:port``, error handling on (failures reach ``err_cb``). It
+    wires up in the background: a flush on it completes once it is connected."""
+    buf, n = sockaddr(host, port)
+    p = EpParams()
+    p.field_mask = (UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                    | UCP_EP_PARAM_FIELD_ERR_HANDLER)
+    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER
+    p.sockaddr.addr = ctypes.addressof(buf)
+    p.sockaddr.addrlen = n
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER
+    p.err_handler.cb = ctypes.cast(err_cb, c_void_p)
+    ep = c_void_p()
+    _check(f"ucp_ep_create to {host}:{port}", lib().ucp_ep_create(worker, byref(p), byref(ep)))
+    return ep.value
+
+
+def stream_send_nbx(ep: int, address: int, nbytes: int) -> int | None:
+    """Send ``nbytes`` at ``address`` on the endpoint's stream; a request to wait for, or None if done."""
+    status, req = _ptr_status(lib().ucp_stream_send_nbx(ep, address, nbytes, byref(_NO_PARAM)))
+    if status < 0:
+        raise UcpError("ucp_stream_send_nbx", status)
+    return req
+
+
 _WAITALL = RequestParam()
 _WAITALL.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS
 _WAITALL.flags = UCP_STREAM_RECV_FLAG_WAITALL
@@ -379,9 +540,42 @@ def ep_close_nbx(ep: int) -> int | None:
     return req
 
 
+UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR = 1 << 2
+_LANE = re.compile(r"#\s+lane\[\d+\]:\s+\d+:(\w+)/([\w:.-]+?)(?:\.\d+)?\s")
+
+
+def ep_lanes(text: str) -> list[tuple[str, str]]:
+    """(transport, device) of each lane in ``ucp_ep_print_info`` text (UCX < 1.14, which cannot be queried)."""
+    out: list[tuple[str, str]] = []
+    for m in map(_LANE.match, text.splitlines()):
+        if m and (m.group(1), m.group(2)) not in out:
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+def ep_remote(ep: int) -> str:
+    """The address an endpoint is connected to (``ip:port``), or "" where UCX cannot say."""
+    if not hasattr(lib(), "ucp_ep_query"):
+        return ""
+    a = EpAttr()
+    a.field_mask = UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR
+    if lib().ucp_ep_query(ep, byref(a)) != UCS_OK:
+        return ""
+    raw = bytes(a.remote_sockaddr)
+    family = struct.unpack("=H", raw[:2])[0]
+    port = struct.unpack("!H", raw[2:4])[0]
+    if family == socket.AF_INET:
+        return f"{socket.inet_ntoa(raw[4:8])}:{port}"
+    if family == socket.AF_INET6:
+        return f"[{socket.inet_ntop(socket.AF_INET6, raw[8:24])}]:{port}"
+    return ""
+
+
 def ep_transports(ep: int) -> list[tuple[str, str]]:
     """The (transport, device) pairs an endpoint's lanes use, as UCX chose them: ``[("tcp", "eth0")]``
     between hosts, ``[("sysv", "memory"), ...]`` on one. Empty where UCX cannot say."""
+    if version() < (1, 14) or not hasattr(lib(), "ucp_ep_query"):  # no TRANSPORTS field before 1.14
+        return ep_lanes(_printed(lib().ucp_ep_print_info, ep))
     entries = (TransportEntry * 16)()
     a = EpAttr()
     a.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS

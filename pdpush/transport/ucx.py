@@ -1,17 +1,18 @@
 """UCX data plane: one worker per daemon, a listener, endpoints, coalesced puts.
 
-Built on ucxx's low-level synchronous API (context, worker, listener, endpoint,
-tag send/recv, close callbacks) plus ``ucp.py`` for memory maps and rkeys. The per-batch
-work, posting puts and their flush and reaping completions, is native (``pdpush_native``,
-native/src/dataplane.cpp). Progress runs on the thread that issues the work (a separate
-progress thread cost 2.5-8x bandwidth here, see notes/ucx.md).
+Built on ``ucp.py``, a ctypes binding of libucp's set-up calls (context, worker, listener, endpoints,
+stream, memory maps, rkeys); the per-batch work, posting puts and their flush and reaping completions, is
+native (``pdpush_native``, native/src/dataplane.cpp). Both use the one libucp ``ucx_lib`` chose. Progress
+runs on the thread that issues the work (a separate progress thread cost 2.5-8x bandwidth here, see
+notes/ucx.md).
 
-Every ucxx/UcpError is mapped to a pdpush TransportError here; none escapes.
-Imports ucxx lazily (inside ``UcxWorker.__init__``).
+Every UcpError is mapped to a pdpush TransportError here; none escapes. Loads UCX only in
+``UcxWorker.__init__``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -81,6 +82,18 @@ class _Closable:
             self.error = why
         self._worker._closed.append(self)
 
+    def peer(self) -> str:
+        """The address of its other end (``ip:port``), or its name where UCX cannot say."""
+        from pdpush.transport import ucp
+
+        return (ucp.ep_remote(self.handle) if self.handle is not None else "") or self.name
+
+    def transports(self) -> list[str]:
+        """The UCX transports and devices its lanes use, as ``tcp/eth0``; empty where UCX cannot say."""
+        from pdpush.transport import ucp
+
+        return [] if self.handle is None else [f"{t}/{d}" for t, d in ucp.ep_transports(self.handle)]
+
     def _run_close_callbacks(self) -> None:
         log.info("ucx endpoint %s closed: %s", self.name, self.error)
         cbs, self._on_close = self._on_close, []
@@ -91,17 +104,12 @@ class _Closable:
 class Endpoint(_Closable):
     """A UCX endpoint we connected, with error handling on, plus the peer's unpacked rkey."""
 
-    def __init__(self, worker: UcxWorker, ep, name: str) -> None:
+    def __init__(self, worker: UcxWorker, handle: int, name: str) -> None:
         super().__init__(worker, name)
-        self._ep = ep
+        self.handle: int | None = handle
         self.rkey = None
         self._batches: deque[_Batch] = deque()
         self._native = None  # pdpush_native.Batches, once the rkey is known
-        ep.set_close_callback(self._closed)
-
-    @property
-    def handle(self) -> int:
-        return self._ep.handle
 
     def set_rkey(self, packed: bytes, timeout_s: float = 5.0) -> None:
         """Unpack the peer's rkey once wire-up is complete.
@@ -114,21 +122,25 @@ class Endpoint(_Closable):
 
         self.flush(timeout_s)
         try:
-            self.rkey = ucp.RemoteKey(self._ep.handle, packed)
+            self.rkey = ucp.RemoteKey(self.handle, packed)
         except ucp.UcpError as e:
             raise TransferError(f"cannot unpack rkey from {self.name}: {e}") from e
         from pdpush_native import Batches
 
-        self._native = Batches(self._ep.handle, self.rkey.handle, MAX_PUT_BYTES)
+        self._native = Batches(self.handle, self.rkey.handle, MAX_PUT_BYTES)
 
     def stream_send(self, payload: bytes, timeout_s: float) -> None:
         """Send bytes on this endpoint's stream (used for the one-time session token)."""
-        import numpy as np
-        from ucxx._lib.arr import Array
+        from pdpush.transport import ucp
 
-        buf = np.frombuffer(bytearray(payload), dtype=np.uint8)
-        req = self._ep.stream_send(Array(buf))
-        self._worker.wait_ucxx(req, timeout_s, f"stream send to {self.name}")
+        if self.error is not None or self.handle is None:
+            raise TransferError(f"endpoint {self.name} is dead: {self.error}")
+        buf = ctypes.create_string_buffer(payload, len(payload))
+        try:
+            r = ucp.stream_send_nbx(self.handle, ctypes.addressof(buf), len(payload))
+        except ucp.UcpError as e:
+            raise TransferError(f"stream send to {self.name} failed: {e}") from e
+        self._worker.wait_raw([r] if r is not None else [], timeout_s, f"stream send to {self.name}")
 
     def flush(self, timeout_s: float) -> None:
         from pdpush.transport import ucp
@@ -136,7 +148,7 @@ class Endpoint(_Closable):
         if self.error is not None:
             raise TransferError(f"endpoint {self.name} is dead: {self.error}")
         try:
-            r = ucp.flush_nbx(self._ep.handle)
+            r = ucp.flush_nbx(self.handle)
         except ucp.UcpError as e:
             raise TransferError(f"flush to {self.name} failed: {e}") from e
         self._worker.wait_raw([r] if r is not None else [], timeout_s, f"flush to {self.name}")
@@ -205,21 +217,20 @@ class Endpoint(_Closable):
             self._native.drop_all()
             self._native = None
         rkey, self.rkey = self.rkey, None
-        if self._ep is not None:
-            try:
-                self._ep.remove_close_callback()
-                # An explicit close cancels the endpoint's in-flight requests (a pending receive keeps
-                # it alive otherwise, so the peer would never notice); keep the close request until done.
-                # An endpoint that already failed is only dropped: closing it again crashed ucxx here.
-                if self.error is None:
-                    self._worker._closing.append(self._ep.close())
-            except self._worker._L.UCXError as e:
-                log.debug("closing endpoint %s: %s", self.name, e)
+        if self.handle is not None:
+            from pdpush.transport import ucp
+
+            # force: cancels the endpoint's in-flight operations (a pending receive keeps it alive otherwise,
+            # so the peer would never notice); the close request is kept until it completes
+            self._worker._by_handle.pop(self.handle, None)
+            r = ucp.ep_close_nbx(self.handle)
+            if r is not None:
+                self._worker._closing_raw.append(r)
+            self.handle = None
         # The rkey goes once the puts using it are cancelled (by the close, or the endpoint's failure) and
         # before the endpoint object is (ucp_rkey_destroy's contract); not before, while puts may be queued.
         if rkey is not None:
             rkey.destroy()
-        self._ep = None
 
 
 class _StreamRecv:
@@ -298,27 +309,31 @@ class UcxWorker:
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         configure_env(env)
-        from ucxx._lib import libucxx as L
-
-        self._L = L
-        feats = (L.Feature.TAG, L.Feature.RMA, L.Feature.WAKEUP, L.Feature.STREAM)
-        try:
-            self.context = L.UCXContext({}, feature_flags=feats)
-            self.worker = L.UCXWorker(self.context)
-            self.worker.init_blocking_progress_mode()
-        except L.UCXError as e:
-            raise TransportError(f"cannot initialise UCX: {e}") from e
-        self.listener = None
-        self._closed: list[Endpoint] = []
-        self._closing: list = []  # close requests of endpoints we closed
-        self._busy: set[Endpoint] = set()  # endpoints with batches in flight
-        self._by_handle: dict[int, AcceptedEndpoint] = {}
-        self._closing_raw: list[int] = []  # raw close requests of accepted endpoints
-        self._on_accept: Callable[[AcceptedEndpoint], None] | None = None
         from pdpush.transport import ucp
 
-        self._err_cb = ucp.ERR_CB(self._accepted_failed)  # kept alive with the worker
+        try:
+            self.context = ucp.Context(ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_WAKEUP | ucp.UCP_FEATURE_STREAM)
+            self.worker = ucp.Worker(self.context.handle)
+        except ucp.UcpError as e:
+            raise TransportError(f"cannot initialise UCX: {e}") from e
+        self.listener = None
+        self._closed: list[_Closable] = []
+        self._busy: set[Endpoint] = set()  # endpoints with batches in flight
+        self._by_handle: dict[int, _Closable] = {}  # every open endpoint, by its ucp_ep_h
+        self._closing_raw: list[int] = []  # close requests of endpoints we closed
+        self._on_accept: Callable[[AcceptedEndpoint], None] | None = None
+        self._err_cb = ucp.ERR_CB(self._ep_failed)  # kept alive with the worker
         self._orphans: list[Completion] = []  # batches of endpoints closed while in flight
+
+    def describe(self) -> dict:
+        """This worker's UCX: version, library, how it was chosen, and every transport/device it can use."""
+        from pdpush.transport import ucp, ucx_lib
+
+        _, b = ucx_lib.load()
+        comps, res = ucx_lib.parse_print_info(self.context.print_info())
+        return {"version": ucp.version_string(), "library": os.path.realpath(b.library), "source": b.source,
+                "components": comps, "available": [f"{t}/{d}" for t, d in res],
+                "rdma": any(t in ucx_lib.RDMA_TRANSPORTS for t, _ in res)}
 
     def dispatch_closed(self) -> None:
         """Run on_close callbacks of endpoints that closed since the last call."""
@@ -327,13 +342,11 @@ class UcxWorker:
 
     @property
     def epoll_fd(self) -> int:
-        return self.worker.epoll_file_descriptor
+        return self.worker.epoll_fd
 
     def progress(self) -> None:
-        while self.worker.progress_once():
+        while self.worker.progress():
             pass
-        if self._closing:
-            self._closing = [r for r in self._closing if not r.completed]
         if self._closing_raw:
             self._reap_raw_closes()
         if self.listener is not None and self.listener.requests:
@@ -352,7 +365,7 @@ class UcxWorker:
             ep = self._by_handle[h] = AcceptedEndpoint(self, h)
             self._on_accept(ep)
 
-    def _accepted_failed(self, _arg, handle, status) -> None:
+    def _ep_failed(self, _arg, handle, status) -> None:
         from pdpush.transport import ucp
 
         ep = self._by_handle.get(handle)
@@ -390,7 +403,12 @@ class UcxWorker:
 
     def arm(self) -> bool:
         """True if it is safe to sleep on ``epoll_fd``; False means progress again."""
-        return bool(self.worker.arm())
+        from pdpush.transport import ucp
+
+        try:
+            return self.worker.arm()
+        except ucp.UcpError as e:
+            raise TransportError(f"cannot arm the UCX worker: {e}") from e
 
     def listen(self, host: str, port: int, on_endpoint: Callable[[AcceptedEndpoint], None]) -> int:
         """Accept peers on ``host:port`` only (port 0: any free one); ``on_endpoint`` runs from ``progress()``."""
@@ -404,11 +422,14 @@ class UcxWorker:
         return self.listener.port
 
     def connect(self, host: str, port: int) -> Endpoint:
+        from pdpush.transport import ucp
+
         try:
-            ep = self._L.UCXEndpoint.create(self.worker, host, port, True)
-        except self._L.UCXError as e:
+            h = ucp.ep_connect(self.worker.handle, host, port, self._err_cb)
+        except ucp.UcpError as e:
             raise ConnectError(f"cannot connect UCX to {host}:{port}: {e}") from e
-        return Endpoint(self, ep, f"{host}:{port}")
+        ep = self._by_handle[h] = Endpoint(self, h, f"{host}:{port}")
+        return ep
 
     def alloc_shared(self, nbytes: int):
         """Shared memory other local processes can attach by shmid, usable as a put target/source.
@@ -448,7 +469,7 @@ class UcxWorker:
         failure: str | None = None
         try:
             while pending:
-                ucp.worker_progress(self.worker.handle)
+                self.worker.progress()
                 still = []
                 for r in pending:
                     st = ucp.request_status(r)
@@ -466,17 +487,6 @@ class UcxWorker:
                 ucp.request_free(r)  # UCX completes it later; we just drop our ref
         if failure is not None:
             raise TransferError(f"{what} failed: {failure}")
-
-    def wait_ucxx(self, req, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not req.completed:
-            self.worker.progress()
-            if time.monotonic() > deadline:
-                raise TransportTimeout(f"{what} did not complete within {timeout_s:.1f}s")
-        try:
-            req.check_error()
-        except self._L.UCXError as e:
-            raise TransferError(f"{what} failed: {e}") from e
 
     def close(self) -> None:
         for ep in list(self._by_handle.values()):

@@ -53,12 +53,14 @@ def environment(device: str) -> dict:
         out.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda,
                    capability=f"{p.major}.{p.minor}")
     try:
-        import ucxx
+        from pdpush import doctor
 
-        out["ucxx"] = ucxx.__version__
-        out["ucx"] = ".".join(map(str, ucxx.get_ucx_version()))
+        facts = doctor.gather()
+        out["ucx"] = {k: facts["ucx"][k] for k in ("version", "library", "source", "transports")}
+        out["rdma_capable"] = facts["rdma_capable"]
+        out["ucx_cuda"] = facts["cuda"]
     except Exception as e:  # noqa: BLE001 - reported, the demo part will fail with its own error
-        out["ucxx"] = f"not importable: {type(e).__name__}: {e}"
+        out["ucx"] = f"not loadable: {type(e).__name__}: {e}"
     return out
 
 

@@ -2,8 +2,9 @@
 and the KV codec's row copies (``_copy``: ``native/src/copy.cpp``, no UCX).
 
 The data plane's names load on first use, so that ``pdpush_native._copy`` alone loads no libucp (an
-engine's venv may have only it). Import ``ucxx`` (or ``pdpush.transport.ucp.lib()``) before using the data
-plane, so that libucp is the instance ucxx loaded.
+engine's venv may have only it). Call ``pdpush.transport.ucx_lib.load()`` (``ucp.lib()`` does) before using the
+data plane: it refuses a process that already holds another libucp, then loads the one this build links.
+``_ucx_build`` says which UCX that is (native/CMakeLists.txt, PDPUSH_UCX).
 """
 
 from __future__ import annotations
