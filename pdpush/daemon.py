@@ -164,23 +164,34 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     return int(code)
 
 
-def log_ucx(transport, exposed: str | None) -> dict:
-    """Log which UCX the daemon runs (version, library, how chosen) and what it can use; where it talks to other
+def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
+    """Log which UCX the daemon runs (version, library, how chosen), what it can use, and what the host offers
+    (memlock against the ``registered_bytes`` of its pool or staging, hugepages, CUDA); where it talks to other
     hosts (``exposed`` names the address that says so), warn once if none of that is RDMA."""
+    from pdpush.doctor import host_facts
     from pdpush.transport.ucx_lib import no_rdma_warning
 
     info = transport.describe()
+    info["host"] = host = host_facts(sorted({a.split("/")[0] for a in info["available"]}), registered_bytes)
     log = logging.getLogger("pdpush.daemon")
-    log.info("UCX %s (%s) from %s; transports: %s", info["version"], info["source"], info["library"],
-             " ".join(info["available"]))
+    memlock = "unlimited" if host["memlock_bytes"] == -1 else f"{host['memlock_bytes']} bytes"
+    log.info("UCX %s (%s) from %s; transports: %s; memlock %s for %d bytes; hugepages %d free; CUDA transports: %s",
+             info["version"], info["source"], info["library"], " ".join(info["available"]), memlock,
+             registered_bytes, host["hugepages"]["free"], " ".join(host["cuda"]["ucx_transports"]) or "none")
     warning = no_rdma_warning(info, exposed) if exposed else None
     if warning:
         log.warning("%s", warning)
+    if info["rdma"] and host["memlock_bytes"] != -1 and host["memlock_bytes"] < registered_bytes:
+        log.warning("the locked-memory limit (%s) is below the %d bytes the NIC must register: raise it "
+                    "(LimitMEMLOCK=infinity, --ulimit memlock=-1, IPC_LOCK)", memlock, registered_bytes)
     return info
 
 
 def ucx_stats(info: dict) -> dict:
-    """What ``pdpush status`` says of the daemon's UCX."""
+    """What ``pdpush status`` says of the daemon's UCX and host."""
+    host = info["host"]
     return {"ucx_version": info["version"], "ucx_library": info["library"], "ucx_source": info["source"],
-            "ucx_available": " ".join(info["available"]), "ucx_rdma": info["rdma"]}
-
+            "ucx_available": " ".join(info["available"]), "ucx_rdma": info["rdma"],
+            "memlock_bytes": host["memlock_bytes"], "memlock_needed_bytes": host["memlock_needed_bytes"],
+            "hugepages_free": host["hugepages"]["free"],
+            "cuda_transports": " ".join(host["cuda"]["ucx_transports"]), "gdrcopy": host["cuda"]["gdrcopy"]}

@@ -70,6 +70,19 @@ def _hugepages() -> dict:
             "page_bytes": out.get("Hugepagesize", 0), "transparent": out.get("transparent", "unknown")}
 
 
+def host_facts(ucx_transports: list[str], memlock_needed: int | None) -> dict:
+    """What the host offers beside UCX itself (no UCX call): RDMA devices, memlock, hugepages, CUDA."""
+    try:
+        rdma_devices = sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        rdma_devices = []
+    return {"rdma_devices": rdma_devices, "memlock_bytes": _memlock(), "memlock_needed_bytes": memlock_needed,
+            "hugepages": _hugepages(),
+            "cuda": {"ucx_transports": sorted(set(ucx_transports) & CUDA_TRANSPORTS),
+                     "libcuda": ctypes.util.find_library("cuda") is not None,
+                     "gdrcopy": "gdr_copy" in ucx_transports or os.path.exists("/dev/gdrdrv")}}
+
+
 def gather(ucx_env: dict | None = None, memlock_needed: int | None = None) -> dict:
     """Read this host and its UCX (loads libucp, with ``ucx_env`` as a daemon would apply it)."""
     from pdpush.transport import ucp, ucx_lib
@@ -82,23 +95,13 @@ def gather(ucx_env: dict | None = None, memlock_needed: int | None = None) -> di
         comps, res = parse_print_info(ctx.print_info())
     finally:
         ctx.cleanup()
-    try:
-        rdma_devices = sorted(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        rdma_devices = []
     transports = sorted({t for t, _ in res})
     facts = {
         "ucx": {"version": ucp.version_string(), "library": os.path.realpath(build.library), "source": build.source,
                 "built_with": build.asked, "components": comps, "transports": transports,
                 "devices": sorted({d for _, d in res}), "resources": [list(r) for r in res]},
         "rdma_capable": any(t in RDMA_TRANSPORTS for t in transports),
-        "rdma_devices": rdma_devices,
-        "memlock_bytes": _memlock(),
-        "memlock_needed_bytes": memlock_needed,
-        "hugepages": _hugepages(),
-        "cuda": {"ucx_transports": sorted(set(transports) & CUDA_TRANSPORTS),
-                 "libcuda": ctypes.util.find_library("cuda") is not None,
-                 "gdrcopy": "gdr_copy" in transports or os.path.exists("/dev/gdrdrv")},
+        **host_facts(transports, memlock_needed),
     }
     facts["warnings"], facts["notes"] = judge(facts)
     return facts

@@ -95,7 +95,8 @@ class Sender:
 
         self.ucx = open_transport(dict(self.cfg.ucx_env))
         remote = urlsplit(self.cfg.default_receiver).hostname or ""
-        self.ucx_info = log_ucx(self.ucx, None if is_loopback(remote) else f"default_receiver {remote}")
+        self.ucx_info = log_ucx(self.ucx, None if is_loopback(remote) else f"default_receiver {remote}",
+                                self.cfg.staging_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)
         if self.cfg.prefault:
             shm.prefault(self.region.address, self.region.length)

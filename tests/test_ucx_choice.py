@@ -55,6 +55,8 @@ def test_a_daemon_maps_exactly_one_libucp_the_one_it_was_built_against(daemons):
     assert [os.path.realpath(p) for p in ucx_lib.mapped(maps)] == [os.path.realpath(built.library)], maps
     st = status(sock(rx))
     assert os.path.samefile(st["ucx_library"], built.library) and st["ucx_source"] == built.source
+    assert "tcp/" in st["ucx_available"] and st["memlock_needed_bytes"] == rx.info["pool_bytes"]
+    assert isinstance(st["memlock_bytes"], int) and isinstance(st["hugepages_free"], int)
     if EXPECT:
         assert built.source == EXPECT, built
     if EXPECT == "system":
