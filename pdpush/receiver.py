@@ -58,7 +58,7 @@ class Receiver:
     # ---- lifecycle ----
     def start(self) -> dict:
         from pdpush import shm
-        from pdpush.transport.base import open_transport
+        from pdpush.transport.auto import open_transport
 
         cfg = self.cfg
         self.ucx = open_transport(dict(cfg.ucx_env))

@@ -91,7 +91,7 @@ class Sender:
     # ---- lifecycle ----
     def start(self) -> dict:
         from pdpush import shm
-        from pdpush.transport.base import open_transport
+        from pdpush.transport.auto import open_transport
 
         self.ucx = open_transport(dict(self.cfg.ucx_env))
         remote = urlsplit(self.cfg.default_receiver).hostname or ""
@@ -118,13 +118,10 @@ class Sender:
             StagingInfo(self.region.address, self.shmid, self.region.length, secrets.token_hex(8),
                         self.doorbell.path if self.doorbell else ""),
             c.default_receiver, check_receiver=self._check_receiver)
-        from pdpush_native import Pusher, fence
-
-        from pdpush.transport.ucx import MAX_PUT_BYTES
+        from pdpush_native import fence
 
         self._fence = fence
-        self.pusher = Pusher(self.ucx.worker.handle, self.region.address, self.region.length, MAX_PUT_BYTES,
-                             c.layer_timeout_ms / 1000)
+        self.pusher = self.ucx.pusher(self.region.address, self.region.length, c.layer_timeout_ms / 1000)
         if c.handover_ring_slots:
             self._idle = shm.array_at(self.region.address + self.session.rings.idle_offset, 8).view(np.uint64)
             self._idle[0] = 0
@@ -424,7 +421,7 @@ class Sender:
             ep.set_rkey(ack.rkey, timeout)
             ep.on_close(lambda _e, endpoint=a.endpoint: self._apply(self.session.on_peer_lost(
                 endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
-            self.pusher.add_endpoint(self._eid(a.endpoint), ep.handle, ep.rkey.handle)
+            ep.attach(self.pusher, self._eid(a.endpoint))
         except PdpushError as e:
             return self.session.on_connected(a.endpoint, e, now_ms())
         return self.session.on_connected(a.endpoint, None, now_ms())

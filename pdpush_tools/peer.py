@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 
 def serve(nbytes: int) -> None:
-    from pdpush.transport.base import open_transport
+    from pdpush.transport.auto import open_transport
 
     w = open_transport()
     peers = []

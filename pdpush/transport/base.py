@@ -1,5 +1,5 @@
-"""The data-plane interface: posted puts and flushes, completions polled by the loop, and the one
-factory the daemons and tools get a transport from (``open_transport``).
+"""The data-plane interface: posted puts and flushes, completions polled by the loop. The daemons and tools
+get a transport from ``auto.open_transport``.
 
 Nothing here ever waits. ``Endpoint.post_puts`` posts a batch of one-sided
 puts and one flush and returns at once; the owner's loop calls
@@ -21,7 +21,7 @@ Loads no UCX; implementations (``ucx.py``) do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -62,6 +62,30 @@ class Endpoint(Protocol):
         """Batches posted and not yet completed."""
         ...
 
+    def set_rkey(self, packed: bytes, timeout_s: float) -> None:
+        """The peer's packed remote key, once its wire-up completed (puts need it)."""
+        ...
+
+    def attach(self, pusher, eid: int) -> None:
+        """Join the native per-layer data plane (``Transport.pusher``) as its endpoint ``eid``."""
+        ...
+
+    def stream_send(self, payload: bytes, timeout_s: float) -> None:
+        """Bytes on the endpoint's own stream (the one-time session token)."""
+        ...
+
+    def on_close(self, cb: Callable) -> None:
+        """``cb(endpoint)`` runs (from ``Transport.dispatch_closed``) once the endpoint failed or closed."""
+        ...
+
+    def peer(self) -> str:
+        """The address of its other end."""
+        ...
+
+    def transports(self) -> list[str]:
+        """The transports and devices its lanes use (``tcp/eth0``)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -95,12 +119,16 @@ class Transport(Protocol):
 
     def connect(self, host: str, port: int) -> Endpoint: ...
 
+    def dispatch_closed(self) -> None:
+        """Run the close callbacks of endpoints that failed or closed since the last call."""
+        ...
+
+    def pusher(self, address: int, length: int, timeout_s: float):
+        """The native per-layer data plane over this transport, for the staging region at ``address``."""
+        ...
+
+    def describe(self) -> dict:
+        """Its UCX: version, library, how it was chosen, every transport/device it can use, ``rdma``."""
+        ...
+
     def close(self) -> None: ...
-
-
-def open_transport(env: Mapping[str, str] | None = None) -> Transport:
-    """The data plane: a UCX worker (``ucx.py``) whose batches are posted and reaped natively
-    (``pdpush_native``, native/). ``env``: UCX_* settings for it. Loads UCX, so only when called."""
-    from pdpush.transport.ucx import UcxWorker
-
-    return UcxWorker(env)

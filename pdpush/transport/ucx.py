@@ -129,6 +129,12 @@ class Endpoint(_Closable):
 
         self._native = Batches(self.handle, self.rkey.handle, MAX_PUT_BYTES)
 
+    def attach(self, pusher, eid: int) -> None:
+        """Join ``pusher`` (``UcxWorker.pusher``) as its endpoint ``eid``: its puts go here, with the peer's rkey."""
+        if self.handle is None or self.rkey is None:
+            raise TransferError(f"endpoint {self.name} has no rkey")
+        pusher.add_endpoint(eid, self.handle, self.rkey.handle)
+
     def stream_send(self, payload: bytes, timeout_s: float) -> None:
         """Send bytes on this endpoint's stream (used for the one-time session token)."""
         from pdpush.transport import ucp
@@ -334,6 +340,13 @@ class UcxWorker:
         return {"version": ucp.version_string(), "library": os.path.realpath(b.library), "source": b.source,
                 "components": comps, "available": [f"{t}/{d}" for t, d in res],
                 "rdma": any(t in ucx_lib.RDMA_TRANSPORTS for t, _ in res)}
+
+    def pusher(self, address: int, length: int, timeout_s: float):
+        """The native per-layer data plane (``pdpush_native.Pusher``) over this worker, for the staging region at
+        ``address``; endpoints join it with ``Endpoint.attach``."""
+        from pdpush_native import Pusher
+
+        return Pusher(self.worker.handle, address, length, MAX_PUT_BYTES, timeout_s)
 
     def dispatch_closed(self) -> None:
         """Run on_close callbacks of endpoints that closed since the last call."""

@@ -35,7 +35,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
 def _peer(nbytes: int):
     """A ``pdpush_tools.peer`` process holding ``nbytes``, and an endpoint to it with its rkey:
     yields (worker, endpoint, the peer's info); the endpoint is closed and the peer stopped after."""
-    from pdpush.transport.base import open_transport
+    from pdpush.transport.auto import open_transport
 
     proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(nbytes)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=_env())
