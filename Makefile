@@ -65,7 +65,7 @@ $(UCX_SYSTEM_STAMP): $(STAMP) $(NATIVE_SRC)
 	touch $(UCX_SYSTEM_STAMP)
 
 test: install vllm-env ucx-system
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=30
 	PYTHONPATH=$(UCX_SYSTEM) PDPUSH_EXPECT_UCX=system $(PY) -m pytest -q -p no:cacheprovider $(UCX_SYSTEM_TESTS)
 
 test-ucx-system: ucx-system
