@@ -140,7 +140,7 @@ gpu-wheels: requirements-gpu.txt $(NATIVE_SRC)
 gpu-check:
 	GPU_WHEELS=$(GPU_WHEELS) scripts/gpu-check.sh $(GPU_CHECK_ARGS)
 
-test-slow: install
+test-slow: install vllm-env
 	$(PY) -m pytest -q -m slow
 
 lint: install

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import decode_wait, goodput, latency, report, scenarios
 from pdpush_tools.bench.registry import SCENARIOS
@@ -9,6 +11,7 @@ from pdpush_tools.bench.registry import SCENARIOS
 LAY = KVLayout(4, 2, 64, "float16", 32)
 
 
+@pytest.mark.slow  # benches and a matrix variant: make test-slow (make test stays under 40 minutes)
 def test_scenarios_and_report(tmp_path):
     res = {"machine": report.machine()}
     res["goodput"] = goodput.run(layers=4, kv_heads=2, head_dim=64, dtype="float16", tokens=256, chunk_tokens=32,

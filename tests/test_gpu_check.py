@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # benches and a matrix variant: make test-slow (make test stays under 40 minutes)
 def test_the_gpu_check_runs_on_the_cpu_and_reports_every_mode(tmp_path):
     out = tmp_path / "gpu-check.json"
     r = subprocess.run([sys.executable, "-m", "pdpush_tools.bench.gpu_check", "--device", "cpu", "--small", "--repeats",

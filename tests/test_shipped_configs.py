@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdpush import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # benches and a matrix variant: make test-slow (make test stays under 40 minutes)
 def test_daemons_with_shipped_configs_and_bench_against_them(tmp_path):
     rx = tx = None
     try:

@@ -164,6 +164,7 @@ def test_prefill_tp2_splits_the_state_s_heads_and_decode_tp1_reads_them_whole(nh
     assert tx["bytes_put"] == _kv_pages(NH_LAY, len(NH_PROMPTS["tp2"]) - 1) + NH_LAY.state_slot_bytes, tx
 
 
+@pytest.mark.slow  # benches and a matrix variant: make test-slow (make test stays under 40 minutes)
 def test_prefill_tp1_to_decode_tp2_each_decode_rank_reads_its_heads_of_the_state(nh):
     """The state pushed by one rank (all 8 units) is read by two decode ranks, 4 units each; compared with a
     colocated TP 2 engine (an all-reduce over 2 ranks sums in another order than TP 1 does)."""
