@@ -114,6 +114,22 @@ def _serve(server, cfg) -> None:
     raise typer.Exit(code)
 
 
+def _daemon_config(config: Path, role: Optional[str] = None):
+    """The receiver's or the sender's config in CONFIG (``role``, or guessed from the file's keys)."""
+    import tomllib
+
+    from pdpush import config as cfgmod
+
+    sender_keys = {"ingress_socket", "staging_bytes", "default_receiver", "receiver_public_key", "receiver_keys",
+                   "alloc_retry_budget_ms", "layer_timeout_ms", "control_timeout_ms", "checksums"}
+    if role not in (None, "receiver", "sender"):
+        raise ConfigError(f"--role must be receiver or sender, not {role!r}")
+    raw = tomllib.loads(config.read_text())
+    if role == "receiver" or (role is None and not sender_keys & set(raw)):
+        return cfgmod.load(cfgmod.ReceiverConfig, config)
+    return cfgmod.load(cfgmod.SenderConfig, config)
+
+
 @app.command()
 def status(
     config: Path = typer.Option(..., "--config", "-c", help="The daemon's TOML config."),
@@ -127,20 +143,11 @@ def status(
     from pdpush import client
     from pdpush import config as cfgmod
 
-    sender_keys = {"ingress_socket", "staging_bytes", "default_receiver", "receiver_public_key", "receiver_keys",
-                   "alloc_retry_budget_ms", "layer_timeout_ms", "control_timeout_ms", "checksums"}
     try:
-        raw = tomllib.loads(config.read_text())
-        if role not in (None, "receiver", "sender"):
-            raise ConfigError(f"--role must be receiver or sender, not {role!r}")
-        if role == "receiver" or (role is None and not sender_keys & set(raw)):
-            cfg = cfgmod.load(cfgmod.ReceiverConfig, config)
-            sock = cfg.local_socket_path()
-        else:
-            cfg = cfgmod.load(cfgmod.SenderConfig, config)
-            sock = cfg.ingress_socket_path()
+        cfg = _daemon_config(config, role)
     except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
         _fail_config(e)
+    sock = cfg.ingress_socket_path() if isinstance(cfg, cfgmod.SenderConfig) else cfg.local_socket_path()
     try:
         stats = client.status(sock, timeout)
     except PdpushError as e:
@@ -178,16 +185,11 @@ def doctor(
     env, need = None, None
     if config is not None:
         try:
-            raw = tomllib.loads(config.read_text())
-            if "staging_bytes" in raw or "default_receiver" in raw:
-                cfg = cfgmod.load(cfgmod.SenderConfig, config)
-                need = cfg.staging_bytes
-            else:
-                cfg = cfgmod.load(cfgmod.ReceiverConfig, config)
-                need = cfg.pool_bytes
-            env = cfg.ucx_env
+            cfg = _daemon_config(config)
         except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
             _fail_config(e)
+        need = cfg.staging_bytes if isinstance(cfg, cfgmod.SenderConfig) else cfg.pool_bytes
+        env = cfg.ucx_env
     try:
         facts = doc.gather(env, need)
     except PdpushError as e:
