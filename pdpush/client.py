@@ -30,6 +30,7 @@ from pdpush.doorbell import Bell
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
+    PdpushError,
     ProtocolError,
     TransportTimeout,
     UnexpectedMessage,
@@ -725,11 +726,12 @@ class PrefillClient:
                 self._bells.clear()
             if self._begun and self._conn.daemon_alive():
                 self._begun = False
-                try:  # the sender may give this connection's ring to another now
-                    self._conn.send(Bye(), 1.0)
-                    linger = 500
-                except (TransportTimeout, zmq.ZMQError):
-                    pass
+                try:  # the sender may give this connection's ring to another now. Its answer comes after
+                    # everything sent before it was handled: only then does the lifeline close, so an Abort
+                    # just sent is not taken for this process's death
+                    self._conn.call(Bye(), None, 1.0)
+                except (PdpushError, zmq.ZMQError):
+                    linger = 500  # no answer: what is queued still gets its chance to leave
         finally:
             self._segments.close()
             self._conn.close(linger)

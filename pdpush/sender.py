@@ -192,8 +192,6 @@ class Sender:
         self._reap()
         self._take_rings()
         self.ucx.dispatch_closed()
-        if self.lifelines.fileno() in events:
-            self._lifelines()
         for endpoint, sock in list(self.socks.items()):
             if sock in events:
                 for _ in range(256):
@@ -212,6 +210,8 @@ class Sender:
             if len(frames) >= 2:
                 self._take_ring(frames[0])  # its records were written before this frame was sent
                 self._guard(self._on_ingress_frame, frames[0], frames[-1])
+        if self.lifelines.fileno() in events:  # after the ingress: what an engine sent before it went counts
+            self._lifelines()
         self.pusher.post()  # everything handed over in this pass: one batch per receiver
         self._reap()
         t = now_ms()

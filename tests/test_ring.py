@@ -117,6 +117,8 @@ def test_a_connection_keeps_its_ring_until_bye_and_its_records_are_its_layer_rea
     assert w.tx.counters.values["handovers_stale"] == 1 and w.tx.rings.stats()["handover_rings"] == 1
     w.engine(protocol.Bye())
     assert w.tx.rings.stats()["handover_rings"] == 0 and w.tx.rings.meta_bytes == 64  # the idle word
+    # answered, after all it sent before: only then does the engine close its lifeline (client.close)
+    assert isinstance(w.to_client[-1], protocol.Ok)
 
 
 def test_no_ring_when_the_metadata_area_is_full_or_rings_are_off():

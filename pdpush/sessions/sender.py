@@ -199,6 +199,8 @@ class SenderSession:
                 self.grants.stopped(r.req_id, ident, out)  # the engine that aborts has stopped writing
             elif isinstance(msg, Bye):
                 self.rings.close(ident, out)
+                out.append(ToClient(ident, Ok()))  # the engine closes its lifeline after this: what it sent
+                # before (an Abort, say) is handled as sent, not as a death
             else:
                 raise UnexpectedMessage(f"sender does not accept {msg.type} on the ingress")
         except PdpushError as e:
