@@ -11,6 +11,14 @@ from pdpush import launch
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory):
+    """vLLM test models are built once per size in this session (vllm_cluster.build_model)."""
+    os.environ["PDPUSH_MODEL_CACHE"] = str(tmp_path_factory.mktemp("models"))
+    yield
+    os.environ.pop("PDPUSH_MODEL_CACHE", None)
+
+
 @pytest.fixture
 def daemons(tmp_path):
     """Factory: daemons.receiver(**opts) / daemons.sender(**opts); all stopped at teardown."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -27,9 +28,25 @@ def require_vllm_python() -> Path:
 
 
 def build_model(out_dir: Path, size: str = "tiny", timeout_s: float = 600) -> Path:
+    """A random-init model ``size`` (``vllm_engine.MODELS``, seeded: the same bytes every time) in ``out_dir``.
+    With ``PDPUSH_MODEL_CACHE`` set (the tests' session sets it), each size is built once there and copied:
+    a build imports torch and transformers, about 20 s on a busy 2-core box."""
+    cache = os.environ.get("PDPUSH_MODEL_CACHE")
+    if not cache:
+        _build(out_dir, size, timeout_s)
+        return out_dir
+    built = Path(cache) / size
+    if not (built / ".complete").exists():
+        shutil.rmtree(built, ignore_errors=True)  # a build cut short
+        _build(built, size, timeout_s)
+        (built / ".complete").touch()
+    shutil.copytree(built, out_dir, ignore=shutil.ignore_patterns(".complete"))
+    return out_dir
+
+
+def _build(out_dir: Path, size: str, timeout_s: float) -> None:
     subprocess.run([str(require_vllm_python()), "-m", "pdpush_tools.harness.vllm_engine", "--build-model", str(out_dir),
                     "--size", size], check=True, timeout=timeout_s, capture_output=True, cwd=ROOT)
-    return out_dir
 
 
 class Engine:
