@@ -52,6 +52,7 @@ from pdpush.sessions.sender import (
     ToPeer,
     Unplan,
 )
+from pdpush.sessions.tx_actions import action_owner
 
 log = logging.getLogger("pdpush.sender")
 
@@ -74,7 +75,7 @@ class Sender:
         self._eid_names: dict[int, str] = {}
         self.conns = _Connections()  # engine connections -> their ids in the pusher
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
-        self.shell_counters = {"loop_errors": 0, "doorbell_rings": 0}
+        self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0}
         self._poller_dirty = True
         self._last_refresh = 0.0
         self._last_tick = 0
@@ -321,46 +322,56 @@ class Sender:
         self._apply(self.session.on_peer(endpoint, msg, now_ms()))
 
     def _apply(self, actions: list) -> None:
+        """Carry out the session's actions in order. One that raises (a native call, say) fails only the
+        request it belonged to; the rest of the batch, other requests' messages among them, still goes."""
         todo = deque(actions)
         while todo:
             a = todo.popleft()
-            if isinstance(a, ToClient):
-                control.send(self.ingress, a.msg, a.ident)
-            elif isinstance(a, ToPeer):
-                msg = self._settled(a) if a.handle else a.msg
-                if not control.send(self._sock(a.endpoint), msg):
-                    todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
-                                                          now_ms()))
-            elif isinstance(a, Hand):
-                self._hand(a)
-            elif isinstance(a, PlanGrant):
-                self.pusher.grant(a.handle, a.layer, a.offset)
-            elif isinstance(a, PlanRequest):
-                self.pusher.add_request(a.handle, self._eid(a.endpoint), a.layers, a.ready, a.tp)
-            elif isinstance(a, PlanRank):
-                self.pusher.add_rank(a.handle, self.conns.ref(a.ident, a.handle), a.first, a.end, a.ranges)
-            elif isinstance(a, Unplan):
-                self.pusher.drop_request(a.handle)
-                self.conns.unref_request(a.handle)
-            elif isinstance(a, Connect):
-                todo.extend(self._connect(a))
-            elif isinstance(a, FillWords):
-                from pdpush.shm import array_at
+            try:
+                self._do(a, todo)
+            except Exception as exc:  # noqa: BLE001 - one action never costs the others theirs
+                self.shell_counters["action_errors"] += 1
+                todo.extend(self.session.on_action_failed(type(a).__name__, exc, action_owner(a), now_ms()))
 
-                array_at(a.address, a.count * 8).view(np.uint64)[:] = a.value
-            elif isinstance(a, ResetPeer):
-                self._reset(a.endpoint)
-            elif isinstance(a, OpenRing):
-                self.pusher.add_ring(self.conns.ref(a.ident), a.address, a.slots)
-                self._rings += 1
-            elif isinstance(a, CloseRing):
-                cid = self.conns.ids.get(a.ident)
-                if cid is not None:
-                    self.pusher.drop_ring(cid)
-                    self._rings -= 1
-                    self.conns.unref(a.ident)
-            else:
-                self.metrics.apply(a, log)
+    def _do(self, a, todo: deque) -> None:
+        """One action; what it sets off (a lost peer's failures, a connection's outcome) joins ``todo``."""
+        if isinstance(a, ToClient):
+            control.send(self.ingress, a.msg, a.ident)
+        elif isinstance(a, ToPeer):
+            msg = self._settled(a) if a.handle else a.msg
+            if not control.send(self._sock(a.endpoint), msg):
+                todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
+                                                      now_ms()))
+        elif isinstance(a, Hand):
+            self._hand(a)
+        elif isinstance(a, PlanGrant):
+            self.pusher.grant(a.handle, a.layer, a.offset)
+        elif isinstance(a, PlanRequest):
+            self.pusher.add_request(a.handle, self._eid(a.endpoint), a.layers, a.ready, a.tp)
+        elif isinstance(a, PlanRank):
+            self.pusher.add_rank(a.handle, self.conns.ref(a.ident, a.handle), a.first, a.end, a.ranges)
+        elif isinstance(a, Unplan):
+            self.pusher.drop_request(a.handle)
+            self.conns.unref_request(a.handle)
+        elif isinstance(a, Connect):
+            todo.extend(self._connect(a))
+        elif isinstance(a, FillWords):
+            from pdpush.shm import array_at
+
+            array_at(a.address, a.count * 8).view(np.uint64)[:] = a.value
+        elif isinstance(a, ResetPeer):
+            self._reset(a.endpoint)
+        elif isinstance(a, OpenRing):
+            self.pusher.add_ring(self.conns.ref(a.ident), a.address, a.slots)
+            self._rings += 1
+        elif isinstance(a, CloseRing):
+            cid = self.conns.ids.get(a.ident)
+            if cid is not None:
+                self.pusher.drop_ring(cid)
+                self._rings -= 1
+                self.conns.unref(a.ident)
+        else:
+            self.metrics.apply(a, log)
 
     # ---- receivers ----
     def _settled(self, a: ToPeer) -> Msg:

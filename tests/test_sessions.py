@@ -368,6 +368,41 @@ def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_s
     assert "v2" not in w.tx.reqs
 
 
+def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_the_batch_goes(monkeypatch):
+    """The sender shell (``Sender._apply``) with a real session and a native path whose grant raises: that
+    grant's request fails, typed; the actions after it in the same batch (another engine's reply) still go."""
+    from pdpush import sender as shell
+    from pdpush.sessions.tx_actions import PlanGrant
+
+    w = Wire()
+    w.engine(begin("victim", list(range(20))))
+    handle = w.tx.reqs["victim"].seq
+
+    class BrokenGrants:  # the rest of the native path's surface that failing a request uses works
+        def grant(self, *a):
+            raise RuntimeError("native grant failed")
+
+        def drop_request(self, handle):
+            pass
+
+        def settled(self, handle, eid):
+            return True
+
+    sent: list = []
+    monkeypatch.setattr(shell.control, "send", lambda sock, msg, ident=None: sent.append((ident, msg)) or True)
+    s = shell.Sender.__new__(shell.Sender)
+    s.session, s.pusher, s.ingress, s.shell_counters = w.tx, BrokenGrants(), None, {"action_errors": 0}
+    s.metrics = type("M", (), {"apply": lambda self, a, log: None})()
+    s.conns = type("C", (), {"unref_request": lambda self, h: None})()
+    s._eids, s.eps, s._unsettled, s._sock = {}, {}, [], lambda endpoint: None
+    s._apply([PlanGrant(handle, 0, 0), ToClient(b"other", protocol.Ok())])
+    assert (b"other", protocol.Ok()) in sent, sent
+    errs = [m for i, m in sent if i == ENG and isinstance(m, protocol.Error)]
+    assert errs and errs[0].code is ErrorCode.INTERNAL and errs[0].req_id == "victim", sent
+    assert "native grant failed" in errs[0].message and "victim" not in w.tx.reqs
+    assert s.shell_counters["action_errors"] == 1 and w.tx.counters.values["internal_errors"] == 1
+
+
 # ---- fuzzing the sessions directly ---------------------------------------------------------
 
 _IDS = ["a", "b", "c", "d"]

@@ -312,6 +312,14 @@ class SenderSession:
         self.rings.close(ident, out)
         return out
 
+    def on_action_failed(self, what: str, exc: Exception, owner: str | int | None, now: int) -> list:
+        """The shell could not carry out action ``what`` (``tx_actions.action_owner``: the request it belonged to,
+        by req_id or handle): that request fails with an internal error, and nothing else does."""
+        out: list = []
+        r = self._by_seq.get(owner) if isinstance(owner, int) else self.reqs.get(owner) if owner else None
+        self._internal(f"the shell's {what}", exc, r.req_id if r is not None else None, now, out)
+        return out
+
     def on_tick(self, now: int) -> list:
         out: list = []
         lim = self.limits

@@ -117,3 +117,11 @@ class StagingInfo:
     nbytes: int
     daemon_id: str  # this sender's start (BeginOk.daemon_id)
     doorbell: str = ""  # the FIFO that wakes the sender (doorbell.py), offered with a hand-over ring
+
+
+def action_owner(a) -> str | int | None:
+    """The request an action belongs to: its req_id (a message), its handle (a put-plan action), or None
+    (a receiver's or a connection's action, a metric)."""
+    if isinstance(a, (ToClient, ToPeer)):
+        return getattr(a.msg, "req_id", None)
+    return getattr(a, "handle", None) if isinstance(a, (Hand, PlanGrant, PlanRequest, PlanRank, Unplan)) else None
