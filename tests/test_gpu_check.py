@@ -34,7 +34,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_every_mode(tmp_path):
         assert m["slowdown_ok"] == (m["slowdown"] <= 0.05)
     assert len(d["forward_push_off_ms"]["all"]) == 2
     fp8 = res["fp8"]  # float8 KV through the stager and the daemons, back byte for byte
-    assert fp8["bytes_equal"] and len(fp8["cases"]) == 2, fp8
+    assert fp8["bytes_equal"] and fp8["release_after_copies"] and len(fp8["cases"]) == 2, fp8
     assert {c["layout"]["dtype"] for c in fp8["cases"]} == {"float8_e4m3fn", "float8_e5m2"}
     cli = res["cli_demo"]  # `pdpush demo --device cpu --layer-compute-ms 0`, as the check runs it on CUDA
     assert cli["rc"] == 0 and cli["device"] == "cpu" and cli["tokens_match"] and cli["logits_match"], cli

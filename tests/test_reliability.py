@@ -329,3 +329,47 @@ def test_an_idle_sender_notices_a_dead_receiver_without_spinning(daemons):
         assert cpu_s() - before < 1.0, "the idle sender is spinning"
     finally:
         pc.close()
+
+
+def test_a_killed_reader_pins_no_page_and_only_its_opener_can_release_a_request(daemons):
+    """A decode process that opened a request and was SIGKILLed (its lifeline closes) gives its open back, so the
+    committed request is dropped and its pages can be reused; a Release from another connection, which never opened
+    the request, is refused and leaves a live reader's open (and its pages) alone."""
+    import subprocess
+    import sys
+
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    k, v = kv(LAY, 40, 3)
+    try:
+        push(pc, "held", list(range(40)), k, v)
+        push(pc, "read", list(range(100, 140)), k, v)
+    finally:
+        pc.close()
+    code = ("import sys; from pdpush.client import DecodeClient; "
+            f"dc = DecodeClient({sock(rx)!r}, timeout_s=10); r = dc.open('held'); r.wait_committed(); "
+            "print('open', flush=True); sys.stdin.read()")
+    reader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    dc, stranger = DecodeClient(sock(rx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+    try:
+        assert reader.stdout.readline().strip() == "open"
+        mine = dc.open("read")
+        mine.wait_committed()
+        with pytest.raises(PdpushError, match="no open of this connection") as e:
+            stranger._conn.call(protocol.Release(req_id="read"), "read", 10)
+        assert e.value.code is ErrorCode.UNKNOWN_REQUEST and status(sock(rx))["releases_refused"] == 1
+        gk, gv = read_back(dc, "read", LAY, 40)  # still open here: its pages are its own
+        assert np.array_equal(gk, k) and np.array_equal(gv, v)
+        mine.release()
+        reader.kill()
+        reader.wait(10)
+        until(lambda: status(sock(rx))["readers_gone"] >= 1, 10, "the receiver to see the reader die")
+        with pytest.raises(PdpushError, match="is gone: committed and released"):
+            dc.open("held")
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait(10)
+        dc.close()
+        stranger.close()

@@ -615,6 +615,23 @@ def test_a_committed_request_stays_until_every_decode_rank_that_opened_it_releas
     rx.check()
 
 
+def test_only_the_connection_that_opened_a_request_can_release_it():
+    """A Release from a connection with no open of the request is refused, typed, and changes nothing: it used to
+    take a reader away from whoever held the request open, whose pages could then be reused under its views."""
+    w = Wire()
+    w.push("r", list(range(20)))
+    w.complete()
+    rx = w.rx["tcp://rx-a:1"]
+    rx.on_local(DEC, protocol.Open(req_id="r"), w.now)
+    out = rx.on_local(b"stranger", protocol.Release(req_id="r"), w.now)
+    err = msgs(out, ToDecode, protocol.Error)
+    assert err and err[0].code is ErrorCode.UNKNOWN_REQUEST and "no open of this connection" in err[0].message
+    assert rx.reqs["r"].readers == 1 and rx.counters.values["releases_refused"] == 1
+    rx.on_local(DEC, protocol.Release(req_id="r"), w.now)  # its opener's release ends it
+    assert "r" not in rx.reqs
+    rx.check()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_push_of_chunks_all_held_commits_on_finish_without_any_layer(tp):
     """Regression: an engine that has nothing to stage finishes without handing layers over; the

@@ -274,22 +274,30 @@ class D2HStager:
 class H2DLoader:
     """One layer of an opened request from the pool to the device, on a side stream."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, fence: Callable[[], Any] | None = None) -> None:
+        """``fence``: tests, a factory of fences standing in for the copies' CUDA events on the CPU (a copy whose
+        completion the test decides)."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._fence = fence
 
     def start(self, req, layer: int, timeout_s: float | None = None):
         """Wait for ``layer`` to land, then start copying this rank's heads of the request's pages of it
-        (``layer_pages``) to the device: row bytes ``[chunks, heads, C, T, D * B]``. Returns a ticket for ``finish``."""
+        (``layer_pages``) to the device: row bytes ``[chunks, heads, C, T, D * B]``. Returns a ticket for ``finish``;
+        its fence (``fence_of``) says when the copy no longer reads the pool."""
         if not self.cuda or not req.geometry.heads_aligned:  # pool shards split heads: put pages together here
-            pages = torch.from_numpy(req.read_layer(layer, timeout_s=timeout_s))
-            return (pages, None) if not self.cuda else (pages.to(self.device, non_blocking=False), None)
+            pages = torch.from_numpy(req.read_layer(layer, timeout_s=timeout_s))  # a copy: read when this returns
+            return (pages, self._fence() if self._fence else None) if not self.cuda \
+                else (pages.to(self.device, non_blocking=False), None)
         parts = [torch.from_numpy(view) for _, view in req.layer_shards(layer, timeout_s=timeout_s)]
         heads = sum(p.shape[1] for p in parts)
         pages = req.layer_pages(layer)  # its layer group's (a sliding window's chunks only)
-        dst = torch.empty((len(pages), heads, *parts[0].shape[2:]), dtype=torch.uint8, device=self.device)
         with torch.cuda.stream(self._stream):
+            # allocated on the side stream that writes it: its memory is reused only in that stream's order (a
+            # prefetch dropped by a failed load cannot be handed out while its copy still writes), and the
+            # record_stream in ``ready`` then keeps it for the compute stream that reads it
+            dst = torch.empty((len(pages), heads, *parts[0].shape[2:]), dtype=torch.uint8, device=self.device)
             at = 0
             for p in parts:
                 k = p.shape[1]
@@ -300,11 +308,16 @@ class H2DLoader:
             done.record(self._stream)
         return dst, done
 
+    @staticmethod
+    def fence_of(ticket):
+        """The copy's event (or a test's fence); None for a copy done when ``start`` returned."""
+        return ticket[1]
+
     def ready(self, ticket) -> torch.Tensor:
         """The copied pages (row bytes ``[chunks, heads, C, T, D * B]``), for use on the current stream: it waits on the
         copy's event (the host does not), and the pages' memory is kept until that stream is done with it."""
         pages, done = ticket
-        if done is not None:
+        if done is not None and self.cuda:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(done)
             pages.record_stream(cur)  # allocated on the side stream, read on this one
@@ -315,3 +328,49 @@ class H2DLoader:
         the current stream."""
         rows = kvcodec.elements(kvcodec.page_rows_to_tokens(self.ready(ticket), tokens), dtype)
         return tuple(rows[:, :, c].contiguous() for c in range(rows.shape[2]))
+
+
+class CopyHolds:
+    """Requests whose pool pages a copy to the device may still read: each is released (``req.release()``, so the
+    receiver may reuse its pages) only once every such copy has completed, as its fence's ``query()`` says. The
+    engine's thread never waits on them; ``poll`` runs each step, and ``drain`` at shutdown."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Any, list]] = []  # (request, fences of copies from its pages)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def release(self, req, fences: list, on_error: Callable[[Any, PdpushError], None]) -> None:
+        """Release ``req`` now if no copy from it is running, else once they have all completed."""
+        pending = [f for f in fences if f is not None and not f.query()]
+        if pending:
+            self._held.append((req, pending))
+        else:
+            self._release(req, on_error)
+
+    def poll(self, on_error: Callable[[Any, PdpushError], None]) -> int:
+        """Release those whose copies have all completed; how many are still held."""
+        still = []
+        for req, fences in self._held:
+            fences = [f for f in fences if not f.query()]
+            if fences:
+                still.append((req, fences))
+            else:
+                self._release(req, on_error)
+        self._held = still
+        return len(still)
+
+    def drain(self, on_error: Callable[[Any, PdpushError], None]) -> None:
+        """Shutdown: wait for every copy (the engine is stopping), then release."""
+        for _, fences in self._held:
+            for f in fences:
+                f.synchronize()
+        self.poll(on_error)
+
+    @staticmethod
+    def _release(req, on_error) -> None:
+        try:
+            req.release()
+        except PdpushError as e:
+            on_error(req, e)

@@ -195,7 +195,7 @@ class ReceiverSession:
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
-            "chunks_claimed", "readers_gone")})
+            "chunks_claimed", "readers_gone", "releases_refused")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int) -> list:
@@ -576,6 +576,11 @@ class ReceiverSession:
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
             if r is not None:
+                if not r.opens.get(ident):  # only an open of this connection's own: another's reader would
+                    # lose its pages under its zero-copy views
+                    self.counters.add("releases_refused")
+                    raise UnknownRequest(f"request {msg.req_id!r} has no open of this connection to release",
+                                         req_id=msg.req_id)
                 self._release(r, ident, 1)
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):

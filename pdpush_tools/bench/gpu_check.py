@@ -245,6 +245,27 @@ FP8_CASES = [  # (layout fields, prefill TP = pool shards)
 ]
 
 
+def _release_order(fences: list) -> dict:
+    """The worker's release of a loaded request (``CopyHolds``, issue 34 item 3) with the copies just started: it
+    must come only once every copy from the pool's pages has completed, never before, with no host wait on the
+    engine's stream. ``held_at_first`` says whether a copy was still running when the release was first asked."""
+    from pdpush.integrations.device_copy import CopyHolds
+
+    seen: dict = {}
+
+    class Probe:  # stands for the request: records what was true when it was released
+        req_id = "fp8"
+
+        def release(self):
+            seen["copies_done_at_release"] = all(f is None or f.query() for f in fences)
+
+    holds = CopyHolds()
+    holds.release(Probe(), fences, lambda r, e: None)
+    held = len(holds)
+    holds.drain(lambda r, e: None)
+    return {"release_held_at_first": bool(held), "release_after_copies": seen.get("copies_done_at_release", False)}
+
+
 def fp8_check(device: str, tokens: int = 300) -> dict:
     """fp8 KV from device tensors through D2HStager and the real daemons, back to the device (H2DLoader)."""
     import torch
@@ -286,12 +307,16 @@ def fp8_check(device: str, tokens: int = 300) -> dict:
             dones = [h.poll_done(60) for h in handles]
             loader = H2DLoader(device)
             equal = None not in dones
+            fences: list = []
             with dc.open("fp8", timeout_s=60) as req:
                 for layer in range(lay.layers):
-                    got = loader.finish(loader.start(req, layer, 60), tokens, lay.dtype)
+                    ticket = loader.start(req, layer, 60)
+                    fences.append(loader.fence_of(ticket))
+                    got = loader.finish(ticket, tokens, lay.dtype)
                     equal = equal and all(x.dtype == dt and torch.equal(x.view(torch.uint8), c[layer].view(torch.uint8))
                                           for x, c in zip(got, comps, strict=True))
-            cases.append({"layout": lay.to_dict(), "prefill_tp": tp, "bytes_equal": bool(equal),
+                order = _release_order(fences)
+            cases.append({"layout": lay.to_dict(), "prefill_tp": tp, "bytes_equal": bool(equal), **order,
                           "bytes_pushed": sum(d.bytes_sent for d in dones if d) // max(1, tp),
                           "seconds": round(time.monotonic() - t0, 2)})
         except Exception as e:  # noqa: BLE001 - reported in the case
@@ -307,7 +332,8 @@ def fp8_check(device: str, tokens: int = 300) -> dict:
             for d in (tx, rx):
                 if d is not None:
                     d.stop()
-    return {"cases": cases, "bytes_equal": all(c["bytes_equal"] for c in cases)}
+    return {"cases": cases, "bytes_equal": all(c["bytes_equal"] for c in cases),
+            "release_after_copies": all(c.get("release_after_copies", False) for c in cases)}
 
 
 def cli_demo(device: str, json_path: Path, timeout_s: float = 300) -> dict:
@@ -367,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         d = result["demo"]
         result["ok"] = bool(d["tokens_match"] and all(r["slowdown_ok"] for r in d["modes"].values())
                             and result["staging"]["bytes_equal"] and result["cli_demo"].get("tokens_match")
-                            and result["fp8"]["bytes_equal"])
+                            and result["fp8"]["bytes_equal"] and result["fp8"]["release_after_copies"])
     except Exception as e:  # noqa: BLE001 - whatever happened goes into the JSON, then the exit code
         import traceback
 

@@ -18,7 +18,7 @@ from pdpush import kvcodec
 from pdpush.client import DecodeRequest, PrefillClient, PushHandle
 from pdpush.errors import BrokenResourceError, ConfigError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
-from pdpush.integrations.device_copy import D2HStager, H2DLoader
+from pdpush.integrations.device_copy import CopyHolds, D2HStager, H2DLoader
 from pdpush.integrations.vllm.metadata import EVENTS, STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
 from pdpush.layout import DTYPES, KVLayout, dtype_name, rank_heads
@@ -53,6 +53,7 @@ class _Load:
     layers_done: int = 0
     failed: str | None = None
     tickets: dict = field(default_factory=dict)  # a CUDA cache: layer -> H2D copy started (H2DLoader)
+    copies: list = field(default_factory=list)  # the fences of every H2D copy started from its pages (CopyHolds)
     dev_idx: dict = field(default_factory=dict)  # a CUDA cache: vLLM group -> indexes on the device
     state_blocks: list[int] = field(default_factory=list)  # the state groups' blocks the state goes into
     deadline: float = 0.0  # an asynchronous load: its push must have committed by then
@@ -60,6 +61,10 @@ class _Load:
     @property
     def block_ids(self) -> set[int]:
         return {b for d in self.dst if d is not None for b in d.block_ids} | set(self.state_blocks)
+
+
+def _release_failed(req: DecodeRequest, e: PdpushError) -> None:
+    log.warning("pdpush: release of %s: %s", req.req_id, e)
 
 
 def _cpu_writer(dtype: torch.dtype, slots: int, head_size: int, cache_dtype: str) -> vl.Writer:
@@ -110,6 +115,7 @@ class WorkerSide:
         # a GPU cache: copies on side streams (device_copy.py), set up in register_kv_caches
         self._stager: D2HStager | None = None
         self._loader: H2DLoader | None = None
+        self._holds = CopyHolds()  # loaded requests released once their copies to the device have completed
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
@@ -631,6 +637,7 @@ class WorkerSide:
         pays for a whole request's copy; a load whose every layer is copied and whose push has committed
         gets its state (if any) and is done. One that failed, or did not commit by its deadline, fails (vLLM
         recomputes it from its first token). Returns (loaded, failed) vLLM request ids."""
+        self._holds.poll(_release_failed)  # loads whose copies to the device have completed since
         done: set[str] = set()
         failed: set[str] = set()
         t0 = time.perf_counter()
@@ -665,12 +672,9 @@ class WorkerSide:
                 log.error("pdpush: load of %s (%s) failed, it will be recomputed: %s", ld.spec.req_id,
                           ld.spec.push_id, ld.failed)
             if ld.req is not None:
-                try:
-                    ld.req.release()
-                except PdpushError as e:
-                    log.warning("pdpush: release of %s: %s", ld.spec.push_id, e)
-        if failed and not self._async:  # late replies to a failed open must not linger for the next request
-            self.receiver.reset()
+                self._holds.release(ld.req, ld.copies, _release_failed)
+        if failed:
+            self._reset_if_idle()
         STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
         return done, failed
 
@@ -686,8 +690,12 @@ class WorkerSide:
                 if not req.landed(later):
                     break
                 ld.tickets[later] = loader.start(req, later)
+                ld.copies.append(loader.fence_of(ld.tickets[later]))
                 STATS["load_layers_prefetched"] += 1
-            ticket = ld.tickets.pop(layer, None) or loader.start(req, layer, self.settings.load_timeout_s)
+            ticket = ld.tickets.pop(layer, None)
+            if ticket is None:
+                ticket = loader.start(req, layer, self.settings.load_timeout_s)
+                ld.copies.append(loader.fence_of(ticket))
             pages = loader.ready(ticket)  # the compute stream waits on the copy; the host does not
             if vg not in ld.dev_idx:
                 d = ld.dst[vg]
@@ -703,6 +711,7 @@ class WorkerSide:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # called after every forward: settle this step's loads
+        self._holds.poll(_release_failed)
         for ld in self._loads:
             if ld.failed is None and ld.layers_done != self.layout.layers:
                 ld.failed = f"only {ld.layers_done} of {self.layout.layers} layers were loaded"
@@ -716,15 +725,20 @@ class WorkerSide:
                 log.error("pdpush: load of %s (%s) failed, its blocks will be recomputed: %s",
                           ld.spec.req_id, ld.spec.push_id, ld.failed)
             if ld.req is not None:
-                try:
-                    ld.req.release()
-                except PdpushError as e:
-                    log.warning("pdpush: release of %s: %s", ld.spec.push_id, e)
-        if any(ld.failed for ld in self._loads):
-            self.receiver.reset()  # late replies to a failed open must not linger for the next request
+                self._holds.release(ld.req, ld.copies, _release_failed)
+        failed = any(ld.failed for ld in self._loads)
         self._loads.clear()
+        if failed:
+            self._reset_if_idle()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def _reset_if_idle(self) -> None:
+        """After a failed load, a fresh connection to the receiver, so that late replies to the failed open cannot
+        answer the next request; only while no load holds the pool's pages (closing the client unmaps the pool
+        under an asynchronous load's views: the engine would crash at its next poll)."""
+        if not self._async and not self._loads and not self._holds.poll(_release_failed):
+            self.receiver.reset()
 
     def shutdown(self) -> None:
         if self._stager is not None:
@@ -733,4 +747,5 @@ class WorkerSide:
         if self._prefill is not None:
             self._prefill.close()
             self._prefill = None
+        self._holds.drain(_release_failed)
         self.receiver.reset()

@@ -1,0 +1,118 @@
+"""The vLLM worker's load bookkeeping, with vLLM importable (the engine venv) and stand-ins for the receiver link,
+the opened requests and the copies to the device: when the receiver link may be reset (closing it unmaps the pool),
+and when a loaded request's pages may go back (only after every copy from them has completed: a stand-in fence
+plays the CUDA event, on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY
+
+pytestmark = pytest.mark.vllm
+
+_SCRIPT = """
+import json
+from types import SimpleNamespace as NS
+
+import numpy as np
+
+from pdpush.integrations.device_copy import CopyHolds, H2DLoader
+from pdpush.integrations.vllm.worker import WorkerSide, _Load
+
+
+class Fence:  # a copy to the device that completes when the test says
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+class Req:  # an opened request: what matters is when it is released
+    def __init__(self, name):
+        self.req_id, self.released, self.committed = name, 0, False
+
+    def release(self):
+        self.released += 1
+
+    def poll_committed(self):
+        return self.committed
+
+    def read_layer(self, layer, timeout_s=None):
+        return np.zeros((1, 2, 4), np.uint8)
+
+    geometry = NS(heads_aligned=True)
+
+
+class Link:  # the receiver link: reset() closes the client, which unmaps the pool in this process
+    resets = 0
+
+    def reset(self):
+        Link.resets += 1
+
+
+def load(name, failed=None, asynchronous=False):
+    spec = NS(req_id=name, push_id="p-" + name, start=0, end=16, asynchronous=asynchronous)
+    return _Load(spec, Req(name), [], [], [], failed=failed, deadline=1e18)
+
+
+w = WorkerSide.__new__(WorkerSide)
+w.settings = NS(async_layers_per_step=4, load_timeout_s=60.0)
+w.layout = NS(layers=2, state_layers=[])
+w._load_order, w._layer_of, w._load_errors = [], {}, set()
+w.receiver, w._holds, w._loads, w._async = Link(), CopyHolds(), [], []
+out = {}
+
+# 1. a sync load fails while an asynchronous load still reads the pool: no reset until nothing reads it
+pending = load("async", asynchronous=True)
+w._async.append(pending)
+w._loads.append(load("sync-failed", failed="the push was aborted"))
+w.get_block_ids_with_load_errors()
+out["resets_with_async_pending"] = Link.resets
+pending.req.committed = True
+w.poll_async_loads()
+out["async_released"] = pending.req.released
+w._loads.append(load("sync-failed-2", failed="the push was aborted"))
+w.get_block_ids_with_load_errors()
+out["resets_when_idle"] = Link.resets
+
+# 3. a loaded request's pages go back only once the copies from them have completed
+loader = H2DLoader("cpu", fence=Fence)
+ld = load("copied")
+ticket = loader.start(ld.req, 0)
+ld.copies.append(loader.fence_of(ticket))
+w._loads.append(ld)
+w.get_block_ids_with_load_errors()
+out["released_while_copying"] = ld.req.released
+w.poll_async_loads()
+out["released_still_copying"] = ld.req.released
+w._loads.append(load("sync-failed-3", failed="x"))
+w.get_block_ids_with_load_errors()
+out["resets_while_copying"] = Link.resets
+ld.copies[0].done = True
+w.poll_async_loads()
+out["released_after_copy"] = ld.req.released
+held = Req("at-shutdown")
+w._holds.release(held, [Fence()], lambda r, e: None)
+w._holds.drain(lambda r, e: None)
+out["released_at_shutdown"] = held.released
+print(json.dumps(out))
+"""
+
+
+def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_their_copies():
+    r = subprocess.run([str(VLLM_PY), "-c", _SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["resets_with_async_pending"] == 0, out  # issue 34 item 1: it used to reset, unmapping the pool
+    assert out["async_released"] == 1 and out["resets_when_idle"] == 1, out
+    assert out["released_while_copying"] == 0 and out["released_still_copying"] == 0, out  # item 3
+    assert out["resets_while_copying"] == 1, out  # the copy still reads the pool: no reset
+    assert out["released_after_copy"] == 1 and out["released_at_shutdown"] == 1, out
