@@ -100,10 +100,10 @@ def die_with_launcher(signals: dict) -> None:
     launcher = os.environ.get("PDPUSH_LAUNCHER_PID")
     if not launcher or not sys.platform.startswith("linux"):
         return
-    import ctypes
+    from pdpush.launch import die_with_parent
 
     parent = os.getppid()  # 0 where the parent is outside our PID namespace (a launcher entering a host's)
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGTERM)
     if parent == 1 or os.getppid() != parent:  # it died before the prctl took effect: we were reparented
         signals["count"] += 1
 

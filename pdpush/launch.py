@@ -21,6 +21,19 @@ from pathlib import Path
 from pdpush.errors import TransportTimeout
 
 QUIET_UCX = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux for ``sig`` when the thread that started this process exits (``PR_SET_PDEATHSIG``): a launcher
+    that is itself killed (the OOM killer, say) leaves nothing of its own running. False where it cannot be asked.
+    Call it first thing in the child (or as a ``preexec_fn``); a parent that died before it did is seen by the
+    caller as a changed ``os.getppid()``."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
 class Daemon:

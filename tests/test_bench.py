@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_goodput_bench_small(tmp_path):
@@ -24,3 +28,47 @@ def test_goodput_bench_small(tmp_path):
     assert res["chunks_skipped_second"] == 4
     page = 32 * 2 * 2 * 64 * 2
     assert res["bytes_sent_first"] == 4 * 10 * page and res["bytes_sent_second"] == 4 * 6 * page
+
+
+_KILLED_BENCH = """
+import multiprocessing as mp
+import sys
+import time
+
+from pdpush_tools.bench.common import child
+
+if __name__ == "__main__":
+    procs = [mp.get_context("spawn").Process(target=child, args=(time.sleep, 600)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    print(" ".join(str(p.pid) for p in procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_bench_leaves_no_engine_process(tmp_path):
+    """Issue 34 item 10: a bench OOM-killed (here SIGKILLed) took none of its engine processes with it; they kept
+    gigabytes each for minutes. The benches start them through ``common.child``: they die with the bench."""
+    import signal
+
+    from pdpush.launch import pid_alive
+    from tests.helpers import until
+
+    script = tmp_path / "bench.py"
+    script.write_text(_KILLED_BENCH)
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in bench.stdout.readline().split()]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        bench.kill()
+        bench.wait(10)
+        until(lambda: not any(pid_alive(p) for p in pids), 10, "the killed bench's engine processes to exit")
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(10)
+        for p in pids:
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from pdpush.launch import die_with_parent  # helpers die with the bench
+
 
 def _env() -> dict:
     return {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -38,7 +40,7 @@ def _peer(nbytes: int):
     from pdpush.transport.auto import open_transport
 
     proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(nbytes)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=_env())
+                            stdout=subprocess.PIPE, env=_env(), preexec_fn=die_with_parent)
     try:
         info = json.loads(proc.stdout.readline())
         w = open_transport()
@@ -187,7 +189,7 @@ def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 
         free_r, free_w = os.pipe()
         copier = subprocess.Popen([sys.executable, "-m", "pdpush_tools.bench.ceiling", "copier", str(shmid),
                                    str(layer_bytes), str(layers), str(slots), str(reps + 1), str(full_w),
-                                   str(free_r)], pass_fds=(full_w, free_r), env=_env())
+                                   str(free_r)], pass_fds=(full_w, free_r), env=_env(), preexec_fn=die_with_parent)
         os.close(full_w)
         os.close(free_r)
         full, free = os.fdopen(full_r, "rb", buffering=0), os.fdopen(free_w, "wb", buffering=0)

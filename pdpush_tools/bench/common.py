@@ -7,6 +7,8 @@ sleep (a GPU's compute costs the host no CPU) and push pipelined or eager.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -14,7 +16,21 @@ import numpy as np
 
 from pdpush.client import DecodeClient, PrefillClient, WaitPolicy
 from pdpush.errors import PdpushError
+from pdpush.launch import die_with_parent
 from pdpush.layout import KVLayout
+
+
+def child(target, *args) -> None:
+    """A benchmark's engine process (the target of a multiprocessing ``spawn`` Process): it dies with the bench, so
+    a bench that is itself killed (the OOM killer, say) leaves no engine holding gigabytes behind. Then
+    ``target(*args)``."""
+    import multiprocessing as mp
+
+    bench = mp.parent_process()
+    die_with_parent(signal.SIGKILL)
+    if bench is not None and os.getppid() != bench.pid:  # the bench died before the request took effect
+        os._exit(128 + signal.SIGKILL)
+    target(*args)
 
 
 class Source:

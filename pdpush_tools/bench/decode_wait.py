@@ -28,7 +28,7 @@ import numpy as np
 from pdpush import launch
 from pdpush.client import DEFAULT_WAIT, DecodeClient, PrefillClient, WaitPolicy
 from pdpush.layout import KVLayout
-from pdpush_tools.bench.common import Source, verify
+from pdpush_tools.bench.common import Source, child, verify
 
 POLICIES = {
     "spin": WaitPolicy(spin_s=3600.0, nap_window_s=3600.0),
@@ -83,7 +83,7 @@ def run(layout: KVLayout, gaps_ms: tuple[float, ...] = (0.2, 2.0, 20.0), request
         try:
             for policy in POLICIES:
                 cmd, res = ctx.Queue(), ctx.Queue()
-                proc = ctx.Process(target=_decoder, args=(rx_sock, layout.to_dict(), policy, cmd, res))
+                proc = ctx.Process(target=child, args=(_decoder, rx_sock, layout.to_dict(), policy, cmd, res))
                 proc.start()
                 try:
                     for gap_ms in gaps_ms:

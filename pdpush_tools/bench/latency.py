@@ -38,7 +38,7 @@ from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient, WaitPolicy, status
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import ceiling
-from pdpush_tools.bench.common import Source, verify
+from pdpush_tools.bench.common import Source, child, verify
 
 
 def _cpu_s(pid: int) -> float:
@@ -146,7 +146,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
         cpu0 = {"sender": _cpu_s(tx.pid), "receiver": _cpu_s(rx.pid)}
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        procs = [ctx.Process(target=_engine, args=(layout.to_dict(), tx_sock, rx_sock, f"cap{e}", per_engine,
+        procs = [ctx.Process(target=child, args=(_engine, layout.to_dict(), tx_sock, rx_sock, f"cap{e}", per_engine,
                                                    100 + e, q)) for e in range(engines)]
         t0 = time.perf_counter()
         for p in procs:

@@ -17,6 +17,8 @@ import time
 import numpy as np
 import xxhash
 
+from pdpush.launch import die_with_parent  # the reference process dies with the bench
+
 
 def available() -> bool:
     try:
@@ -71,7 +73,8 @@ def measure(layer_bytes: int, layers: int, reps: int = 5) -> dict:
 
     total = layer_bytes * layers
     proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.bench.nixl_ref", str(total), str(layers)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=die_with_parent)
     try:
         info = _hear(proc.stdout)
         agent = nixl_agent("pdpush-nixl-initiator", nixl_agent_config(enable_prog_thread=False))

@@ -18,7 +18,7 @@ from pdpush import launch, protocol
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
-from pdpush_tools.bench.common import OBSERVER, Source, push_one, verify
+from pdpush_tools.bench.common import OBSERVER, Source, child, push_one, verify
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -192,8 +192,8 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
         ctx = mp.get_context("spawn")
         q, start = ctx.Queue(), ctx.Event()
         socks = [t.info["ingress_endpoint"].removeprefix("ipc://") for t in pair.tx]
-        procs = [ctx.Process(target=_concurrent_engine, args=(layout.to_dict(), socks[i], i, tokens, in_flight, q,
-                                                              start)) for i in range(senders)]
+        procs = [ctx.Process(target=child, args=(_concurrent_engine, layout.to_dict(), socks[i], i, tokens, in_flight,
+                                                 q, start)) for i in range(senders)]
         for p in procs:
             p.start()
         for _ in procs:  # every engine has made its KV: start the clock, then let them go

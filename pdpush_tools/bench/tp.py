@@ -24,7 +24,7 @@ from pdpush.client import DecodeClient, PrefillClient
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import ceiling
-from pdpush_tools.bench.common import Source, verify
+from pdpush_tools.bench.common import Source, child, verify
 
 
 def source(layout: KVLayout, spec: dict) -> Source:
@@ -91,7 +91,7 @@ class Ranks:
         pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
         self.outs = [r for r, _ in pipes]
         self.inboxes = [ctx.Queue() for _ in range(n)]
-        self.procs = [ctx.Process(target=_rank, args=(layout.to_dict(), sender_sock, receiver, r, tp,
+        self.procs = [ctx.Process(target=child, args=(_rank, layout.to_dict(), sender_sock, receiver, r, tp,
                                                       self.inboxes[r], pipes[r][1], pp), daemon=True)
                       for r in range(n)]
         for p in self.procs:

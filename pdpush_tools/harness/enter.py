@@ -28,9 +28,10 @@ import signal
 import socket
 import sys
 
+from pdpush.launch import die_with_parent
+
 NAMESPACES = ("ipc", "uts", "net", "time", "pid", "mnt")  # mnt last: it changes what /proc/<pid> means
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-PR_SET_PDEATHSIG = 1
 USAGE = "usage: python -m pdpush_tools.harness.enter <init_pid> -- cmd args..."
 INIT_SOCKET = "\0pdpush-hosts-init"  # the host init's abstract unix socket (one per network namespace)
 REGISTER_TIMEOUT_S = 10.0
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> int:
         try:
             for fd in (go_w, alive_r, alive_w):
                 os.close(fd)
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            die_with_parent(signal.SIGKILL)
             if os.read(go_r, 1) != b"g":  # the launcher died, or could not hand the watch over
                 os._exit(128 + signal.SIGKILL)
             os.close(go_r)

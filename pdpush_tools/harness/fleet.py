@@ -23,6 +23,7 @@ import httpx
 
 from pdpush import launch
 from pdpush.client import status
+from pdpush.launch import die_with_parent
 from pdpush_tools.harness.vllm_cluster import ROOT, Engine, require_vllm_python
 
 BLOCK_SIZE, MAX_MODEL_LEN = 32, 512  # as pdpush_tools.harness.vllm_engine's (not imported: it sets vLLM's environment)
@@ -31,9 +32,7 @@ BLOCK_SIZE, MAX_MODEL_LEN = 32, 512  # as pdpush_tools.harness.vllm_engine's (no
 def _die_with_us() -> None:
     """In the child, before exec: SIGTERM when the launching thread dies (Linux), so that a test run
     that is itself killed leaves no server behind."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGTERM)
 
 
 def free_port() -> int:

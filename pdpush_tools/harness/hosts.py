@@ -61,9 +61,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdpush.launch import die_with_parent
 from pdpush_tools.harness.enter import INIT_SOCKET
 
-PR_SET_PDEATHSIG = 1
 NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 CMD_TIMEOUT_S = 10.0  # one ip/tc command, one relay command
 
@@ -96,7 +96,7 @@ class HostSpec:
 
 def _die_with_parent() -> None:
     """preexec_fn: SIGKILL when the thread that started us dies."""
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if not die_with_parent(signal.SIGKILL):
         os._exit(127)
 
 
