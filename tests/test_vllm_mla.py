@@ -47,9 +47,6 @@ pytestmark = pytest.mark.vllm
 def fleet(tmp_path_factory):
     with fleet_of(tmp_path_factory, "vllm-mla", "mla", LAYOUT, LLM_ARGS) as f:
         f.refs = colocated_refs(f, "colocated", 1, PROMPTS, NEW_TOKENS)
-        # the TP 2 decode's reference (module doc)
-        f.refs.update({f"tp2:{k}": t for k, t in colocated_refs(
-            f, "colocated2", 2, {k: p for k, p in PROMPTS.items() if k.startswith("2to2")}, NEW_TOKENS).items()})
         f.start("p1", "kv_producer", 1, 1)
         f.start("d1", "kv_consumer", 1, 1)
         f.ready("p1", "d1")
@@ -97,8 +94,12 @@ def test_corrupting_one_ranks_share_of_an_mla_page_changes_the_decode_tokens(fle
     assert out["tokens"] != fleet.refs["other"], "corrupting rank 1's share did not change the decode"
 
 
+@pytest.mark.slow  # a matrix variant (make test-slow): TP 2 to TP 2 runs in make test for GQA (test_vllm_tp)
 def test_mla_prefill_tp2_to_decode_tp2(fleet):
     fleet.stop("d1s")
+    # the TP 2 decode's reference (module doc)
+    fleet.refs.update({f"tp2:{k}": t for k, t in colocated_refs(
+        fleet, "colocated2", 2, {k: p for k, p in PROMPTS.items() if k.startswith("2to2")}, NEW_TOKENS).items()})
     fleet.start("d2", "kv_consumer", 2, 2).ready()
     _check_pair(fleet, "2to2", "p2", "d2", 2, 2, ref="tp2:")
 

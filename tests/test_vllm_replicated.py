@@ -45,6 +45,7 @@ def test_prefill_tp2_over_one_kv_head_to_decode_tp1(fleet):
     _check_pair(fleet, "2to1", "d1")
 
 
+@pytest.mark.slow  # a matrix variant (make test-slow): TP 2 to TP 2 runs in make test for GQA (test_vllm_tp)
 def test_prefill_tp2_over_one_kv_head_to_decode_tp2(fleet):
     fleet.stop("d1")
     fleet.start("d2", "kv_consumer", 2, 2).ready()
