@@ -148,13 +148,18 @@ class ReceiverConfig(_Base):
     verify_checksums: bool = False
     """Verify per-layer xxhash checksums sent in LayerDone (costs a pass over the bytes)."""
     max_leases_per_sender: int = Field(1024, ge=1)
-    """Cap on uncommitted allocations one sender connection may hold."""
+    """Cap on uncommitted allocations one sender may hold: per CURVE key where authentication is on (whatever
+    connections it opens), else per connection."""
     max_inflight_bytes_per_sender: int = Field(0, ge=0)
-    """Cap on pool bytes one sender connection may hold uncommitted (0 = the whole pool)."""
+    """Cap on pool bytes one sender (as ``max_leases_per_sender`` counts senders) may hold uncommitted (0 = the
+    whole pool)."""
     curve_secret_key_file: str | None = None
     """This receiver's CURVE secret key (``.key_secret`` from ``pdpush keygen``): turns on authentication."""
     allowed_senders: list[str] = Field(default_factory=list)
     """Sender public keys admitted with CURVE: Z85 keys, ``.key`` files, or directories of them."""
+    allowed_readers: list[str] = Field(default_factory=list)
+    """Router public keys admitted with CURVE only to subscribe to the chunk-index feed: no Hello, so no pool rkey and
+    no UCX token (a compromised HTTP-facing router cannot write KV). Same forms as ``allowed_senders``."""
     insecure: bool = False
     """Allow binding a non-loopback address without CURVE authentication (logs a warning)."""
     ucx_token_timeout_ms: int = Field(5000, ge=10)
@@ -345,7 +350,7 @@ class RouterConfig(_Settings):
     """Namespace of the push ids this router makes (default: ``rt-`` and 8 random hex digits)."""
     curve_secret_key_file: str | None = None
     """This router's CURVE secret key, for receivers exposed with CURVE (add its public key to their
-    allowed_senders)."""
+    allowed_readers: it subscribes to their chunk-index feeds and can do nothing else)."""
 
     @model_validator(mode="after")
     def _check_router(self):

@@ -7,6 +7,7 @@ errors here; ``zmq.Again`` never escapes. Imports no UCX or torch.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,10 +57,37 @@ def bind_router(endpoint_host: str, port: int, max_frame: int,
     return sock, f"tcp://{host}:{port}"
 
 
+def private_dir(d: Path, create: bool = True) -> None:
+    """Check (and with ``create``, make, mode 0700) the directory of a daemon's local sockets, lifelines and doorbell:
+    a real directory, owned by this uid, that nobody else can write. Another local user who made it first (say
+    ``/tmp/pdpush-<uid>`` before the daemon's first start) could otherwise replace the sockets with impostors that hand
+    engines their own shared-memory ids. Raises ConfigError saying what is wrong and how to fix it."""
+    if create:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        raise ConfigError(f"socket directory {d} does not exist") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"socket directory {d} is not a directory (a symlink or a file): remove it, or set "
+                          "XDG_RUNTIME_DIR or the socket path elsewhere")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"socket directory {d} belongs to uid {st.st_uid}, not to this process's uid {os.getuid()}: "
+                          "another user could replace its sockets; remove it, or use a directory of this user's "
+                          "(XDG_RUNTIME_DIR, or systemd's RuntimeDirectory)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(f"socket directory {d} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+                          f"chmod go-w {d}")
+
+
 def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
-    """A ROUTER on a unix socket only this user can reach (socket 0600; a directory we create is 0700)."""
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, mode=0o700)
+    """A ROUTER on a unix socket only this user can reach: its directory checked (``private_dir``), the socket
+    created 0600 (no window where another user could connect)."""
+    private_dir(path.parent)
     if path.exists() or path.is_symlink():
         if _answers(path):
             raise ConfigError(f"another process serves {path}: give this daemon its own socket (local_socket / "
@@ -68,12 +96,15 @@ def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
     sock = context().socket(zmq.ROUTER)
     _harden(sock, max_frame)
     ep = f"ipc://{path}"
+    old = os.umask(0o177)  # zmq's I/O thread creates the socket file: 0600 from the start
     try:
         sock.bind(ep)
     except zmq.ZMQError as e:
         sock.close()
         raise ConfigError(f"cannot bind local endpoint {ep}: {e}") from e
-    os.chmod(path, 0o600)  # connecting to a unix socket needs write permission on it
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)  # and if the bind raced the umask, now (connecting needs write permission on it)
     return sock, ep
 
 

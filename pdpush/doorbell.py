@@ -41,9 +41,12 @@ class Doorbell:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISFIFO(os.lstat(path).st_mode):  # a previous sender's, left by a kill -9
                 os.unlink(path)
-        os.mkfifo(path, 0o600)
-        self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ours: no writer left is never a hang-up
+        os.mkfifo(path, 0o600)  # in the sender's checked socket directory (control.private_dir)
+        self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # ours: no writer left is never a hang-up
+        if not stat.S_ISFIFO(os.fstat(self._r).st_mode):
+            self.close()
+            raise OSError(f"{path} is not the FIFO this sender made")
 
     def fileno(self) -> int:
         return self._r
@@ -78,7 +81,7 @@ class Bell:
         self._lock = threading.Lock()
         self._dead = False
         try:  # no reader (the sender is gone) is ENXIO; a missing or wrong path, another OSError
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError:
             self._fd = -1
             return

@@ -20,6 +20,7 @@ class ErrorCode(str, Enum):
     BAD_MESSAGE = "bad_message"  # undecodable or invalid frame
     UNEXPECTED = "unexpected"  # valid message, wrong state
     INCOMPATIBLE_PEER = "incompatible_peer"  # version or layout mismatch
+    FORBIDDEN = "forbidden"  # the peer's key may not do this (a reader's key pushing, say)
     POOL_EXHAUSTED = "pool_exhausted"
     TOO_LARGE = "too_large"  # request can never fit / over a cap
     UNKNOWN_REQUEST = "unknown_request"
@@ -103,6 +104,12 @@ class IncompatiblePeer(ProtocolError):
 
 # ---- transport ---------------------------------------------------------------------------
 
+class Forbidden(ProtocolError):
+    """The authenticated peer's role does not allow the message (a router's reader key sending Hello)."""
+
+    code = ErrorCode.FORBIDDEN
+
+
 class TransportError(PdpushError):
     code = ErrorCode.TRANSFER_FAILED
 
@@ -179,6 +186,7 @@ _BY_CODE: dict[ErrorCode, type[PdpushError]] = {
     ErrorCode.BAD_MESSAGE: RemoteProtocolError,
     ErrorCode.UNEXPECTED: UnexpectedMessage,
     ErrorCode.INCOMPATIBLE_PEER: IncompatiblePeer,
+    ErrorCode.FORBIDDEN: Forbidden,
     ErrorCode.POOL_EXHAUSTED: PoolExhausted,
     ErrorCode.TOO_LARGE: RequestTooLarge,
     ErrorCode.UNKNOWN_REQUEST: UnknownRequest,

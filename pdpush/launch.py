@@ -60,6 +60,7 @@ class Daemon:
             if self.ready_path.exists():
                 return json.loads(self.ready_path.read_text())
             if self.proc.poll() is not None:
+                self.stop()  # its log file is ours to close
                 raise RuntimeError(f"{self.role} exited with {self.proc.returncode} before ready:\n{self.log()}")
             time.sleep(0.02)  # polling a file the daemon writes once; bounded by the deadline
         self.stop()

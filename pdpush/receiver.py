@@ -51,6 +51,7 @@ class Receiver:
         self.sender_eps: dict[bytes, list] = {}  # sender session (control identity) -> its UCX endpoints
         self.ucx_pending: list = []  # (endpoint, stream request, buffer, deadline) awaiting their token
         self.auth = None
+        self.reader_keys: frozenset[str] = frozenset()
         self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0}
         self._last_tick = 0
         self._last_refresh = 0
@@ -76,12 +77,14 @@ class Receiver:
 
             keys = auth.load_keypair(cfg.curve_secret_key_file)
             allowed = [k for spec in cfg.allowed_senders for k in auth.load_public_keys(spec)]
-            self.auth = auth.Authenticator(allowed)
+            readers = [k for spec in cfg.allowed_readers for k in auth.load_public_keys(spec) if k not in allowed]
+            self.auth = auth.Authenticator(allowed + readers)
+            self.reader_keys = frozenset(k.decode() for k in readers)  # as the frames' User-Id names them (Z85)
 
             def configure(sock):
                 auth.make_server(sock, keys)
 
-            log.info("CURVE authentication on: %d sender key(s) allowed", len(allowed))
+            log.info("CURVE authentication on: %d sender key(s), %d reader key(s) allowed", len(allowed), len(readers))
         elif cfg.insecure and not is_loopback(cfg.host):
             log.warning("INSECURE: control plane exposed on %s without authentication", cfg.host)
         self.router, self.control_endpoint = control.bind_router(cfg.host, cfg.control_port, cfg.max_frame_bytes,
@@ -95,7 +98,7 @@ class Receiver:
                         ready_base=self.region.address + self.layout.kv_bytes(cfg.pool_pages), ucx_host=cfg.host,
                         ucx_port=self.ucx_port, daemon_id=secrets.token_hex(8), shards=cfg.pool_shards,
                         state_slots=cfg.geometry.state_slots)
-        self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg), info,
+        self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg, self.reader_keys), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
                                        layer_checksum=self._layer_checksum, epoch=secrets.token_hex(8))
         self.poller = zmq.Poller()
@@ -168,20 +171,22 @@ class Receiver:
 
     def _drain_one(self, sock, local: bool) -> bool:
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         if len(frames) < 2:
             return True  # nothing to reply to
-        ident, payload = frames[0], frames[-1]
+        # with CURVE, the peer's public key (Z85) as the authenticator admitted it: roles and caps go by key
+        peer = _user_id(frames[-1]) if self.auth is not None and not local else ""
+        ident, payload = frames[0].bytes, frames[-1].bytes
         try:
-            self._on_frame(ident, payload, local)
+            self._on_frame(ident, payload, local, peer)
         except Exception:  # noqa: BLE001 - a bug in the shell must not end the daemon either
             self.shell_counters["loop_errors"] += 1
             log.exception("internal error handling a frame")
         return True
 
-    def _on_frame(self, ident: bytes, payload: bytes, local: bool) -> None:
+    def _on_frame(self, ident: bytes, payload: bytes, local: bool, peer: str = "") -> None:
         try:
             msg = protocol.decode(payload, self.cfg.max_frame_bytes)
         except PdpushError as e:
@@ -191,7 +196,7 @@ class Receiver:
             control.send(self.local if local else self.router, StatusReply(stats=self.stats()), ident)
             return
         t = now_ms()
-        self._apply(self.session.on_local(ident, msg, t) if local else self.session.on_control(ident, msg, t))
+        self._apply(self.session.on_local(ident, msg, t) if local else self.session.on_control(ident, msg, t, peer))
 
     def _apply(self, actions: list) -> None:
         for a in actions:
@@ -282,9 +287,16 @@ class Receiver:
                 **self.shell_counters}
 
 
-def limits_of(cfg: ReceiverConfig) -> ReceiverLimits:
+def _user_id(frame) -> str:
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:  # no metadata: not an authenticated connection
+        return ""
+
+
+def limits_of(cfg: ReceiverConfig, reader_keys: frozenset[str] = frozenset()) -> ReceiverLimits:
     return ReceiverLimits(lease_ms=cfg.lease_ms, quarantine_ms=cfg.quarantine_ms,
                           committed_ttl_ms=cfg.committed_ttl_ms, max_chunks_per_request=cfg.max_chunks_per_request,
                           max_leases_per_sender=cfg.max_leases_per_sender,
                           max_inflight_bytes_per_sender=cfg.max_inflight_bytes_per_sender,
-                          verify_checksums=cfg.verify_checksums)
+                          verify_checksums=cfg.verify_checksums, reader_keys=reader_keys)

@@ -416,13 +416,19 @@ def test_the_router_follows_receivers_indexes_and_rebuilds_after_a_restart(upstr
 
 
 def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, start_router, tmp_path):
-    from pdpush import auth
+    """The router's key is a reader's (allowed_readers): it gets the chunk-index feed and nothing else; a Hello with
+    it is refused (issue 34 item 7: it used to hand the router the pool's rkey and a UCX token, so a compromised
+    router could write any request's KV)."""
+    import zmq
+
+    from pdpush import auth, control, protocol
 
     keys = {n: auth.keygen(tmp_path / "keys", n) for n in ("receiver", "router", "stranger", "sender")}
     p_url, _, _ = upstreams("prefill")
     d_url, _, _ = upstreams("decode")
     rx = launch.start_receiver(tmp_path, pool_pages=32, curve_secret_key_file=str(keys["receiver"][1]),
-                               allowed_senders=[str(keys["router"][0]), str(keys["sender"][0])], **LAY)
+                               allowed_senders=[str(keys["sender"][0])], allowed_readers=[str(keys["router"][0])],
+                               **LAY)
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20, curve_secret_key_file=str(keys["sender"][1]),
                              receiver_public_key=str(keys["receiver"][0]))
     try:
@@ -438,6 +444,19 @@ def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, s
         until(lambda: view(ok)["index_synced"] and view(ok)["index_chunks"] == 3, 10, "the allowed router's snapshot")
         time.sleep(1.0)  # the stranger has had as long: it learnt nothing
         assert not view(bad)["index_synced"] and view(bad)["index_chunks"] == 0
+        # the router's own key, as a sender would use it: a typed refusal, no HelloAck
+        pair = auth.load_keypair(str(keys["router"][1]))
+        s = control.dealer(rx.info["control_endpoint"], protocol.DEFAULT_MAX_FRAME,
+                           lambda sock: auth.make_client(sock, pair, auth.load_public_keys(str(keys["receiver"][0]))[0]))
+        try:
+            lay = KVLayout(**LAY)
+            s.send(protocol.encode(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=lay.fingerprint(),
+                                                  layout=protocol.LayoutSpec(**lay.to_dict()))))
+            assert s.poll(5000, zmq.POLLIN), "no answer to the router key's Hello"
+            reply = protocol.decode(s.recv(), protocol.DEFAULT_MAX_FRAME)
+            assert isinstance(reply, protocol.Error) and reply.code.value == "forbidden", reply
+        finally:
+            s.close()
     finally:
         tx.stop()
         rx.stop()

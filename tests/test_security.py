@@ -273,3 +273,37 @@ def test_ucx_listener_binds_only_the_configured_address(daemons):
         listening = [line.split() for line in f.read().splitlines()[1:] if line.split()[3] == "0A"]
     mine = [row[1] for row in listening if int(row[1].split(":")[1], 16) == port]
     assert mine == [f"0100007F:{port:04X}"], mine
+
+
+def test_a_socket_directory_another_user_could_write_or_own_is_refused(tmp_path):
+    """Issue 34 item 9: a daemon refuses a socket directory that is a symlink, is writable by others or belongs to
+    another uid (someone who made ``/tmp/pdpush-<uid>`` first could swap its sockets for impostors); one it creates
+    is 0700, with its sockets 0600. Each refusal is a real daemon failing to start, with the fix in its message."""
+    from pdpush import launch
+
+    LAY2 = KVLayout(2, 1, 32, "float16", 16)
+
+    def refused(d: Path, why: str) -> None:
+        with pytest.raises(RuntimeError, match=why):
+            launch.start_receiver(tmp_path, local_socket=str(d / "rx.sock"), prefault=False, **rx_opts(LAY2))
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    refused(shared, "writable by its group or others")
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    refused(tmp_path / "link", "is not a directory")
+    if os.getuid() == 0:  # as CI runs: a directory of another uid
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, 12345, 12345)
+        refused(theirs, "belongs to uid 12345")
+    fresh = tmp_path / "made" / "pdpush"
+    d = launch.start_receiver(tmp_path, local_socket=str(fresh / "rx.sock"), prefault=False, **rx_opts(LAY2))
+    try:
+        assert (os.stat(fresh).st_mode & 0o777) == 0o700 and (os.stat(fresh / "rx.sock").st_mode & 0o777) == 0o600
+        assert status(str(fresh / "rx.sock"))["pool_pages_total"] > 0
+    finally:
+        d.stop()

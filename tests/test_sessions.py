@@ -615,6 +615,35 @@ def test_a_committed_request_stays_until_every_decode_rank_that_opened_it_releas
     rx.check()
 
 
+def test_per_sender_caps_count_a_curve_key_across_its_connections_and_a_reader_key_cannot_hello():
+    """Issue 34 items 7 and 8: with CURVE, the caps count a key's leases whatever connection they came on (one key with
+    N connections used to hold N times the cap); without it, each connection is its own sender. A reader's key
+    (allowed_readers: a router) subscribes to the index feed and is refused everything else, Hello first of all:
+    it never learns the pool's rkey."""
+    rx = receiver(pages=16, max_leases_per_sender=1, reader_keys=frozenset({"ROUTER-KEY"}))
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+
+    def alloc(ident, rid, peer=""):
+        return rx.on_control(ident, protocol.AllocRequest(req_id=rid, chunk_keys=chunk_keys(list(range(rid_base[rid],
+                             rid_base[rid] + 16)), LAY), last_chunk_tokens=16, lease_ms=1000), 0, peer)
+
+    rid_base = {"k1": 0, "k2": 100, "c1": 200, "c2": 300}
+    for ident in (b"a", b"b", b"c", b"d"):
+        assert msgs(rx.on_control(ident, hello, 0, "SENDER-KEY" if ident in (b"a", b"b") else ""), ToSender,
+                    protocol.HelloAck)
+    assert msgs(alloc(b"a", "k1", "SENDER-KEY"), ToSender, protocol.AllocResponse)
+    refused = msgs(alloc(b"b", "k2", "SENDER-KEY"), ToSender, protocol.Error)  # same key, another connection
+    assert refused and refused[0].code is ErrorCode.POOL_EXHAUSTED and "max_leases_per_sender" in refused[0].message
+    assert msgs(alloc(b"c", "c1"), ToSender, protocol.AllocResponse)  # no CURVE: by connection
+    assert msgs(alloc(b"d", "c2"), ToSender, protocol.AllocResponse)
+    for msg in (hello, protocol.Commit(req_id="k1")):
+        err = msgs(rx.on_control(b"r", msg, 0, "ROUTER-KEY"), ToSender, protocol.Error)
+        assert err and err[0].code is ErrorCode.FORBIDDEN and "allowed_readers" in err[0].message
+    fed = rx.on_control(b"r", protocol.IndexSubscribe(snapshot=True), 0, "ROUTER-KEY")
+    assert fed and all(isinstance(a, ToSender) for a in fed) and not msgs(fed, ToSender, protocol.Error)
+    rx.check()
+
+
 def test_only_the_connection_that_opened_a_request_can_release_it():
     """A Release from a connection with no open of the request is refused, typed, and changes nothing: it used to
     take a reader away from whoever held the request open, whose pages could then be reused under its views."""

@@ -29,6 +29,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from pdpush import protocol
 from pdpush.errors import (
@@ -36,6 +37,7 @@ from pdpush.errors import (
     BrokenResourceError,
     ChecksumMismatch,
     DuplicateRequest,
+    Forbidden,
     IncompatiblePeer,
     LeaseExpired,
     PdpushError,
@@ -81,6 +83,7 @@ from pdpush.sessions import Count, Counters, Log, Observe, internal_error
 
 PARKED_OPEN_MS = 120_000
 MAX_TOKENS = 4096
+MAX_SESSIONS = 4096  # sender connections remembered as having said Hello (the least recently heard go first)
 MAX_FINISHED = 4096
 _LIVE = (ReqState.ALLOCATED, ReqState.STREAMING)
 
@@ -130,6 +133,7 @@ class ReceiverLimits:
     max_leases_per_sender: int = 1024
     max_inflight_bytes_per_sender: int = 0
     verify_checksums: bool = True
+    reader_keys: frozenset[str] = frozenset()  # CURVE keys (Z85) that may only subscribe to the chunk-index feed
 
 
 @dataclass
@@ -158,6 +162,7 @@ class RxRequest:
     chunks: int = 0  # the prompt's chunks (its items, by group: plan)
     plan: RequestPlan | None = None
     state_slot: int = -1  # its recurrent state's slot in the pool (-1: none)
+    principal: str = ""  # who the per-sender caps count it against: the sender's CURVE key, else its connection
     keys: list[bytes] = field(default_factory=list)  # the prompt's chunk keys (its items': alloc.keys)
 
 
@@ -184,7 +189,7 @@ class ReceiverSession:
         self.feed = IndexFeed(epoch, self.spec)
         self._layer_checksum = layer_checksum
         self.reqs: dict[str, RxRequest] = {}
-        self.sessions: set[bytes] = set()  # sender identities that completed Hello
+        self.sessions: OrderedDict[bytes, None] = OrderedDict()  # sender connections that completed Hello (bounded)
         self.tokens: OrderedDict[bytes, bytes] = OrderedDict()  # one-time UCX session token -> sender identity
         self.parked: dict[str, list[tuple[bytes, int, int]]] = {}  # req_id -> [(decode identity, since ms, tp)]
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
@@ -198,8 +203,10 @@ class ReceiverSession:
             "chunks_claimed", "readers_gone", "releases_refused")})
 
     # ---- entry points ------------------------------------------------------------------
-    def on_control(self, ident: bytes, msg: Msg, now: int) -> list:
-        return self._guarded(ident, msg, now, self._control, ToSender)
+    def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
+        """A message from connection ``ident`` on the control endpoint; ``peer``: its CURVE public key (Z85, the
+        frame's ``User-Id``) where authentication is on, else "" (loopback: the connection is all we know)."""
+        return self._guarded(ident, msg, now, partial(self._control, peer=peer), ToSender)
 
     def on_local(self, ident: bytes, msg: Msg, now: int) -> list:
         return self._guarded(ident, msg, now, self._local, ToDecode)
@@ -315,19 +322,22 @@ class ReceiverSession:
         return self.tokens.pop(token, None)
 
     # ---- senders -----------------------------------------------------------------------
-    def _control(self, ident: bytes, msg: Msg, now: int, out: list) -> None:
-        if isinstance(msg, Hello):
-            out.append(ToSender(ident, self._hello(ident, msg)))
-            return
-        if isinstance(msg, IndexSubscribe):  # a router (authenticated like senders where CURVE is on)
+    def _control(self, ident: bytes, msg: Msg, now: int, out: list, peer: str = "") -> None:
+        if isinstance(msg, IndexSubscribe):  # a router (authenticated where CURVE is on: a sender's or a reader's key)
             keys = self.pool.indexed_keys() if msg.snapshot else []
             out.extend(ToSender(i, m) for i, m in self.feed.subscribe(ident, msg.snapshot, keys,
                                                                       self._index_load(), now))
             return
+        if peer and peer in self.limits.reader_keys:  # a router's key: never the pool's rkey, never a write
+            raise Forbidden(f"{msg.type}: this key may only subscribe to the chunk-index feed (allowed_readers)")
+        if isinstance(msg, Hello):
+            out.append(ToSender(ident, self._hello(ident, msg)))
+            return
         if ident not in self.sessions:
             raise UnexpectedMessage(f"{msg.type} before hello")
+        self.sessions.move_to_end(ident)
         if isinstance(msg, AllocRequest):
-            out.append(ToSender(ident, self._alloc(ident, msg, now, out)))
+            out.append(ToSender(ident, self._alloc(ident, msg, now, out, peer or ident.hex())))
         elif isinstance(msg, LayerDone):
             self._layer_done(ident, msg, now, out)
         elif isinstance(msg, Commit):
@@ -354,7 +364,10 @@ class ReceiverSession:
             raise IncompatiblePeer(f"layout mismatch, sender vs receiver: {theirs.mismatch(self.layout) or 'fingerprint'}"
                                    f" (sender {theirs.describe()}, fp {msg.fingerprint}; receiver "
                                    f"{self.layout.describe()}, fp {mine})")
-        self.sessions.add(ident)
+        self.sessions[ident] = None
+        self.sessions.move_to_end(ident)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)  # a connection long silent: it says Hello again
         token = self._new_token()
         self.tokens[token] = ident
         while len(self.tokens) > MAX_TOKENS:  # unused tokens of peers that never connected
@@ -365,7 +378,7 @@ class ReceiverSession:
                         ready_base=i.ready_base, ucx_host=i.ucx_host, ucx_port=i.ucx_port, pool_shards=i.shards,
                         state_slots=i.state_slots)
 
-    def _alloc(self, ident: bytes, msg: AllocRequest, now: int, out: list) -> Msg:
+    def _alloc(self, ident: bytes, msg: AllocRequest, now: int, out: list, principal: str) -> Msg:
         rid = msg.req_id
         if self.draining:
             raise ShuttingDown("receiver is draining", req_id=rid)
@@ -378,7 +391,7 @@ class ReceiverSession:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
-        self._check_sender_caps(ident, msg, len(keys))
+        self._check_sender_caps(principal, msg, len(keys))
         try:
             check_prefill_tp(self.layout, msg.tp_size, self.geometry.shards)
             self.layout.check_state_tp(msg.tp_size)
@@ -404,7 +417,7 @@ class ReceiverSession:
             if self.state_pool is not None:
                 self.state_pool.abort(rid, now, published=False)
             raise RemoteProtocolError(f"request {rid!r}: {e}", req_id=rid) from None
-        r.chunks, r.keys = len(msg.chunk_keys), list(msg.chunk_keys)
+        r.chunks, r.keys, r.principal = len(msg.chunk_keys), list(msg.chunk_keys), principal
         r.tp_size = msg.tp_size
         r.state_slot = slot if self.state_pool is not None else -1
         if self.layout.windows:
@@ -422,8 +435,10 @@ class ReceiverSession:
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
                              lease_ms=lease, state_slot=r.state_slot)
 
-    def _check_sender_caps(self, ident: bytes, msg: AllocRequest, items: int) -> None:
-        mine = [r for r in self.reqs.values() if r.sender == ident and r.state in _LIVE]
+    def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int) -> None:
+        """The per-sender caps, counted by key where CURVE is on (however many connections the key opens), else by
+        connection (loopback without authentication: one local sender process per connection)."""
+        mine = [r for r in self.reqs.values() if r.principal == principal and r.state in _LIVE]
         if len(mine) >= self.limits.max_leases_per_sender:
             raise PoolExhausted(f"sender holds {len(mine)} leases (max_leases_per_sender)", req_id=msg.req_id)
         cap = self.limits.max_inflight_bytes_per_sender
