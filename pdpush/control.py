@@ -33,16 +33,19 @@ def _harden(sock: zmq.Socket, max_frame: int) -> None:
 
 
 def bind_router(endpoint_host: str, port: int, max_frame: int,
-                configure: Callable[[zmq.Socket], None] | None = None) -> tuple[zmq.Socket, str]:
+                configure: Callable[[zmq.Socket], None] | None = None, hwm: int = 0) -> tuple[zmq.Socket, str]:
     """A ROUTER on tcp://host:port (port 0 = any free port). Returns (socket, endpoint).
 
-    ``configure`` runs before bind (CURVE server options must be set before it).
+    ``configure`` runs before bind (CURVE server options must be set before it). ``hwm``: messages queued per peer
+    before ``send`` says it is full (0: zmq's 1000).
     """
     sock = context().socket(zmq.ROUTER)
     _harden(sock, max_frame)
     if configure is not None:
         configure(sock)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot go says so (``send``), never vanishes
+    if hwm:
+        sock.setsockopt(zmq.SNDHWM, hwm)
     host = f"[{endpoint_host}]" if ":" in endpoint_host else endpoint_host
     if ":" in endpoint_host:
         sock.setsockopt(zmq.IPV6, 1)
@@ -95,6 +98,7 @@ def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
         path.unlink()  # a stale socket from a killed daemon
     sock = context().socket(zmq.ROUTER)
     _harden(sock, max_frame)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot go says so (``send``), never vanishes
     ep = f"ipc://{path}"
     old = os.umask(0o177)  # zmq's I/O thread creates the socket file: 0600 from the start
     try:
@@ -149,7 +153,8 @@ def async_dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket]
 
 
 def send(sock: zmq.Socket, msg: Msg, identity: bytes | None = None) -> bool:
-    """Send without blocking; False if the peer cannot take it now (gone or full)."""
+    """Send without blocking; False if the peer cannot take it now: gone, or its queue at the high-water mark (our
+    ROUTERs are ROUTER_MANDATORY, so neither is silent). Callers count what they could not send."""
     frames = [protocol.encode(msg)]
     if identity is not None:
         frames.insert(0, identity)

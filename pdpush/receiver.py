@@ -52,7 +52,8 @@ class Receiver:
         self.ucx_pending: list = []  # (endpoint, stream request, buffer, deadline) awaiting their token
         self.auth = None
         self.reader_keys: frozenset[str] = frozenset()
-        self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0}
+        self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0, "control_dropped": 0,
+                               "local_dropped": 0}
         self._last_tick = 0
         self._last_refresh = 0
 
@@ -87,8 +88,11 @@ class Receiver:
             log.info("CURVE authentication on: %d sender key(s), %d reader key(s) allowed", len(allowed), len(readers))
         elif cfg.insecure and not is_loopback(cfg.host):
             log.warning("INSECURE: control plane exposed on %s without authentication", cfg.host)
+        # a sender's replies in flight are bounded by design (AllocResponse, CommitAck or Error, and an Abort's Ok per
+        # lease, max_leases_per_sender leases): the queue holds all of them, so only a peer that stopped reading (or a
+        # router's feed far behind, which resubscribes on the gap) ever meets it, and that is counted
         self.router, self.control_endpoint = control.bind_router(cfg.host, cfg.control_port, cfg.max_frame_bytes,
-                                                                 configure)
+                                                                 configure, hwm=max(1000, 4 * cfg.max_leases_per_sender))
         self.local, self.local_endpoint = control.bind_local(cfg.local_socket_path(), cfg.max_frame_bytes)
         self.lifelines = lifeline.Lifelines(lifeline.path_for(cfg.local_socket_path()))  # decode engines' deaths
         from pdpush.metrics import Metrics
@@ -201,13 +205,23 @@ class Receiver:
     def _apply(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, ToSender):
-                control.send(self.router, a.msg, a.ident)
+                if not control.send(self.router, a.msg, a.ident):
+                    self._dropped("control", a)
             elif isinstance(a, ToDecode):
-                control.send(self.local, a.msg, a.ident)
+                if not control.send(self.local, a.msg, a.ident):
+                    self._dropped("local", a)
             elif isinstance(a, FenceSender):
                 self._fence(a.ident)
             else:
                 self.metrics.apply(a, log)
+
+    def _dropped(self, where: str, a) -> None:
+        """A message its peer could not take (gone, or not reading: its queue at the high-water mark). Counted and
+        logged; the peer's own deadlines make the loss a typed timeout there, never a hang."""
+        n = self.shell_counters[f"{where}_dropped"] = self.shell_counters[f"{where}_dropped"] + 1
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a peer that stopped reading does not flood the log
+            log.warning("could not send %s on the %s endpoint (peer gone or not reading): %d dropped so far",
+                        a.msg.type, where, n)
 
     # ---- UCX ----
     def _on_ucx_peer(self, ep) -> None:

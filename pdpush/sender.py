@@ -70,12 +70,13 @@ class Sender:
         self.session: SenderSession | None = None
         self.socks: dict[str, zmq.Socket] = {}  # receiver endpoint -> control DEALER
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
+        self._connecting: dict[str, tuple[object, float]] = {}  # receiver endpoint -> (endpoint wiring up, deadline)
         self.pusher = None  # the native per-layer path (pdpush_native.Pusher), once started
         self._eids: dict[str, int] = {}  # receiver endpoint -> its id in the pusher (kept for the daemon's life)
         self._eid_names: dict[int, str] = {}
         self.conns = _Connections()  # engine connections -> their ids in the pusher
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
-        self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0}
+        self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0}
         self._poller_dirty = True
         self._last_refresh = 0.0
         self._last_tick = 0
@@ -178,6 +179,8 @@ class Sender:
             # for a short window after the last post or completion; past it (a slow or stalled
             # peer) look at the sockets at least every millisecond, without burning a core.
             timeout_ms = 0 if time.monotonic() < self._spin_until else min(timeout_ms, 1)
+        if self._connecting:
+            timeout_ms = min(timeout_ms, 1)  # wire-ups complete on progress: look every millisecond meanwhile
         if not self.ucx.arm():
             timeout_ms = 0
         if timeout_ms and self._rings:
@@ -244,6 +247,8 @@ class Sender:
         receiver die, and spun on its fd), then what the native path completed: layers landed (one
         notice per request) and receivers whose puts failed."""
         self.ucx.progress()
+        if self._connecting:
+            self._connects()
         landed, failed = self.pusher.poll()
         if self._unsettled:
             self._settle()
@@ -336,7 +341,11 @@ class Sender:
     def _do(self, a, todo: deque) -> None:
         """One action; what it sets off (a lost peer's failures, a connection's outcome) joins ``todo``."""
         if isinstance(a, ToClient):
-            control.send(self.ingress, a.msg, a.ident)
+            if not control.send(self.ingress, a.msg, a.ident):  # the engine is gone, or not reading: its deadlines
+                n = self.shell_counters["ingress_dropped"] = self.shell_counters["ingress_dropped"] + 1
+                if n & (n - 1) == 0:
+                    log.warning("could not send %s to an engine (gone or not reading): %d dropped so far",
+                                a.msg.type, n)
         elif isinstance(a, ToPeer):
             msg = self._settled(a) if a.handle else a.msg
             if not control.send(self._sock(a.endpoint), msg):
@@ -422,20 +431,38 @@ class Sender:
         return control.dealer(endpoint, self.cfg.max_frame_bytes, configure)
 
     def _connect(self, a: Connect) -> list:
+        """Start the data plane to a receiver and return at once: the loop finishes it (``_connects``) while it
+        goes on serving every other receiver, ring and engine (a receiver whose UCX listener never answers holds up
+        nobody but its own requests, and those only until ``control_timeout_ms``)."""
         ack = a.ack
-        timeout = self.cfg.control_timeout_ms / 1000
         self._drop_ep(a.endpoint)
         try:
             ep = self.ucx.connect(self._ucx_host(a.endpoint, ack.ucx_host), ack.ucx_port)
             self.eps[a.endpoint] = ep
-            ep.stream_send(ack.ucx_token, timeout)  # binds the endpoint to this session
-            ep.set_rkey(ack.rkey, timeout)
-            ep.on_close(lambda _e, endpoint=a.endpoint: self._apply(self.session.on_peer_lost(
-                endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
-            ep.attach(self.pusher, self._eid(a.endpoint))
+            ep.begin_wireup(ack.ucx_token, ack.rkey)  # the token binds the endpoint to this session
         except PdpushError as e:
             return self.session.on_connected(a.endpoint, e, now_ms())
-        return self.session.on_connected(a.endpoint, None, now_ms())
+        self._connecting[a.endpoint] = (ep, time.monotonic() + self.cfg.control_timeout_ms / 1000)
+        return []
+
+    def _connects(self) -> None:
+        """Endpoints whose wire-up completed, failed or ran past its deadline: the session hears the outcome."""
+        for endpoint, (ep, deadline) in list(self._connecting.items()):
+            try:
+                if not ep.wired_up():
+                    if time.monotonic() < deadline:
+                        continue
+                    raise TransportTimeout(f"UCX connection to {endpoint} did not complete within "
+                                           f"{self.cfg.control_timeout_ms} ms")
+                ep.on_close(lambda _e, endpoint=endpoint: self._apply(self.session.on_peer_lost(
+                    endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
+                ep.attach(self.pusher, self._eid(endpoint))
+                err = None
+            except PdpushError as e:
+                ep.cancel_wireup()
+                err = e
+            del self._connecting[endpoint]
+            self._apply(self.session.on_connected(endpoint, err, now_ms()))
 
     def _hand(self, a: Hand) -> None:
         """A LayerReady's layers, taken whole or not at all (as its Python checks did before)."""
@@ -470,6 +497,7 @@ class Sender:
         return control_endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
     def _drop_ep(self, endpoint: str) -> None:
+        self._connecting.pop(endpoint, None)
         ep = self.eps.pop(endpoint, None)
         if endpoint in self._eids:
             self.pusher.drop_endpoint(self._eids[endpoint])  # its batches, before the endpoint goes

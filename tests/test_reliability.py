@@ -373,3 +373,107 @@ def test_a_killed_reader_pins_no_page_and_only_its_opener_can_release_a_request(
             reader.wait(10)
         dc.close()
         stranger.close()
+
+
+def test_a_receiver_whose_ucx_listener_never_answers_holds_up_no_other_receivers_requests(daemons):
+    """Issue 34 item 4: the sender used to connect UCX inside its loop, spinning up to control_timeout_ms per step, so
+    while one receiver's listener did not answer nothing else moved. Here receiver B answers Hello on its control port
+    but its UCX port is a TCP listener that never speaks: while B's connection hangs, a push to receiver A completes,
+    and B's request then fails by its deadline, typed."""
+    import threading
+
+    from pdpush.client import PrefillClient
+
+    rx_a = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx_a, control_timeout_ms=4000)
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)  # connections queue in the backlog; nothing ever answers them
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port_b = fake.bind_to_random_port("tcp://127.0.0.1")
+    heard_hello = threading.Event()
+    stop = threading.Event()
+
+    def serve_b() -> None:  # B's control plane: a HelloAck that sends the sender to the black hole
+        while not stop.is_set():
+            if not fake.poll(50):
+                continue
+            ident, payload = fake.recv_multipart()
+            msg = protocol.decode(payload, protocol.DEFAULT_MAX_FRAME)
+            if isinstance(msg, protocol.Hello):
+                heard_hello.set()
+                fake.send_multipart([ident, protocol.encode(protocol.HelloAck(
+                    version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=msg.layout, pool_base=0,
+                    pool_pages=64, page_bytes=LAY.page_bytes, rkey=b"x" * 16, ready_base=0,
+                    ucx_host="127.0.0.1", ucx_port=hole.getsockname()[1], ucx_token=b"t" * 32))])
+
+    server = threading.Thread(target=serve_b, daemon=True)
+    server.start()
+    pc_a, pc_b = PrefillClient(LAY, sock(tx), timeout_s=20), PrefillClient(LAY, sock(tx), timeout_s=20)
+    outcome: dict = {}
+
+    def begin_b() -> None:
+        try:
+            pc_b.begin("to-b", list(range(40)), receiver=f"tcp://127.0.0.1:{port_b}")
+            outcome["b"] = "began"
+        except PdpushError as e:
+            outcome["b"] = e
+
+    b = threading.Thread(target=begin_b, daemon=True)
+    try:
+        b.start()
+        assert heard_hello.wait(10), "the sender never said Hello to B"
+        k, v = kv(LAY, 40, 4)
+        _, done = push(pc_a, "to-a", list(range(40)), k, v)  # while B's UCX connection hangs
+        assert done.bytes_sent > 0
+        assert b.is_alive() and "b" not in outcome, "the push to A waited for B's connection to give up"
+        b.join(30)
+        assert isinstance(outcome.get("b"), PdpushError), outcome
+        assert outcome["b"].code in (ErrorCode.TIMEOUT, ErrorCode.PEER_DEAD), outcome
+    finally:
+        stop.set()
+        server.join(5)
+        b.join(30)
+        pc_a.close()
+        pc_b.close()
+        fake.close(0)
+        hole.close()
+
+
+def test_replies_a_peer_does_not_read_are_counted_not_silently_dropped_and_others_are_served(daemons):
+    """Issue 34 item 6: a ROUTER reply that met its peer's high-water mark vanished without a trace. A local connection
+    that sends queries and never reads the answers fills its queue: the receiver counts what it could not send, logs
+    it (not each one), and keeps serving everyone else."""
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    k, v = kv(LAY, 40, 5)
+    push(pc, "served", list(range(40)), k, v)
+    pc.close()
+    deaf = zmq.Context.instance().socket(zmq.DEALER)
+    deaf.setsockopt(zmq.LINGER, 0)
+    deaf.setsockopt(zmq.RCVHWM, 10)
+    deaf.setsockopt(zmq.SNDHWM, 0)
+    deaf.connect(f"ipc://{sock(rx)}")
+    query = protocol.encode(protocol.Query(chunk_keys=chunk_keys(list(range(40)), LAY)))
+    try:
+        for _ in range(200):  # bounded: stop as soon as the receiver says it could not answer
+            for _ in range(500):
+                deaf.send(query)
+            time.sleep(0.05)  # letting the receiver answer into the full queue; bounded by the loop
+            if status(sock(rx))["local_dropped"] > 0:
+                break
+        st = status(sock(rx))
+        assert st["local_dropped"] > 0, st
+        assert "dropped so far" in rx.log()
+        assert rx.log().count("could not send") < 40  # logged at 1, 2, 4, 8, ... not once per reply
+        dc = DecodeClient(sock(rx), timeout_s=10)
+        try:
+            gk, gv = read_back(dc, "served", LAY, 40)  # everyone else is served
+        finally:
+            dc.close()
+        assert np.array_equal(gk, k) and np.array_equal(gv, v)
+    finally:
+        deaf.close(0)

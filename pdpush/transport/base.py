@@ -74,6 +74,18 @@ class Endpoint(Protocol):
         """Bytes on the endpoint's own stream (the one-time session token)."""
         ...
 
+    def begin_wireup(self, token: bytes, packed_rkey: bytes) -> None:
+        """Start connecting: the session token on the stream, then the rkey once connected; returns at once."""
+        ...
+
+    def wired_up(self) -> bool:
+        """Whether ``begin_wireup``'s wire-up has completed; never waits. Raises TransferError if it failed."""
+        ...
+
+    def cancel_wireup(self) -> None:
+        """Give a wire-up in progress up."""
+        ...
+
     def on_close(self, cb: Callable) -> None:
         """``cb(endpoint)`` runs (from ``Transport.dispatch_closed``) once the endpoint failed or closed."""
         ...

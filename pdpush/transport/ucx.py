@@ -110,6 +110,7 @@ class Endpoint(_Closable):
         self.rkey = None
         self._batches: deque[_Batch] = deque()
         self._native = None  # pdpush_native.Batches, once the rkey is known
+        self._wireup: tuple[list[int], object, bytes] | None = None  # (raw requests, token buffer, packed rkey)
 
     def set_rkey(self, packed: bytes, timeout_s: float = 5.0) -> None:
         """Unpack the peer's rkey once wire-up is complete.
@@ -118,9 +119,14 @@ class Endpoint(_Closable):
         UCX reconfigures the lanes (a later put segfaulted here), so flush
         first: the flush completes only once the endpoint is connected.
         """
-        from pdpush.transport import ucp
 
         self.flush(timeout_s)
+        self._unpack(packed)
+
+    def _unpack(self, packed: bytes) -> None:
+        """The peer's rkey, on an endpoint whose wire-up has completed."""
+        from pdpush.transport import ucp
+
         try:
             self.rkey = ucp.RemoteKey(self.handle, packed)
         except ucp.UcpError as e:
@@ -128,6 +134,65 @@ class Endpoint(_Closable):
         from pdpush_native import Batches
 
         self._native = Batches(self.handle, self.rkey.handle, MAX_PUT_BYTES)
+
+    def begin_wireup(self, token: bytes, packed_rkey: bytes) -> None:
+        """Send the one-time session token and a flush, and return at once: the owner's loop goes on serving
+        everyone else while this endpoint connects (``wired_up`` says when it has). The flush completes only once
+        the endpoint is connected; the rkey is unpacked then (see ``set_rkey``)."""
+        from pdpush.transport import ucp
+
+        if self.error is not None or self.handle is None:
+            raise TransferError(f"endpoint {self.name} is dead: {self.error}")
+        buf = ctypes.create_string_buffer(token, len(token))  # kept until the send completes
+        reqs: list[int] = []
+        try:
+            r = ucp.stream_send_nbx(self.handle, ctypes.addressof(buf), len(token))
+            reqs += [r] if r is not None else []
+            r = ucp.flush_nbx(self.handle)
+            reqs += [r] if r is not None else []
+        except ucp.UcpError as e:
+            for r in reqs:
+                ucp.request_free(r)
+            raise TransferError(f"wire-up of {self.name} failed: {e}") from e
+        self._wireup = (reqs, buf, packed_rkey)
+
+    def wired_up(self) -> bool:
+        """Whether the wire-up ``begin_wireup`` started has completed (then the rkey is unpacked); never waits
+        (the owner progresses the worker). Raises TransferError if it failed or the endpoint died."""
+        from pdpush.transport import ucp
+
+        if self._wireup is None:
+            return self.rkey is not None
+        reqs, buf, packed = self._wireup
+        failure = self.error
+        still = []
+        for r in reqs:
+            st = ucp.request_status(r)
+            if st == ucp.UCS_INPROGRESS:
+                still.append(r)
+                continue
+            ucp.request_free(r)
+            if st != ucp.UCS_OK and failure is None:
+                failure = ucp.status_name(st)
+        self._wireup = (still, buf, packed)
+        if failure is not None:
+            self.cancel_wireup()
+            raise TransferError(f"wire-up of {self.name} failed: {failure}")
+        if still:
+            return False
+        self._wireup = None
+        self._unpack(packed)
+        return True
+
+    def cancel_wireup(self) -> None:
+        """Give a wire-up in progress up (its requests are dropped; UCX completes them with the endpoint)."""
+        from pdpush.transport import ucp
+
+        if self._wireup is not None:
+            for r in self._wireup[0]:
+                ucp.request_free(r)
+            self._worker._retired_bufs.append(self._wireup[1])  # UCX may read it until the endpoint's close cancels
+            self._wireup = None
 
     def attach(self, pusher, eid: int) -> None:
         """Join ``pusher`` (``UcxWorker.pusher``) as its endpoint ``eid``: its puts go here, with the peer's rkey."""
@@ -215,6 +280,7 @@ class Endpoint(_Closable):
             self._batches.clear()
 
     def close(self) -> None:
+        self.cancel_wireup()
         if self._batches:  # closing cancels them; report them as failed on the next poll
             self._worker._orphans.extend(
                 Completion(b.token, b.puts, TransferError(f"endpoint {self.name} closed")) for b in self._batches)
@@ -327,6 +393,7 @@ class UcxWorker:
         self._busy: set[Endpoint] = set()  # endpoints with batches in flight
         self._by_handle: dict[int, _Closable] = {}  # every open endpoint, by its ucp_ep_h
         self._closing_raw: list[int] = []  # close requests of endpoints we closed
+        self._retired_bufs: deque = deque(maxlen=4096)  # send buffers of wire-ups given up (UCX may still read them)
         self._on_accept: Callable[[AcceptedEndpoint], None] | None = None
         self._err_cb = ucp.ERR_CB(self._ep_failed)  # kept alive with the worker
         self._orphans: list[Completion] = []  # batches of endpoints closed while in flight
