@@ -74,6 +74,7 @@ def test_eviction_is_published_and_a_heartbeat_carries_seq_and_load():
         w.push(f"r{i}", list(range(1000 * i, 1000 * i + 40)))
         w.complete()
         for r in [r for r in list(rx.reqs.values()) if r.state is protocol.ReqState.COMMITTED]:
+            rx.on_local(b"d", protocol.Open(req_id=r.req_id), w.now)
             rx.on_local(b"d", protocol.Release(req_id=r.req_id), w.now)  # read: unpinned
     assert {e.kind for e in events} == {"stored", "evicted"}
     for e in events:
@@ -180,6 +181,7 @@ def test_claim_pins_the_held_prefix_and_opens_like_a_committed_push():
     base = list(range(48))  # 3 full chunks
     w.push("p", base)
     w.complete()
+    rx.on_local(b"d", protocol.Open(req_id="p"), w.now)  # read, then released: unpinned
     rx.on_local(b"d", protocol.Release(req_id="p"), w.now)
     assert "p" not in rx.reqs and rx.pool.chunks_cached == 3
     longer = base + [7, 8, 9, 10, 11]
@@ -192,6 +194,7 @@ def test_claim_pins_the_held_prefix_and_opens_like_a_committed_push():
     for i in range(30):
         w.push(f"f{i}", list(range(5000 + 100 * i, 5000 + 100 * i + 40)))
         w.complete()
+        rx.on_local(b"d", protocol.Open(req_id=f"f{i}"), w.now)
         rx.on_local(b"d", protocol.Release(req_id=f"f{i}"), w.now)
     assert rx.pool.held_prefix(chunk_keys(longer, LAY)) == 3
     [opened] = [a.msg for a in rx.on_local(b"d", protocol.Open(req_id="c1"), w.now) if isinstance(a, ToDecode)]
