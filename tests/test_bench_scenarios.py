@@ -24,7 +24,7 @@ def test_scenarios_and_report(tmp_path):
     res["isolation"] = {"scenario": "isolation", "skipped": "see test_isolation_scenario", "verified": False}
     res["pipeline"] = scenarios.pipeline(LAY, 256, ratios=(0.5, 2.0), reps=1)
     res["incremental"] = scenarios.incremental(LAY, 256, hits=(0.0, 0.5))
-    res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2)
+    res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2, requests=2)
     res["control"] = scenarios.control(LAY, n=50, requests=5)
     res["decode_wait"] = decode_wait.run(KVLayout(4, 2, 64, "float16", 16), gaps_ms=(1.0,), requests=2)
     for k in SCENARIOS:
@@ -47,6 +47,36 @@ def test_control_scenario_verified_means_bytes_were_checked(monkeypatch):
     """Defect: ``control`` said verified without looking at any byte. A failed check must show."""
     monkeypatch.setattr(scenarios, "verify", lambda req, src, layout: False)
     assert scenarios.control(KVLayout(2, 1, 32, "float16", 16), n=5, requests=2)["verified"] is False
+
+
+def test_the_concurrency_scenario_sizes_itself_to_the_box():
+    """Issue 34 item 11: at 40 layers x 8 KV heads x 128 (bf16), 1,024-token requests in 256-token chunks, 4 senders x
+    16 in flight, the scenario sized its pool for every request at once (one process held 10.8 GB) and the OOM killer
+    ended it on a 24 GiB box. Now staging and pool fit half of what the box has free, and the pool is short instead:
+    backpressure does the rest."""
+    lay = KVLayout(40, 8, 128, "bfloat16", 256)
+    size = scenarios.size_concurrency(lay, 1024, senders=4, in_flight=16, mem_available=20 << 30)
+    assert 4 * size["staging_bytes"] + size["pool_bytes"] <= 10 << 30, size
+    assert size["pool_pages"] < size["pool_pages_needed"] and size["pool_pages"] >= 4 * 6, size
+    roomy = scenarios.size_concurrency(LAY, 64, senders=2, in_flight=2, mem_available=20 << 30)
+    assert roomy["pool_pages"] == roomy["pool_pages_needed"]  # a small shape gets all it needs
+
+
+def test_a_pool_short_of_the_requests_in_flight_backs_off_and_every_committed_byte_is_read():
+    """The concurrency scenario on a pool sized for a box with little memory: the receiver refuses allocations with
+    retry_after, the senders back off (counted), and every request that commits is read back whole by the decode
+    side, which releases it, so the pool comes back for the rest."""
+    lay = KVLayout(4, 2, 64, "float16", 16)
+    page_set = lay.layers * lay.page_bytes
+    chunks = lay.num_chunks(64)
+    # a budget that leaves room for 2 requests' pages beside 2 senders' 64 MiB of staging
+    mem = 2 * (2 * (64 << 20) + 2 * chunks * page_set + 4096)
+    # 2 engines x 8 in flight into a pool that holds 4 requests: the 5th begin comes while the first 4 are in flight
+    res = scenarios.concurrency(lay, 64, senders=2, in_flight=8, requests=12, mem_available=mem)
+    assert res["pool_short"] and res["pool_pages"] < res["pool_pages_needed"], res
+    assert res["alloc_retries"] > 0, res
+    assert res["verified"] and res["completed"] == res["read_on_decode"] and res["completed"] > 0, res
+    assert res["completed"] + res["pool_exhausted_failures"] == 24, res
 
 
 def test_a_scenario_that_could_not_run_is_not_verified(monkeypatch):

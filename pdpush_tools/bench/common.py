@@ -54,12 +54,27 @@ class Source:
         return [c[layer] for c in self.comps]
 
 
-def verify(req, src: Source, layout: KVLayout) -> bool:
+class LazySource:
+    """Synthetic KV for one request made a layer at a time from its seed, the same bytes every time: an engine with
+    many requests in flight holds one layer of one at once, not all of them (``Source`` holds every layer)."""
+
+    def __init__(self, layout: KVLayout, token_ids: list[int], seed: int) -> None:
+        self.layout, self.token_ids, self.seed = layout, token_ids, seed
+
+    def layer(self, layer: int) -> list[np.ndarray]:
+        lay = self.layout
+        rng = np.random.default_rng((self.seed, layer))
+        shape = (len(self.token_ids), lay.kv_heads, lay.row_bytes)
+        size = int(np.prod(shape))
+        return [np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape) for _ in range(lay.components)]
+
+
+def verify(req, src: Source | LazySource, layout: KVLayout) -> bool:
     """Every byte of the request's heads (all of them, or a decode rank's) equals the source's."""
     h0, h1 = req.heads
     for layer in range(layout.layers):
         got = req.kv_bytes(layer, wait=True)
-        if not all(np.array_equal(g, w[layer][:, h0:h1]) for g, w in zip(got, src.comps, strict=True)):
+        if not all(np.array_equal(g, w[:, h0:h1]) for g, w in zip(got, src.layer(layer), strict=True)):
             return False
     return True
 

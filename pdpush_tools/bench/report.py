@@ -182,7 +182,9 @@ def markdown(res: dict, plot_rel: str) -> str:
          "| latency: ring against messages | not measured | |"),
         f"| concurrency: {c['senders']} engine processes x {c['in_flight_per_sender']} in flight >= 0.95x single "
         f"stream | {c['ratio']:.2f}x ({c['aggregate_gbps']:.2f} vs {c['single_stream_gbps']:.2f} GB/s), request "
-        f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms | {_met(c['target_met'])} |",
+        f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms; pool sized to the box "
+        f"{c.get('pool_pages', 0)} of {c.get('pool_pages_needed', 0)} pages, {c.get('alloc_retries', 0)} alloc retries, "
+        f"{c.get('pool_exhausted_failures', 0)} refused | {_met(c['target_met'])} |",
         iso_row,
         f"| pipelined exposed <= t + 2 ms for c >= t | worst {p['exposed_ms_pipelined_worst_c_ge_t']:.2f} ms, "
         f"t = {p['layer_transfer_ms']:.2f} ms; eager {p['exposed_ms_eager']:.1f} ms | {_met(p['target_met'])} |",

@@ -7,7 +7,9 @@ measured in the same run. Absolute times on shared 2-core machines are noise.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -15,10 +17,10 @@ import numpy as np
 import zmq
 
 from pdpush import launch, protocol
-from pdpush.client import DecodeClient, PrefillClient
+from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
-from pdpush_tools.bench.common import OBSERVER, Source, child, push_one, verify
+from pdpush_tools.bench.common import OBSERVER, LazySource, Source, child, push_one, verify
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -133,105 +135,188 @@ def incremental(layout: KVLayout, tokens: int, hits=(0.0, 0.25, 0.5, 0.75, 0.9))
             "verified": all(r["verified"] for r in rows)}
 
 
-def _engine_sources(layout: KVLayout, i: int, tokens: int, n: int) -> list[Source]:
-    rng = np.random.default_rng(1000 + i)
-    return [Source(layout, _ids(rng, tokens), rng) for _ in range(n)]
+def _conc_source(layout: KVLayout, i: int, j: int, tokens: int) -> LazySource:
+    """Request ``j`` of engine ``i`` in the concurrency scenario: its engine makes it a layer at a time, and the decode
+    side makes the same bytes again to check what landed."""
+    seed = 1000 * (i + 1) + j
+    return LazySource(layout, _ids(np.random.default_rng(seed), tokens), seed)
 
 
-def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, in_flight: int, q, start) -> None:
-    """One engine process of the concurrency scenario; reports latencies (s) and its end time. It makes
-    its KV first, says so, and begins only when every engine is ready (the clock starts then)."""
+def _mem_available() -> int:
+    """This box's MemAvailable (bytes), what the scenario sizes itself to."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def size_concurrency(layout: KVLayout, tokens: int, senders: int, in_flight: int, mem_available: int) -> dict:
+    """The pool and staging of the concurrency scenario on a box with ``mem_available`` bytes free (pure). Half of it
+    is the scenario's: the senders' staging (four layers of each request in flight, as docs/layout.md sizes it, at
+    most a quarter of the budget over all senders) and the pool, the rest. A pool short of every request in flight
+    at once is the point, not a failure: the receiver answers ``pool_exhausted`` with ``retry_after``, the senders
+    back off, and the scenario reports how often. The engines make their KV a layer at a time (``LazySource``)."""
+    chunks = layout.num_chunks(tokens)
+    page_set = layout.layers * layout.page_bytes  # one chunk: its page in every layer
+    budget = mem_available // 2
+    staging = min(max(64 << 20, 4 * in_flight * chunks * layout.page_bytes), max(64 << 20, budget // (4 * senders)))
+    need = chunks * (senders * in_flight + 2)
+    room = max(0, budget - senders * staging) // page_set
+    pages = max(chunks * (senders + 2), min(need, room))  # at least one request of each engine, and a spare
+    return {"pool_pages": pages, "pool_pages_needed": need, "staging_bytes": staging, "memory_budget_bytes": budget,
+            "pool_bytes": pages * page_set}
+
+
+def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, n: int, window: int, q, done_q,
+                       start) -> None:
+    """One engine process of the concurrency scenario. Each of its ``n`` requests is begun (waiting, as a real engine
+    would, while the sender backs off a full pool), handed over layer by layer and finished without waiting; at most
+    ``window`` are in flight, the oldest collected when it is full. Reports each commit on ``done_q`` (the decode side
+    reads and releases it), then its latencies (s) and end time on ``q``. Begins only when every engine is ready."""
     layout = KVLayout(**layout_d)
-    srcs = _engine_sources(layout, i, tokens, in_flight)
     pc = PrefillClient(layout, sock, timeout_s=120)
     lat: list[float] = []
+    errors: list[str] = []
     q.put({"ready": i})
     if not start.wait(600):
-        q.put({"lat": [], "error": f"sender {i}: never started"})
+        q.put({"lat": [], "errors": [f"sender {i}: never started"]})
+        pc.close()
         return
+    open_: list = []
+
+    def collect(wait_s: float) -> None:
+        """Report every request that has committed (the oldest waited for up to ``wait_s``): the decode side reads
+        and releases it, which is what gives the pool back."""
+        for k, (j, h, t0) in enumerate(list(open_)):
+            try:
+                if h.poll_done(wait_s if k == 0 else 0.0) is None:
+                    if k == 0 and wait_s:
+                        errors.append(f"sender {i} request {j}: no commit within {wait_s:.0f} s")
+                        open_.remove((j, h, t0))
+                    continue
+                lat.append(time.perf_counter() - t0)
+                done_q.put((i, j))
+            except PdpushError as e:
+                errors.append(f"sender {i} request {j}: {e.code.value}: {e}")
+            open_.remove((j, h, t0))
+
     try:
-        t_begin = {}
-        hs = []
-        for j, src in enumerate(srcs):
-            t_begin[j] = time.perf_counter()
-            hs.append(pc.begin(f"conc-{i}-{j}", src.token_ids))
-        for layer in range(layout.layers):
-            for j, h in enumerate(hs):
-                h.put_layer(layer, *srcs[j].layer(layer))
-        for j, h in enumerate(hs):
-            h.finish(timeout_s=120)
-            lat.append(time.perf_counter() - t_begin[j])
-        q.put({"lat": lat, "t_end": time.perf_counter(), "error": None})
-    except PdpushError as e:
-        q.put({"lat": lat, "t_end": time.perf_counter(), "error": f"sender {i}: {type(e).__name__}: {e}"})
+        for j in range(n):
+            collect(0.0)  # before this begin waits on a full pool: what has committed goes to be read
+            src = _conc_source(layout, i, j, tokens)
+            t0 = time.perf_counter()
+            try:
+                h = pc.begin(f"conc-{i}-{j}", src.token_ids)
+                for layer in range(layout.layers):
+                    h.put_layer(layer, *src.layer(layer))
+                h.finish_nowait()
+            except PdpushError as e:
+                errors.append(f"sender {i} request {j}: {e.code.value}: {e}")
+                continue
+            open_.append((j, h, t0))
+            while len(open_) >= window:
+                collect(120.0)
+        while open_:
+            collect(120.0)
     finally:
         pc.close()
+    q.put({"lat": lat, "t_end": time.perf_counter(), "errors": errors})
 
 
-def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int = 16) -> dict:
-    """`senders` sender daemons x `in_flight` requests each into one receiver, against a single stream."""
+def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int = 16, requests: int | None = None,
+                mem_available: int | None = None) -> dict:
+    """``senders`` sender daemons, each fed by one engine process with ``in_flight`` requests in flight (``requests``
+    each, 2 x in_flight by default), into one receiver whose pool is sized to this box (``size_concurrency``); a decode
+    side reads and releases each request as it commits (checking every byte), as a decode engine would. Against a
+    single stream through one sender."""
+    n = requests or 2 * in_flight
     chunks = layout.num_chunks(tokens)
     req_bytes = layout.layers * chunks * layout.page_bytes
-    total_reqs = senders * in_flight
+    size = size_concurrency(layout, tokens, senders, in_flight, mem_available or _mem_available())
     rng = np.random.default_rng(9)
-    # staging holds layers in flight (docs/layout.md): four layers of every request a sender has in flight
-    staging = max(64 << 20, 4 * in_flight * chunks * layout.page_bytes)
-    with _Pair(layout, pool_pages=chunks * (total_reqs + 2), staging_bytes=staging, senders=senders) as pair:
+    with _Pair(layout, pool_pages=size["pool_pages"], staging_bytes=size["staging_bytes"], senders=senders) as pair:
         cl = [pair.clients(i) for i in range(senders)]
+        dc = cl[0][1]
         # single stream: one request at a time through one sender (after a warm-up touching the pool)
-        srcs = [Source(layout, _ids(rng, tokens), rng) for _ in range(in_flight)]
-        for j, src in enumerate(srcs):
-            push_one(cl[0][0], cl[0][1], f"warm-{j}", src, layout, check=False)
-        single = []
-        for j, src in enumerate(srcs):
+        src = LazySource(layout, _ids(rng, tokens), 9)
+        for j in range(min(in_flight, 4)):
+            push_one(cl[0][0], dc, f"warm-{j}", src, layout, check=False)
             src.token_ids = _ids(rng, tokens)
-            single.append(push_one(cl[0][0], cl[0][1], f"single-{j}", src, layout, check=False))
+        single = []
+        for j in range(min(in_flight, 8)):
+            src.token_ids = _ids(rng, tokens)
+            single.append(push_one(cl[0][0], dc, f"single-{j}", src, layout, check=False))
         single_gbps = statistics.median(r["goodput_gbps"] for r in single)
-        # concurrent: one engine *process* per sender begins all its requests, then hands layers over,
-        # layer-major (threads of one process would share a GIL and blur what is measured)
+        before = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
+        # concurrent: one engine *process* per sender (threads of one process would share a GIL and blur what is
+        # measured); the decode side here reads each request as it commits, and releases it
         ctx = mp.get_context("spawn")
-        q, start = ctx.Queue(), ctx.Event()
+        q, done_q, start = ctx.Queue(), ctx.Queue(), ctx.Event()
         socks = [t.info["ingress_endpoint"].removeprefix("ipc://") for t in pair.tx]
-        procs = [ctx.Process(target=child, args=(_concurrent_engine, layout.to_dict(), socks[i], i, tokens, in_flight,
-                                                 q, start)) for i in range(senders)]
+        procs = [ctx.Process(target=child, args=(_concurrent_engine, layout.to_dict(), socks[i], i, tokens, n,
+                                                 in_flight, q, done_q, start)) for i in range(senders)]
         for p in procs:
             p.start()
-        for _ in procs:  # every engine has made its KV: start the clock, then let them go
-            q.get(timeout=600)
-        t0 = time.perf_counter()
-        start.set()
-        outs = []
-        for _ in procs:
-            try:
-                outs.append(q.get(timeout=600))
-            except Exception:  # noqa: BLE001 - queue.Empty: an engine hung or died
-                outs.append({"lat": [], "error": "an engine process did not report within 600 s"})
-        wall = max((o["t_end"] for o in outs if "t_end" in o), default=time.perf_counter()) - t0
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-        lat = [x for o in outs for x in o["lat"]]
-        errors = [o["error"] for o in outs if o.get("error")]
-        verified = not errors
-        for i in range(senders):  # every byte of every concurrent request, after the clock stopped
-            for j, src in enumerate(_engine_sources(layout, i, tokens, in_flight)):
-                if not verified:
+        outs: list[dict] = []
+        verified, read = True, 0
+        try:
+            for _ in procs:  # every engine is connected: start the clock, then let them go
+                q.get(timeout=600)
+            t0 = time.perf_counter()
+            start.set()
+            deadline = time.monotonic() + 600
+            while len(outs) < len(procs) and time.monotonic() < deadline:
+                try:
+                    i, j = done_q.get(timeout=0.05)
+                except Exception:  # noqa: BLE001 - queue.Empty: nothing committed meanwhile
+                    with contextlib.suppress(Exception):
+                        outs.append(q.get_nowait())
+                    continue
+                with dc.open(f"conc-{i}-{j}", timeout_s=60) as req:
+                    verified = verify(req, _conc_source(layout, i, j, tokens), layout) and verified
+                read += 1
+            while True:  # commits reported after the last engine's summary
+                try:
+                    i, j = done_q.get(timeout=0.5)
+                except Exception:  # noqa: BLE001 - queue.Empty: all read
                     break
-                with cl[0][1].open(f"conc-{i}-{j}", timeout_s=10) as req:
-                    verified = verify(req, src, layout)
-        for pc, dc in cl:
+                with dc.open(f"conc-{i}-{j}", timeout_s=60) as req:
+                    verified = verify(req, _conc_source(layout, i, j, tokens), layout) and verified
+                read += 1
+            if len(outs) < len(procs):
+                outs += [{"lat": [], "errors": ["an engine process did not report within 600 s"]}] * (len(procs) - len(outs))
+            wall = max((o["t_end"] for o in outs if "t_end" in o), default=time.perf_counter()) - t0
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+        after = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
+        for pc, d in cl:
             pc.close()
-            dc.close()
-    agg = total_reqs * req_bytes / wall / 1e9
+            d.close()
+    lat = [x for o in outs for x in o["lat"]]
+    errors = [e for o in outs for e in o["errors"]]
+    exhausted = sum("pool_exhausted" in e for e in errors)
+    retries = sum(a["alloc_retries"] - b["alloc_retries"] for a, b in zip(after, before, strict=True))
+    agg = len(lat) * req_bytes / wall / 1e9 if wall > 0 else 0.0
     return {"scenario": "concurrency", "layout": layout.to_dict(), "tokens": tokens, "senders": senders,
-            "in_flight_per_sender": in_flight, "request_bytes": req_bytes,
+            "in_flight_per_sender": in_flight, "requests_per_sender": n, "request_bytes": req_bytes, **size,
+            "pool_short": size["pool_pages"] < size["pool_pages_needed"],
+            "alloc_retries": retries, "pool_exhausted_failures": exhausted,
             "single_stream_gbps": single_gbps, "aggregate_gbps": agg, "ratio": agg / single_gbps,
             "latency_p50_ms": _pct(lat, 0.5) * 1000 if lat else None,
             "latency_p99_ms": _pct(lat, 0.99) * 1000 if lat else None,
             "latency_max_ms": max(lat) * 1000 if lat else None,
-            "completed": len(lat), "errors": errors, "target_met": agg >= 0.95 * single_gbps and not errors,
-            "verified": verified}
+            "completed": len(lat), "read_on_decode": read, "errors": errors[:20],
+            "target_met": agg >= 0.95 * single_gbps and not errors,
+            # every committed request was read back whole; a request refused for a full pool (past the senders'
+            # alloc_retry_budget_ms) is what overload looks like, reported above, not a wrong byte
+            "verified": verified and read == len(lat) and len(errors) == exhausted}
 
 
 def control(layout: KVLayout | None = None, n: int = 1000, requests: int = 200) -> dict:
