@@ -21,7 +21,8 @@ from types import SimpleNamespace as NS
 import numpy as np
 
 from pdpush.integrations.device_copy import CopyHolds, H2DLoader
-from pdpush.integrations.vllm.worker import WorkerSide, _Load
+from pdpush.integrations.vllm.load import _Load
+from pdpush.integrations.vllm.worker import WorkerSide
 
 
 class Fence:  # a copy to the device that completes when the test says

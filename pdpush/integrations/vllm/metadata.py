@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from pdpush.errors import PdpushError
+
 # Per-process counters (the worker and, without multiprocessing, the scheduler live here).
+# What one request's push or load may raise without taking the engine down: pdpush's typed errors, and torch/numpy
+# errors from a malformed transfer (logged with the request, then recomputed).
+REQUEST_ERRORS = (PdpushError, ValueError, RuntimeError, IndexError)
+
 STATS: dict[str, int] = {
     "push_requests": 0, "push_layers": 0, "push_tokens_staged": 0, "push_failures": 0, "push_committed": 0,
     "push_bytes_sent": 0, "push_chunks_skipped": 0, "push_refused": 0, "push_skipped_sender_down": 0,

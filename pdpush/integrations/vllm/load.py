@@ -1,0 +1,304 @@
+"""The connector's load path, on each decode TP rank: opens the pushed request on the receiver, and scatters this rank's
+heads of each layer from the pool into vLLM's blocks, layer by layer in the forward (``wait_for_layer_load``) or
+asynchronously between steps (``poll_async_loads``); a GPU cache copies on a side stream (``H2DLoader``), and a loaded
+request's pages go back only once those copies have completed (``CopyHolds``). A mixin of ``worker.WorkerSide``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdpush import kvcodec
+from pdpush.client import DecodeRequest
+from pdpush.errors import PdpushError
+from pdpush.integrations import vllm_layout as vl
+from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
+from pdpush.integrations.vllm.metadata import STATS, LoadSpec
+
+log = logging.getLogger("pdpush.vllm")
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    req: DecodeRequest | None
+    dst: list[vl.SlotMap]  # by vLLM KV cache group: the tokens it loads (a sliding window's: its window's)
+    src_page: list[torch.Tensor]  # by vLLM group: each token's page in the pool
+    src_chunk: list[torch.Tensor]  # by vLLM group: each token's chunk among its layers' pages
+    layers_done: int = 0
+    failed: str | None = None
+    tickets: dict = field(default_factory=dict)  # a CUDA cache: layer -> H2D copy started (H2DLoader)
+    copies: list = field(default_factory=list)  # the fences of every H2D copy started from its pages (CopyHolds)
+    dev_idx: dict = field(default_factory=dict)  # a CUDA cache: vLLM group -> indexes on the device
+    state_blocks: list[int] = field(default_factory=list)  # the state groups' blocks the state goes into
+    deadline: float = 0.0  # an asynchronous load: its push must have committed by then
+
+    @property
+    def block_ids(self) -> set[int]:
+        return {b for d in self.dst if d is not None for b in d.block_ids} | set(self.state_blocks)
+
+
+def _release_failed(req: DecodeRequest, e: PdpushError) -> None:
+    log.warning("pdpush: release of %s: %s", req.req_id, e)
+
+
+def _comps(rows: torch.Tensor, dtype: str, kv: torch.Tensor) -> list[torch.Tensor]:
+    """Row bytes ``[tokens, heads, C, D * B]`` as the C components in the cache's own dtype (an fp8
+    cache may be held as uint8: the bytes are viewed, never converted)."""
+    x = kvcodec.elements(rows, dtype)
+    if x.dtype != kv.dtype and x.element_size() == kv.element_size():
+        x = x.view(kv.dtype)
+    return [x[:, :, c] for c in range(x.shape[2])]
+
+
+class LoadPath:
+    """The load path's methods (``WorkerSide`` holds the state)."""
+
+    def _open_load(self, spec: LoadSpec) -> None:
+        lay = self.layout
+        prompt = spec.tokens or spec.end + 1
+        pushed = prompt - 1 if lay.state_layers else prompt  # a model with state: the prefill stopped one short
+        dst, state_blocks = [], []
+        try:  # each vLLM group: the tokens its layers load (a sliding window's: those of its window)
+            for vi, pg in enumerate(self._pgroup):
+                if pg < 0:  # a state group
+                    state_blocks.extend(self._state_targets(spec, vi))
+                    dst.append(None)
+                    continue
+                group = lay.groups[pg]
+                dst.append(self._group_dst(spec, vi, group, lay.group_chunks(group, pushed).start))
+        except (ValueError, IndexError) as e:  # the blocks do not cover the load: a bug, loud but not fatal
+            log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
+            if spec.asynchronous:
+                self._async.append(_Load(spec, None, [], [], [], failed=str(e)))
+                return
+            STATS["load_failures"] += 1
+            self._load_errors.update(b for ids in spec.block_ids for b in ids if b)
+            return
+        load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
+                      deadline=time.monotonic() + self.settings.load_timeout_s)
+        (self._async if spec.asynchronous else self._loads).append(load_)
+        t0 = time.perf_counter()
+        try:
+            req = self.receiver.get().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
+                                        tp_rank=self.tp_rank, tp_size=self.tp_size)
+        except _REQUEST_ERRORS as e:
+            load_.failed = f"open: {e}"
+            return
+        finally:
+            STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+        load_.req = req
+        if req.layout.fingerprint() != lay.fingerprint():
+            load_.failed = f"layout mismatch: pushed {req.layout}, this engine has {lay}"
+        elif req.tokens < spec.end:
+            load_.failed = f"the push carries {req.tokens} tokens, {spec.end} needed"
+        elif lay.state_layers and spec.end != req.tokens:  # its state is after all of them: all, or nothing
+            load_.failed = f"a load of tokens [{spec.start}, {spec.end}) with a state after {req.tokens}"
+        else:
+            for i, (d, pg) in enumerate(zip(dst, self._pgroup, strict=True)):
+                if d is None:
+                    load_.src_chunk.append(None)
+                    load_.src_page.append(None)
+                    continue
+                chunks = req.plan.groups[pg].chunks
+                group = lay.groups[pg]
+                if group.window:  # the push's own window (a claim's is of its shorter prompt), which must hold
+                    # every token the decode's next one attends to: [end - W + 1, end)
+                    if max(0, spec.end - group.window + 1) < chunks.start * lay.chunk_tokens:
+                        load_.failed = (f"the push holds the window of tokens from {chunks.start * lay.chunk_tokens}"
+                                        f", the decode's token {spec.end} attends from {spec.end - group.window + 1}")
+                        break
+                    d = dst[i] = self._group_dst(spec, i, group, chunks.start)
+                rel = d.chunk_idx - chunks.start
+                if len(rel) and (int(rel.min()) < 0 or int(rel.max()) >= len(chunks)):
+                    load_.failed = f"the push holds chunks {chunks} of layer group {pg}, the load needs others"
+                    break
+                load_.src_chunk.append(rel)
+                load_.src_page.append(torch.tensor(req.group_pages(pg), dtype=torch.int64)[rel])
+            if lay.state_layers and load_.failed is None and not spec.asynchronous:
+                self._load_state(load_)
+
+    def _group_dst(self, spec: LoadSpec, vi: int, group, first_chunk: int) -> vl.SlotMap:
+        """The tokens of ``[spec.start, spec.end)`` that vLLM group ``vi``'s layers load: from chunk
+        ``first_chunk`` on (a window's first), and for a window not in vLLM's null block (out of its window)."""
+        t = torch.arange(max(spec.start, first_chunk * self.layout.chunk_tokens), spec.end)
+        blocks = spec.block_ids[vi]
+        if group.window and len(t):
+            t = t[torch.tensor(blocks, dtype=torch.int64)[t // self.block_size] != 0]
+        return self._slots(blocks, t, bool(group.window))
+
+    def _state_targets(self, spec: LoadSpec, vi: int) -> list[int]:
+        """State group ``vi``'s blocks a load writes the state into: the one the forward reads the running
+        state from (the last), and the one before where it differs (vLLM copies that one into the last
+        before the step)."""
+        blocks = spec.block_ids[vi]
+        prompt = spec.tokens or spec.end + 1
+        prev = blocks[(prompt - 2) // self.block_size] if prompt >= 2 else 0
+        return list(dict.fromkeys(b for b in (blocks[-1], prev) if b))
+
+    def _load_state(self, ld: _Load) -> None:
+        """The pushed running state into the decode's state blocks, before its forward (Mamba layers have no
+        load hook): it lands last, so this waits for the push's end (``load_timeout_s``, then recompute)."""
+        t0 = time.perf_counter()
+        try:
+            state = kvcodec.read_state(torch.from_numpy(ld.req.state_bytes(timeout_s=self.settings.load_timeout_s)),
+                                       self.layout, self.tp_size, self.tp_rank)
+            for vi, pg in enumerate(self._pgroup):
+                if pg >= 0:
+                    continue
+                targets = self._state_targets(ld.spec, vi)
+                for name in self._vgroup_names[vi]:
+                    if name not in self._state_of:
+                        continue
+                    for b in targets:
+                        for tname, view in self._state_views(name, b).items():
+                            view.copy_(state[self._state_of[name]][tname])
+            STATS["load_states"] += 1
+        except _REQUEST_ERRORS as e:
+            ld.failed = f"state: {e}"
+        finally:
+            STATS["load_state_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loads:
+            return
+        t0 = time.perf_counter()
+        for ld in self._loads:
+            self._load_layer(ld, layer_name)
+        STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _load_layer(self, ld: _Load, layer_name: str) -> None:
+        """One layer of one load, from the pool into vLLM's blocks (it waits for the layer to land)."""
+        if ld.failed is not None or ld.req is None:
+            return
+        layer = self._layer_of[layer_name]
+        vg = self._vgroup_of[layer_name]
+        kv = self._kv_caches[layer_name]
+        n = self._paged.slots_per_block(kv)
+        if self._loader is not None:
+            self._load_layer_staged(ld, layer, vg, kv, n)
+            return
+        try:
+            dst = ld.dst[vg]
+            pool = torch.from_numpy(ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s))
+            if dst.tokens:
+                rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page[vg], dst.chunk_rows,
+                                         ld.req.heads)
+                self._paged.scatter(kv, *dst.addresses(n), *_comps(rows, self.layout.dtype, kv))
+            ld.layers_done += 1
+            STATS["load_layers"] += 1
+        except _REQUEST_ERRORS as e:
+            ld.failed = f"layer {layer}: {e}"
+
+    def poll_async_loads(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads (``load_mode``; always for a model of several KV cache groups, whose failed loads
+        vLLM can only take as a failed request), once per engine step, outside the forward: the layers that
+        have landed are copied in order, at most ``async_layers_per_step`` over all loads, so that no step
+        pays for a whole request's copy; a load whose every layer is copied and whose push has committed
+        gets its state (if any) and is done. One that failed, or did not commit by its deadline, fails (vLLM
+        recomputes it from its first token). Returns (loaded, failed) vLLM request ids."""
+        self._holds.poll(_release_failed)  # loads whose copies to the device have completed since
+        done: set[str] = set()
+        failed: set[str] = set()
+        t0 = time.perf_counter()
+        budget = self.settings.async_layers_per_step
+        names = self._load_order
+        for ld in list(self._async):
+            if ld.failed is None:
+                try:
+                    while (ld.layers_done < len(names) and budget > 0 and ld.failed is None
+                           and ld.req.landed(self._layer_of[names[ld.layers_done]])):
+                        self._load_layer(ld, names[ld.layers_done])
+                        budget -= 1
+                    if ld.failed is None and not (ld.layers_done == len(names) and ld.req.poll_committed()):
+                        if time.monotonic() < ld.deadline:
+                            continue
+                        ld.failed = (f"the push did not commit, or its layers were not copied ({ld.layers_done} of "
+                                     f"{len(names)}), within load_timeout_s={self.settings.load_timeout_s}")
+                except _REQUEST_ERRORS as e:
+                    ld.failed = str(e)
+            if ld.failed is None and self.layout.state_layers:
+                self._load_state(ld)
+            self._async.remove(ld)
+            if ld.failed is None:
+                done.add(ld.spec.req_id)
+                STATS["load_requests"] += 1
+                STATS["load_async"] += 1
+                STATS["load_tokens"] += ld.spec.end - ld.spec.start
+            else:
+                failed.add(ld.spec.req_id)
+                STATS["load_failures"] += 1
+                STATS["load_async_failed"] += 1
+                log.error("pdpush: load of %s (%s) failed, it will be recomputed: %s", ld.spec.req_id,
+                          ld.spec.push_id, ld.failed)
+            if ld.req is not None:
+                self._holds.release(ld.req, ld.copies, _release_failed)
+        if failed:
+            self._reset_if_idle()
+        STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+        return done, failed
+
+    def _load_layer_staged(self, ld: _Load, layer: int, vg: int, kv: torch.Tensor, n: int) -> None:
+        """A GPU cache: this layer's pages go up on a side stream (H2DLoader), with every later layer
+        that has already landed started behind it; the scatter on the compute stream waits on its event.
+        (On a CPU cache with ``handover`` set, the same logic with copies done at once.)"""
+        try:
+            req, loader = ld.req, self._loader
+            for later in range(layer + 1, self.layout.layers):  # prefetch what has landed, in order
+                if later in ld.tickets:
+                    continue
+                if not req.landed(later):
+                    break
+                ld.tickets[later] = loader.start(req, later)
+                ld.copies.append(loader.fence_of(ld.tickets[later]))
+                STATS["load_layers_prefetched"] += 1
+            ticket = ld.tickets.pop(layer, None)
+            if ticket is None:
+                ticket = loader.start(req, layer, self.settings.load_timeout_s)
+                ld.copies.append(loader.fence_of(ticket))
+            pages = loader.ready(ticket)  # the compute stream waits on the copy; the host does not
+            if vg not in ld.dev_idx:
+                d = ld.dst[vg]
+                ld.dev_idx[vg] = (ld.src_chunk[vg].to(kv.device), d.chunk_rows.to(kv.device),
+                                  *(a.to(kv.device) for a in d.addresses(n)))
+            ci, rows, blk, off = ld.dev_idx[vg]
+            self._paged.scatter(kv, blk, off, *_comps(pages[ci, :, :, rows], self.layout.dtype, kv))
+            ld.layers_done += 1
+            STATS["load_layers"] += 1
+            STATS["load_layers_copied"] += 1
+        except _REQUEST_ERRORS as e:
+            ld.failed = f"layer {layer}: {e}"
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # called after every forward: settle this step's loads
+        self._holds.poll(_release_failed)
+        for ld in self._loads:
+            if ld.failed is None and ld.layers_done != self.layout.layers:
+                ld.failed = f"only {ld.layers_done} of {self.layout.layers} layers were loaded"
+            if ld.failed is None:
+                STATS["load_requests"] += 1
+                STATS["load_tokens"] += ld.spec.end - ld.spec.start
+            else:
+                STATS["load_failures"] += 1
+                STATS["load_blocks_failed"] += len(ld.block_ids)
+                self._load_errors.update(ld.block_ids)
+                log.error("pdpush: load of %s (%s) failed, its blocks will be recomputed: %s",
+                          ld.spec.req_id, ld.spec.push_id, ld.failed)
+            if ld.req is not None:
+                self._holds.release(ld.req, ld.copies, _release_failed)
+        failed = any(ld.failed for ld in self._loads)
+        self._loads.clear()
+        if failed:
+            self._reset_if_idle()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _reset_if_idle(self) -> None:
+        """After a failed load, a fresh connection to the receiver, so that late replies to the failed open cannot
+        answer the next request; only while no load holds the pool's pages (closing the client unmaps the pool
+        under an asynchronous load's views: the engine would crash at its next poll)."""
+        if not self._async and not self._loads and not self._holds.poll(_release_failed):
+            self.receiver.reset()

@@ -1,0 +1,218 @@
+"""The connector's push path, on each prefill TP rank: at each finished layer (``save_kv_layer``) this rank's KV of the
+step's pushes is gathered into its share of the sender's staging (a GPU cache: on a side stream, ``D2HStager``) and
+handed over; ``wait_for_save`` settles the step's hand-overs. A mixin of ``worker.WorkerSide``, whose state it uses."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdpush import kvcodec
+from pdpush.client import PushHandle
+from pdpush.errors import BrokenResourceError, PdpushError, TransportError
+from pdpush.integrations import vllm_layout as vl
+from pdpush.integrations.vllm.metadata import EVENTS, STATS, PushSpec
+from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
+
+log = logging.getLogger("pdpush.vllm")
+
+
+@dataclass
+class _Push:
+    spec: PushSpec
+    handle: PushHandle
+    src: list[vl.SlotMap]    # by vLLM KV cache group: its layers' new chunks' tokens in vLLM's cache, in order
+    layers_sent: int = 0
+    dev_addr: dict = field(default_factory=dict)  # a CUDA cache: (group, slots) -> slot addresses on its device
+    rows: dict = field(default_factory=dict)  # (group, slots, shape, strides) -> the one-pass gather's rows, or None
+    states_sent: int = 0  # state layers handed over (in model order: those before each attention layer first)
+
+
+class PushPath:
+    """The push path's methods (``WorkerSide`` holds the state)."""
+
+    def _begin_push(self, spec: PushSpec) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._begin_push_timed(spec)
+        finally:
+            STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _begin_push_timed(self, spec: PushSpec) -> None:
+        lay = self.layout
+        if time.monotonic() < self._sender_down_until:  # the forward must not wait on a sender that is not there
+            STATS["push_failures"] += 1
+            STATS["push_skipped_sender_down"] += 1
+            return
+        try:
+            handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None,
+                                          tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
+                                          pp_size=self.pp_size,
+                                          layers=(self.stage.start, self.stage.stop) if self.pp_size > 1 else None)
+        except (TransportError, BrokenResourceError) as e:  # no sender, or it died: stop asking for a while
+            STATS["push_failures"] += 1
+            log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
+                      self.settings.sender_retry_s, e)
+            self._sender_down_until = time.monotonic() + self.settings.sender_retry_s
+            if self._prefill is not None:  # a fresh connection: a late reply must not answer another begin
+                self._prefill.close()
+                self._prefill = None
+            return
+        except _REQUEST_ERRORS as e:  # the receiver refused this one (pool exhausted, too large, ...)
+            STATS["push_failures"] += 1
+            log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
+            return
+        T = lay.chunk_tokens
+        n = len(spec.token_ids)
+        if not handle.plan.n_new and not lay.state_layers:  # the receiver holds every item: nothing to move
+            handle.finish_nowait()
+            self._finishing.append(handle)
+            STATS["push_requests"] += 1
+            return
+        src = []
+        try:  # each vLLM group's layers: their pdpush group's new chunks (a sliding window's: of its window)
+            for vi, pg in enumerate(self._pgroup):
+                if pg < 0:  # a state group: its running state, gathered once the forward is done
+                    src.append(None)
+                    continue
+                gp = handle.plan.groups[pg]
+                tokens = torch.cat([torch.arange(c * T, min(n, (c + 1) * T)) for c in gp.new_chunks]) \
+                    if gp.new_chunks else torch.empty(0, dtype=torch.int64)
+                src.append(self._slots(spec.block_ids[vi], tokens, bool(gp.group.window)))
+        except (ValueError, IndexError) as e:  # vLLM's blocks do not cover the prompt: a bug, loud but not fatal
+            log.exception("pdpush: push of %s (%s): %s", spec.req_id, spec.push_id, e)
+            STATS["push_failures"] += 1
+            handle.abort(str(e)[:200])
+            return
+        self._pushes.append(_Push(spec, handle, src))
+        EVENTS.append(("begun", spec.push_id, -1, time.monotonic()))
+        STATS["push_requests"] += 1
+        STATS["push_tokens_staged"] += sum(sm.tokens for sm in src if sm is not None)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if not self._pushes:  # decode steps and unmarked requests: nothing to do
+            return
+        t0 = time.perf_counter()
+        layer = self._layer_of[layer_name]
+        vg = self._vgroup_of[layer_name]
+        n = self._paged.slots_per_block(kv_layer)
+        for p in list(self._pushes):
+            try:
+                if self._stager is not None:  # gather and copy on a side stream, hand over when the copy is done
+                    addr = p.dev_addr.get((vg, n))
+                    if addr is None:
+                        addr = p.dev_addr[vg, n] = tuple(a.to(kv_layer.device) for a in p.src[vg].addresses(n))
+                    self._stager.put_layer(p.handle, layer, lambda a=addr: self._paged.gather(kv_layer, *a),
+                                           new_only=True)
+                    p.layers_sent += 1
+                    STATS["push_layers"] += 1
+                    STATS["push_layers_copied"] += 1
+                    continue
+                if p.src[vg].tokens and (rows := self._gather_rows(p, vg, layer, kv_layer, n)) is not None:
+                    p.handle.stage_gathered(layer, vl.storage(kv_layer), *rows)  # one pass, cache to staging
+                elif p.src[vg].tokens:  # [new tokens, heads, D] each, then into staging
+                    comps = self._paged.gather(kv_layer, *p.src[vg].addresses(n))
+                    p.handle.stage_layer(layer, *comps, new_only=True)
+                p.handle.layer_ready(layer)
+                EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
+                p.layers_sent += 1
+                STATS["push_layers"] += 1
+                if self._state_before.get(layer_name, 0) > p.states_sent:  # state layers the forward has passed
+                    self._push_state(p, self._state_before[layer_name])
+            except _REQUEST_ERRORS as e:
+                self._fail_push(p, f"layer {layer}: {e}")
+        STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _gather_rows(self, p: _Push, vg: int, layer: int, kv_layer: torch.Tensor, n: int):
+        """Where each row of this rank's share of the group's layers lives in vLLM's cache (``kvcodec.gather``:
+        one pass from the paged blocks into staging), computed at the group's first layer, as every layer of
+        it has the same shape and strides. None where that cannot run here (no native copy, a cache on a
+        device, units that cut rows): the layer is gathered, then staged."""
+        key = (vg, n, tuple(kv_layer.shape), tuple(kv_layer.stride()))
+        if key not in p.rows:
+            rows = None
+            if kv_layer.device.type == "cpu" and kvcodec.can_gather():
+                heads = 1 if isinstance(self._paged, vl.PagedLatent) else kv_layer.shape[1]
+                what = p.handle.share_rows(layer, heads)
+                if what is not None:
+                    rows = self._paged.rows(kv_layer, *p.src[vg].addresses(n), *what)
+            p.rows[key] = rows
+        return p.rows[key]
+
+    def _push_state(self, p: _Push, upto: int) -> None:
+        """The prompt's running state of state layers ``[p.states_sent, upto)``, after its last token here
+        (the prefill stopped one short of the prompt: ``SchedulerSide.on_new_request``), from each state
+        group's last block (vLLM keeps a request's running state there), as this rank's units of them
+        (kvcodec.stage_state), each handed over as the layer ``layout.layers + s``. Mamba and GDN layers
+        have no save hook: the state of those before an attention layer goes at that layer's save (while the
+        forward goes on), the rest once the forward is done (``wait_for_save``)."""
+        t0 = time.perf_counter()
+        names = self._state_names()[p.states_sent:upto]
+        tensors = [self._state_views(name, p.spec.block_ids[self._vgroup_of[name]][-1]) for name in names]
+        for s, t in enumerate(tensors, p.states_sent):  # each handed over as soon as it is in: its block comes back
+            p.handle.stage_state(s, t)
+            p.handle.layer_ready(self.layout.layers + s)
+        EVENTS.append(("state_ready", p.spec.push_id, self.layout.layers + upto - 1, time.monotonic()))
+        p.states_sent = upto
+        STATS["push_state_layers"] += len(names)
+        STATS["push_state_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _fail_push(self, p: _Push, why: str) -> None:
+        STATS["push_failures"] += 1
+        log.error("pdpush: push of %s (%s) failed: %s", p.spec.req_id, p.spec.push_id, why)
+        self._pushes.remove(p)
+        if self._stager is not None:
+            self._stager.drop(p.handle)
+        try:
+            p.handle.abort(why[:200])
+        except PdpushError:
+            pass
+
+    def wait_for_save(self) -> None:
+        for p in self._pushes:
+            EVENTS.append(("forward_done", p.spec.push_id, -1, time.monotonic()))
+        for p in list(self._pushes):
+            if p.layers_sent != len(self.stage):
+                self._fail_push(p, f"only {p.layers_sent} of this stage's {len(self.stage)} layers were produced")
+                continue
+            try:
+                if self._stager is not None:
+                    # every copy handed over before the commit; also, vLLM may reuse these blocks once the
+                    # step ends, so no copy may still be reading them (with a deadline: HandOverTimeout)
+                    t0 = time.perf_counter()
+                    try:
+                        self._stager.wait(p.handle, self.settings.timeout_s)
+                    finally:
+                        STATS["push_handover_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+                if p.states_sent < self.layout.state_layers:  # those after the last attention layer
+                    self._push_state(p, self.layout.state_layers)
+                p.handle.finish_nowait()  # the commit completes in the background; the decode side waits for layers
+                self._finishing.append(p.handle)
+            except _REQUEST_ERRORS as e:
+                self._fail_push(p, str(e))
+                continue
+            self._pushes.remove(p)
+
+    def _reap_finishing(self, wait_s: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_s
+        for h in list(self._finishing):
+            try:
+                done = h.poll_done(max(0.0, deadline - time.monotonic()))
+            except PdpushError as e:
+                STATS["push_failures"] += 1
+                log.error("pdpush: commit of %s failed: %s", h.req_id, e)
+                self._finishing.remove(h)
+                continue
+            if done is not None:
+                for i, ms in enumerate(done.layer_done_ms):  # sender clock: ms after it got the begin
+                    EVENTS.append(("sender_layer_done_ms", h.req_id, i, ms))
+                STATS["push_committed"] += 1
+                STATS["push_bytes_sent"] += done.bytes_sent
+                STATS["push_chunks_skipped"] += done.chunks_skipped
+                self._finishing.remove(h)
+
+    # ---- decode: load ----
