@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pdpush import launch
 from pdpush.client import PrefillClient
 from pdpush.layout import KVLayout
-from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill
+from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill, plan_legs
 from tests.helpers import until
 
 W = Weights(load=1.0, pool=0.5, max_inflight=8, max_imbalance=2)
@@ -83,6 +83,22 @@ def test_round_robin_and_least_loaded_prefill():
     assert seq == [0, 1, 2, 0]
     p = choose_prefill([Candidate(True, 3), Candidate(True, 1), Candidate(False, 0)], W)
     assert p.index == 1 and p.reason == "least_loaded"
+
+
+def test_both_legs_are_planned_in_one_pure_step():
+    """The router's score-based placement (app.py only maps it to routes and metrics): the decode first, then no
+    prefill leg where nearly all the prompt is held there, else the least-loaded prefill instance."""
+    decodes = [Candidate(True, 0, 3), Candidate(True, 0, 0)]
+    prefills = [Candidate(True, 2), Candidate(True, 0)]
+    legs = plan_legs(decodes, prefills, 4, W, prompt_tokens=100, chunk_tokens=32, local_prefill_max_tokens=8)
+    assert legs.decode.index == 0 and legs.local and legs.prefill is None  # 96 of 100 tokens held there
+    legs = plan_legs(decodes, prefills, 4, W, prompt_tokens=100, chunk_tokens=32, local_prefill_max_tokens=0)
+    assert legs.decode.index == 0 and not legs.local and legs.prefill.index == 1  # the idle prefill instance
+    legs = plan_legs(decodes, prefills, 4, W, cache_aware=False, last_decode=0, prompt_tokens=100, chunk_tokens=32,
+                     local_prefill_max_tokens=8)
+    assert legs.decode.reason == "round_robin" and legs.decode.index == 1 and not legs.local
+    down = plan_legs([Candidate(False, 0)], prefills, 4, W)
+    assert down.decode.index is None and down.prefill is None
 
 
 def test_local_prefill_only_for_a_short_uncovered_suffix():

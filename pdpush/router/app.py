@@ -52,7 +52,7 @@ from pdpush.router.feeds import Feed
 from pdpush.router.fleet import Fleet, Instance
 from pdpush.router.kv_events import EngineEvents, Source
 from pdpush.router.metrics import Metrics
-from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill
+from pdpush.router.placement import Candidate, Weights, plan_legs
 from pdpush.router.tokens import EngineTokens, LocalTokens, PromptError, check_prompt
 
 log = logging.getLogger("pdpush.router")
@@ -220,27 +220,27 @@ class Router:
         keys = chunk_keys(ids, layout) if ids and layout is not None else []
         if self.cfg.policy == "cost_model":
             return self._place_by_cost(ids or [], layout, keys, exclude)
-        cands = []
-        for d in self.fleet.decode:
-            v = d.index
-            cands.append(Candidate(d.healthy and d is not exclude, d.inflight, v.held_prefix(keys) if keys else 0,
-                                   v.load.pages_free if v.load and v.synced else None,
-                                   v.load.pages_total if v.load and v.synced else None))
-        dd = choose_decode(cands, len(keys), self.weights, self._last_decode,
-                           cache_aware=self.cfg.policy == "cache_aware")
+        decodes = [Candidate(d.healthy and d is not exclude, d.inflight, d.index.held_prefix(keys) if keys else 0,
+                             d.index.load.pages_free if d.index.load and d.index.synced else None,
+                             d.index.load.pages_total if d.index.load and d.index.synced else None)
+                   for d in self.fleet.decode]
+        n = len(ids) if ids else 0
+        legs = plan_legs(decodes, [Candidate(p.healthy, p.inflight) for p in self.fleet.prefill], len(keys),
+                         self.weights, last_decode=self._last_decode, last_prefill=self._last_prefill,
+                         cache_aware=self.cfg.policy == "cache_aware", prompt_tokens=n,
+                         chunk_tokens=layout.chunk_tokens if layout is not None else None,
+                         local_prefill_max_tokens=self.cfg.local_prefill_max_tokens)
+        dd = legs.decode
         self.metrics.decisions.labels("decode", dd.reason).inc()
         if dd.index is None:
             return self._busy(f"no decode instance can take it ({dd.reason})")
         self._last_decode = dd.index
         decode = self.fleet.decode[dd.index]
         push_id = f"{self.prefix}-{uuid.uuid4().hex}"
-        n = len(ids) if ids else 0
-        if layout is not None and self.cfg.policy == "cache_aware" and local_prefill(
-                n, dd.hit_chunks, layout.chunk_tokens, self.cfg.local_prefill_max_tokens):
+        if legs.local:
             self.metrics.decisions.labels("prefill", "skipped_held").inc()
             return Route_(decode, None, push_id, n, dd.hit_chunks, dd.reason)
-        pd = choose_prefill([Candidate(p.healthy, p.inflight) for p in self.fleet.prefill], self.weights,
-                            self._last_prefill)
+        pd = legs.prefill
         self.metrics.decisions.labels("prefill", pd.reason).inc()
         if pd.index is None:
             return self._busy(f"no prefill instance can take it ({pd.reason})")

@@ -114,3 +114,26 @@ def local_prefill(prompt_tokens: int, hit_chunks: int, chunk_tokens: int, max_to
     if max_tokens <= 0 or hit_chunks == 0:
         return False
     return prompt_tokens - min(prompt_tokens, hit_chunks * chunk_tokens) <= max_tokens
+
+
+@dataclass(frozen=True)
+class Legs:
+    """Where a request's two legs go under the score-based policies (``plan_legs``)."""
+
+    decode: Decision  # index None: no decode instance can take it
+    prefill: Decision | None  # None: no prefill leg (the decode computes the prompt itself, or no decode)
+    local: bool = False  # the decode computes the prompt, loading the held prefix (``local_prefill``)
+
+
+def plan_legs(decodes: list[Candidate], prefills: list[Candidate], chunks: int, w: Weights, *, last_decode: int = -1,
+              last_prefill: int = -1, cache_aware: bool = True, prompt_tokens: int = 0, chunk_tokens: int | None = None,
+              local_prefill_max_tokens: int = 0) -> Legs:
+    """The decode instance first (``choose_decode``); then, where the cache-aware policy finds nearly all of the
+    prompt held there, no prefill leg at all (``local_prefill``); else the least-loaded prefill instance."""
+    dd = choose_decode(decodes, chunks, w, last_decode, cache_aware=cache_aware)
+    if dd.index is None:
+        return Legs(dd, None)
+    if chunk_tokens is not None and cache_aware and local_prefill(prompt_tokens, dd.hit_chunks, chunk_tokens,
+                                                                  local_prefill_max_tokens):
+        return Legs(dd, None, local=True)
+    return Legs(dd, choose_prefill(prefills, w, last_prefill))
