@@ -101,6 +101,22 @@ class _Closable:
             cb(self)
 
 
+def _reap_raw(reqs: list[int]) -> tuple[list[int], str | None]:
+    """Raw ucp requests that have completed are freed: (those still in progress, the first failure's name or None)."""
+    from pdpush.transport import ucp
+
+    still, failure = [], None
+    for r in reqs:
+        st = ucp.request_status(r)
+        if st == ucp.UCS_INPROGRESS:
+            still.append(r)
+            continue
+        ucp.request_free(r)
+        if st != ucp.UCS_OK and failure is None:
+            failure = ucp.status_name(st)
+    return still, failure
+
+
 class Endpoint(_Closable):
     """A UCX endpoint we connected, with error handling on, plus the peer's unpacked rkey."""
 
@@ -159,21 +175,11 @@ class Endpoint(_Closable):
     def wired_up(self) -> bool:
         """Whether the wire-up ``begin_wireup`` started has completed (then the rkey is unpacked); never waits
         (the owner progresses the worker). Raises TransferError if it failed or the endpoint died."""
-        from pdpush.transport import ucp
-
         if self._wireup is None:
             return self.rkey is not None
         reqs, buf, packed = self._wireup
-        failure = self.error
-        still = []
-        for r in reqs:
-            st = ucp.request_status(r)
-            if st == ucp.UCS_INPROGRESS:
-                still.append(r)
-                continue
-            ucp.request_free(r)
-            if st != ucp.UCS_OK and failure is None:
-                failure = ucp.status_name(st)
+        still, failed = _reap_raw(reqs)
+        failure = self.error or failed
         self._wireup = (still, buf, packed)
         if failure is not None:
             self.cancel_wireup()
@@ -550,16 +556,8 @@ class UcxWorker:
         try:
             while pending:
                 self.worker.progress()
-                still = []
-                for r in pending:
-                    st = ucp.request_status(r)
-                    if st == ucp.UCS_INPROGRESS:
-                        still.append(r)
-                        continue
-                    ucp.request_free(r)
-                    if st != ucp.UCS_OK and failure is None:
-                        failure = ucp.status_name(st)
-                pending = still
+                pending, failed = _reap_raw(pending)
+                failure = failure or failed
                 if pending and time.monotonic() > deadline:
                     raise TransportTimeout(f"{what} did not complete within {timeout_s:.1f}s")
         finally:
