@@ -164,6 +164,15 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     return int(code)
 
 
+def count_dropped(counters: dict, key: str, what: str, log: logging.Logger) -> None:
+    """A message its peer could not take (gone, or not reading: its queue at the high-water mark): counted in
+    ``counters[key]`` and logged at the 1st, 2nd, 4th, ... drop, so a peer that stopped reading does not flood the log.
+    The peer's own deadlines make the loss a typed timeout there, never a hang."""
+    n = counters[key] = counters[key] + 1
+    if n & (n - 1) == 0:
+        log.warning("could not send %s (%s: peer gone or not reading): %d dropped so far", what, key, n)
+
+
 def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
     """Log which UCX the daemon runs (version, library, how chosen), what it can use, and what the host offers
     (memlock against the ``registered_bytes`` of its pool or staging, hugepages, CUDA); where it talks to other

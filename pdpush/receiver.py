@@ -27,7 +27,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
-from pdpush.daemon import log_ucx, ucx_stats
+from pdpush.daemon import count_dropped, log_ucx, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import combine_digests
 from pdpush.protocol import StatusReply, StatusRequest
@@ -206,22 +206,14 @@ class Receiver:
         for a in actions:
             if isinstance(a, ToSender):
                 if not control.send(self.router, a.msg, a.ident):
-                    self._dropped("control", a)
+                    count_dropped(self.shell_counters, "control_dropped", a.msg.type, log)
             elif isinstance(a, ToDecode):
                 if not control.send(self.local, a.msg, a.ident):
-                    self._dropped("local", a)
+                    count_dropped(self.shell_counters, "local_dropped", a.msg.type, log)
             elif isinstance(a, FenceSender):
                 self._fence(a.ident)
             else:
                 self.metrics.apply(a, log)
-
-    def _dropped(self, where: str, a) -> None:
-        """A message its peer could not take (gone, or not reading: its queue at the high-water mark). Counted and
-        logged; the peer's own deadlines make the loss a typed timeout there, never a hang."""
-        n = self.shell_counters[f"{where}_dropped"] = self.shell_counters[f"{where}_dropped"] + 1
-        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a peer that stopped reading does not flood the log
-            log.warning("could not send %s on the %s endpoint (peer gone or not reading): %d dropped so far",
-                        a.msg.type, where, n)
 
     # ---- UCX ----
     def _on_ucx_peer(self, ep) -> None:

@@ -31,7 +31,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, is_loopback
-from pdpush.daemon import log_ucx, ucx_stats
+from pdpush.daemon import count_dropped, log_ucx, ucx_stats
 from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportTimeout
 from pdpush.layout import combine_digests
 from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
@@ -341,11 +341,8 @@ class Sender:
     def _do(self, a, todo: deque) -> None:
         """One action; what it sets off (a lost peer's failures, a connection's outcome) joins ``todo``."""
         if isinstance(a, ToClient):
-            if not control.send(self.ingress, a.msg, a.ident):  # the engine is gone, or not reading: its deadlines
-                n = self.shell_counters["ingress_dropped"] = self.shell_counters["ingress_dropped"] + 1
-                if n & (n - 1) == 0:
-                    log.warning("could not send %s to an engine (gone or not reading): %d dropped so far",
-                                a.msg.type, n)
+            if not control.send(self.ingress, a.msg, a.ident):
+                count_dropped(self.shell_counters, "ingress_dropped", a.msg.type, log)
         elif isinstance(a, ToPeer):
             msg = self._settled(a) if a.handle else a.msg
             if not control.send(self._sock(a.endpoint), msg):
