@@ -32,7 +32,7 @@ import zmq
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, is_loopback
 from pdpush.daemon import count_dropped, log_ucx, ucx_stats
-from pdpush.errors import IncompatiblePeer, PdpushError, TransferError, TransportTimeout
+from pdpush.errors import IncompatiblePeer, PdpushError, TransportTimeout
 from pdpush.layout import combine_digests
 from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
@@ -253,15 +253,9 @@ class Sender:
         if self._unsettled:
             self._settle()
         if failed:
-            from pdpush_native import TIMED_OUT
-
-            from pdpush.transport.ucp import status_name
-
             for eid, status in failed:
                 endpoint = self._eid_names[eid]
-                err = (TransportTimeout(f"put+flush to {endpoint} did not complete by its deadline (stalled or "
-                                        "partitioned receiver)") if status == TIMED_OUT
-                       else TransferError(f"put+flush to {endpoint} failed: {status_name(status)}"))
+                err = self.ucx.put_failure(endpoint, status)
                 self._apply(self.session.on_peer_lost(endpoint, str(err), now_ms(), err))
         if landed:
             self._spin_until = time.monotonic() + SPIN_S

@@ -139,6 +139,11 @@ class Transport(Protocol):
         """The native per-layer data plane over this transport, for the staging region at ``address``."""
         ...
 
+    def put_failure(self, endpoint: str, status: int) -> TransportError:
+        """The typed error for a put+flush of the pusher's that ended with ``status``: TransportTimeout for a
+        stalled or partitioned peer, TransferError otherwise."""
+        ...
+
     def describe(self) -> dict:
         """Its UCX: version, library, how it was chosen, every transport/device it can use, ``rdma``."""
         ...

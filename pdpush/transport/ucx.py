@@ -51,6 +51,19 @@ def configure_env(overrides: Mapping[str, str] | None = None) -> None:
         os.environ[k] = str(v)
 
 
+def put_failure(endpoint: str, status: int) -> TransportError:
+    """The typed error for a put+flush to ``endpoint`` that ended with a native ``status`` (not OK): a
+    timeout means a stalled or partitioned peer."""
+    import pdpush_native as native
+
+    from pdpush.transport import ucp
+
+    if status == native.TIMED_OUT:
+        return TransportTimeout(f"put+flush to {endpoint} did not complete by its deadline (stalled or "
+                                "partitioned receiver)")
+    return TransferError(f"put+flush to {endpoint} failed: {ucp.status_name(status)}")
+
+
 @dataclass
 class _Batch:
     """Posted puts and their flush (their requests and deadline are the native queue's, in the same order)."""
@@ -268,16 +281,11 @@ class Endpoint(_Closable):
             if status == 0:
                 out.append(Completion(b.token, b.puts))
                 continue
-            if status == native.TIMED_OUT:  # a stalled or partitioned peer
-                self.error = self.error or "a put+flush did not complete in time (stalled or partitioned peer)"
-                err: TransportError = TransportTimeout(f"put+flush to {self.name} did not complete by its deadline")
-            elif status == native.CANCELED:  # behind a failure
-                err = TransferError(f"endpoint {self.name} failed: {self.error}")
+            if status == native.CANCELED:  # behind a failure
+                err: TransportError = TransferError(f"endpoint {self.name} failed: {self.error}")
             else:
-                from pdpush.transport import ucp
-
-                self.error = self.error or ucp.status_name(status)
-                err = TransferError(f"put+flush to {self.name} failed: {ucp.status_name(status)}")
+                err = put_failure(self.name, status)
+                self.error = self.error or str(err)
             out.append(Completion(b.token, b.puts, err))
         if self._batches and self.error is not None:  # the endpoint died (its close callback said)
             self._native.drop_all()
@@ -413,6 +421,10 @@ class UcxWorker:
         return {"version": ucp.version_string(), "library": os.path.realpath(b.library), "source": b.source,
                 "components": comps, "available": [f"{t}/{d}" for t, d in res],
                 "rdma": any(t in ucx_lib.RDMA_TRANSPORTS for t, _ in res)}
+
+    def put_failure(self, endpoint: str, status: int) -> TransportError:
+        """The typed error for a native put+flush status (``Pusher.poll``'s failures)."""
+        return put_failure(endpoint, status)
 
     def pusher(self, address: int, length: int, timeout_s: float):
         """The native per-layer data plane (``pdpush_native.Pusher``) over this worker, for the staging region at
