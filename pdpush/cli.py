@@ -202,15 +202,18 @@ def doctor(
 @app.command()
 def layout(
     model: Path = typer.Option(..., "--model", help="A model directory (reads its config.json)."),
-    chunk_tokens: Optional[int] = typer.Option(None, help="Tokens per chunk (default 256)."),
+    chunk_tokens: Optional[int] = typer.Option(None, help="Also print chunk_tokens, this value."),
     dtype: Optional[str] = typer.Option(None, help="The dtype the engine serves (default: the config's)."),
-    model_id: Optional[str] = typer.Option(None, help="Model identity in chunk keys (default: the directory's name)."),
+    model_id: Optional[str] = typer.Option(None, help="Also print model_id, this value."),
 ) -> None:
-    """Print a model's KV layout as flat TOML lines, to append to a receiver config that does not set them."""
+    """Print a model's KV layout as flat TOML lines: `pdpush layout --model DIR >> receiver.toml` makes a
+    shipped receiver config serve that model. chunk_tokens and model_id, which the config sets, are printed
+    only when given."""
     from pdpush.model_layout import layout_of, toml_lines
 
     try:
-        typer.echo(toml_lines(layout_of(model, chunk_tokens=chunk_tokens, dtype=dtype, model_id=model_id)), nl=False)
+        lay = layout_of(model, chunk_tokens=chunk_tokens, dtype=dtype, model_id=model_id)
+        typer.echo(toml_lines(lay, chunk_tokens=chunk_tokens is not None, model_id=model_id is not None), nl=False)
     except ValueError as e:
         typer.echo(f"pdpush layout: {e}", err=True)
         raise typer.Exit(2) from None

@@ -165,9 +165,10 @@ def layout_of(model_dir: str | Path, *, chunk_tokens: int | None = None, dtype: 
         raise ModelConfigError(f"{path}: {e}") from None
 
 
-def toml_lines(lay: KVLayout) -> str:
-    """The layout as flat TOML ``key = value`` lines, to append to a receiver config."""
-    out = []
-    for k, v in lay.to_dict().items():
-        out.append(f"{k} = {json.dumps(v)}")
-    return "\n".join(out) + "\n"
+def toml_lines(lay: KVLayout, *, chunk_tokens: bool = False, model_id: bool = False) -> str:
+    """The layout the model decides, as flat TOML ``key = value`` lines, to append to a receiver config (the
+    shipped ones end in top-level keys, so appended lines stay top-level). ``chunk_tokens`` and ``model_id`` are
+    the deployment's choices, which a config sets already: printed only when asked for, or TOML would refuse
+    the duplicate key."""
+    skip = {k for k, asked in (("chunk_tokens", chunk_tokens), ("model_id", model_id)) if not asked}
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in lay.to_dict().items() if k not in skip)

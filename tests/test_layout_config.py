@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from pdpush import config as C
+from pdpush import launch
 from pdpush.config import ReceiverConfig, load
 from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, chunk_keys, runs
+from pdpush.model_layout import ModelConfigError, layout_of
 
 
 def test_page_geometry():
@@ -129,11 +131,6 @@ def _model_dir(tmp_path, name: str, cfg: dict):
 
 
 def test_pdpush_layout_reads_gqa_mla_and_refuses_hybrids(tmp_path):
-    import subprocess
-    import sys
-
-    from pdpush.model_layout import ModelConfigError, layout_of
-
     gqa = _model_dir(tmp_path, "llama", {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                                           "hidden_size": 4096, "torch_dtype": "bfloat16"})
     assert layout_of(gqa) == KVLayout(32, 8, 128, "bfloat16", 256, "llama")
@@ -158,7 +155,8 @@ def test_pdpush_layout_reads_gqa_mla_and_refuses_hybrids(tmp_path):
     assert out.returncode == 0, out.stderr
     rx = tmp_path / "receiver.toml"  # the printed lines, appended as they are, give the same layout
     rx.write_text("pool_pages = 4\n" + out.stdout)
-    assert load(ReceiverConfig, rx).layout == layout_of(kimi, chunk_tokens=64)
+    assert "model_id" not in out.stdout  # the deployment's choice: printed only when given
+    assert load(ReceiverConfig, rx).layout == layout_of(kimi, chunk_tokens=64, model_id="default")
     bad = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "layout", "--model", str(qnext)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "hybrid model" in bad.stderr
@@ -206,3 +204,25 @@ def test_a_hybrid_model_s_state_layers_become_the_layout_s_state(tmp_path):
                                             "num_attention_heads": 4, "layers_block_type": ["mamba", "attention"]})
     with pytest.raises(ModelConfigError, match="jamba"):
         layout_of(jamba)
+
+
+def test_layout_appended_to_the_shipped_receiver_config_starts_a_receiver_for_that_model(tmp_path):
+    """`pdpush layout --model DIR >> receiver.toml` on a copy of configs/receiver.toml: the shipped file ends in
+    top-level keys, the output sets neither chunk_tokens nor model_id (which the file sets), and the receiver
+    it starts serves the model's layout."""
+    d = _model_dir(tmp_path, "tiny", {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "hidden_size": 256, "torch_dtype": "float32"})
+    out = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "layout", "--model", str(d)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "chunk_tokens" not in out.stdout and "model_id" not in out.stdout, out.stdout
+    cfg = tmp_path / "receiver.toml"
+    cfg.write_text((Path(__file__).resolve().parents[1] / "configs/receiver.toml").read_text() + out.stdout)
+    want = layout_of(d, model_id="default")
+    assert load(ReceiverConfig, cfg).layout == want
+    rx = launch.start_receiver(tmp_path, config=cfg, control_port=0, ucx_port=0, metrics_port=0, prefault=False,
+                               local_socket=str(tmp_path / "rx.sock"), pool_pages=4)
+    try:
+        assert rx.info["fingerprint"] == want.fingerprint()
+    finally:
+        rx.stop()
