@@ -101,9 +101,15 @@ bench-itl: install vllm-env
 	mkdir -p bench-out docs/bench
 	$(PY) -m pdpush_tools.bench.itl --json bench-out/itl.json --report docs/bench/itl.md
 
-# pdpush simulate on the Mooncake FAST'25 traces (shared data, never committed): every policy at N = M = 4, 8, 16
+# pdpush simulate on the Mooncake FAST'25 request traces (public data, never committed): every policy at
+# N = M = 4, 8, 16. TRACES=DIR names the folder holding conversation_trace.jsonl and synthetic_trace.jsonl,
+# from https://github.com/kvcache-ai/Mooncake (FAST25-release/traces/)
 TRACES ?= ../shared/data/mooncake-traces
+MOONCAKE_TRACES_URL := https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces
 bench-sim: install
+	@test -f $(TRACES)/conversation_trace.jsonl || { echo "make bench-sim: no Mooncake traces in $(TRACES);" \
+		"download conversation_trace.jsonl and synthetic_trace.jsonl from $(MOONCAKE_TRACES_URL)" \
+		"and run make bench-sim TRACES=<their folder>"; exit 2; }
 	mkdir -p bench-out docs/bench
 	$(PY) -m pdpush_tools.bench.simulate --traces $(TRACES) --json bench-out/simulate.json \
 		--report docs/bench/simulate.md --plot docs/bench/simulate.png

@@ -16,10 +16,11 @@ import typer
 
 from pdpush.errors import ConfigError, PdpushError
 
-receiver_app = typer.Typer(add_completion=False, help="pdpush decode-side receiver daemon.")
-sender_app = typer.Typer(add_completion=False, help="pdpush prefill-side sender daemon.")
-app = typer.Typer(add_completion=False, help="pdpush: push KV cache from prefill to decode, layer by layer.",
-                  no_args_is_help=True)
+# Plain help (rich_markup_mode=None): rich's panels cut long flag names at 80 columns (--local-prefill-m…)
+receiver_app = typer.Typer(add_completion=False, rich_markup_mode=None, help="pdpush decode-side receiver daemon.")
+sender_app = typer.Typer(add_completion=False, rich_markup_mode=None, help="pdpush prefill-side sender daemon.")
+app = typer.Typer(add_completion=False, rich_markup_mode=None, no_args_is_help=True,
+                  help="pdpush: push KV cache from prefill to decode, layer by layer.")
 
 _CONFIG = typer.Option(None, "--config", "-c", help="TOML config file.")
 _BIND = typer.Option(None, "--bind", help="Address for the network-facing endpoints (overrides 'host').")
@@ -27,6 +28,24 @@ _READY = typer.Option(None, "--ready-file", help="Write a JSON file with the bou
 _LEVEL = typer.Option(None, "--log-level", help="debug, info, warning or error.")
 _FMT = typer.Option(None, "--log-format", help="text or json.")
 _PREFAULT = typer.Option(None, "--prefault/--no-prefault", help="Fault the shared region in at start-up.")
+
+
+def _version(value: bool) -> None:
+    """``--version``: the package's version and the control protocol's, then exit."""
+    if value:
+        from pdpush import __version__
+        from pdpush.protocol import PROTOCOL_VERSION
+
+        typer.echo(f"pdpush {__version__} (control protocol {PROTOCOL_VERSION})")
+        raise typer.Exit()
+
+
+_VERSION = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit.")
+
+
+@app.callback()
+def _main(version: bool = _VERSION) -> None:
+    """pdpush: push KV cache from prefill to decode, layer by layer."""
 
 
 def _fail_config(e: Exception) -> None:
@@ -51,6 +70,7 @@ def receiver(
     prefault: Optional[bool] = _PREFAULT,
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback bind without CURVE auth."),
     ready_file: Optional[str] = _READY, log_level: Optional[str] = _LEVEL, log_format: Optional[str] = _FMT,
+    version: bool = _VERSION,
 ) -> None:
     """Run the receiver daemon."""
     from pdpush import config as cfgmod
@@ -81,6 +101,7 @@ def sender(
     checksums: Optional[bool] = typer.Option(None, help="Send per-layer checksums."),
     prefault: Optional[bool] = _PREFAULT,
     ready_file: Optional[str] = _READY, log_level: Optional[str] = _LEVEL, log_format: Optional[str] = _FMT,
+    version: bool = _VERSION,
 ) -> None:
     """Run the sender daemon."""
     from pdpush import config as cfgmod
@@ -176,7 +197,6 @@ def doctor(
     """What this host's UCX can do for pdpush: version and library, transports and devices, RDMA, memlock,
     hugepages, CUDA. Exit code 1 where a check warns."""
     import json
-
     import tomllib
 
     from pdpush import config as cfgmod

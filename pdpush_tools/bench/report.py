@@ -40,7 +40,7 @@ def machine() -> dict:
     except (ImportError, OSError):
         ucx = "?"
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
-            "ucx": ucx, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "ucx": ucx, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
 def plot(res: dict, path: Path) -> None:

@@ -15,7 +15,7 @@ The connector is split by role: ``settings`` (configuration, layout, parallelism
 record per request) and ``worker`` (``WorkerSide``, one per TP rank: gather into staging, scatter
 from the pool). ``PdpushConnector`` only routes vLLM's calls to the side of its role.
 
-Flow (one request, driven by a proxy such as ``pdpush proxy``):
+Flow (one request, driven by a router such as ``pdpush router``):
 
 * prefill, scheduler: a request whose ``kv_transfer_params`` has ``do_remote_decode`` is marked;
   on the step its prompt finishes, its block ids go to the workers in the connector metadata.
