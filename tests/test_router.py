@@ -114,7 +114,8 @@ class Upstream(BaseHTTPRequestHandler):
     """A stand-in vLLM instance: records bodies, answers per ``mode``."""
 
     protocol_version = "HTTP/1.1"
-    seen: list
+    seen: list  # (path, body) of each POST
+    heard: list  # (path, its headers, lower-case names) of each POST
     state: dict  # mode: ok | fail500 | slow | dead-after-headers ; role
 
     def log_message(self, *a) -> None:
@@ -150,6 +151,7 @@ class Upstream(BaseHTTPRequestHandler):
         if self._dead():
             return
         self.seen.append((self.path, body))
+        self.heard.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
         mode = self.state.get("mode", "ok")
         if self.path == "/tokenize":
             self._send(200, {"tokens": list(range(1, 1 + len(body.get("prompt", "")))), "count": 0})
@@ -182,7 +184,7 @@ def upstreams():
     made = []
 
     def make(role: str, **state):
-        h = type(role, (Upstream,), {"seen": [], "state": {"role": role, **state}})
+        h = type(role, (Upstream,), {"seen": [], "heard": [], "state": {"role": role, **state}})
         srv = ThreadingHTTPServer(("127.0.0.1", 0), h)
         srv.daemon_threads = True
         threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -314,6 +316,33 @@ def test_saturation_answers_503_with_retry_after(upstreams, start_router):
     assert out["first"].status_code == 200
 
 
+def test_both_legs_carry_the_clients_trace_context_and_authorization(upstreams, start_router):
+    p_url, p, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    trace = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "vendor=x1"}
+    for legs in ("sequential", "concurrent"):
+        r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs=legs == "concurrent")
+        res = post(r.info["url"], {"prompt": "hello", "max_tokens": 3},
+                   headers={**trace, "Authorization": "Bearer engine-key", "X-Other": "no"})
+        assert res.status_code == 200
+        pre = until(lambda: [h for path, h in p.heard if path == "/v1/completions"], 10, "the prefill leg")[-1]
+        dec = [h for path, h in d.heard if path == "/v1/completions"][-1]
+        for got in (pre, dec):
+            assert {k: got.get(k) for k in trace} == trace and got.get("authorization") == "Bearer engine-key"
+            assert "x-other" not in got
+        r.stop()
+        p.heard.clear()
+        d.heard.clear()
+
+
+def test_upstream_headers_pass_the_trace_context_and_never_the_routers_own_key():
+    from pdpush.router.legs import upstream_headers
+
+    inc = {"traceparent": "00-a-b-01", "authorization": "Bearer k", "cookie": "c", "tracestate": "x" * 600}
+    assert upstream_headers(inc, own_key=False) == {"traceparent": "00-a-b-01", "authorization": "Bearer k"}
+    assert upstream_headers(inc, own_key=True) == {"traceparent": "00-a-b-01"}
+
+
 def test_the_api_key_guards_the_front(upstreams, start_router, tmp_path):
     p_url, _, _ = upstreams("prefill")
     d_url, d, _ = upstreams("decode")
@@ -326,7 +355,7 @@ def test_the_api_key_guards_the_front(upstreams, start_router, tmp_path):
     assert httpx.get(url + "/v1/models").status_code == 401
     ok = post(url, {"prompt": "a"}, headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200
-    assert "authorization" not in {k.lower() for k in d.seen[-1][1]}  # the router's key is not passed on
+    assert "authorization" not in d.heard[-1][1]  # the router's key is not passed on
 
 
 @pytest.fixture

@@ -424,8 +424,7 @@ class Router:
             return None
 
     async def _serve(self, request: Request, path: str, body: dict, route: Route_, t0: float) -> Response:
-        headers = {k: v for k, v in (("Authorization", request.headers.get("authorization")),) if v and
-                   self.api_key is None}  # the router's own key is not passed on
+        headers = legs.upstream_headers(request.headers, own_key=self.api_key is not None)
         mode = "conditional" if route.prefill is None else ("concurrent" if self.cfg.concurrent_legs else "sequential")
         self.metrics.prompt_chunks.inc(-(-route.prompt_tokens // self._chunk_tokens()) if route.prompt_tokens else 0)
         self.metrics.hit_chunks.inc(route.hit_chunks)

@@ -8,16 +8,30 @@ means, and where a failed prefill leg is tried again. app.py moves the bytes.
   once more on another healthy prefill instance, the least loaded, under the same push id.
 * The decode leg is the client's body with the router's ``kv_transfer_params`` in place of any the
   client sent (push ids are the router's).
+* Both legs carry the client's W3C trace context (``traceparent``, ``tracestate``), so that a trace spans
+  the router and both engines, and its ``Authorization`` unless the router checks a key of its own.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Protocol
 
 PREFILL_ATTEMPTS = 2
+PASSED_HEADERS = ("traceparent", "tracestate")  # W3C Trace Context
+MAX_PASSED_HEADER = 512  # tracestate: at most 32 members of 256 bytes is the spec; keep it short and bounded
+
+
+def upstream_headers(incoming: Mapping[str, str], own_key: bool) -> dict[str, str]:
+    """The client's headers both legs carry: its trace context, and ``Authorization`` unless the router
+    checked a key of its own (that key is not passed on). ``incoming`` is case-insensitive (Starlette's);
+    oversized values are dropped rather than forwarded."""
+    out = {k: v for k in PASSED_HEADERS if (v := incoming.get(k)) and len(v) <= MAX_PASSED_HEADER}
+    if not own_key and (auth := incoming.get("authorization")):
+        out["authorization"] = auth
+    return out
 
 
 class Outcome(Enum):
