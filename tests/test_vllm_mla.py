@@ -106,7 +106,7 @@ def test_mla_prefill_tp2_to_decode_tp2(fleet):
 
 @pytest.mark.parametrize("model,receiver,why", [
     ("tiny", LAYOUT, "layers: 1 vs 4, kv_heads: 1 vs 2, head_dim: 576 vs 64, kind: 'mla' vs 'mha'"),  # GQA vs MLA
-    ("mla", {**LAYOUT, "head_dim": 320}, "head_dim: 320 vs 576"),                    # another latent size
+    pytest.param("mla", {**LAYOUT, "head_dim": 320}, "head_dim: 320 vs 576", marks=pytest.mark.slow),  # another latent size (make test-slow)
 ])
 def test_a_decode_engine_whose_model_differs_from_the_receiver_s_layout_is_refused_at_start_up(
         fleet, tmp_path, model, receiver, why):

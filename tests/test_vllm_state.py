@@ -206,6 +206,7 @@ M2_ARGS = {"max_num_batched_tokens": 128, "max_num_seqs": 8, "block_size": 512}
 M2_PROMPTS = {"long": _prompt(150)}
 
 
+@pytest.mark.slow  # a matrix variant (make test-slow), kept out of make test for its time (make test stays under 40 minutes): Mamba2 state runs in make test in Nemotron-H
 def test_mamba2_alone_moves_only_its_state(tmp_path_factory):
     with _pair(tmp_path_factory, "mamba2", M2, M2_ARGS, M2_PROMPTS) as f:
         rx, tx = _push(f, "long")
