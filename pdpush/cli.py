@@ -271,7 +271,8 @@ def router(
     api_key_file: Optional[str] = typer.Option(None, "--api-key-file", help="Require this Bearer key."),
     ready_file: Optional[str] = _READY, log_level: Optional[str] = _LEVEL, log_format: Optional[str] = _FMT,
 ) -> None:
-    """Cache-aware OpenAI-compatible router in front of prefill and decode vLLM instances."""
+    """Cache-aware OpenAI-compatible router in front of prefill and decode vLLM instances. SIGHUP reloads the
+    prefill and decode lists from --config, without a restart."""
     from pdpush import config as cfgmod
     from pdpush import daemon
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from pdpush.errors import ConfigError
@@ -54,6 +54,8 @@ class _Settings(BaseSettings):
     """'text' for people, 'json' for log pipelines."""
     ready_file: str | None = None
     """If set, a JSON file with the bound endpoints is written here once the process can serve."""
+    _source: tuple[Path | None, dict[str, Any]] | None = PrivateAttr(default=None)
+    # what load() built it from (the file, the overrides), so that reload() can read it again
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -376,7 +378,9 @@ def load(cls: type[_Settings], path: str | os.PathLike | None = None, **override
         raise ConfigError(f"config file {p} does not exist")
     token = _toml_path.set(p)
     try:
-        return cls(**overrides)
+        cfg = cls(**overrides)
+        cfg._source = (p, overrides)
+        return cfg
     except ValidationError as e:
         msgs = []
         for err in e.errors():
@@ -388,3 +392,12 @@ def load(cls: type[_Settings], path: str | os.PathLike | None = None, **override
         raise ConfigError(f"invalid {cls.__name__}{f' ({p})' if p else ''}: {e}") from None
     finally:
         _toml_path.reset(token)
+
+
+def reload(cfg: _Settings):
+    """``cfg`` built again as ``load`` built it: its file as it is now, the environment, the same overrides (flags).
+    Raises ConfigError as ``load`` does, or where ``cfg`` came from no file (nothing to read again)."""
+    if cfg._source is None or cfg._source[0] is None:
+        raise ConfigError("no config file to read again (started without --config)")
+    path, overrides = cfg._source
+    return load(type(cfg), path, **overrides)

@@ -20,6 +20,9 @@ else the decode instance recomputes (its connector does when no push arrives). A
 that cannot be reached is ejected and the request goes to another, recomputing. Nothing is relayed
 as a 200 unless the decode instance answered 200. Every upstream call has a deadline; bodies are
 capped; when every instance is saturated the answer is 503 with Retry-After.
+
+SIGHUP reads the config file again and takes its new instance lists (reload.py decides what is added, dropped
+after its requests in flight, and kept with its state); a config it cannot take is refused and logged.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,17 +47,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdpush import config as cfgmod
 from pdpush import kv_params
 from pdpush.config import RouterConfig
+from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, chunk_keys
-from pdpush.router import costmodel, legs
+from pdpush.router import costmodel, legs, reload
 from pdpush.router.engine_cache import EngineCacheView
-from pdpush.router.feeds import Feed
 from pdpush.router.fleet import Fleet, Instance
-from pdpush.router.kv_events import EngineEvents, Source
 from pdpush.router.metrics import Metrics
 from pdpush.router.placement import Candidate, Weights, plan_legs
 from pdpush.router.tokens import EngineTokens, LocalTokens, PromptError, check_prompt
+from pdpush.router.watch import Watches
 
 log = logging.getLogger("pdpush.router")
 
@@ -81,9 +86,9 @@ class Route_:
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.fleet = Fleet([Instance("prefill", u.rstrip("/")) for u in cfg.prefill],
-                           [Instance("decode", d.url.rstrip("/"), d.receiver) for d in cfg.decode],
-                           eject_after=cfg.eject_after)
+        # fleet.prefill[i] and fleet.decode[i] are made from cfg.prefill[i] and cfg.decode[i], reloads included
+        self.fleet = Fleet([self._instance(k) for k in reload.prefill_keys(cfg)],
+                           [self._instance(k) for k in reload.decode_keys(cfg)], eject_after=cfg.eject_after)
         self.weights = Weights(cfg.weight_load, cfg.weight_pool, cfg.max_inflight, cfg.max_imbalance)
         self.prefix = cfg.push_id_prefix or f"rt-{secrets.token_hex(4)}"
         self.api_key = Path(cfg.api_key_file).read_text().strip() if cfg.api_key_file else None
@@ -92,20 +97,21 @@ class Router:
         self._last_decode = self._last_prefill = -1
         self._tasks: list[asyncio.Task] = []
         self._legs: set[asyncio.Task] = set()  # concurrent prefill legs still running
-        self._feeds: list[Feed] = []
+        self.watches = Watches(cfg.index_silence_s, self._feed_changed)
+        self._started = False
+        self.last_reload = ""  # what the last SIGHUP did (counted by outcome in /metrics)
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
                          "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0}
         self.estimates = costmodel.Estimates(cfg.prefill_tokens_per_s, cfg.push_gbps * 1e9,
                                              cfg.decode_wait_ms_per_request / 1000, cfg.local_tokens_per_s)
         self.caps = costmodel.Caps(cfg.max_inflight, cfg.max_imbalance)
-        self._sources: dict[str, Source] = {}
-        for p, url in zip(self.fleet.prefill, cfg.prefill, strict=True):
-            src = cfg.kv_events.get(url)
-            if src is not None:
-                p.cache = EngineCacheView()
-                self._sources[p.url] = Source(src.endpoint, src.replay_endpoint, src.topic)
-        self._events: list[EngineEvents] = []
+
+    @staticmethod
+    def _instance(key: reload.PrefillKey | reload.DecodeKey) -> Instance:
+        if isinstance(key, reload.DecodeKey):
+            return Instance("decode", key.url, key.receiver)
+        return Instance("prefill", key.url, cache=EngineCacheView() if key.events else None)
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -113,46 +119,14 @@ class Router:
         timeout = httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s)
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
                                                                             max_keepalive_connections=64))
-        keys = None
         if c.curve_secret_key_file:
-            from pdpush import auth
-
-            keys = auth.load_keypair(c.curve_secret_key_file)
-        for d, dc in zip(self.fleet.decode, c.decode, strict=True):
-            configure = None
-            if dc.receiver_public_key:
-                from pdpush import auth
-
-                server = auth.load_public_keys(dc.receiver_public_key)[0]
-
-                def configure(sock, server=server):
-                    auth.make_client(sock, keys, server)
-            name = d.receiver
-            feed = Feed(d.receiver, d.index, c.index_silence_s, configure,
-                        on_change=lambda kind, name=name: self._feed_changed(name, kind))
-            self._feeds.append(feed)
-            self._tasks.append(asyncio.create_task(feed.run(), name=f"feed {d.receiver}"))
-        for p in self.fleet.prefill:
-            if p.cache is not None:
-                self._tasks.append(asyncio.create_task(self._follow(p), name=f"kv events {p.url}"))
+            self.watches.load_keypair(c.curve_secret_key_file)
+        for p, pk in zip(self.fleet.prefill, reload.prefill_keys(c), strict=True):
+            self.watches.start(p, pk)
+        for d, dk in zip(self.fleet.decode, reload.decode_keys(c), strict=True):
+            self.watches.start(d, dk, self.watches.configure(dk))
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
-
-    async def _follow(self, p: Instance) -> None:
-        """Follow a prefill engine's KV events for the router's life; a broken subscription starts again."""
-        while True:
-            ev = EngineEvents(self._sources[p.url], p.cache)
-            self._events.append(ev)
-            try:
-                await ev.run()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a subscription's failure must not end the router
-                log.warning("KV events of %s: %s; subscribing again", p.url, e)
-                p.cache.clear("subscription_failed")
-                await asyncio.sleep(1.0)
-            finally:
-                ev.close()
-                self._events.remove(ev)
+        self._started = True
 
     async def stop(self) -> None:
         for t in list(self._legs) + self._tasks:
@@ -160,20 +134,89 @@ class Router:
         for t in list(self._legs) + self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for f in self._feeds:
-            f.close()
+        await self.watches.close()
         if self.client is not None:
             await self.client.aclose()
 
-    def _feed_changed(self, receiver: str, kind: str) -> None:
-        if kind == "snapshot":
-            d = next(d for d in self.fleet.decode if d.receiver == receiver)
-            if d.index.resyncs:
-                self.metrics.index_resyncs.labels(receiver).inc()
+    def _feed_changed(self, d: Instance, kind: str) -> None:
+        if kind == "snapshot" and d.index.resyncs:
+            self.metrics.index_resyncs.labels(d.receiver).inc()
+
+    # ---- reload (SIGHUP) ----
+    def sighup(self) -> None:
+        """Read the config file again and take its instance lists; a file that does not load is refused."""
+        try:
+            new = cfgmod.reload(self.cfg)
+        except ConfigError as e:
+            self._reloaded("refused", f"refused: {e}")
+            return
+        self.take(new)
+
+    def take(self, new: RouterConfig) -> reload.Plan:
+        """Apply a config read again: what reload.plan says, or nothing where it refuses it."""
+        plan = reload.plan(self.cfg, new)
+        configure = {}
+        if not plan.refused and self._started:
+            try:  # the new receivers' keys, read before anything changes
+                configure = {k: self.watches.configure(k) for k in plan.decode.added}
+            except ConfigError as e:
+                plan = reload.Plan(plan.prefill, plan.decode, plan.restart_only, str(e))
+        if plan.refused or not plan.changed:
+            self._reloaded("refused" if plan.refused else "unchanged", plan.summary())
+            return plan
+        lists = []
+        for old, d in ((self.fleet.prefill, plan.prefill), (self.fleet.decode, plan.decode)):
+            lists.append([old[i] if i is not None else self._instance(k) for k, i in zip(d.new, d.source, strict=True)])
+        gone = [self.fleet.prefill[i] for i in plan.prefill.drop] + [self.fleet.decode[i] for i in plan.decode.drop]
+        self.fleet.replace(lists[0], lists[1], gone)
+        self.cfg = self.cfg.model_copy(update={f: getattr(new, f) for f in reload.LISTS})
+        for inst in gone:
+            self.watches.stop(inst)
+            if inst.inflight > 0:
+                log.warning("draining %s: dropped once its %d requests in flight end", inst.name, inst.inflight)
+        if self._started:  # else start() subscribes to what is listed then
+            for inst, k in zip(lists[0], plan.prefill.new, strict=True):
+                if k in plan.prefill.added:
+                    self.watches.start(inst, k)
+            for inst, k in zip(lists[1], plan.decode.new, strict=True):
+                if k in configure:
+                    self.watches.start(inst, k, configure[k])
+        self._reloaded("applied", plan.summary())
+        self._reap()
+        return plan
+
+    def _reloaded(self, outcome: str, line: str) -> None:
+        self.last_reload = f"{outcome}: {line}" if outcome != "refused" else line
+        self.metrics.reloads.labels(outcome).inc()
+        level = {"refused": logging.ERROR, "applied": logging.WARNING}.get(outcome, logging.INFO)
+        kept = (f"; the {len(self.fleet.prefill)} prefill and {len(self.fleet.decode)} decode instances listed "
+                "before stay" if outcome == "refused" else "")
+        log.log(level, "reload (SIGHUP) %s%s", line, kept, extra={"fields": {"event": "reload", "outcome": outcome}})
+        src = self.cfg._source[1] if self.cfg._source else {}
+        for role in ("prefill", "decode"):
+            if role in src or f"PDPUSH_{role.upper()}" in os.environ:
+                log.warning("reload: %s comes from a flag or PDPUSH_%s, which win over the file: its list there is "
+                            "not read", role, role.upper())
+
+    def _reap(self) -> None:
+        """Forget the dropped instances whose requests in flight have ended (and their metrics' series)."""
+        for inst in self.fleet.reap():
+            log.warning("dropped %s: no request in flight there any more", inst.name,
+                        extra={"fields": {"event": "dropped", "instance": inst.url}})
+            m, live = self.metrics, self.fleet.all() + self.fleet.retired
+            series = []
+            if not any(i.url == inst.url for i in live):
+                series += [(m.healthy, inst.url), (m.inflight, inst.url), (m.prefill_view_blocks, inst.url)]
+            if inst.role == "decode" and not any(i.receiver == inst.receiver for i in live if i.role == "decode"):
+                series += [(m.index_chunks, inst.receiver), (m.index_synced, inst.receiver)]
+            for gauge, label in series:
+                with contextlib.suppress(KeyError):  # never set (no scrape while it was listed)
+                    gauge.remove(label)
 
     # ---- health ----
     async def _health_loop(self) -> None:
         while True:
+            self._reap()
             await asyncio.gather(*(self._check(i) for i in self.fleet.all()), return_exceptions=True)
             await asyncio.sleep(self.cfg.health_interval_s)
 
@@ -306,13 +349,12 @@ class Router:
                        taken: tuple[float, int] | None = None) -> dict | None:
         """The prefill leg, tried again elsewhere as legs.py says. Returns its kv_transfer_params, or None
         (the decode instance recomputes). ``taken``: the first attempt was already counted (``_take``)."""
-        tried: set[int] = set()
-        i = self.fleet.prefill.index(route.prefill)
+        tried: list[Instance] = []  # instances, not indices: a reload may change the list between attempts
+        inst = route.prefill
         work = route.estimate.computed_tokens if route.estimate else 0
         leg = legs.prefill_body(body, route.decode.receiver, route.push_id)
         for attempt in range(legs.PREFILL_ATTEMPTS):
-            inst = self.fleet.prefill[i]
-            tried.add(i)
+            tried.append(inst)
             ahead, mark = taken if attempt == 0 and taken is not None else self._take(inst, work)
             t = time.monotonic()
             status, why = None, ""
@@ -340,10 +382,11 @@ class Router:
             log.warning("prefill %s failed for %s: %s", inst.url, route.push_id, why,
                         extra={"fields": {"event": "prefill_failed", "push_id": route.push_id, "instance": inst.url,
                                           "attempt": attempt}})
-            nxt = legs.next_prefill(self.fleet.prefill, tried, attempt)
+            listed = self.fleet.prefill
+            nxt = legs.next_prefill(listed, {k for k, p in enumerate(listed) if any(p is t for t in tried)}, attempt)
             if nxt is None:
                 break
-            i = nxt
+            inst = listed[nxt]
             self.counters["prefill_retries"] += 1
         return None
 
@@ -582,8 +625,9 @@ class Router:
                          **({"prefill_fit": self._fit(i)} if i.role == "prefill" else {})}
                 for i in f.all()}
         ok = any(d.healthy for d in f.decode)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "instances": inst, **self.counters},
-                            200 if ok else 503)
+        draining = {i.name: {"inflight": i.inflight} for i in f.retired}  # dropped by a reload, requests in flight
+        return JSONResponse({"status": "ok" if ok else "unavailable", "instances": inst, "draining": draining,
+                             "last_reload": self.last_reload, **self.counters}, 200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -599,7 +643,7 @@ class Router:
 
     async def metrics_endpoint(self, request: Request) -> Response:
         m = self.metrics
-        for i in self.fleet.all():
+        for i in self.fleet.retired + self.fleet.all():  # a listed instance's series win over a dropped one's
             m.healthy.labels(i.url).set(1 if i.healthy else 0)
             m.inflight.labels(i.url).set(i.inflight)
         for p in self.fleet.prefill:
@@ -657,6 +701,9 @@ def serve(cfg: RouterConfig) -> None:
                                            timeout_graceful_shutdown=30, h11_max_incomplete_event_size=64 << 10))
 
     async def main() -> None:
+        # SIGHUP: the config file read again (its instance lists); set before anything is served
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.sighup)
+
         async def ready() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)

@@ -2,7 +2,8 @@
 
 An instance is ejected after ``eject_after`` failures in a row (health checks or requests that
 could not reach it), and re-admitted by the first health check that passes. Requests in flight are
-counted here; placement (placement.py) reads them.
+counted here; placement (placement.py) reads them. A config reload (reload.py) replaces the lists: an instance
+no longer listed is retired, and forgotten once its requests in flight have ended.
 """
 
 from __future__ import annotations
@@ -39,9 +40,23 @@ class Fleet:
             raise ValueError("a router needs at least one prefill and one decode instance")
         self.prefill, self.decode = prefill, decode
         self.eject_after = eject_after
+        self.retired: list[Instance] = []  # no longer listed, still answering requests placed on them
 
     def all(self) -> list[Instance]:
         return self.prefill + self.decode
+
+    def replace(self, prefill: list[Instance], decode: list[Instance], gone: list[Instance]) -> None:
+        """New lists (a reload): ``gone`` take no new request, and are kept as retired until ``reap``."""
+        if not prefill or not decode:
+            raise ValueError("a router needs at least one prefill and one decode instance")
+        self.prefill, self.decode = prefill, decode
+        self.retired += gone
+
+    def reap(self) -> list[Instance]:
+        """The retired instances with no request in flight any more: forgotten, and returned."""
+        done = [i for i in self.retired if i.inflight <= 0]
+        self.retired = [i for i in self.retired if i.inflight > 0]
+        return done
 
     def ok(self, inst: Instance) -> bool:
         """A passing health check or request. True if this re-admits it."""

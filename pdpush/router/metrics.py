@@ -39,6 +39,8 @@ class Metrics:
                                        "token; a whole answer otherwise)", ["stream"], buckets=ttft, registry=r)
         self.slo_rejections = Counter("pdpush_router_slo_rejections", "Requests refused: predicted TTFT over the SLO",
                                       registry=r)
+        self.reloads = Counter("pdpush_router_reloads", "Config files read again (SIGHUP), by outcome: applied, "
+                               "unchanged, refused (the old instance lists kept)", ["outcome"], registry=r)
         self.prefill_view_blocks = Gauge("pdpush_router_prefill_view_blocks",
                                          "Blocks of a prefill engine's own cache, as its KV events say", ["instance"],
                                          registry=r)

@@ -1,0 +1,101 @@
+"""What the router follows of each instance besides its health, on asyncio: a decode instance's receiver index feed
+(feeds.py) and a prefill instance's own KV events (kv_events.py), started and stopped one instance at a time, as the
+router starts and as a reload (reload.py) adds and drops instances. The views they fill live on the instances
+(fleet.py); this only runs the subscriptions. Imports no HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from pdpush.errors import ConfigError
+from pdpush.router.feeds import Feed
+from pdpush.router.fleet import Instance
+from pdpush.router.kv_events import EngineEvents, Source
+from pdpush.router.reload import DecodeKey, PrefillKey
+
+log = logging.getLogger("pdpush.router")
+
+
+class Watches:
+    def __init__(self, silence_s: float, on_feed: Callable[[Instance, str], None]) -> None:
+        self.silence_s = silence_s
+        self._on_feed = on_feed
+        self._tasks: dict[int, asyncio.Task] = {}  # by id(instance), while it is listed
+        self._feeds: dict[int, Feed] = {}
+        self.curve = None  # the router's CURVE key pair (auth.KeyPair), for receivers exposed with CURVE
+
+    def load_keypair(self, path: str) -> None:
+        from pdpush import auth
+
+        self.curve = auth.load_keypair(path)
+
+    def configure(self, key: DecodeKey) -> Callable | None:
+        """How a feed's socket is set up for its receiver (None: plain). Raises ConfigError where the receiver's
+        public key cannot be read: a new receiver's is read before a reload changes anything."""
+        if not key.receiver_public_key:
+            return None
+        from pdpush import auth
+
+        found = auth.load_public_keys(key.receiver_public_key)
+        if not found:
+            raise ConfigError(f"receiver_public_key of {key.url}: no key in {key.receiver_public_key}")
+        keys, server = self.curve, found[0]
+
+        def configure(sock) -> None:
+            auth.make_client(sock, keys, server)
+        return configure
+
+    def watching(self, inst: Instance) -> bool:
+        return id(inst) in self._tasks
+
+    def start(self, inst: Instance, key: PrefillKey | DecodeKey, configure: Callable | None = None) -> None:
+        if isinstance(key, DecodeKey):
+            feed = Feed(key.receiver, inst.index, self.silence_s, configure,
+                        on_change=lambda kind, d=inst: self._on_feed(d, kind))
+            task = asyncio.create_task(feed.run(), name=f"feed {key.receiver}")
+            task.add_done_callback(lambda t, feed=feed: feed.close())  # the socket closes once the task has ended
+            self._feeds[id(inst)] = feed
+        elif key.events is not None:
+            task = asyncio.create_task(self._follow(inst, Source(*key.events)), name=f"kv events {inst.url}")
+        else:
+            return
+        self._tasks[id(inst)] = task
+
+    def stop(self, inst: Instance) -> None:
+        """An instance no longer listed: its subscription ends (its views are no longer read)."""
+        task = self._tasks.pop(id(inst), None)
+        self._feeds.pop(id(inst), None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for f in self._feeds.values():
+            f.close()
+        self._tasks.clear()
+        self._feeds.clear()
+
+    @staticmethod
+    async def _follow(p: Instance, source: Source) -> None:
+        """Follow a prefill engine's KV events while it is listed; a broken subscription starts again."""
+        while True:
+            ev = EngineEvents(source, p.cache)
+            try:
+                await ev.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a subscription's failure must not end the router
+                log.warning("KV events of %s: %s; subscribing again", p.url, e)
+                p.cache.clear("subscription_failed")
+                await asyncio.sleep(1.0)
+            finally:
+                ev.close()
