@@ -198,6 +198,93 @@ def test_the_routers_local_tokenizer_gives_the_engines_token_ids(fleet):
     r.stop()
 
 
+def _complete(server, prompt: list[int], params: dict) -> list[int]:
+    """One completion straight to an engine (no router), with the given kv_transfer_params."""
+    res = httpx.post(server.url + "/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "kv_transfer_params": params}, timeout=120)
+    assert res.status_code == 200, res.text
+    return res.json()["choices"][0]["token_ids"]
+
+
+def test_the_connectors_numbers_are_on_the_engines_metrics(fleet):
+    """vllm:pdpush_* (stats.SERIES) on the engines' own /metrics, as vLLM exports them: a push and its load
+    through the router; then, on that decode instance, a push that never delivers (its load times out: failed,
+    recomputed) and one that ended (recomputed without a load). Tokens still equal colocated."""
+    from pdpush.client import DecodeClient, PrefillClient
+    from pdpush.integrations.vllm.stats import SERIES
+    from pdpush.layout import KVLayout
+
+    r = fleet.router()
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    names = ("loads_total", "load_failures_total", "recomputes_total", "load_bytes_total", "load_layers_total",
+             "load_tokens_total", "load_wait_seconds_count")
+
+    def numbers(server) -> dict[str, float]:
+        return {n: server.metric(f"vllm:pdpush_{n}") for n in names} | {
+            "layerwise": server.metric("vllm:pdpush_loads_total", 'path="layerwise"'),
+            "timeout": server.metric("vllm:pdpush_load_failures_total", 'path="layerwise",reason="timeout"'),
+            "ended": server.metric("vllm:pdpush_recomputes_total", 'reason="push_ended"'),
+            "pushes": server.metric("vllm:pdpush_pushes_total"),
+            "push_failures": server.metric("vllm:pdpush_push_failures_total")}
+
+    def grown(server, before: dict, **want: float) -> dict:
+        """The numbers once ``want`` (name: increase) holds: vLLM's front-end records a step's stats as its
+        outputs arrive, which may be just after the answer."""
+        got: dict = {}
+
+        def ok() -> bool:
+            got.update(numbers(server))
+            return all(got[k] - before[k] == v for k, v in want.items())
+        try:
+            until(ok, 15, f"{want} on {server.url}/metrics")
+        except AssertionError:
+            raise AssertionError(f"before {before}, after {got}, wanted increases {want}") from None
+        return got
+
+    pre0 = numbers(fleet.prefill[0])
+    dec0 = {d.url: numbers(d) for d in fleet.decode}
+    got = turn(fleet, url, Chat(60))  # a push, loaded layer by layer
+    assert got["match"], got
+    i = [d.url for d in fleet.decode].index(got["decode"])
+    dec = fleet.decode[i]
+    d1 = grown(dec, dec0[dec.url], loads_total=1, layerwise=1, load_layers_total=LAYOUT["layers"],
+               load_wait_seconds_count=1, load_failures_total=0, recomputes_total=0)
+    tokens = d1["load_tokens_total"] - dec0[dec.url]["load_tokens_total"]
+    assert 0 < tokens < len(got["prompt"]), d1
+    assert d1["load_bytes_total"] - dec0[dec.url]["load_bytes_total"] == tokens * CHUNK_BYTES / LAYOUT["chunk_tokens"]
+    grown(fleet.prefill[0], pre0, pushes=1, push_failures=0)
+
+    lay = KVLayout(**LAYOUT)
+    pc = PrefillClient(lay, fleet.sender.info["ingress_endpoint"].removeprefix("ipc://"),
+                       receiver=fleet.receivers[i].info["control_endpoint"])
+    dc = DecodeClient(fleet.rx_sock(i))
+    stalled = [(7 * k) % 500 + 3 for k in range(75)]
+    ended = [(11 * k) % 500 + 3 for k in range(66)]
+    try:
+        h = pc.begin("metrics-stalled", stalled)  # allocated on the receiver; no layer ever comes
+        toks = _complete(dec, stalled, {"pdpush_req_id": "metrics-stalled"})  # load_timeout_s, then recomputed
+        h.abort("test over")
+        assert toks == fleet.colocated.generate(stalled, NEW)[0]["tokens"]
+        d2 = grown(dec, d1, load_failures_total=1, timeout=1, load_wait_seconds_count=1, loads_total=0)
+        pc.begin("metrics-ended", ended).abort("prefill failed")
+        until(lambda: dc.query(ended, lay, req_id="metrics-ended").request_gone, 10, "the abort on the receiver")
+        toks = _complete(dec, ended, {"pdpush_req_id": "metrics-ended"})  # computed here, no load
+        assert toks == fleet.colocated.generate(ended, NEW)[0]["tokens"]
+        grown(dec, d2, recomputes_total=1, ended=1, loads_total=0, load_failures_total=0)
+    finally:
+        pc.close()
+        dc.close()
+    # every series is on the scrape, by the names stats.SERIES gives (a push failure on none so far)
+    text = httpx.get(dec.url + "/metrics", timeout=10).text
+    samples = {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln.startswith("vllm:pdpush_")}
+    listed = {n + ("_bucket" if kind == "histogram" else "") for n, kind in SERIES}
+    assert listed - samples == {"vllm:pdpush_push_failures_total"}, sorted(listed - samples)
+    assert {s for s in samples if not s.endswith(("_created", "_sum", "_count"))} <= listed, sorted(samples)
+    r.stop()
+
+
 def test_a_decode_instance_killed_mid_run_no_request_hangs_and_later_ones_go_to_the_other(fleet):
     """Runs last in this module: it kills a decode server."""
     r = fleet.router(health_interval_s=0.5)

@@ -22,6 +22,7 @@ import numpy as np
 
 from pdpush.integrations.device_copy import CopyHolds, H2DLoader
 from pdpush.integrations.vllm.load import _Load
+from pdpush.integrations.vllm.stats import LoadFailure, WorkerStats
 from pdpush.integrations.vllm.worker import WorkerSide
 
 
@@ -60,8 +61,9 @@ class Link:  # the receiver link: reset() closes the client, which unmaps the po
 
 
 def load(name, failed=None, asynchronous=False):
-    spec = NS(req_id=name, push_id="p-" + name, start=0, end=16, asynchronous=asynchronous)
-    return _Load(spec, Req(name), [], [], [], failed=failed, deadline=1e18)
+    spec = NS(req_id=name, push_id="p-" + name, start=0, end=16, asynchronous=asynchronous, claim=False)
+    return _Load(spec, Req(name), [], [], [], failed=failed, reason=LoadFailure.PUSH_FAILED if failed else None,
+                 deadline=1e18)
 
 
 w = WorkerSide.__new__(WorkerSide)
@@ -69,6 +71,7 @@ w.settings = NS(async_layers_per_step=4, load_timeout_s=60.0)
 w.layout = NS(layers=2, state_layers=[])
 w._load_order, w._layer_of, w._load_errors = [], {}, set()
 w.receiver, w._holds, w._loads, w._async = Link(), CopyHolds(), [], []
+w.stats = WorkerStats()
 out = {}
 
 # 1. a sync load fails while an asynchronous load still reads the pool: no reset until nothing reads it
@@ -104,6 +107,7 @@ held = Req("at-shutdown")
 w._holds.release(held, [Fence()], lambda r, e: None)
 w._holds.drain(lambda r, e: None)
 out["released_at_shutdown"] = held.released
+out["totals"] = w.stats.totals()
 print(json.dumps(out))
 """
 
@@ -117,3 +121,8 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     assert out["released_while_copying"] == 0 and out["released_still_copying"] == 0, out  # item 3
     assert out["resets_while_copying"] == 1, out  # the copy still reads the pool: no reset
     assert out["released_after_copy"] == 1 and out["released_at_shutdown"] == 1, out
+    # the worker's stats object counted each settled load once, failures by path and reason
+    t = out["totals"]
+    assert t["load_failures"] == 4 and t["load_failed:layerwise:push_failed"] == 3, t
+    assert t["load_failed:layerwise:incomplete"] == 1, t  # "copied" ran none of the layout's 2 layers
+    assert t["load_requests"] == 1 and t["load_async"] == 1 and t["loads:async"] == 1, t

@@ -165,6 +165,21 @@ def make_llm(model: str, role: str, extra: dict, llm_args: dict):
     return LLM(model=model, **args, **kw)
 
 
+def connector_stats(llm) -> tuple[dict, list]:
+    """The connector's counts since start-up (``stats.engine_totals``: every count by name) and its recent push
+    events, read from the connector objects of this process: the scheduler's, and the worker's where the worker
+    runs here (TP 1; a TP > 1 engine's workers are processes of their own, whose counts vLLM reports on /metrics)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from pdpush.integrations.vllm.stats import engine_totals
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # None: the engine core is another process
+    sched = core.scheduler.get_kv_connector() if core is not None else None
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    ws = worker.stats if worker is not None else None
+    return engine_totals(ws, sched.stats if sched is not None else None), list(ws.events) if ws is not None else []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
@@ -187,12 +202,7 @@ def main() -> int:
     if os.environ.get("PDPUSH_TEST_FAULT"):
         _inject_fault(os.environ["PDPUSH_TEST_FAULT"])
     llm = make_llm(a.model, a.role, json.loads(a.extra), json.loads(a.llm_args))
-    stats: dict = {}
-    events: list = []
-    if a.role != "colocated":
-        from pdpush.integrations import vllm as connector
-
-        stats, events = connector.STATS, connector.EVENTS
+    connected = a.role != "colocated"
     out.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -200,7 +210,8 @@ def main() -> int:
         if cmd["cmd"] == "quit":
             break
         if cmd["cmd"] == "stats":
-            out.write(json.dumps({"stats": dict(stats), "events": list(events)}) + "\n")
+            stats, events = connector_stats(llm) if connected else ({}, [])
+            out.write(json.dumps({"stats": stats, "events": events}) + "\n")
             out.flush()
             continue
         prompts = cmd["prompts"]
@@ -219,7 +230,7 @@ def main() -> int:
                 timed.append((llm.generate([req], sp, use_tqdm=False)[0], (time.monotonic() - t) * 1000))
         results = [{"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params, "ms": ms}
                    for r, ms in timed]
-        out.write(json.dumps({"outputs": results, "stats": dict(stats)}) + "\n")
+        out.write(json.dumps({"outputs": results, "stats": connector_stats(llm)[0] if connected else {}}) + "\n")
         out.flush()
     return 0
 

@@ -13,10 +13,11 @@ import torch
 
 from pdpush import kvcodec
 from pdpush.client import DecodeRequest
-from pdpush.errors import PdpushError
+from pdpush.errors import BrokenResourceError, PdpushError, RequestFailed, TransportTimeout
 from pdpush.integrations import vllm_layout as vl
 from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
-from pdpush.integrations.vllm.metadata import STATS, LoadSpec
+from pdpush.integrations.vllm.metadata import LoadSpec
+from pdpush.integrations.vllm.stats import LoadFailure, LoadRoute
 
 log = logging.getLogger("pdpush.vllm")
 
@@ -35,10 +36,36 @@ class _Load:
     dev_idx: dict = field(default_factory=dict)  # a CUDA cache: vLLM group -> indexes on the device
     state_blocks: list[int] = field(default_factory=list)  # the state groups' blocks the state goes into
     deadline: float = 0.0  # an asynchronous load: its push must have committed by then
+    reason: LoadFailure | None = None  # why it failed (with ``failed``, the message): ``fail``
+    opened: float = 0.0  # perf_counter at its open (an asynchronous load waits from then on)
+    waited: float = 0.0  # seconds the forward spent on it (a layerwise load: its open and its layers)
 
     @property
     def block_ids(self) -> set[int]:
         return {b for d in self.dst if d is not None for b in d.block_ids} | set(self.state_blocks)
+
+    @property
+    def path(self) -> LoadRoute:
+        if self.spec.claim:
+            return LoadRoute.CLAIM
+        return LoadRoute.ASYNC if self.spec.asynchronous else LoadRoute.LAYERWISE
+
+    def fail(self, reason: LoadFailure, why: str) -> None:
+        self.reason, self.failed = reason, why
+
+    def fail_on(self, e: Exception, where: str) -> None:
+        """A failure raised by the receiver, the pool or the copy, classified by its type."""
+        self.fail(failure_of(e), f"{where}: {e}" if where else str(e))
+
+
+def failure_of(e: Exception) -> LoadFailure:
+    if isinstance(e, TransportTimeout):
+        return LoadFailure.TIMEOUT
+    if isinstance(e, (RequestFailed, BrokenResourceError)):
+        return LoadFailure.PUSH_FAILED
+    if isinstance(e, PdpushError):
+        return LoadFailure.RECEIVER
+    return LoadFailure.COPY
 
 
 def _release_failed(req: DecodeRequest, e: PdpushError) -> None:
@@ -72,31 +99,37 @@ class LoadPath:
                 dst.append(self._group_dst(spec, vi, group, lay.group_chunks(group, pushed).start))
         except (ValueError, IndexError) as e:  # the blocks do not cover the load: a bug, loud but not fatal
             log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
+            failed = _Load(spec, None, [], [], [])
+            failed.fail(LoadFailure.BLOCKS, str(e))
             if spec.asynchronous:
-                self._async.append(_Load(spec, None, [], [], [], failed=str(e)))
+                self._async.append(failed)
                 return
-            STATS["load_failures"] += 1
-            self._load_errors.update(b for ids in spec.block_ids for b in ids if b)
+            blocks = {b for ids in spec.block_ids for b in ids if b}
+            self.stats.load_fail(failed.path, LoadFailure.BLOCKS, 0.0, blocks=len(blocks))
+            self._load_errors.update(blocks)
             return
-        load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
-                      deadline=time.monotonic() + self.settings.load_timeout_s)
-        (self._async if spec.asynchronous else self._loads).append(load_)
         t0 = time.perf_counter()
+        load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
+                      deadline=time.monotonic() + self.settings.load_timeout_s, opened=t0)
+        (self._async if spec.asynchronous else self._loads).append(load_)
         try:
             req = self.receiver.get().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
                                         tp_rank=self.tp_rank, tp_size=self.tp_size)
         except _REQUEST_ERRORS as e:
-            load_.failed = f"open: {e}"
+            load_.fail_on(e, "open")
             return
         finally:
-            STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+            spent = time.perf_counter() - t0
+            load_.waited += spent
+            self.stats.load_wait_us += int(spent * 1e6)
         load_.req = req
         if req.layout.fingerprint() != lay.fingerprint():
-            load_.failed = f"layout mismatch: pushed {req.layout}, this engine has {lay}"
+            load_.fail(LoadFailure.MISMATCH, f"layout mismatch: pushed {req.layout}, this engine has {lay}")
         elif req.tokens < spec.end:
-            load_.failed = f"the push carries {req.tokens} tokens, {spec.end} needed"
+            load_.fail(LoadFailure.MISMATCH, f"the push carries {req.tokens} tokens, {spec.end} needed")
         elif lay.state_layers and spec.end != req.tokens:  # its state is after all of them: all, or nothing
-            load_.failed = f"a load of tokens [{spec.start}, {spec.end}) with a state after {req.tokens}"
+            load_.fail(LoadFailure.MISMATCH,
+                       f"a load of tokens [{spec.start}, {spec.end}) with a state after {req.tokens}")
         else:
             for i, (d, pg) in enumerate(zip(dst, self._pgroup, strict=True)):
                 if d is None:
@@ -108,13 +141,15 @@ class LoadPath:
                 if group.window:  # the push's own window (a claim's is of its shorter prompt), which must hold
                     # every token the decode's next one attends to: [end - W + 1, end)
                     if max(0, spec.end - group.window + 1) < chunks.start * lay.chunk_tokens:
-                        load_.failed = (f"the push holds the window of tokens from {chunks.start * lay.chunk_tokens}"
-                                        f", the decode's token {spec.end} attends from {spec.end - group.window + 1}")
+                        load_.fail(LoadFailure.MISMATCH,
+                                   f"the push holds the window of tokens from {chunks.start * lay.chunk_tokens}, the "
+                                   f"decode's token {spec.end} attends from {spec.end - group.window + 1}")
                         break
                     d = dst[i] = self._group_dst(spec, i, group, chunks.start)
                 rel = d.chunk_idx - chunks.start
                 if len(rel) and (int(rel.min()) < 0 or int(rel.max()) >= len(chunks)):
-                    load_.failed = f"the push holds chunks {chunks} of layer group {pg}, the load needs others"
+                    load_.fail(LoadFailure.MISMATCH,
+                               f"the push holds chunks {chunks} of layer group {pg}, the load needs others")
                     break
                 load_.src_chunk.append(rel)
                 load_.src_page.append(torch.tensor(req.group_pages(pg), dtype=torch.int64)[rel])
@@ -143,6 +178,7 @@ class LoadPath:
         """The pushed running state into the decode's state blocks, before its forward (Mamba layers have no
         load hook): it lands last, so this waits for the push's end (``load_timeout_s``, then recompute)."""
         t0 = time.perf_counter()
+        n_bytes = 0
         try:
             state = kvcodec.read_state(torch.from_numpy(ld.req.state_bytes(timeout_s=self.settings.load_timeout_s)),
                                        self.layout, self.tp_size, self.tp_rank)
@@ -156,19 +192,25 @@ class LoadPath:
                     for b in targets:
                         for tname, view in self._state_views(name, b).items():
                             view.copy_(state[self._state_of[name]][tname])
-            STATS["load_states"] += 1
+                            n_bytes += view.nbytes
+            self.stats.load_states += 1
+            self.stats.load_bytes += n_bytes
         except _REQUEST_ERRORS as e:
-            ld.failed = f"state: {e}"
+            ld.fail_on(e, "state")
         finally:
-            STATS["load_state_us"] += int((time.perf_counter() - t0) * 1e6)
+            spent = time.perf_counter() - t0
+            ld.waited += spent
+            self.stats.load_state_us += int(spent * 1e6)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
             return
         t0 = time.perf_counter()
         for ld in self._loads:
+            t1 = time.perf_counter()
             self._load_layer(ld, layer_name)
-        STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+            ld.waited += time.perf_counter() - t1
+        self.stats.load_wait_us += int((time.perf_counter() - t0) * 1e6)
 
     def _load_layer(self, ld: _Load, layer_name: str) -> None:
         """One layer of one load, from the pool into vLLM's blocks (it waits for the layer to land)."""
@@ -187,11 +229,13 @@ class LoadPath:
             if dst.tokens:
                 rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page[vg], dst.chunk_rows,
                                          ld.req.heads)
-                self._paged.scatter(kv, *dst.addresses(n), *_comps(rows, self.layout.dtype, kv))
+                comps = _comps(rows, self.layout.dtype, kv)
+                self._paged.scatter(kv, *dst.addresses(n), *comps)
+                self.stats.load_bytes += sum(c.nbytes for c in comps)
             ld.layers_done += 1
-            STATS["load_layers"] += 1
+            self.stats.load_layers += 1
         except _REQUEST_ERRORS as e:
-            ld.failed = f"layer {layer}: {e}"
+            ld.fail_on(e, f"layer {layer}")
 
     def poll_async_loads(self) -> tuple[set[str], set[str]]:
         """Asynchronous loads (``load_mode``; always for a model of several KV cache groups, whose failed loads
@@ -216,29 +260,28 @@ class LoadPath:
                     if ld.failed is None and not (ld.layers_done == len(names) and ld.req.poll_committed()):
                         if time.monotonic() < ld.deadline:
                             continue
-                        ld.failed = (f"the push did not commit, or its layers were not copied ({ld.layers_done} of "
-                                     f"{len(names)}), within load_timeout_s={self.settings.load_timeout_s}")
+                        ld.fail(LoadFailure.TIMEOUT,
+                                f"the push did not commit, or its layers were not copied ({ld.layers_done} of "
+                                f"{len(names)}), within load_timeout_s={self.settings.load_timeout_s}")
                 except _REQUEST_ERRORS as e:
-                    ld.failed = str(e)
+                    ld.fail_on(e, "")
             if ld.failed is None and self.layout.state_layers:
                 self._load_state(ld)
             self._async.remove(ld)
+            waited = time.perf_counter() - ld.opened if ld.opened else 0.0  # the request waited all along
             if ld.failed is None:
                 done.add(ld.spec.req_id)
-                STATS["load_requests"] += 1
-                STATS["load_async"] += 1
-                STATS["load_tokens"] += ld.spec.end - ld.spec.start
+                self.stats.loaded(ld.path, ld.spec.end - ld.spec.start, waited, asynchronous=True)
             else:
                 failed.add(ld.spec.req_id)
-                STATS["load_failures"] += 1
-                STATS["load_async_failed"] += 1
+                self.stats.load_fail(ld.path, ld.reason or LoadFailure.COPY, waited, asynchronous=True)
                 log.error("pdpush: load of %s (%s) failed, it will be recomputed: %s", ld.spec.req_id,
                           ld.spec.push_id, ld.failed)
             if ld.req is not None:
                 self._holds.release(ld.req, ld.copies, _release_failed)
         if failed:
             self._reset_if_idle()
-        STATS["load_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.stats.load_wait_us += int((time.perf_counter() - t0) * 1e6)
         return done, failed
 
     def _load_layer_staged(self, ld: _Load, layer: int, vg: int, kv: torch.Tensor, n: int) -> None:
@@ -254,7 +297,7 @@ class LoadPath:
                     break
                 ld.tickets[later] = loader.start(req, later)
                 ld.copies.append(loader.fence_of(ld.tickets[later]))
-                STATS["load_layers_prefetched"] += 1
+                self.stats.load_layers_prefetched += 1
             ticket = ld.tickets.pop(layer, None)
             if ticket is None:
                 ticket = loader.start(req, layer, self.settings.load_timeout_s)
@@ -265,25 +308,25 @@ class LoadPath:
                 ld.dev_idx[vg] = (ld.src_chunk[vg].to(kv.device), d.chunk_rows.to(kv.device),
                                   *(a.to(kv.device) for a in d.addresses(n)))
             ci, rows, blk, off = ld.dev_idx[vg]
-            self._paged.scatter(kv, blk, off, *_comps(pages[ci, :, :, rows], self.layout.dtype, kv))
+            comps = _comps(pages[ci, :, :, rows], self.layout.dtype, kv)
+            self._paged.scatter(kv, blk, off, *comps)
+            self.stats.load_bytes += sum(c.nbytes for c in comps)
             ld.layers_done += 1
-            STATS["load_layers"] += 1
-            STATS["load_layers_copied"] += 1
+            self.stats.load_layers += 1
+            self.stats.load_layers_copied += 1
         except _REQUEST_ERRORS as e:
-            ld.failed = f"layer {layer}: {e}"
+            ld.fail_on(e, f"layer {layer}")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # called after every forward: settle this step's loads
         self._holds.poll(_release_failed)
         for ld in self._loads:
             if ld.failed is None and ld.layers_done != self.layout.layers:
-                ld.failed = f"only {ld.layers_done} of {self.layout.layers} layers were loaded"
+                ld.fail(LoadFailure.INCOMPLETE, f"only {ld.layers_done} of {self.layout.layers} layers were loaded")
             if ld.failed is None:
-                STATS["load_requests"] += 1
-                STATS["load_tokens"] += ld.spec.end - ld.spec.start
+                self.stats.loaded(ld.path, ld.spec.end - ld.spec.start, ld.waited)
             else:
-                STATS["load_failures"] += 1
-                STATS["load_blocks_failed"] += len(ld.block_ids)
+                self.stats.load_fail(ld.path, ld.reason or LoadFailure.COPY, ld.waited, blocks=len(ld.block_ids))
                 self._load_errors.update(ld.block_ids)
                 log.error("pdpush: load of %s (%s) failed, its blocks will be recomputed: %s",
                           ld.spec.req_id, ld.spec.push_id, ld.failed)

@@ -15,8 +15,9 @@ from pdpush import kvcodec
 from pdpush.client import PushHandle
 from pdpush.errors import BrokenResourceError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
-from pdpush.integrations.vllm.metadata import EVENTS, STATS, PushSpec
 from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
+from pdpush.integrations.vllm.metadata import PushSpec
+from pdpush.integrations.vllm.stats import PushFailure
 
 log = logging.getLogger("pdpush.vllm")
 
@@ -40,13 +41,12 @@ class PushPath:
         try:
             self._begin_push_timed(spec)
         finally:
-            STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+            self.stats.push_stage_us += int((time.perf_counter() - t0) * 1e6)
 
     def _begin_push_timed(self, spec: PushSpec) -> None:
         lay = self.layout
         if time.monotonic() < self._sender_down_until:  # the forward must not wait on a sender that is not there
-            STATS["push_failures"] += 1
-            STATS["push_skipped_sender_down"] += 1
+            self.stats.push_fail(PushFailure.SENDER_DOWN)
             return
         try:
             handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None,
@@ -54,7 +54,7 @@ class PushPath:
                                           pp_size=self.pp_size,
                                           layers=(self.stage.start, self.stage.stop) if self.pp_size > 1 else None)
         except (TransportError, BrokenResourceError) as e:  # no sender, or it died: stop asking for a while
-            STATS["push_failures"] += 1
+            self.stats.push_fail(PushFailure.SENDER)
             log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
                       self.settings.sender_retry_s, e)
             self._sender_down_until = time.monotonic() + self.settings.sender_retry_s
@@ -63,7 +63,7 @@ class PushPath:
                 self._prefill = None
             return
         except _REQUEST_ERRORS as e:  # the receiver refused this one (pool exhausted, too large, ...)
-            STATS["push_failures"] += 1
+            self.stats.push_fail(PushFailure.REFUSED)
             log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
             return
         T = lay.chunk_tokens
@@ -71,7 +71,7 @@ class PushPath:
         if not handle.plan.n_new and not lay.state_layers:  # the receiver holds every item: nothing to move
             handle.finish_nowait()
             self._finishing.append(handle)
-            STATS["push_requests"] += 1
+            self.stats.push_requests += 1
             return
         src = []
         try:  # each vLLM group's layers: their pdpush group's new chunks (a sliding window's: of its window)
@@ -85,13 +85,13 @@ class PushPath:
                 src.append(self._slots(spec.block_ids[vi], tokens, bool(gp.group.window)))
         except (ValueError, IndexError) as e:  # vLLM's blocks do not cover the prompt: a bug, loud but not fatal
             log.exception("pdpush: push of %s (%s): %s", spec.req_id, spec.push_id, e)
-            STATS["push_failures"] += 1
+            self.stats.push_fail(PushFailure.BLOCKS)
             handle.abort(str(e)[:200])
             return
         self._pushes.append(_Push(spec, handle, src))
-        EVENTS.append(("begun", spec.push_id, -1, time.monotonic()))
-        STATS["push_requests"] += 1
-        STATS["push_tokens_staged"] += sum(sm.tokens for sm in src if sm is not None)
+        self.stats.events.append(("begun", spec.push_id, -1, time.monotonic()))
+        self.stats.push_requests += 1
+        self.stats.push_tokens_staged += sum(sm.tokens for sm in src if sm is not None)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if not self._pushes:  # decode steps and unmarked requests: nothing to do
@@ -109,8 +109,8 @@ class PushPath:
                     self._stager.put_layer(p.handle, layer, lambda a=addr: self._paged.gather(kv_layer, *a),
                                            new_only=True)
                     p.layers_sent += 1
-                    STATS["push_layers"] += 1
-                    STATS["push_layers_copied"] += 1
+                    self.stats.push_layers += 1
+                    self.stats.push_layers_copied += 1
                     continue
                 if p.src[vg].tokens and (rows := self._gather_rows(p, vg, layer, kv_layer, n)) is not None:
                     p.handle.stage_gathered(layer, vl.storage(kv_layer), *rows)  # one pass, cache to staging
@@ -118,14 +118,14 @@ class PushPath:
                     comps = self._paged.gather(kv_layer, *p.src[vg].addresses(n))
                     p.handle.stage_layer(layer, *comps, new_only=True)
                 p.handle.layer_ready(layer)
-                EVENTS.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
+                self.stats.events.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
                 p.layers_sent += 1
-                STATS["push_layers"] += 1
+                self.stats.push_layers += 1
                 if self._state_before.get(layer_name, 0) > p.states_sent:  # state layers the forward has passed
                     self._push_state(p, self._state_before[layer_name])
             except _REQUEST_ERRORS as e:
-                self._fail_push(p, f"layer {layer}: {e}")
-        STATS["push_stage_us"] += int((time.perf_counter() - t0) * 1e6)
+                self._fail_push(p, f"layer {layer}: {e}", PushFailure.STAGE)
+        self.stats.push_stage_us += int((time.perf_counter() - t0) * 1e6)
 
     def _gather_rows(self, p: _Push, vg: int, layer: int, kv_layer: torch.Tensor, n: int):
         """Where each row of this rank's share of the group's layers lives in vLLM's cache (``kvcodec.gather``:
@@ -156,13 +156,13 @@ class PushPath:
         for s, t in enumerate(tensors, p.states_sent):  # each handed over as soon as it is in: its block comes back
             p.handle.stage_state(s, t)
             p.handle.layer_ready(self.layout.layers + s)
-        EVENTS.append(("state_ready", p.spec.push_id, self.layout.layers + upto - 1, time.monotonic()))
+        self.stats.events.append(("state_ready", p.spec.push_id, self.layout.layers + upto - 1, time.monotonic()))
         p.states_sent = upto
-        STATS["push_state_layers"] += len(names)
-        STATS["push_state_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.stats.push_state_layers += len(names)
+        self.stats.push_state_us += int((time.perf_counter() - t0) * 1e6)
 
-    def _fail_push(self, p: _Push, why: str) -> None:
-        STATS["push_failures"] += 1
+    def _fail_push(self, p: _Push, why: str, reason: PushFailure) -> None:
+        self.stats.push_fail(reason)
         log.error("pdpush: push of %s (%s) failed: %s", p.spec.req_id, p.spec.push_id, why)
         self._pushes.remove(p)
         if self._stager is not None:
@@ -174,10 +174,11 @@ class PushPath:
 
     def wait_for_save(self) -> None:
         for p in self._pushes:
-            EVENTS.append(("forward_done", p.spec.push_id, -1, time.monotonic()))
+            self.stats.events.append(("forward_done", p.spec.push_id, -1, time.monotonic()))
         for p in list(self._pushes):
             if p.layers_sent != len(self.stage):
-                self._fail_push(p, f"only {p.layers_sent} of this stage's {len(self.stage)} layers were produced")
+                self._fail_push(p, f"only {p.layers_sent} of this stage's {len(self.stage)} layers were produced",
+                                PushFailure.INCOMPLETE)
                 continue
             try:
                 if self._stager is not None:
@@ -187,13 +188,13 @@ class PushPath:
                     try:
                         self._stager.wait(p.handle, self.settings.timeout_s)
                     finally:
-                        STATS["push_handover_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+                        self.stats.push_handover_wait_us += int((time.perf_counter() - t0) * 1e6)
                 if p.states_sent < self.layout.state_layers:  # those after the last attention layer
                     self._push_state(p, self.layout.state_layers)
                 p.handle.finish_nowait()  # the commit completes in the background; the decode side waits for layers
                 self._finishing.append(p.handle)
             except _REQUEST_ERRORS as e:
-                self._fail_push(p, str(e))
+                self._fail_push(p, str(e), PushFailure.STAGE)
                 continue
             self._pushes.remove(p)
 
@@ -203,16 +204,16 @@ class PushPath:
             try:
                 done = h.poll_done(max(0.0, deadline - time.monotonic()))
             except PdpushError as e:
-                STATS["push_failures"] += 1
+                self.stats.push_fail(PushFailure.COMMIT)
                 log.error("pdpush: commit of %s failed: %s", h.req_id, e)
                 self._finishing.remove(h)
                 continue
             if done is not None:
                 for i, ms in enumerate(done.layer_done_ms):  # sender clock: ms after it got the begin
-                    EVENTS.append(("sender_layer_done_ms", h.req_id, i, ms))
-                STATS["push_committed"] += 1
-                STATS["push_bytes_sent"] += done.bytes_sent
-                STATS["push_chunks_skipped"] += done.chunks_skipped
+                    self.stats.events.append(("sender_layer_done_ms", h.req_id, i, ms))
+                self.stats.push_committed += 1
+                self.stats.push_bytes_sent += done.bytes_sent
+                self.stats.push_chunks_skipped += done.chunks_skipped
                 self._finishing.remove(h)
 
     # ---- decode: load ----

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from pdpush import kv_params
 from pdpush.errors import PdpushError
-from pdpush.integrations.vllm.metadata import STATS, LoadSpec, PdpushConnectorMetadata, PushSpec
+from pdpush.integrations.vllm.metadata import LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
+from pdpush.integrations.vllm.stats import Recompute, SchedulerStats
 from pdpush.kv_params import KvParams
 from pdpush.layout import KVLayout
 
@@ -64,6 +65,7 @@ class SchedulerSide:
         self.engine_tag = engine_tag
         self.producer, self.consumer = producer, consumer
         self.reqs: dict[str, _Req] = {}
+        self.stats = SchedulerStats()  # what vLLM reports (stats.py)
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._receiver_down_until = 0.0
         self._idle = False  # the last step scheduled no tokens at all
@@ -93,7 +95,7 @@ class SchedulerSide:
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
         params["_pdpush_truncated"] = True
-        STATS["push_truncated"] += 1
+        self.stats.push_truncated += 1
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = KvParams.parse(request.kv_transfer_params)
@@ -106,7 +108,7 @@ class SchedulerSide:
                 r.push_id, r.receiver, r.token_ids = (params.push_id_or(f"{self.engine_tag}-{rid}"), receiver,
                                                       list(request.prompt_token_ids or []))
             else:
-                STATS["push_refused"] += 1
+                self.stats.refuse_push()
                 log.warning("pdpush: request %s names receiver %r, which is not in allowed_receivers; "
                             "not pushing it", rid, receiver)
         push_id = params.pdpush_req_id
@@ -124,9 +126,9 @@ class SchedulerSide:
         if now < r.next_ask:
             return None, False  # asked very recently; the scheduler loop spins faster than pushes arrive
         if now < self._receiver_down_until:  # it did not answer recently: do not ask now
-            STATS["match_missing"] += 1
+            self.stats.recompute(Recompute.RECEIVER_DOWN)
             return 0, False
-        STATS["match_queries"] += 1
+        self.stats.match_queries += 1
         try:  # a model with state: the push is of the prompt's first N - 1 tokens (on_new_request)
             reply = self.receiver.get().query(prompt[:want] if self.layout.state_layers else prompt, self.layout,
                                               req_id=str(push_id), timeout_s=self.settings.query_timeout_s)
@@ -137,10 +139,10 @@ class SchedulerSide:
                       self.settings.receiver_retry_s, e)
             self._receiver_down_until = time.monotonic() + self.settings.receiver_retry_s
             self.receiver.reset()
-            STATS["match_missing"] += 1
+            self.stats.recompute(Recompute.RECEIVER_ERROR)
             return 0, False
         if reply.request_chunks == 0 and reply.request_gone:  # it failed or was already used: recompute now
-            STATS["match_missing"] += 1
+            self.stats.recompute(Recompute.PUSH_ENDED)
             log.warning("pdpush: push %s for %s has ended on the receiver; recomputing", push_id, rid)
             return 0, False
         if reply.request_chunks == 0:  # not on the receiver (yet): ask again in a later step, for a while
@@ -152,20 +154,23 @@ class SchedulerSide:
                     time.sleep(IDLE_NAP_S)
                 return None, False
             r.first_ask = None
-            STATS["match_missing"] += 1
+            self.stats.recompute(Recompute.PUSH_TIMEOUT)
             log.warning("pdpush: push %s for %s never reached the receiver; recomputing", push_id, rid)
             return 0, False
         r.first_ask = None
         end = min(want, reply.request_chunks * self.layout.chunk_tokens)
         if end <= num_computed_tokens or (self.layout.state_layers and end < want):
             if end < want and self.layout.state_layers:  # its state is after N - 1 tokens: all of them, or none
-                STATS["match_missing"] += 1
+                self.stats.recompute(Recompute.PARTIAL)
             return 0, False
         r.plan = (str(push_id), num_computed_tokens, end)
         r.asynchronous = self.load_async or loads_async(self.settings.load_mode, reply.request_committed,
                                                         len(self._live) - (rid in self._live))
-        STATS["match_tokens"] += end - num_computed_tokens
-        STATS["match_async" if r.asynchronous else "match_layerwise"] += 1
+        self.stats.match_tokens += end - num_computed_tokens
+        if r.asynchronous:
+            self.stats.match_async += 1
+        else:
+            self.stats.match_layerwise += 1
         return end - num_computed_tokens, r.asynchronous
 
     def _claim(self, request: Request, r: _Req, push_id: str, prompt: list[int], want: int,
@@ -173,7 +178,7 @@ class SchedulerSide:
         """Conditional disaggregation: no push; load the prompt's chunks this node's receiver already
         holds (a request made of them under ``push_id``), and compute the rest here."""
         if r.claimed is None:
-            STATS["match_queries"] += 1
+            self.stats.match_queries += 1
             try:
                 r.claimed = self.receiver.get().claim(push_id, prompt, self.layout, timeout_s=self.settings.query_timeout_s)
             except PdpushError as e:
@@ -184,12 +189,12 @@ class SchedulerSide:
         end = min(want, r.claimed * self.layout.chunk_tokens)
         if end <= computed:
             if not r.claimed:
-                STATS["match_missing"] += 1
+                self.stats.recompute(Recompute.NOTHING_HELD)
             return 0, False
         r.plan = (push_id, computed, end)
         r.asynchronous = self.load_async  # claimed chunks are all there: nothing to wait for
-        STATS["match_tokens"] += end - computed
-        STATS["claimed_tokens"] += end - computed
+        self.stats.match_tokens += end - computed
+        self.stats.claimed_tokens += end - computed
         return end - computed, r.asynchronous
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -213,7 +218,7 @@ class SchedulerSide:
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
             if r.async_blocks is not None and r.plan is not None:
                 meta.loads.append(LoadSpec(rid, r.plan[0], r.async_blocks, r.plan[1], r.plan[2], r.prompt_tokens,
-                                           asynchronous=True))
+                                           asynchronous=True, claim=r.claimed is not None))
                 r.plan, r.planned_once, r.async_blocks = None, True, None
                 self._awaiting.add(rid)
         for new in so.scheduled_new_reqs:  # loaded (or failed, then recomputed): it runs now
@@ -222,7 +227,7 @@ class SchedulerSide:
             # only asynchronous loads wait: each empty step polls them (get_finished), and vLLM's loop would run
             # such steps back to back, a core spinning while the layers arrive; nap, as for a push not yet begun
             time.sleep(IDLE_NAP_S)
-            STATS["load_async_naps"] += 1
+            self.stats.load_async_naps += 1
         for new in so.scheduled_new_reqs:
             rid = new.req_id
             r = self.reqs.get(rid)
@@ -230,7 +235,7 @@ class SchedulerSide:
                 continue
             if r.plan is not None:
                 meta.loads.append(LoadSpec(rid, r.plan[0], [list(b) for b in new.block_ids], r.plan[1], r.plan[2],
-                                           r.prompt_tokens))
+                                           r.prompt_tokens, claim=r.claimed is not None))
                 r.plan, r.planned_once = None, True
             if r.push_id and not r.pushed:
                 r.block_ids = [list(b) for b in new.block_ids]

@@ -24,6 +24,7 @@ from pdpush.integrations.vllm.load import LoadPath, _Load, _release_failed
 from pdpush.integrations.vllm.metadata import PdpushConnectorMetadata
 from pdpush.integrations.vllm.push import PushPath, _Push
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
+from pdpush.integrations.vllm.stats import WorkerStats
 from pdpush.layout import DTYPES, KVLayout, dtype_name, rank_heads
 
 log = logging.getLogger("pdpush.vllm")
@@ -70,6 +71,8 @@ class WorkerSide(PushPath, LoadPath):
         self.pp_rank, self.pp_size = pp.rank_in_group, pp.world_size
         # this pipeline stage's layers (all of them without PP); a stage pushes only its own
         self.stage = range(*get_pp_indices(layout.layers, self.pp_rank, self.pp_size))
+        self.stats = WorkerStats()  # what vLLM reports (stats.py); requests are counted by the lead rank alone
+        self.stats.lead = self.tp_rank == 0 and self.pp_rank == 0
         self._prefill: PrefillClient | None = None
         # a GPU cache: copies on side streams (device_copy.py), set up in register_kv_caches
         self._stager: D2HStager | None = None
