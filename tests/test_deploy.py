@@ -1,6 +1,7 @@
 """The files operators load into their monitoring (deploy/prometheus, deploy/grafana): the alert rules pass
 promtool's checks and its unit tests, and every series the rules and the dashboard name is one pdpush exports
-(read from the code's own registries, not a hand list)."""
+(read from the code's own registries, not a hand list; the vLLM connector's from the list its stats class
+registers with vLLM)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def exported() -> set[str]:
                      RouterMetrics().registry):
         for family in registry.collect():
             names.update(family.name + s for s in suffixes[family.type])
+    from pdpush.integrations.vllm.stats import SERIES as CONNECTOR  # on vLLM's /metrics, by vLLM's registry
+
+    names.update(n for n, kind in CONNECTOR if kind == "counter")  # named as scraped, _total included
+    names.update(n + s for n, kind in CONNECTOR if kind == "histogram" for s in suffixes[kind])
     return names
 
 

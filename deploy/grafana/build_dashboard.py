@@ -109,6 +109,26 @@ def dashboard() -> dict:
                                                     ("max by (receiver) (pdpush_router_index_chunks)", "chunks {{receiver}}")])
     b.panel("Upstream errors /s", [(rate("pdpush_router_upstream_errors_total", "exported_instance"),
                                     "{{exported_instance}}")], "ops")
+    b.row("vLLM connector (each engine's /metrics)")
+    b.panel("Loads /s by path", [(rate("vllm:pdpush_loads_total", "path"), "{{path}}")], "ops",
+            desc="Decode loads completed: layerwise (in the forward), async (outside the batch), claim (already held).")
+    b.panel("Failed loads and recomputes /s", [(rate("vllm:pdpush_load_failures_total", "reason"), "failed: {{reason}}"),
+                                               (rate("vllm:pdpush_recomputes_total", "reason"), "recomputed: {{reason}}")],
+            "ops", desc="Every one is a prompt the decode instance computed itself.")
+    b.panel("Recompute ratio", [(f"(sum (rate(vllm:pdpush_load_failures_total[{R}])) + "
+                                 f"sum (rate(vllm:pdpush_recomputes_total[{R}]))) / (sum (rate(vllm:pdpush_loads_total[{R}])) "
+                                 f"+ sum (rate(vllm:pdpush_load_failures_total[{R}])) + "
+                                 f"sum (rate(vllm:pdpush_recomputes_total[{R}])))", "recomputed / named a push")],
+            "percentunit")
+    b.panel("Load wait p50 / p99 by path", [(q("vllm:pdpush_load_wait_seconds", 0.5, "path"), "p50 {{path}}"),
+                                            (q("vllm:pdpush_load_wait_seconds", 0.99, "path"), "p99 {{path}}")], "s",
+            desc="The time a request waited for its KV; layerwise above a step's compute time: the forward waits.")
+    b.panel("Loaded bytes /s, tokens /s", [(rate("vllm:pdpush_load_bytes_total", "job"), "bytes/s"),
+                                           (rate("vllm:pdpush_load_tokens_total", "job"), "tokens/s")])
+    b.panel("Prefill pushes /s: begun, committed, failed",
+            [(rate("vllm:pdpush_pushes_total", "job"), "begun"),
+             (rate("vllm:pdpush_pushes_committed_total", "job"), "committed"),
+             (rate("vllm:pdpush_push_failures_total", "reason"), "failed: {{reason}}")], "ops")
     return {
         "title": "pdpush", "uid": "pdpush-overview", "schemaVersion": 39, "version": 1, "editable": True,
         "description": "pdpush daemons (receiver, sender), router and vLLM connector. Scrape jobs: pdpush-receiver, "
