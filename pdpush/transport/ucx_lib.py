@@ -67,7 +67,7 @@ def build() -> Build:
             import libucx
         except ImportError as e:
             raise ConfigError("pdpush_native uses the libucx wheel's UCX, but libucx is not installed "
-                              "(pip install -r requirements.txt)") from e
+                              "(pip install 'pdpush[daemons]')") from e
         libdir = os.path.join(os.path.dirname(libucx.__file__), "lib")
     return Build(source, getattr(b, "ASKED", "wheel"), getattr(b, "VERSION", ""),
                  os.path.join(libdir, "libucp.so.0"))
