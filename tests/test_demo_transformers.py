@@ -76,17 +76,13 @@ def test_demo_cli_help(flag):
 
 def test_demo_against_running_daemons(tmp_path):
     """What the compose `demo` service does: the demo uses daemons someone else started."""
-    import socket
 
     from pdpush import launch
+    from pdpush_tools.harness.ports import free_ports
 
     spec = ModelSpec(layers=2, hidden=128, heads=4, kv_heads=2, dtype="float32")
     lay = spec.layout(16)
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = free_ports(2)
     rx_cfg, tx_cfg = tmp_path / "rx.toml", tmp_path / "tx.toml"
     rx_cfg.write_text(f'control_port = {ports[0]}\nucx_port = {ports[1]}\nlocal_socket = "{tmp_path}/rx.sock"\n'
                       f'model_id = "{lay.model_id}"\nlayers = 2\nkv_heads = 2\nhead_dim = 32\ndtype = "float32"\n'

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from pdpush.router import engine_cache as ec
 from pdpush.router.kv_events import BadBatch, EngineEvents, Source, decode_batch
+from pdpush_tools.harness.ports import free_ports
 from pdpush_tools.harness.vllm_cluster import VLLM_PY
 from tests.helpers import until
 
@@ -101,16 +101,6 @@ def test_decode_batch_reads_vllm_maps_and_the_older_arrays_and_refuses_the_rest(
 
 # ---------------------------------------------------------------------------- vLLM's own publisher
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 class Publisher:
     def __init__(self, pub: str, replay: str, buffer_steps: int) -> None:
         if not VLLM_PY.exists():
@@ -187,7 +177,7 @@ class Subscriber:
 
 @pytest.fixture
 def endpoints():
-    a, b = _ports(2)
+    a, b = free_ports(2)
     return f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}"
 
 

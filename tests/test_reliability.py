@@ -14,15 +14,10 @@ from pdpush import protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import BrokenResourceError, ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
+from pdpush_tools.harness.ports import free_ports
 from tests.helpers import kv, push, read_back, rx_opts, sock, until
 
 LAY = KVLayout(4, 2, 64, "float16", 16)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -61,7 +56,7 @@ def test_sender_killed_midway_fails_its_request_at_once_and_pages_return_through
 
 
 def test_receiver_killed_midway_fails_requests_fast_other_receivers_unaffected_and_reconnect(daemons):
-    cport, uport = _free_port(), _free_port()
+    cport, uport = free_ports(2)
     rx1 = daemons.receiver(**rx_opts(LAY), control_port=cport, ucx_port=uport)
     rx2 = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx1)

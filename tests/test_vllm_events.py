@@ -30,7 +30,8 @@ import pytest
 from pdpush import launch
 from pdpush.client import DecodeClient
 from pdpush.layout import KVLayout, chunk_keys
-from pdpush_tools.harness.fleet import Server, free_port
+from pdpush_tools.harness.fleet import Server
+from pdpush_tools.harness.ports import free_port
 from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY, build_model
 from tests.helpers import until
 

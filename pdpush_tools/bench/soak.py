@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import threading
 import time
 from pathlib import Path
@@ -28,15 +27,10 @@ from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush_tools.bench.report import save
+from pdpush_tools.harness.ports import free_port
 
 LAYOUT = KVLayout(4, 2, 64, "float16", 16)
 POOL_PAGES = 96
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chunk_bytes(key: bytes, layer: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +58,7 @@ class Fleet:
     def __init__(self, workdir: Path, lease_ms: int, quarantine_ms: int) -> None:
         self.workdir = workdir
         self.lock = threading.Lock()
-        self.rx_opts = [dict(control_port=_free_port(), ucx_port=_free_port(), local_socket=str(workdir / f"rx{i}.sock"),
+        self.rx_opts = [dict(control_port=free_port(), ucx_port=free_port(), local_socket=str(workdir / f"rx{i}.sock"),
                              layers=LAYOUT.layers, kv_heads=LAYOUT.kv_heads, head_dim=LAYOUT.head_dim,
                              dtype=LAYOUT.dtype, chunk_tokens=LAYOUT.chunk_tokens, pool_pages=POOL_PAGES,
                              lease_ms=lease_ms, quarantine_ms=quarantine_ms, committed_ttl_ms=5000,

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import httpx
 from pdpush import launch
 from pdpush.client import status
 from pdpush.launch import die_with_parent
+from pdpush_tools.harness.ports import free_port, free_ports
 from pdpush_tools.harness.vllm_cluster import ROOT, Engine, require_vllm_python
 
 BLOCK_SIZE, MAX_MODEL_LEN = 32, 512  # as pdpush_tools.harness.vllm_engine's (not imported: it sets vLLM's environment)
@@ -33,24 +33,6 @@ def _die_with_us() -> None:
     """In the child, before exec: SIGTERM when the launching thread dies (Linux), so that a test run
     that is itself killed leaves no server behind."""
     die_with_parent(signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all held until every one is chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def kv_events_config(pub_port: int, replay_port: int, topic: str = "kv") -> dict:
