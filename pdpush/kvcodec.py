@@ -89,6 +89,27 @@ def _copy(dst, src) -> None:
         dst[...] = src
 
 
+def _host_bytes(x):
+    """``x`` as a numpy uint8 array sharing its memory, where it is a host array (numpy, or a CPU tensor); else None."""
+    if not _is_torch(x):
+        return x
+    return x.numpy() if x.device.type == "cpu" else None
+
+
+def _stage_natively(dst, rows: list, h0: int, units: int, hu: int, T: int, segs: list[Segment]) -> bool:
+    """``stage``'s whole-heads case in one native call (``_copy.stage_pages``) where the arrays are on the
+    host and the native build has it; False where it cannot (the caller then writes the pages itself)."""
+    fn = getattr(_native(), "stage_pages", None)
+    if fn is None:
+        return False
+    d = _host_bytes(dst)
+    srcs = [_host_bytes(r) for r in rows]
+    if d is None or any(r is None for r in srcs) or not d.flags.c_contiguous:
+        return False
+    fn(d.reshape(-1), srcs, h0, units, hu, T, np.array(segs, dtype=np.int64).reshape(-1, 3))
+    return True
+
+
 def _zero(x) -> None:
     x[...] = bytes(x.dtype.itemsize) if not _is_torch(x) and x.dtype.kind == "V" else 0
 
@@ -197,9 +218,12 @@ def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Seg
     need = max((s0 + m for _, s0, m in segs), default=0)
     if rows[0].shape[0] < need:
         raise ValueError(f"got {rows[0].shape[0]} token rows, need {need}")
-    rows = [_items(r, rb) for r in rows]
     Ur, n, ub = shares.share_shape()
     b0, b1 = shares.share_span(rank)
+    if shares.heads_aligned and _stage_natively(dst, rows, b0 // lay.head_page_bytes, Ur,
+                                                lay.kv_heads // shares.units, T, segs):
+        return
+    rows = [_items(r, rb) for r in rows]
     if shares.heads_aligned:  # each unit is whole heads: write the pages straight into staging
         hu = lay.kv_heads // shares.units
         d = _items(dst.reshape(Ur, n, hu, C, T, rb), rb)

@@ -206,3 +206,28 @@ def test_a_partial_chunk_s_tail_rows_are_zeroed_never_left_from_an_earlier_reque
     pool, geom = _push(lay, comps, tokens, set(), tp, 1, [0, 1], 2)
     page1 = kc.read_pages(pool, geom, 0, np.array([1]), (0, heads))[0]  # [H, C, T, row bytes]
     assert not page1[:, :, 2:].any() and page1[:, :, :2].any()
+
+
+def test_native_stage_pages_checks_every_index_before_writing():
+    from pdpush_native._copy import stage_pages
+
+    comps = [np.arange(5 * 4 * 6, dtype=np.uint8).reshape(5, 4, 6) for _ in range(2)]
+    dst = np.full(2 * 3 * 2 * 2 * 4 * 6, 7, np.uint8)  # units 2, pages 3, 2 heads per unit, C 2, T 4, rows of 6
+    segs = lambda *s: np.array(s, dtype=np.int64).reshape(-1, 3)  # noqa: E731
+    for bad, match in [(segs((0, 2, 4)), "outside"),     # source rows 2..6 of 5
+                       (segs((2, 0, 5)), "outside"),     # pages 2..4 of 3
+                       (segs((-1, 0, 1)), "outside")]:
+        with pytest.raises(IndexError, match=match):
+            stage_pages(dst, comps, 0, 2, 2, 4, bad)
+    with pytest.raises(ValueError, match="heads"):
+        stage_pages(dst, comps, 1, 2, 2, 4, segs((0, 0, 1)))  # heads 1..5 of 4
+    with pytest.raises(ValueError, match="different shapes"):
+        stage_pages(dst, [comps[0], comps[1][:4]], 0, 2, 2, 4, segs((0, 0, 1)))
+    with pytest.raises(ValueError, match="whole pages"):
+        stage_pages(dst[:-1], comps, 0, 2, 2, 4, segs((0, 0, 1)))
+    assert (dst == 7).all()  # nothing was written by a refused call
+    stage_pages(dst, comps, 0, 2, 2, 4, segs((1, 0, 5)))  # pages 1 and 2; page 2 holds one row, then zeros
+    pages = dst.reshape(2, 3, 2, 2, 4, 6)
+    for u, j, i, c, t in np.ndindex(2, 3, 2, 2, 4):
+        want = 7 if j == 0 else (comps[c][(j - 1) * 4 + t, u * 2 + i] if (j - 1) * 4 + t < 5 else 0)
+        assert (pages[u, j, i, c, t] == want).all(), (u, j, i, c, t)
