@@ -481,9 +481,9 @@ def test_sender_session_fuzz(steps):
         tx, g = w.tx, w.tx.grants
         held = [a for h in g._held.values() for a, _ in h.blocks]
         rings = tx.rings.stats()["handover_rings"]
-        assert len(g.meta.used) == (sum(1 for r in tx.reqs.values() if r.meta_off is not None) + held.count(g.meta)
+        assert len(g.meta.used) == (sum(1 for r in tx.reqs.values() if r.grant.meta_off is not None) + held.count(g.meta)
                                     + rings + 1)  # + the rings' idle word
-        assert len(g.layers.used) == sum(len(r.blocks) for r in tx.reqs.values()) + held.count(g.layers)
+        assert len(g.layers.used) == sum(len(r.grant.blocks) for r in tx.reqs.values()) + held.count(g.layers)
     w.tick(5000)
     w.tick(1001)  # staging of failed requests unacknowledged by their engine comes back lease_ms after the failure
     g = w.tx.grants

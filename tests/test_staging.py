@@ -91,7 +91,7 @@ def _wire(**kw) -> Wire:
 
 
 def _granted(w: Wire, rid: str) -> set[int]:
-    return set(w.tx.reqs[rid].blocks)
+    return set(w.tx.reqs[rid].grant.blocks)
 
 
 def _ask(w: Wire, rid: str, unit: int, ident: bytes = ENG) -> list:
@@ -111,7 +111,7 @@ def test_a_request_larger_than_staging_gets_each_layer_as_the_one_before_lands()
     assert _granted(w, "big") == {0}  # granted ahead only while staging stays half free
     words = w.words
     assert words[0].count == LAY.layers and words[0].value == 0  # the grant table (a word per layer), cleared, first
-    assert any(a.count == 1 and a.value == w.tx.reqs["big"].blocks[0] + 1 for a in words)
+    assert any(a.count == 1 and a.value == w.tx.reqs["big"].grant.blocks[0] + 1 for a in words)
     w.engine(protocol.LayerReady(req_id="big", layers=[1]))  # before its block: refused, nothing posted
     assert w.to_client[-1].code is ErrorCode.BAD_MESSAGE and "granted" in w.to_client[-1].message and not w.posted
     assert _ask(w, "big", 1) == [protocol.StagingGranted(req_id="big", unit=1)]  # room for a second layer

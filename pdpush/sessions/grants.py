@@ -19,17 +19,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pdpush.errors import PoolExhausted, RemoteProtocolError, RequestTooLarge
 from pdpush.plan import RequestPlan
 from pdpush.protocol import StagingGranted, TxState
 from pdpush.sessions import Counters
 from pdpush.sessions.tx_actions import FillWords, PlanGrant, StagingInfo, ToClient
+from pdpush.sessions.tx_request import TxRequest
 from pdpush.staging import StagingAllocator, split
-
-if TYPE_CHECKING:
-    from pdpush.sessions.sender import TxRequest
 
 
 @dataclass
@@ -61,12 +58,12 @@ class StagingGrants:
 
     def open(self, r: TxRequest, out: list) -> None:
         """The request's metadata, its grant table cleared (raises ``PoolExhausted`` when full)."""
-        r.meta_off = self.meta.alloc(r.plan.meta_bytes)
-        out.append(FillWords(self.info.address + r.meta_off, 0, r.plan.grant_words))
+        r.grant.meta_off = self.meta.alloc(r.plan.meta_bytes)
+        out.append(FillWords(self.info.address + r.grant.meta_off, 0, r.plan.grant_words))
 
     def words(self, r: TxRequest) -> int:
         """Staging address of the request's readiness words, after its grant table."""
-        return self.info.address + r.meta_off + r.plan.grant_words * 8
+        return self.info.address + r.grant.meta_off + r.plan.grant_words * 8
 
     def ahead(self, r: TxRequest, out: list) -> None:
         """At allocation: the request's blocks in layer order while the area stays half free, unless an
@@ -88,12 +85,12 @@ class StagingGrants:
         units = dict(r.plan.staging_units())
         if layer not in units:
             raise RemoteProtocolError(f"request {r.req_id!r} has no staging for layer {layer}")
-        if layer in r.blocks:  # granted already (another rank asked first)
+        if layer in r.grant.blocks:  # granted already (another rank asked first)
             out.append(ToClient(ident, StagingGranted(req_id=r.req_id, unit=layer)))
             return
         if layer in posted:
             raise RemoteProtocolError(f"layer {layer} of {r.req_id!r} was handed over already")
-        waiting = r.asked.setdefault(layer, set())
+        waiting = r.grant.asked.setdefault(layer, set())
         if not waiting:
             self._queue.append((r, layer, units[layer]))
             self.counters.add("staging_asks")
@@ -102,7 +99,7 @@ class StagingGrants:
 
     def land(self, r: TxRequest, layer: int) -> None:
         """Every share of ``layer`` is flushed: its block goes back (``pump`` hands it on)."""
-        off = r.blocks.pop(layer, None)
+        off = r.grant.blocks.pop(layer, None)
         if off is not None:
             self.layers.free(off)
 
@@ -110,11 +107,11 @@ class StagingGrants:
         """The request ended. Committed: its staging goes back now (every layer landed; its engines wait in
         ``finish()``). Failed: an engine that has not heard may still read its grant table and write its
         blocks, so they are held until each engine has said it stopped, died, or ``lease_ms`` passed."""
-        blocks = [(self.layers, off) for off in r.blocks.values()]
-        if r.meta_off is not None:
-            blocks.append((self.meta, r.meta_off))
-        r.blocks.clear()
-        r.meta_off = None
+        blocks = [(self.layers, off) for off in r.grant.blocks.values()]
+        if r.grant.meta_off is not None:
+            blocks.append((self.meta, r.grant.meta_off))
+        r.grant.blocks.clear()
+        r.grant.meta_off = None
         if r.state is TxState.DONE:
             for alloc, off in blocks:
                 alloc.free(off)
@@ -177,12 +174,12 @@ class StagingGrants:
             self._head_waited = False
             self._give(r, layer, off, out)
             granted = StagingGranted(req_id=r.req_id, unit=layer)
-            out.extend(ToClient(c, granted) for c in r.asked.pop(layer, ()))
+            out.extend(ToClient(c, granted) for c in r.grant.asked.pop(layer, ()))
 
     def _give(self, r: TxRequest, layer: int, off: int, out: list) -> None:
-        r.blocks[layer] = off
+        r.grant.blocks[layer] = off
         out.append(PlanGrant(r.seq, layer, off))  # where the native path reads it from (put_plan.py)
-        out.append(FillWords(self.info.address + r.meta_off + layer * 8, off + 1, 1))  # where the engine does
+        out.append(FillWords(self.info.address + r.grant.meta_off + layer * 8, off + 1, 1))  # where the engine does
 
     def _unhold(self, key: tuple[str, bytes]) -> None:
         h = self._held.pop(key)

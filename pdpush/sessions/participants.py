@@ -15,8 +15,7 @@ hands over only its stage's layers. One allocation and one skip list for every s
 rank (``pp_size * tp_size`` participants); a layer lands when its stage's ranks' shares are in;
 the commit goes out once every participant has finished; a dead stage fails it for all.
 
-Here: a rank (``TxRank``), the participant arithmetic of a request (``Participants``), the checks
-of a Begin (``check_begin``) and of a rank joining (``check_join``), and the requests ended lately
+Here: the checks of a Begin (``check_begin``) and of a rank joining (``check_join``), and the requests ended lately
 (``Ended``), so that a rank that begins one late is told rather than starting a request of its own.
 The session (sender.py) allocates, fails and replies.
 
@@ -26,81 +25,13 @@ Imports no zmq, UCX, torch or clock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pdpush.errors import DuplicateRequest, PdpushError, RemoteProtocolError, TransportTimeout, UnknownRequest
+from pdpush.errors import DuplicateRequest, PdpushError, RemoteProtocolError, UnknownRequest
 from pdpush.protocol import Begin
-
-if TYPE_CHECKING:
-    from pdpush.sessions.sender import TxRequest
+from pdpush.sessions.tx_request import TxRequest
 
 MAX_PARTICIPANTS = 4096  # tp_size x pp_size of one request
 ENDED_KEPT = 4096  # recently ended multi-rank requests remembered
-
-
-@dataclass
-class TxRank:
-    """One prefill rank of a request (of one pipeline stage): its connection, and what it has handed over."""
-
-    client: bytes
-    tp_rank: int = 0
-    pp_rank: int = 0
-    layers: range = range(0)  # its stage's layers
-    layers_posted: set[int] = field(default_factory=set)  # its layers landed (the native path knows the rest)
-    finish: bool = False
-    ring: bool = False  # its Begin asked for a hand-over ring
-    puts: int = 0
-
-    @classmethod
-    def of(cls, client: bytes, msg: Begin, stage: range) -> TxRank:
-        """The rank that sent ``msg`` on ``client``, pushing the layers ``stage``."""
-        return cls(client, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)
-
-
-class Participants:
-    """A request's participants (``TxRequest`` is one): ``ranks`` by participant (``pp_rank * tp + tp_rank``),
-    ``tp`` ranks pushing each layer (Begin.tp_size), ``pp`` pipeline stages (Begin.pp_size)."""
-
-    ranks: dict[int, TxRank]
-    tp: int
-    pp: int
-
-    @property
-    def world(self) -> int:
-        """Participants: every stage's every rank."""
-        return self.tp * self.pp
-
-    @property
-    def clients(self) -> list[bytes]:
-        return [k.client for k in self.ranks.values()]
-
-    def finished(self) -> bool:
-        return len(self.ranks) == self.world and all(k.finish for k in self.ranks.values())
-
-    def late(self) -> list[int]:
-        """Participants missing from a stage whose other ranks have begun."""
-        begun = {k.pp_rank for k in self.ranks.values()}
-        return [p for s in sorted(begun) for p in range(s * self.tp, (s + 1) * self.tp) if p not in self.ranks]
-
-    def rank_of(self, client: bytes) -> int | None:
-        """The participant that ``client`` is, if it is one."""
-        return next((rank for rank, k in self.ranks.items() if k.client == client), None)
-
-    def late_error(self, waited_ms: int, timeout_ms: int) -> PdpushError | None:
-        """The error for a stage whose ranks have not all begun ``timeout_ms`` after the first did (the TP ranks
-        of a stage begin together; a later pipeline stage may begin a forward later: it has until the lease
-        deadline)."""
-        if len(self.ranks) < self.world and waited_ms > timeout_ms and (late := self.late()):
-            more = f" and {len(late) - 8} more" if len(late) > 8 else ""
-            return TransportTimeout(f"{', '.join(self.who(k) for k in late[:8])}{more} did not begin the request "
-                                    f"within {timeout_ms} ms of the first")
-        return None
-
-    def who(self, participant: int) -> str:
-        """A participant as errors name it."""
-        stage, rank = divmod(participant, self.tp)
-        return (f"stage {stage} of {self.pp}, " if self.pp > 1 else "") + f"rank {rank} of {self.tp}"
 
 
 def check_begin(msg: Begin) -> range:

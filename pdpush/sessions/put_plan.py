@@ -18,12 +18,8 @@ session answers the engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pdpush.layout import READY_WORD
-
-if TYPE_CHECKING:
-    from pdpush.sessions.sender import TxRank, TxRequest
+from pdpush.sessions.tx_request import TxRank, TxRequest
 
 Span = tuple[int, int, int]
 
@@ -67,7 +63,7 @@ def share_puts(r: TxRequest, layer: int) -> int:
 def share_spans(r: TxRequest, layer: int, staging: int) -> list[tuple[int, int]]:
     """Each TP rank's share of ``layer`` in staging as (address, bytes), in rank order: what its checksum
     covers (``layout.combine_digests``)."""
-    block = staging + r.blocks[layer]
+    block = staging + r.grant.blocks[layer]
     if r.layout.is_state(layer):
         page = r.layout.state_page_bytes
         return [(block + t * page // r.tp, page // r.tp) for t in range(r.tp)]

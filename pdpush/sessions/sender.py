@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdpush import protocol
 from pdpush.errors import (
@@ -81,12 +81,7 @@ from pdpush.protocol import (
 )
 from pdpush.sessions import Counters, Log, Observe, internal_error, participants, put_plan
 from pdpush.sessions.grants import StagingGrants
-from pdpush.sessions.participants import (  # noqa: F401 - importable from here
-    MAX_PARTICIPANTS,
-    Ended,
-    Participants,
-    TxRank,
-)
+from pdpush.sessions.participants import MAX_PARTICIPANTS, Ended  # noqa: F401 - importable from here
 from pdpush.sessions.peers import Peer, PeerTable
 from pdpush.sessions.rings import HandoverRings
 from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, importable from here
@@ -104,6 +99,7 @@ from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, 
     ToPeer,
     Unplan,
 )
+from pdpush.sessions.tx_request import TxRank, TxRequest  # noqa: F401 - importable from here
 
 
 @dataclass(frozen=True)
@@ -113,43 +109,6 @@ class SenderLimits:
     layer_timeout_ms: int = 5000
     alloc_retry_budget_ms: int = 2000
     ring_slots: int = 256  # per engine connection's hand-over ring (ring.py); 0: hand-overs by message only
-
-
-@dataclass
-class TxRequest(Participants):
-    """One request, its whole life on the sender (all its ranks)."""
-
-    req_id: str
-    seq: int  # distinguishes completions of a request from an earlier one with the same id
-    ranks: dict[int, TxRank]  # by participant: pp_rank * tp + tp_rank (participants.py)
-    peer: Peer
-    begin: Begin
-    layout: KVLayout
-    deadline_ms: int
-    t0_ms: int
-    state: TxState = TxState.WAIT_PEER
-    meta_off: int | None = None  # its grant table and readiness words in staging (plan.py)
-    blocks: dict[int, int] = field(default_factory=dict)  # staging unit -> its block's offset, granted and held
-    asked: dict[int, set[bytes]] = field(default_factory=dict)  # unit -> the engines waiting for its block
-    n_new: int = 0
-    lease_id: int = 0
-    skipped: int = 0
-    held: list[int] = field(default_factory=list)  # already_sent_indexes: decided once, the same for every rank
-    plan: RequestPlan | None = None  # items by layer group, their pages (plan.py)
-    state_slot: int = -1  # the receiver's slot for its recurrent state
-    shares: list[StagingShares] = field(default_factory=list)  # by group
-    pool: PoolGeometry | None = None  # the receiver's pool
-    share_puts: list[int] = field(default_factory=list)  # by group: puts of one rank's share of one layer
-    layers_done: set[int] = field(default_factory=set)  # landed: every rank's share flushed
-    unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
-    puts: int = 0
-    bytes_sent: int = 0
-    layer_done_ms: list[float] = field(default_factory=list)
-    alloc_attempts: int = 0
-    t_alloc_ms: int = 0
-    failure: PdpushError | None = None
-    tp: int = 1  # ranks pushing each layer (Begin.tp_size)
-    pp: int = 1  # pipeline stages (Begin.pp_size)
 
 
 class SenderSession:
@@ -282,7 +241,7 @@ class SenderSession:
         """Where a landed layer's shares lie in staging (address, bytes), by TP rank: the shell hashes them
         for its checksum before ``on_landed`` gives the block back."""
         r = self._by_seq.get(seq)
-        if r is None or layer not in r.blocks:
+        if r is None or layer not in r.grant.blocks:
             return []
         return put_plan.share_spans(r, layer, self.staging_info.address)
 
@@ -430,7 +389,7 @@ class SenderSession:
         ring, slots = (self.rings.open(ident, ident in self.lifelines, out) if rank.ring  # the connection's, or none
                        else (0, 0))
         return BeginOk(req_id=r.req_id, already_sent_indexes=r.held, staging_shmid=s.shmid,
-                       staging_bytes=s.nbytes, staging_offset=r.meta_off, new_chunks=r.n_new,
+                       staging_bytes=s.nbytes, staging_offset=r.grant.meta_off, new_chunks=r.n_new,
                        daemon_id=s.daemon_id, pool_shards=r.peer.ack.pool_shards, handle=r.seq,
                        ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset,
                        doorbell=s.doorbell if slots else "")
