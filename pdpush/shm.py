@@ -73,7 +73,7 @@ class Attached:
     def close(self) -> None:
         if self.address:
             # views handed out (ctypes from_address) do not keep the mapping: shmdt unmaps it under them, and a
-            # later read faults. Callers detach only once nothing reads the segment (client.py's user counts;
+            # later read faults. Callers detach only once nothing reads the segment (client/connection.py's user counts;
             # the vLLM worker resets its receiver link only with no load holding pages)
             self.array = None
             if self.pinned:

@@ -1,0 +1,297 @@
+"""What both engine-side clients share: the connection to a daemon's local socket (``Connection``: one
+ZeroMQ DEALER, its mailboxes by request, the daemon's lifeline), the shared memory segments a client
+holds (``Attachments``), how a decode client waits (``WaitPolicy``), and ``status``.
+
+Imports numpy and zmq only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from pdpush import control, lifeline, protocol
+from pdpush.errors import (
+    BrokenResourceError,
+    TransportTimeout,
+    error_from_code,
+)
+from pdpush.lifeline import Lifeline
+from pdpush.protocol import (
+    Error,
+    Msg,
+    StagingGranted,
+    StatusReply,
+    StatusRequest,
+)
+from pdpush.shm import Attached
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How a decode client waits for a layer (``DecodeRequest.wait_layer``): it re-reads the layer's
+    readiness words in a tight loop for ``spin_s``, then every ``nap_s`` until ``nap_window_s``, then
+    waits on the receiver's ``LayerAvailable`` in ``slice_s`` slices, re-reading the words between.
+    The words land by a remote put, which nothing on this host sees but a read; the receiver's notice
+    follows that layer's ``LayerDone``.
+
+    The default was measured (``pdpush bench --scenario decode_wait``, BENCHMARKS.md): a 200 us spin
+    for a layer already landing, then the receiver's wake-up, re-reading the words every millisecond
+    (the words land before the receiver's notice, which takes two more hops). It costs a fraction of
+    the CPU of spinning or napping. On a box with cores to spare a longer spin sees the words sooner;
+    where the decode engine shares cores with the daemons, spinning slows the sender it waits for."""
+
+    spin_s: float = 0.0002
+    nap_s: float = 0.0001
+    nap_window_s: float = 0.0002  # no naps: after the spin, the receiver wakes the wait
+    slice_s: float = 0.001
+
+
+DEFAULT_WAIT = WaitPolicy()
+
+
+def endpoint(sock: str | Path) -> str:
+    s = str(sock)
+    return s if "://" in s else f"ipc://{s}"
+
+
+def on_host(x):
+    if type(x).__module__.startswith("torch") and x.device.type != "cpu":
+        return x.cpu()
+    return x
+
+
+def raise_error(msg: Msg) -> None:
+    if isinstance(msg, Error):
+        raise error_from_code(msg.code, msg.message, msg.req_id, msg.retry_after_ms)
+
+
+class Connection:
+    """A DEALER to a local daemon, with request/reply helpers and a per-request mailbox."""
+
+    def __init__(self, sock_path: str | Path, max_frame: int = protocol.DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        # our own identity, which the lifeline names to the daemon (lifeline.py): liveness with no pid
+        self.ident = secrets.token_bytes(16)
+        self.sock = control.dealer(endpoint(sock_path), max_frame,
+                                   lambda s: s.setsockopt(zmq.IDENTITY, self.ident))
+        self._life_path = lifeline.path_for(str(sock_path))
+        self.life: Lifeline | None = None
+        self.mail: dict[str | None, list[Msg]] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # requests this side gave up on: late mail is dropped
+        self.peer_id = ""  # learnt from BeginOk/OpenOk: the local daemon's start (a new one: it restarted)
+        # The socket is used by one thread at a time, under ``lock``. A completion thread
+        # (integrations/device_copy.py) never waits for it: ``post`` queues its frame in ``_outbox``, which
+        # whoever holds the lock sends first; waits then run in short slices so that queued frames leave soon.
+        self.lock = threading.Lock()
+        self._outbox: deque[bytes] = deque()
+        self._slice_s = 0.25
+
+    def allow_posts(self, slice_s: float = 0.002) -> None:
+        """Another thread will ``post``: wait for replies in ``slice_s`` slices, sending its frames between."""
+        self._slice_s = min(self._slice_s, slice_s)
+
+    def post(self, msg: Msg) -> None:
+        """Send from any thread without waiting: now if the socket is free, else by its current user."""
+        self._outbox.append(protocol.encode(msg))
+        self._flush_if_free()
+
+    def _flush_if_free(self) -> None:
+        if self._outbox and self.lock.acquire(blocking=False):
+            try:
+                self._flush()  # a full socket leaves the rest for the next holder of the lock
+            finally:
+                self.lock.release()
+
+    def _flush(self) -> None:
+        """Send queued frames (lock held); a full socket keeps the rest for the next holder."""
+        while self._outbox:
+            try:
+                self.sock.send(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
+
+    def send(self, msg: Msg, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        frame = protocol.encode(msg)
+        try:
+            while True:
+                with self.lock:
+                    self._flush()  # posted frames go first: a hand-over before the finish that follows it
+                    if not self._outbox:
+                        try:
+                            self.sock.send(frame, zmq.NOBLOCK)
+                            return
+                        except zmq.Again:
+                            pass
+                    if time.monotonic() > deadline:
+                        raise TransportTimeout("local daemon is not accepting messages") from None
+                    self.sock.poll(10, zmq.POLLOUT)
+        finally:
+            self._flush_if_free()
+
+    def recv_for(self, req_id: str | None, deadline: float, grants: bool = False) -> Msg:
+        """Next message about ``req_id`` (others are kept for their owners). A ``StagingGranted`` is for
+        a wait on staging (``grants``); anyone else drops it (a late one, after its wait timed out)."""
+        try:
+            return self._recv_for(req_id, deadline, grants)
+        finally:
+            self._flush_if_free()
+
+    def drain(self) -> None:
+        """Sort what has arrived into the mailboxes, without waiting (skipped while another thread holds
+        the socket): a prefill engine notices its request's failure at its next layer."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._flush()
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                self._file(protocol.decode(frames[-1], self.max_frame))
+        finally:
+            self.lock.release()
+
+    def _file(self, msg: Msg) -> str | None:
+        """Keep ``msg`` in its request's mailbox (unless this side ended the request); its req_id."""
+        if did := getattr(msg, "daemon_id", ""):
+            self.peer_id = did
+        rid = getattr(msg, "req_id", None)
+        if rid not in self._ended:
+            self.mail.setdefault(rid, []).append(msg)
+        return rid
+
+    def _recv_one(self, deadline: float) -> Msg:
+        with self.lock:
+            self._flush()
+            return control.recv_until(self.sock, deadline, self.max_frame)
+
+    def _recv_for(self, req_id: str | None, deadline: float, grants: bool) -> Msg:
+        box = self.mail.get(req_id)
+        while box:
+            msg = box.pop(0)
+            if grants or not isinstance(msg, StagingGranted):
+                return msg
+        alive_check = time.monotonic() + 0.25
+        while True:
+            try:  # wait in slices, checking every 250 ms that the daemon is still alive
+                msg = self._recv_one(min(deadline, time.monotonic() + self._slice_s))
+            except TransportTimeout:
+                if time.monotonic() < min(deadline, alive_check):
+                    continue
+                alive_check = time.monotonic() + 0.25
+                if not self.daemon_alive():
+                    raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)") from None
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            if did := getattr(msg, "daemon_id", ""):
+                self.peer_id = did
+            rid = getattr(msg, "req_id", None)
+            if rid == req_id:
+                if grants or not isinstance(msg, StagingGranted):
+                    return msg
+            elif rid not in self._ended:
+                self.mail.setdefault(rid, []).append(msg)
+
+    def end(self, req_id: str) -> None:
+        """This side is done with ``req_id``: drop its mail now and whatever arrives for it later."""
+        self.mail.pop(req_id, None)
+        self._ended[req_id] = None
+        self._ended.move_to_end(req_id)
+        while len(self._ended) > 4096:
+            self._ended.popitem(last=False)
+
+    def begin(self, req_id: str) -> None:
+        """A new request under ``req_id``: its mail is wanted again."""
+        self._ended.pop(req_id, None)
+
+    def lifeline(self) -> Lifeline | None:
+        """This connection's lifeline to its daemon, opened anew when the daemon it had died (a restarted one
+        is another daemon); None while no daemon serves the socket."""
+        if self.life is None or not self.life.alive():
+            if self.life is not None:
+                self.life.close()
+            self.life = Lifeline.connect(self._life_path, self.ident)
+        return self.life
+
+    def daemon_alive(self) -> bool:
+        """False once the daemon this connection's lifeline reached has died."""
+        return self.life is None or self.life.alive()
+
+    def call(self, msg: Msg, req_id: str | None, timeout_s: float) -> Msg:
+        self.send(msg, timeout_s)
+        reply = self.recv_for(req_id, time.monotonic() + timeout_s)
+        raise_error(reply)
+        return reply
+
+    def close(self, linger_ms: int = 0) -> None:
+        with self.lock:
+            self.sock.close(linger_ms)
+        if self.life is not None:
+            self.life.close()
+
+
+class Attachments:
+    """Attached shm segments with a count of live users each.
+
+    A restarted daemon hands out a new shmid; the old segment is detached as soon
+    as nothing uses it, so a dead daemon's memory is not kept alive by its clients.
+    """
+
+    def __init__(self) -> None:
+        self._segs: dict[int, Attached] = {}
+        self._users: dict[int, int] = {}
+        self.pin = False  # page-lock each segment for this process's CUDA copies (Attached.pin)
+
+    def pin_all(self) -> None:
+        """Pin every segment, now and from now on (a no-op where CUDA is not available)."""
+        self.pin = True
+        for a in self._segs.values():
+            a.pin()
+
+    def hold(self, shmid: int, nbytes: int) -> Attached:
+        a = self._segs.get(shmid)
+        if a is None:
+            for old in [i for i in self._segs if not self._users.get(i)]:
+                self._segs.pop(old).close()
+                self._users.pop(old, None)
+            a = self._segs[shmid] = Attached(shmid, nbytes)
+            if self.pin:
+                a.pin()
+        self._users[shmid] = self._users.get(shmid, 0) + 1
+        return a
+
+    def drop(self, shmid: int) -> None:
+        if self._users.get(shmid):
+            self._users[shmid] -= 1
+
+    def close(self) -> None:
+        for a in self._segs.values():
+            a.close()
+        self._segs.clear()
+        self._users.clear()
+
+
+def status(sock_path: str | Path, timeout_s: float = 2.0) -> dict:
+    """Ask a local daemon for its stats."""
+    c = Connection(sock_path)
+    try:
+        reply = c.call(StatusRequest(), None, timeout_s)
+        assert isinstance(reply, StatusReply)
+        return dict(reply.stats)
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------- prefill side
+

@@ -1,0 +1,327 @@
+"""The decode engine's client (``DecodeClient``) to its receiver, and one request's view of what landed
+(``DecodeRequest``): open or claim, wait for each layer, read its KV straight from the pool, release.
+
+Imports numpy and zmq; torch only when a torch tensor is asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdpush import kvcodec
+from pdpush.client.connection import DEFAULT_WAIT, Attachments, Connection, WaitPolicy, raise_error
+from pdpush.errors import (
+    BrokenResourceError,
+    ProtocolError,
+    TransportTimeout,
+    UnexpectedMessage,
+)
+from pdpush.layout import KVLayout, PoolGeometry, chunk_keys, rank_heads, runs
+from pdpush.plan import RequestPlan, tokens_of
+from pdpush.protocol import (
+    Claim,
+    ClaimOk,
+    Committed,
+    Error,
+    LayerAvailable,
+    Msg,
+    Open,
+    OpenOk,
+    Query,
+    QueryReply,
+    Release,
+)
+
+
+class DecodeRequest:
+    """An opened request: zero-copy views of each layer as it lands in the pool."""
+
+    def __init__(self, client: DecodeClient, ok: OpenOk, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.client = client
+        self.req_id = ok.req_id
+        self.layout = KVLayout(**ok.layout.model_dump())
+        self.geometry = PoolGeometry(self.layout, ok.pool_pages, ok.pool_shards, ok.state_slots)
+        self.heads = rank_heads(self.layout.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank reads
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.state_slot = ok.state_slot
+        self.pages = list(ok.pages)  # one per item (plan.py): group 0's chunks, then each window group's
+        self.tokens = tokens_of(self.layout, ok.chunks or len(self.pages), ok.last_chunk_tokens)
+        new = set(ok.new_idx)
+        self.plan = RequestPlan(self.layout, self.tokens, [i for i in range(len(self.pages)) if i not in new])
+        if self.plan.items != len(self.pages):
+            raise ProtocolError(f"open of {ok.req_id!r}: {len(self.pages)} pages for {self.plan.items} items")
+        # each group's pages, in chunk order (``layer_chunks``)
+        self._group_pages = [[self.pages[i] for i in range(gp.first_item, gp.first_item + len(gp.chunks))]
+                             for gp in self.plan.groups]
+        self.ready: set[int] = set(ok.layers_ready)
+        self.committed = ok.committed
+        if ok.committed:  # a committed request has every layer (its state layers too)
+            self.ready.update(range(self.layout.push_layers))
+        self.pool_pages = ok.pool_pages
+        self._shmid = ok.shmid
+        self._pool = client._segments.hold(ok.shmid, self.geometry.total_bytes)
+        self.page_runs = runs(self._group_pages[0]) if self._group_pages else []
+        # readiness words (layout.py): a layer has landed when every new page of its group holds our lease id
+        self.lease_id = ok.lease_id
+        self._new_pages = [np.array([self.pages[i] for i in range(gp.first_item, gp.first_item + len(gp.chunks))
+                                     if i in new], dtype=np.int64) for gp in self.plan.groups]
+        kv, words = self.layout.kv_bytes(ok.pool_pages), self.layout.layers * ok.pool_pages * 8
+        self._words = (self._pool.array[kv:kv + words].view(np.uint64).reshape(self.layout.layers, ok.pool_pages)
+                       if ok.ready_in_pool and ok.lease_id else None)
+        self._released = False
+        self.broken: str | None = None
+        self._life = client._conn.life  # the receiver's lifeline: closed, it died
+
+    def _pump(self, deadline: float) -> None:
+        try:
+            msg = self.client._conn.recv_for(self.req_id, deadline)
+        except BrokenResourceError as e:
+            self.broken = str(e)
+            raise BrokenResourceError(f"request {self.req_id!r}: {e}; its pages are not valid") from None
+        self._apply(msg)
+
+    def _check_receiver(self) -> None:
+        if self.broken is None and self._life is not None and not self._life.alive():
+            self.broken = "receiver died (its lifeline closed)"
+        if self.broken is not None:
+            raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
+
+    def _landed(self, layer: int) -> bool:
+        """The layer's readiness words say it is in the pool (no message needed)."""
+        w = self._words
+        return w is not None and layer < self.layout.layers and bool(
+            (w[layer, self._new_pages[self.layout.group_of(layer).index]] == self.lease_id).all())
+
+    def landed(self, layer: int) -> bool:
+        """Whether layer ``layer`` is in the pool now (never waits)."""
+        if layer in self.ready:
+            return True
+        if self._landed(layer):
+            self.ready.add(layer)
+            return True
+        return False
+
+    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """Wait until layer ``layer`` is in the pool: its readiness words in the pool say so, or the
+        receiver's LayerAvailable does, as the client's ``WaitPolicy`` says (a decode engine usually
+        waits for layers already on the way)."""
+        if not 0 <= layer < self.layout.push_layers:
+            raise ValueError(f"layer {layer} out of range")
+        t = time.monotonic()
+        deadline = t + (timeout_s if timeout_s is not None else self.client.timeout_s)
+        pol = self.client.wait
+        spin_until, nap_until = t + pol.spin_s, t + pol.nap_window_s
+        box = self.client._conn.mail.get(self.req_id)
+        while box:
+            self._apply(box.pop(0))
+        while layer not in self.ready:
+            if self._landed(layer):
+                self.ready.add(layer)
+                return
+            now = time.monotonic()
+            if spin_until <= now < nap_until:
+                time.sleep(pol.nap_s)
+            try:  # an error or a notice from the receiver, if one came
+                self._pump(now if now < nap_until else min(deadline, now + pol.slice_s))
+            except TransportTimeout:
+                if time.monotonic() >= deadline and not self._landed(layer):
+                    raise TransportTimeout(f"layer {layer} of {self.req_id!r} did not arrive in time") from None
+
+    def _apply(self, msg: Msg) -> None:
+        if isinstance(msg, LayerAvailable):
+            self.ready.update(msg.layers)
+        elif isinstance(msg, Committed):
+            self.committed = True
+            self.ready.update(range(self.layout.push_layers))
+        else:
+            if isinstance(msg, Error):
+                self.broken = f"{msg.code.value}: {msg.message}"
+            raise_error(msg)
+
+    def poll_committed(self) -> bool:
+        """Whether the push has committed (every layer landed), never waiting; raises its typed error if it
+        failed, or if the receiver died."""
+        box = self.client._conn.mail.get(self.req_id)
+        while box:
+            self._apply(box.pop(0))
+        while not self.committed:
+            try:
+                self._pump(time.monotonic())
+            except TransportTimeout:
+                break
+        self._check_receiver()
+        return self.committed
+
+    def wait_committed(self, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
+        while not self.committed:
+            self._pump(deadline)
+
+    def _ready_layer(self, layer: int, wait: bool, timeout_s: float | None) -> None:
+        if wait:
+            self.wait_layer(layer, timeout_s)
+        self._check_receiver()  # never hand out pages of a dead receiver as if they were valid
+        if layer not in self.ready:
+            raise UnexpectedMessage(f"layer {layer} of {self.req_id!r} is not ready")
+
+    def layer_shards(self, layer: int, wait: bool = True,
+                     timeout_s: float | None = None) -> list[tuple[int, np.ndarray]]:
+        """This rank's heads of layer ``layer`` in the whole pool, zero-copy: one ``(first head, view)``
+        per pool shard they span (usually one), the view row bytes ``[pool_pages, heads, C, T, D * B]``;
+        the first head counts from this rank's first. This request's chunks are at ``self.pages``. Only
+        where shards are whole heads (``PoolGeometry.heads_aligned``); ``read_layer`` reads any pool."""
+        self._ready_layer(layer, wait, timeout_s)
+        g, lay = self.geometry, self.layout
+        per = lay.kv_heads // g.shards
+        out, at = [], 0
+        for s, j, k in g.heads(*self.heads):
+            off = g.offset(layer, s, 0)
+            shard = self._pool.array[off:off + g.pages * g.shard_bytes].reshape(
+                g.pages, per, lay.components, lay.chunk_tokens, lay.row_bytes)
+            out.append((at, shard[:, j:j + k]))
+            at += k
+        return out
+
+    def layer_runs(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> list[np.ndarray]:
+        """Zero-copy views of this rank's heads, one per run of consecutive pages: row bytes
+        ``[n, heads, C, T, D * B]``. Where the heads span several pool shards, use ``read_layer``."""
+        parts = self.layer_shards(layer, wait, timeout_s)
+        if len(parts) != 1:
+            raise ValueError(f"heads {self.heads} span {len(parts)} pool shards: use read_layer()")
+        view = parts[0][1]
+        return [view[p:p + n] for _, p, n in runs(self.layer_pages(layer))]
+
+    def layer_chunks(self, layer: int) -> range:
+        """The chunks this request holds of ``layer``: every chunk, or for a sliding-window layer those of
+        its window (``KVLayout.group_chunks``); ``layer_pages`` are their pages."""
+        return self.plan.of(layer).chunks
+
+    def layer_pages(self, layer: int) -> list[int]:
+        return self._group_pages[self.layout.group_of(layer).index]
+
+    def group_pages(self, group: int) -> list[int]:
+        """Layer group ``group``'s pages, one per chunk of ``plan.groups[group].chunks``."""
+        return self._group_pages[group]
+
+    def pool_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """The whole pool region's bytes, once ``layer`` is ready (for ``kvcodec.read_rows``/``read_pages``)."""
+        self._ready_layer(layer, wait, timeout_s)
+        return self._pool.array[:self.geometry.region_bytes]
+
+    def read_layer(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """A copy of this rank's heads of the layer's pages (``layer_chunks``): row bytes
+        ``[chunks, heads, C, T, D * B]``."""
+        pool = self.pool_bytes(layer, wait, timeout_s)
+        return kvcodec.read_pages(pool, self.geometry, layer, np.asarray(self.layer_pages(layer), dtype=np.int64),
+                                  self.heads)
+
+    def _layer_tokens(self, layer: int) -> int:
+        return self.tokens - self.layer_chunks(layer).start * self.layout.chunk_tokens
+
+    def kv_bytes(self, layer: int, wait: bool = True, timeout_s: float | None = None) -> tuple[np.ndarray, ...]:
+        """This rank's heads of one layer as bytes, one ``[tokens, heads, D * B]`` per component (K and V,
+        or the MLA latent; a copy). A sliding-window layer's start at its first chunk's first token."""
+        rows = kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self._layer_tokens(layer))
+        return tuple(rows[:, :, c] for c in range(self.layout.components))
+
+    def layer_kv(self, layer: int, wait: bool = True, timeout_s: float | None = None):
+        """This rank's heads of one layer as torch tensors, one ``[tokens, heads, D]`` per component (as
+        ``kv_bytes``)."""
+        import torch
+
+        rows = torch.from_numpy(np.ascontiguousarray(
+            kvcodec.page_rows_to_tokens(self.read_layer(layer, wait, timeout_s), self._layer_tokens(layer))))
+        x = kvcodec.elements(rows, self.layout.dtype)
+        return tuple(x[:, :, c].clone() for c in range(self.layout.components))
+
+    def state_bytes(self, wait: bool = True, timeout_s: float | None = None) -> np.ndarray:
+        """This rank's units of the request's state, zero-copy: ``[state_layers, units / tp, unit bytes]``
+        (state layer ``s`` lands as the layer ``layout.layers + s``; this waits for them all)."""
+        lay = self.layout
+        if self.state_slot < 0:
+            raise ValueError(f"request {self.req_id!r} carries no state")
+        for s in range(lay.state_layers):
+            self._ready_layer(lay.layers + s, wait, timeout_s)
+        lay.check_state_tp(self.tp_size)
+        off = self.geometry.state_at(self.state_slot)
+        k = lay.state_units // self.tp_size
+        return self._pool.array[off:off + lay.state_slot_bytes].reshape(
+            lay.state_layers, lay.state_units, lay.state_unit_bytes)[:, self.tp_rank * k:(self.tp_rank + 1) * k]
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.client._segments.drop(self._shmid)  # views handed out must not be used after this
+            if self.broken is not None:
+                self.client._conn.end(self.req_id)
+                return
+            try:
+                self.client._conn.call(Release(req_id=self.req_id), self.req_id, self.client.timeout_s)
+            finally:
+                self.client._conn.end(self.req_id)
+
+    def __enter__(self) -> DecodeRequest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class DecodeClient:
+    """Reads pushed KV from the local receiver's pool, zero-copy."""
+
+    def __init__(self, receiver_socket: str | Path, *, timeout_s: float = 30.0, pin_cuda: bool = False,
+                 wait: WaitPolicy = DEFAULT_WAIT) -> None:
+        self.timeout_s = timeout_s
+        self.wait = wait
+        self._conn = Connection(receiver_socket)
+        self._segments = Attachments()
+        if pin_cuda:  # the pool is page-locked in this process, for asynchronous host-to-device copies
+            self._segments.pin_all()
+
+    def open(self, req_id: str, timeout_s: float | None = None, *, tp_rank: int = 0,
+             tp_size: int = 1) -> DecodeRequest:
+        """Open a request (waits until its allocation exists on the receiver). A decode rank of
+        ``tp_size`` reads its own heads (``layout.rank_heads``: replicated where TP exceeds the KV heads)."""
+        self._conn.begin(req_id)
+        self._conn.lifeline()  # the receiver releases this engine's opens if it dies, and we see the receiver die
+        reply = self._conn.call(Open(req_id=req_id, tp_size=tp_size), req_id,
+                                timeout_s if timeout_s is not None else self.timeout_s)
+        if not isinstance(reply, OpenOk):
+            raise ProtocolError(f"unexpected {reply.type} in reply to open")
+        return DecodeRequest(self, reply, tp_rank, tp_size)
+
+    def held_prefix(self, token_ids, layout: KVLayout) -> int:
+        """How many leading chunks of this prompt the receiver holds complete."""
+        return self.query(token_ids, layout).held_prefix
+
+    def query(self, token_ids, layout: KVLayout, req_id: str | None = None,
+              timeout_s: float | None = None) -> QueryReply:
+        """Ask the chunk index about a prompt: chunks held complete, and (with ``req_id``) how many
+        of its leading chunks that pushed request, possibly still arriving, carries."""
+        msg = Query(chunk_keys=chunk_keys([int(t) for t in token_ids], layout), req_id=req_id)
+        reply = self._conn.call(msg, None, timeout_s if timeout_s is not None else self.timeout_s)
+        if not isinstance(reply, QueryReply):
+            raise ProtocolError(f"unexpected {reply.type} in reply to query")
+        return reply
+
+    def claim(self, req_id: str, token_ids, layout: KVLayout, lease_ms: int = 30_000,
+              timeout_s: float | None = None) -> int:
+        """Make ``req_id`` a request of the prompt's leading chunks the receiver already holds, with
+        no push: ``open`` then reads it like a pushed one. Returns the chunks claimed (0: none held,
+        nothing made). They stay pinned until released, or ``lease_ms`` if never opened."""
+        ids = [int(t) for t in token_ids]
+        keys = chunk_keys(ids, layout)
+        last = len(ids) - (len(keys) - 1) * layout.chunk_tokens
+        reply = self._conn.call(Claim(req_id=req_id, chunk_keys=keys, last_chunk_tokens=last, lease_ms=lease_ms),
+                                req_id, timeout_s if timeout_s is not None else self.timeout_s)
+        if not isinstance(reply, ClaimOk):
+            raise ProtocolError(f"unexpected {reply.type} in reply to claim")
+        return reply.chunks
+
+    def close(self) -> None:
+        self._segments.close()
+        self._conn.close()

@@ -1,0 +1,457 @@
+"""The prefill engine's client (``PrefillClient``) to its sender, and a request's push (``PushHandle``):
+begin, write each finished layer into staging, hand it over (by the hand-over ring and the doorbell, or by
+message), finish.
+
+Imports numpy and zmq; torch only when a torch tensor is passed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from pdpush import kvcodec, ring
+from pdpush.client.connection import Attachments, Connection, on_host, raise_error
+from pdpush.config import default_sender_socket
+from pdpush.doorbell import Bell
+from pdpush.errors import (
+    Aborted,
+    BrokenResourceError,
+    PdpushError,
+    ProtocolError,
+    TransportTimeout,
+    UnexpectedMessage,
+)
+from pdpush.layout import KVLayout, StagingShares, chunk_keys, rank_heads
+from pdpush.plan import RequestPlan
+from pdpush.protocol import (
+    Abort,
+    Begin,
+    BeginOk,
+    Bye,
+    Done,
+    Finish,
+    LayerReady,
+    LayoutSpec,
+    Msg,
+    NeedStaging,
+    StagingGranted,
+    StatusRequest,
+    Wake,
+)
+from pdpush.shm import Attached
+
+
+class PushHandle:
+    """One request being pushed. Write layers (in any order, as they finish), then ``finish()``."""
+
+    def __init__(self, client: PrefillClient, req_id: str, tokens: int, ok: BeginOk, tp_rank: int = 0,
+                 tp_size: int = 1, layers: range | None = None) -> None:
+        self.client = client
+        self.req_id = req_id
+        self.tokens = tokens
+        lay = client.layout
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.layers = layers if layers is not None else range(lay.push_layers)  # this stage's (pipeline parallelism)
+        self.heads = rank_heads(lay.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank pushes
+        self.already_sent_indexes: list[int] = list(ok.already_sent_indexes)  # items (plan.py)
+        self.plan = RequestPlan(lay, tokens, self.already_sent_indexes)
+        self._shares = [StagingShares(lay, tp_size, ok.pool_shards, gp.n_new) for gp in self.plan.groups]
+        self._segs: dict[tuple[int, bool], list] = {}
+        # group 0's (every layer's, where the model has one layer group: no sliding windows; none without
+        # attention layers)
+        g0 = self.plan.groups[0] if self.plan.groups else None
+        self.new_chunk_indexes = g0.new_chunks if g0 else []
+        self.new_runs = g0.new_runs if g0 else []  # contiguous chunk-index ranges
+        self.shares = self._shares[0] if g0 else None
+        self._shmid = ok.staging_shmid
+        st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
+        self._base = st.array  # the whole staging region: the sender grants each layer a block of it
+        self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
+        self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
+        self._bell = client._bell(ok.doorbell, ok.daemon_id) if self._ring is not None else None  # wakes it
+        self._handle = ok.handle  # how its records name this request
+        self._daemon_id = ok.daemon_id  # the sender whose staging (and ring) this request writes
+        self._life = client._conn.life  # that sender's lifeline: closed, it died
+        self._sent: set[int] = set()
+        self._done: Done | None = None
+        self._aborted: str | None = None
+        self._finishing = False
+
+    def new_chunks(self, layer: int) -> list[int]:
+        """The chunks whose pages of ``layer`` this request writes (its layer group's new items)."""
+        return self.plan.of(layer).new_chunks
+
+    def layer_shares(self, layer: int) -> StagingShares:
+        return self._shares[self.plan.of(layer).group.index]
+
+    def layer_segments(self, layer: int, new_only: bool = False) -> list:
+        """``kvcodec.segments`` of ``layer``'s new chunks (``new_only``: their tokens back to back)."""
+        gp = self.plan.of(layer)
+        key = (gp.group.index, new_only)
+        if key not in self._segs:
+            self._segs[key] = kvcodec.segments(gp.new_runs, self.tokens, self.client.layout.chunk_tokens, new_only)
+        return self._segs[key]
+
+    def staging_layer(self, layer: int) -> np.ndarray:
+        """Raw writable bytes of this rank's share of layer ``layer``, shaped ``StagingShares.share_shape``
+        ``[units, new_chunks, unit bytes]`` (layout.py); ``kvcodec.stage`` fills them. Waits for the
+        layer's staging block where staging is full (``_block``)."""
+        self._check_open()
+        gp = self.plan.of(layer)
+        sh = self._shares[gp.group.index]
+        if not gp.n_new:
+            return self._base[:0].reshape(sh.share_shape())
+        off = self._block(layer) + sh.share_offset(0, self.tp_rank)
+        return self._base[off:off + sh.share_bytes].reshape(sh.share_shape())
+
+    def granted(self, layer: int) -> bool:
+        """Whether ``layer``'s staging is there to write now (``staging_layer`` would not wait)."""
+        return not self.plan.layer_bytes(layer) or bool(self._grants is not None and self._grants[layer])
+
+    def _block(self, unit: int) -> int:
+        """Where the sender put ``unit``'s staging block (plan.py). A request that fits in staging has every
+        block granted with its BeginOk; otherwise the engine asks for the block when it is about to write
+        it and waits, in the order engines asked, for layers in flight to give theirs back: the forward
+        feels the backpressure, bounded by the client's timeout and ended by the request's own failure."""
+        word = int(self._grants[unit])
+        if word:
+            return word - 1
+        conn, timeout = self.client._conn, self.client.timeout_s
+        conn.send(NeedStaging(req_id=self.req_id, unit=unit), timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = conn.recv_for(self.req_id, deadline, grants=True)
+            except TransportTimeout:
+                raise TransportTimeout(f"request {self.req_id!r}: the sender granted no staging for layer {unit} "
+                                       f"within {timeout:g} s (staging is held by the layers in flight)",
+                                       req_id=self.req_id) from None
+            if isinstance(reply, StagingGranted):
+                if reply.unit == unit:
+                    return int(self._grants[unit]) - 1
+                continue  # a late one, for a wait that timed out
+            self._failed(reply)
+
+    def _failed(self, msg: Msg) -> None:
+        """An asynchronous end of the request (its receiver died, its lease expired...): raise it, and tell
+        the sender this engine has stopped writing its staging (which it keeps until then)."""
+        self._end()
+        self.client._conn.post(Abort(req_id=self.req_id, reason="the prefill engine saw the request end"))
+        raise_error(msg)
+        raise ProtocolError(f"unexpected {msg.type} for {self.req_id!r} while it was being pushed")
+
+    def put_layer(self, layer: int, *comps) -> None:
+        """Copy layer ``layer``'s new chunks into staging, then push (``stage_layer``)."""
+        self.stage_layer(layer, *comps)
+        self.layer_ready(layer)
+
+    def stage_layer(self, layer: int, *comps, new_only: bool = False) -> None:
+        """Copy layer ``layer``'s new chunks into staging without handing it over yet. ``comps`` are the
+        layout's components (K and V, or an MLA latent), each ``[tokens, heads, D]``: this rank's heads, or
+        all the model's (this rank's are taken); the prompt's tokens, or (``new_only``) only the new chunks'
+        tokens back to back (``new_chunks(layer)``: with sliding windows, a layer's group has its own).
+        A tensor on a device is copied to the host first."""
+        comps = tuple(on_host(x) for x in comps)
+        try:
+            kvcodec.stage(self.staging_layer(layer), comps, self.layer_shares(layer), self.tp_rank,
+                          self.layer_segments(layer, new_only))
+        except ValueError as e:
+            raise ValueError(f"layer {layer}: {e}") from None
+
+    def share_rows(self, layer: int, src_heads: int):
+        """What each row of this rank's share of ``layer`` holds (``kvcodec.share_rows``, the new chunks'
+        tokens back to back), for ``stage_gathered``; None where the share's units cut rows. The same for
+        every layer of a group: compute once, gather every layer."""
+        return kvcodec.share_rows(self.layer_shares(layer), self.tp_rank, self.layer_segments(layer, True),
+                                  src_heads)
+
+    def stage_gathered(self, layer: int, src, base, sel, emap) -> None:
+        """Copy layer ``layer``'s share into staging straight from an engine's own memory (a paged KV
+        cache's host bytes ``src``), one pass, no copy between (``kvcodec.gather``: rows addressed by
+        ``base``/``sel``/``emap`` in ``share_rows``' order); hand it over as ``stage_layer``'s."""
+        try:
+            kvcodec.gather(self.staging_layer(layer), self.layer_shares(layer), src, base, sel, emap)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"layer {layer}: {e}") from None
+
+    def staging_state(self, s: int) -> np.ndarray:
+        """Raw writable bytes of this rank's units of state layer ``s``, ``[units / tp, unit bytes]``
+        (layout.py); ``kvcodec.stage_state`` fills them. Waits for its block like ``staging_layer``."""
+        lay = self.client.layout
+        if not 0 <= s < lay.state_layers:
+            raise ValueError(f"state layer {s} out of range (the layout has {lay.state_layers})")
+        self._check_open()
+        off = self._block(lay.layers + s)
+        k = lay.state_units // self.tp_size
+        page = self._base[off:off + lay.state_page_bytes].reshape(lay.state_units, lay.state_unit_bytes)
+        return page[self.tp_rank * k:(self.tp_rank + 1) * k]
+
+    def stage_state(self, s: int, tensors: dict) -> None:
+        """Copy this rank's recurrent state of state layer ``s`` into staging: its engine tensors by name
+        (``kvcodec.stage_state``); hand it over as the layer ``layout.layers + s`` (``layer_ready``), before
+        staging the next one (each has its own block, given back when it lands)."""
+        kvcodec.stage_state(self.staging_state(s)[None], [{k: on_host(v) for k, v in tensors.items()}],
+                            self.client.layout, self.tp_size, self.tp_rank)
+
+    def layer_ready(self, layer: int) -> None:
+        """Tell the sender layer ``layer`` is in staging; it pushes it at once (non-blocking here)."""
+        self.layers_ready([layer])
+
+    def layers_ready(self, layers: list[int]) -> None:
+        """Hand several staged layers over in one message (eager mode, or layers that finished together)."""
+        self._check_open()
+        self._mark_sent(layers)
+        self._hand_over(list(layers), wait=True)
+
+    def post_layers_ready(self, layers: list[int]) -> None:
+        """``layers_ready`` from a completion thread: never waits for the socket (``Connection.post``).
+        An asynchronous failure of the request surfaces on this handle's next call from its owner."""
+        self._check_not_aborted()
+        if self._done is not None or self._base is None or self._finishing:
+            raise UnexpectedMessage(f"request {self.req_id!r} has ended")
+        self._mark_sent(layers)
+        self._hand_over(list(layers), wait=False)
+
+    def _hand_over(self, layers: list[int], wait: bool) -> None:
+        """Records in the connection's ring (ring.py), the sender woken if it sleeps; without a ring, a
+        ``LayerReady``. A full ring is waited for (``wait``: the owner thread, bounded by the client's
+        timeout) or, from a completion thread, the rest goes by message: a record is never overwritten."""
+        conn, w = self.client._conn, self._ring
+        if w is not None and w.closed:
+            raise UnexpectedMessage(f"request {self.req_id!r}: its client is closed")
+        if (conn.peer_id and self._daemon_id and conn.peer_id != self._daemon_id) or not self._sender_alive():
+            raise BrokenResourceError(f"request {self.req_id!r}: the sender it began on died or restarted",
+                                      req_id=self.req_id)
+        if w is None:
+            msg = LayerReady(req_id=self.req_id, layers=layers)
+            conn.send(msg, self.client.timeout_s) if wait else conn.post(msg)
+            return
+        spans = ring.runs(layers)
+        recs = [ring.encode(self._handle, a, n) for a, n in spans]
+        done = w.push(recs)
+        if done < len(recs) and wait:
+            done = self._wait_ring(w, recs, spans, done)
+        if done < len(recs):
+            conn.post(LayerReady(req_id=self.req_id, layers=[la for a, n in spans[done:] for la in range(a, a + n)]))
+        elif w.sender_idle():
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake a sleeping sender: its doorbell, from the kernel; else (none offered, or the sender is gone) a
+        ``Wake`` message, through ZeroMQ's I/O threads."""
+        if self._bell is None or not self._bell.ring():
+            self.client._conn.post(Wake())
+
+    def _wait_ring(self, w: ring.RingWriter, recs: list[int], spans: list[tuple[int, int]], done: int) -> int:
+        """The ring is full: the sender has not taken records yet. Wait for room until the timeout; then
+        the layers not handed over are the engine's again (it may hand them over later)."""
+        self._wake()
+        deadline, nap = time.monotonic() + self.client.timeout_s, 50e-6
+        while done < len(recs):
+            time.sleep(nap)
+            nap = min(nap * 2, 0.001)
+            done += w.push(recs[done:])
+            err = None
+            if done < len(recs) and time.monotonic() > deadline:
+                err = TransportTimeout(f"request {self.req_id!r}: the sender took no hand-over for "
+                                       f"{self.client.timeout_s:g} s (its ring of {w.slots} records is full)",
+                                       req_id=self.req_id)
+            elif done < len(recs) and not self._sender_alive():
+                err = BrokenResourceError("the local pdpush daemon died (its lifeline closed)", req_id=self.req_id)
+            if err is not None:
+                self._sent.difference_update(la for a, n in spans[done:] for la in range(a, a + n))
+                raise err
+        return done
+
+    def _sender_alive(self) -> bool:
+        return self._life is None or self._life.alive()
+
+    def _mark_sent(self, layers: list[int]) -> None:
+        again = [la for la in layers if la in self._sent]
+        if again or len(set(layers)) != len(layers):
+            raise ValueError(f"layer {again[0] if again else layers} already handed over")
+        self._sent.update(layers)
+
+    @property
+    def layers_handed_over(self) -> int:
+        return len(self._sent)
+
+    def _check_open(self) -> None:
+        self._check_not_aborted()
+        if self._done is not None or self._base is None:
+            raise UnexpectedMessage(f"request {self.req_id!r} has ended")
+        conn = self.client._conn
+        conn.drain()
+        box = conn.mail.get(self.req_id)
+        while box and isinstance(box[0], StagingGranted):
+            box.pop(0)  # a late grant, for a wait that timed out
+        if box:  # an asynchronous failure (receiver died, lease expired...) surfaces here
+            self._failed(box.pop(0))
+
+    def _end(self) -> None:
+        if self._base is not None:
+            self._base = self._grants = None
+            self.client._segments.drop(self._shmid)
+
+    def finish(self, timeout_s: float | None = None) -> Done:
+        """Commit; returns once the receiver acknowledged every byte (or raises a typed error)."""
+        self._check_not_aborted()
+        if self._done is not None:
+            return self._done
+        t = timeout_s if timeout_s is not None else self.client.timeout_s
+        try:
+            reply = self.client._conn.call(Finish(req_id=self.req_id), self.req_id, t)
+        finally:
+            self._end()
+        if not isinstance(reply, Done):
+            raise ProtocolError(f"unexpected {reply.type} while finishing {self.req_id!r}")
+        self._done = reply
+        return reply
+
+    def finish_nowait(self) -> None:
+        """Ask for the commit without waiting; collect the outcome with ``poll_done()``."""
+        if self._done is None and not self._finishing:
+            self._check_open()
+            self._finishing = True
+            self.client._conn.send(Finish(req_id=self.req_id), self.client.timeout_s)
+
+    def poll_done(self, timeout_s: float = 0.0) -> Done | None:
+        """The commit's outcome if it has come (raises its typed error if it failed), else None."""
+        self._check_not_aborted()
+        if self._done is not None:
+            return self._done
+        if not self._finishing:
+            raise UnexpectedMessage(f"request {self.req_id!r}: poll_done before finish_nowait")
+        try:
+            reply = self.client._conn.recv_for(self.req_id, time.monotonic() + timeout_s)
+        except TransportTimeout:
+            return None
+        self._end()
+        raise_error(reply)
+        if not isinstance(reply, Done):
+            raise ProtocolError(f"unexpected {reply.type} while finishing {self.req_id!r}")
+        self._done = reply
+        return reply
+
+    def _check_not_aborted(self) -> None:
+        if self._aborted is not None:
+            raise Aborted(f"request {self.req_id!r} was aborted here: {self._aborted}", req_id=self.req_id)
+
+    def abort(self, reason: str = "") -> None:
+        """Give the request up. The sender's late reply is dropped; ``finish()`` then raises ``Aborted``."""
+        if self._done is not None or self._aborted is not None:
+            return
+        self._aborted = reason or "aborted"
+        self._end()
+        self.client._conn.end(self.req_id)
+        self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
+
+
+class PrefillClient:
+    """Hands finished layers to the local sender daemon through shared staging memory."""
+
+    def __init__(self, layout: KVLayout, sender_socket: str | Path | None = None, *,
+                 receiver: str = "", timeout_s: float = 30.0, pin_cuda: bool = False) -> None:
+        self.layout = layout
+        self.spec = LayoutSpec(**layout.to_dict())
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+        self._conn = Connection(sender_socket or default_sender_socket())
+        self._segments = Attachments()
+        self._rings: dict[int, ring.RingWriter] = {}  # by staging shmid: this connection's ring in it
+        self._bells: dict[tuple[str, int], Bell] = {}  # by (path, sender pid): the sender's doorbell (doorbell.py)
+        self._rings_lock = threading.Lock()
+        self._begun = False  # a Begin went out: close() says Bye, so the sender may reuse this one's ring
+        if pin_cuda:  # staging is page-locked in this process, for asynchronous device-to-host copies
+            self._segments.pin_all()
+
+    def begin(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,
+              tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+              layers: tuple[int, int] | None = None) -> PushHandle:
+        """Allocate on the receiver; returns a handle that says which chunks to send.
+
+        Tensor parallelism: each of ``tp_size`` ranks begins the same ``req_id`` with the same prompt
+        and pushes its own share of each page (``StagingShares``); they share one allocation, and the
+        request commits once every rank has finished. Every rank gets the same ``already_sent_indexes``.
+        Pipeline parallelism: each stage's ranks do the same with ``pp_rank``/``pp_size`` and their
+        stage's ``layers`` ``(first, end)``, and push only those."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("empty prompt")
+        keys = chunk_keys(ids, self.layout)
+        self._conn.begin(req_id)
+        self._conn.lifeline()  # before the Begin: the sender fails the request if this process dies
+        msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,
+                    last_chunk_tokens=self.layout.last_chunk_tokens(len(ids)), tp_rank=tp_rank, tp_size=tp_size,
+                    pp_rank=pp_rank, pp_size=pp_size,
+                    first_layer=layers[0] if layers else 0, end_layer=layers[1] if layers else 0,
+                    handover_ring=ring.available())
+        self._begun = True
+        reply = self._conn.call(msg, req_id, self.timeout_s)
+        if not isinstance(reply, BeginOk):
+            raise ProtocolError(f"unexpected {reply.type} in reply to begin")
+        return PushHandle(self, req_id, len(ids), reply, tp_rank, tp_size,
+                          range(*layers) if layers else range(self.layout.push_layers))
+
+    def status(self) -> dict:
+        reply = self._conn.call(StatusRequest(), None, self.timeout_s)
+        return dict(reply.stats)  # type: ignore[union-attr]
+
+    def _ring(self, ok: BeginOk, staging: Attached) -> ring.RingWriter | None:
+        if not ok.ring_slots or not ring.available():
+            return None
+        with self._rings_lock:  # one writer per ring, whichever thread begins first
+            w = self._rings.get(ok.staging_shmid)
+            if w is None or w.address != staging.address + ok.ring_offset:
+                # one ring per connection; a new segment is a restarted sender's, its old ring gone with it
+                for old in self._rings.values():
+                    old.close()
+                w = ring.RingWriter(staging.address + ok.ring_offset, ok.ring_slots,
+                                    staging.address + ok.idle_offset)
+                self._rings = {ok.staging_shmid: w}
+            return w
+
+    def _bell(self, path: str, daemon_id: str) -> Bell | None:
+        """The doorbell the sender offers (``BeginOk.doorbell``), opened once per sender process (a restarted
+        sender makes its FIFO anew at the same path); None: wake it by message."""
+        if not path:
+            return None
+        with self._rings_lock:
+            b = self._bells.get((path, daemon_id))
+            if b is None:
+                for old in self._bells.values():  # one sender per connection: another is a restarted one's
+                    old.close()
+                b = Bell(path)
+                self._bells = {(path, daemon_id): b}
+            return b
+
+    def close(self) -> None:
+        linger = 0
+        try:
+            with self._rings_lock:
+                for w in self._rings.values():
+                    w.close()  # handles still open write no more records (a completion thread's, say)
+                self._rings.clear()
+                for b in self._bells.values():
+                    b.close()
+                self._bells.clear()
+            if self._begun and self._conn.daemon_alive():
+                self._begun = False
+                try:  # the sender may give this connection's ring to another now. Its answer comes after
+                    # everything sent before it was handled: only then does the lifeline close, so an Abort
+                    # just sent is not taken for this process's death
+                    self._conn.call(Bye(), None, 1.0)
+                except (PdpushError, zmq.ZMQError):
+                    linger = 500  # no answer: what is queued still gets its chance to leave
+        finally:
+            self._segments.close()
+            self._conn.close(linger)
+
+
+# ----------------------------------------------------------------------------- decode side
+
