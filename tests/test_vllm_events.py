@@ -269,7 +269,7 @@ while time.monotonic() - t0 < 0.6:
     assert pe.take_events(time.monotonic()) == []
     worst = max(worst, time.monotonic() - s)
     time.sleep(0.01)
-assert worst < 0.05 and pe.counters["lost"] == 1 and pe.down_until > time.monotonic() + 4, (worst, pe.counters)
+assert worst < 0.05 and pe.counters["lost"] == 1 and pe.asker.down(time.monotonic() + 4), (worst, pe.counters)
 pe.close()
 
 # vLLM's classes: what take_events returns goes through vLLM's own encoding and decoding

@@ -21,10 +21,10 @@ on the receiver's local socket answers how many leading chunks are held complete
 and turns each answer into events: the held leading chunks not yet announced are stored (only while
 the chain from the prompt's first chunk is unbroken, so that every parent is known), the first chunk
 not held is removed if it was announced, and the chunks past it are asked about again if any of them
-was announced. ``PoolEvents`` moves the frames: its own DEALER on the receiver's local socket, every
-send and receive non-blocking, at most ``MAX_INFLIGHT`` queries outstanding (the receiver answers in
-order), each with a deadline (``query_timeout_s``): a receiver that does not answer in time gets a
-fresh socket, after ``receiver_retry_s``, and the scheduler loop never waits on it.
+was announced. ``PoolEvents`` asks through an ``Asker`` (asker.py: its own DEALER on the receiver's
+local socket, every send and receive non-blocking, at most ``MAX_INFLIGHT`` queries outstanding, each
+with a deadline, ``query_timeout_s``): a receiver that does not answer in time gets a fresh socket,
+after ``receiver_retry_s``, and the scheduler loop never waits on it.
 
 Events are published at the engine's steps (vLLM calls ``take_events`` after each): an idle engine
 publishes nothing, so an eviction seen while no request runs is published at the next step. A prompt
@@ -36,14 +36,11 @@ over-count). No ``AllBlocksCleared`` is ever sent: it would clear the engine's o
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import zmq
-
-from pdpush import control, protocol
-from pdpush.errors import PdpushError
+from pdpush.integrations.vllm.asker import MAX_FRAME, Asker, Lost
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.protocol import Query, QueryReply, StatusReply, StatusRequest
 
@@ -53,7 +50,6 @@ MEDIUM_PREFIX = "pdpush:"
 SWEEP_S = 0.25  # each followed prompt is asked about this often
 MAX_INFLIGHT = 8  # queries outstanding on the events socket
 MAX_CHAINS = 4096  # prompts followed
-MAX_FRAME = 1 << 20
 
 
 @dataclass
@@ -192,16 +188,15 @@ class PoolEvents:
     def __init__(self, receiver_socket: str, layout: KVLayout, *, timeout_s: float, retry_s: float,
                  pending_s: float, sweep_s: float = SWEEP_S, max_chains: int = MAX_CHAINS,
                  to_hash: Callable[[bytes], object] | None = None) -> None:
-        s = str(receiver_socket)
-        self.endpoint = s if "://" in s else f"ipc://{s}"
-        self.layout, self.timeout_s, self.retry_s, self.pending_s = layout, timeout_s, retry_s, pending_s
+        self.asker = Asker(receiver_socket, timeout_s=timeout_s, retry_s=retry_s, max_inflight=MAX_INFLIGHT,
+                           max_frame=MAX_FRAME)
+        self.endpoint = self.asker.endpoint
+        self.layout, self.retry_s, self.pending_s = layout, retry_s, pending_s
         self.tracker = PoolTracker(layout.chunk_tokens, sweep_s=sweep_s, max_chains=max_chains)
         self.to_hash = to_hash or _vllm_hash()
         self.medium: str | None = None
         self.prompts: dict[str, list[int]] = {}  # requests with a load planned: their prompts
-        self.sock: zmq.Socket | None = None
-        self.inflight: deque[tuple[str, bytes, int, float]] = deque()  # (kind, prompt, first chunk, sent)
-        self.down_until = 0.0
+        self._status_asked = False
         self.counters = Counter()
         self._answered = True  # since the last loss: the next loss is logged as a warning
 
@@ -225,34 +220,23 @@ class PoolEvents:
         """vLLM's ``take_events``: ask and read without waiting, then the events decided so far."""
         try:
             self._io(now)
-        except (zmq.ZMQError, PdpushError) as e:
-            self._lost(now, f"{type(e).__name__}: {e}")
+        except Lost as e:
+            self._lost(now, str(e), e.tags)
         if self.medium is None:
             return []  # kept until the receiver has said what it is called
         return [self._vllm(e) for e in self.tracker.take()]
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
-        self.inflight.clear()
+        self.asker.close()
 
-    # ---- the socket ----
+    # ---- the questions (asker.py: never waiting) ----
     def _io(self, now: float) -> None:
-        if now < self.down_until:
+        if self.asker.down(now):
             return
-        if self.sock is None:
-            self.sock = control.dealer(self.endpoint, MAX_FRAME)
-            if self.medium is None:
-                self._send(StatusRequest(), ("status", b"", 0, now))
-        while self.inflight:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            kind, leaf, start, _ = self.inflight.popleft()
+        if self.medium is None and not self._status_asked:
+            self._status_asked = self.asker.ask(StatusRequest(), ("status", b"", 0), now)
+        for (kind, leaf, start), msg in self.asker.answers(now):
             self._answered = True
-            msg = protocol.decode(frames[-1], MAX_FRAME)
             if kind == "status":
                 ep = msg.stats.get("control_endpoint") if isinstance(msg, StatusReply) else None
                 self.medium = MEDIUM_PREFIX + str(ep or self.endpoint)
@@ -261,38 +245,27 @@ class PoolEvents:
                 self.tracker.on_reply(leaf, start, msg.held_prefix, now)
             else:  # an error reply: asked again at its next turn
                 self.tracker.on_lost(leaf)
-        if self.inflight and now - self.inflight[0][3] > self.timeout_s:
-            self._lost(now, f"no answer within {self.timeout_s} s")
-            return
-        while len(self.inflight) < MAX_INFLIGHT:
+        while self.asker.room(now):
             q = self.tracker.next_query(now)
             if q is None:
                 break
             leaf, start, keys = q
-            if not self._send(Query(chunk_keys=keys), ("query", leaf, start, now)):
+            if not self.asker.ask(Query(chunk_keys=keys), ("query", leaf, start), now):
                 self.tracker.on_lost(leaf)
                 break
 
-    def _send(self, msg, entry: tuple[str, bytes, int, float]) -> bool:
-        try:
-            self.sock.send(protocol.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        self.inflight.append(entry)
-        return True
-
-    def _lost(self, now: float, why: str) -> None:
-        """The receiver did not answer: a fresh socket (a late answer can never answer another query),
-        and none before ``retry_s``."""
+    def _lost(self, now: float, why: str, tags: list) -> None:
+        """The receiver did not answer: the asker has a fresh socket for it (a late answer can never
+        answer another query), and asks none before ``retry_s``."""
         self.counters["lost"] += 1
         (log.warning if self._answered else log.debug)(
             "pdpush: KV events: receiver %s: %s; asking again in %.0f s", self.endpoint, why, self.retry_s)
         self._answered = False
-        for kind, leaf, _, _ in self.inflight:
+        for kind, leaf, _ in tags:
             if kind == "query":
                 self.tracker.on_lost(leaf)
-        self.close()
-        self.down_until = now + self.retry_s
+            else:
+                self._status_asked = False
 
     # ---- vLLM's classes ----
     def _vllm(self, e: Stored | Removed):

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from pdpush import kv_params
 from pdpush.errors import PdpushError
+from pdpush.integrations.vllm.asker import Asker, Lost
 from pdpush.integrations.vllm.metadata import LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
 from pdpush.integrations.vllm.stats import Recompute, SchedulerStats
 from pdpush.kv_params import KvParams
-from pdpush.layout import KVLayout
+from pdpush.layout import KVLayout, chunk_keys
+from pdpush.protocol import Query, QueryReply
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -27,6 +29,10 @@ log = logging.getLogger("pdpush.vllm")
 # that step has nothing else to run, vLLM's engine loop would spin on it. It naps this long instead:
 # an idle engine loses nothing, a busy one never naps.
 IDLE_NAP_S = 0.01
+MAX_QUERIES = 64  # questions to the receiver outstanding at once (asker.py)
+# an answer older than this (asked when the request arrived, looked at later: the engine was full) is
+# asked again rather than acted on
+ANSWER_FRESH_S = 0.25
 
 
 def loads_async(mode: str, committed: bool, running: int) -> bool:
@@ -53,6 +59,10 @@ class _Req:
     planned_once: bool = False  # planned before (then preempted): its push was released, recompute
     first_ask: float | None = None
     next_ask: float = 0.0
+    asking: bool = False  # a question about its push is out (asker.py); its answer is read at a later call
+    answer: QueryReply | None = None  # the receiver's answer, not acted on yet
+    answer_at: float = 0.0
+    lost: str = ""  # the receiver missed the deadline of the question about it
     claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
     asynchronous: bool = False  # the load planned is asynchronous (loads_async)
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
@@ -67,8 +77,12 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.stats = SchedulerStats()  # what vLLM reports (stats.py)
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
-        self._receiver_down_until = 0.0
+        # whether a push has begun arriving, asked without waiting (asker.py): the scheduler loop never
+        # waits on the receiver while other requests run
+        self.asker = Asker(endpoints.receiver_socket or "", timeout_s=settings.query_timeout_s,
+                           retry_s=settings.receiver_retry_s, max_inflight=MAX_QUERIES) if consumer else None
         self._idle = False  # the last step scheduled no tokens at all
+        self._napped = 0.0  # of the current _answer: seconds waited on an idle step
         self._live: set[str] = set()  # requests scheduled at least once and not finished: those a load could hold up
         self._awaiting: set[str] = set()  # asynchronous loads handed to the workers, not yet scheduled
         # a model of several KV cache groups (sliding windows, state) loads asynchronously: vLLM can take a
@@ -83,6 +97,8 @@ class SchedulerSide:
         prompt token continues (as vLLM's NixlConnector does: ``_truncate_request_for_prefill``)."""
         params = request.kv_transfer_params
         kp = KvParams.parse(params)
+        if self.consumer and kp.pdpush_req_id and not kp.pdpush_claim:
+            self._ask_early(request, str(kp.pdpush_req_id))
         if not (self.producer and self.layout.state_layers and kp.do_remote_decode):
             return
         if params.get("_pdpush_truncated") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
@@ -122,25 +138,10 @@ class SchedulerSide:
         r.prompt_tokens = len(prompt)
         if params.pdpush_claim:
             return self._claim(request, r, str(push_id), prompt, want, num_computed_tokens)
+        reply = self._answer(rid, r, prompt[:want] if self.layout.state_layers else prompt, str(push_id))
+        if reply is None or isinstance(reply, int):
+            return reply, False
         now = time.monotonic()
-        if now < r.next_ask:
-            return None, False  # asked very recently; the scheduler loop spins faster than pushes arrive
-        if now < self._receiver_down_until:  # it did not answer recently: do not ask now
-            self.stats.recompute(Recompute.RECEIVER_DOWN)
-            return 0, False
-        self.stats.match_queries += 1
-        try:  # a model with state: the push is of the prompt's first N - 1 tokens (on_new_request)
-            reply = self.receiver.get().query(prompt[:want] if self.layout.state_layers else prompt, self.layout,
-                                              req_id=str(push_id), timeout_s=self.settings.query_timeout_s)
-        except PdpushError as e:
-            # the scheduler loop must not stall on a dead receiver: recompute, and stop asking for a while;
-            # a fresh connection next time, so a late reply to this query can never answer another
-            log.error("pdpush: receiver query for %s failed; recomputing it, and not asking for %.0f s: %s", rid,
-                      self.settings.receiver_retry_s, e)
-            self._receiver_down_until = time.monotonic() + self.settings.receiver_retry_s
-            self.receiver.reset()
-            self.stats.recompute(Recompute.RECEIVER_ERROR)
-            return 0, False
         if reply.request_chunks == 0 and reply.request_gone:  # it failed or was already used: recompute now
             self.stats.recompute(Recompute.PUSH_ENDED)
             log.warning("pdpush: push %s for %s has ended on the receiver; recomputing", push_id, rid)
@@ -172,6 +173,95 @@ class SchedulerSide:
         else:
             self.stats.match_layerwise += 1
         return end - num_computed_tokens, r.asynchronous
+
+    def _ask_early(self, request: Request, push_id: str) -> None:
+        """A decode request arrives: ask about its push now, so that the answer is in by the time the
+        scheduler first looks at it (``get_num_new_matched_tokens``), rather than one step later."""
+        prompt = list(request.prompt_token_ids or [])
+        if len(prompt) < 2 or self.asker.down(time.monotonic()):
+            return
+        r = self.reqs.setdefault(request.request_id, _Req())
+        if r.asking or r.answer is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            q = Query(chunk_keys=chunk_keys(prompt[:-1] if self.layout.state_layers else prompt, self.layout),
+                      req_id=push_id)
+            r.asking = self.asker.ask(q, request.request_id, time.monotonic())
+            self.stats.match_queries += r.asking
+        except Lost as e:
+            self._lost(e)
+        finally:
+            self.stats.match_query_us += int((time.perf_counter() - t0) * 1e6)
+
+    def _answer(self, rid: str, r: _Req, prompt: list[int], push_id: str) -> QueryReply | int | None:
+        """The receiver's answer about ``push_id`` (a model with state: its push is of the prompt's first
+        N - 1 tokens, on_new_request), or what to tell vLLM without one: None (ask again at a later step)
+        or 0 (recompute). The question goes out without waiting; its answer is read at a later call, or,
+        on a step with nothing else to run, waited for up to ``IDLE_NAP_S`` (nothing else would run)."""
+        t0, self._napped = time.perf_counter(), 0.0
+        try:
+            return self._answer_now(rid, r, prompt, push_id)
+        finally:  # the time it held the scheduler's thread (an idle step's wait held up nothing)
+            self.stats.match_query_us += int((time.perf_counter() - t0 - self._napped) * 1e6)
+
+    def _answer_now(self, rid: str, r: _Req, prompt: list[int], push_id: str) -> QueryReply | int | None:
+        now = time.monotonic()
+        self._read_answers(now)
+        if r.answer is not None and now - r.answer_at > ANSWER_FRESH_S:
+            r.answer = None
+        if r.answer is None and not r.asking and not r.lost:
+            if now < r.next_ask:
+                return None  # asked very recently; the scheduler loop spins faster than pushes arrive
+            if self.asker.down(now):  # it did not answer recently: do not ask now
+                self.stats.recompute(Recompute.RECEIVER_DOWN)
+                return 0
+            q = Query(chunk_keys=chunk_keys(prompt, self.layout), req_id=push_id)
+            try:
+                r.asking = self.asker.ask(q, rid, now)
+            except Lost as e:
+                r.lost = str(e)
+                self._lost(e)
+            if r.asking:
+                self.stats.match_queries += 1
+        if r.asking and self._idle:  # nothing else runs this step: wait for the answer instead of spinning
+            t = time.perf_counter()
+            self.asker.wait(IDLE_NAP_S)
+            self._napped = time.perf_counter() - t
+            self._read_answers(time.monotonic())
+        if r.lost:
+            why, r.lost = r.lost, ""
+            log.error("pdpush: receiver query for %s failed; recomputing it, and not asking for %.0f s: %s", rid,
+                      self.settings.receiver_retry_s, why)
+            self.stats.recompute(Recompute.RECEIVER_ERROR)
+            return 0
+        reply, r.answer = r.answer, None
+        return reply
+
+    def _read_answers(self, now: float) -> None:
+        """File the answers that have arrived with their requests (one that has ended meanwhile: dropped)."""
+        try:
+            got = self.asker.answers(now)
+        except Lost as e:
+            self._lost(e)
+            return
+        for rid, msg in got:
+            r = self.reqs.get(rid)
+            if r is None or not r.asking:
+                continue
+            r.asking = False
+            if isinstance(msg, QueryReply):
+                r.answer, r.answer_at = msg, now
+            else:  # an error reply
+                r.lost = f"{getattr(msg, 'code', msg.type)}: {getattr(msg, 'message', '')}"
+
+    def _lost(self, e: Lost) -> None:
+        """The receiver missed a deadline: every request asked about recomputes, and none is asked
+        about for ``receiver_retry_s`` (the asker has a fresh socket for later)."""
+        for rid in e.tags:
+            r = self.reqs.get(rid)
+            if r is not None:
+                r.asking, r.lost = False, str(e)
 
     def _claim(self, request: Request, r: _Req, push_id: str, prompt: list[int], want: int,
                computed: int) -> tuple[int, bool]:
@@ -270,3 +360,5 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.receiver.reset()
+        if self.asker is not None:
+            self.asker.close()

@@ -103,6 +103,7 @@ SERIES: tuple[tuple[str, str], ...] = (
     ("vllm:pdpush_push_failures_total", "counter"),          # {reason}: pushes not made or failed (prefill)
     ("vllm:pdpush_pushes_committed_total", "counter"),       # pushes the sender committed (prefill)
     ("vllm:pdpush_push_bytes_total", "counter"),             # bytes the sender moved for them (prefill)
+    ("vllm:pdpush_scheduler_query_seconds_total", "counter"),  # the decode scheduler's time asking about pushes
 )
 SERIES_NAMES: tuple[str, ...] = tuple(name for name, _ in SERIES)
 
@@ -243,6 +244,7 @@ class SchedulerStats(_Counts):
     push_truncated: int = 0  # a model with state: a prefill stopped one token short (on_new_request)
     push_refused: int = 0  # names a receiver outside allowed_receivers: not pushed
     match_queries: int = 0
+    match_query_us: int = 0  # microseconds the scheduler thread spent asking about pushes (asker.py: never a round trip)
     match_tokens: int = 0
     match_missing: int = 0  # recomputed with no load, by reason: recomputed
     claimed_tokens: int = 0
@@ -354,6 +356,8 @@ if KVConnectorPromMetrics is not None:
                 "failed, by reason; their decode side recomputes.", "reason")
             self.committed = counter("vllm:pdpush_pushes_committed", "pdpush pushes the sender committed.")
             self.push_bytes = counter("vllm:pdpush_push_bytes", "Bytes the pdpush sender moved for committed pushes.")
+            self.query_s = counter("vllm:pdpush_scheduler_query_seconds", "Time the decode scheduler's thread spent "
+                                   "asking the receiver whether pushes have begun (sent and read without waiting).")
             self.wait = self._histogram_cls(
                 name="vllm:pdpush_load_wait_seconds", documentation="Per pdpush load, completed or failed: the "
                 "time the request waited for its KV (layerwise: the open and its layers' waits and copies in the "
@@ -362,7 +366,7 @@ if KVConnectorPromMetrics is not None:
                            "load_tokens": self.load_tokens, "push_requests": self.pushes,
                            "push_committed": self.committed, "push_bytes_sent": self.push_bytes}
             for values in per_engine_labelvalues.values():  # zeros from the start, so that rate() has a base
-                for m in self._plain.values():
+                for m in (*self._plain.values(), self.query_s):
                     m.labels(*values)
                 for p in LoadRoute:
                     self.loads.labels(*values, p.value)
@@ -382,6 +386,8 @@ if KVConnectorPromMetrics is not None:
             for key, m in self._plain.items():
                 if n.get(key):
                     m.labels(*ev).inc(n[key])
+            if n.get("match_query_us"):
+                self.query_s.labels(*ev).inc(n["match_query_us"] / 1e6)
             for path, c in by.get("loads", {}).items():
                 self.loads.labels(*ev, path).inc(c)
             for key, c in by.get("load_failed", {}).items():

@@ -1,0 +1,104 @@
+"""Questions to the receiver's local socket that never make vLLM's scheduler loop wait.
+
+The connector's scheduler side asks the receiver two things while requests run: whether a pushed
+request has begun arriving (``scheduler.py``, for each decode request whose push has not begun) and
+what the pool holds (``events.py``). Asked on the scheduler's thread with a blocking round trip, each
+question stalls every running request's next step by the receiver's reply time. ``Asker`` sends each
+question without waiting and reads the answers without waiting, at the scheduler's next call: its own
+DEALER (the receiver answers a connection's questions in order), at most ``max_inflight`` outstanding,
+a deadline for each. A receiver that misses one gets a fresh socket (a late answer can never answer
+another question) and no questions for ``retry_s``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import zmq
+
+from pdpush import control, protocol
+from pdpush.errors import PdpushError
+from pdpush.protocol import Msg
+
+MAX_FRAME = 1 << 20
+
+
+class Lost(Exception):
+    """The receiver did not answer in time, or the socket failed: ``tags`` were outstanding."""
+
+    def __init__(self, why: str, tags: list[Any]) -> None:
+        super().__init__(why)
+        self.tags = tags
+
+
+class Asker:
+    def __init__(self, endpoint: str, *, timeout_s: float, retry_s: float, max_inflight: int,
+                 max_frame: int = MAX_FRAME) -> None:
+        s = str(endpoint)
+        self.endpoint = s if "://" in s else f"ipc://{s}"
+        self.timeout_s, self.retry_s, self.max_inflight, self.max_frame = timeout_s, retry_s, max_inflight, max_frame
+        self.sock: zmq.Socket | None = None
+        self.inflight: deque[tuple[Any, float]] = deque()  # (tag, sent at), in the order asked
+        self.down_until = 0.0
+
+    def down(self, now: float) -> bool:
+        """Not asking: the receiver missed a deadline less than ``retry_s`` ago."""
+        return now < self.down_until
+
+    def room(self, now: float) -> bool:
+        return not self.down(now) and len(self.inflight) < self.max_inflight
+
+    def ask(self, msg: Msg, tag: Any, now: float) -> bool:
+        """Send ``msg`` now if the socket takes it without waiting; its answer comes back with ``tag``."""
+        if not self.room(now):
+            return False
+        try:
+            if self.sock is None:
+                self.sock = control.dealer(self.endpoint, self.max_frame)
+            self.sock.send(protocol.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            self._fail(now)
+            raise Lost(f"{type(e).__name__}: {e}", [tag]) from None
+        self.inflight.append((tag, now))
+        return True
+
+    def answers(self, now: float) -> list[tuple[Any, Msg]]:
+        """The answers that have arrived, each with its question's tag. Raises ``Lost`` (after closing
+        the socket) when the oldest question is past its deadline: the answers read before it are lost
+        with it, so ask them again."""
+        got: list[tuple[Any, Msg]] = []
+        try:
+            while self.inflight and self.sock is not None:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = protocol.decode(frames[-1], self.max_frame)  # raises with its question still in flight
+                got.append((self.inflight.popleft()[0], msg))
+        except (zmq.ZMQError, PdpushError) as e:
+            tags = [t for t, _ in got] + [t for t, _ in self.inflight]
+            self._fail(now)
+            raise Lost(f"{type(e).__name__}: {e}", tags) from None
+        if self.inflight and now - self.inflight[0][1] > self.timeout_s:
+            tags = [t for t, _ in got] + [t for t, _ in self.inflight]
+            self._fail(now)
+            raise Lost(f"no answer within {self.timeout_s} s", tags)
+        return got
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for an answer (only where nothing else would run meanwhile)."""
+        if self.sock is not None and self.inflight and timeout_s > 0:
+            self.sock.poll(int(timeout_s * 1000), zmq.POLLIN)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        self.inflight.clear()
+
+    def _fail(self, now: float) -> None:
+        self.close()
+        self.down_until = now + self.retry_s

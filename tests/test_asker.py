@@ -1,0 +1,131 @@
+"""asker.py: questions to the receiver's local socket that never wait, against a real ZeroMQ ROUTER
+standing in for the receiver (the real receiver answers through the same socket type; the connector
+tests in test_vllm.py ask a real one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from pdpush import protocol
+from pdpush.integrations.vllm.asker import Asker, Lost
+from pdpush.protocol import Query, QueryReply
+
+
+class Answerer:
+    """A ROUTER on an ipc socket that answers each Query with QueryReply(held_prefix=len(keys)), after
+    ``delay_s``, while ``answering``."""
+
+    def __init__(self, path: str, delay_s: float = 0.0) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"ipc://{path}")
+        self.delay_s, self.answering, self.stop = delay_s, True, threading.Event()
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            msg = protocol.decode(frame, 1 << 20)
+            if self.answering and isinstance(msg, Query):
+                time.sleep(self.delay_s)
+                self.sock.send_multipart([ident, protocol.encode(QueryReply(held_prefix=len(msg.chunk_keys)))])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.t.join(5)
+        self.sock.close(0)
+
+
+@pytest.fixture
+def answerer(tmp_path):
+    a = Answerer(str(tmp_path / "rx.sock"))
+    try:
+        yield a, str(tmp_path / "rx.sock")
+    finally:
+        a.close()
+
+
+def _q(n: int) -> Query:
+    return Query(chunk_keys=[bytes(16)] * n)
+
+
+def _until_answers(asker: Asker, n: int, deadline_s: float = 5.0) -> list:
+    got, end = [], time.monotonic() + deadline_s
+    while len(got) < n and time.monotonic() < end:
+        asker.wait(0.05)
+        got += asker.answers(time.monotonic())
+    return got
+
+
+def test_answers_come_back_with_their_questions_tags_in_order_and_nothing_waits(answerer):
+    _, path = answerer
+    a = Asker(path, timeout_s=5, retry_s=1, max_inflight=4)
+    try:
+        assert all(a.ask(_q(n), f"r{n}", time.monotonic()) for n in (1, 2, 3, 4))
+        assert not a.ask(_q(5), "r5", time.monotonic())  # max_inflight: refused, not queued
+        early = a.answers(time.monotonic())  # whatever has come back already: nothing is waited for
+        got = early + _until_answers(a, 4 - len(early))
+        assert [(t, m.held_prefix) for t, m in got] == [("r1", 1), ("r2", 2), ("r3", 3), ("r4", 4)]
+        assert a.ask(_q(6), "r6", time.monotonic())  # room again
+        assert [t for t, _ in _until_answers(a, 1)] == ["r6"]
+    finally:
+        a.close()
+
+
+def test_a_receiver_that_misses_the_deadline_loses_every_question_and_is_not_asked_for_retry_s(answerer):
+    ans, path = answerer
+    ans.answering = False
+    a = Asker(path, timeout_s=0.2, retry_s=30, max_inflight=8)
+    try:
+        now = time.monotonic()
+        assert a.ask(_q(1), "x", now) and a.ask(_q(2), "y", now)
+        assert a.answers(now + 0.1) == []  # within the deadline: nothing yet, no error, and no wait for one
+        with pytest.raises(Lost, match="no answer within 0.2 s") as e:
+            a.answers(now + 0.3)
+        assert e.value.tags == ["x", "y"]
+        assert a.sock is None and not a.inflight  # a fresh socket next time: a late answer answers nothing
+        assert a.down(now + 29) and not a.ask(_q(1), "z", now + 29)
+        ans.answering = True
+        assert not a.down(now + 31) and a.ask(_q(3), "z", now + 31)
+        assert [(t, m.held_prefix) for t, m in _until_answers(a, 1)] == [("z", 3)]
+    finally:
+        a.close()
+
+
+def test_a_receiver_that_is_not_there_costs_a_deadline_never_a_wait(tmp_path):
+    a = Asker(str(tmp_path / "nobody.sock"), timeout_s=0.2, retry_s=5, max_inflight=8)
+    try:
+        t0 = time.monotonic()
+        assert a.ask(_q(1), "x", t0)  # queued until the peer connects: nothing waits
+        a.wait(0.05)
+        assert a.answers(time.monotonic()) == []
+        with pytest.raises(Lost):
+            a.answers(t0 + 0.25)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        a.close()
+
+
+def test_an_answer_that_is_not_a_message_loses_the_questions(tmp_path):
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{tmp_path}/rx.sock")
+    a = Asker(str(tmp_path / "rx.sock"), timeout_s=5, retry_s=5, max_inflight=8)
+    try:
+        assert a.ask(_q(1), "x", time.monotonic())
+        assert sock.poll(5000)
+        ident, _ = sock.recv_multipart()
+        sock.send_multipart([ident, b"\xc1garbage"])
+        with pytest.raises(Lost, match="RemoteProtocolError") as e:
+            _until_answers(a, 1)
+        assert e.value.tags == ["x"] and a.down(time.monotonic())
+    finally:
+        a.close()
+        sock.close(0)
