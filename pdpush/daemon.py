@@ -164,6 +164,24 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     return int(code)
 
 
+class WireCount:
+    """The control messages a daemon exchanges with its peer daemons (sender <-> receiver), by direction and
+    type: what a request costs on the wire between hosts (``pdpush bench --scenario latency`` divides it by
+    the requests). Engine <-> daemon messages on the host are not counted here."""
+
+    def __init__(self) -> None:
+        self.by: dict[str, int] = {}
+
+    def count(self, direction: str, msg_type: str) -> None:
+        key = f"{direction}:{msg_type}"
+        self.by[key] = self.by.get(key, 0) + 1
+
+    def stats(self) -> dict:
+        return {"wire_messages_in": sum(v for k, v in self.by.items() if k.startswith("in:")),
+                "wire_messages_out": sum(v for k, v in self.by.items() if k.startswith("out:")),
+                "wire_messages": json.dumps(dict(sorted(self.by.items())))}
+
+
 def count_dropped(counters: dict, key: str, what: str, log: logging.Logger) -> None:
     """A message its peer could not take (gone, or not reading: its queue at the high-water mark): counted in
     ``counters[key]`` and logged at the 1st, 2nd, 4th, ... drop, so a peer that stopped reading does not flood the log.

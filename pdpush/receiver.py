@@ -27,7 +27,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
-from pdpush.daemon import count_dropped, log_ucx, ucx_stats
+from pdpush.daemon import WireCount, count_dropped, log_ucx, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import combine_digests
 from pdpush.protocol import StatusReply, StatusRequest
@@ -54,6 +54,7 @@ class Receiver:
         self.reader_keys: frozenset[str] = frozenset()
         self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0, "control_dropped": 0,
                                "local_dropped": 0}
+        self.wire = WireCount()  # control messages to and from senders
         self._last_tick = 0
         self._last_refresh = 0
 
@@ -200,6 +201,8 @@ class Receiver:
             control.send(self.local if local else self.router, StatusReply(stats=self.stats()), ident)
             return
         t = now_ms()
+        if not local:
+            self.wire.count("in", msg.type)
         self._apply(self.session.on_local(ident, msg, t) if local else self.session.on_control(ident, msg, t, peer))
 
     def _apply(self, actions: list) -> None:
@@ -207,6 +210,8 @@ class Receiver:
             if isinstance(a, ToSender):
                 if not control.send(self.router, a.msg, a.ident):
                     count_dropped(self.shell_counters, "control_dropped", a.msg.type, log)
+                else:
+                    self.wire.count("out", a.msg.type)
             elif isinstance(a, ToDecode):
                 if not control.send(self.local, a.msg, a.ident):
                     count_dropped(self.shell_counters, "local_dropped", a.msg.type, log)
@@ -290,7 +295,7 @@ class Receiver:
                 "ucx_peers": len(self.ucx_peers), "ucx_peers_pending": len(self.ucx_pending),
                 **self.lifelines.stats(), "ucx_transports": json.dumps(self.transports()), **ucx_stats(self.ucx_info),
                 "auth": "curve" if self.auth else "none", "metrics_endpoint": self.metrics.endpoint,
-                **self.shell_counters}
+                **self.shell_counters, **self.wire.stats()}
 
 
 def _user_id(frame) -> str:

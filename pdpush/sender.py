@@ -31,7 +31,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, is_loopback
-from pdpush.daemon import count_dropped, log_ucx, ucx_stats
+from pdpush.daemon import WireCount, count_dropped, log_ucx, ucx_stats
 from pdpush.errors import IncompatiblePeer, PdpushError, TransportTimeout
 from pdpush.layout import combine_digests
 from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
@@ -77,6 +77,7 @@ class Sender:
         self.conns = _Connections()  # engine connections -> their ids in the pusher
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
         self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0}
+        self.wire = WireCount()  # control messages to and from receivers
         self._poller_dirty = True
         self._last_refresh = 0.0
         self._last_tick = 0
@@ -318,6 +319,7 @@ class Sender:
         except PdpushError as e:
             log.warning("bad frame from receiver %s: %s", endpoint, e)
             return
+        self.wire.count("in", msg.type)
         self._apply(self.session.on_peer(endpoint, msg, now_ms()))
 
     def _apply(self, actions: list) -> None:
@@ -342,6 +344,8 @@ class Sender:
             if not control.send(self._sock(a.endpoint), msg):
                 todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
                                                       now_ms()))
+            else:
+                self.wire.count("out", msg.type)
         elif isinstance(a, Hand):
             self._hand(a)
         elif isinstance(a, PlanGrant):
@@ -391,7 +395,8 @@ class Sender:
             if endpoint not in self.eps:
                 continue  # reset: the receiver sees its endpoint close, or fences it
             if self.pusher.settled(handle, eid):
-                control.send(self._sock(endpoint), Abort(req_id=rid, reason="its writes settled", settled=True))
+                if control.send(self._sock(endpoint), Abort(req_id=rid, reason="its writes settled", settled=True)):
+                    self.wire.count("out", "abort")
             else:
                 still.append((handle, eid, endpoint, rid))
         self._unsettled = still
@@ -510,7 +515,8 @@ class Sender:
     def stats(self) -> dict:
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, **self.session.stats(),
                 "ucx_transports": json.dumps(self.transports()), **ucx_stats(self.ucx_info),
-                **self.pusher.stats(), **self.lifelines.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters}
+                **self.pusher.stats(), **self.lifelines.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters,
+                **self.wire.stats()}
 
 
 class _Connections:

@@ -352,3 +352,30 @@ def test_a_hand_over_naming_a_bad_layer_is_refused_and_nothing_of_it_is_taken(da
         h.abort("the test is done with it")
     finally:
         pc.close()
+
+
+def test_each_daemon_counts_the_control_messages_between_them_and_the_counts_mirror(daemons):
+    """What a request costs on the wire between the hosts (daemon.WireCount, read by the latency bench):
+    every message the sender sent the receiver took in, and the other way round, type by type."""
+    import json
+
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(layout))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(layout, sock(tx), timeout_s=30)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        for i in range(3):
+            k, v = kv(layout, 40, seed=i)
+            push(pc, f"wire-{i}", list(range(100 * i, 100 * i + 40)), k, v)
+            read_back(dc, f"wire-{i}", layout, 40)
+        s, r = status(sock(tx)), status(sock(rx))
+    finally:
+        pc.close()
+        dc.close()
+    sent, got = json.loads(s["wire_messages"]), json.loads(r["wire_messages"])
+    assert {k.removeprefix("out:"): n for k, n in sent.items() if k.startswith("out:")} == \
+        {k.removeprefix("in:"): n for k, n in got.items() if k.startswith("in:")}
+    assert {k.removeprefix("in:"): n for k, n in sent.items() if k.startswith("in:")} == \
+        {k.removeprefix("out:"): n for k, n in got.items() if k.startswith("out:")}
+    assert s["wire_messages_out"] >= 3 and s["wire_messages_in"] >= 3  # at least an allocation and a commit each

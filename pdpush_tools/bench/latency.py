@@ -27,6 +27,7 @@ for a cold 32-layer request here); an RDMA NIC has no such cost.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -93,6 +94,13 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
         dc.close()
 
 
+def wire_per_request(before: dict, after: dict, requests: int) -> dict:
+    """The sender's wire-message counters (daemon.WireCount) between two status replies, per request."""
+    b, a = json.loads(before.get("wire_messages", "{}")), json.loads(after.get("wire_messages", "{}"))
+    by = {k: (a[k] - b.get(k, 0)) / requests for k in sorted(a) if a[k] != b.get(k, 0)}
+    return {"total": sum(by.values()), "by_kind": by}
+
+
 def compare(layout: KVLayout, **kw) -> dict:
     """The scenario with the ring, then with messages, in one run: the ring's result, with the other's."""
     ring, msgs = run(layout, handover="ring", **kw), run(layout, handover="messages", **kw)
@@ -124,6 +132,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
         rng = np.random.default_rng(5)
         one, verified = [], True
         warm = pool_pages + 20  # every page touched once before anything is measured
+        wire0 = status(tx_sock)
         for i in range(samples + warm):
             src = Source(layout, rng.integers(0, 1 << 31, size=layout.chunk_tokens).tolist(), rng)
             h = pc.begin(f"lat-{i}", src.token_ids)
@@ -143,6 +152,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
                 one.append(t1 - t0)
         # capacity: engine processes at once, the sender's own counters
         before = status(tx_sock)
+        wire = wire_per_request(wire0, before, samples + warm)
         cpu0 = {"sender": _cpu_s(tx.pid), "receiver": _cpu_s(rx.pid)}
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -191,4 +201,8 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             "ratio_one_chunk": p50 / (layout.layers * raw_layer_s),
             "raw_put_ops_per_s": rate[16], "raw_put_seq_ops_per_s": rate[1],
             "ratio_sender_ops": layers_done / wall / rate[16],
+            # control messages between the sender and the receiver daemons per request, both directions (the
+            # sender's count of what it sent and received: each wire message once), and by kind
+            "wire_messages_per_request": wire["total"], "wire_messages_by_kind": wire["by_kind"],
+            "wire_messages_target_met": wire["total"] <= 2,
             "errors": errors, "samples": len(one), "verified": verified and not errors}

@@ -180,6 +180,11 @@ def markdown(res: dict, plot_rel: str) -> str:
          f"message); 1-chunk p50 {lat['ratio_ring_one_chunk']:.2f}x ({lat['messages']['one_chunk_p50_ms']:.2f} ms "
          f"by message) | {_met(lat['ratio_ring_ops'] >= 1.0)} |" if "messages" in lat else
          "| latency: ring against messages | not measured | |"),
+        (f"| control messages between the sender and receiver daemons per request (both directions; issue #36's "
+         f"target <= 2) | {lat['wire_messages_per_request']:.2f}: "
+         + ", ".join(f"{k} {v:.2f}" for k, v in lat["wire_messages_by_kind"].items())
+         + f" | {_met(lat['wire_messages_per_request'] <= 2)} |" if "wire_messages_per_request" in lat else
+         "| control messages per request | not measured | |"),
         f"| concurrency: {c['senders']} engine processes x {c['in_flight_per_sender']} in flight >= 0.95x single "
         f"stream | {c['ratio']:.2f}x ({c['aggregate_gbps']:.2f} vs {c['single_stream_gbps']:.2f} GB/s), request "
         f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms; pool sized to the box "
