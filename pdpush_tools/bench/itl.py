@@ -127,6 +127,16 @@ def phase(f, router_url: str, a, seed: int, arrivals: int) -> dict:
             "ttft_max_ms": max(ttft) if ttft else None, "tokens_match": match}
 
 
+def scraped(url: str, name: str) -> float:
+    """The sum of a series' samples on a server's /metrics (0 where it is absent)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+               or line.startswith(name + " "))
+
+
+QUERY_S = "vllm:pdpush_scheduler_query_seconds_total"  # the decode scheduler's time asking the receiver
+
+
 def run_mode(work: Path, model: Path, mode: str, a) -> dict:
     common = {**COMMON, "load_mode": mode}
     (work / mode).mkdir(exist_ok=True)
@@ -139,14 +149,18 @@ def run_mode(work: Path, model: Path, mode: str, a) -> dict:
         url = r.info["url"]
         warm: dict = {}
         stream(url, prompt(999, a.arrival_tokens), 4, warm)  # compile and connect, off the books
-        before = f.rx_status(0)
+        before, q0 = f.rx_status(0), scraped(f.decode[0].url, QUERY_S)
         out = {"quiet": phase(f, url, a, 1, 0), "arrivals": phase(f, url, a, 2, a.arrivals)}
         after = f.rx_status(0)
+        time.sleep(1.0)  # the engine's last stats reach its /metrics at its next steps
+        # the scheduler thread's time asking the receiver, per arriving request (never a round trip: asker.py)
+        out["scheduler_query_ms_per_arrival"] = (scraped(f.decode[0].url, QUERY_S) - q0) * 1000 / max(a.arrivals, 1)
         out["pushes_committed"] = after["requests_committed"] - before["requests_committed"]
         out["ratio_p99"] = out["arrivals"]["itl_p99_ms"] / out["quiet"]["itl_p99_ms"]
         print(f"{mode:10s} quiet ITL p99 {out['quiet']['itl_p99_ms']:6.1f} ms  with arrivals "
               f"{out['arrivals']['itl_p99_ms']:6.1f} ms ({out['ratio_p99']:.2f}x)  arrivals TTFT p50 "
-              f"{out['arrivals']['ttft_p50_ms']:.0f} ms  tokens match {out['quiet']['tokens_match']}"
+              f"{out['arrivals']['ttft_p50_ms']:.0f} ms  scheduler asking {out['scheduler_query_ms_per_arrival']:.3f} "
+              f"ms/arrival  tokens match {out['quiet']['tokens_match']}"
               f"/{out['arrivals']['tokens_match']}", flush=True)
         return out
 
@@ -163,11 +177,13 @@ def markdown(res: dict) -> str:
              f"prompt tokens arrive through the router, one every {s['gap_ms']} ms. ITL: gaps between the running "
              "streams' tokens while arrivals are in flight (quiet: over the same streams with no arrivals).", "",
              "| load_mode | quiet ITL p50 | quiet ITL p99 | arrivals ITL p50 | arrivals ITL p99 | p99 ratio | "
-             "arrivals TTFT p50 | tokens = colocated |", "|---|---|---|---|---|---|---|---|"]
+             "arrivals TTFT p50 | scheduler asking per arrival | tokens = colocated |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, r in res["modes"].items():
         q, v = r["quiet"], r["arrivals"]
         lines.append(f"| {mode} | {q['itl_p50_ms']:.1f} ms | {q['itl_p99_ms']:.1f} ms | {v['itl_p50_ms']:.1f} ms | "
                      f"{v['itl_p99_ms']:.1f} ms | **{r['ratio_p99']:.2f}x** | {v['ttft_p50_ms']:.0f} ms | "
+                     f"{r.get('scheduler_query_ms_per_arrival', float('nan')):.3f} ms | "
                      f"{q['tokens_match'] and v['tokens_match']} |")
     lines += ["", "Target: with arrivals, the running requests' ITL p99 at most 1.2x the quiet p99.",
               "`layerwise` reads each layer inside the forward that computes the new request's last prompt token,",

@@ -63,6 +63,7 @@ class _Req:
     answer: QueryReply | None = None  # the receiver's answer, not acted on yet
     answer_at: float = 0.0
     lost: str = ""  # the receiver missed the deadline of the question about it
+    query: Query | None = None  # the question about its push (its prompt's chunk keys: hashed once)
     claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
     asynchronous: bool = False  # the load planned is asynchronous (loads_async)
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
@@ -185,9 +186,9 @@ class SchedulerSide:
             return
         t0 = time.perf_counter()
         try:
-            q = Query(chunk_keys=chunk_keys(prompt[:-1] if self.layout.state_layers else prompt, self.layout),
-                      req_id=push_id)
-            r.asking = self.asker.ask(q, request.request_id, time.monotonic())
+            r.query = Query(chunk_keys=chunk_keys(prompt[:-1] if self.layout.state_layers else prompt, self.layout),
+                            req_id=push_id)
+            r.asking = self.asker.ask(r.query, request.request_id, time.monotonic())
             self.stats.match_queries += r.asking
         except Lost as e:
             self._lost(e)
@@ -216,9 +217,9 @@ class SchedulerSide:
             if self.asker.down(now):  # it did not answer recently: do not ask now
                 self.stats.recompute(Recompute.RECEIVER_DOWN)
                 return 0
-            q = Query(chunk_keys=chunk_keys(prompt, self.layout), req_id=push_id)
+            r.query = r.query or Query(chunk_keys=chunk_keys(prompt, self.layout), req_id=push_id)
             try:
-                r.asking = self.asker.ask(q, rid, now)
+                r.asking = self.asker.ask(r.query, rid, now)
             except Lost as e:
                 r.lost = str(e)
                 self._lost(e)
