@@ -571,12 +571,13 @@ def test_the_cost_model_sends_the_prefill_leg_where_the_engines_own_cache_holds_
         upstreams, start_router, tmp_path):
     """Two prefill stand-ins, each with vLLM's own KV event publisher: blocks of a prompt stored on the
     second make the router send that prompt's prefill there, whatever the load order says."""
-    from tests.test_kv_events import Publisher, _ports
+    from pdpush_tools.harness.ports import free_ports
+    from tests.test_kv_events import Publisher
 
     p1_url, p1, _ = upstreams("prefill1")
     p2_url, p2, _ = upstreams("prefill2")
     d_url, _, _ = upstreams("decode")
-    a, b, c, e = _ports(4)
+    a, b, c, e = free_ports(4)
     pubs = [Publisher(f"tcp://*:{a}", f"tcp://*:{b}", 100), Publisher(f"tcp://*:{c}", f"tcp://*:{e}", 100)]
     try:
         events = {p1_url: {"endpoint": f"tcp://127.0.0.1:{a}", "replay_endpoint": f"tcp://127.0.0.1:{b}", "topic": "kv"},

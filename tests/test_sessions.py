@@ -372,6 +372,7 @@ def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_
     """The sender shell (``Sender._apply``) with a real session and a native path whose grant raises: that
     grant's request fails, typed; the actions after it in the same batch (another engine's reply) still go."""
     from pdpush import sender as shell
+    from pdpush.daemon import WireCount
     from pdpush.sessions.tx_actions import PlanGrant
 
     w = Wire()
@@ -392,6 +393,7 @@ def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_
     monkeypatch.setattr(shell.control, "send", lambda sock, msg, ident=None: sent.append((ident, msg)) or True)
     s = shell.Sender.__new__(shell.Sender)
     s.session, s.pusher, s.ingress, s.shell_counters = w.tx, BrokenGrants(), None, {"action_errors": 0}
+    s.wire = WireCount()
     s.metrics = type("M", (), {"apply": lambda self, a, log: None})()
     s.conns = type("C", (), {"unref_request": lambda self, h: None})()
     s._eids, s.eps, s._unsettled, s._sock = {}, {}, [], lambda endpoint: None
