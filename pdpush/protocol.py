@@ -25,7 +25,8 @@ from pdpush.errors import (
     UnexpectedMessage,
 )
 
-PROTOCOL_VERSION = 4  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings
+PROTOCOL_VERSION = 5  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
+# 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers)
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_CHUNKS = 1 << 20  # absolute ceiling; daemons enforce a smaller configured cap
 
@@ -127,8 +128,9 @@ Layers = Annotated[list[U32], Field(min_length=1, max_length=4096)]
 
 
 class LayerDone(Msg):
-    """These layers' puts were flushed. One notice carries every layer of a request that completed in
-    the same pass of the sender's loop (batched: the fixed cost is per notice, not per layer)."""
+    """These layers' puts were flushed, with their checksums: sent only where the sender computes them (the
+    receiver verifies them before it says the layers are there). One notice carries every layer of a request
+    that completed in the same pass of the sender's loop."""
 
     type: Literal["layer_done"] = "layer_done"
     req_id: ReqId
@@ -137,8 +139,12 @@ class LayerDone(Msg):
 
 
 class Commit(Msg):
+    """Every layer's puts (and readiness words) of the request are flushed: the one completion notice. No
+    notice per layer precedes it unless it carries a checksum (``LayerDone``)."""
+
     type: Literal["commit"] = "commit"
     req_id: ReqId
+    layers: Annotated[int, Field(ge=0, le=1 << 20)]  # layers the sender pushed: the receiver checks it has them all
 
 
 class CommitAck(Msg):

@@ -21,7 +21,7 @@ SAMPLES = [
     P.AllocResponse(req_id="r", already_sent_indexes=[0], page_runs=[(4, 1)], lease_id=7, lease_ms=99),
     P.LayerDone(req_id="r", layers=[1, 2], checksums=[(1 << 64) - 1, 0]),
     P.LayerDone(req_id="r", layers=[0]),
-    P.Commit(req_id="r"), P.CommitAck(req_id="r", chunks_committed=1), P.Abort(req_id="r", reason="x"),
+    P.Commit(req_id="r", layers=2), P.CommitAck(req_id="r", chunks_committed=1), P.Abort(req_id="r", reason="x"),
     P.Error(code=ErrorCode.POOL_EXHAUSTED, message="full", req_id="r", retry_after_ms=50),
     P.StatusRequest(), P.StatusReply(stats={"a": 1, "b": "x", "c": 1.5, "d": True}),
     P.Begin(req_id="r", receiver="tcp://h:1", layout=SPEC, chunk_keys=[KEY], last_chunk_tokens=16),

@@ -109,7 +109,7 @@ def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):
                            "lease_ms": 10}),                                 # bad key length
             protocol.encode(protocol.AllocRequest(req_id="x", chunk_keys=[b"k" * 16], last_chunk_tokens=1,
                                                   lease_ms=100)),            # valid but before hello
-            protocol.encode(protocol.Commit(req_id="nobody")),               # unexpected
+            protocol.encode(protocol.Commit(req_id="nobody", layers=1)),               # unexpected
         ]
         for frame in bad_frames:
             reply = _ask(s, frame)

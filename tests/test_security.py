@@ -205,7 +205,7 @@ def _random_frame(rnd: random.Random, keys: list[bytes]) -> bytes:
                 protocol.AllocRequest(req_id=f"f{rnd.randrange(50)}", chunk_keys=rnd.sample(keys, 2),
                                       last_chunk_tokens=16, lease_ms=200),
                 protocol.LayerDone(req_id=f"f{rnd.randrange(50)}", layers=[rnd.randrange(2)]),
-                protocol.Commit(req_id=f"f{rnd.randrange(50)}"), protocol.Abort(req_id=f"f{rnd.randrange(50)}")]
+                protocol.Commit(req_id=f"f{rnd.randrange(50)}", layers=rnd.randrange(3)), protocol.Abort(req_id=f"f{rnd.randrange(50)}")]
         return protocol.encode(rnd.choice(good))
     return msgpack.packb(obj)
 

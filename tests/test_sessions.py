@@ -227,19 +227,37 @@ def test_a_push_with_the_hosts_clocks_a_day_apart_keeps_its_whole_lease(rx_offse
     assert isinstance(w.outcome("r"), protocol.Done), w.outcome("r")
 
 
-def test_layer_done_goes_out_when_its_flush_completes_in_any_order():
+def test_the_commit_goes_out_once_every_flush_completes_in_any_order_and_no_notice_per_layer_before_it():
     w = Wire()
     w.engine(begin("r", list(range(20))))
     for layer in range(LAY.layers):
         w.engine(protocol.LayerReady(req_id="r", layers=[layer]))
     rx = w.rx["tcp://rx-a:1"]
     last = w.posted.pop()
-    w.run(w.flushed(last))
-    assert rx.reqs["r"].layers_done == {LAY.layers - 1}
+    out = w.flushed(last)
+    assert not msgs(out, ToPeer, protocol.Msg)  # without checksums, a landed layer costs no control message
+    w.run(out)
+    assert rx.reqs["r"].layers_done == set() and w.tx.reqs["r"].layers_done == {LAY.layers - 1}
     w.engine(protocol.Finish(req_id="r"))
     assert w.outcome("r") is None  # two layers still in flight: no commit yet
     w.complete()
     assert isinstance(w.outcome("r"), protocol.Done)
+    assert rx.counters.values["layers_received"] == LAY.layers  # the Commit said so for all of them
+
+
+def test_checksums_ride_a_layer_done_per_pass_and_the_commit_checks_every_layer_is_in():
+    w = Wire()
+    w.engine(begin("r", list(range(20))))
+    for layer in range(LAY.layers):
+        w.engine(protocol.LayerReady(req_id="r", layers=[layer]))
+    p = w.posted.pop()
+    landed = w.pusher.land(p, w.now)
+    out = w.tx.on_landed(landed, w.now, [7] * len(landed))
+    notices = msgs(out, ToPeer, protocol.LayerDone)
+    assert len(notices) == 1 and notices[0].checksums == [7] * len(landed)
+    rx = w.rx["tcp://rx-a:1"]  # a Commit that claims fewer layers than the model has is refused, typed
+    err = msgs(rx.on_control(b"tx", protocol.Commit(req_id="r", layers=LAY.layers - 1), 0), ToSender, protocol.Error)
+    assert err and err[0].code is ErrorCode.UNEXPECTED and "layers" in err[0].message
 
 
 def test_a_stalled_receiver_holds_only_its_own_requests():
@@ -323,7 +341,8 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
             assert not query(rid).request_committed
             rx.on_control(b"s", protocol.LayerDone(req_id=rid, layers=[layer]), 200)
         assert not query(rid).request_committed  # every layer landed, not committed yet
-        assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid), 200), ToSender, protocol.CommitAck)
+        assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid, layers=LAY.layers), 200), ToSender,
+                    protocol.CommitAck)
         assert query(rid).request_committed and not query(rid).request_gone
     rx.on_local(DEC, protocol.Open(req_id="b"), 250)
     rx.on_local(DEC, protocol.Release(req_id="b"), 260)
@@ -416,7 +435,7 @@ _RX_MSG = st.one_of(
               _RID, st.lists(st.sampled_from(_KEYS), min_size=1, max_size=5)),
     st.builds(lambda r, lay, c: protocol.LayerDone(req_id=r, layers=lay, checksums=None if c is None else [c] * len(lay)),
               _RID, st.lists(st.integers(0, 3), min_size=1, max_size=3), st.none() | st.integers(0, 3)),
-    st.builds(lambda r: protocol.Commit(req_id=r), _RID),
+    st.builds(lambda r, n: protocol.Commit(req_id=r, layers=n), _RID, st.sampled_from([0, LAY.layers - 1, LAY.layers])),
     st.builds(lambda r: protocol.Abort(req_id=r), _RID),
     st.builds(lambda r: protocol.Open(req_id=r), _RID),
     st.builds(lambda r: protocol.Release(req_id=r), _RID),
@@ -550,13 +569,13 @@ def test_two_ranks_share_one_allocation_and_a_layer_lands_only_with_both_shares(
     assert all(len(p.ops) == 1 for p in data)  # pool shards = tp: a rank's heads of a page run are one put
     w.complete()
     assert w.tx.reqs["t"].layers_done == {0}
-    assert w.rx["tcp://rx-a:1"].reqs["t"].layers_done == {0}
+    assert w.rx["tcp://rx-a:1"].reqs["t"].layers_done == set()  # no notice per layer: the Commit says it
     for layer in (1, 2):
         for r in (0, 1):
             w.engine(protocol.LayerReady(req_id="t", layers=[layer]), RANKS[r])
     w.complete()
     w.engine(protocol.Finish(req_id="t"), RANKS[0])
-    assert w.rx["tcp://rx-a:1"].reqs["t"].state is ReqState.STREAMING  # rank 1 has not finished
+    assert w.rx["tcp://rx-a:1"].reqs["t"].state is ReqState.ALLOCATED  # rank 1 has not finished: no Commit yet
     w.engine(protocol.Finish(req_id="t"), RANKS[1])
     dones = [_for(w, r, protocol.Done)[-1] for r in RANKS]
     assert all(d.chunks_skipped == 1 and d.layers == LAY.layers for d in dones)
@@ -638,7 +657,7 @@ def test_per_sender_caps_count_a_curve_key_across_its_connections_and_a_reader_k
     assert refused and refused[0].code is ErrorCode.POOL_EXHAUSTED and "max_leases_per_sender" in refused[0].message
     assert msgs(alloc(b"c", "c1"), ToSender, protocol.AllocResponse)  # no CURVE: by connection
     assert msgs(alloc(b"d", "c2"), ToSender, protocol.AllocResponse)
-    for msg in (hello, protocol.Commit(req_id="k1")):
+    for msg in (hello, protocol.Commit(req_id="k1", layers=LAY.layers)):
         err = msgs(rx.on_control(b"r", msg, 0, "ROUTER-KEY"), ToSender, protocol.Error)
         assert err and err[0].code is ErrorCode.FORBIDDEN and "allowed_readers" in err[0].message
     fed = rx.on_control(b"r", protocol.IndexSubscribe(snapshot=True), 0, "ROUTER-KEY")

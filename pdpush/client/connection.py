@@ -39,7 +39,7 @@ class WaitPolicy:
     readiness words in a tight loop for ``spin_s``, then every ``nap_s`` until ``nap_window_s``, then
     waits on the receiver's ``LayerAvailable`` in ``slice_s`` slices, re-reading the words between.
     The words land by a remote put, which nothing on this host sees but a read; the receiver's notice
-    follows that layer's ``LayerDone``.
+    comes with the request's Commit (or, where checksums are on, once it has verified the layer).
 
     The default was measured (``pdpush bench --scenario decode_wait``, BENCHMARKS.md): a 200 us spin
     for a layer already landing, then the receiver's wake-up, re-reading the words every millisecond

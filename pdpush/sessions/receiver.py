@@ -483,21 +483,28 @@ class ReceiverSession:
                     self._fail(r, err, now, out)
                     out.append(ToSender(ident, protocol.error_reply(err)))
                     return
-        new = [layer for layer in dict.fromkeys(msg.layers) if layer not in r.layers_done]
-        if new:
-            r.layers_done.update(new)
-            nbytes = sum(r.plan.layer_bytes(layer) for layer in new)  # the state's too (plan.py)
-            self.counters.count(out, "layers_received", len(new), "layers")
-            self.counters.count(out, "bytes_received", nbytes, "bytes")
-            for w in r.watchers:
-                out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=new)))
+        self._arrived(r, msg.layers, out)
         # LayerDone is not acknowledged: the Commit ack covers it
 
+    def _arrived(self, r: RxRequest, layers, out: list) -> None:
+        """``layers`` of ``r`` are in the pool: count them, and tell its watchers those they had not heard of."""
+        new = [layer for layer in dict.fromkeys(layers) if layer not in r.layers_done]
+        if new:
+            r.layers_done.update(new)
+            sizes = [r.plan.layer_bytes(layer) for layer in new]  # the state's too (plan.py)
+            moved = len(new) if r.new_runs else sum(1 for n in sizes if n)  # a held request's KV layers moved nothing
+            self.counters.count(out, "layers_received", moved, "layers")
+            self.counters.count(out, "bytes_received", sum(sizes), "bytes")
+            for w in r.watchers:
+                out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=new)))
+
     def _commit(self, ident: bytes, msg: Commit, now: int, out: list) -> None:
+        """The sender's one completion notice: every layer it pushed has landed (a LayerDone came before only for
+        layers with checksums, and those were verified then)."""
         r = self._owned(ident, msg.req_id)
-        if (r.new_runs or r.state_slot >= 0) and len(r.layers_done) != self.layout.push_layers:
-            missing = sorted(set(range(self.layout.push_layers)) - r.layers_done)
-            raise UnexpectedMessage(f"commit of {r.req_id!r} with layers missing: {missing[:8]}", req_id=r.req_id)
+        if (r.new_runs or r.state_slot >= 0) and msg.layers != self.layout.push_layers:
+            raise UnexpectedMessage(f"commit of {r.req_id!r} after {msg.layers} of {self.layout.push_layers} "
+                                    "layers", req_id=r.req_id)
         r.state = protocol.transition(r.state, ReqEvent.COMMIT, r.req_id)
         n = self.pool.commit(r.req_id)
         if self.state_pool is not None:
@@ -506,12 +513,7 @@ class ReceiverSession:
         self._due(now + self.limits.committed_ttl_ms)
         self.counters.count(out, "requests_committed", metric="requests")
         out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
-        if not r.new_runs:  # every item was held: its attention layers are all there (its state layers landed)
-            kv = [la for la in range(self.layout.layers) if la not in r.layers_done]
-            r.layers_done.update(kv)
-            for w in r.watchers:
-                if kv:
-                    out.append(ToDecode(w, LayerAvailable(req_id=r.req_id, layers=kv)))
+        self._arrived(r, range(self.layout.push_layers), out)  # those no LayerDone announced, and a held one's
         for w in r.watchers:
             out.append(ToDecode(w, Committed(req_id=r.req_id)))
         out.append(Log(logging.DEBUG, f"committed {n} new chunks", r.req_id))

@@ -21,10 +21,13 @@ Staging holds the layers in flight: each request's blocks are granted, given bac
 failure by ``StagingGrants`` (grants.py); an engine asks for a block with ``NeedStaging``. Each engine
 connection hands layers over through its ring in staging (``HandoverRings``, rings.py) where it has one.
 
-Many layers, requests and receivers are in flight at once. ``LayerDone`` goes out
-when a layer lands, one notice per request for all its layers that landed in the
-same pass; a stalled receiver's batches time out at their own deadlines and fail only
-that receiver's requests. A request counts as delivered only on CommitAck.
+Many layers, requests and receivers are in flight at once. On the wire a request costs an
+AllocRequest, its AllocResponse, a Commit (sent once every layer has landed: it says so for all
+of them) and a CommitAck; the decode side sees each layer land by its readiness words, so no
+notice per layer crosses the wire. Only where checksums are on does a ``LayerDone`` carry them,
+one per request for its layers that landed in the same pass. A stalled receiver's requests time
+out at their own deadlines and fail only that receiver's requests. A request counts as delivered
+only on CommitAck.
 
 Receivers (``PeerTable``, peers.py): a request waits for its receiver's hello and data plane, and
 fails with it. Tensor and pipeline parallelism (participants.py): every rank of every stage begins the
@@ -216,7 +219,7 @@ class SenderSession:
 
     def on_landed(self, landed: list[tuple[int, int]], now: int, checksums: list[int | None] | None = None) -> list:
         """Layers that landed in one loop pass, as (request handle, layer), with their checksums where
-        they are on (``layer_checksum``): one LayerDone per request for its layers, then commits."""
+        they are on (``layer_checksum``: a LayerDone per request carries them), then commits."""
         out: list = []
         touched: dict[int, TxRequest] = {}
         for i, (seq, layer) in enumerate(landed):
@@ -431,15 +434,17 @@ class SenderSession:
         r.unannounced.append((layer, digest))
 
     def _announce(self, r: TxRequest, now: int, out: list) -> None:
-        """One LayerDone for every layer flushed since the last notice; commit once all are in."""
+        """Count the layers flushed since the last look (a LayerDone carries their checksums, where they are on);
+        commit once all are in."""
         done, r.unannounced = r.unannounced, []
         if done:
             nbytes = sum(r.plan.layer_bytes(la) for la, _ in done)
             self.counters.count(out, "bytes_pushed", nbytes, "bytes")
             self.counters.count(out, "layers_pushed", len(done), "layers")
-            sums = [c for _, c in done]
-            out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in done],
-                                                         checksums=None if None in sums else sums)))
+            summed = [(la, c) for la, c in done if c is not None]
+            if summed:  # only a checksum needs a notice per layer; readiness words tell the rest, the Commit covers it
+                out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in summed],
+                                                             checksums=[c for _, c in summed])))
             r.layer_done_ms.extend([float(now - r.t0_ms)] * len(done))
         if r.finished() and len(r.layers_done) == r.layout.push_layers:
             self._send_commit(r, now, out)
@@ -455,7 +460,7 @@ class SenderSession:
     def _send_commit(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT, f"request {r.req_id!r}")
         r.deadline_ms = now + self.limits.control_timeout_ms
-        out.append(ToPeer(r.peer.endpoint, Commit(req_id=r.req_id)))
+        out.append(ToPeer(r.peer.endpoint, Commit(req_id=r.req_id, layers=len(r.layers_done))))
 
     # ---- receivers ---------------------------------------------------------------------
     def _peer_msg(self, p: Peer, msg: Msg, now: int, out: list) -> None:
