@@ -155,7 +155,12 @@ def async_dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket]
 def send(sock: zmq.Socket, msg: Msg, identity: bytes | None = None) -> bool:
     """Send without blocking; False if the peer cannot take it now: gone, or its queue at the high-water mark (our
     ROUTERs are ROUTER_MANDATORY, so neither is silent). Callers count what they could not send."""
-    frames = [protocol.encode(msg)]
+    return send_frame(sock, protocol.encode(msg), identity)
+
+
+def send_frame(sock: zmq.Socket, payload: bytes, identity: bytes | None = None) -> bool:
+    """``send`` of an encoded frame (one message, or a batch: ``protocol.encode_batch``)."""
+    frames = [payload]
     if identity is not None:
         frames.insert(0, identity)
     try:

@@ -15,9 +15,13 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from enum import IntEnum
 from pathlib import Path
 from typing import Protocol
+
+from pdpush import protocol
+from pdpush.protocol import Msg
 
 
 class ExitCode(IntEnum):
@@ -167,19 +171,61 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
 class WireCount:
     """The control messages a daemon exchanges with its peer daemons (sender <-> receiver), by direction and
     type: what a request costs on the wire between hosts (``pdpush bench --scenario latency`` divides it by
-    the requests). Engine <-> daemon messages on the host are not counted here."""
+    the requests). A frame is one wire message; one that carries several (a batch: ``Outbox``) counts each of
+    them as its share. Engine <-> daemon messages on the host are not counted here."""
 
     def __init__(self) -> None:
-        self.by: dict[str, int] = {}
+        self.by: dict[str, float] = {}
+        self.frames = {"in": 0, "out": 0}
 
-    def count(self, direction: str, msg_type: str) -> None:
-        key = f"{direction}:{msg_type}"
-        self.by[key] = self.by.get(key, 0) + 1
+    def count(self, direction: str, *msg_types: str) -> None:
+        """One frame, in ``direction``, carrying messages of ``msg_types``."""
+        self.frames[direction] += 1
+        share = 1 / len(msg_types)
+        for t in msg_types:
+            key = f"{direction}:{t}"
+            self.by[key] = self.by.get(key, 0) + share
 
     def stats(self) -> dict:
-        return {"wire_messages_in": sum(v for k, v in self.by.items() if k.startswith("in:")),
-                "wire_messages_out": sum(v for k, v in self.by.items() if k.startswith("out:")),
-                "wire_messages": json.dumps(dict(sorted(self.by.items())))}
+        return {"wire_messages_in": self.frames["in"], "wire_messages_out": self.frames["out"],
+                "wire_messages": json.dumps({k: round(v, 3) for k, v in sorted(self.by.items())})}
+
+
+class Outbox:
+    """Control messages for the peer daemons, held until the end of the loop's pass, then each peer gets what the
+    pass has for it in as few frames as fit (``protocol.encode_batch``: at most ``MAX_BATCH`` messages and about
+    ``batch_bytes`` a frame; a larger message goes alone): one wire message that its requests share. The order of
+    the messages to each peer is kept; nothing waits for a later pass."""
+
+    def __init__(self, wire: WireCount, batch_bytes: int = 256 << 10) -> None:
+        self.wire = wire
+        self.batch_bytes = batch_bytes
+        self.by: dict = {}  # peer -> [(type, encoded)]
+
+    def post(self, peer, msg: Msg) -> None:
+        self.by.setdefault(peer, []).append((msg.type, protocol.encode(msg)))
+
+    def __bool__(self) -> bool:
+        return bool(self.by)
+
+    def flush(self, send: Callable[[object, bytes], bool], peer=None) -> list:
+        """Send what is held (for ``peer``, or for every peer) through ``send(peer, frame) -> sent``; the peers that
+        could not take a frame (what is left for them is dropped: their requests' deadlines fail them, typed)."""
+        peers = [peer] if peer is not None else list(self.by)
+        failed = []
+        for p in peers:
+            held = self.by.pop(p, None)
+            while held:
+                n, size = 1, len(held[0][1])
+                while n < len(held) and n < protocol.MAX_BATCH and size + len(held[n][1]) <= self.batch_bytes:
+                    size += len(held[n][1])
+                    n += 1
+                part, held = held[:n], held[n:]
+                if not send(p, protocol.encode_batch([e for _, e in part])):
+                    failed.append(p)
+                    break
+                self.wire.count("out", *(t for t, _ in part))
+        return failed
 
 
 def count_dropped(counters: dict, key: str, what: str, log: logging.Logger) -> None:

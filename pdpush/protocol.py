@@ -28,6 +28,7 @@ from pdpush.errors import (
 PROTOCOL_VERSION = 5  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
 # 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers)
 DEFAULT_MAX_FRAME = 8 << 20
+MAX_BATCH = 256  # messages in one frame between the daemons (``encode_batch``)
 MAX_CHUNKS = 1 << 20  # absolute ceiling; daemons enforce a smaller configured cap
 
 ReqId = Annotated[str, Field(min_length=1, max_length=256)]
@@ -414,16 +415,59 @@ def encode(msg: Msg) -> bytes:
     return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
 
 
-def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
-    """Bytes -> validated message, or RemoteProtocolError. Never anything else."""
+def encode_batch(encoded: list[bytes]) -> bytes:
+    """Several messages to one peer in one frame: a msgpack array of the messages, each as ``encode`` made it (so each
+    is encoded once, whichever frame it ends up in); one message is sent as itself. The daemons send what one pass of
+    their loop has for a peer this way (``daemon.Outbox``): one wire message, shared by its requests."""
+    n = len(encoded)
+    if n == 1:
+        return encoded[0]
+    if not 1 < n <= MAX_BATCH:
+        raise LocalProtocolError(f"a batch of {n} messages (1..{MAX_BATCH})")
+    head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")  # fixarray, array 16
+    return head + b"".join(encoded)
+
+
+def _unpack(frame: bytes, max_frame: int):
     if len(frame) > max_frame:
         raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the {max_frame}-byte cap")
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises many unrelated types on garbage
         raise RemoteProtocolError(f"undecodable frame: {type(e).__name__}: {e}") from None
+
+
+def decode_batch(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> list[Msg | RemoteProtocolError]:
+    """A frame from a peer daemon: one message, or a batch of them (``encode_batch``). Each entry is a validated
+    message or the RemoteProtocolError saying why it is not one, so one bad entry costs only itself. A frame that is
+    not a message or a batch of 2..MAX_BATCH raises RemoteProtocolError (or FrameTooLarge)."""
+    obj = _unpack(frame, max_frame)
+    if isinstance(obj, dict):
+        return [_validate(obj)]
+    if not isinstance(obj, list) or not 1 < len(obj) <= MAX_BATCH:
+        raise RemoteProtocolError(f"frame is a msgpack {type(obj).__name__}"
+                                  f"{f' of {len(obj)}' if isinstance(obj, list) else ''}, expected a map or a batch "
+                                  f"of 2..{MAX_BATCH} maps")
+    out: list[Msg | RemoteProtocolError] = []
+    for i, o in enumerate(obj):
+        try:
+            if not isinstance(o, dict):
+                raise RemoteProtocolError(f"batch entry {i} is a msgpack {type(o).__name__}, expected a map")
+            out.append(_validate(o))
+        except RemoteProtocolError as e:
+            out.append(e)
+    return out
+
+
+def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
+    """Bytes -> validated message, or RemoteProtocolError. Never anything else."""
+    obj = _unpack(frame, max_frame)
     if not isinstance(obj, dict):
         raise RemoteProtocolError(f"frame is a msgpack {type(obj).__name__}, expected a map")
+    return _validate(obj)
+
+
+def _validate(obj: dict) -> Msg:
     try:
         return _adapter.validate_python(obj)
     except ValidationError as e:

@@ -27,10 +27,10 @@ import zmq
 
 from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
-from pdpush.daemon import WireCount, count_dropped, log_ucx, ucx_stats
+from pdpush.daemon import Outbox, WireCount, count_dropped, log_ucx, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import combine_digests
-from pdpush.protocol import StatusReply, StatusRequest
+from pdpush.protocol import Msg, StatusReply, StatusRequest
 from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 
 log = logging.getLogger("pdpush.receiver")
@@ -55,6 +55,7 @@ class Receiver:
         self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0, "control_dropped": 0,
                                "local_dropped": 0}
         self.wire = WireCount()  # control messages to and from senders
+        self.outbox = Outbox(self.wire)  # what a loop pass has for each sender: one frame each, at its end
         self._last_tick = 0
         self._last_refresh = 0
 
@@ -120,6 +121,7 @@ class Receiver:
         if self.session is not None and getattr(self, "router", None) is not None:
             try:  # chunk-index subscribers drop this receiver's keys at once
                 self._apply(self.session.farewell(now_ms()))
+                self._flush_senders()
             except Exception:  # noqa: BLE001 - closing goes on regardless
                 log.exception("sending the index farewell")
         for s in ("router", "local"):
@@ -173,6 +175,13 @@ class Receiver:
             if t - self._last_refresh >= 100:  # gauges ~10 times a second
                 self._last_refresh = t
                 self.metrics.refresh(self.stats())
+        self._flush_senders()
+
+    def _flush_senders(self) -> None:
+        """Send what the pass has for each sender (and router) in one frame (``Outbox``)."""
+        if self.outbox:
+            for _ in self.outbox.flush(lambda ident, frame: control.send_frame(self.router, frame, ident)):
+                count_dropped(self.shell_counters, "control_dropped", "a frame", log)
 
     def _drain_one(self, sock, local: bool) -> bool:
         try:
@@ -192,26 +201,28 @@ class Receiver:
         return True
 
     def _on_frame(self, ident: bytes, payload: bytes, local: bool, peer: str = "") -> None:
-        try:
-            msg = protocol.decode(payload, self.cfg.max_frame_bytes)
+        try:  # a peer daemon's frame may carry a batch (daemon.Outbox); an engine's is one message
+            msgs = [protocol.decode(payload, self.cfg.max_frame_bytes)] if local else \
+                protocol.decode_batch(payload, self.cfg.max_frame_bytes)
         except PdpushError as e:
             self._apply(self.session.bad_frame(ident, e, local))
             return
-        if isinstance(msg, StatusRequest):
-            control.send(self.local if local else self.router, StatusReply(stats=self.stats()), ident)
-            return
-        t = now_ms()
         if not local:
-            self.wire.count("in", msg.type)
-        self._apply(self.session.on_local(ident, msg, t) if local else self.session.on_control(ident, msg, t, peer))
+            self.wire.count("in", *(m.type if isinstance(m, Msg) else "invalid" for m in msgs))
+        for msg in msgs:
+            if isinstance(msg, PdpushError):
+                self._apply(self.session.bad_frame(ident, msg, local))
+            elif isinstance(msg, StatusRequest):
+                control.send(self.local if local else self.router, StatusReply(stats=self.stats()), ident)
+            else:
+                t = now_ms()
+                self._apply(self.session.on_local(ident, msg, t) if local else
+                            self.session.on_control(ident, msg, t, peer))
 
     def _apply(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, ToSender):
-                if not control.send(self.router, a.msg, a.ident):
-                    count_dropped(self.shell_counters, "control_dropped", a.msg.type, log)
-                else:
-                    self.wire.count("out", a.msg.type)
+                self.outbox.post(a.ident, a.msg)
             elif isinstance(a, ToDecode):
                 if not control.send(self.local, a.msg, a.ident):
                     count_dropped(self.shell_counters, "local_dropped", a.msg.type, log)

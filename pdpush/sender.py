@@ -31,7 +31,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, is_loopback
-from pdpush.daemon import WireCount, count_dropped, log_ucx, ucx_stats
+from pdpush.daemon import Outbox, WireCount, count_dropped, log_ucx, ucx_stats
 from pdpush.errors import IncompatiblePeer, PdpushError, TransportTimeout
 from pdpush.layout import combine_digests
 from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
@@ -78,6 +78,7 @@ class Sender:
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
         self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0}
         self.wire = WireCount()  # control messages to and from receivers
+        self.outbox = Outbox(self.wire)  # what a loop pass has for each receiver: one frame each, at its end
         self._poller_dirty = True
         self._last_refresh = 0.0
         self._last_tick = 0
@@ -132,6 +133,8 @@ class Sender:
                 "shmid": self.shmid, "backing": self.backing, "metrics_endpoint": self.metrics.endpoint}
 
     def close(self) -> None:
+        if getattr(self, "outbox", None):
+            self._guard(self._flush_peers)  # aborts of a drain that timed out, say
         if self.pusher is not None:
             self.pusher.close()  # its batches go before the endpoints and the worker do
         for ep in list(self.eps.values()):
@@ -189,6 +192,7 @@ class Sender:
             self._fence()
             if self._take_rings():
                 timeout_ms = 0
+        self._flush_peers()  # nothing for a receiver waits on the poll
         events = dict(self._poller().poll(timeout_ms))
         if self._idle is not None:
             self._idle[0] = 0
@@ -227,6 +231,15 @@ class Sender:
             self._last_refresh = time.monotonic()
             self._lifelines()  # a lifeline's hello that never came is closed by its deadline
             self.metrics.refresh(self.stats())
+        self._flush_peers()
+
+    def _flush_peers(self, endpoint: str | None = None) -> None:
+        """Send what the pass has for each receiver (``Outbox``); one that cannot take it is lost to its requests."""
+        for _ in range(4):  # a lost receiver's failures may have more for the others
+            if not self.outbox:
+                return
+            for ep in self.outbox.flush(lambda e, frame: control.send_frame(self._sock(e), frame), endpoint):
+                self._apply(self.session.on_peer_lost(ep, f"receiver {ep} is not reachable", now_ms()))
 
     def _lifelines(self) -> None:
         """Engine connections whose lifeline opened, or closed (their process died): lifeline.py."""
@@ -315,12 +328,16 @@ class Sender:
 
     def _on_peer_frame(self, endpoint: str, payload: bytes) -> None:
         try:
-            msg = protocol.decode(payload, self.cfg.max_frame_bytes)
+            msgs = protocol.decode_batch(payload, self.cfg.max_frame_bytes)
         except PdpushError as e:
             log.warning("bad frame from receiver %s: %s", endpoint, e)
             return
-        self.wire.count("in", msg.type)
-        self._apply(self.session.on_peer(endpoint, msg, now_ms()))
+        self.wire.count("in", *(m.type if isinstance(m, Msg) else "invalid" for m in msgs))
+        for msg in msgs:
+            if not isinstance(msg, Msg):
+                log.warning("bad message from receiver %s: %s", endpoint, msg)
+            elif self.socks.get(endpoint) is not None:  # not reset by one before it
+                self._apply(self.session.on_peer(endpoint, msg, now_ms()))
 
     def _apply(self, actions: list) -> None:
         """Carry out the session's actions in order. One that raises (a native call, say) fails only the
@@ -340,12 +357,7 @@ class Sender:
             if not control.send(self.ingress, a.msg, a.ident):
                 count_dropped(self.shell_counters, "ingress_dropped", a.msg.type, log)
         elif isinstance(a, ToPeer):
-            msg = self._settled(a) if a.handle else a.msg
-            if not control.send(self._sock(a.endpoint), msg):
-                todo.extend(self.session.on_peer_lost(a.endpoint, f"receiver {a.endpoint} is not reachable",
-                                                      now_ms()))
-            else:
-                self.wire.count("out", msg.type)
+            self.outbox.post(a.endpoint, self._settled(a) if a.handle else a.msg)
         elif isinstance(a, Hand):
             self._hand(a)
         elif isinstance(a, PlanGrant):
@@ -364,6 +376,7 @@ class Sender:
 
             array_at(a.address, a.count * 8).view(np.uint64)[:] = a.value
         elif isinstance(a, ResetPeer):
+            self._flush_peers(a.endpoint)  # what was for the old connection goes on it
             self._reset(a.endpoint)
         elif isinstance(a, OpenRing):
             self.pusher.add_ring(self.conns.ref(a.ident), a.address, a.slots)
@@ -395,8 +408,7 @@ class Sender:
             if endpoint not in self.eps:
                 continue  # reset: the receiver sees its endpoint close, or fences it
             if self.pusher.settled(handle, eid):
-                if control.send(self._sock(endpoint), Abort(req_id=rid, reason="its writes settled", settled=True)):
-                    self.wire.count("out", "abort")
+                self.outbox.post(endpoint, Abort(req_id=rid, reason="its writes settled", settled=True))
             else:
                 still.append((handle, eid, endpoint, rid))
         self._unsettled = still

@@ -83,13 +83,51 @@ def test_frame_cap():
     assert P.decode(frame, max_frame=len(frame)).chunk_keys[0] == KEY
 
 
+def test_a_batch_carries_each_message_as_encoded_and_one_bad_entry_costs_only_itself():
+    msgs = SAMPLES[:20]
+    frame = P.encode_batch([P.encode(m) for m in msgs])  # 20 entries: the array-16 header
+    assert P.decode_batch(frame) == msgs
+    assert P.encode_batch([P.encode(msgs[0])]) == P.encode(msgs[0])  # one message goes as itself
+    assert P.decode_batch(P.encode(msgs[0])) == [msgs[0]]
+    got = P.decode_batch(P.encode_batch([P.encode(msgs[0]), msgpack.packb({"type": "nope"}), msgpack.packb(7)]))
+    assert got[0] == msgs[0] and all(isinstance(e, RemoteProtocolError) for e in got[1:])
+    for bad in (msgpack.packb([]), msgpack.packb([{"type": "ok"}]), msgpack.packb([{"type": "ok"}] * (P.MAX_BATCH + 1)),
+                msgpack.packb(3)):
+        with pytest.raises(RemoteProtocolError):
+            P.decode_batch(bad)
+    with pytest.raises(RemoteProtocolError) as e:
+        P.decode_batch(frame, max_frame=len(frame) - 1)
+    assert e.value.code is ErrorCode.TOO_LARGE
+
+
+def test_the_outbox_sends_a_pass_in_one_frame_per_peer_in_order_and_counts_shares():
+    from pdpush.daemon import Outbox, WireCount
+
+    wire = WireCount()
+    box = Outbox(wire, batch_bytes=200)
+    big = P.Query(chunk_keys=[KEY] * 20)  # over the frame budget: goes alone
+    for m in (P.Commit(req_id="a", layers=2), P.Ok(req_id="b"), big, P.Ok(req_id="c")):
+        box.post("x", m)
+    box.post("y", P.Ok(req_id="d"))
+    sent: list = []
+    assert box.flush(lambda peer, frame: sent.append((peer, P.decode_batch(frame))) or True) == []
+    assert [(p, [m.req_id for m in ms]) for p, ms in sent] == [("x", ["a", "b"]), ("x", [None]), ("x", ["c"]),
+                                                               ("y", ["d"])]
+    assert not box and wire.frames["out"] == 4
+    assert wire.by == {"out:commit": 0.5, "out:ok": 2.5, "out:query": 1.0}
+    box.post("x", P.Ok(req_id="e"))
+    box.post("x", P.Ok(req_id="f"))
+    assert box.flush(lambda peer, frame: False) == ["x"] and not box  # a peer that cannot take it: said, dropped
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=256))
 def test_random_bytes_never_escape_the_taxonomy(data):
-    try:
-        P.decode(data)
-    except RemoteProtocolError:
-        pass
+    for decode in (P.decode, P.decode_batch):
+        try:
+            decode(data)
+        except RemoteProtocolError:
+            pass
 
 
 @settings(max_examples=300, deadline=None)

@@ -102,7 +102,8 @@ def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):
     try:
         bad_frames = [
             b"\xff\x00garbage",                                              # not msgpack
-            msgpack.packb([1, 2, 3]),                                        # not a map
+            msgpack.packb(7),                                                # not a map, nor a batch of them
+            msgpack.packb([{"type": "ok"}]),                                 # a batch of one (one goes alone)
             msgpack.packb({"type": "nope"}),                                 # unknown type
             msgpack.packb({"type": "alloc", "req_id": "x"}),                 # missing fields
             msgpack.packb({"type": "alloc", "req_id": "x", "chunk_keys": [b"short"], "last_chunk_tokens": 1,
@@ -115,6 +116,11 @@ def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):
             reply = _ask(s, frame)
             assert isinstance(reply, protocol.Error), reply
             assert reply.code in (ErrorCode.BAD_MESSAGE, ErrorCode.UNEXPECTED)
+        # a batch (a peer daemon's frame: daemon.Outbox) of bad entries: a typed error for each, in one frame
+        s.send(msgpack.packb([1, {"type": "nope"}, 3]))
+        assert s.poll(5000), "daemon did not reply"
+        replies = protocol.decode_batch(s.recv_multipart()[-1])
+        assert [r.code for r in replies] == [ErrorCode.BAD_MESSAGE] * 3, replies
         # a wrong layout gets a typed IncompatiblePeer, never garbage
         other = KVLayout(2, 4, 64, "float16", 16)
         hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=other.fingerprint(),

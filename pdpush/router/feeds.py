@@ -82,12 +82,18 @@ class Feed:
                 await asyncio.sleep(0.5)
 
     def _on_frame(self, frames: list[bytes]) -> None:
-        t = now_ms()
-        try:
-            msg = protocol.decode(frames[-1], MAX_FRAME)
+        try:  # what one pass of the receiver's loop had for us: one message or a batch (daemon.Outbox)
+            msgs = protocol.decode_batch(frames[-1], MAX_FRAME)
         except PdpushError as e:
             log.warning("index feed of %s: bad frame: %s", self.endpoint, e)
             return
+        for msg in msgs:
+            if isinstance(msg, PdpushError):
+                log.warning("index feed of %s: bad message: %s", self.endpoint, msg)
+            else:
+                self._on_msg(msg, now_ms())
+
+    def _on_msg(self, msg: protocol.Msg, t: int) -> None:
         if isinstance(msg, IndexSnapshot):
             self.view.on_snapshot(msg, t)
             self._on_change("snapshot")
