@@ -170,6 +170,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             if p.is_alive():
                 p.kill()
         after = status(tx_sock)
+        loaded = wire_per_request(before, after, engines * per_engine)
         errors = [o["error"] for o in outs if o["error"]]
         verified = verified and all(o["verified"] for o in outs)
         pc.close()
@@ -205,4 +206,6 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             # sender's count of what it sent and received: each wire message once), and by kind
             "wire_messages_per_request": wire["total"], "wire_messages_by_kind": wire["by_kind"],
             "wire_messages_target_met": wire["total"] <= 2,
+            # the same under the capacity run's load (engines at once: a frame serves several requests, ``Outbox``)
+            "wire_messages_per_request_loaded": loaded["total"], "wire_messages_by_kind_loaded": loaded["by_kind"],
             "errors": errors, "samples": len(one), "verified": verified and not errors}
