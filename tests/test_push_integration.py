@@ -80,6 +80,50 @@ def test_prefix_reuse_moves_only_new_chunks(daemons):
         dc.close()
 
 
+def test_a_begin_not_waited_for_is_allocated_while_the_engine_computes_and_can_be_given_up(daemons):
+    """``begin_nowait``: the Begin goes, the engine goes on (its forward), the receiver allocates meanwhile; ``wait``
+    gives the handle. One given up before its answer frees its pages; its ``wait`` raises Aborted."""
+    import time
+
+    layout = KVLayout(4, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(layout), quarantine_ms=100)
+    tx = daemons.sender(rx)
+    pc = PrefillClient(layout, sock(tx), timeout_s=30)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        pending = pc.begin_nowait("nw", list(range(40)))
+        deadline = time.monotonic() + 10
+        while status(sock(rx))["requests_total"] < 1:  # allocated before anyone waits for it
+            assert time.monotonic() < deadline, "the receiver never saw the allocation"
+            time.sleep(0.01)
+        h = pending.wait()
+        k, v = kv(layout, 40, seed=7)
+        for layer in range(layout.layers):
+            h.put_layer(layer, k[layer], v[layer])
+        assert h.finish(timeout_s=30).layers == layout.layers
+        k2, v2 = read_back(dc, "nw", layout, 40)
+        assert np.array_equal(k2, k) and np.array_equal(v2, v)
+        free = status(sock(rx))["pool_pages_free"]
+        gone = pc.begin_nowait("given-up", list(range(100, 140)))
+        gone.abort("the forward failed")
+        with pytest.raises(Aborted):
+            gone.wait()
+        deadline = time.monotonic() + 10
+        while status(sock(tx))["requests_inflight"]:
+            assert time.monotonic() < deadline, "the sender kept the request given up"
+            time.sleep(0.01)
+        h = pc.begin("after", list(range(200, 216)))  # the connection answers the next one, not the one given up
+        assert h.req_id == "after" and h.plan.n_new == 1
+        h.abort("done with it")
+        deadline = time.monotonic() + 10
+        while status(sock(rx))["pool_pages_free"] != free:  # nothing held: the given-up requests' pages came back
+            assert time.monotonic() < deadline, status(sock(rx))
+            time.sleep(0.05)
+    finally:
+        pc.close()
+        dc.close()
+
+
 def _raw_dealer(endpoint: str) -> zmq.Socket:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

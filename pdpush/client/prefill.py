@@ -352,6 +352,39 @@ class PushHandle:
         self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
 
 
+class PendingBegin:
+    """A Begin sent and not answered yet (``PrefillClient.begin_nowait``): the allocation's round trip to the
+    receiver runs while the engine computes its first layers. ``wait()`` gives the request's handle."""
+
+    def __init__(self, client: PrefillClient, req_id: str, tokens: int, tp_rank: int, tp_size: int,
+                 layers: tuple[int, int] | None) -> None:
+        self.client, self.req_id, self.tokens = client, req_id, tokens
+        self.tp_rank, self.tp_size, self.layers = tp_rank, tp_size, layers
+        self.deadline = time.monotonic() + client.timeout_s  # from the send, as a blocking begin's
+        self._aborted = False
+
+    def wait(self) -> PushHandle:
+        """The receiver's answer: the handle (which chunks to send), or its typed error; TransportTimeout past the
+        client's ``timeout_s`` from the send."""
+        if self._aborted:
+            raise Aborted(f"request {self.req_id!r} was aborted before its begin was answered", req_id=self.req_id)
+        c = self.client
+        reply = c._conn.recv_for(self.req_id, self.deadline)
+        raise_error(reply)
+        if not isinstance(reply, BeginOk):
+            raise ProtocolError(f"unexpected {reply.type} in reply to begin")
+        return PushHandle(c, self.req_id, self.tokens, reply, self.tp_rank, self.tp_size,
+                          range(*self.layers) if self.layers else range(c.layout.push_layers))
+
+    def abort(self, reason: str = "") -> None:
+        """Give the request up before its answer is taken: the sender ends it (and its allocation), the answer is
+        dropped."""
+        if not self._aborted:
+            self._aborted = True
+            self.client._conn.end(self.req_id)
+            self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
+
+
 class PrefillClient:
     """Hands finished layers to the local sender daemon through shared staging memory."""
 
@@ -380,6 +413,14 @@ class PrefillClient:
         request commits once every rank has finished. Every rank gets the same ``already_sent_indexes``.
         Pipeline parallelism: each stage's ranks do the same with ``pp_rank``/``pp_size`` and their
         stage's ``layers`` ``(first, end)``, and push only those."""
+        return self.begin_nowait(req_id, token_ids, receiver, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                 pp_size=pp_size, layers=layers).wait()
+
+    def begin_nowait(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,
+                     tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                     layers: tuple[int, int] | None = None) -> PendingBegin:
+        """``begin`` without waiting for the allocation: call it before the forward, and ``wait()`` on the result
+        at the first finished layer, so that the round trip to the receiver overlaps the compute."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("empty prompt")
@@ -392,11 +433,9 @@ class PrefillClient:
                     first_layer=layers[0] if layers else 0, end_layer=layers[1] if layers else 0,
                     handover_ring=ring.available())
         self._begun = True
-        reply = self._conn.call(msg, req_id, self.timeout_s)
-        if not isinstance(reply, BeginOk):
-            raise ProtocolError(f"unexpected {reply.type} in reply to begin")
-        return PushHandle(self, req_id, len(ids), reply, tp_rank, tp_size,
-                          range(*layers) if layers else range(self.layout.push_layers))
+        pending = PendingBegin(self, req_id, len(ids), tp_rank, tp_size, layers)
+        self._conn.send(msg, self.timeout_s)
+        return pending
 
     def status(self) -> dict:
         reply = self._conn.call(StatusRequest(), None, self.timeout_s)

@@ -37,22 +37,41 @@ class PushPath:
     """The push path's methods (``WorkerSide`` holds the state)."""
 
     def _begin_push(self, spec: PushSpec) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._begin_push_timed(spec)
-        finally:
-            self.stats.push_stage_us += int((time.perf_counter() - t0) * 1e6)
-
-    def _begin_push_timed(self, spec: PushSpec) -> None:
-        lay = self.layout
+        """Send the push's Begin without waiting (before the forward): its allocation's round trip to the receiver
+        runs while the first layers compute. The answer is taken at the first finished layer (``_begun``)."""
         if time.monotonic() < self._sender_down_until:  # the forward must not wait on a sender that is not there
             self.stats.push_fail(PushFailure.SENDER_DOWN)
             return
+        t0 = time.perf_counter()
         try:
-            handle = self._sender().begin(spec.push_id, spec.token_ids, spec.receiver or None,
-                                          tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
-                                          pp_size=self.pp_size,
-                                          layers=(self.stage.start, self.stage.stop) if self.pp_size > 1 else None)
+            pending = self._asked(spec, lambda: self._sender().begin_nowait(
+                spec.push_id, spec.token_ids, spec.receiver or None, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                pp_rank=self.pp_rank, pp_size=self.pp_size,
+                layers=(self.stage.start, self.stage.stop) if self.pp_size > 1 else None))
+            if pending is not None:
+                self._pending.append((spec, pending))
+        finally:
+            self.stats.push_stage_us += int((time.perf_counter() - t0) * 1e6)
+
+    def _begun(self) -> None:
+        """The answers to this step's Begins (at its first finished layer, or at its end): each push's handle."""
+        t0 = time.perf_counter()
+        try:
+            pending, self._pending = self._pending, []
+            for spec, p in pending:
+                if time.monotonic() < self._sender_down_until:  # an answer before said the sender is gone
+                    self.stats.push_fail(PushFailure.SENDER_DOWN)
+                    continue
+                handle = self._asked(spec, p.wait)
+                if handle is not None:
+                    self._start_push(spec, handle)
+        finally:
+            self.stats.push_stage_us += int((time.perf_counter() - t0) * 1e6)
+
+    def _asked(self, spec: PushSpec, ask):
+        """``ask()``'s result (a begin or its answer), or None where the push cannot go: counted and logged."""
+        try:
+            return ask()
         except (TransportError, BrokenResourceError) as e:  # no sender, or it died: stop asking for a while
             self.stats.push_fail(PushFailure.SENDER)
             log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
@@ -61,11 +80,13 @@ class PushPath:
             if self._prefill is not None:  # a fresh connection: a late reply must not answer another begin
                 self._prefill.close()
                 self._prefill = None
-            return
         except _REQUEST_ERRORS as e:  # the receiver refused this one (pool exhausted, too large, ...)
             self.stats.push_fail(PushFailure.REFUSED)
             log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
-            return
+        return None
+
+    def _start_push(self, spec: PushSpec, handle: PushHandle) -> None:
+        lay = self.layout
         T = lay.chunk_tokens
         n = len(spec.token_ids)
         if not handle.plan.n_new and not lay.state_layers:  # the receiver holds every item: nothing to move
@@ -94,6 +115,8 @@ class PushPath:
         self.stats.push_tokens_staged += sum(sm.tokens for sm in src if sm is not None)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self._pending:  # the step's first finished layer: the allocations were made meanwhile
+            self._begun()
         if not self._pushes:  # decode steps and unmarked requests: nothing to do
             return
         t0 = time.perf_counter()
@@ -173,6 +196,8 @@ class PushPath:
             pass
 
     def wait_for_save(self) -> None:
+        if self._pending:  # a forward with no save hook before its end (a stage of state layers only, say)
+            self._begun()
         for p in self._pushes:
             self.stats.events.append(("forward_done", p.spec.push_id, -1, time.monotonic()))
         for p in list(self._pushes):

@@ -96,6 +96,7 @@ class WorkerSide(PushPath, LoadPath):
         self._state_tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._paged: vl.PagedKV | None = None
         self._pushes: list[_Push] = []
+        self._pending: list = []  # (PushSpec, PendingBegin): Begins sent before the forward, answered at its first layer
         self._finishing: list[PushHandle] = []
         self._loads: list[_Load] = []
         self._async: list[_Load] = []  # asynchronous loads waiting for their push's commit (get_finished)
