@@ -260,6 +260,30 @@ def test_checksums_ride_a_layer_done_per_pass_and_the_commit_checks_every_layer_
     assert err and err[0].code is ErrorCode.UNEXPECTED and "layers" in err[0].message
 
 
+def test_a_reader_waiting_on_the_receiver_hears_of_every_layer_at_the_commit_or_of_checksummed_ones_at_once():
+    """No LayerDone crosses the wire without a checksum: a reader that waits on the receiver's notices (not the
+    words) hears of every layer, and the commit, from the Commit; with checksums, of each verified layer at once."""
+    for checksums in (False, True):
+        w = Wire()
+        rx = w.rx["tcp://rx-a:1"]
+        rx._layer_checksum = (lambda ranges: 9) if checksums else None
+        w.engine(begin("r", list(range(20))))
+        rx.on_local(DEC, protocol.Open(req_id="r"), 0)
+        for layer in range(LAY.layers):
+            w.engine(protocol.LayerReady(req_id="r", layers=[layer]))
+        first = w.posted.pop(0)
+        landed = w.pusher.land(first, w.now)
+        w.run(w.tx.on_landed(landed, w.now, [9] * len(landed) if checksums else None))
+        heard = [m for m in w.to_decoder if isinstance(m, protocol.LayerAvailable)]
+        assert sorted(la for m in heard for la in m.layers) == ([la for _, la in landed] if checksums else [])
+        w.engine(protocol.Finish(req_id="r"))
+        w.complete()
+        assert isinstance(w.outcome("r"), protocol.Done)
+        heard = [m for m in w.to_decoder if isinstance(m, protocol.LayerAvailable)]
+        assert sorted(la for m in heard for la in m.layers) == list(range(LAY.layers))  # each layer once
+        assert isinstance(w.to_decoder[-1], protocol.Committed)
+
+
 def test_a_stalled_receiver_holds_only_its_own_requests():
     a, b = "tcp://rx-a:1", "tcp://rx-b:1"
     w = Wire((a, b), layer_timeout_ms=500)

@@ -132,7 +132,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
         rng = np.random.default_rng(5)
         one, verified = [], True
         warm = pool_pages + 20  # every page touched once before anything is measured
-        wire0 = status(tx_sock)
+        wire0, rx_wire0 = status(tx_sock), status(rx_sock)
         for i in range(samples + warm):
             src = Source(layout, rng.integers(0, 1 << 31, size=layout.chunk_tokens).tolist(), rng)
             h = pc.begin(f"lat-{i}", src.token_ids)
@@ -151,8 +151,9 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             if i >= warm:
                 one.append(t1 - t0)
         # capacity: engine processes at once, the sender's own counters
-        before = status(tx_sock)
+        before, rx_before = status(tx_sock), status(rx_sock)
         wire = wire_per_request(wire0, before, samples + warm)
+        rx_wire = wire_per_request(rx_wire0, rx_before, samples + warm)  # the receiver's side of the same
         cpu0 = {"sender": _cpu_s(tx.pid), "receiver": _cpu_s(rx.pid)}
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -205,6 +206,7 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             # control messages between the sender and the receiver daemons per request, both directions (the
             # sender's count of what it sent and received: each wire message once), and by kind
             "wire_messages_per_request": wire["total"], "wire_messages_by_kind": wire["by_kind"],
+            "wire_messages_by_kind_receiver": rx_wire["by_kind"],
             "wire_messages_target_met": wire["total"] <= 2,
             # the same under the capacity run's load (engines at once: a frame serves several requests, ``Outbox``)
             "wire_messages_per_request_loaded": loaded["total"], "wire_messages_by_kind_loaded": loaded["by_kind"],

@@ -100,12 +100,13 @@ def pipeline(layout: KVLayout, tokens: int, ratios=(0.25, 0.5, 1.0, 2.0, 4.0), r
         dc.close()
     at1 = [x for x in curve if x["c_over_t"] >= 1.0]
     worst = max(x["exposed_ms_pipelined"] for x in at1)
+    worst_any = max(x["exposed_ms_pipelined"] for x in curve)  # issue #36: at every compute-to-transfer ratio
     return {"scenario": "pipeline", "layout": layout.to_dict(), "tokens": tokens,
             "layer_bytes": chunks * layout.page_bytes, "layer_transfer_ms": t * 1000,
             "exposed_ms_eager": statistics.median(x["exposed_ms_eager"] for x in at1),
             "exposed_ms_pipelined": statistics.median(x["exposed_ms_pipelined"] for x in at1),
-            "exposed_ms_pipelined_worst_c_ge_t": worst,
-            "target_met": worst <= t * 1000 + 2.0, "curve": curve,
+            "exposed_ms_pipelined_worst_c_ge_t": worst, "exposed_ms_pipelined_worst": worst_any,
+            "target_met": worst_any <= t * 1000 + 2.0, "curve": curve,
             "verified": all(x["verified"] for x in curve)}
 
 
