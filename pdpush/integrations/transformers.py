@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from pdpush.client import DecodeRequest, PrefillClient, PushHandle
+from pdpush.client import DecodeRequest, PendingBegin, PrefillClient, PushHandle
 from pdpush.integrations.device_copy import D2HStager, H2DLoader
 from pdpush.layout import KVLayout
 
@@ -93,16 +93,25 @@ class PushingCache(DynamicCache):
     The copy into staging goes through ``stager`` (integrations/device_copy.py): on a GPU it runs on a
     side stream and the layer is handed over when its copy completes; on the CPU it is ``put_layer``."""
 
-    def __init__(self, config, handle: PushHandle | None, pipelined: bool, stager: D2HStager | None = None) -> None:
+    def __init__(self, config, handle: PushHandle | PendingBegin | None, pipelined: bool,
+                 stager: D2HStager | None = None) -> None:
         super().__init__(config=config)
-        self.handle = handle
+        # a begin not answered yet (``begin_nowait``): answered at the first layer, its round trip under its compute
+        self._pending = handle if isinstance(handle, PendingBegin) else None
+        self.handle = None if self._pending is not None else handle
         self.pipelined = pipelined
         self.stager = stager or D2HStager("cpu")
         self.push_times: list[float] = []
 
+    def push_handle(self) -> PushHandle | None:
+        """The request's handle, waiting for the begin's answer if it has not come yet."""
+        if self._pending is not None:
+            self.handle, self._pending = self._pending.wait(), None
+        return self.handle
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.pipelined and self.handle is not None:
+        if self.pipelined and self.push_handle() is not None:
             self.stager.put_layer(self.handle, layer_idx, to_tokens_major(key_states), to_tokens_major(value_states))
             self.push_times.append(time.monotonic())
         return out
@@ -180,13 +189,18 @@ def prefill_and_push(model, prompt: list[int], client: PrefillClient, req_id: st
     hooks = [layer.register_forward_hook(after_layer) for layer in model.model.layers]
     try:
         t_start = time.monotonic()
-        handle = client.begin(req_id, prompt, receiver)
+        pending = client.begin_nowait(req_id, prompt, receiver)  # allocated while the first layer computes
         t_forward = clock.begin()
-        cache = PushingCache(model.config, handle, pipelined, stager)
-        with torch.no_grad():
-            out = _forward(model, torch.tensor([prompt], device=dev), cache, logits_to_keep=1)
-            logits = out.logits[0, -1].float().cpu()  # the first token exists: the host has waited for the forward
+        cache = PushingCache(model.config, pending, pipelined, stager)
+        try:
+            with torch.no_grad():
+                out = _forward(model, torch.tensor([prompt], device=dev), cache, logits_to_keep=1)
+                logits = out.logits[0, -1].float().cpu()  # the first token exists: the host has waited for it
+        except BaseException:
+            (pending if cache.handle is None else cache.handle).abort("the prefill's forward failed")
+            raise
         t_end = time.monotonic()
+        handle = cache.push_handle()
         if not pipelined:
             for i, layer in enumerate(cache.layers):
                 stager.put_layer(handle, i, to_tokens_major(layer.keys), to_tokens_major(layer.values))

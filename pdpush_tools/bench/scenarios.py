@@ -345,7 +345,7 @@ def control(layout: KVLayout | None = None, n: int = 1000, requests: int = 200) 
             reply = ask(protocol.AllocRequest(req_id=f"c{i}", chunk_keys=keys, last_chunk_tokens=2, lease_ms=1000))
             rtt.append(time.perf_counter() - t)
             assert isinstance(reply, protocol.AllocResponse), reply
-            ask(protocol.Abort(req_id=f"c{i}"))
+            ask(protocol.Abort(req_id=f"c{i}", settled=True))  # nothing was put to its pages: free at once
         s.close(0)
         # end to end: begin, every layer of one chunk, commit ack; then the decode side checks the bytes
         pc, dc = pair.clients()
