@@ -35,6 +35,7 @@ POLICIES = {
     "nap": WaitPolicy(spin_s=0.002, nap_s=0.0001, nap_window_s=0.2, slice_s=0.001),
     "receiver-5ms": WaitPolicy(spin_s=0.0002, nap_window_s=0.0002, slice_s=0.005),
     "spin2ms-receiver": WaitPolicy(spin_s=0.002, nap_window_s=0.002, slice_s=0.005),
+    "words-250us": WaitPolicy(spin_s=0.0002, nap_window_s=0.0002, slice_s=0.00025),
     "default": DEFAULT_WAIT,
 }
 
