@@ -415,7 +415,7 @@ def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_
     """The sender shell (``Sender._apply``) with a real session and a native path whose grant raises: that
     grant's request fails, typed; the actions after it in the same batch (another engine's reply) still go."""
     from pdpush import sender as shell
-    from pdpush.daemon import WireCount
+    from pdpush.daemon import Outbox, WireCount
     from pdpush.sessions.tx_actions import PlanGrant
 
     w = Wire()
@@ -437,6 +437,7 @@ def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_
     s = shell.Sender.__new__(shell.Sender)
     s.session, s.pusher, s.ingress, s.shell_counters = w.tx, BrokenGrants(), None, {"action_errors": 0}
     s.wire = WireCount()
+    s.outbox = Outbox(s.wire)
     s.metrics = type("M", (), {"apply": lambda self, a, log: None})()
     s.conns = type("C", (), {"unref_request": lambda self, h: None})()
     s._eids, s.eps, s._unsettled, s._sock = {}, {}, [], lambda endpoint: None
@@ -446,6 +447,7 @@ def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_
     assert errs and errs[0].code is ErrorCode.INTERNAL and errs[0].req_id == "victim", sent
     assert "native grant failed" in errs[0].message and "victim" not in w.tx.reqs
     assert s.shell_counters["action_errors"] == 1 and w.tx.counters.values["internal_errors"] == 1
+    assert [t for t, _ in s.outbox.by["tcp://rx-a:1"]] == ["abort"]  # the receiver hears of it at the end of the pass
 
 
 # ---- fuzzing the sessions directly ---------------------------------------------------------
