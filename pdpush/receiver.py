@@ -207,8 +207,9 @@ class Receiver:
         except PdpushError as e:
             self._apply(self.session.bad_frame(ident, e, local))
             return
-        if not local:
-            self.wire.count("in", *(m.type if isinstance(m, Msg) else "invalid" for m in msgs))
+        kinds = [m.type if isinstance(m, Msg) else "invalid" for m in msgs if not isinstance(m, StatusRequest)]
+        if kinds and not local:  # a status request is not a message between the daemons
+            self.wire.count("in", *kinds)
         for msg in msgs:
             if isinstance(msg, PdpushError):
                 self._apply(self.session.bad_frame(ident, msg, local))

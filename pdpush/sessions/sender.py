@@ -418,7 +418,7 @@ class SenderSession:
 
     def _landed(self, r: TxRequest, layer: int, digest: int | None) -> None:
         """Every share of ``layer`` is flushed (its readiness words are on their way): count it, give its
-        block back, and queue it for the request's next LayerDone."""
+        block back, and queue it for the request's next look (``_announce``)."""
         if layer in r.layers_done:
             return
         puts = put_plan.share_puts(r, layer)
