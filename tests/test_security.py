@@ -211,7 +211,9 @@ def _random_frame(rnd: random.Random, keys: list[bytes]) -> bytes:
 
 
 def test_fuzzed_live_receiver_survives(daemons):
-    rx = daemons.receiver(**rx_opts(LAY, pool_pages=32), lease_ms=300, quarantine_ms=200)
+    # committed_ttl_ms: a fuzzed request that commits (a Commit naming every layer suffices since protocol 5) and is
+    # never read keeps its pages until its TTL, a private copy among them where another commit indexed its key first
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=32), lease_ms=300, quarantine_ms=200, committed_ttl_ms=500)
     rnd = random.Random(7)
     keys = [k for i in range(8) for k in chunk_keys(list(range(i * 100, i * 100 + 32)), LAY)]
     socks = []
