@@ -1,6 +1,6 @@
 """The passive side of a one-sided transfer: a region allocated as the receiver's pool is, behind a listener.
 
-``python -m pdpush_tools.peer NBYTES`` prints one JSON line (port, address, rkey, shmid, pid) and serves
+``python -m pdpush_tools.peer NBYTES [HOST]`` (HOST: the address to listen on, 127.0.0.1 by default) prints one JSON line (port, address, rkey, shmid, pid) and serves
 until its stdin closes. The transport conformance tests put into it and read the bytes back through
 its SysV segment; the benches' raw put reference (``bench/ceiling.py``) measures against it.
 ``put_and_wait`` is the blocking put+flush those references use; the daemons never wait.
@@ -10,29 +10,26 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import sys
 import time
 from collections.abc import Sequence
 
 
-def serve(nbytes: int) -> None:
+def serve(nbytes: int, host: str = "127.0.0.1") -> None:
     from pdpush.transport.auto import open_transport
 
     w = open_transport()
     peers = []
-    port = w.listen("127.0.0.1", 0, peers.append)
+    port = w.listen(host, 0, peers.append)
     region, shmid, _ = w.alloc_shared(nbytes)  # the same memory the receiver's pool uses
     print(json.dumps({"port": port, "address": region.address, "rkey": region.pack_rkey().hex(), "shmid": shmid,
                       "pid": os.getpid()}), flush=True)
-    os.set_blocking(sys.stdin.fileno(), False)
-    while True:
+    while True:  # progress whenever UCX has events (as the receiver's loop does), until stdin closes
         w.progress()
-        try:
-            if sys.stdin.buffer.read() == b"":
-                break
-        except (BlockingIOError, TypeError):
-            pass
-        time.sleep(0.0005)  # passive side: one-sided puts need no receiver work beyond progress
+        ready, _, _ = select.select([sys.stdin, w.epoll_fd], [], [], 0.5 if w.arm() else 0)
+        if sys.stdin in ready and os.read(sys.stdin.fileno(), 4096) == b"":
+            break
     region.close()
 
 
@@ -51,4 +48,4 @@ def put_and_wait(worker, ep, ops: Sequence, timeout_s: float) -> int:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), *sys.argv[2:3])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from pdpush.layout import KVLayout
@@ -22,13 +25,14 @@ def test_scenarios_and_report(tmp_path):
     res["latency"] = latency.compare(KVLayout(4, 2, 64, "float16", 16), samples=10, engines=2, per_engine=20,
                                  pool_pages=16)
     res["isolation"] = {"scenario": "isolation", "skipped": "see test_isolation_scenario", "verified": False}
+    res["across_hosts"] = {"scenario": "across_hosts", "skipped": "see test_across_hosts_scenario", "verified": False}
     res["pipeline"] = scenarios.pipeline(LAY, 256, ratios=(0.5, 2.0), reps=1)
     res["incremental"] = scenarios.incremental(LAY, 256, hits=(0.0, 0.5))
     res["concurrency"] = scenarios.concurrency(LAY, 64, senders=2, in_flight=2, requests=2)
     res["control"] = scenarios.control(LAY, n=50, requests=5)
     res["decode_wait"] = decode_wait.run(KVLayout(4, 2, 64, "float16", 16), gaps_ms=(1.0,), requests=2)
     for k in SCENARIOS:
-        assert res[k]["verified"] or k == "isolation", (k, res[k].get("errors"))  # isolation: its own test
+        assert res[k]["verified"] or k in ("isolation", "across_hosts"), (k, res[k].get("errors"))  # own tests
     assert res["latency"]["one_chunk_p50_ms"] > 0 and res["latency"]["sender_layer_ops_per_s"] > 0
     assert res["incremental"]["target_met"]  # bytes are exact; this is not a speed claim
     assert [r["chunks_skipped"] for r in res["incremental"]["rows"]] == [0, 4]
@@ -105,3 +109,18 @@ def test_isolation_scenario():
     assert res["verified"] and res["healthy_p99_ms_during"] > 0 and res["ratio"] > 0
     # the partition really cut A: at most the request that was finishing as the link went down completed
     assert res["partitioned_requests_during"]["done"] <= 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the hosts harness needs root (CI runs as root)")
+def test_across_hosts_scenario():
+    """A push between two simulated hosts over a 1 ms link, against raw puts between the same hosts: every
+    request's bytes checked on the decode host, UCX on the hosts' network (nothing through shared memory)."""
+    from pdpush_tools.bench import across_hosts
+
+    res = across_hosts.run(KVLayout(4, 2, 64, "float16", 16), samples=6, big_chunks=2)
+    assert res["verified"] and res["one_chunk"]["samples"] == 6 and res["big"]["samples"] == 5
+    assert res["rtt_ms"] >= 1.0  # the link's delay is there: 0.5 ms each way, and the relay's own
+    assert res["one_chunk_p50_ms"] > 0 and res["cold_p50_ms"] > 0 and res["raw_put_gbps"] > 0
+    for side in ("sender", "receiver"):
+        lanes = json.loads(res["one_chunk"]["transports"][side]).values()
+        assert lanes and all(lane.startswith("tcp/eth0") for lane in lanes), res["one_chunk"]["transports"]

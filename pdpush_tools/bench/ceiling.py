@@ -37,30 +37,40 @@ def _stop(proc: subprocess.Popen | None) -> None:
 def _peer(nbytes: int):
     """A ``pdpush_tools.peer`` process holding ``nbytes``, and an endpoint to it with its rkey:
     yields (worker, endpoint, the peer's info); the endpoint is closed and the peer stopped after."""
-    from pdpush.transport.auto import open_transport
-
     proc = subprocess.Popen([sys.executable, "-m", "pdpush_tools.peer", str(nbytes)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=_env(), preexec_fn=die_with_parent)
     try:
-        info = json.loads(proc.stdout.readline())
-        w = open_transport()
-        ep = w.connect("127.0.0.1", info["port"])
-        ep.set_rkey(bytes.fromhex(info["rkey"]))
-        yield w, ep, info
-        ep.close()
+        with connected(json.loads(proc.stdout.readline())) as peer:
+            yield peer
     finally:
         proc.stdin.close()
         _stop(proc)
 
 
-def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
-    """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes."""
+@contextlib.contextmanager
+def connected(info: dict, host: str = "127.0.0.1"):
+    """An endpoint to a running ``pdpush_tools.peer`` (``info``: the line it printed) at ``host``, with its
+    rkey: yields (worker, endpoint, info). Another host's peer is measured this way (bench/across_hosts.py)."""
+    from pdpush.transport.auto import open_transport
+
+    w = open_transport()
+    ep = w.connect(host, info["port"])
+    ep.set_rkey(bytes.fromhex(info["rkey"]))
+    try:
+        yield w, ep, info
+    finally:
+        ep.close()
+
+
+def measure_put(layer_bytes: int, layers: int, reps: int = 5, peer: tuple[dict, str] | None = None) -> dict:
+    """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes: a peer started here,
+    or ``peer`` (its info line and host), one already serving at least ``layer_bytes * layers``."""
     from pdpush.shm import array_at
     from pdpush.transport.base import PutOp
     from pdpush_tools.peer import put_and_wait
 
     total = layer_bytes * layers
-    with _peer(total) as (w, ep, info):
+    with _peer(total) if peer is None else connected(*peer) as (w, ep, info):
         src, _, _ = w.alloc_shared(total)  # the same memory the sender's staging uses
         array_at(src.address, total)[:] = 1  # fault the pages in, as a real staging area would be
         rates = []
@@ -76,14 +86,14 @@ def measure_put(layer_bytes: int, layers: int, reps: int = 5) -> dict:
 
 
 def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windows: tuple[int, ...] = (1, 16),
-                     reps: int = 5) -> dict:
+                     reps: int = 5, peer: tuple[dict, str] | None = None) -> dict:
     """Puts of ``layer_bytes``, each with its own flush, posted by a native loop (``pdpush_native.put_loop``,
     no interpreter per put) into another process: median ops/s with ``window`` pairs in flight (1: back
-    to back; more: pipelined, as the sender keeps many layers in flight)."""
+    to back; more: pipelined, as the sender keeps many layers in flight). ``peer``: as ``measure_put``'s."""
     from pdpush.shm import array_at
 
     total = layer_bytes * slots
-    with _peer(total) as (w, ep, info):
+    with _peer(total) if peer is None else connected(*peer) as (w, ep, info):
         src, _, _ = w.alloc_shared(total)
         array_at(src.address, total)[:] = 1
         from pdpush_native import put_loop

@@ -146,6 +146,21 @@ def _isolation_suite(a: BenchArgs) -> dict:
         return {"isolation": {"scenario": "isolation", "skipped": str(e), "verified": False}}
 
 
+def _across_hosts(a: BenchArgs) -> dict:
+    from pdpush_tools.bench import across_hosts
+
+    return across_hosts.run(a.layout)
+
+
+def _across_hosts_suite(a: BenchArgs) -> dict:
+    from pdpush_tools.harness.hosts import HostsError
+
+    try:
+        return {"across_hosts": _across_hosts(a)}
+    except HostsError as e:  # not root, or no namespaces here: not run is not verified, and the report says why
+        return {"across_hosts": {"scenario": "across_hosts", "skipped": str(e), "verified": False}}
+
+
 def _decode_wait(a: BenchArgs) -> dict:
     from pdpush_tools.bench import decode_wait
 
@@ -171,5 +186,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     _of_scenarios("concurrency", lambda t: 256),
     _of_scenarios("control", None),
     Scenario("isolation", _isolation, _isolation_suite),
+    Scenario("across_hosts", _across_hosts, _across_hosts_suite),
     Scenario("decode_wait", _decode_wait, _decode_wait_suite, _show_decode_wait),
 )}

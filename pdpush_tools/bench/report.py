@@ -104,6 +104,30 @@ def _cpu_split(lat: dict) -> str:
     return f"; CPU per 1,000 layers: {parts}"
 
 
+def _across_rows(a: dict | None) -> list[str]:
+    """Issue 36's targets between two hosts (bench/across_hosts.py), or why they were not measured."""
+    if not a or a.get("skipped"):
+        why = a["skipped"] if a else "not in this run"
+        return [f"| across hosts at 1 ms RTT | not run: {why} | |"]
+    o, b = a["one_chunk"], a["big"]
+    return [
+        f"| across hosts (hosts harness, {a['rtt_ms']:.2f} ms RTT measured): 1-chunk request begun ahead, hand-over "
+        f"-> decode-visible <= its bytes' time at the raw put+flush rate + 2 RTT + 0.5 ms | p50 "
+        f"{a['one_chunk_p50_ms']:.2f} ms (p99 {a['one_chunk_p99_ms']:.2f}) against {a['one_chunk_limit_ms']:.2f} ms "
+        f"({o['bytes_ms']:.2f} ms of bytes at {o['raw_put_gbps']:.2f} GB/s); begun at hand-over instead: p50 "
+        f"{a['cold_p50_ms']:.2f} ms (the begin alone {a['begin_p50_ms']:.2f} ms) | {_met(a['one_chunk_target_met'])} |",
+        f"| across hosts: goodput >= 0.9x raw UCX put+flush between the same hosts ({_size(b['layer_bytes'])} "
+        f"layers, 16 in flight) | {a['ratio_goodput']:.2f}x ({a['goodput_gbps']:.3f} vs {a['raw_put_gbps']:.3f} GB/s) "
+        f"| {_met(a['goodput_target_met'])} |",
+        *([f"| across hosts on a plain veth link (no relay, {a['plain_link']['rtt_ms']:.2f} ms RTT; reported, no "
+           f"target): what pdpush costs over tcp where the link does not bound it | goodput "
+           f"{a['plain_link']['ratio_goodput']:.2f}x raw ({a['plain_link']['goodput_gbps']:.2f} vs "
+           f"{a['plain_link']['raw_put_gbps']:.2f} GB/s); 1-chunk p50 {a['plain_link']['one_chunk_p50_ms']:.2f} ms "
+           f"against {a['plain_link']['one_chunk_bytes_ms']:.2f} ms of bytes; begin "
+           f"{a['plain_link']['begin_p50_ms']:.2f} ms | |"] if "plain_link" in a else []),
+    ]
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -193,6 +217,7 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"{c.get('pool_pages', 0)} of {c.get('pool_pages_needed', 0)} pages, {c.get('alloc_retries', 0)} alloc retries, "
         f"{c.get('pool_exhausted_failures', 0)} refused | {_met(c['target_met'])} |",
         iso_row,
+        *_across_rows(res.get("across_hosts")),
         f"| pipelined exposed <= t + 2 ms at every compute-to-transfer ratio c/t | worst "
         f"{p.get('exposed_ms_pipelined_worst', p['exposed_ms_pipelined_worst_c_ge_t']):.2f} ms, "
         f"t = {p['layer_transfer_ms']:.2f} ms; eager {p['exposed_ms_eager']:.1f} ms | {_met(p['target_met'])} |",
