@@ -6,11 +6,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdpush-installed
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.pdpush-installed
+NIXL_STAMP := $(VLLM_VENV)/.nixl-installed
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install ucx-system test-ucx-system deploy-tools vllm-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
+.PHONY: install ucx-system test-ucx-system deploy-tools vllm-env nixl-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
 
 install: $(STAMP)
 
@@ -101,8 +102,16 @@ soak: install
 	mkdir -p bench-out
 	$(PY) -m pdpush_tools.bench.soak --seconds $${SOAK_SECONDS:-600} --json bench-out/soak.json
 
-# real vLLM engines: the decode instance's wait for pushed KV against recomputing the prefill
-bench-vllm: install vllm-env
+# vLLM's own NixlConnector in the engines' venv, for bench-vllm's side by side (requirements-nixl.txt: nixl's
+# wheels with --no-deps, as they would otherwise pull a CUDA stack; its UCX is its own, bundled)
+nixl-env: $(NIXL_STAMP)
+$(NIXL_STAMP): requirements-nixl.txt $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r requirements-nixl.txt
+	touch $(NIXL_STAMP)
+
+# real vLLM engines: the decode instance's wait for pushed KV against recomputing the prefill; then pdpush side by
+# side with vLLM's NixlConnector on the same engines
+bench-vllm: install vllm-env nixl-env
 	mkdir -p bench-out
 	$(PY) -m pdpush_tools.bench.vllm_ttft --json bench-out/vllm.json --report docs/bench/vllm.md
 

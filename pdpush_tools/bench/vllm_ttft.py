@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pdpush import launch
 from pdpush_tools.bench.report import save
-from pdpush_tools.harness.vllm_cluster import build_model, cluster, push_timeline
+from pdpush_tools.harness.vllm_cluster import Engine, build_model, cluster, pinned_pair, push_timeline
 
 # pdpush_tools.harness.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
 LAYOUT = dict(layers=12, kv_heads=6, head_dim=128, dtype="float32", chunk_tokens=64, model_id="bench-vllm")
@@ -76,6 +76,57 @@ def run(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
             "layers": LAYOUT["layers"], "timelines": timelines}
 
 
+# pdpush_tools.harness.vllm_engine's "tiny" model: 4 layers, 2 KV heads of 64, fp32
+TINY = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=32, model_id="tiny-side-by-side")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def side_by_side(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> dict:
+    """pdpush (push) against vLLM's NixlConnector (pull, nixl 1.5.1, ``make nixl-env``) on the same engines,
+    model, cores and prompts, one connector after the other: the prefill instance on core 0, the decode on
+    core 1 (each side's daemon with it), and the client flow of vLLM's proxy: the prompt to the prefill
+    instance (``do_remote_decode``, one token), then to the decode instance with the ``kv_transfer_params``
+    it returned. Per request: the prefill leg (its whole call), the decode instance's time to first token,
+    their sum. Every decode answer is compared with a colocated engine's, token for token, and must have
+    taken the prompt's full blocks from the other instance (its connector's count), not recomputed them.
+    The model is the tests' tiny one (a prefill of tens of ms, as in issue 36's measurement): with the bench
+    model a prefill takes ~1.4 s on one core and the connectors' difference drowns in it."""
+    model = build_model(workdir / "model-tiny", "tiny")
+    rnd = random.Random(1)
+    asks = [[rnd.randrange(3, 500) for _ in range(tokens)] for _ in range(prompts + 2)]  # two warm-ups first; vocab 512
+    with Engine("colocated", model, {}, workdir / "colocated.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                prefix=["taskset", "-c", "0"]) as colocated:
+        refs = [colocated.generate(p, new_tokens)[0]["tokens"] for p in asks]
+    common = {"chunk_tokens": TINY["chunk_tokens"], "model_id": TINY["model_id"], "load_timeout_s": 30.0}
+    full = tokens // 32 * 32  # the engines' block size: a partial last block is recomputed by either connector
+    out: dict = {}
+    for conn in ("pdpush", "nixl"):
+        rows = []
+        with pinned_pair(workdir, model, conn, TINY, common) as e:
+            for i, prompt in enumerate(asks):
+                pre = e["prefill"].generate_timed(prompt, 1, {"do_remote_decode": True})
+                dec = e["decode"].generate_timed(prompt, new_tokens, pre["kv_transfer_params"])
+                if i < 2:
+                    continue
+                rows.append({"prefill_ms": pre["ms"], "decode_ttft_ms": dec["ttft_ms"], "decode_ms": dec["ms"],
+                             "sum_ms": pre["ms"] + dec["ttft_ms"], "tokens_match": dec["tokens"] == refs[i],
+                             "loaded_tokens": dec["external_tokens"], "loaded": dec["external_tokens"] >= full})
+        stat = {f"{k}_{q}": (statistics.median if q == "p50" else lambda xs: _pct(xs, 0.99))([r[k] for r in rows])
+                for k in ("prefill_ms", "decode_ttft_ms", "sum_ms") for q in ("p50", "p99")}
+        out[conn] = {**stat, "rows": rows, "verified": all(r["tokens_match"] and r["loaded"] for r in rows)}
+    p, n = out["pdpush"], out["nixl"]
+    ratio = {f"ratio_{k}": p[k] / n[k] for k in p if k.endswith(("_p50", "_p99"))}
+    return {"model": "llama 4 layers, hidden 256, 2 KV heads x 64, fp32 (random init; the tests' tiny model)",
+            "prompts": prompts, "prompt_tokens": tokens, "new_tokens": new_tokens, **out, **ratio,
+            "sum_target_met": ratio["ratio_sum_ms_p50"] <= 0.8,
+            "tail_target_met": p["sum_ms_p99"] <= 2 * p["sum_ms_p50"],
+            "verified": p["verified"] and n["verified"]}
+
+
 def markdown(res: dict, new_tokens: int) -> str:
     m = res["median"]
     mb = res["kv_bytes_per_request"] / 2**20
@@ -115,8 +166,46 @@ def markdown(res: dict, new_tokens: int) -> str:
         "- Layers are handed over as the forward produces them (about one per layer's compute time), so by",
         "  the time the prefill's forward ends nearly all layers are already in the decode node's pool.",
         "",
+        *_side_by_side_md(res.get("nixl_side_by_side")),
         "Raw results: `bench-out/vllm.json`.",
         ""])
+
+
+def _side_by_side_md(sb: dict | None) -> list[str]:
+    if not sb:
+        return ["## Against vLLM's NixlConnector", "", "Not run (`--side-by-side 0`).", ""]
+    if "error" in sb:
+        return ["## Against vLLM's NixlConnector", "", f"Could not run: {sb['error']}", ""]
+    p, n = sb["pdpush"], sb["nixl"]
+
+    def row(what: str, k: str) -> str:
+        return (f"| {what} | {p[k + '_p50']:.1f} / {p[k + '_p99']:.1f} ms | {n[k + '_p50']:.1f} / {n[k + '_p99']:.1f} ms "
+                f"| {sb['ratio_' + k + '_p50']:.2f}x / {sb['ratio_' + k + '_p99']:.2f}x |")
+
+    met = "met" if sb["sum_target_met"] else "**not met**"
+    tail = "met" if sb["tail_target_met"] else "**not met**"
+    return [
+        "## Against vLLM's NixlConnector, on the same engines",
+        "",
+        f"Model: {sb['model']}. The same model, engines, cores and {sb['prompts']} prompts of {sb['prompt_tokens']} tokens (after 2 "
+        "warm-ups), one connector after the other: the prefill instance and its side (pdpush's sender) on core 0, "
+        "the decode instance and its side (pdpush's receiver) on core 1, and vLLM's proxy flow (the prompt to the "
+        "prefill instance with `do_remote_decode` for one token, then to the decode instance with the "
+        "`kv_transfer_params` it returned). NixlConnector: nixl 1.5.1 (`make nixl-env`), `kv_buffer_device` "
+        "\"cpu\", its UCX progress thread given 1 ms between polls (nixl's Python API starts it at 0, a spinning "
+        "core per engine, and 1 in 3 decode requests then stalled 8 to 30 s here). Every decode answer equals the "
+        f"colocated engine's and took the prompt's full blocks from the prefill instance: **{sb['verified']}**.",
+        "",
+        "| p50 / p99 | pdpush (push) | NixlConnector (pull) | pdpush / NIXL |",
+        "|---|---|---|---|",
+        row("prefill leg (the prefill instance's call, push included)", "prefill_ms"),
+        row("decode instance's time to first token", "decode_ttft_ms"),
+        row("**prefill leg + decode time to first token**", "sum_ms"),
+        "",
+        f"- Target: the sum's p50 <= 0.8x NixlConnector's: {sb['ratio_sum_ms_p50']:.2f}x, {met}.",
+        f"- Target: pdpush's p99 <= 2x its p50: {p['sum_ms_p99']:.1f} against {p['sum_ms_p50']:.1f} ms, {tail}.",
+        "",
+    ]
 
 
 def main() -> int:
@@ -126,8 +215,22 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--report", type=Path, help="write the markdown summary here")
+    ap.add_argument("--side-by-side", type=int, default=24, metavar="PROMPTS",
+                    help="prompts for the side by side with vLLM's NixlConnector (0: skip it)")
+    ap.add_argument("--side-by-side-tokens", type=int, default=300, help="their length (tokens)")
     a = ap.parse_args()
-    res = run(a.prompts, a.tokens, a.new_tokens, launch.scratch_dir("pdpush-vllm-bench-"))
+    wd = launch.scratch_dir("pdpush-vllm-bench-")
+    res = run(a.prompts, a.tokens, a.new_tokens, wd)
+    if a.side_by_side:
+        sb = res["nixl_side_by_side"] = side_by_side(a.side_by_side, a.side_by_side_tokens, a.new_tokens,
+                                                        wd / "side-by-side")
+        for conn in ("pdpush", "nixl"):
+            x = sb[conn]
+            print(f"  {conn:6s}: prefill leg {x['prefill_ms_p50']:.1f} (p99 {x['prefill_ms_p99']:.1f}) ms, decode TTFT "
+                  f"{x['decode_ttft_ms_p50']:.1f} (p99 {x['decode_ttft_ms_p99']:.1f}) ms, sum {x['sum_ms_p50']:.1f} "
+                  f"(p99 {x['sum_ms_p99']:.1f}) ms; verified {x['verified']}")
+        print(f"  pdpush / NIXL, sum p50: {sb['ratio_sum_ms_p50']:.2f}x")
+        res["verified"] = res["verified"] and sb["verified"]
     m = res["median"]
     print(f"{res['model']}, {res['prompt_tokens']}-token prompts, {res['prompts']} prompts (medians)")
     print(f"  recompute (colocated prefill, time to first token): {m['recompute_ms']:.1f} ms")

@@ -99,6 +99,12 @@ class Engine:
                        "kv_transfer_params": [params]})
         return r["outputs"][0], r["stats"]
 
+    def generate_timed(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
+        """One request stepped through the engine: its output with ``ttft_ms`` (and ``ms``, to its end)."""
+        r = self.call({"cmd": "generate", "prompts": [prompt], "max_tokens": max_tokens, "timed": True,
+                       "kv_transfer_params": [params]})
+        return r["outputs"][0]
+
     def generate_batch(self, prompts: list[list[int]], max_tokens: int,
                        params: list[dict | None] | None = None) -> tuple[list[dict], dict]:
         """All prompts submitted together, so that they share engine steps."""
@@ -176,6 +182,52 @@ def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_b
         for d in (tx, rx):
             if d is not None:
                 d.stop()
+
+
+@contextlib.contextmanager
+def pinned_pair(workdir: Path, model: Path, connector: str, layout: dict, common: dict, *,
+                staging_bytes: int = 512 << 20, cores: tuple[int, int] = (0, 1)):
+    """A prefill and a decode engine of one connector, "pdpush" (with its sender beside the prefill and its
+    receiver beside the decode) or "nixl" (vLLM's NixlConnector, pull), the prefill side's processes on core
+    ``cores[0]`` and the decode side's on ``cores[1]`` (``taskset``, and vLLM's OpenMP threads bound there), as
+    two nodes would be. Everything is stopped by pid on the way out. Yields {"prefill", "decode"}."""
+    from pdpush_tools.harness.ports import free_ports
+
+    pin = {side: ["taskset", "-c", str(core)] for side, core in zip(("prefill", "decode"), cores, strict=True)}
+    omp = {side: {"VLLM_CPU_OMP_THREADS_BIND": str(core)} for side, core in zip(("prefill", "decode"), cores,
+                                                                                strict=True)}
+    wd = launch.scratch_dir()
+    daemons: list[launch.Daemon] = []
+    engines: list[Engine] = []
+    try:
+        if connector == "pdpush":
+            rx = launch.start_receiver(wd, pool_pages=64, prefault=True, prefix=pin["decode"], **layout)
+            daemons.append(rx)
+            tx = launch.start_sender(wd, staging_bytes=staging_bytes, prefault=True, prefix=pin["prefill"])
+            daemons.append(tx)
+            roles = {"prefill": ("kv_producer", {**common, "sender_socket": tx.info["ingress_endpoint"].removeprefix(
+                         "ipc://"), "receiver": rx.info["control_endpoint"]}),
+                     "decode": ("kv_consumer", {**common, "receiver_socket": rx.info["local_endpoint"].removeprefix(
+                         "ipc://")})}
+            env = {"prefill": {}, "decode": {}}
+        elif connector == "nixl":
+            roles = {"prefill": ("nixl", {}), "decode": ("nixl", {})}
+            env = {side: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+                   for side, port in zip(("prefill", "decode"), free_ports(2), strict=True)}
+        else:
+            raise ValueError(f"connector: pdpush or nixl, not {connector!r}")
+        for side in ("prefill", "decode"):
+            role, extra = roles[side]
+            engines.append(Engine(role, model, extra, workdir / f"{connector}-{side}.log",
+                                  env={**omp[side], **env[side]}, prefix=pin[side]))
+        for e in engines:  # they start in parallel; wait for each
+            e.ready()
+        yield {"prefill": engines[0], "decode": engines[1]}
+    finally:
+        for e in engines:
+            e.stop()
+        for d in reversed(daemons):
+            d.stop()
 
 
 class Fleet:

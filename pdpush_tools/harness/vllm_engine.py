@@ -146,12 +146,46 @@ def _inject_fault(fault: str) -> None:
     WorkerSide._push_state = abort_state
 
 
+def _nixl_fair(us: int) -> None:
+    """Two things the side by side with pdpush (``bench/vllm_ttft.py``) corrects in vLLM's NIXL connector on this
+    CPU host. nixl's Python API starts its UCX progress thread with a poll delay of 0 (``pthrDelay``), a core
+    spent spinning per engine (on 2 cores, 1 in 3 decode requests then stalled 8 to 30 s): it gets ``us``
+    microseconds between polls instead. And the connector's worker moves its thread to the last core of each
+    NUMA node (``os.sched_setaffinity``), whatever cores the engine was given: that move is kept inside the
+    cores this process started with (``taskset``), so a prefill engine on core 0 stays there."""
+    import importlib
+
+    allowed = os.sched_getaffinity(0)
+    move = os.sched_setaffinity
+
+    def confined(pid, cpus):
+        move(pid, (set(cpus) & allowed) or allowed)
+
+    os.sched_setaffinity = confined
+
+    from nixl_meta_utils import detect_cuda_major  # what ``import nixl`` resolves its backend by
+
+    major = detect_cuda_major()
+    api = importlib.import_module(f"nixl_cu{major}._api" if major else "nixl._api")
+    base = api.nixlBind.nixlAgentConfig
+
+    class Config(base):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, us if name == "pthrDelay" else value)
+
+    api.nixlBind.nixlAgentConfig = Config
+
+
 def make_llm(model: str, role: str, extra: dict, llm_args: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw = {}
-    if role != "colocated":
+    if role == "nixl":  # vLLM's own NixlConnector (pull), for the side by side; both instances are kv_both
+        _nixl_fair(int(os.environ.get("PDPUSH_NIXL_PROGRESS_DELAY_US", "1000")))
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
+                                                    kv_buffer_device="cpu", kv_load_failure_policy="fail")
+    elif role != "colocated":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PdpushConnector", kv_connector_module_path="pdpush.integrations.vllm",
             kv_role=role, kv_connector_extra_config=extra,
@@ -180,6 +214,48 @@ def connector_stats(llm) -> tuple[dict, list]:
     return engine_totals(ws, sched.stats if sched is not None else None), list(ws.events) if ws is not None else []
 
 
+def _external_tokens(llm) -> list[int]:
+    """A box holding the most tokens the scheduler's connector (any connector, this process's engine core)
+    offered to load from outside since it was last zeroed: what a decode instance did not recompute."""
+    box = [0]
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    conn = core.scheduler.get_kv_connector() if core is not None else None
+    if conn is not None:
+        asked = conn.get_num_new_matched_tokens
+
+        def counted(request, num_computed_tokens):
+            got = asked(request, num_computed_tokens)
+            box[0] = max(box[0], got[0] or 0)
+            return got
+
+        conn.get_num_new_matched_tokens = counted
+    return box
+
+
+def _timed(llm, req, sp, external: list[int]) -> tuple:
+    """One request through the engine's own step loop: (its final output, (ms to finish, ms to first token,
+    tokens the connector loaded for it))."""
+    from vllm.sampling_params import RequestOutputKind
+
+    sp.output_kind = RequestOutputKind.CUMULATIVE  # an output at every step, the first token's included
+    engine = llm.llm_engine
+    rid = f"timed-{time.monotonic_ns()}"
+    external[0] = 0
+    t = time.monotonic()
+    engine.add_request(rid, req, sp)
+    first, final = None, None
+    while final is None:
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = time.monotonic()
+            if out.finished:
+                final = out
+    end = time.monotonic()
+    return final, ((end - t) * 1000, ((first or end) - t) * 1000, external[0])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
@@ -202,7 +278,8 @@ def main() -> int:
     if os.environ.get("PDPUSH_TEST_FAULT"):
         _inject_fault(os.environ["PDPUSH_TEST_FAULT"])
     llm = make_llm(a.model, a.role, json.loads(a.extra), json.loads(a.llm_args))
-    connected = a.role != "colocated"
+    connected = a.role not in ("colocated", "nixl")  # the connector counts read here are pdpush's
+    external = _external_tokens(llm)
     out.write(json.dumps({"ready": True, "start_s": time.monotonic() - t0}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -219,7 +296,9 @@ def main() -> int:
         sps = [SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], detokenize=False, ignore_eos=True,
                               extra_args={"kv_transfer_params": p} if p else None) for p in params]
         reqs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
-        if cmd.get("batch"):  # all at once: the engine batches them into shared steps
+        if cmd.get("timed"):  # one at a time, stepping the engine: each request's time to first token too
+            timed = [_timed(llm, req, sp, external) for req, sp in zip(reqs, sps, strict=True)]
+        elif cmd.get("batch"):  # all at once: the engine batches them into shared steps
             t = time.monotonic()
             outs = llm.generate(reqs, sps, use_tqdm=False)
             timed = [(r, (time.monotonic() - t) * 1000) for r in outs]
@@ -228,7 +307,9 @@ def main() -> int:
             for req, sp in zip(reqs, sps, strict=True):
                 t = time.monotonic()
                 timed.append((llm.generate([req], sp, use_tqdm=False)[0], (time.monotonic() - t) * 1000))
-        results = [{"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params, "ms": ms}
+        results = [{"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
+                    "num_cached_tokens": r.num_cached_tokens, "ms": ms[0] if isinstance(ms, tuple) else ms,
+                    **({"ttft_ms": ms[1], "external_tokens": ms[2]} if isinstance(ms, tuple) else {})}
                    for r, ms in timed]
         out.write(json.dumps({"outputs": results, "stats": connector_stats(llm)[0] if connected else {}}) + "\n")
         out.flush()
