@@ -297,6 +297,29 @@ def gather(dst, shares: StagingShares, src, base, sel, emap) -> None:
     _native().gather_rows(dst.reshape(-1, lay.row_bytes), src, base, sel, emap, DTYPES[lay.dtype].bytes)
 
 
+def pool_row_offsets(geom: PoolGeometry, layer: int, page_of, row_of, heads: tuple[int, int]) -> np.ndarray:
+    """Byte offsets in the pool region of heads ``[h0, h1)`` of one row per token (token ``i`` at row
+    ``row_of[i]`` of page ``page_of[i]``), each head's C components: int64 ``[tokens * heads * C]``, in
+    (token, head, component) order. A pool of whole heads per shard only (``geom.heads_aligned``)."""
+    lay = geom.layout
+    C, T, rb = lay.components, lay.chunk_tokens, lay.row_bytes
+    if not geom.heads_aligned:
+        raise ValueError("pool_row_offsets: a pool whose shards split heads")
+    per = lay.kv_heads // geom.shards
+    h = np.arange(*heads)
+    base = np.array([geom.offset(layer, s, 0) for s in range(geom.shards)], dtype=np.int64)[h // per]
+    page = np.asarray(page_of, dtype=np.int64).reshape(-1, 1, 1)
+    row = np.asarray(row_of, dtype=np.int64).reshape(-1, 1, 1)
+    unit = (h % per)[None, :, None] * C + np.arange(C)[None, None, :]
+    return (base[None, :, None] + page * geom.shard_bytes + (unit * T + row) * rb).reshape(-1)
+
+
+def scatter(dst, base, sel, emap, elem_bytes: int, src, src_off) -> None:
+    """``gather``'s way back, in one pass (native/src/copy.cpp): row ``r`` of ``src`` (flat bytes, at byte
+    ``src_off[r]``) to the elements at ``dst[base[r] + emap[sel[r], d] * B]``; every address checked first."""
+    _native().scatter_rows(dst, base, sel, emap, elem_bytes, src, src_off)
+
+
 def _as_torch(a, like):
     import torch
 

@@ -284,3 +284,70 @@ def test_one_pass_gather_refuses_a_reversed_row_and_an_empty_map():
     with pytest.raises(IndexError, match="outside"):  # a base past the source, with a map reaching back
         gather_rows(np.zeros((1, 8), np.uint8), src, np.array([(1 << 62)], np.int64), np.zeros(1, np.int32),
                     np.array([[-(1 << 30), 0, 1, 2]], np.int32), 2)
+
+
+@pytest.mark.parametrize("case", [
+    # backend, kv heads in the layout, this rank's heads [h0, h1), pool shards, writer
+    ("CPU_ATTN", 4, (2, 4), 2, transposed_k_writer),  # a TP rank's heads, K dimension-major in the tile
+    ("CPU_ATTN", 2, (0, 2), 1, token_major_writer),
+    ("FLASH_ATTN", 4, (0, 4), 4, None),                # K and V side by side in each slot
+    ("CPU_MLA", 1, (0, 1), 1, None),                   # an MLA latent
+])
+def test_one_pass_scatter_from_the_pool_equals_read_rows_then_scatter(case):
+    """kvcodec.scatter (the decode's one-pass copy from the pool into vLLM's blocks) writes exactly what
+    reading token-major rows out of the pool and scattering them does, and nothing else."""
+    import numpy as np
+
+    from pdpush import kvcodec as kc
+    from pdpush.layout import KVLayout, PoolGeometry
+
+    backend, kv_heads, (h0, h1), shards, writer = case
+    mla = backend == "CPU_MLA"
+    D, N, T, tokens, pages = (36 if mla else 16), 8, 8, 29, 12
+    lay = KVLayout(2, kv_heads, D, "bfloat16", T, "m", kind="mla" if mla else "mha")
+    geom = PoolGeometry(lay, pages, shards)
+    rng = np.random.default_rng(3)
+    pool = rng.integers(0, 256, geom.region_bytes, dtype=np.uint8)
+    heads = h1 - h0
+    if mla:
+        shape, paged = (8, 1, N, D), vl.PagedLatent(backend, D)
+    else:
+        shape = (8, heads, N, 2 * D)
+        paged = vl.PagedKV(backend, D, vl.learn_tile_map(N, D, torch.bfloat16, writer) if writer else None)
+    sm = vl.SlotMap([6, 2, 7, 0, 5], N, torch.arange(tokens), T)
+    blk, off = sm.addresses(N)
+    src_page = torch.tensor([9, 3, 4, 11], dtype=torch.int64)[sm.chunk_idx]  # the request's pages, by chunk
+    layer = 1
+    want = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = want.clone()
+    rows = kc.read_rows(torch.from_numpy(pool), geom, layer, src_page, sm.chunk_rows, (h0, h1))
+    x = kc.elements(rows, "bfloat16")
+    paged.scatter(want, blk, off, *[x[:, :, c] for c in range(x.shape[2])])
+    C = lay.components
+    idx = torch.arange(tokens * heads * C)
+    base, sel, emap = paged.rows(got, blk, off, idx % C, idx // (heads * C), idx // C % heads)
+    kc.scatter(vl.storage(got), base, sel, emap, 2, pool, kc.pool_row_offsets(geom, layer, src_page, sm.chunk_rows,
+                                                                              (h0, h1)))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_one_pass_scatter_refuses_addresses_outside_either_side_and_writes_nothing():
+    import numpy as np
+    from pdpush_native._copy import scatter_rows
+
+    src = np.arange(64, dtype=np.uint8)
+    emap = np.arange(4, dtype=np.int32)[None]
+    dst = np.zeros(32, np.uint8)
+    scatter_rows(dst, np.array([0, -1], np.int64), np.zeros(2, np.int32), emap, 2, src, np.array([8, 0], np.int64))
+    assert dst[:8].tolist() == list(range(8, 16)) and not dst[8:].any()  # a negative base: the row goes nowhere
+    dst[:] = 0
+    for base, sel, off in (([0, 25], [0, 0], [0, 8]),     # past the destination's end
+                           ([0, 0], [0, 1], [0, 8]),      # a map row that is not there
+                           ([0, 8], [0, 0], [0, 57]),     # past the source's end
+                           ([0, 8], [0, 0], [0, -1])):    # before the source's start
+        with pytest.raises(IndexError, match="outside"):
+            scatter_rows(dst, np.array(base, np.int64), np.array(sel, np.int32), emap, 2, src,
+                         np.array(off, np.int64))
+        assert not dst.any()  # checked before anything is written
+    with pytest.raises(ValueError, match="one entry per row"):
+        scatter_rows(dst, np.zeros(2, np.int64), np.zeros(1, np.int32), emap, 2, src, np.zeros(2, np.int64))

@@ -188,29 +188,49 @@ using Map = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_conti
 // memcpy; any other (a dimension-major K tile) element by element, from a tile that stays in cache (a
 // 16-row transpose written plainly measured slower here: its strided stores do not vectorise).
 // Every address is checked against ``src``: a bad table raises, it never reads outside.
+// An element map's rows, read once: each row's lowest and highest offset, and whether its offsets are
+// consecutive (the row is then one memcpy).
+struct MapRows {
+    std::vector<int64_t> lo, hi;
+    std::vector<char> run;
+    size_t M, D;
+
+    MapRows(const Map &emap, size_t eb, size_t rb, const char *who) : M(emap.shape(0)), D(emap.shape(1)) {
+        if (eb != 1 && eb != 2 && eb != 4 && eb != 8) throw std::invalid_argument(std::string(who) + ": elements of 1, 2, 4 or 8 bytes");
+        if (rb != D * eb) throw std::invalid_argument(std::string(who) + ": rows of " + std::to_string(rb) + " bytes, the map's are " +
+                                                      std::to_string(D * eb));
+        if (D == 0) throw std::invalid_argument(std::string(who) + ": a map of rows of no elements");
+        lo.resize(M), hi.resize(M), run.resize(M);
+        const int32_t *map = emap.data();
+        for (size_t m = 0; m < M; ++m) {
+            const int32_t *o = map + m * D;
+            int64_t a = o[0], b = o[0];
+            bool c = true;
+            for (size_t d = 0; d < D; ++d) {
+                a = std::min<int64_t>(a, o[d]);
+                b = std::max<int64_t>(b, o[d]);
+                c = c && o[d] == o[0] + static_cast<int64_t>(d);
+            }
+            lo[m] = a, hi[m] = b, run[m] = c;
+        }
+    }
+
+    // Row ``m`` of the map from byte ``b`` stays inside [0, S). b <= S first: then b + an offset of the map
+    // (|offset| < 2^31 elements of at most 8 bytes) cannot overflow.
+    bool inside(int32_t m, int64_t b, int64_t S, size_t eb) const {
+        return m >= 0 && static_cast<size_t>(m) < M && b <= S && b + lo[m] * static_cast<int64_t>(eb) >= 0 &&
+               b + (hi[m] + 1) * static_cast<int64_t>(eb) <= S;
+    }
+};
+
 void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb) {
-    const size_t R = dst.shape(0), rb = dst.shape(1), M = emap.shape(0), D = emap.shape(1);
-    if (eb != 1 && eb != 2 && eb != 4 && eb != 8) throw std::invalid_argument("gather_rows: elements of 1, 2, 4 or 8 bytes");
-    if (rb != D * eb) throw std::invalid_argument("gather_rows: rows of " + std::to_string(rb) + " bytes, the map's are " +
-                                                  std::to_string(D * eb));
-    if (D == 0) throw std::invalid_argument("gather_rows: a map of rows of no elements");
+    const size_t R = dst.shape(0), rb = dst.shape(1);
+    const MapRows mr(emap, eb, rb, "gather_rows");
+    const size_t D = mr.D;
     if (rb > 1 && dst.stride(1) != 1) throw std::invalid_argument("gather_rows: a row's bytes must be contiguous");
     if (base.shape(0) != R || sel.shape(0) != R)
         throw std::invalid_argument("gather_rows: base and sel need one entry per row");
     const int32_t *map = emap.data();
-    std::vector<int64_t> lo(M), hi(M);
-    std::vector<char> run(M);  // the row's offsets are consecutive: one memcpy
-    for (size_t m = 0; m < M; ++m) {
-        const int32_t *o = map + m * D;
-        int64_t a = o[0], b = o[0];
-        bool c = true;
-        for (size_t d = 0; d < D; ++d) {
-            a = std::min<int64_t>(a, o[d]);
-            b = std::max<int64_t>(b, o[d]);
-            c = c && o[d] == o[0] + static_cast<int64_t>(d);
-        }
-        lo[m] = a, hi[m] = b, run[m] = c;
-    }
     const int64_t S = static_cast<int64_t>(src.shape(0));
     const int64_t *bs = base.data();
     const int32_t *sl = sel.data();
@@ -226,13 +246,11 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
             continue;
         }
         const int32_t m = sl[r];
-        // b <= S first: then b + an offset of the map (|offset| < 2^31 elements of at most 8 bytes) cannot overflow
-        if (m < 0 || static_cast<size_t>(m) >= M || b > S || b + lo[m] * static_cast<int64_t>(eb) < 0 ||
-            b + (hi[m] + 1) * static_cast<int64_t>(eb) > S)
+        if (!mr.inside(m, b, S, eb))
             throw std::out_of_range("gather_rows: row " + std::to_string(r) + " reaches outside the source");
         const uint8_t *s = s0 + b;
         const int32_t *o = map + static_cast<size_t>(m) * D;
-        if (run[m]) {
+        if (mr.run[m]) {
             std::memcpy(d, s + static_cast<int64_t>(o[0]) * static_cast<int64_t>(eb), rb);
             continue;
         }
@@ -241,6 +259,55 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
             case 2: gather_elems<uint16_t>(d, s, o, D); break;
             case 4: gather_elems<uint32_t>(d, s, o, D); break;
             default: gather_elems<uint64_t>(d, s, o, D); break;
+        }
+    }
+}
+
+template <typename E>
+void scatter_elems(uint8_t *d, const uint8_t *s, const int32_t *offs, size_t n) {
+    const E *in = reinterpret_cast<const E *>(s);
+    for (size_t i = 0; i < n; ++i) std::memcpy(d + static_cast<int64_t>(offs[i]) * sizeof(E), in + i, sizeof(E));
+}
+
+// The way back, in one pass: row ``r`` of ``src`` (flat bytes; the row at byte ``src_off[r]``, ``D * B``
+// bytes) goes to the ``D`` elements at ``dst[base[r] + emap[sel[r], d] * B]`` (a negative base: the row goes
+// nowhere). The decode side's copy from the pool into an engine's paged cache. Every address is checked
+// against ``src`` and ``dst`` before anything is written.
+void scatter_rows(Flat dst, Bases base, Sels sel, Map emap, size_t eb, Bytes src, Bases src_off) {
+    const size_t R = base.shape(0);
+    const MapRows mr(emap, eb, emap.shape(1) * eb, "scatter_rows");
+    const size_t D = mr.D, rb = D * eb;
+    if (sel.shape(0) != R || src_off.shape(0) != R)
+        throw std::invalid_argument("scatter_rows: base, sel and src_off need one entry per row");
+    const int32_t *map = emap.data();
+    const int64_t S = static_cast<int64_t>(dst.shape(0)), N = static_cast<int64_t>(src.shape(0));
+    const int64_t *bs = base.data(), *so = src_off.data();
+    const int32_t *sl = sel.data();
+    for (size_t r = 0; r < R; ++r) {
+        if (bs[r] < 0) continue;
+        if (!mr.inside(sl[r], bs[r], S, eb))
+            throw std::out_of_range("scatter_rows: row " + std::to_string(r) + " reaches outside the destination");
+        if (so[r] < 0 || so[r] > N - static_cast<int64_t>(rb))
+            throw std::out_of_range("scatter_rows: row " + std::to_string(r) + " reaches outside the source");
+    }
+    const uint8_t *s0 = src.data();
+    uint8_t *d0 = dst.data();
+    nb::gil_scoped_release unlocked;
+    for (size_t r = 0; r < R; ++r) {
+        if (bs[r] < 0) continue;
+        const int32_t m = sl[r];
+        uint8_t *d = d0 + bs[r];
+        const uint8_t *s = s0 + so[r];
+        const int32_t *o = map + static_cast<size_t>(m) * D;
+        if (mr.run[m]) {
+            std::memcpy(d + static_cast<int64_t>(o[0]) * static_cast<int64_t>(eb), s, rb);
+            continue;
+        }
+        switch (eb) {
+            case 1: scatter_elems<uint8_t>(d, s, o, D); break;
+            case 2: scatter_elems<uint16_t>(d, s, o, D); break;
+            case 4: scatter_elems<uint32_t>(d, s, o, D); break;
+            default: scatter_elems<uint64_t>(d, s, o, D); break;
         }
     }
 }
@@ -261,4 +328,10 @@ NB_MODULE(_copy, m) {
           nb::arg("sel").noconvert(), nb::arg("emap").noconvert(), nb::arg("elem_bytes"),
           "Row r of dst ([R, D * B]) = the D elements of B bytes at src[base[r] + emap[sel[r], d] * B] (src: flat "
           "bytes; base: int64 bytes, < 0 zeroes the row; sel: int32; emap: int32 [M, D]), every address checked.");
+    m.def("scatter_rows", &scatter_rows, nb::arg("dst").noconvert(), nb::arg("base").noconvert(),
+          nb::arg("sel").noconvert(), nb::arg("emap").noconvert(), nb::arg("elem_bytes"), nb::arg("src").noconvert(),
+          nb::arg("src_off").noconvert(),
+          "The inverse of gather_rows: the D elements of B bytes at dst[base[r] + emap[sel[r], d] * B] = row r of "
+          "src (flat bytes, its row at byte src_off[r]; base < 0: row r goes nowhere), every address checked "
+          "before any is written; the GIL is released for the copy.");
 }

@@ -34,6 +34,7 @@ class _Load:
     tickets: dict = field(default_factory=dict)  # a CUDA cache: layer -> H2D copy started (H2DLoader)
     copies: list = field(default_factory=list)  # the fences of every H2D copy started from its pages (CopyHolds)
     dev_idx: dict = field(default_factory=dict)  # a CUDA cache: vLLM group -> indexes on the device
+    rows: dict = field(default_factory=dict)  # a CPU cache: vLLM group -> its one-pass copy's tables (_scatter)
     state_blocks: list[int] = field(default_factory=list)  # the state groups' blocks the state goes into
     deadline: float = 0.0  # an asynchronous load: its push must have committed by then
     reason: LoadFailure | None = None  # why it failed (with ``failed``, the message): ``fail``
@@ -225,8 +226,11 @@ class LoadPath:
             return
         try:
             dst = ld.dst[vg]
-            pool = torch.from_numpy(ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s))
-            if dst.tokens:
+            pool = ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s)
+            if dst.tokens and self._scatter(ld, vg, layer, kv, n, pool):
+                pass
+            elif dst.tokens:
+                pool = torch.from_numpy(pool)
                 rows = kvcodec.read_rows(pool, ld.req.geometry, layer, ld.src_page[vg], dst.chunk_rows,
                                          ld.req.heads)
                 comps = _comps(rows, self.layout.dtype, kv)
@@ -236,6 +240,31 @@ class LoadPath:
             self.stats.load_layers += 1
         except _REQUEST_ERRORS as e:
             ld.fail_on(e, f"layer {layer}")
+
+    def _scatter(self, ld: _Load, vg: int, layer: int, kv: torch.Tensor, n: int, pool) -> bool:
+        """One layer from the pool straight into a CPU cache's blocks, one native pass (``kvcodec.scatter``,
+        every address checked) where the pushed elements are the cache's own (no conversion) and the pool's
+        shards are whole heads; False: the caller copies through row tensors instead."""
+        lay, geom, dst = self.layout, ld.req.geometry, ld.dst[vg]
+        eb = kvcodec.DTYPES[lay.dtype].bytes
+        if kv.device.type != "cpu" or not geom.heads_aligned or eb != kv.element_size() or not hasattr(
+                self._paged, "rows"):
+            return False
+        h0, h1 = ld.req.heads
+        nt, nh, C = len(dst.chunk_rows), h1 - h0, lay.components
+        key = (vg, tuple(kv.shape), kv.stride())  # every layer of a group alike: its tables are made once
+        if key not in ld.rows:
+            blk, off = dst.addresses(n)
+            idx = torch.arange(nt * nh * C)
+            base, sel, emap = self._paged.rows(kv, blk, off, idx % C, idx // (nh * C), idx // C % nh)
+            if emap.shape[1] * eb != lay.row_bytes:
+                return False
+            at0 = kvcodec.pool_row_offsets(geom, 0, ld.src_page[vg], dst.chunk_rows, (h0, h1))
+            ld.rows[key] = (base, sel, emap, at0)
+        base, sel, emap, at0 = ld.rows[key]
+        kvcodec.scatter(vl.storage(kv), base, sel, emap, eb, pool, at0 + geom.offset(layer, 0, 0))
+        self.stats.load_bytes += nt * nh * C * lay.row_bytes
+        return True
 
     def poll_async_loads(self) -> tuple[set[str], set[str]]:
         """Asynchronous loads (``load_mode``; always for a model of several KV cache groups, whose failed loads
