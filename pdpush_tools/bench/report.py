@@ -117,7 +117,8 @@ def _across_rows(a: dict | None) -> list[str]:
         f"({o['bytes_ms']:.2f} ms of bytes at {o['raw_put_gbps']:.2f} GB/s); begun at hand-over instead: p50 "
         f"{a['cold_p50_ms']:.2f} ms (the begin alone {a['begin_p50_ms']:.2f} ms) | {_met(a['one_chunk_target_met'])} |",
         f"| across hosts: goodput >= 0.9x raw UCX put+flush between the same hosts ({_size(b['layer_bytes'])} "
-        f"layers, 16 in flight) | {a['ratio_goodput']:.2f}x ({a['goodput_gbps']:.3f} vs {a['raw_put_gbps']:.3f} GB/s) "
+        f"layers; the reference is the faster of the request's bytes as one put+flush and each layer's put+flush, 16 "
+        f"or all in flight) | {a['ratio_goodput']:.2f}x ({a['goodput_gbps']:.3f} vs {a['raw_put_gbps']:.3f} GB/s) "
         f"| {_met(a['goodput_target_met'])} |",
         *([f"| across hosts on a plain veth link (no relay, {a['plain_link']['rtt_ms']:.2f} ms RTT; reported, no "
            f"target): what pdpush costs over tcp where the link does not bound it | goodput "
