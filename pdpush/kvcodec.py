@@ -314,6 +314,11 @@ def pool_row_offsets(geom: PoolGeometry, layer: int, page_of, row_of, heads: tup
     return (base[None, :, None] + page * geom.shard_bytes + (unit * T + row) * rb).reshape(-1)
 
 
+def can_scatter() -> bool:
+    """Whether ``scatter`` can run here (it is native: ``pdpush_native._copy``)."""
+    return hasattr(_native(), "scatter_rows")
+
+
 def scatter(dst, base, sel, emap, elem_bytes: int, src, src_off) -> None:
     """``gather``'s way back, in one pass (native/src/copy.cpp): row ``r`` of ``src`` (flat bytes, at byte
     ``src_off[r]``) to the elements at ``dst[base[r] + emap[sel[r], d] * B]``; every address checked first."""

@@ -326,8 +326,10 @@ def test_one_pass_scatter_from_the_pool_equals_read_rows_then_scatter(case):
     C = lay.components
     idx = torch.arange(tokens * heads * C)
     base, sel, emap = paged.rows(got, blk, off, idx % C, idx // (heads * C), idx // C % heads)
-    kc.scatter(vl.storage(got), base, sel, emap, 2, pool, kc.pool_row_offsets(geom, layer, src_page, sm.chunk_rows,
-                                                                              (h0, h1)))
+    at = kc.pool_row_offsets(geom, layer, src_page, sm.chunk_rows, (h0, h1))
+    # the connector builds layer 0's offsets once and shifts them to each layer
+    assert np.array_equal(at, kc.pool_row_offsets(geom, 0, src_page, sm.chunk_rows, (h0, h1)) + geom.offset(layer, 0, 0))
+    kc.scatter(vl.storage(got), base, sel, emap, 2, pool, at)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 

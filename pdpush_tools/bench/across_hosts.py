@@ -58,9 +58,8 @@ def _reply(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def _echo_server(addr: str) -> None:
-    """Echo each byte back, one connection at a time, until stdin closes (run in a thread of the d agent)."""
-    srv = socket.create_server((addr, ECHO_PORT))
+def _echo_server(srv: socket.socket) -> None:
+    """Echo each byte back, one connection at a time (a thread of the d agent, which ends with it)."""
     while True:
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -140,8 +139,9 @@ def _decode_agent(layout: KVLayout, sock: str, chunks: int, addr: str) -> None:
     from pdpush.client import DecodeClient
     from pdpush_tools.bench.common import OBSERVER, LazySource, verify
 
-    threading.Thread(target=_echo_server, args=(addr,), daemon=True).start()
-    dc = DecodeClient(sock, timeout_s=60, wait=OBSERVER)  # naps of 50 us: a spin would take a core from the link
+    threading.Thread(target=_echo_server, args=(socket.create_server((addr, ECHO_PORT)),), daemon=True).start()
+    dc = DecodeClient(sock, timeout_s=60, wait=OBSERVER)
+    _reply(listening=True)  # naps of 50 us: a spin would take a core from the link
     req = None
     try:
         for line in sys.stdin:
@@ -169,11 +169,17 @@ def _decode_agent(layout: KVLayout, sock: str, chunks: int, addr: str) -> None:
 # -- the driver ---------------------------------------------------------------------------------------------
 
 class _Agent:
-    def __init__(self, host, argv: list[str]) -> None:
-        self.proc = host.popen([sys.executable, "-m", "pdpush_tools.bench.across_hosts", *argv],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path.cwd())
+    """A process inside a host, a JSON line per reply; every read has a deadline."""
+
+    def __init__(self, host, argv: list[str] | None = None, proc: subprocess.Popen | None = None) -> None:
+        self.proc = proc or host.popen([sys.executable, "-m", "pdpush_tools.bench.across_hosts", *(argv or [])],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path.cwd())
         self.host = host
         self._buf = b""
+
+    @classmethod
+    def of(cls, proc: subprocess.Popen, host) -> _Agent:
+        return cls(host, proc=proc)
 
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
@@ -232,8 +238,8 @@ def _phase(hosts, layout: KVLayout, chunks: int, samples: int, cold: bool) -> di
         agents.append(da := _Agent(d, ["decode", shape, str(d.dir / "rx.sock"), str(chunks), d.addr]))
         peer = d.popen([sys.executable, "-m", "pdpush_tools.peer", str(req_bytes), d.addr], stdin=subprocess.PIPE,
                        stdout=subprocess.PIPE, text=True, cwd=Path.cwd())
-        info = json.loads(peer.stdout.readline())
-        time.sleep(0.5)  # d's echo server is listening
+        info = _Agent.of(peer, d).read()  # the peer's line: its port, address and rkey
+        da.read()  # {"listening": true}: d's echo server and decode client are up
         rtt = pa.call(f"rtt {d.addr} 50")["rtt_ms"]
         raw_cmd = f"raw {json.dumps(info, separators=(',', ':'))} {d.addr}"
         raws = [pa.call(raw_cmd)]  # and again after the samples: the faster of the two is the reference

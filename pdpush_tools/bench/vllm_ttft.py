@@ -27,6 +27,8 @@ from pdpush import launch
 from pdpush_tools.bench.report import save
 from pdpush_tools.harness.vllm_cluster import Engine, build_model, cluster, pinned_pair, push_timeline
 
+BLOCK_SIZE = 32  # pdpush_tools.harness.vllm_engine.BLOCK_SIZE (that module imports vLLM: not here)
+
 # pdpush_tools.harness.vllm_engine's "bench" model: 12 layers, 6 KV heads of 128, fp32
 LAYOUT = dict(layers=12, kv_heads=6, head_dim=128, dtype="float32", chunk_tokens=64, model_id="bench-vllm")
 
@@ -108,7 +110,7 @@ def side_by_side(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> d
                 prefix=["taskset", "-c", "0"]) as colocated:
         refs = [colocated.generate(p, new_tokens)[0]["tokens"] for p in asks]
     common = {"chunk_tokens": TINY["chunk_tokens"], "model_id": TINY["model_id"], "load_timeout_s": 30.0}
-    full = must_load(tokens, 32)  # the engines' block size: a partial last block is recomputed by either connector
+    full = must_load(tokens, BLOCK_SIZE)  # the engines' blocks: a partial last one is recomputed by either connector
     rows: dict[str, list] = {"pdpush": [], "nixl": [], "pdpush_unpinned": []}
     first, second = asks[:2 + prompts // 2], asks[:2] + asks[2 + prompts // 2:]
     # each configuration twice, on half of the prompts each time (two warm-ups first every time), in an order that
@@ -118,15 +120,22 @@ def side_by_side(prompts: int, tokens: int, new_tokens: int, workdir: Path) -> d
                        ("nixl", second), ("pdpush", second)):
         with pinned_pair(workdir, model, conn.removesuffix("_unpinned"), TINY, common,
                          pin_daemons=not conn.endswith("_unpinned")) as e:
+            before = e["decode"].stats() if conn != "nixl" else {}
             for i, prompt in enumerate(part):
-                pre = e["prefill"].generate_timed(prompt, 1, {"do_remote_decode": True})
-                dec = e["decode"].generate_timed(prompt, new_tokens, pre["kv_transfer_params"])
+                pre, _ = e["prefill"].generate_timed(prompt, 1, {"do_remote_decode": True})
+                dec, after = e["decode"].generate_timed(prompt, new_tokens, pre["kv_transfer_params"])
+                if conn == "nixl":  # its engines run with kv_load_failure_policy "fail": a failed pull fails the
+                    loaded = dec["external_tokens"]  # request; what its scheduler took from the prefill instance
+                else:  # pdpush's recomputes a failed load: what its worker actually loaded, and no failure
+                    loaded = (after["load_tokens"] - before.get("load_tokens", 0)
+                              if after["load_failures"] == before.get("load_failures", 0) else 0)
+                before = after
                 if i < 2:
                     continue
                 ref = refs[asks.index(prompt)]
                 rows[conn].append({"prefill_ms": pre["ms"], "decode_ttft_ms": dec["ttft_ms"], "decode_ms": dec["ms"],
                                    "sum_ms": pre["ms"] + dec["ttft_ms"], "tokens_match": dec["tokens"] == ref,
-                                   "loaded_tokens": dec["external_tokens"], "loaded": dec["external_tokens"] >= full})
+                                   "loaded_tokens": loaded, "loaded": loaded >= full})
     out: dict = {}
     for conn, rs in rows.items():
         stat = {f"{k}_{q}": (statistics.median if q == "p50" else lambda xs: _pct(xs, 0.99))([r[k] for r in rs])
@@ -212,7 +221,7 @@ def _side_by_side_md(sb: dict | None) -> list[str]:
         "core per engine, and 1 in 3 decode requests then stalled 8 to 30 s here). Every decode answer equals the "
         f"colocated engine's and took the prompt's full blocks from the prefill instance: **{sb['verified']}**.",
         "",
-        "| p50 / p99 | pdpush (push) | NixlConnector (pull) | pdpush / NIXL |",
+        f"| p50 / p99 (of {sb['prompts']} requests: the slowest) | pdpush (push) | NixlConnector (pull) | pdpush / NIXL |",
         "|---|---|---|---|",
         row("prefill leg (the prefill instance's call, push included)", "prefill_ms"),
         row("decode instance's time to first token", "decode_ttft_ms"),
@@ -251,15 +260,22 @@ def main() -> int:
     a = ap.parse_args()
     wd = launch.scratch_dir("pdpush-vllm-bench-")
     res = run(a.prompts, a.tokens, a.new_tokens, wd)
+    sb = None
     if a.side_by_side:
-        sb = res["nixl_side_by_side"] = side_by_side(a.side_by_side, a.side_by_side_tokens, a.new_tokens,
-                                                        wd / "side-by-side")
+        try:
+            sb = side_by_side(a.side_by_side, a.side_by_side_tokens, a.new_tokens, wd / "side-by-side")
+        except Exception as e:  # noqa: BLE001 - the first part's results are kept, and the run is not verified
+            sb = {"error": f"{type(e).__name__}: {e}"[:2000], "verified": False}
+            print(f"  side by side with NixlConnector failed: {sb['error']}", file=sys.stderr)
+        res["nixl_side_by_side"] = sb
+    if sb and "error" not in sb:
         for conn in ("pdpush", "nixl", "pdpush_unpinned"):
             x = sb[conn]
             print(f"  {conn:6s}: prefill leg {x['prefill_ms_p50']:.1f} (p99 {x['prefill_ms_p99']:.1f}) ms, decode TTFT "
                   f"{x['decode_ttft_ms_p50']:.1f} (p99 {x['decode_ttft_ms_p99']:.1f}) ms, sum {x['sum_ms_p50']:.1f} "
                   f"(p99 {x['sum_ms_p99']:.1f}) ms; verified {x['verified']}")
         print(f"  pdpush / NIXL, sum p50: {sb['ratio_sum_ms_p50']:.2f}x")
+    if sb:
         res["verified"] = res["verified"] and sb["verified"]
     m = res["median"]
     print(f"{res['model']}, {res['prompt_tokens']}-token prompts, {res['prompts']} prompts (medians)")

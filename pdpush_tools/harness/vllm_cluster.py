@@ -99,11 +99,12 @@ class Engine:
                        "kv_transfer_params": [params]})
         return r["outputs"][0], r["stats"]
 
-    def generate_timed(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
-        """One request stepped through the engine: its output with ``ttft_ms`` (and ``ms``, to its end)."""
+    def generate_timed(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> tuple[dict, dict]:
+        """One request stepped through the engine: its output with ``ttft_ms`` (and ``ms``, to its end), and
+        the pdpush connector's counts after it (empty for another connector)."""
         r = self.call({"cmd": "generate", "prompts": [prompt], "max_tokens": max_tokens, "timed": True,
                        "kv_transfer_params": [params]})
-        return r["outputs"][0]
+        return r["outputs"][0], r["stats"]
 
     def generate_batch(self, prompts: list[list[int]], max_tokens: int,
                        params: list[dict | None] | None = None) -> tuple[list[dict], dict]:
@@ -221,7 +222,7 @@ def pinned_pair(workdir: Path, model: Path, connector: str, layout: dict, common
             raise ValueError(f"connector: pdpush or nixl, not {connector!r}")
         for side in ("prefill", "decode"):
             role, extra = roles[side]
-            engines.append(Engine(role, model, extra, workdir / f"{connector}-{side}.log",
+            engines.append(Engine(role, model, extra, workdir / f"{connector}{'' if pin_daemons else '-unpinned'}-{side}.log",
                                   env={**omp[side], **env[side]}, prefix=pin[side]))
         for e in engines:  # they start in parallel; wait for each
             e.ready()

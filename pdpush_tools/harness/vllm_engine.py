@@ -155,6 +155,7 @@ def _nixl_fair(us: int) -> None:
     cores this process started with (``taskset``), so a prefill engine on core 0 stays there."""
     import importlib
 
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # what vLLM sets when it imports nixl itself
     allowed = os.sched_getaffinity(0)
     move = os.sched_setaffinity
 

@@ -247,20 +247,20 @@ class LoadPath:
         shards are whole heads; False: the caller copies through row tensors instead."""
         lay, geom, dst = self.layout, ld.req.geometry, ld.dst[vg]
         eb = kvcodec.DTYPES[lay.dtype].bytes
-        if kv.device.type != "cpu" or not geom.heads_aligned or eb != kv.element_size() or not hasattr(
-                self._paged, "rows"):
+        if (kv.device.type != "cpu" or not geom.heads_aligned or eb != kv.element_size()
+                or not hasattr(self._paged, "rows") or not kvcodec.can_scatter()):
             return False
         h0, h1 = ld.req.heads
         nt, nh, C = len(dst.chunk_rows), h1 - h0, lay.components
-        key = (vg, tuple(kv.shape), kv.stride())  # every layer of a group alike: its tables are made once
+        key = (vg, tuple(kv.shape), kv.stride(), kv.dtype)  # every layer of a group alike: tables made once
         if key not in ld.rows:
             blk, off = dst.addresses(n)
             idx = torch.arange(nt * nh * C)
             base, sel, emap = self._paged.rows(kv, blk, off, idx % C, idx // (nh * C), idx // C % nh)
-            if emap.shape[1] * eb != lay.row_bytes:
-                return False
-            at0 = kvcodec.pool_row_offsets(geom, 0, ld.src_page[vg], dst.chunk_rows, (h0, h1))
-            ld.rows[key] = (base, sel, emap, at0)
+            ld.rows[key] = None if emap.shape[1] * eb != lay.row_bytes else (  # None: rows are not the map's
+                base, sel, emap, kvcodec.pool_row_offsets(geom, 0, ld.src_page[vg], dst.chunk_rows, (h0, h1)))
+        if ld.rows[key] is None:
+            return False
         base, sel, emap, at0 = ld.rows[key]
         kvcodec.scatter(vl.storage(kv), base, sel, emap, eb, pool, at0 + geom.offset(layer, 0, 0))
         self.stats.load_bytes += nt * nh * C * lay.row_bytes
