@@ -140,8 +140,8 @@ def _decode_agent(layout: KVLayout, sock: str, chunks: int, addr: str) -> None:
     from pdpush_tools.bench.common import OBSERVER, LazySource, verify
 
     threading.Thread(target=_echo_server, args=(socket.create_server((addr, ECHO_PORT)),), daemon=True).start()
-    dc = DecodeClient(sock, timeout_s=60, wait=OBSERVER)
-    _reply(listening=True)  # naps of 50 us: a spin would take a core from the link
+    dc = DecodeClient(sock, timeout_s=60, wait=OBSERVER)  # naps of 50 us: a spin would take a core from the link
+    _reply(listening=True)
     req = None
     try:
         for line in sys.stdin:
