@@ -242,6 +242,11 @@ class SenderConfig(_Base):
     hand-over ring"); an engine that fills it waits for the sender. 0: engines hand layers over by message."""
     checksums: bool = False
     """Send an xxhash checksum of each layer's bytes in LayerDone."""
+    completion: Literal["words", "commit"] = "words"
+    """How a request completes. ``words``: on the data path, where the receiver agrees (no checksums, no state
+    layers): each layer's readiness words, put once its bytes are flushed, tell the receiver, and no Commit
+    crosses the wire (2 control messages a request). ``commit``: a Commit after the last layer, and its
+    CommitAck (4). Checksums always complete by Commit."""
     curve_secret_key_file: str | None = None
     """This sender's CURVE secret key (``.key_secret`` from ``pdpush keygen``)."""
     receiver_public_key: str | None = None

@@ -94,6 +94,12 @@ class RequestPlan:
         n = self.layout.num_chunks(self.tokens)
         return sum(len(g.group.layers) * (n - len(g.chunks)) for g in self.groups) * self.layout.page_bytes
 
+    def ready_cells(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """Where the request's readiness words lie (layout.py): by group with new pages, (its layers, its new
+        pages). The request has landed whole when each of these words holds its lease id."""
+        return [(gp.group.layers, [p + i for _, p, n in gp.page_runs for i in range(n)])
+                for gp in self.groups if gp.n_new]
+
     def set_pages(self, new_pages: list[int]) -> None:
         """The receiver's pages of the new items, in item order: each group's page runs."""
         if len(new_pages) != self.n_new:

@@ -25,8 +25,10 @@ from pdpush.errors import (
     UnexpectedMessage,
 )
 
-PROTOCOL_VERSION = 5  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
-# 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers)
+PROTOCOL_VERSION = 6  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
+# 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers);
+# 6: completion on the data path (AllocRequest.completion): the readiness words commit a request, no Commit
+Completion = Literal["commit", "words"]
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_BATCH = 256  # messages in one frame between the daemons (``encode_batch``)
 MAX_CHUNKS = 1 << 20  # absolute ceiling; daemons enforce a smaller configured cap
@@ -110,6 +112,9 @@ class AllocRequest(Msg):
     last_chunk_tokens: Annotated[int, Field(ge=1)]
     lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
     tp_size: Annotated[int, Field(ge=1, le=4096)] = 1  # prefill ranks pushing it (their shares: layout.py)
+    # "words": the sender sends no Commit if the receiver agrees (AllocResponse.completion): its readiness words,
+    # put after each layer's bytes are flushed, say every layer landed, and the receiver commits on seeing them all
+    completion: Completion = "commit"
 
 
 class AllocResponse(Msg):
@@ -123,6 +128,9 @@ class AllocResponse(Msg):
     # the wire. The sender's deadline runs on its own clock from when it sent the AllocRequest.
     lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
     state_slot: Annotated[int, Field(ge=-1, lt=1 << 32)] = -1  # the request's state pages (-1: no state)
+    # how this request completes: "words" only where asked, with new pages, no state layer and no checksum to
+    # verify (those need a message after the bytes); else "commit" (a Commit and its CommitAck)
+    completion: Completion = "commit"
 
 
 Layers = Annotated[list[U32], Field(min_length=1, max_length=4096)]
@@ -297,6 +305,7 @@ class OpenOk(Msg):
     last_chunk_tokens: U32
     layers_ready: list[U32]
     committed: bool
+    completion: Completion = "commit"  # "words": every layer's readiness words set means committed (AllocResponse)
     daemon_id: Annotated[str, Field(max_length=64)] = ""  # this receiver's start (liveness: lifeline.py)
     pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # PoolGeometry.shards (layout.py)
 
@@ -515,6 +524,7 @@ class ReqState(Enum):
 class ReqEvent(Enum):
     LAYER_DONE = "layer_done"
     COMMIT = "commit"
+    WORDS = "words"  # a "words" request's every readiness word is set: committed with no message
     ABORT = "abort"
     EXPIRE = "expire"
 
@@ -524,6 +534,8 @@ RECEIVER_REQUEST = StateMachine("receiver request", {
     (ReqState.STREAMING, ReqEvent.LAYER_DONE): ReqState.STREAMING,
     (ReqState.ALLOCATED, ReqEvent.COMMIT): ReqState.COMMITTED,  # 0 new chunks: nothing to stream
     (ReqState.STREAMING, ReqEvent.COMMIT): ReqState.COMMITTED,
+    (ReqState.ALLOCATED, ReqEvent.WORDS): ReqState.COMMITTED,
+    (ReqState.STREAMING, ReqEvent.WORDS): ReqState.COMMITTED,
     (ReqState.ALLOCATED, ReqEvent.ABORT): ReqState.ABORTED,
     (ReqState.STREAMING, ReqEvent.ABORT): ReqState.ABORTED,
     (ReqState.ALLOCATED, ReqEvent.EXPIRE): ReqState.EXPIRED,
@@ -555,6 +567,7 @@ class TxEvent(Enum):
     RETRY = "retry"
     COMMIT = "commit"
     COMMIT_ACK = "commit_ack"
+    LANDED = "landed"  # completion on the data path: every layer's readiness words flushed (no Commit)
     FAIL = "fail"
 
 
@@ -566,6 +579,7 @@ SENDER_REQUEST = StateMachine("sender request", {
     (TxState.ALLOC_BACKOFF, TxEvent.RETRY): TxState.ALLOCATING,
     (TxState.STREAMING, TxEvent.COMMIT): TxState.COMMITTING,
     (TxState.COMMITTING, TxEvent.COMMIT_ACK): TxState.DONE,
+    (TxState.STREAMING, TxEvent.LANDED): TxState.DONE,
     **{(s, TxEvent.FAIL): TxState.FAILED for s in _LIVE_TX},
 })
 

@@ -29,7 +29,7 @@ from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.daemon import Outbox, WireCount, count_dropped, log_ucx, ucx_stats
 from pdpush.errors import PdpushError
-from pdpush.layout import combine_digests
+from pdpush.layout import READY_WORD, combine_digests
 from pdpush.protocol import Msg, StatusReply, StatusRequest
 from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 
@@ -57,6 +57,7 @@ class Receiver:
         self.wire = WireCount()  # control messages to and from senders
         self.outbox = Outbox(self.wire)  # what a loop pass has for each sender: one frame each, at its end
         self._last_tick = 0
+        self._words = None  # the pool's readiness words, as an array (``_words_landed``)
         self._last_refresh = 0
 
     # ---- lifecycle ----
@@ -106,7 +107,8 @@ class Receiver:
                         state_slots=cfg.geometry.state_slots)
         self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg, self.reader_keys), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
-                                       layer_checksum=self._layer_checksum, epoch=secrets.token_hex(8))
+                                       layer_checksum=self._layer_checksum, words_landed=self._words_landed,
+                                       epoch=secrets.token_hex(8))
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.local, zmq.POLLIN)
@@ -214,6 +216,7 @@ class Receiver:
             if isinstance(msg, PdpushError):
                 self._apply(self.session.bad_frame(ident, msg, local))
             elif isinstance(msg, StatusRequest):
+                self._apply(self.session.look(now_ms()))  # requests whose readiness words are in count as committed
                 control.send(self.local if local else self.router, StatusReply(stats=self.stats()), ident)
             else:
                 t = now_ms()
@@ -297,6 +300,19 @@ class Receiver:
                 h.update(array_at(self.region.address + off, n))
             digests.append(h.intdigest())
         return combine_digests(digests)
+
+    def _words_landed(self, r) -> bool:
+        """Whether every readiness word of request ``r`` (layout.py: ready[layer, page]) holds its lease id."""
+        import numpy as np
+
+        from pdpush.shm import array_at
+
+        if self._words is None:
+            n = self.layout.layers * self.cfg.pool_pages
+            self._words = array_at(self.region.address + self.layout.kv_bytes(self.cfg.pool_pages), n * READY_WORD
+                                   ).view(np.uint64).reshape(self.layout.layers, self.cfg.pool_pages)
+        return all(bool((self._words[np.ix_(layers, pages)] == r.lease_id).all())
+                   for layers, pages in r.plan.ready_cells())
 
     def transports(self) -> dict[str, str]:
         """Each sender's endpoint, by its peer's address: the UCX transports and devices its lanes use."""

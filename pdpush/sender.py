@@ -5,8 +5,9 @@ For each request:
   -> AllocRequest -> AllocResponse -> BeginOk (client: staging slot, skip list)
   -> per layer handed over (a record in the client's ring in staging, ring.py, or a LayerReady):
      puts of the new chunks, coalesced by page run, and one flush per receiver per pass, posted
-     without waiting; readiness words and LayerDone when every rank's share is flushed
-  -> Finish (client) -> Commit -> CommitAck -> Done.
+     without waiting; readiness words (and a LayerDone, with checksums) when every rank's share is flushed
+  -> Finish (client) -> Done once every layer's readiness words are flushed (completion on the data path),
+     or, with checksums or state layers, Commit -> CommitAck -> Done.
 Every decision is the session's; this module polls sockets and carries out the
 session's actions. The per-layer path is native (``pdpush_native.Pusher``,
 native/src/pusher.cpp): it takes ring records, posts puts and flushes, reaps
@@ -118,7 +119,7 @@ class Sender:
         self.session = SenderSession(
             SenderLimits(lease_ms=c.lease_ms, control_timeout_ms=c.control_timeout_ms,
                          layer_timeout_ms=c.layer_timeout_ms, alloc_retry_budget_ms=c.alloc_retry_budget_ms,
-                         ring_slots=c.handover_ring_slots),
+                         ring_slots=c.handover_ring_slots, words=c.completion == "words" and not c.checksums),
             StagingInfo(self.region.address, self.shmid, self.region.length, secrets.token_hex(8),
                         self.doorbell.path if self.doorbell else ""),
             c.default_receiver, check_receiver=self._check_receiver)
@@ -271,13 +272,14 @@ class Sender:
                 endpoint = self._eid_names[eid]
                 err = self.ucx.put_failure(endpoint, status)
                 self._apply(self.session.on_peer_lost(endpoint, str(err), now_ms(), err))
-        if landed:
+        words = self.pusher.take_words()  # layers' readiness words in the pool (completion on the data path)
+        if landed or words:
             self._spin_until = time.monotonic() + SPIN_S
             for _, _, seconds in landed:  # one sample per layer that moved: its batch's post-to-flush time
                 if seconds >= 0:
                     self.metrics.layer_seconds.observe(seconds)
             sums = [self._checksum(seq, layer) for seq, layer, _ in landed] if self.cfg.checksums else None
-            self._apply(self.session.on_landed([(seq, layer) for seq, layer, _ in landed], now_ms(), sums))
+            self._apply(self.session.on_landed([(seq, layer) for seq, layer, _ in landed], now_ms(), sums, words))
 
     def _checksum(self, seq: int, layer: int) -> int | None:
         """A landed layer's checksum over its shares in staging; None for one that moved nothing."""

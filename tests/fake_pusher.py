@@ -38,6 +38,8 @@ class FakePusher:
         self.reqs: dict[int, _Req] = {}
         self.posted: list[Posted] = []
         self.landed: list[tuple[int, int]] = []
+        self.words: list[int] = []  # a handle per layer whose readiness words' flush completed (take_words)
+        self.words_in: set[tuple[int, int]] = set()  # (handle, layer): the words in the pool, as a receiver reads them
         self.dead: set[str] = set()
 
     def apply(self, a, now: int) -> list | None:
@@ -91,7 +93,11 @@ class FakePusher:
     def land(self, p: Posted, now: int) -> list[tuple[int, int]]:
         """``p``'s flush completed: the layers it completes (every share in), their readiness words posted."""
         r = self.reqs.get(p.token[0])
-        if r is None or p.token[2] != "data":
+        if r is None:
+            return []
+        if p.token[2] == "ready":
+            self.words.append(p.token[0])
+            self.words_in.add((p.token[0], p.token[1][0]))
             return []
         return [x for la in p.token[1] for x in self._share(r, p.token[0], la, p.endpoint, p.token[3], now)]
 
@@ -103,6 +109,11 @@ class FakePusher:
     def take_landed(self) -> list[tuple[int, int]]:
         """Layers that landed as they were handed over (nothing new to move), as the native poll reports them."""
         out, self.landed = self.landed, []
+        return out
+
+    def take_words(self) -> list[int]:
+        """Handles whose one layer's readiness words completed, one per layer (``Pusher.take_words``)."""
+        out, self.words = self.words, []
         return out
 
     def _share(self, r: _Req, handle: int, la: int, endpoint: str, ident: bytes, now: int) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, Rece
 from pdpush.sessions.sender import (
     Connect,
     FillWords,
+    PlanRequest,
     ResetPeer,
     SenderLimits,
     SenderSession,
@@ -38,11 +39,12 @@ ENG = b"engine"
 DEC = b"decoder"
 
 
-def receiver(pages: int = 16, shards: int = 1, lay: KVLayout = LAY, **limits) -> ReceiverSession:
+def receiver(pages: int = 16, shards: int = 1, lay: KVLayout = LAY, words_landed=None, **limits) -> ReceiverSession:
     tokens = (bytes([i]) * 32 for i in itertools.count(1))
     info = PoolInfo(1 << 30, pages, 7, b"rkey", (1 << 30) + lay.kv_bytes(pages), "127.0.0.1", 9, "rx-42", shards,
                     state_slots=8 if lay.state_layers else 0)
-    return ReceiverSession(lay, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens))
+    return ReceiverSession(lay, pages, ReceiverLimits(**limits), info, new_token=lambda: next(tokens),
+                           words_landed=words_landed)
 
 
 def sender(staging_bytes: int = 64 << 20, **limits) -> SenderSession:
@@ -66,12 +68,18 @@ class Wire:
     """A sender session and receiver sessions (one per endpoint), with a driven clock."""
 
     def __init__(self, endpoints=("tcp://rx-a:1",), shards: int = 1, lay: KVLayout = LAY, pages: int = 64,
-                 **sender_limits) -> None:
+                 rx_words: bool = False, **sender_limits) -> None:
+        """``rx_words``: the receivers complete requests by their readiness words (as the daemon's does, reading
+        the words the fake pusher's flushes put); else every request needs a Commit."""
         self.now = 0
         self.lay = lay
         self.tx = sender(**sender_limits)
-        self.rx = {e: receiver(pages=pages, shards=shards, lay=lay) for e in endpoints}
+        self.handles: dict[str, int] = {}  # req_id -> its latest handle (the words the receiver reads are its)
+        self.rx = {e: receiver(pages=pages, shards=shards, lay=lay, **({"words_landed": self._words,
+                                                                       "verify_checksums": False} if rx_words else {}))
+                   for e in endpoints}
         self.pusher = FakePusher(self.tx.staging_info.address, self.tx.limits.layer_timeout_ms)
+        self.wire: list[str] = []  # every control message between the daemons, as "out:type" / "in:type"
         self.words: list[FillWords] = []  # staging words the sender wrote (grant tables, readiness sources)
         self.to_client: list = []
         self.by_client: list = []  # (engine identity, message)
@@ -95,14 +103,18 @@ class Wire:
                     self.unsettled.append(a)
                     a = ToPeer(a.endpoint, a.msg)
             if isinstance(a, ToPeer) and a.endpoint not in self.partitioned:
+                self.wire.append(f"out:{a.msg.type}")
                 for b in self.rx[a.endpoint].on_control(b"tx", a.msg, self.rx_now):
                     if isinstance(b, ToSender):
+                        self.wire.append(f"in:{b.msg.type}")
                         todo.extend(self.tx.on_peer(a.endpoint, b.msg, self.now))
                     elif isinstance(b, ToDecode):
                         self.to_decoder.append(b.msg)
             elif isinstance(a, Connect):
                 todo.extend(self.tx.on_connected(a.endpoint, None, self.now))
             elif (refused := self.pusher.apply(a, self.now)) is not None:
+                if isinstance(a, PlanRequest):
+                    self.handles[self.tx._by_seq[a.handle].req_id] = a.handle
                 if refused:
                     todo.extend(self.tx.on_refused(a.ident, [x for x in refused], self.now))
                 if landed := self.pusher.take_landed():
@@ -127,7 +139,13 @@ class Wire:
 
     def flushed(self, p: Posted) -> list:
         """``p``'s flush completed: the session's actions for the layers it lands (not yet run)."""
-        return self.tx.on_landed(self.pusher.land(p, self.now), self.now)
+        landed = self.pusher.land(p, self.now)
+        return self.tx.on_landed(landed, self.now, words=self.pusher.take_words())
+
+    def _words(self, r) -> bool:
+        """A receiver's ``words_landed``: every layer with new pages has its readiness words in."""
+        h = self.handles.get(r.req_id)
+        return all((h, layer) in self.pusher.words_in for layer in range(self.lay.layers) if r.plan.of(layer).n_new)
 
     def complete(self, endpoint: str | None = None) -> None:
         """Flushes complete for every posted batch (of one endpoint)."""
@@ -206,6 +224,97 @@ def test_a_push_commits_only_after_every_flush_and_the_ack():
     w.complete()
     d2 = w.outcome("r2")
     assert d2.chunks_skipped == 2 and d2.bytes_sent == LAY.layers * LAY.page_bytes
+
+
+def test_a_push_that_completes_on_the_data_path_costs_two_control_messages_and_commits_on_its_words():
+    """Completion on the data path: the AllocRequest and its AllocResponse are the request's only control
+    messages. The sender is done once every layer's readiness words are flushed; the receiver commits when it
+    next looks at the words (a tick, an open, an allocation)."""
+    w = Wire(rx_words=True)
+    rx = w.rx["tcp://rx-a:1"]
+    w.push("r1", list(range(40)))
+    data = list(w.posted)
+    w.posted = []
+    for p in data:  # every layer's bytes land; the words follow
+        w.run(w.flushed(p))
+    assert w.outcome("r1") is None and w.tx.reqs["r1"].state is TxState.STREAMING  # the words are not in yet
+    assert rx.reqs["r1"].state is ReqState.ALLOCATED  # nor in the receiver's pool
+    words = list(w.posted)
+    w.posted = []
+    for p in words[:-1]:
+        w.run(w.flushed(p))
+    w.tick(1)
+    assert w.outcome("r1") is None and rx.reqs["r1"].state is ReqState.ALLOCATED  # one layer's words missing
+    w.run(w.flushed(words[-1]))
+    done = w.outcome("r1")
+    assert isinstance(done, protocol.Done) and done.layers == LAY.layers and done.bytes_sent == 3 * LAY.layers * LAY.page_bytes
+    assert w.wire == ["out:hello", "in:hello_ack", "out:alloc", "in:alloc_ok"]  # no Commit, no CommitAck
+    assert rx.reqs["r1"].state is ReqState.ALLOCATED and rx.reqs["r1"].words  # the receiver has not looked yet
+    w.tick(10)
+    assert rx.reqs["r1"].state is ReqState.COMMITTED and rx.pool.chunks_cached == 3
+    assert rx.counters.values["requests_committed_by_words"] == 1 and rx.counters.values["layers_received"] == 3
+    rx.check()
+    # the next request sharing its prefix skips it, with no message more than its allocation
+    w.push("r2", list(range(32)) + list(range(500, 512)))
+    w.complete()
+    assert w.outcome("r2").chunks_skipped == 2 and w.wire[4:] == ["out:alloc", "in:alloc_ok"]
+
+
+def test_a_words_request_is_committed_not_expired_or_aborted_once_its_words_are_in():
+    """The receiver looks at the words before it ends a request any other way: one whose every word is in
+    landed whole, so its lease running out, or its sender's Abort, commits it instead."""
+    w = Wire(rx_words=True, lease_ms=1000)
+    rx = w.rx["tcp://rx-a:1"]
+    w.push("r1", list(range(20)))
+    w.complete()
+    assert isinstance(w.outcome("r1"), protocol.Done)
+    assert rx.reqs["r1"].state is ReqState.ALLOCATED  # no tick has looked since its words landed
+    out = rx.on_tick(5000)  # the first look is past its lease
+    assert rx.reqs["r1"].state is ReqState.COMMITTED and rx.counters.values["leases_expired"] == 0, out
+    # an Abort of a words request that landed whole: committed (Ok), not failed
+    w.push("r2", list(range(100, 120)))
+    w.complete()
+    out = rx.on_control(b"tx", protocol.Abort(req_id="r2", reason="late", settled=True), w.now)
+    assert msgs(out, ToSender, protocol.Ok) and rx.reqs["r2"].state is ReqState.COMMITTED
+    assert rx.counters.values["requests_failed"] == 0
+    rx.check()
+
+
+def test_a_words_request_whose_words_are_not_all_in_expires_and_the_sender_fails_it():
+    w = Wire(rx_words=True, lease_ms=1000)
+    rx = w.rx["tcp://rx-a:1"]
+    w.push("r1", list(range(20)))
+    data = list(w.posted)
+    w.posted = []
+    for p in data[:-1]:
+        w.run(w.flushed(p))
+    w.complete()  # every words batch but the missing layer's
+    assert w.outcome("r1") is None
+    w.tick(2000)  # the sender's lease deadline, then the receiver's lease
+    assert w.outcome("r1").code is ErrorCode.TIMEOUT
+    assert "r1" not in rx.reqs and rx.counters.values["requests_committed"] == 0
+    rx.check()
+
+
+@pytest.mark.parametrize("why", ["checksums", "held", "asked_commit"])
+def test_requests_the_words_cannot_complete_still_commit_by_message(why):
+    """Checksums (verified after the bytes), a request with nothing new to move (no words to put) and a
+    sender that asks for a Commit all complete by Commit and CommitAck."""
+    w = Wire(rx_words=True, **({"words": False} if why == "asked_commit" else {}))
+    rx = w.rx["tcp://rx-a:1"]
+    if why == "checksums":
+        rx.limits = ReceiverLimits(verify_checksums=True)
+    if why == "held":
+        w.push("r0", list(range(32)))
+        w.complete()
+        w.tick(10)
+        w.wire = []
+    w.push("r1", list(range(32)))
+    w.complete()
+    done = w.outcome("r1")
+    assert isinstance(done, protocol.Done)
+    assert "out:commit" in w.wire and "in:commit_ack" in w.wire
+    assert rx.reqs["r1"].state is ReqState.COMMITTED and not rx.reqs["r1"].words
 
 
 @pytest.mark.parametrize("rx_offset", [-86_400_000, 0, 86_400_000])

@@ -6,7 +6,9 @@
 // a layer handed over (a record in an engine's ring, or a LayerReady the session checked) is checked
 // against that plan here, its puts are posted (one batch and one flush per receiver per pass), and when
 // the flush of every TP rank's share has completed, its readiness words are put and it is reported
-// landed. The session hears back in batches: layers landed, receivers failed, records it must answer.
+// landed; once the words' own flush completes, that is reported too (take_words: a request that completes
+// on the data path is done when all its layers' words are in). The session hears back in batches: layers
+// landed, words in, receivers failed, records it must answer.
 //
 // A record is refused, and handed to the session to answer, unless it names a request planned here,
 // comes from one of that request's ranks, stays in that rank's stage, repeats no layer, and every layer
@@ -273,7 +275,11 @@ class Pusher {
                 }
                 for (const Share &s : f.shares) {
                     auto it = reqs_.find(s.handle);
-                    if (it != reqs_.end()) share(it->second, s.handle, s.layer, now - f.posted);
+                    if (it == reqs_.end()) continue;
+                    if (s.layer == kWordsOnly)
+                        words_.push_back(s.handle);  // a layer's readiness words are in the pool
+                    else
+                        share(it->second, s.handle, s.layer, now - f.posted);
                 }
             }
         }
@@ -281,6 +287,14 @@ class Pusher {
         std::pair<std::vector<Landed>, std::vector<std::pair<uint32_t, int>>> out{std::move(landed_), std::move(failed_)};
         landed_.clear();
         failed_.clear();
+        return out;
+    }
+
+    // The requests one of whose layers' readiness words completed since the last call, one entry per
+    // layer (completion on the data path: the session counts them, pdpush/sessions/sender.py).
+    std::vector<uint32_t> take_words() {
+        std::vector<uint32_t> out = std::move(words_);
+        words_.clear();
         return out;
     }
 
@@ -309,7 +323,7 @@ class Pusher {
         return true;
     }
     bool pending() const {  // handed over, or landed, since the last post()/poll()
-        if (!landed_.empty() || !failed_.empty()) return true;
+        if (!landed_.empty() || !failed_.empty() || !words_.empty()) return true;
         for (const auto &[eid, e] : eps_)
             if (!e.ops.empty() || !e.shares.empty()) return true;
         return false;
@@ -361,6 +375,7 @@ class Pusher {
     std::map<uint32_t, pdpush::Ring> rings_;
     std::unordered_map<uint32_t, Req> reqs_;
     std::vector<Landed> landed_;
+    std::vector<uint32_t> words_;
     std::vector<std::pair<uint32_t, int>> failed_;
     size_t in_flight_ = 0;
     uint64_t records_ = 0, layers_ = 0, bytes_ = 0;
@@ -387,6 +402,7 @@ void register_pusher(nb::module_ &m) {
         .def("take", &Pusher::take, nb::arg("cid") = -1)
         .def("post", &Pusher::post)
         .def("poll", &Pusher::poll, nb::arg("now") = -1.0)
+        .def("take_words", &Pusher::take_words)
         .def("close", &Pusher::close)
         .def("pending", &Pusher::pending)
         .def("settled", &Pusher::settled, nb::arg("handle"), nb::arg("eid"))

@@ -24,13 +24,18 @@ from pdpush.errors import (
 )
 from pdpush.lifeline import Lifeline
 from pdpush.protocol import (
+    Committed,
     Error,
+    LayerAvailable,
     Msg,
     StagingGranted,
     StatusReply,
     StatusRequest,
 )
 from pdpush.shm import Attached
+
+
+NOTICES = (LayerAvailable, Committed)  # what a daemon tells a request's reader unasked: never a reply
 
 
 @dataclass(frozen=True)
@@ -229,8 +234,17 @@ class Connection:
         return self.life is None or self.life.alive()
 
     def call(self, msg: Msg, req_id: str | None, timeout_s: float) -> Msg:
+        """Send ``msg``, and its reply (its typed error raised). A notice about the request that comes first
+        (a layer landed, it committed) is not the reply: it stays in the request's mailbox, in order."""
         self.send(msg, timeout_s)
-        reply = self.recv_for(req_id, time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        notices: list[Msg] = []
+        try:
+            while isinstance(reply := self.recv_for(req_id, deadline), NOTICES):
+                notices.append(reply)
+        finally:
+            if notices and req_id not in self._ended:
+                self.mail[req_id] = notices + self.mail.get(req_id, [])
         raise_error(reply)
         return reply
 

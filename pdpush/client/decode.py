@@ -71,6 +71,9 @@ class DecodeRequest:
         kv, words = self.layout.kv_bytes(ok.pool_pages), self.layout.layers * ok.pool_pages * 8
         self._words = (self._pool.array[kv:kv + words].view(np.uint64).reshape(self.layout.layers, ok.pool_pages)
                        if ok.ready_in_pool and ok.lease_id else None)
+        # completion on the data path: every layer's readiness words in means committed (the receiver commits
+        # such a request when it next looks, and never ends it any other way once its words are in)
+        self.words = ok.completion == "words" and self._words is not None
         self._released = False
         self.broken: str | None = None
         self._life = client._conn.life  # the receiver's lifeline: closed, it died
@@ -147,6 +150,7 @@ class DecodeRequest:
         box = self.client._conn.mail.get(self.req_id)
         while box:
             self._apply(box.pop(0))
+        self._committed_by_words()
         while not self.committed:
             try:
                 self._pump(time.monotonic())
@@ -157,8 +161,18 @@ class DecodeRequest:
 
     def wait_committed(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
-        while not self.committed:
-            self._pump(deadline)
+        while not self._committed_by_words():
+            try:  # a words request: look at its words again every 0.5 ms (its Committed comes at a later tick)
+                self._pump(min(deadline, time.monotonic() + 0.0005) if self.words else deadline)
+            except TransportTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+        self._check_receiver()
+
+    def _committed_by_words(self) -> bool:
+        if not self.committed and self.words and all(self.landed(la) for la in range(self.layout.push_layers)):
+            self.committed = True
+        return self.committed
 
     def _ready_layer(self, layer: int, wait: bool, timeout_s: float | None) -> None:
         if wait:

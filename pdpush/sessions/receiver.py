@@ -14,6 +14,12 @@ connection that would carry them is gone), or they closed themselves. Until then
 (pool.py). A lease that expires means the sender did not end its request in time: it is fenced at once; a
 request failed without a settled Abort is fenced once ``lease_ms`` passes with none.
 
+Completion: a request asked for with ``completion = "words"`` (and granted it: new pages, no state layer, no
+checksum to verify) needs no Commit. The sender puts each layer's readiness words only once that layer's bytes
+are flushed, so when every word of the request holds its lease id it has landed whole: the session commits it
+when it next looks (each tick, and before it opens, answers a query about, allocates beside, expires or fails
+it). Anything else commits by its Commit, acknowledged.
+
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while
 handling a message becomes that message's typed ``Error`` reply; any other
@@ -164,15 +170,19 @@ class RxRequest:
     state_slot: int = -1  # its recurrent state's slot in the pool (-1: none)
     principal: str = ""  # who the per-sender caps count it against: the sender's CURVE key, else its connection
     keys: list[bytes] = field(default_factory=list)  # the prompt's chunk keys (its items': alloc.keys)
+    words: bool = False  # completes on the data path: its readiness words all set commit it (no Commit message)
 
 
 class ReceiverSession:
     def __init__(self, layout: KVLayout, pool_pages: int, limits: ReceiverLimits, pool_info: PoolInfo, *,
                  new_token: Callable[[], bytes], layer_checksum: Callable[[list[list[tuple[int, int]]]], int]
-                 | None = None, epoch: str = "0") -> None:
+                 | None = None, words_landed: Callable[[RxRequest], bool] | None = None,
+                 epoch: str = "0") -> None:
         """``epoch``: new on every start (the chunk-index feed's; index.py).
         ``layer_checksum(ranges)``: ``layout.combine_digests`` of each rank's pool byte ranges
-        (offset, bytes) hashed in order."""
+        (offset, bytes) hashed in order.
+        ``words_landed(r)``: whether every readiness word of ``r`` (``r.plan.ready_cells()``) holds its lease id;
+        without it no request completes on the data path (every one needs a Commit)."""
         self.layout = layout
         self.geometry = PoolGeometry(layout, pool_pages, pool_info.shards)
         self.spec = LayoutSpec(**layout.to_dict())
@@ -188,19 +198,21 @@ class ReceiverSession:
         self._new_token = new_token
         self.feed = IndexFeed(epoch, self.spec)
         self._layer_checksum = layer_checksum
+        self._words_landed = words_landed
         self.reqs: dict[str, RxRequest] = {}
         self.sessions: OrderedDict[bytes, None] = OrderedDict()  # sender connections that completed Hello (bounded)
         self.tokens: OrderedDict[bytes, bytes] = OrderedDict()  # one-time UCX session token -> sender identity
         self.parked: dict[str, list[tuple[bytes, int, int]]] = {}  # req_id -> [(decode identity, since ms, tp)]
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
         self.unfenced: dict[str, tuple[bytes, int]] = {}  # ended uncommitted: req_id -> (sender, fence at ms)
+        self.words_live: set[str] = set()  # live requests that complete by their readiness words (``_by_words``)
         self.draining = False
         self._next_lease = 1
         self._next_check = 0  # no lease, TTL or parked open is due before this (ms): ticks before it skip the scan
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
-            "chunks_claimed", "readers_gone", "releases_refused")})
+            "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
@@ -269,6 +281,7 @@ class ReceiverSession:
             self.state_pool.tick(now)
         if self.feed.subscribers:
             out.extend(ToSender(i, ev) for i, ev in self.feed.tick(self._index_load(), now))
+        self._look_at_words(now, out)
         if now >= self._next_check:
             self._scan(now, out)
         for ident in {s for s, at in self.unfenced.values() if now >= at}:
@@ -281,6 +294,8 @@ class ReceiverSession:
         """Leases, committed TTLs and parked opens that came due; when the next one is."""
         self._next_check = now + PARKED_OPEN_MS
         for r in [r for r in self.reqs.values() if r.state in _LIVE and now >= r.expires_at_ms]:
+            if self._by_words(r, now, out):  # it landed whole before its lease ended; we had not looked yet
+                continue
             out.append(Log(logging.WARNING, "lease expired", r.req_id))
             self.counters.count(out, "leases_expired", metric="leases_expired")
             self._fail(r, LeaseExpired("lease expired before commit", req_id=r.req_id), now, out)
@@ -348,6 +363,9 @@ class ReceiverSession:
                 out.append(ToSender(ident, Ok(req_id=msg.req_id)))
                 return
             r = self._owned(ident, msg.req_id)
+            if r.words and r.state is ReqState.COMMITTED:  # it landed whole first (its words): nothing to end
+                out.append(ToSender(ident, Ok(req_id=msg.req_id)))
+                return
             protocol.transition(r.state, ReqEvent.ABORT, r.req_id)
             self._fail(r, Aborted(msg.reason or "aborted by sender", req_id=r.req_id), now, out, settled=msg.settled)
             out.append(ToSender(ident, Ok(req_id=msg.req_id)))
@@ -389,6 +407,7 @@ class ReceiverSession:
             raise RemoteProtocolError("last_chunk_tokens exceeds chunk_tokens", req_id=rid)
         if rid in self.reqs:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
+        self._look_at_words(now, out)  # requests that landed whole since the last tick: indexed, off the caps
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
         self._check_sender_caps(principal, msg, len(keys))
@@ -420,6 +439,12 @@ class ReceiverSession:
         r.chunks, r.keys, r.principal = len(msg.chunk_keys), list(msg.chunk_keys), principal
         r.tp_size = msg.tp_size
         r.state_slot = slot if self.state_pool is not None else -1
+        # completion on the data path where the words can say it all: new pages to put words on, no state layer
+        # (it has none), no checksum to verify first (a LayerDone comes after the bytes)
+        r.words = (msg.completion == "words" and self._words_landed is not None and r.plan.n_new > 0
+                   and not self.layout.state_layers and not self.limits.verify_checksums)
+        if r.words:
+            self.words_live.add(rid)
         if self.layout.windows:
             self.counters.add("bytes_window_saved", r.plan.window_saved_bytes)
         self.reqs[rid] = r
@@ -433,7 +458,7 @@ class ReceiverSession:
             out.append(self._open_ok(dident, r))
         return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
-                             lease_ms=lease, state_slot=r.state_slot)
+                             lease_ms=lease, state_slot=r.state_slot, completion="words" if r.words else "commit")
 
     def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int) -> None:
         """The per-sender caps, counted by key where CURVE is on (however many connections the key opens), else by
@@ -502,26 +527,73 @@ class ReceiverSession:
         """The sender's one completion notice: every layer it pushed has landed (a LayerDone came before only for
         layers with checksums, and those were verified then)."""
         r = self._owned(ident, msg.req_id)
+        if r.words and r.state is ReqState.COMMITTED:  # its readiness words committed it first
+            out.append(ToSender(ident, CommitAck(req_id=r.req_id, chunks_committed=len(r.alloc.new_idx))))
+            return
         if (r.new_runs or r.state_slot >= 0) and msg.layers != self.layout.push_layers:
             raise UnexpectedMessage(f"commit of {r.req_id!r} after {msg.layers} of {self.layout.push_layers} "
                                     "layers", req_id=r.req_id)
-        r.state = protocol.transition(r.state, ReqEvent.COMMIT, r.req_id)
+        n = self._complete(r, ReqEvent.COMMIT, now, out)
+        out.append(ToSender(ident, CommitAck(req_id=r.req_id, chunks_committed=n)))
+
+    def _by_words(self, r: RxRequest, now: int, out: list) -> bool:
+        """Completion on the data path: a "words" request whose every readiness word holds its lease id has
+        landed whole (the sender puts a layer's words only once its bytes are flushed), so it commits, with no
+        message, whatever else was about to end it (its lease, an Abort, its sender's endpoints closing)."""
+        if not (r.words and r.state in _LIVE):
+            return False
+        try:
+            landed = self._words_landed(r)
+        except Exception as exc:  # noqa: BLE001 - reading the words must not end the loop: it waits for its lease
+            self.counters.add("internal_errors")
+            out.append(internal_error("reading readiness words", exc, r.req_id)[1])
+            return False
+        if landed:
+            self._complete(r, ReqEvent.WORDS, now, out)
+        return landed
+
+    def look(self, now: int) -> list:
+        """Commit the requests whose readiness words are all in now (before a status reply: it is current)."""
+        out: list = []
+        self._look_at_words(now, out)
+        self._publish(now, out)
+        return out
+
+    def _look_at_words(self, now: int, out: list) -> None:
+        for rid in list(self.words_live):
+            r = self.reqs.get(rid)
+            if r is None or r.state not in _LIVE:
+                self.words_live.discard(rid)
+            else:
+                self._by_words(r, now, out)
+
+    def _complete(self, r: RxRequest, event: ReqEvent, now: int, out: list) -> int:
+        """Every layer of ``r`` is in the pool (its Commit, or its readiness words): index its chunks, tell its
+        watchers. How many new chunks it committed."""
+        r.state = protocol.transition(r.state, event, r.req_id)
+        self.words_live.discard(r.req_id)
         n = self.pool.commit(r.req_id)
         if self.state_pool is not None:
             self.state_pool.commit(r.req_id)
         r.committed_at_ms = now
         self._due(now + self.limits.committed_ttl_ms)
         self.counters.count(out, "requests_committed", metric="requests")
-        out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
+        if event is ReqEvent.COMMIT:  # words are seen at the next look (a tick), not when they land: no sample
+            out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
+        else:
+            self.counters.add("requests_committed_by_words")
         self._arrived(r, range(self.layout.push_layers), out)  # those no LayerDone announced, and a held one's
         for w in r.watchers:
             out.append(ToDecode(w, Committed(req_id=r.req_id)))
-        out.append(Log(logging.DEBUG, f"committed {n} new chunks", r.req_id))
-        out.append(ToSender(ident, CommitAck(req_id=r.req_id, chunks_committed=n)))
+        out.append(Log(logging.DEBUG, f"committed {n} new chunks ({event.value})", r.req_id))
+        return n
 
     def _fail(self, r: RxRequest, err: PdpushError, now: int, out: list, settled: bool = False) -> None:
         """End a live request: its pages go to quarantine once fenced (``settled``: the sender said no write
-        to them is in flight; else they wait, unfenced), its watchers get the typed error."""
+        to them is in flight; else they wait, unfenced), its watchers get the typed error. A "words" request
+        whose every word is set commits instead (``_by_words``)."""
+        if self._by_words(r, now, out):
+            return
         if r.state in _LIVE:
             event = ReqEvent.EXPIRE if isinstance(err, LeaseExpired) else ReqEvent.ABORT
             r.state = protocol.transition(r.state, event, r.req_id)
@@ -580,6 +652,7 @@ class ReceiverSession:
             if r is not None:
                 r.decode_ranks = max(r.decode_ranks, msg.tp_size)
                 out.append(self._open_ok(ident, r))
+                self._by_words(r, now, out)  # landed whole: committed (its Committed follows the OpenOk)
             elif msg.req_id in self.finished:
                 raise UnknownRequest(f"request {msg.req_id!r} is gone: {self.finished[msg.req_id]}")
             else:
@@ -598,11 +671,15 @@ class ReceiverSession:
                     self.counters.add("releases_refused")
                     raise UnknownRequest(f"request {msg.req_id!r} has no open of this connection to release",
                                          req_id=msg.req_id)
+                r.watchers.discard(ident)  # (releasing: it hears nothing more of it)
+                self._by_words(r, now, out)  # landed whole: committed, so the last release drops it
                 self._release(r, ident, 1)
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
             out.append(ToDecode(ident, self._claim(msg, now, out)))
         elif isinstance(msg, Query):
+            if (r := self.reqs.get(msg.req_id) if msg.req_id else None) is not None:
+                self._by_words(r, now, out)
             out.append(ToDecode(ident, QueryReply(
                 held_prefix=self.pool.held_prefix(msg.chunk_keys),
                 request_chunks=self._request_prefix(msg.req_id, msg.chunk_keys),
@@ -709,6 +786,7 @@ class ReceiverSession:
                                       lease_id=r.lease_id, ready_in_pool=not self.limits.verify_checksums,
                                       last_chunk_tokens=r.last_chunk_tokens,
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
+                                      completion="words" if r.words else "commit",
                                       daemon_id=i.daemon_id, pool_shards=i.shards))
 
     # ---- state -------------------------------------------------------------------------

@@ -22,12 +22,13 @@ failure by ``StagingGrants`` (grants.py); an engine asks for a block with ``Need
 connection hands layers over through its ring in staging (``HandoverRings``, rings.py) where it has one.
 
 Many layers, requests and receivers are in flight at once. On the wire a request costs an
-AllocRequest, its AllocResponse, a Commit (sent once every layer has landed: it says so for all
-of them) and a CommitAck; the decode side sees each layer land by its readiness words, so no
-notice per layer crosses the wire. Only where checksums are on does a ``LayerDone`` carry them,
-one per request for its layers that landed in the same pass. A stalled receiver's requests time
-out at their own deadlines and fail only that receiver's requests. A request counts as delivered
-only on CommitAck.
+AllocRequest and its AllocResponse, and nothing else where it completes on the data path (``words``,
+the common case: the decode side and the receiver see each layer land by its readiness words, put once
+the layer's bytes are flushed, and the request is delivered once every layer's words are flushed too).
+Otherwise (checksums, state layers, nothing new to move) a Commit follows, sent once every layer has
+landed, and its CommitAck, on which it counts as delivered. Only where checksums are on does a
+``LayerDone`` carry them, one per request for its layers that landed in the same pass. A stalled
+receiver's requests time out at their own deadlines and fail only that receiver's requests.
 
 Receivers (``PeerTable``, peers.py): a request waits for its receiver's hello and data plane, and
 fails with it. Tensor and pipeline parallelism (participants.py): every rank of every stage begins the
@@ -112,6 +113,7 @@ class SenderLimits:
     layer_timeout_ms: int = 5000
     alloc_retry_budget_ms: int = 2000
     ring_slots: int = 256  # per engine connection's hand-over ring (ring.py); 0: hand-overs by message only
+    words: bool = True  # ask for completion on the data path (AllocRequest.completion "words"): no Commit
 
 
 class SenderSession:
@@ -217,11 +219,18 @@ class SenderSession:
                 self._send_alloc(r, TxEvent.PEER_READY, now, out)
         return out
 
-    def on_landed(self, landed: list[tuple[int, int]], now: int, checksums: list[int | None] | None = None) -> list:
+    def on_landed(self, landed: list[tuple[int, int]], now: int, checksums: list[int | None] | None = None,
+                  words: list[int] | tuple[int, ...] = ()) -> list:
         """Layers that landed in one loop pass, as (request handle, layer), with their checksums where
-        they are on (``layer_checksum``: a LayerDone per request carries them), then commits."""
+        they are on (``layer_checksum``: a LayerDone per request carries them), and ``words``: a request handle
+        for each layer whose readiness words are in the pool; then the requests that completed."""
         out: list = []
         touched: dict[int, TxRequest] = {}
+        for seq in words:
+            r = self._by_seq.get(seq)
+            if r is not None and r.state is TxState.STREAMING:
+                r.words_in += 1
+                touched[seq] = r
         for i, (seq, layer) in enumerate(landed):
             r = self._by_seq.get(seq)
             if r is None or r.state is not TxState.STREAMING:
@@ -405,7 +414,8 @@ class SenderSession:
         r.deadline_ms = now + self.limits.control_timeout_ms
         out.append(ToPeer(r.peer.endpoint, AllocRequest(req_id=r.req_id, chunk_keys=b.chunk_keys,
                                                         last_chunk_tokens=b.last_chunk_tokens,
-                                                        lease_ms=self.limits.lease_ms, tp_size=r.tp)))
+                                                        lease_ms=self.limits.lease_ms, tp_size=r.tp,
+                                                        completion="words" if self.limits.words else "commit")))
 
     def _layer_ready(self, ident: bytes, msg: LayerReady, now: int, out: list) -> None:
         """Layers handed over by message: the native path takes them as it takes ring records."""
@@ -446,16 +456,30 @@ class SenderSession:
                 out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in summed],
                                                              checksums=[c for _, c in summed])))
             r.layer_done_ms.extend([float(now - r.t0_ms)] * len(done))
-        if r.finished() and len(r.layers_done) == r.layout.push_layers:
-            self._send_commit(r, now, out)
+        self._complete(r, now, out)
 
     def _finish(self, ident: bytes, msg: Finish, now: int, out: list) -> None:
         r, rank = self._client_req(ident, msg.req_id)
         if r.state is not TxState.STREAMING or r.ranks[rank].finish:
             raise UnexpectedMessage(f"finish for {r.req_id!r} in state {r.state.value}")
         r.ranks[rank].finish = True
-        if r.finished() and len(r.layers_done) == r.layout.push_layers:
+        self._complete(r, now, out)
+
+    def _complete(self, r: TxRequest, now: int, out: list) -> None:
+        """Once every rank has finished and every layer landed: the Commit, or, where the request completes on
+        the data path, done as soon as every layer's readiness words are in (the receiver commits on them). Its
+        lease deadline (``deadline_ms``, 0.9 of the lease counted from our AllocRequest) ends before the
+        receiver's, so words in by then were in before the receiver could expire it."""
+        if not (r.finished() and len(r.layers_done) == r.layout.push_layers):
+            return
+        if not r.words:
             self._send_commit(r, now, out)
+        elif r.words_in >= r.words_want:
+            if now > r.deadline_ms:
+                self._fail(r, TransportTimeout("the request's readiness words landed after its lease deadline"),
+                           now, out, tell_receiver=True)
+            else:
+                self._done(r, now, out, TxEvent.LANDED)
 
     def _send_commit(self, r: TxRequest, now: int, out: list) -> None:
         r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT, f"request {r.req_id!r}")
@@ -520,6 +544,13 @@ class SenderSession:
                        tell_receiver=True)
             return
         r.n_new = r.plan.n_new
+        r.words_want = sum(1 for layer in range(layout.layers) if r.plan.of(layer).n_new)
+        r.words = a.completion == "words"
+        if r.words and not (self.limits.words and r.words_want and not layout.state_layers):
+            self._fail(r, RemoteProtocolError("receiver's allocation completes on the data path where this request "
+                                              "cannot (not asked, no new pages, or state layers)"), now, out,
+                       tell_receiver=True)
+            return
         r.state_slot = a.state_slot
         if (a.state_slot >= 0) != bool(layout.state_layers) or a.state_slot >= r.peer.ack.state_slots > 0:
             self._fail(r, RemoteProtocolError(f"receiver's allocation has state slot {a.state_slot} for a layout "
@@ -559,8 +590,8 @@ class SenderSession:
             out.append(self._plan_rank(r, k))
             out.append(ToClient(k.client, self._begin_ok(r, k.client, out)))
 
-    def _done(self, r: TxRequest, now: int, out: list) -> None:
-        r.state = SENDER_REQUEST.next(r.state, TxEvent.COMMIT_ACK, f"request {r.req_id!r}")
+    def _done(self, r: TxRequest, now: int, out: list, event: TxEvent = TxEvent.COMMIT_ACK) -> None:
+        r.state = SENDER_REQUEST.next(r.state, event, f"request {r.req_id!r}")
         self._release(r, now, out)
         self.counters.count(out, "requests_done", metric="requests")
         out.append(Observe("request_seconds", (now - r.t0_ms) / 1000))

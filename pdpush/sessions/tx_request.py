@@ -125,3 +125,6 @@ class TxRequest(Participants):
     failure: PdpushError | None = None
     tp: int = 1  # ranks pushing each layer (Begin.tp_size)
     pp: int = 1  # pipeline stages (Begin.pp_size)
+    words: bool = False  # completes on the data path (AllocResponse.completion): done once its words are in
+    words_want: int = 0  # layers that put readiness words (those with new pages)
+    words_in: int = 0  # of those, the layers whose words' flush completed
