@@ -151,3 +151,13 @@ def test_state_machine_table():
         P.transition(S.COMMITTED, E.LAYER_DONE, "r")
     with pytest.raises(RemoteProtocolError):
         P.transition(S.ABORTED, E.COMMIT, "r")
+    # completion on the data path: a live request's words commit it, once; nothing after an end
+    assert P.transition(S.ALLOCATED, E.WORDS, "r") is S.COMMITTED and P.transition(s, E.WORDS, "r") is S.COMMITTED
+    for ended in (S.COMMITTED, S.ABORTED, S.EXPIRED):
+        with pytest.raises(RemoteProtocolError):
+            P.transition(ended, E.WORDS, "r")
+    T, X = P.TxState, P.TxEvent  # the sender: done from streaming by its words, or by the CommitAck after a Commit
+    assert P.SENDER_REQUEST.next(T.STREAMING, X.LANDED, "r") is T.DONE
+    assert P.SENDER_REQUEST.next(T.COMMITTING, X.COMMIT_ACK, "r") is T.DONE
+    for state in (T.ALLOCATING, T.COMMITTING, T.DONE, T.FAILED):
+        assert not P.SENDER_REQUEST.allows(state, X.LANDED)

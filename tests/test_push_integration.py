@@ -404,14 +404,16 @@ def test_a_hand_over_naming_a_bad_layer_is_refused_and_nothing_of_it_is_taken(da
         pc.close()
 
 
-def test_each_daemon_counts_the_control_messages_between_them_and_the_counts_mirror(daemons):
+@pytest.mark.parametrize("completion", ["words", "commit"])
+def test_each_daemon_counts_the_control_messages_between_them_and_the_counts_mirror(daemons, completion):
     """What a request costs on the wire between the hosts (daemon.WireCount, read by the latency bench):
-    every message the sender sent the receiver took in, and the other way round, type by type."""
+    every message the sender sent the receiver took in, and the other way round, type by type. Completing on
+    the data path (the default), a request costs its allocation and nothing more; by Commit, 4 messages."""
     import json
 
     layout = KVLayout(2, 2, 64, "float16", 16)
     rx = daemons.receiver(**rx_opts(layout))
-    tx = daemons.sender(rx)
+    tx = daemons.sender(rx, completion=completion)
     pc = PrefillClient(layout, sock(tx), timeout_s=30)
     dc = DecodeClient(sock(rx), timeout_s=30)
     try:
@@ -428,4 +430,9 @@ def test_each_daemon_counts_the_control_messages_between_them_and_the_counts_mir
         {k.removeprefix("in:"): n for k, n in got.items() if k.startswith("in:")}
     assert {k.removeprefix("in:"): n for k, n in sent.items() if k.startswith("in:")} == \
         {k.removeprefix("out:"): n for k, n in got.items() if k.startswith("out:")}
-    assert s["wire_messages_out"] >= 3 and s["wire_messages_in"] >= 3  # at least an allocation and a commit each
+    per_request = {"out:alloc": 3, "in:alloc_ok": 3} if completion == "words" else \
+        {"out:alloc": 3, "in:alloc_ok": 3, "out:commit": 3, "in:commit_ack": 3}
+    assert sent == {"out:hello": 1, "in:hello_ack": 1, **per_request}
+    r_status = status(sock(rx))  # the receiver committed every one (by its words, or by its Commit)
+    assert r_status["requests_committed"] == 3
+    assert r_status["requests_committed_by_words"] == (3 if completion == "words" else 0)

@@ -566,8 +566,9 @@ _KEYS = [k for i in range(4) for k in chunk_keys(list(range(i * 50, i * 50 + 48)
 _RID = st.sampled_from(_IDS)
 _RX_MSG = st.one_of(
     st.just(protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)),
-    st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
-              _RID, st.lists(st.sampled_from(_KEYS), min_size=1, max_size=5)),
+    st.builds(lambda r, ks, c: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80,
+                                                     completion=c),
+              _RID, st.lists(st.sampled_from(_KEYS), min_size=1, max_size=5), st.sampled_from(["commit", "words"])),
     st.builds(lambda r, lay, c: protocol.LayerDone(req_id=r, layers=lay, checksums=None if c is None else [c] * len(lay)),
               _RID, st.lists(st.integers(0, 3), min_size=1, max_size=3), st.none() | st.integers(0, 3)),
     st.builds(lambda r, n: protocol.Commit(req_id=r, layers=n), _RID, st.sampled_from([0, LAY.layers - 1, LAY.layers])),
@@ -580,22 +581,38 @@ _RX_MSG = st.one_of(
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from([b"s1", b"s2"]), st.booleans(), _RX_MSG, st.integers(0, 120)),
-                max_size=60))
-def test_receiver_session_fuzz(steps):
-    """Random messages in random order on both endpoints: every reply typed, the accounting whole."""
+@given(st.lists(st.tuples(st.sampled_from([b"s1", b"s2"]), st.booleans(), _RX_MSG | st.tuples(st.just("words"), _RID),
+                          st.just(0) | st.integers(0, 20) | st.integers(0, 120)), min_size=20, max_size=60),
+       st.booleans())
+def test_receiver_session_fuzz(steps, verify):
+    """Random messages in random order on both endpoints, and the readiness words of random requests landing
+    whole: every reply typed, the accounting whole, and a request that completes by its words committed at
+    the next look, never ended another way."""
+    words_in: set[tuple[str, int]] = set()  # (req_id, lease id): every readiness word of that request is in
     rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300,
-                                                 max_leases_per_sender=3),
+                                                 max_leases_per_sender=3, verify_checksums=verify),
                          PoolInfo(1 << 30, 12, 1, b"k", 1 << 31, "127.0.0.1", 1, "rx-1"), new_token=lambda: b"t" * 32,
-                         layer_checksum=lambda ranges: 2)
+                         layer_checksum=lambda ranges: 2,
+                         words_landed=lambda r: (r.req_id, r.lease_id) in words_in)
     now = 0
+    for ident in (b"s1", b"s2"):  # both said hello (the steps may say it again): their allocations get somewhere
+        rx.on_control(ident, protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(),
+                                            layout=SPEC), now)
     for ident, local, msg, dt in steps:
         now += dt
-        out = rx.on_local(ident, msg, now) if local else rx.on_control(ident, msg, now)
+        if isinstance(msg, tuple):  # the words of the request under that id land (if it is there)
+            if (r := rx.reqs.get(msg[1])) is not None:
+                words_in.add((r.req_id, r.lease_id))
+            out = []
+        else:
+            out = rx.on_local(ident, msg, now) if local else rx.on_control(ident, msg, now)
         assert all(isinstance(a.msg, protocol.Msg) for a in out if isinstance(a, (ToSender, ToDecode)))
         assert rx.counters.values["internal_errors"] == 0, [a for a in out if isinstance(a, Log)]
         rx.on_tick(now)
         rx.check()
+        assert not (verify and rx.counters.values["requests_committed_by_words"])  # checksums: by Commit only
+        for r in rx.reqs.values():  # looked at by the tick: a words request whose words are in is committed
+            assert not (r.words and (r.req_id, r.lease_id) in words_in and r.state is not ReqState.COMMITTED)
         for r in rx.reqs.values():  # a tick that skips its scan never misses a deadline that is due
             assert not (r.state in (ReqState.ALLOCATED, ReqState.STREAMING) and now >= r.expires_at_ms)
             assert not (r.state is ReqState.COMMITTED and r.readers == 0 and now >= r.committed_at_ms + 300)
@@ -614,11 +631,12 @@ _TX_EVENT = st.one_of(
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(_TX_EVENT, st.integers(0, 300)), max_size=50))
-def test_sender_session_fuzz(steps):
-    """Engine messages, completions, receiver errors and losses in random order: no escaping exception,
-    staging never leaks, every request ends with exactly one Done or Error to its engine."""
-    w = Wire(control_timeout_ms=200, layer_timeout_ms=100, lease_ms=1000)
+@given(st.lists(st.tuples(_TX_EVENT, st.integers(0, 300)), max_size=50), st.booleans())
+def test_sender_session_fuzz(steps, rx_words):
+    """Engine messages, completions (of bytes and of readiness words), receiver errors and losses in random
+    order, with receivers that complete requests by their words or by Commit: no escaping exception, staging
+    never leaks, every request ends with exactly one Done or Error to its engine."""
+    w = Wire(control_timeout_ms=200, layer_timeout_ms=100, lease_ms=1000, rx_words=rx_words)
     for (kind, arg), dt in steps:
         w.tick(dt)
         if kind == "ingress":

@@ -57,7 +57,7 @@ class DecodeRequest:
         self._group_pages = [[self.pages[i] for i in range(gp.first_item, gp.first_item + len(gp.chunks))]
                              for gp in self.plan.groups]
         self.ready: set[int] = set(ok.layers_ready)
-        self.committed = ok.committed
+        self._committed = ok.committed
         if ok.committed:  # a committed request has every layer (its state layers too)
             self.ready.update(range(self.layout.push_layers))
         self.pool_pages = ok.pool_pages
@@ -137,7 +137,7 @@ class DecodeRequest:
         if isinstance(msg, LayerAvailable):
             self.ready.update(msg.layers)
         elif isinstance(msg, Committed):
-            self.committed = True
+            self._committed = True
             self.ready.update(range(self.layout.push_layers))
         else:
             if isinstance(msg, Error):
@@ -150,7 +150,6 @@ class DecodeRequest:
         box = self.client._conn.mail.get(self.req_id)
         while box:
             self._apply(box.pop(0))
-        self._committed_by_words()
         while not self.committed:
             try:
                 self._pump(time.monotonic())
@@ -161,7 +160,7 @@ class DecodeRequest:
 
     def wait_committed(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
-        while not self._committed_by_words():
+        while not self.committed:
             try:  # a words request: look at its words again every 0.5 ms (its Committed comes at a later tick)
                 self._pump(min(deadline, time.monotonic() + 0.0005) if self.words else deadline)
             except TransportTimeout:
@@ -169,10 +168,13 @@ class DecodeRequest:
                     raise
         self._check_receiver()
 
-    def _committed_by_words(self) -> bool:
-        if not self.committed and self.words and all(self.landed(la) for la in range(self.layout.push_layers)):
-            self.committed = True
-        return self.committed
+    @property
+    def committed(self) -> bool:
+        """Whether the push has committed, as heard so far: its Committed (or the OpenOk), or, for a request
+        that completes on the data path, every layer's readiness words in (never waits, reads no socket)."""
+        if not self._committed and self.words and all(self.landed(la) for la in range(self.layout.push_layers)):
+            self._committed = True
+        return self._committed
 
     def _ready_layer(self, layer: int, wait: bool, timeout_s: float | None) -> None:
         if wait:

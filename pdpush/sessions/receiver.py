@@ -578,9 +578,9 @@ class ReceiverSession:
         r.committed_at_ms = now
         self._due(now + self.limits.committed_ttl_ms)
         self.counters.count(out, "requests_committed", metric="requests")
-        if event is ReqEvent.COMMIT:  # words are seen at the next look (a tick), not when they land: no sample
-            out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
-        else:
+        # (words are seen at the receiver's next look, a tick at most 10 ms after they land: so is this sample)
+        out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
+        if event is ReqEvent.WORDS:
             self.counters.add("requests_committed_by_words")
         self._arrived(r, range(self.layout.push_layers), out)  # those no LayerDone announced, and a held one's
         for w in r.watchers:
