@@ -63,6 +63,10 @@ class RequestPlan:
         self.items, self.n_new = item, new
         if any(not 0 <= i < item for i in held_set):
             raise ValueError(f"held item index out of range (the request has {item} items)")
+        # each layer's new bytes, once: the sender asks for them several times per layer (plan, grants, landing)
+        page, state = layout.page_bytes, layout.state_page_bytes if layout.state_layers else 0
+        self._layer_bytes = [state if layout.is_state(la) else self.groups[layout.group_of(la).index].n_new * page
+                             for la in range(layout.push_layers)]
 
     @property
     def grant_words(self) -> int:
@@ -84,9 +88,7 @@ class RequestPlan:
 
     def layer_bytes(self, layer: int) -> int:
         """Bytes of ``layer``'s new pages (a state layer, ``layout.is_state``: its state page)."""
-        if self.layout.is_state(layer):
-            return self.layout.state_page_bytes
-        return self.of(layer).n_new * self.layout.page_bytes
+        return self._layer_bytes[layer]
 
     @property
     def window_saved_bytes(self) -> int:
