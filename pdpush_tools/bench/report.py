@@ -334,10 +334,12 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   periods a wake-up can still wait for the next scheduler tick (4 ms here) while the other core is
   busy. `make bench`'s one-chunk loop rarely finds the sender asleep (it spins 2 ms after each
   completion), so its p50 moved less than the probe's.
-- Not met, and why: a layer no longer passes through the interpreter on the sender, but each request
-  still costs the Python control plane on every side (Begin, AllocRequest/AllocResponse, BeginOk,
-  Finish, Commit/CommitAck, Done, LayerDone: ~8 messages of ~20-40 us each, each ZeroMQ hop also an
-  I/O-thread wake-up: a `begin` takes 1.6-1.8 ms here), and on 2 cores the engine processes, the
+- Not met, and why: a layer no longer passes through the interpreter on the sender, and a request
+  costs two messages between the daemons (AllocRequest/AllocResponse; completion rides the readiness
+  words), but each request still costs the Python control plane on every side (Begin, the allocation,
+  BeginOk, Finish, Done locally: ~20-40 us each, each ZeroMQ hop also an I/O-thread wake-up: a `begin`
+  takes 1.6-1.8 ms here; and, under cProfile, ~1.2 ms of the sender's Python to plan and grant a
+  32-layer request and ~1 ms to count its layers landed), and on 2 cores the engine processes, the
   sender and the receiver share the CPUs. The capacity row's CPU split says who: the engines take a
   whole core, the sender about half (90 us of CPU per 64 KiB layer, ~2.9 ms per 32-layer request,
   its 2 ms spin after each completion included), the receiver a quarter. A native loop posts 64 KiB
