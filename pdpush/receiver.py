@@ -307,12 +307,16 @@ class Receiver:
 
         from pdpush.shm import array_at
 
-        if self._words is None:
+        if self._words is None:  # ready[layer, page], flat
             n = self.layout.layers * self.cfg.pool_pages
             self._words = array_at(self.region.address + self.layout.kv_bytes(self.cfg.pool_pages), n * READY_WORD
-                                   ).view(np.uint64).reshape(self.layout.layers, self.cfg.pool_pages)
-        return all(bool((self._words[np.ix_(layers, pages)] == r.lease_id).all())
-                   for layers, pages in r.plan.ready_cells())
+                                   ).view(np.uint64)
+        if r.words_at is None:  # the request's words' indexes, once: last layer first (the last to land, mostly)
+            pp = self.cfg.pool_pages
+            r.words_at = np.concatenate([(np.asarray(layers[::-1], dtype=np.int64)[:, None] * pp
+                                          + np.asarray(pages, dtype=np.int64)[None, :]).ravel()
+                                         for layers, pages in r.plan.ready_cells()])
+        return bool((self._words[r.words_at] == r.lease_id).all())
 
     def transports(self) -> dict[str, str]:
         """Each sender's endpoint, by its peer's address: the UCX transports and devices its lanes use."""

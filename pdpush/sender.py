@@ -267,19 +267,18 @@ class Sender:
         landed, failed = self.pusher.poll()
         if self._unsettled:
             self._settle()
-        if failed:
-            for eid, status in failed:
-                endpoint = self._eid_names[eid]
-                err = self.ucx.put_failure(endpoint, status)
-                self._apply(self.session.on_peer_lost(endpoint, str(err), now_ms(), err))
         words = self.pusher.take_words()  # layers' readiness words in the pool (completion on the data path)
-        if landed or words:
+        if landed or words:  # (before a failure of the same pass: what completed before it did land)
             self._spin_until = time.monotonic() + SPIN_S
             for _, _, seconds in landed:  # one sample per layer that moved: its batch's post-to-flush time
                 if seconds >= 0:
                     self.metrics.layer_seconds.observe(seconds)
             sums = [self._checksum(seq, layer) for seq, layer, _ in landed] if self.cfg.checksums else None
             self._apply(self.session.on_landed([(seq, layer) for seq, layer, _ in landed], now_ms(), sums, words))
+        for eid, status in failed:
+            endpoint = self._eid_names[eid]
+            err = self.ucx.put_failure(endpoint, status)
+            self._apply(self.session.on_peer_lost(endpoint, str(err), now_ms(), err))
 
     def _checksum(self, seq: int, layer: int) -> int | None:
         """A landed layer's checksum over its shares in staging; None for one that moved nothing."""

@@ -296,6 +296,23 @@ def test_a_words_request_whose_words_are_not_all_in_expires_and_the_sender_fails
     rx.check()
 
 
+def test_a_words_request_whose_bytes_all_landed_but_whose_words_are_late_asks_the_receiver_by_commit():
+    """Every layer's bytes flushed, the words not heard by the sender's lease deadline: it does not fail a request
+    the receiver may hold whole; it asks with a Commit, as before protocol 6, and the CommitAck is its delivery."""
+    w = Wire(rx_words=True, lease_ms=1000)
+    w.push("r1", list(range(20)))
+    data = list(w.posted)
+    w.posted = []
+    for p in data:
+        w.run(w.flushed(p))
+    w.posted = []  # the words' batches never complete (a slow link)
+    assert w.outcome("r1") is None and "out:commit" not in w.wire
+    w.tick(901)  # past 0.9 of the lease
+    assert "out:commit" in w.wire and "in:commit_ack" in w.wire
+    assert isinstance(w.outcome("r1"), protocol.Done)
+    assert w.rx["tcp://rx-a:1"].reqs["r1"].state is ReqState.COMMITTED
+
+
 @pytest.mark.parametrize("why", ["checksums", "held", "asked_commit"])
 def test_requests_the_words_cannot_complete_still_commit_by_message(why):
     """Checksums (verified after the bytes), a request with nothing new to move (no words to put) and a

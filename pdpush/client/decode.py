@@ -15,6 +15,7 @@ from pdpush import kvcodec
 from pdpush.client.connection import DEFAULT_WAIT, Attachments, Connection, WaitPolicy, raise_error
 from pdpush.errors import (
     BrokenResourceError,
+    PdpushError,
     ProtocolError,
     TransportTimeout,
     UnexpectedMessage,
@@ -161,6 +162,7 @@ class DecodeRequest:
     def wait_committed(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.client.timeout_s)
         while not self.committed:
+            self._check_receiver()  # failed (its Error read), or the receiver died
             try:  # a words request: look at its words again every 0.5 ms (its Committed comes at a later tick)
                 self._pump(min(deadline, time.monotonic() + 0.0005) if self.words else deadline)
             except TransportTimeout:
@@ -171,10 +173,20 @@ class DecodeRequest:
     @property
     def committed(self) -> bool:
         """Whether the push has committed, as heard so far: its Committed (or the OpenOk), or, for a request
-        that completes on the data path, every layer's readiness words in (never waits, reads no socket)."""
-        if not self._committed and self.words and all(self.landed(la) for la in range(self.layout.push_layers)):
-            self._committed = True
-        return self._committed
+        that completes on the data path, every layer's readiness words in, unless the receiver has said it
+        failed (never waits: what has arrived for the request is read first, so a failure the receiver decided
+        before the last words landed, its Error already sent, wins)."""
+        if not self._committed and self.broken is None and self.words and \
+                all(self.landed(la) for la in range(self.layout.push_layers)):
+            try:
+                self.client._conn.drain()
+                box = self.client._conn.mail.get(self.req_id)
+                while box:
+                    self._apply(box.pop(0))
+            except PdpushError:
+                return False  # it failed (``broken`` says how)
+            self._committed = self.broken is None
+        return self._committed and self.broken is None
 
     def _ready_layer(self, layer: int, wait: bool, timeout_s: float | None) -> None:
         if wait:

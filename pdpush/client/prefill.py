@@ -299,7 +299,8 @@ class PushHandle:
             self.client._segments.drop(self._shmid)
 
     def finish(self, timeout_s: float | None = None) -> Done:
-        """Commit; returns once the receiver acknowledged every byte (or raises a typed error)."""
+        """Finish; returns once every byte is in the receiver's pool: its readiness words flushed (completion on the
+        data path), or the receiver's CommitAck (or raises a typed error)."""
         self._check_not_aborted()
         if self._done is not None:
             return self._done

@@ -171,6 +171,7 @@ class RxRequest:
     principal: str = ""  # who the per-sender caps count it against: the sender's CURVE key, else its connection
     keys: list[bytes] = field(default_factory=list)  # the prompt's chunk keys (its items': alloc.keys)
     words: bool = False  # completes on the data path: its readiness words all set commit it (no Commit message)
+    words_at: object = None  # where its readiness words lie, as the shell's ``words_landed`` indexes them (its cache)
 
 
 class ReceiverSession:
@@ -206,6 +207,7 @@ class ReceiverSession:
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
         self.unfenced: dict[str, tuple[bytes, int]] = {}  # ended uncommitted: req_id -> (sender, fence at ms)
         self.words_live: set[str] = set()  # live requests that complete by their readiness words (``_by_words``)
+        self._words_looked = -1  # when _look_at_words last looked (ms)
         self.draining = False
         self._next_lease = 1
         self._next_check = 0  # no lease, TTL or parked open is due before this (ms): ticks before it skip the scan
@@ -407,7 +409,7 @@ class ReceiverSession:
             raise RemoteProtocolError("last_chunk_tokens exceeds chunk_tokens", req_id=rid)
         if rid in self.reqs:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
-        self._look_at_words(now, out)  # requests that landed whole since the last tick: indexed, off the caps
+        self._look_at_words(now, out, at_most_each_ms=True)  # those that landed whole since: indexed, off the caps
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
         self._check_sender_caps(principal, msg, len(keys))
@@ -544,13 +546,15 @@ class ReceiverSession:
             return False
         try:
             landed = self._words_landed(r)
-        except Exception as exc:  # noqa: BLE001 - reading the words must not end the loop: it waits for its lease
+            if landed:
+                self._complete(r, ReqEvent.WORDS, now, out)
+            return landed
+        except Exception as exc:  # noqa: BLE001 - a tick must not end: it completes by Commit or its lease now
+            r.words = False  # (looked at no more: logged once)
+            self.words_live.discard(r.req_id)
             self.counters.add("internal_errors")
-            out.append(internal_error("reading readiness words", exc, r.req_id)[1])
+            out.append(internal_error("completing a request by its readiness words", exc, r.req_id)[1])
             return False
-        if landed:
-            self._complete(r, ReqEvent.WORDS, now, out)
-        return landed
 
     def look(self, now: int) -> list:
         """Commit the requests whose readiness words are all in now (before a status reply: it is current)."""
@@ -559,7 +563,10 @@ class ReceiverSession:
         self._publish(now, out)
         return out
 
-    def _look_at_words(self, now: int, out: list) -> None:
+    def _look_at_words(self, now: int, out: list, at_most_each_ms: bool = False) -> None:
+        if at_most_each_ms and now == self._words_looked:  # a batch of allocations looks once
+            return
+        self._words_looked = now
         for rid in list(self.words_live):
             r = self.reqs.get(rid)
             if r is None or r.state not in _LIVE:
@@ -570,11 +577,12 @@ class ReceiverSession:
     def _complete(self, r: RxRequest, event: ReqEvent, now: int, out: list) -> int:
         """Every layer of ``r`` is in the pool (its Commit, or its readiness words): index its chunks, tell its
         watchers. How many new chunks it committed."""
-        r.state = protocol.transition(r.state, event, r.req_id)
-        self.words_live.discard(r.req_id)
+        state = protocol.transition(r.state, event, r.req_id)
         n = self.pool.commit(r.req_id)
         if self.state_pool is not None:
             self.state_pool.commit(r.req_id)
+        r.state = state  # (only once its chunks are indexed: check() holds either way)
+        self.words_live.discard(r.req_id)
         r.committed_at_ms = now
         self._due(now + self.limits.committed_ttl_ms)
         self.counters.count(out, "requests_committed", metric="requests")
