@@ -58,6 +58,34 @@ class StagingAllocator:
         raise PoolExhausted(f"{self.what} full: need {n} bytes, {self.free_bytes} free in fragments",
                             retry_after_ms=20)
 
+    def alloc_run(self, sizes: list[int]) -> list[int]:
+        """Blocks for the longest prefix of ``sizes`` that fits, each its own (``free`` gives one back): back to
+        back where the free range at the rover holds them all (a request's layers granted at once: one search
+        instead of one per layer), else one by one, as ``alloc`` would, up to the first that does not fit."""
+        ns = [self.rounded(nb) for nb in sizes]
+        total = sum(ns)
+        k = len(self._free)
+        if k:
+            i = max(0, bisect.bisect_right(self._free, (self._rover, self.base + self.size + 1)) - 1)
+            off, ln = self._free[i]
+            at = max(off, self._rover)
+            if at + total <= off + ln:
+                self._take(i, at, total)
+                del self.used[at]
+                out = []
+                for n in ns:
+                    self.used[at] = n
+                    out.append(at)
+                    at += n
+                return out
+        out = []
+        for nb in sizes:
+            try:
+                out.append(self.alloc(nb))
+            except PoolExhausted:
+                break
+        return out
+
     def _take(self, i: int, at: int, n: int) -> None:
         off, ln = self._free[i]
         pieces = [(off, at - off)] if at > off else []

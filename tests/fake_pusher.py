@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdpush.sessions import put_plan
-from pdpush.sessions.tx_actions import Hand, PlanGrant, PlanRank, PlanRequest, Unplan
+from pdpush.sessions.tx_actions import Hand, PlanGrants, PlanRank, PlanRequest, Unplan
 from pdpush.transport.base import PutOp
 
 
@@ -48,8 +48,8 @@ class FakePusher:
             self.reqs[a.handle] = _Req(a, [a.tp] * len(a.layers))
         elif isinstance(a, PlanRank):
             self.reqs[a.handle].ranks[a.ident] = (a, set())
-        elif isinstance(a, PlanGrant):
-            self.reqs[a.handle].blocks[a.layer] = a.offset
+        elif isinstance(a, PlanGrants):
+            self.reqs[a.handle].blocks.update(a.grants)
         elif isinstance(a, Unplan):
             self.reqs.pop(a.handle, None)
         elif isinstance(a, Hand):

@@ -23,6 +23,7 @@ from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, Rece
 from pdpush.sessions.sender import (
     Connect,
     FillWords,
+    PlanGrants,
     PlanRequest,
     ResetPeer,
     SenderLimits,
@@ -81,6 +82,7 @@ class Wire:
         self.pusher = FakePusher(self.tx.staging_info.address, self.tx.limits.layer_timeout_ms)
         self.wire: list[str] = []  # every control message between the daemons, as "out:type" / "in:type"
         self.words: list[FillWords] = []  # staging words the sender wrote (grant tables, readiness sources)
+        self.grants: list[PlanGrants] = []  # staging blocks granted (the native path's and the grant tables' words)
         self.to_client: list = []
         self.by_client: list = []  # (engine identity, message)
         self.to_decoder: list = []
@@ -113,6 +115,8 @@ class Wire:
             elif isinstance(a, Connect):
                 todo.extend(self.tx.on_connected(a.endpoint, None, self.now))
             elif (refused := self.pusher.apply(a, self.now)) is not None:
+                if isinstance(a, PlanGrants):
+                    self.grants.append(a)
                 if isinstance(a, PlanRequest):
                     self.handles[self.tx._by_seq[a.handle].req_id] = a.handle
                 if refused:
@@ -537,12 +541,35 @@ def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_s
     assert "v2" not in w.tx.reqs
 
 
+def test_the_shell_grants_to_the_native_path_before_the_engine_sees_the_grant_table():
+    """``PlanGrants`` in the sender shell: each block goes to the native path (which refuses a layer not granted),
+    then its offset + 1 into that layer's word of the grant table, and no other word changes."""
+    import numpy as np
+
+    from pdpush import sender as shell
+
+    table = np.full(8, 7, dtype=np.uint64)
+    calls: list = []
+
+    class Native:
+        def grant(self, handle, layer, offset):
+            calls.append((handle, layer, offset, table.copy()))
+
+    s = shell.Sender.__new__(shell.Sender)
+    s.pusher = Native()
+    s._do(PlanGrants(9, table.ctypes.data, ((1, 4096), (2, 0), (5, 8192))), None)
+    assert [c[:3] for c in calls] == [(9, 1, 4096), (9, 2, 0), (9, 5, 8192)]
+    assert all((c[3] == 7).all() for c in calls)  # the table only after the native path has every grant
+    assert table.tolist() == [7, 4097, 1, 7, 7, 8193, 7, 7]
+    s._do(PlanGrants(9, table.ctypes.data, ((6, 12288),)), None)  # one block (a grant an engine asked for)
+    assert table.tolist() == [7, 4097, 1, 7, 7, 8193, 12289, 7] and calls[-1][:3] == (9, 6, 12288)
+
+
 def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_the_batch_goes(monkeypatch):
     """The sender shell (``Sender._apply``) with a real session and a native path whose grant raises: that
     grant's request fails, typed; the actions after it in the same batch (another engine's reply) still go."""
     from pdpush import sender as shell
     from pdpush.daemon import Outbox, WireCount
-    from pdpush.sessions.tx_actions import PlanGrant
 
     w = Wire()
     w.engine(begin("victim", list(range(20))))
@@ -567,7 +594,7 @@ def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_
     s.metrics = type("M", (), {"apply": lambda self, a, log: None})()
     s.conns = type("C", (), {"unref_request": lambda self, h: None})()
     s._eids, s.eps, s._unsettled, s._sock = {}, {}, [], lambda endpoint: None
-    s._apply([PlanGrant(handle, 0, 0), ToClient(b"other", protocol.Ok())])
+    s._apply([PlanGrants(handle, 0, ((0, 0),)), ToClient(b"other", protocol.Ok())])
     assert (b"other", protocol.Ok()) in sent, sent
     errs = [m for i, m in sent if i == ENG and isinstance(m, protocol.Error)]
     assert errs and errs[0].code is ErrorCode.INTERNAL and errs[0].req_id == "victim", sent

@@ -34,7 +34,6 @@ from pdpush.protocol import (
 )
 from pdpush.shm import Attached
 
-
 NOTICES = (LayerAvailable, Committed)  # what a daemon tells a request's reader unasked: never a reply
 
 

@@ -11,8 +11,8 @@ or 0 until granted; then a readiness word per new item) and, layer by layer, a b
   * back when the layer lands (every rank's share flushed), or, for a request that failed, once each of
     its engines has said it stopped writing (Abort, Finish, a new Begin), died, or ``lease_ms`` passed.
 
-The session calls it; it appends ``PlanGrant`` and ``FillWords`` (grant words) and ``ToClient``
-(``StagingGranted``) actions.
+The session calls it; it appends ``PlanGrants`` (blocks granted: the native path's plan and the grant
+table), ``FillWords`` (a grant table cleared) and ``ToClient`` (``StagingGranted``) actions.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pdpush.errors import PoolExhausted, RemoteProtocolError, RequestTooLarge
 from pdpush.plan import RequestPlan
 from pdpush.protocol import StagingGranted, TxState
 from pdpush.sessions import Counters
-from pdpush.sessions.tx_actions import FillWords, PlanGrant, StagingInfo, ToClient
+from pdpush.sessions.tx_actions import FillWords, PlanGrants, StagingInfo, ToClient
 from pdpush.sessions.tx_request import TxRequest
 from pdpush.staging import StagingAllocator, split
 
@@ -71,14 +71,14 @@ class StagingGrants:
         if self._queue:
             return
         area = self.layers
+        used, units = area.size - area.free_bytes, []
         for layer, nbytes in r.plan.staging_units():
-            if area.size - area.free_bytes + area.rounded(nbytes) > area.size // 2:
-                return
-            try:
-                off = area.alloc(nbytes)
-            except PoolExhausted:
-                return
-            self._give(r, layer, off, out)
+            used += area.rounded(nbytes)
+            if used > area.size // 2:
+                break
+            units.append((layer, nbytes))
+        offs = area.alloc_run([nb for _, nb in units])
+        self._give(r, [(layer, off) for (layer, _), off in zip(units, offs, strict=False)], out)  # those that fit, in layer order
 
     def ask(self, r: TxRequest, ident: bytes, layer: int, posted: set[int], out: list) -> None:
         """Engine ``ident`` is about to write ``layer`` and found no block (``posted``: its layers handed over)."""
@@ -172,14 +172,15 @@ class StagingGrants:
                 return
             q.popleft()
             self._head_waited = False
-            self._give(r, layer, off, out)
+            self._give(r, [(layer, off)], out)
             granted = StagingGranted(req_id=r.req_id, unit=layer)
             out.extend(ToClient(c, granted) for c in r.grant.asked.pop(layer, ()))
 
-    def _give(self, r: TxRequest, layer: int, off: int, out: list) -> None:
-        r.grant.blocks[layer] = off
-        out.append(PlanGrant(r.seq, layer, off))  # where the native path reads it from (put_plan.py)
-        out.append(FillWords(self.info.address + r.grant.meta_off + layer * 8, off + 1, 1))  # where the engine does
+    def _give(self, r: TxRequest, given: list[tuple[int, int]], out: list) -> None:
+        """``given`` (layer, block offset) are the request's: one action for the native path and the grant table."""
+        if given:
+            r.grant.blocks.update(given)
+            out.append(PlanGrants(r.seq, self.info.address + r.grant.meta_off, tuple(given)))
 
     def _unhold(self, key: tuple[str, bytes]) -> None:
         h = self._held.pop(key)

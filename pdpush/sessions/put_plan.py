@@ -9,7 +9,7 @@ engine can write (its ring records only say which layers are ready):
   * per group: the readiness puts (the request's lease words in staging to the pool's words);
   * per rank: its share of each group's layer as (offset in the layer's block, offset in the pool, bytes)
     (``layout.StagingShares.ranges``); a state layer's share is the rank's units of its state page;
-  * per granted layer: its block's offset (``PlanGrant``, from ``grants.py``).
+  * per granted layer: its block's offset (``PlanGrants``, from ``grants.py``).
 
 Groups are the layout's attention groups by index, then one for the state layers (no readiness words:
 the commit says). The native path refuses a hand-over it cannot take and says why (``REFUSED``); the
@@ -55,9 +55,13 @@ def ranges(r: TxRequest, k: TxRank) -> list[list[Span]]:
     return out + [[(mine, mine, page // r.tp)] if r.layout.state_layers else []]
 
 
-def share_puts(r: TxRequest, layer: int) -> int:
-    """Puts of one rank's share of ``layer``."""
-    return 1 if r.layout.is_state(layer) else r.share_puts[r.plan.of(layer).group.index]
+def layer_puts(r: TxRequest) -> list[int]:
+    """By layer pushed: the puts of one rank's share of it (a state layer's: one)."""
+    out = [1] * r.layout.push_layers
+    for gp, puts in zip(r.plan.groups, r.share_puts, strict=True):
+        for layer in gp.group.layers:
+            out[layer] = puts
+    return out
 
 
 def share_spans(r: TxRequest, layer: int, staging: int) -> list[tuple[int, int]]:

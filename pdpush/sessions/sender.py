@@ -9,7 +9,7 @@ Events in (each with ``now``, monotonic milliseconds):
   * ``on_peer_lost(endpoint, why, now)`` a receiver's socket or UCX endpoint broke, or its puts failed;
   * ``on_tick(now)``                    control-reply deadlines, allocation back-off.
 Actions out (``tx_actions.py``): ``ToClient``/``ToPeer`` messages, ``Connect``, ``FillWords``,
-``ResetPeer``, ``OpenRing``/``CloseRing``, the put plan (``PlanRequest``, ``PlanRank``, ``PlanGrant``,
+``ResetPeer``, ``OpenRing``/``CloseRing``, the put plan (``PlanRequest``, ``PlanRank``, ``PlanGrants``,
 ``Unplan``) and ``Hand``, metric ``Count``/``Observe``, ``Log``.
 
 The per-layer path is native (``native/src/pusher.cpp``): once a request's allocation is known the
@@ -94,7 +94,7 @@ from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, 
     FillWords,
     Hand,
     OpenRing,
-    PlanGrant,
+    PlanGrants,
     PlanRank,
     PlanRequest,
     ResetPeer,
@@ -434,13 +434,12 @@ class SenderSession:
         block back, and queue it for the request's next look (``_announce``)."""
         if layer in r.layers_done:
             return
-        puts = put_plan.share_puts(r, layer)
+        puts = r.layer_puts[layer]
         for k in r.ranks.values():
             if layer in k.layers:
                 k.puts += puts
                 k.layers_posted.add(layer)
         r.puts += puts * r.tp
-        self.counters.add("puts", puts * r.tp)
         r.bytes_sent += r.plan.layer_bytes(layer)
         r.layers_done.add(layer)
         self.grants.land(r, layer)
@@ -452,6 +451,7 @@ class SenderSession:
         done, r.unannounced = r.unannounced, []
         if done:
             nbytes = sum(r.plan.layer_bytes(la) for la, _ in done)
+            self.counters.add("puts", sum(r.layer_puts[la] for la, _ in done) * r.tp)
             self.counters.count(out, "bytes_pushed", nbytes, "bytes")
             self.counters.count(out, "layers_pushed", len(done), "layers")
             summed = [(la, c) for la, c in done if c is not None]
@@ -546,7 +546,7 @@ class SenderSession:
                        tell_receiver=True)
             return
         r.n_new = r.plan.n_new
-        r.words_want = sum(1 for layer in range(layout.layers) if r.plan.of(layer).n_new)
+        r.words_want = sum(len(gp.group.layers) for gp in r.plan.groups if gp.n_new)  # layers with new pages
         r.words = a.completion == "words"
         if r.words and not (self.limits.words and r.words_want and not layout.state_layers):
             self._fail(r, RemoteProtocolError("receiver's allocation completes on the data path where this request "
@@ -569,6 +569,7 @@ class SenderSession:
             r.pool = PoolGeometry(layout, ack.pool_pages, ack.pool_shards)
             r.shares = [StagingShares(layout, r.tp, ack.pool_shards, gp.n_new) for gp in r.plan.groups]
             r.share_puts = [sh.puts(gp.page_runs) for sh, gp in zip(r.shares, r.plan.groups, strict=True)]
+            r.layer_puts = put_plan.layer_puts(r)
             plan = PlanRequest(r.seq, r.peer.endpoint, put_plan.layers(r), put_plan.ready(r, self.grants.words(r)),
                                r.tp)
         except ValueError as e:

@@ -53,12 +53,15 @@ class PlanRank:
 
 
 @dataclass(frozen=True)
-class PlanGrant:
-    """``layer`` of a planned request has its staging block at ``offset``."""
+class PlanGrants:
+    """Layers of a planned request have their staging blocks, ``grants`` as (layer, block offset): the shell
+    tells the native path first (where it reads them from, put_plan.py), then writes each block's offset + 1
+    into the layer's word of the request's grant table at staging address ``table`` (where its engines do).
+    One action for all the blocks a request gets at once (at allocation, ``StagingGrants.ahead``)."""
 
     handle: int
-    layer: int
-    offset: int
+    table: int
+    grants: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -124,4 +127,4 @@ def action_owner(a) -> str | int | None:
     (a receiver's or a connection's action, a metric)."""
     if isinstance(a, (ToClient, ToPeer)):
         return getattr(a.msg, "req_id", None)
-    return getattr(a, "handle", None) if isinstance(a, (Hand, PlanGrant, PlanRequest, PlanRank, Unplan)) else None
+    return getattr(a, "handle", None) if isinstance(a, (Hand, PlanGrants, PlanRequest, PlanRank, Unplan)) else None
