@@ -75,6 +75,7 @@ class DecodeRequest:
         # completion on the data path: every layer's readiness words in means committed (the receiver commits
         # such a request when it next looks, and never ends it any other way once its words are in)
         self.words = ok.completion == "words" and self._words is not None
+        self._checks = [self._check_of(layer) for layer in range(self.layout.layers)] if self._words is not None else []
         self._released = False
         self.broken: str | None = None
         self._life = client._conn.life  # the receiver's lifeline: closed, it died
@@ -93,11 +94,24 @@ class DecodeRequest:
         if self.broken is not None:
             raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
 
+    def _check_of(self, layer: int) -> tuple:
+        """How ``_landed`` reads ``layer``'s words: where the group's new pages are one run, a view of their words
+        and the bytes they hold once landed (one compare, no gather: a decode engine asks this of every layer);
+        else the pages, gathered."""
+        pages = self._new_pages[self.layout.group_of(layer).index]
+        if len(pages) and int(pages[-1]) - int(pages[0]) == len(pages) - 1 and (np.diff(pages) == 1).all():
+            first = int(pages[0])
+            return self._words[layer, first:first + len(pages)], np.full(len(pages), self.lease_id, np.uint64).tobytes()
+        return pages, None
+
     def _landed(self, layer: int) -> bool:
         """The layer's readiness words say it is in the pool (no message needed)."""
-        w = self._words
-        return w is not None and layer < self.layout.layers and bool(
-            (w[layer, self._new_pages[self.layout.group_of(layer).index]] == self.lease_id).all())
+        if layer >= len(self._checks):
+            return False  # no words (a state layer, or a pool without them)
+        words, want = self._checks[layer]
+        if want is None:
+            return bool((self._words[layer, words] == self.lease_id).all())
+        return words.tobytes() == want
 
     def landed(self, layer: int) -> bool:
         """Whether layer ``layer`` is in the pool now (never waits)."""
@@ -114,13 +128,16 @@ class DecodeRequest:
         waits for layers already on the way)."""
         if not 0 <= layer < self.layout.push_layers:
             raise ValueError(f"layer {layer} out of range")
+        box = self.client._conn.mail.get(self.req_id)
+        while box:
+            self._apply(box.pop(0))
+        if layer in self.ready:
+            return
         t = time.monotonic()
         deadline = t + (timeout_s if timeout_s is not None else self.client.timeout_s)
         pol = self.client.wait
         spin_until, nap_until = t + pol.spin_s, t + pol.nap_window_s
-        box = self.client._conn.mail.get(self.req_id)
-        while box:
-            self._apply(box.pop(0))
+        reading_until = max(spin_until, nap_until)  # re-reading the words: a look at the mail never waits till then
         while layer not in self.ready:
             if self._landed(layer):
                 self.ready.add(layer)
@@ -129,7 +146,7 @@ class DecodeRequest:
             if spin_until <= now < nap_until:
                 time.sleep(pol.nap_s)
             try:  # an error or a notice from the receiver, if one came
-                self._pump(now if now < nap_until else min(deadline, now + pol.slice_s))
+                self._pump(now if now < reading_until else min(deadline, now + pol.slice_s))
             except TransportTimeout:
                 if time.monotonic() >= deadline and not self._landed(layer):
                     raise TransportTimeout(f"layer {layer} of {self.req_id!r} did not arrive in time") from None
