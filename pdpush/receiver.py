@@ -155,23 +155,29 @@ class Receiver:
 
     # ---- loop ----
     def step(self, timeout_ms: int) -> None:
+        """One pass. Only what woke the poll is looked at (a socket with a frame, a lifeline's change), and the
+        rest each tick: over tcp every arrival of a sender's put wakes the loop for UCX progress alone."""
         self.ucx.progress()
-        self.poller.poll(timeout_ms if self.ucx.arm() else 0)
+        events = dict(self.poller.poll(timeout_ms if self.ucx.arm() else 0))
         self.ucx.progress()
         self.ucx.dispatch_closed()
-        for _ in range(256):  # bounded batch so the tick below always runs
-            if not self._drain_one(self.router, local=False):
-                break
-        for _ in range(256):
-            if not self._drain_one(self.local, local=True):
-                break
+        if self.router in events:
+            for _ in range(256):  # bounded batch so the tick below always runs
+                if not self._drain_one(self.router, local=False):
+                    break
+        if self.local in events:
+            for _ in range(256):
+                if not self._drain_one(self.local, local=True):
+                    break
         if self.ucx_pending:
             self._check_ucx_peers()
-        _, gone = self.lifelines.service()
-        for ident in gone:  # decode connections whose engine died: their opens are released
-            self._apply(self.session.on_reader_gone(ident, now_ms()))
         t = now_ms()
-        if t - self._last_tick >= 10:
+        due = t - self._last_tick >= 10
+        if due or self.lifelines.fileno() in events:  # a hello's deadline passes without an event: each tick
+            _, gone = self.lifelines.service()
+            for ident in gone:  # decode connections whose engine died: their opens are released
+                self._apply(self.session.on_reader_gone(ident, now_ms()))
+        if due:
             self._last_tick = t
             self._apply(self.session.on_tick(t))
             if t - self._last_refresh >= 100:  # gauges ~10 times a second
