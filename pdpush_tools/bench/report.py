@@ -312,6 +312,8 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 | #22: layers handed over through a ring in staging (a CAS per record), not a ZeroMQ message; same run, by message in brackets | 2.16 ms (2.36) | 57 us (60) | 5,119 (4,452) |
 | #22: the per-layer path native (`pdpush_native.Pusher`): ring records checked against the request's put plan, puts, flush, reaping and readiness words in C++, landings reported in batches; same run, by message in brackets | 1.45 ms (1.58) | 35 us (38) | 7,171 (5,406) |
 | #22, 2026-12-02: an idle sender woken by a byte in a FIFO it polls (`doorbell.py`), not a ZeroMQ `Wake`; same run, by message in brackets (`make bench`) | 1.34 ms (1.61) | 26 us (33) | 5,951 (5,983) |
+| #36, 2026-12-03: completion on the data path (no Commit/CommitAck: 2 control messages a request) | 1.58 ms | 36 us | 5,987 |
+| #36, 2026-12-04: the decode client's spin no longer cut off at `nap_window_s` (it then waited 1 ms on the receiver's mail with the words already in: in words mode no notice comes), a layer's words read with one compare (9.5 -> 2 us); the sender's grants one action a request (82 -> 22 actions) (`make bench`) | 0.53 ms | 3.5 us | 6,311 |
 
 - Kept: batched notices, one batch per pass, readiness words after the flush, the bounded spin. The
   readiness words take the receiver and two ZeroMQ hops off the critical path (a test stops the
@@ -334,15 +336,22 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   periods a wake-up can still wait for the next scheduler tick (4 ms here) while the other core is
   busy. `make bench`'s one-chunk loop rarely finds the sender asleep (it spins 2 ms after each
   completion), so its p50 moved less than the probe's.
-- Not met, and why: a layer no longer passes through the interpreter on the sender, and a request
-  costs two messages between the daemons (AllocRequest/AllocResponse; completion rides the readiness
-  words), but each request still costs the Python control plane on every side (Begin, the allocation,
-  BeginOk, Finish, Done locally: ~20-40 us each, each ZeroMQ hop also an I/O-thread wake-up: a `begin`
-  takes 1.6-1.8 ms here; and, under cProfile, ~1.2 ms of the sender's Python to plan and grant a
-  32-layer request and ~1 ms to count its layers landed), and on 2 cores the engine processes, the
-  sender and the receiver share the CPUs. The capacity row's CPU split says who: the engines take a
-  whole core, the sender about half (90 us of CPU per 64 KiB layer, ~2.9 ms per 32-layer request,
-  its 2 ms spin after each completion included), the receiver a quarter. A native loop posts 64 KiB
+- The one-chunk request traced again (2026-12-04, same method): the sender woke 0.15 ms after the hand-over,
+  had posted all 32 layers by 0.46 ms and reaped their flush at 0.48 ms, and every layer's words were in
+  the pool by then; the bench's reader saw the first at 1.5 ms. Its `WaitPolicy(spin_s=60)` was cut off
+  at the default `nap_window_s` (0.2 ms) and then waited on the receiver's mail 1 ms at a time, a notice
+  that with completion on the data path never comes. With the spin kept to `spin_s`: visible at 0.6-0.8
+  ms in the probe, and the ratio went from 2.2x to under 1.3x. Left on the clock: the engine's
+  hand-over call (~0.12 ms: ring record, a lifeline check, the doorbell's write) and the wake-up.
+- Capacity not met, and why: a layer no longer passes through the interpreter on the sender, and a
+  request costs two messages between the daemons (AllocRequest/AllocResponse; completion rides the
+  readiness words), but each request still costs the Python control plane on every side (Begin, the
+  allocation, BeginOk, Finish, Done locally: ~20-40 us each, each ZeroMQ hop also an I/O-thread
+  wake-up; and, under cProfile, ~1.5 ms of the sender's Python to plan a 32-layer request and ~1.2 ms
+  to count its layers landed), and on 2 cores the engine processes, the sender and the receiver share
+  the CPUs. The capacity row's CPU split says who: the engines take more than a core, the sender about
+  half (85-100 us of CPU per 64 KiB layer, ~3 ms per 32-layer request, its 2 ms spin after each
+  completion included), the receiver an eighth. A native loop posts 64 KiB
   put+flush pairs at ~190,000/s here; 0.8x of that is ~4,800 requests/s of 32 layers, which needs
   the per-request control plane native too (or longer requests), not a faster per-layer path.
 - End to end at small layers, the `begin` round trip (1.6-1.8 ms, four ZeroMQ hops) and the
