@@ -62,6 +62,8 @@ class StagingAllocator:
         """Blocks for the longest prefix of ``sizes`` that fits, each its own (``free`` gives one back): back to
         back where the free range at the rover holds them all (a request's layers granted at once: one search
         instead of one per layer), else one by one, as ``alloc`` would, up to the first that does not fit."""
+        if not sizes:
+            return []  # (an empty run must not split the free range at the rover)
         ns = [self.rounded(nb) for nb in sizes]
         total = sum(ns)
         k = len(self._free)

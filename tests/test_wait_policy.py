@@ -70,8 +70,8 @@ def test_a_layer_has_landed_once_every_new_page_holds_the_lease_id(pages):
     r.layout, r.lease_id = KVLayout(2, 1, 8, "float16", 4), 77
     r._words = np.zeros((2, 8), dtype=np.uint64)
     r._new_pages = [np.array(pages, dtype=np.int64)]
-    r._checks = [r._check_of(layer) for layer in range(2)]
-    assert [r._landed(la) for la in range(3)] == [not pages, not pages, False]  # layer 2: none (no state layer)
+    r._checks = r._word_checks()
+    assert [r._landed(la) for la in (0, 1, 2, -1)] == [not pages, not pages, False, False]  # 2, -1: no such layer
     for i, p in enumerate(pages):
         r._words[1, p] = 77
         r._words[0, p] = 76  # an older lease's word is not ours

@@ -75,7 +75,7 @@ class DecodeRequest:
         # completion on the data path: every layer's readiness words in means committed (the receiver commits
         # such a request when it next looks, and never ends it any other way once its words are in)
         self.words = ok.completion == "words" and self._words is not None
-        self._checks = [self._check_of(layer) for layer in range(self.layout.layers)] if self._words is not None else []
+        self._checks = self._word_checks() if self._words is not None else []
         self._released = False
         self.broken: str | None = None
         self._life = client._conn.life  # the receiver's lifeline: closed, it died
@@ -94,19 +94,24 @@ class DecodeRequest:
         if self.broken is not None:
             raise BrokenResourceError(f"request {self.req_id!r}: {self.broken}; its pages are not valid")
 
-    def _check_of(self, layer: int) -> tuple:
-        """How ``_landed`` reads ``layer``'s words: where the group's new pages are one run, a view of their words
-        and the bytes they hold once landed (one compare, no gather: a decode engine asks this of every layer);
-        else the pages, gathered."""
-        pages = self._new_pages[self.layout.group_of(layer).index]
-        if len(pages) and int(pages[-1]) - int(pages[0]) == len(pages) - 1 and (np.diff(pages) == 1).all():
-            first = int(pages[0])
-            return self._words[layer, first:first + len(pages)], np.full(len(pages), self.lease_id, np.uint64).tobytes()
-        return pages, None
+    def _word_checks(self) -> list[tuple]:
+        """How ``_landed`` reads each layer's words: where its group's new pages are one run, a view of their
+        words and the bytes they hold once landed (one compare, no gather: a decode engine asks this of every
+        layer); else the pages, gathered."""
+        by_group = []
+        for pages in self._new_pages:
+            one_run = len(pages) and int(pages[-1]) - int(pages[0]) == len(pages) - 1 and (np.diff(pages) == 1).all()
+            want = np.full(len(pages), self.lease_id, np.uint64).tobytes() if one_run else None
+            by_group.append((int(pages[0]) if one_run else 0, pages, want))
+        out = []
+        for layer in range(self.layout.layers):
+            first, pages, want = by_group[self.layout.group_of(layer).index]
+            out.append((self._words[layer, first:first + len(pages)], want) if want is not None else (pages, None))
+        return out
 
     def _landed(self, layer: int) -> bool:
         """The layer's readiness words say it is in the pool (no message needed)."""
-        if layer >= len(self._checks):
+        if not 0 <= layer < len(self._checks):
             return False  # no words (a state layer, or a pool without them)
         words, want = self._checks[layer]
         if want is None:

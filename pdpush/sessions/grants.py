@@ -77,6 +77,8 @@ class StagingGrants:
             if used > area.size // 2:
                 break
             units.append((layer, nbytes))
+        if not units:
+            return
         offs = area.alloc_run([nb for _, nb in units])
         self._give(r, [(layer, off) for (layer, _), off in zip(units, offs, strict=False)], out)  # those that fit, in layer order
 

@@ -440,6 +440,7 @@ class SenderSession:
                 k.puts += puts
                 k.layers_posted.add(layer)
         r.puts += puts * r.tp
+        self.counters.add("puts", puts * r.tp)
         r.bytes_sent += r.plan.layer_bytes(layer)
         r.layers_done.add(layer)
         self.grants.land(r, layer)
@@ -451,7 +452,6 @@ class SenderSession:
         done, r.unannounced = r.unannounced, []
         if done:
             nbytes = sum(r.plan.layer_bytes(la) for la, _ in done)
-            self.counters.add("puts", sum(r.layer_puts[la] for la, _ in done) * r.tp)
             self.counters.count(out, "bytes_pushed", nbytes, "bytes")
             self.counters.count(out, "layers_pushed", len(done), "layers")
             summed = [(la, c) for la, c in done if c is not None]
