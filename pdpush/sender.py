@@ -384,12 +384,8 @@ class Sender:
         """The native path first (it takes a hand-over of a layer only once granted), then the grant table."""
         for layer, off in a.grants:
             self.pusher.grant(a.handle, layer, off)
-        if len(a.grants) == 1:
-            (layer, off), = a.grants
-            array_at(a.table + layer * 8, 8).view(np.uint64)[0] = off + 1
-        else:
-            layers, offs = np.array(a.grants, dtype=np.uint64).T
-            array_at(a.table, (int(layers.max()) + 1) * 8).view(np.uint64)[layers] = offs + 1
+        layers, offs = np.array(a.grants, dtype=np.uint64).T
+        array_at(a.table, (int(layers.max()) + 1) * 8).view(np.uint64)[layers] = offs + 1
 
     def _unplan(self, a: Unplan, _todo) -> None:
         self.pusher.drop_request(a.handle)

@@ -58,7 +58,8 @@ def ranges(r: TxRequest, k: TxRank) -> list[list[Span]]:
 def layer_puts(r: TxRequest) -> list[int]:
     """By layer pushed: the puts of one rank's share of it (a state layer's: one)."""
     out = [1] * r.layout.push_layers
-    for gp, puts in zip(r.plan.groups, r.share_puts, strict=True):
+    for sh, gp in zip(r.shares, r.plan.groups, strict=True):
+        puts = sh.puts(gp.page_runs)
         for layer in gp.group.layers:
             out[layer] = puts
     return out

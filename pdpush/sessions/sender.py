@@ -568,7 +568,6 @@ class SenderSession:
             ack = r.peer.ack
             r.pool = PoolGeometry(layout, ack.pool_pages, ack.pool_shards)
             r.shares = [StagingShares(layout, r.tp, ack.pool_shards, gp.n_new) for gp in r.plan.groups]
-            r.share_puts = [sh.puts(gp.page_runs) for sh, gp in zip(r.shares, r.plan.groups, strict=True)]
             r.layer_puts = put_plan.layer_puts(r)
             plan = PlanRequest(r.seq, r.peer.endpoint, put_plan.layers(r), put_plan.ready(r, self.grants.words(r)),
                                r.tp)

@@ -114,8 +114,7 @@ class TxRequest(Participants):
     state_slot: int = -1  # the receiver's slot for its recurrent state
     shares: list[StagingShares] = field(default_factory=list)  # by group
     pool: PoolGeometry | None = None  # the receiver's pool
-    share_puts: list[int] = field(default_factory=list)  # by group: puts of one rank's share of one layer
-    layer_puts: list[int] = field(default_factory=list)  # by layer: the same (put_plan.layer_puts), looked up once
+    layer_puts: list[int] = field(default_factory=list)  # by layer: puts of one rank's share (put_plan.layer_puts)
     layers_done: set[int] = field(default_factory=set)  # landed: every rank's share flushed
     unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
     puts: int = 0
