@@ -55,11 +55,16 @@ def prompt_pair(seed: int) -> dict[str, list[int]]:
     return {"long": long, "shared": long[:100] + [rnd.randrange(3, 500) for _ in range(57)]}
 
 
-def loaded(d0: dict, d1: dict) -> None:
+def loaded(d0: dict, d1: dict, engine=None) -> None:
     """The decode scheduler found the push and planned its load (its counters live in the engine's
     main process; the workers' load counters do not, with TP > 1). A recompute would match colocated
-    too, proving nothing."""
-    assert d1["match_tokens"] > d0["match_tokens"] and d1["match_missing"] == d0["match_missing"], (d0, d1)
+    too, proving nothing. ``engine``: its log's pdpush lines go into the failure (why it recomputed)."""
+    if d1["match_tokens"] > d0["match_tokens"] and d1["match_missing"] == d0["match_missing"]:
+        return
+    why = ""
+    if engine is not None:
+        why = "\n".join(ln for ln in engine.log.read_text(errors="replace").splitlines() if "pdpush" in ln)[-4000:]
+    raise AssertionError(f"the decode did not load the push: {d0} -> {d1}\n{why}")
 
 
 def disaggregated(f: Fleet, prefill: str, decode: str, prompt: list[int], new_tokens: int) -> tuple[list[int], dict]:
@@ -69,7 +74,7 @@ def disaggregated(f: Fleet, prefill: str, decode: str, prompt: list[int], new_to
     assert params and params["pdpush_req_id"], pre
     d0 = f.engines[decode].stats()
     out, d1 = f.engines[decode].generate(prompt, new_tokens, params)
-    loaded(d0, d1)
+    loaded(d0, d1, f.engines[decode])
     return out["tokens"], params
 
 
