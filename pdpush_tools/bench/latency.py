@@ -54,16 +54,27 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, q) -> None:
+def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, q, go) -> None:
     """One engine process: ``n`` one-chunk requests, a layer handed over at a time, several requests in
-    flight; every tenth is read back and checked on the decode side."""
+    flight; every tenth is read back and checked on the decode side. It starts the requests when ``go`` is
+    set, once every engine is up (a process's start and imports are not the sender's capacity), and reports
+    the CPU of its requests alone."""
     lay = KVLayout(**layout)
-    pc = PrefillClient(lay, sock, timeout_s=60)
-    dc = DecodeClient(rx_sock, timeout_s=60)
+    try:
+        pc = PrefillClient(lay, sock, timeout_s=60)
+        dc = DecodeClient(rx_sock, timeout_s=60)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
+        q.put({"error": f"{type(e).__name__}: {e}", "verified": False})
+        return
     rng = np.random.default_rng(seed)
     src = Source(lay, rng.integers(0, 1 << 31, size=lay.chunk_tokens).tolist(), rng)
     in_flight: list = []
     verified = True
+    q.put({"ready": tag})
+    if not go.wait(120):
+        q.put({"error": "never told to start", "verified": False})
+        return
+    cpu0 = time.process_time()
     try:
         def settle(h, req) -> None:
             nonlocal verified
@@ -86,7 +97,7 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
                 settle(*in_flight.pop(0))
         for h, req in in_flight:
             settle(h, req)
-        q.put({"error": None, "verified": verified, "cpu_s": time.process_time()})
+        q.put({"error": None, "verified": verified, "cpu_s": time.process_time() - cpu0})
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
         q.put({"error": f"{type(e).__name__}: {e}", "verified": False})
     finally:
@@ -153,17 +164,21 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             if i >= warm:
                 one.append(t1 - t0)
         # capacity: engine processes at once, the sender's own counters
+        ctx = mp.get_context("spawn")
+        q, go = ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=child, args=(_engine, layout.to_dict(), tx_sock, rx_sock, f"cap{e}", per_engine,
+                                                   100 + e, q, go)) for e in range(engines)]
+        for p in procs:
+            p.start()
+        up = [q.get(timeout=120) for _ in procs]  # every engine started and connected, nothing sent yet
+        if any("ready" not in u for u in up):
+            raise RuntimeError(f"a capacity engine failed to start: {up}")
         before, rx_before = status(tx_sock), status(rx_sock)
         wire = wire_per_request(wire0, before, samples + warm)
         rx_wire = wire_per_request(rx_wire0, rx_before, samples + warm)  # the receiver's side of the same
         cpu0 = {"sender": _cpu_s(tx.pid), "receiver": _cpu_s(rx.pid)}
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=child, args=(_engine, layout.to_dict(), tx_sock, rx_sock, f"cap{e}", per_engine,
-                                                   100 + e, q)) for e in range(engines)]
         t0 = time.perf_counter()
-        for p in procs:
-            p.start()
+        go.set()
         outs = [q.get(timeout=600) for _ in procs]
         wall = time.perf_counter() - t0
         cpu = {"sender": _cpu_s(tx.pid) - cpu0["sender"], "receiver": _cpu_s(rx.pid) - cpu0["receiver"],
