@@ -172,6 +172,9 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             p.start()
         up = [q.get(timeout=120) for _ in procs]  # every engine started and connected, nothing sent yet
         if any("ready" not in u for u in up):
+            for p in procs:  # the others wait on ``go``: stopped now, not left for its timeout
+                p.kill()
+                p.join(10)
             raise RuntimeError(f"a capacity engine failed to start: {up}")
         before, rx_before = status(tx_sock), status(rx_sock)
         wire = wire_per_request(wire0, before, samples + warm)
