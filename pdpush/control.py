@@ -172,6 +172,26 @@ def send_frame(sock: zmq.Socket, payload: bytes, identity: bytes | None = None) 
         return False
 
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # as ints: pyzmq's enums cost a few us a call
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """A frame is waiting on ``sock``. Asked before a non-blocking receive: ~2 us, where the ``zmq.Again`` of an empty
+    socket (the common case in a loop that looks at every socket each pass) costs ~11 us."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
+
+def recv_ready(sock: zmq.Socket, limit: int = 256, copy: bool = True):
+    """The frames waiting on ``sock`` (each a multipart message), up to ``limit``, without waiting."""
+    for _ in range(limit):
+        if not readable(sock):
+            return
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return
+
+
 def recv_until(sock: zmq.Socket, deadline: float, max_frame: int) -> Msg:
     """Receive one message on a DEALER before ``deadline`` (monotonic seconds)."""
     while True:

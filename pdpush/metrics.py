@@ -52,6 +52,11 @@ class Metrics:
         else:
             self.receivers = pc.Gauge("pdpush_receivers_connected", "Receivers with a live session", registry=r)
             self.staging_free = pc.Gauge("pdpush_staging_free_bytes", "Free staging bytes", registry=r)
+        self._children: dict[tuple[str, str | None], Any] = {}  # (name, label) -> the metric to count on
+        from pdpush.sessions import Count, Log, Observe
+
+        self._bookkeeping = {Count: lambda a, _log: self.count(a), Observe: lambda a, _log: self.observe(a),
+                             Log: self.log}
         self._server = None
         self.endpoint = ""
         if port >= 0:
@@ -79,8 +84,11 @@ class Metrics:
 
     def count(self, c) -> None:
         """A session's ``Count`` action."""
-        m = getattr(self, c.name)
-        (m.labels(c.label) if c.label is not None else m).inc(c.n)
+        m = self._children.get((c.name, c.label))
+        if m is None:  # a labelled child is looked up once (prometheus_client's ``labels`` takes a lock and more)
+            m = getattr(self, c.name)
+            m = self._children[(c.name, c.label)] = m.labels(c.label) if c.label is not None else m
+        m.inc(c.n)
 
     def observe(self, o) -> None:
         """A session's ``Observe`` action."""
@@ -88,17 +96,16 @@ class Metrics:
 
     def apply(self, a, log) -> bool:
         """Carry out a session's bookkeeping action (Count, Observe, Log); False if it is not one."""
-        from pdpush.sessions import Count, Log, Observe
-
-        if isinstance(a, Count):
-            self.count(a)
-        elif isinstance(a, Observe):
-            self.observe(a)
-        elif isinstance(a, Log):
-            log.log(a.level, "%s%s", a.message, "\n" + a.exc_text if a.exc_text else "", extra={"req_id": a.req_id})
-        else:
+        do = self._bookkeeping.get(type(a))
+        if do is None:
             return False
+        do(a, log)
         return True
+
+    @staticmethod
+    def log(a, log) -> None:
+        """A session's ``Log`` action, on the daemon's logger ``log``."""
+        log.log(a.level, "%s%s", a.message, "\n" + a.exc_text if a.exc_text else "", extra={"req_id": a.req_id})
 
     def close(self) -> None:
         if self._server is not None:

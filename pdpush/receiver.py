@@ -162,13 +162,11 @@ class Receiver:
         self.ucx.progress()
         self.ucx.dispatch_closed()
         if self.router in events:
-            for _ in range(256):  # bounded batch so the tick below always runs
-                if not self._drain_one(self.router, local=False):
-                    break
+            for frames in control.recv_ready(self.router, copy=False):  # bounded, so the tick below always runs
+                self._on_frames(frames, local=False)
         if self.local in events:
-            for _ in range(256):
-                if not self._drain_one(self.local, local=True):
-                    break
+            for frames in control.recv_ready(self.local, copy=False):
+                self._on_frames(frames, local=True)
         if self.ucx_pending:
             self._check_ucx_peers()
         t = now_ms()
@@ -191,13 +189,9 @@ class Receiver:
             for _ in self.outbox.flush(lambda ident, frame: control.send_frame(self.router, frame, ident)):
                 count_dropped(self.shell_counters, "control_dropped", "a frame", log)
 
-    def _drain_one(self, sock, local: bool) -> bool:
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
+    def _on_frames(self, frames: list, local: bool) -> None:
         if len(frames) < 2:
-            return True  # nothing to reply to
+            return  # nothing to reply to
         # with CURVE, the peer's public key (Z85) as the authenticator admitted it: roles and caps go by key
         peer = _user_id(frames[-1]) if self.auth is not None and not local else ""
         ident, payload = frames[0].bytes, frames[-1].bytes
@@ -206,7 +200,6 @@ class Receiver:
         except Exception:  # noqa: BLE001 - a bug in the shell must not end the daemon either
             self.shell_counters["loop_errors"] += 1
             log.exception("internal error handling a frame")
-        return True
 
     def _on_frame(self, ident: bytes, payload: bytes, local: bool, peer: str = "") -> None:
         try:  # a peer daemon's frame may carry a batch (daemon.Outbox); an engine's is one message

@@ -36,7 +36,6 @@ from pdpush.shm import Attached
 
 NOTICES = (LayerAvailable, Committed)  # what a daemon tells a request's reader unasked: never a reply
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # as ints: pyzmq's enums cost a few us a call
 
 
 @dataclass(frozen=True)
@@ -158,13 +157,7 @@ class Connection:
             return
         try:
             self._flush()
-            # asked first (~2 us, a plain int): an empty socket is the common case, and its zmq.Again costs
-            # ~11 us a call, twice a layer
-            while self.sock.getsockopt(_EVENTS) & _POLLIN:
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
+            for frames in control.recv_ready(self.sock, limit=1 << 30):  # twice a layer: an empty socket is cheap
                 self._file(protocol.decode(frames[-1], self.max_frame))
         finally:
             self.lock.release()
