@@ -10,11 +10,12 @@ Imports no zmq, UCX or torch.
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from pdpush.errors import (
     ErrorCode,
@@ -64,6 +65,7 @@ class LayoutSpec(Msg):
     state_layers: Annotated[int, Field(ge=0, le=4096)] = 0
     state_units: Annotated[int, Field(ge=1, le=256)] = 1
     state: Annotated[list[StateSegmentSpec], Field(max_length=16)] = []
+    _kv: Any = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_latent(self):
@@ -73,10 +75,27 @@ class LayoutSpec(Msg):
             raise ValueError(f"{len(self.windows)} windows for {self.layers} layers")
         if bool(self.state_layers) != bool(self.state) or (self.layers == 0 and not self.state_layers):
             raise ValueError("state layers need state segments (and a layout with no attention layer, state layers)")
-        from pdpush.layout import KVLayout  # every rule of the description (state segments' axes, units, ...)
-
-        KVLayout(**self.model_dump())
+        # every rule of the description (state segments' axes, units, ...): KVLayout's, checked once per layout
+        self._kv = _kv_layout((self.layers, self.kv_heads, self.head_dim, self.dtype, self.chunk_tokens, self.model_id,
+                               self.kind, self.kv_scales, tuple(self.windows), self.state_layers, self.state_units,
+                               tuple((t, d, tuple(sh), a, r) for t, d, sh, a, r in self.state)))
         return self
+
+    @property
+    def kv_layout(self):
+        """The layout it describes (``pdpush.layout.KVLayout``: immutable, shared by the specs of one layout)."""
+        return self._kv
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_layout(key: tuple):
+    """A ``KVLayout`` by its fields, in ``LayoutSpec``'s order: built (and checked) once per layout; a Begin carries
+    its engine's layout every time."""
+    from pdpush.layout import KVLayout
+
+    names = ("layers", "kv_heads", "head_dim", "dtype", "chunk_tokens", "model_id", "kind", "kv_scales", "windows",
+             "state_layers", "state_units", "state")
+    return KVLayout(**dict(zip(names, key, strict=True)))
 
 
 # ---- sender <-> receiver (control plane) -------------------------------------------------

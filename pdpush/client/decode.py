@@ -43,7 +43,7 @@ class DecodeRequest:
     def __init__(self, client: DecodeClient, ok: OpenOk, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.client = client
         self.req_id = ok.req_id
-        self.layout = KVLayout(**ok.layout.model_dump())
+        self.layout = ok.layout.kv_layout
         self.geometry = PoolGeometry(self.layout, ok.pool_pages, ok.pool_shards, ok.state_slots)
         self.heads = rank_heads(self.layout.kv_heads, tp_size, tp_rank)  # the KV heads [h0, h1) this rank reads
         self.tp_rank, self.tp_size = tp_rank, tp_size

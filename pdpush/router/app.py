@@ -255,7 +255,7 @@ class Router:
     def _layout(self) -> KVLayout | None:
         for d in self.fleet.decode:
             if d.index.synced and d.index.layout is not None:
-                return KVLayout(**d.index.layout.model_dump())
+                return d.index.layout.kv_layout
         return None
 
     def place(self, ids: list[int] | None, exclude: Instance | None = None) -> Route_ | JSONResponse:

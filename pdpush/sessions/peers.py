@@ -38,7 +38,7 @@ class Peer:
         """A request's layout against the one the receiver acknowledged (None: the same)."""
         if spec == self.ack.layout:
             return None
-        mine, theirs = KVLayout(**spec.model_dump()), KVLayout(**self.ack.layout.model_dump())
+        mine, theirs = spec.kv_layout, self.ack.layout.kv_layout
         return IncompatiblePeer(f"layout differs from receiver {self.endpoint}'s, request vs receiver: "
                                 f"{mine.mismatch(theirs)}")
 
@@ -66,7 +66,7 @@ class PeerTable:
             self._check_receiver(receiver)
         peer = self.peers.get(receiver)
         if peer is not None and peer.ack is not None and peer.ack.layout != begin.layout:
-            theirs = KVLayout(**peer.ack.layout.model_dump())
+            theirs = peer.ack.layout.kv_layout
             raise IncompatiblePeer(f"receiver {receiver} serves another layout, request vs receiver: "
                                    f"{layout.mismatch(theirs)} (receiver {theirs.describe()})")
         if peer is None:
@@ -77,7 +77,7 @@ class PeerTable:
         """``req_id`` waits for ``peer`` to be READY; a peer with no hello in flight says hello."""
         peer.waiting.append(req_id)
         if peer.state in (PeerState.NEW, PeerState.DEAD):
-            layout = KVLayout(**begin.layout.model_dump())
+            layout = begin.layout.kv_layout
             peer.state = SENDER_PEER.next(peer.state, PeerEvent.HELLO, f"receiver {peer.endpoint}")
             peer.deadline_ms = now + self.control_timeout_ms
             out.append(ToPeer(peer.endpoint, Hello(version=protocol.PROTOCOL_VERSION,

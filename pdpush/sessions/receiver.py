@@ -380,7 +380,7 @@ class ReceiverSession:
                                    f"{protocol.PROTOCOL_VERSION})")
         mine = self.layout.fingerprint()
         if msg.fingerprint != mine or msg.layout != self.spec:
-            theirs = KVLayout(**msg.layout.model_dump())
+            theirs = msg.layout.kv_layout
             raise IncompatiblePeer(f"layout mismatch, sender vs receiver: {theirs.mismatch(self.layout) or 'fingerprint'}"
                                    f" (sender {theirs.describe()}, fp {msg.fingerprint}; receiver "
                                    f"{self.layout.describe()}, fp {mine})")

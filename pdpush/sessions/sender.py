@@ -58,7 +58,7 @@ from pdpush.errors import (
     UnknownRequest,
     error_from_code,
 )
-from pdpush.layout import KVLayout, PoolGeometry, StagingShares, check_prefill_tp
+from pdpush.layout import PoolGeometry, StagingShares, check_prefill_tp
 from pdpush.plan import RequestPlan, tokens_of
 from pdpush.protocol import (
     SENDER_REQUEST,
@@ -357,7 +357,7 @@ class SenderSession:
             self._join(r, ident, msg, stage, now, out)
             return
         self.ended.check(msg)  # a late rank of a request that ended: it gets what the others got
-        layout = KVLayout(**msg.layout.model_dump())
+        layout = msg.layout.kv_layout
         try:
             check_prefill_tp(layout, msg.tp_size)
             layout.check_state_tp(msg.tp_size)
