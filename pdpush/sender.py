@@ -60,7 +60,7 @@ from pdpush.shm import array_at
 log = logging.getLogger("pdpush.sender")
 
 
-SPIN_S = 0.002  # how long the loop spins on UCX progress after a post or a completion
+SPIN_S = 0.002  # how long the native wait spins on UCX progress after a post or a completion
 
 
 def now_ms() -> int:
@@ -82,12 +82,11 @@ class Sender:
         self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0}
         self.wire = WireCount()  # control messages to and from receivers
         self.outbox = Outbox(self.wire)  # what a loop pass has for each receiver: one frame each, at its end
-        self._poller_dirty = True
+        self._watch_dirty = True  # the fds and sockets the native wait watches for the loop (_watched)
         self._last_refresh = 0.0
         self._last_tick = 0
-        self._spin_until = 0.0
         self._rings = 0  # hand-over rings open (read by the pusher)
-        self._idle = None  # the sender's idle word in staging (ring.py), set while it sleeps
+        self._idle = 0  # the sender's idle word in staging (ring.py), set while it sleeps: its address
         self.doorbell = None  # the FIFO engines ring to wake it (doorbell.py), with the rings
         self.keys = None
         if cfg.curve_secret_key_file:
@@ -125,13 +124,11 @@ class Sender:
             StagingInfo(self.region.address, self.shmid, self.region.length, secrets.token_hex(8),
                         self.doorbell.path if self.doorbell else ""),
             c.default_receiver, check_receiver=self._check_receiver)
-        from pdpush_native import fence
-
-        self._fence = fence
         self.pusher = self.ucx.pusher(self.region.address, self.region.length, c.layer_timeout_ms / 1000)
+        self._words = shm.array_at(self.region.address, self.region.length).view(np.uint64)  # staging's 8-byte words
         if c.handover_ring_slots:
-            self._idle = shm.array_at(self.region.address + self.session.rings.idle_offset, 8).view(np.uint64)
-            self._idle[0] = 0
+            self._words[self.session.rings.idle_offset // 8] = 0
+            self._idle = self.region.address + self.session.rings.idle_offset
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, "staging_bytes": self.region.length,
                 "shmid": self.shmid, "backing": self.backing, "metrics_endpoint": self.metrics.endpoint}
 
@@ -165,64 +162,44 @@ class Sender:
     def abort_all(self, reason: str) -> None:
         self._apply(self.session.abort_all(reason, now_ms()))
 
-    def _poller(self) -> zmq.Poller:
-        if self._poller_dirty:
-            self.poller = zmq.Poller()
-            self.poller.register(self.ingress, zmq.POLLIN)
-            self.poller.register(self.ucx.epoll_fd, zmq.POLLIN)
-            self.poller.register(self.lifelines.fileno(), zmq.POLLIN)
-            if self.doorbell is not None:
-                self.poller.register(self.doorbell.fileno(), zmq.POLLIN)
-            for sock in self.socks.values():
-                self.poller.register(sock, zmq.POLLIN)
-            self._poller_dirty = False
-        return self.poller
+    def _watched(self) -> tuple[list[int], list[zmq.Socket]]:
+        """The fds the native wait returns on (the sockets' and the lifelines'), and the sockets."""
+        if self._watch_dirty:
+            socks = [self.ingress, *self.socks.values()]
+            self._watch = ([s.getsockopt(zmq.FD) for s in socks] + [self.lifelines.fileno()], socks)
+            self._watch_dirty = False
+        return self._watch
 
     # ---- loop ----
     def step(self, timeout_ms: int) -> None:
-        self._reap()
-        if self.pusher.in_flight:
-            # Flushes in flight. Shared-memory completions need progress, not an fd event, so spin
-            # for a short window after the last post or completion; past it (a slow or stalled
-            # peer) look at the sockets at least every millisecond, without burning a core.
-            timeout_ms = 0 if time.monotonic() < self._spin_until else min(timeout_ms, 1)
+        """One look of the session. Between two, the native wait (``Pusher.wait``) takes the engines' hand-overs,
+        posts their puts and reaps their completions by itself; it returns when a socket or a lifeline has
+        something, a request has all it needs from this side, a receiver failed, a record was refused, or
+        ``timeout_ms`` passed."""
         if self._connecting:
             timeout_ms = min(timeout_ms, 1)  # wire-ups complete on progress: look every millisecond meanwhile
-        if not self.ucx.arm():
+        self._flush_peers()  # nothing for a receiver waits on the wait
+        fds, socks = self._watched()
+        if any(control.readable(s) for s in socks):  # (a zmq socket's fd tells only of what comes after a look)
             timeout_ms = 0
-        if timeout_ms and self._rings:
-            self._idle[0] = 1  # engines that write a record from now on wake this loop (ring.py)
-            self._fence()
-            if self._take_rings():
-                timeout_ms = 0
-        self._flush_peers()  # nothing for a receiver waits on the poll
-        events = dict(self._poller().poll(timeout_ms))
-        if self._idle is not None:
-            self._idle[0] = 0
-        if self.doorbell is not None and self.doorbell.fileno() in events:
-            self.shell_counters["doorbell_rings"] += self.doorbell.drain()  # rung: the rings are taken next
+        ready, rung, refused = self.pusher.wait(
+            timeout_ms / 1000, fds, self.doorbell.fileno() if self.doorbell is not None else -1, self.ucx.epoll_fd,
+            self._idle, SPIN_S, self.cfg.checksums or self.session.wants_each_landing)
+        self.shell_counters["doorbell_rings"] += rung
+        if refused:
+            self._refused(refused)
         self._reap()
-        self._take_rings()
         self.ucx.dispatch_closed()
         for endpoint, sock in list(self.socks.items()):
-            if sock in events:
-                for _ in range(256):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._guard(self._on_peer_frame, endpoint, frames[-1])
-                    if self.socks.get(endpoint) is not sock:
-                        break  # the peer was reset while handling that frame
-        for _ in range(256):
-            try:
-                frames = self.ingress.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+            for frames in control.recv_ready(sock):
+                self._guard(self._on_peer_frame, endpoint, frames[-1])
+                if self.socks.get(endpoint) is not sock:
+                    break  # the peer was reset while handling that frame
+        for frames in control.recv_ready(self.ingress):
             if len(frames) >= 2:
                 self._take_ring(frames[0])  # its records were written before this frame was sent
                 self._guard(self._on_ingress_frame, frames[0], frames[-1])
-        if self.lifelines.fileno() in events:  # after the ingress: what an engine sent before it went counts
+        if self.lifelines.fileno() in ready:  # after the ingress: what an engine sent before it went counts
             self._lifelines()
         self.pusher.post()  # everything handed over in this pass: one batch per receiver
         self._reap()
@@ -271,12 +248,12 @@ class Sender:
             self._settle()
         words = self.pusher.take_words()  # layers' readiness words in the pool (completion on the data path)
         if landed or words:  # (before a failure of the same pass: what completed before it did land)
-            self._spin_until = time.monotonic() + SPIN_S
-            for _, _, seconds in landed:  # one sample per layer that moved: its batch's post-to-flush time
+            for _, _, seconds, _ in landed:  # one sample per layer that moved: its batch's post-to-flush time
                 if seconds >= 0:
                     self.metrics.layer_seconds.observe(seconds)
-            sums = [self._checksum(seq, layer) for seq, layer, _ in landed] if self.cfg.checksums else None
-            self._apply(self.session.on_landed([(seq, layer) for seq, layer, _ in landed], now_ms(), sums, words))
+            sums = [self._checksum(seq, layer) for seq, layer, _, _ in landed] if self.cfg.checksums else None
+            self._apply(self.session.on_landed([(seq, layer) for seq, layer, _, _ in landed], now_ms(), sums, words,
+                                               [int(at * 1000) for _, _, _, at in landed]))
         for eid, status in failed:
             endpoint = self._eid_names[eid]
             err = self.ucx.put_failure(endpoint, status)
@@ -287,20 +264,14 @@ class Sender:
         spans = self.session.layer_checksum_spans(seq, layer)
         return combine_digests([xxhash.xxh3_64_intdigest(array_at(a, n)) for a, n in spans]) if spans else None
 
-    def _take_rings(self) -> int:
-        return self._taken(self.pusher.take(-1))
-
     def _take_ring(self, ident: bytes) -> int:
         """Take the records in ``ident``'s ring (layers handed over); how many."""
         cid = self.conns.ids.get(ident)
-        return self._taken(self.pusher.take(cid)) if cid is not None else 0
-
-    def _taken(self, taken: tuple[int, list]) -> int:
-        n, refused = taken
+        if cid is None:
+            return 0
+        n, refused = self.pusher.take(cid)
         if refused:
             self._refused(refused)
-        if n:
-            self._spin_until = time.monotonic() + SPIN_S
         return n
 
     def _refused(self, refused: list[tuple[int, int, int, int, int]]) -> None:
@@ -384,15 +355,17 @@ class Sender:
         """The native path first (it takes a hand-over of a layer only once granted), then the grant table."""
         for layer, off in a.grants:
             self.pusher.grant(a.handle, layer, off)
-        layers, offs = np.array(a.grants, dtype=np.uint64).T
-        array_at(a.table, (int(layers.max()) + 1) * 8).view(np.uint64)[layers] = offs + 1
+        words, base = self._words, (a.table - self.region.address) // 8
+        for layer, off in a.grants:
+            words[base + layer] = off + 1
 
     def _unplan(self, a: Unplan, _todo) -> None:
         self.pusher.drop_request(a.handle)
         self.conns.unref_request(a.handle)
 
     def _fill_words(self, a: FillWords, _todo) -> None:
-        array_at(a.address, a.count * 8).view(np.uint64)[:] = a.value
+        i = (a.address - self.region.address) // 8
+        self._words[i:i + a.count] = a.value
 
     def _reset_peer(self, a: ResetPeer, _todo) -> None:
         self._flush_peers(a.endpoint)  # what was for the old connection goes on it
@@ -441,7 +414,7 @@ class Sender:
         sock = self.socks.get(endpoint)
         if sock is None:
             sock = self.socks[endpoint] = self._dealer(endpoint)
-            self._poller_dirty = True
+            self._watch_dirty = True
         return sock
 
     def _dealer(self, endpoint: str) -> zmq.Socket:
@@ -537,7 +510,7 @@ class Sender:
         sock = self.socks.pop(endpoint, None)
         if sock is not None:
             sock.close(0)
-            self._poller_dirty = True
+            self._watch_dirty = True
 
     def transports(self) -> dict[str, str]:
         """Each receiver's endpoint: the UCX transports and devices its lanes use (``tcp/eth0``, ...)."""

@@ -9,6 +9,7 @@ stalled) by the test.
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -548,7 +549,8 @@ def test_the_shell_grants_to_the_native_path_before_the_engine_sees_the_grant_ta
 
     from pdpush import sender as shell
 
-    table = np.full(8, 7, dtype=np.uint64)
+    staging = np.full(24, 7, dtype=np.uint64)  # the shell's view of staging's words; the table is 8 of them
+    table = staging[8:16]
     calls: list = []
 
     class Native:
@@ -557,12 +559,14 @@ def test_the_shell_grants_to_the_native_path_before_the_engine_sees_the_grant_ta
 
     s = shell.Sender.__new__(shell.Sender)
     s.pusher = Native()
+    s.region, s._words = types.SimpleNamespace(address=staging.ctypes.data), staging
     s._do(PlanGrants(9, table.ctypes.data, ((1, 4096), (2, 0), (5, 8192))), None)
     assert [c[:3] for c in calls] == [(9, 1, 4096), (9, 2, 0), (9, 5, 8192)]
     assert all((c[3] == 7).all() for c in calls)  # the table only after the native path has every grant
     assert table.tolist() == [7, 4097, 1, 7, 7, 8193, 7, 7]
     s._do(PlanGrants(9, table.ctypes.data, ((6, 12288),)), None)  # one block (a grant an engine asked for)
     assert table.tolist() == [7, 4097, 1, 7, 7, 8193, 12289, 7] and calls[-1][:3] == (9, 6, 12288)
+    assert (staging[:8] == 7).all() and (staging[16:] == 7).all()  # no word outside the table
 
 
 def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_the_batch_goes(monkeypatch):

@@ -20,8 +20,11 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+#include <errno.h>
+#include <poll.h>
 #include <time.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -52,7 +55,8 @@ enum Refusal : int { kOk = 0, kUnknown = 1, kNotYours = 2, kRange = 3, kDuplicat
 
 using Span = std::tuple<uint64_t, uint64_t, uint64_t>;  // (source, destination, bytes)
 using Spans = std::vector<Span>;
-using Landed = std::tuple<uint32_t, uint32_t, double>;   // (handle, layer, seconds from post to flush; < 0: moved nothing)
+// (handle, layer, seconds from post to flush (< 0: moved nothing), when it landed: monotonic seconds)
+using Landed = std::tuple<uint32_t, uint32_t, double, double>;
 using Refused = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, int>;  // (connection, handle, first, n, why)
 
 double monotonic() {
@@ -78,6 +82,8 @@ struct Rank {
 
 struct Req {
     uint32_t eid;
+    uint32_t layers_left = 0;  // layers not landed, and layers whose readiness words are not in: wait() returns
+    uint32_t words_left = 0;   // to the session once both are 0 (it may complete the request)
     std::vector<Layer> layers;
     std::vector<Spans> ready;  // by group: (staging address of the lease words, offset from Layer::ready, bytes)
     std::unordered_map<uint32_t, Rank> ranks;  // by connection
@@ -144,7 +150,9 @@ class Pusher {
         for (const auto &[group, dst, rdy, bytes] : layers) {
             if (group >= ready.size() || bytes > staging_bytes_) throw std::invalid_argument("a layer's group or block does not fit");
             r.layers.push_back(Layer{group, dst, rdy, bytes, tp});
+            r.words_left += !ready[group].empty();
         }
+        r.layers_left = static_cast<uint32_t>(r.layers.size());
         reqs_.insert_or_assign(handle, std::move(r));
     }
 
@@ -181,7 +189,7 @@ class Pusher {
             k.posted[l - k.first] = 1;
             Layer &L = r.layers[l];
             if (!L.bytes) {
-                share(r, handle, l, -1.0);  // nothing moved: no post-to-flush time
+                share(r, handle, l, -1.0, monotonic());  // nothing moved: no post-to-flush time
                 continue;
             }
             const uint64_t src0 = staging_ + L.block - 1;
@@ -255,39 +263,92 @@ class Pusher {
             e.flights.push_back(Flight{std::move(e.shares), now});
             e.shares.clear();
             ++in_flight_;
+            spin_until_ = now + spin_s_;
         }
     }
 
     // Progress the worker, reap every receiver's batches, put the readiness words of the layers that
-    // landed; returns (landed: (handle, layer, seconds), failed: (receiver, UCX status)) since the last call.
+    // landed; returns (landed: (handle, layer, seconds, at), failed: (receiver, UCX status)) since the last call
+    // (wait() gathers them too, for this to return).
     std::pair<std::vector<Landed>, std::vector<std::pair<uint32_t, int>>> poll(double now) {
-        ucp_worker_progress(worker_);
-        if (now < 0) now = monotonic();
-        for (auto &[eid, e] : eps_) {
-            if (e.flights.empty()) continue;
-            for (int st : e.batches->reap(now)) {
-                Flight f = std::move(e.flights.front());
-                e.flights.pop_front();
-                --in_flight_;
-                if (st != UCS_OK) {  // the statuses behind it are its CANCELED flights, which die() dropped
-                    die(eid, e, static_cast<ucs_status_t>(st));
-                    break;
-                }
-                for (const Share &s : f.shares) {
-                    auto it = reqs_.find(s.handle);
-                    if (it == reqs_.end()) continue;
-                    if (s.layer == kWordsOnly)
-                        words_.push_back(s.handle);  // a layer's readiness words are in the pool
-                    else
-                        share(it->second, s.handle, s.layer, now - f.posted);
-                }
-            }
-        }
-        post();
+        reap(now < 0 ? monotonic() : now);
         std::pair<std::vector<Landed>, std::vector<std::pair<uint32_t, int>>> out{std::move(landed_), std::move(failed_)};
         landed_.clear();
         failed_.clear();
         return out;
+    }
+
+    // The sender's loop between two looks of the session: hand-overs taken from the rings (the doorbell woke
+    // it, or the idle word was clear), their puts posted, completions reaped, without the interpreter. Returns
+    // when the session has something to do: one of ``fds`` is readable (its sockets, its lifelines), a request
+    // has every layer landed and every readiness word in, a receiver failed, a record was refused, anything
+    // landed where ``eager`` (engines wait for staging blocks, or layers carry checksums), or ``timeout_s``
+    // passed. After a post or a landing it spins on progress for ``spin_s`` (shared-memory completions need
+    // progress, not an fd event), then sleeps on the fds, the doorbell and the worker's event fd, at most a
+    // millisecond at a time while puts are in flight. ``idle`` is the word engines read to know whether to ring.
+    // Returns (``fds`` readable, doorbell bytes drained, records refused); the landings wait for poll().
+    std::tuple<std::vector<int>, uint64_t, std::vector<Refused>> wait(double timeout_s, const std::vector<int> &fds,
+                                                                       int doorbell, int worker_fd, uintptr_t idle,
+                                                                       double spin_s, bool eager) {
+        if (idle && (idle < staging_ || idle + 8 > staging_ + staging_bytes_ || idle % 8))
+            throw std::invalid_argument("the idle word is outside staging");
+        auto *idle_word = reinterpret_cast<uint64_t *>(idle);
+        std::vector<int> ready;
+        std::vector<Refused> refused;
+        uint64_t rung = 0;
+        std::vector<pollfd> pfds;
+        double now = monotonic();
+        const double deadline = now + std::max(timeout_s, 0.0);
+        spin_s_ = spin_s;
+        wake_ = false;
+        for (;;) {
+            reap(now);
+            auto no = take(-1).second;
+            refused.insert(refused.end(), no.begin(), no.end());
+            post();
+            now = monotonic();
+            if (wake_ || !refused.empty() || !failed_.empty() || (eager && (!landed_.empty() || !words_.empty())) ||
+                now >= deadline)
+                break;
+            if (in_flight_ && now < spin_until_) continue;
+            if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+            if (idle_word && !rings_.empty()) {  // engines that write a record from now on ring (pdpush/ring.py)
+                __atomic_store_n(idle_word, uint64_t{1}, __ATOMIC_RELAXED);
+                __atomic_thread_fence(__ATOMIC_SEQ_CST);
+                bool waiting = false;
+                for (const auto &[id, ring] : rings_) waiting = waiting || ring.pending();
+                if (waiting) {
+                    __atomic_store_n(idle_word, uint64_t{0}, __ATOMIC_RELAXED);
+                    continue;
+                }
+            }
+            pfds.clear();
+            for (int fd : fds) pfds.push_back({fd, POLLIN, 0});
+            if (doorbell >= 0) pfds.push_back({doorbell, POLLIN, 0});
+            pfds.push_back({worker_fd, POLLIN, 0});
+            double left = deadline - now;
+            if (in_flight_) left = std::min(left, 0.001);
+            int rc;
+            {
+                nb::gil_scoped_release unlocked;  // the daemon's other threads (metrics) run meanwhile
+                rc = ::poll(pfds.data(), pfds.size(), static_cast<int>(left * 1000) + 1);
+            }
+            const int err = errno;
+            if (idle_word) __atomic_store_n(idle_word, uint64_t{0}, __ATOMIC_RELAXED);
+            now = monotonic();
+            if (rc < 0) {
+                if (err == EINTR) break;  // a signal: its handler runs in the interpreter
+                throw std::runtime_error("poll in the sender's wait failed: errno " + std::to_string(err));
+            }
+            if (doorbell >= 0 && pfds[fds.size()].revents) {
+                char buf[4096];
+                for (ssize_t n; (n = ::read(doorbell, buf, sizeof buf)) > 0;) rung += static_cast<uint64_t>(n);
+            }
+            for (size_t i = 0; i < fds.size(); ++i)
+                if (pfds[i].revents) ready.push_back(fds[i]);
+            if (!ready.empty()) break;
+        }
+        return {std::move(ready), rung, std::move(refused)};
     }
 
     // The requests one of whose layers' readiness words completed since the last call, one entry per
@@ -339,6 +400,35 @@ class Pusher {
     }
 
   private:
+    void reap(double now) {
+        ucp_worker_progress(worker_);
+        for (auto &[eid, e] : eps_) {
+            if (e.flights.empty()) continue;
+            for (int st : e.batches->reap(now)) {
+                Flight f = std::move(e.flights.front());
+                e.flights.pop_front();
+                --in_flight_;
+                if (st != UCS_OK) {  // the statuses behind it are its CANCELED flights, which die() dropped
+                    die(eid, e, static_cast<ucs_status_t>(st));
+                    break;
+                }
+                spin_until_ = now + spin_s_;  // more may complete soon: wait() keeps progressing a while
+                for (const Share &s : f.shares) {
+                    auto it = reqs_.find(s.handle);
+                    if (it == reqs_.end()) continue;
+                    if (s.layer == kWordsOnly) {
+                        words_.push_back(s.handle);  // a layer's readiness words are in the pool
+                        Req &r = it->second;
+                        if (r.words_left && !--r.words_left && !r.layers_left) wake_ = true;
+                    } else {
+                        share(it->second, s.handle, s.layer, now - f.posted, now);
+                    }
+                }
+            }
+        }
+        post();
+    }
+
     Req &req(uint32_t handle) {
         auto it = reqs_.find(handle);
         if (it == reqs_.end()) throw std::invalid_argument("no plan for request handle " + std::to_string(handle));
@@ -346,11 +436,12 @@ class Pusher {
     }
 
     // One rank's share of ``layer`` is in the pool; the last one lands the layer and puts its readiness words.
-    void share(Req &r, uint32_t handle, uint32_t layer, double seconds) {
+    void share(Req &r, uint32_t handle, uint32_t layer, double seconds, double now) {
         if (layer >= r.layers.size()) return;
         Layer &L = r.layers[layer];
         if (!L.left || --L.left) return;
-        landed_.emplace_back(handle, layer, seconds);
+        landed_.emplace_back(handle, layer, seconds, now);
+        if (r.layers_left && !--r.layers_left && !r.words_left) wake_ = true;
         auto ep = eps_.find(r.eid);
         if (ep == eps_.end()) return;
         for (const auto &[src, dst, n] : r.ready[L.group]) ep->second.ops.emplace_back(src, L.ready + dst, n);
@@ -378,6 +469,8 @@ class Pusher {
     std::vector<uint32_t> words_;
     std::vector<std::pair<uint32_t, int>> failed_;
     size_t in_flight_ = 0;
+    bool wake_ = false;  // a request is complete on this side (wait())
+    double spin_s_ = 0, spin_until_ = 0;  // wait() spins on progress until spin_until_ (a post or a completion + spin_s_)
     uint64_t records_ = 0, layers_ = 0, bytes_ = 0;
 };
 
@@ -402,6 +495,8 @@ void register_pusher(nb::module_ &m) {
         .def("take", &Pusher::take, nb::arg("cid") = -1)
         .def("post", &Pusher::post)
         .def("poll", &Pusher::poll, nb::arg("now") = -1.0)
+        .def("wait", &Pusher::wait, nb::arg("timeout_s"), nb::arg("fds"), nb::arg("doorbell"), nb::arg("worker_fd"),
+             nb::arg("idle"), nb::arg("spin_s"), nb::arg("eager"))
         .def("take_words", &Pusher::take_words)
         .def("close", &Pusher::close)
         .def("pending", &Pusher::pending)

@@ -157,6 +157,11 @@ class StagingGrants:
             self.pump(out)
 
     # ---- grants ----
+    @property
+    def waiting(self) -> bool:
+        """Engines wait for blocks (``pump`` grants them as landings give blocks back)."""
+        return bool(self._queue)
+
     def pump(self, out: list) -> None:
         """Grant the blocks engines wait for, in the order they asked, while they fit."""
         q = self._queue

@@ -220,10 +220,11 @@ class SenderSession:
         return out
 
     def on_landed(self, landed: list[tuple[int, int]], now: int, checksums: list[int | None] | None = None,
-                  words: list[int] | tuple[int, ...] = ()) -> list:
-        """Layers that landed in one loop pass, as (request handle, layer), with their checksums where
+                  words: list[int] | tuple[int, ...] = (), at_ms: list[int] | None = None) -> list:
+        """Layers that landed since the last call, as (request handle, layer), with their checksums where
         they are on (``layer_checksum``: a LayerDone per request carries them), and ``words``: a request handle
-        for each layer whose readiness words are in the pool; then the requests that completed."""
+        for each layer whose readiness words are in the pool; then the requests that completed. ``at_ms``: when
+        each landed (the native path reports landings in batches), else ``now``."""
         out: list = []
         touched: dict[int, TxRequest] = {}
         for seq in words:
@@ -236,7 +237,7 @@ class SenderSession:
             if r is None or r.state is not TxState.STREAMING:
                 continue  # the request ended meanwhile (failed, aborted): nothing to announce
             try:
-                self._landed(r, layer, checksums[i] if checksums else None)
+                self._landed(r, layer, checksums[i] if checksums else None, at_ms[i] if at_ms else now)
                 touched[seq] = r
             except Exception as exc:  # noqa: BLE001 - the top-level guard
                 self._internal("a layer landing", exc, r.req_id, now, out)
@@ -248,6 +249,11 @@ class SenderSession:
                     self._internal("a layer landing", exc, r.req_id, now, out)
         self.grants.pump(out)  # the blocks these layers gave back
         return out
+
+    @property
+    def wants_each_landing(self) -> bool:
+        """Engines wait for staging blocks that landings give back: the shell reports each landing at once."""
+        return self.grants.waiting
 
     def layer_checksum_spans(self, seq: int, layer: int) -> list[tuple[int, int]]:
         """Where a landed layer's shares lie in staging (address, bytes), by TP rank: the shell hashes them
@@ -429,7 +435,7 @@ class SenderSession:
             raise RemoteProtocolError(f"layer_ready for {r.req_id!r} names a layer twice: {msg.layers}")
         out.append(Hand(ident, r.seq, tuple(msg.layers)))
 
-    def _landed(self, r: TxRequest, layer: int, digest: int | None) -> None:
+    def _landed(self, r: TxRequest, layer: int, digest: int | None, at: int) -> None:
         """Every share of ``layer`` is flushed (its readiness words are on their way): count it, give its
         block back, and queue it for the request's next look (``_announce``)."""
         if layer in r.layers_done:
@@ -444,21 +450,21 @@ class SenderSession:
         r.bytes_sent += r.plan.layer_bytes(layer)
         r.layers_done.add(layer)
         self.grants.land(r, layer)
-        r.unannounced.append((layer, digest))
+        r.unannounced.append((layer, digest, at))
 
     def _announce(self, r: TxRequest, now: int, out: list) -> None:
         """Count the layers flushed since the last look (a LayerDone carries their checksums, where they are on);
         commit once all are in."""
         done, r.unannounced = r.unannounced, []
         if done:
-            nbytes = sum(r.plan.layer_bytes(la) for la, _ in done)
+            nbytes = sum(r.plan.layer_bytes(la) for la, _, _ in done)
             self.counters.count(out, "bytes_pushed", nbytes, "bytes")
             self.counters.count(out, "layers_pushed", len(done), "layers")
-            summed = [(la, c) for la, c in done if c is not None]
+            summed = [(la, c) for la, c, _ in done if c is not None]
             if summed:  # only a checksum needs a notice per layer; readiness words tell the rest, the Commit covers it
                 out.append(ToPeer(r.peer.endpoint, LayerDone(req_id=r.req_id, layers=[la for la, _ in summed],
                                                              checksums=[c for _, c in summed])))
-            r.layer_done_ms.extend([float(now - r.t0_ms)] * len(done))
+            r.layer_done_ms.extend(float(at - r.t0_ms) for _, _, at in done)
         self._complete(r, now, out)
 
     def _finish(self, ident: bytes, msg: Finish, now: int, out: list) -> None:

@@ -116,7 +116,7 @@ class TxRequest(Participants):
     pool: PoolGeometry | None = None  # the receiver's pool
     layer_puts: list[int] = field(default_factory=list)  # by layer: puts of one rank's share (put_plan.layer_puts)
     layers_done: set[int] = field(default_factory=set)  # landed: every rank's share flushed
-    unannounced: list[tuple[int, int | None]] = field(default_factory=list)  # (layer, checksum) flushed, no notice yet
+    unannounced: list[tuple[int, int | None, int]] = field(default_factory=list)  # (layer, checksum, landed ms): no notice yet
     puts: int = 0
     bytes_sent: int = 0
     layer_done_ms: list[float] = field(default_factory=list)
