@@ -20,6 +20,8 @@ order, at memcpy speed) where it is installed, else by the array library.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +33,7 @@ Segment = tuple[int, int, int]
 
 
 def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
+    return type(x) is not np.ndarray and type(x).__module__.startswith("torch")  # (asked several times a layer)
 
 
 def _perm(x, *axes):
@@ -96,17 +98,17 @@ def _host_bytes(x):
     return x.numpy() if x.device.type == "cpu" else None
 
 
-def _stage_natively(dst, rows: list, h0: int, units: int, hu: int, T: int, segs: list[Segment]) -> bool:
+def _stage_natively(dst, rows: list, plan: StagePlan) -> bool:
     """``stage``'s whole-heads case in one native call (``_copy.stage_pages``) where the arrays are on the
     host and the native build has it; False where it cannot (the caller then writes the pages itself)."""
-    fn = getattr(_native(), "stage_pages", None)
+    fn = plan.native
     if fn is None:
         return False
     d = _host_bytes(dst)
     srcs = [_host_bytes(r) for r in rows]
     if d is None or any(r is None for r in srcs) or not d.flags.c_contiguous:
         return False
-    fn(d.reshape(-1), srcs, h0, units, hu, T, np.array(segs, dtype=np.int64).reshape(-1, 3))
+    fn(d.reshape(-1), srcs, plan.page_head, plan.Ur, plan.hu, plan.layout.chunk_tokens, plan.seg_array)
     return True
 
 
@@ -191,44 +193,86 @@ def _write_rows(dst, rows: Sequence, r0: int, C: int, T: int, segs: list[Segment
                     _zero(dst[j0 + full, at + z - ta:at + tb - ta])
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """What ``stage`` decides from a request alone (its shares, the rank, the new chunks' segments), once per
+    request and layer group: a layer's staging then costs its copy and the checks of its inputs."""
+
+    shares: StagingShares
+    rank: int
+    segs: list[Segment]
+    h0: int  # the rank's heads [h0, h1) of the model's
+    h1: int
+    need: int  # token rows the inputs must have
+    Ur: int  # share_shape: units of the rank, new pages, bytes of a unit
+    n: int
+    ub: int
+    b0: int  # the rank's bytes of a page (share_span)
+    b1: int
+    hu: int  # heads of a unit, where units are whole heads (heads_aligned)
+    page_head: int  # the rank's first head in a page, where units are whole heads
+    seg_array: np.ndarray  # segs as int64 [-1, 3], for the native call
+    native: Any  # _copy.stage_pages where the native build has it and units are whole heads, else None
+
+    @property
+    def layout(self):
+        return self.shares.layout
+
+
+def stage_plan(shares: StagingShares, rank: int, segs: list[Segment]) -> StagePlan:
+    """``stage``'s decisions for rank ``rank``'s share of a layer group's layers (``StagePlan``)."""
+    lay = shares.layout
+    h0, h1 = rank_heads(lay.kv_heads, shares.tp, rank)
+    Ur, n, ub = shares.share_shape()
+    b0, b1 = shares.share_span(rank)
+    aligned = shares.heads_aligned
+    return StagePlan(shares, rank, segs, h0, h1, max((s0 + m for _, s0, m in segs), default=0), Ur, n, ub, b0, b1,
+                     lay.kv_heads // shares.units if aligned else 0, b0 // lay.head_page_bytes if aligned else 0,
+                     np.array(segs, dtype=np.int64).reshape(-1, 3),
+                     getattr(_native(), "stage_pages", None) if aligned else None)
+
+
 def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Segment]) -> None:
     """Write rank ``rank``'s share of one layer into ``dst``, the share's staging bytes (uint8, flat or
     ``share_shape``), from ``comps``: the layer's C components ``[tokens, heads, D]``, holding the heads
     this rank holds (``rank_heads``) or every head of the model. The tail rows of a partial last chunk
     are zeroed, so staging never carries bytes of an earlier request to another receiver."""
-    lay = shares.layout
+    stage_planned(dst, comps, stage_plan(shares, rank, segs))
+
+
+def stage_planned(dst, comps: Sequence, plan: StagePlan) -> None:
+    """``stage`` with its plan made (``stage_plan``): an engine makes it once per request and layer group."""
+    shares, lay = plan.shares, plan.layout
     C, T, rb = lay.components, lay.chunk_tokens, lay.row_bytes
     if len(comps) != C:
         raise ValueError(f"{lay.kind} KV has {C} components per layer, got {len(comps)}")
     rows = [as_row_bytes(x, rb) for x in comps]
     if any(r.shape[:2] != rows[0].shape[:2] for r in rows):
         raise ValueError(f"components of different shapes: {[tuple(r.shape) for r in rows]}")
-    if _is_torch(rows[0]) and not _is_torch(dst):
+    torch_rows = _is_torch(rows[0])
+    if torch_rows and not _is_torch(dst):
         import torch
 
         dst = torch.from_numpy(dst)
-    elif not _is_torch(rows[0]) and _is_torch(dst):
+    elif not torch_rows and _is_torch(dst):
         rows = [_as_torch(r, dst) for r in rows]
-    h0, h1 = rank_heads(lay.kv_heads, shares.tp, rank)
+    h0, h1 = plan.h0, plan.h1
     if rows[0].shape[1] == lay.kv_heads and h1 - h0 != lay.kv_heads:
         rows = [r[:, h0:h1] for r in rows]  # every head given: this rank's
     if rows[0].shape[1] != h1 - h0:
-        raise ValueError(f"got {rows[0].shape[1]} heads; rank {rank} of {shares.tp} holds {h1 - h0} "
+        raise ValueError(f"got {rows[0].shape[1]} heads; rank {plan.rank} of {shares.tp} holds {h1 - h0} "
                          f"(of {lay.kv_heads})")
-    need = max((s0 + m for _, s0, m in segs), default=0)
-    if rows[0].shape[0] < need:
-        raise ValueError(f"got {rows[0].shape[0]} token rows, need {need}")
-    Ur, n, ub = shares.share_shape()
-    b0, b1 = shares.share_span(rank)
-    if shares.heads_aligned and _stage_natively(dst, rows, b0 // lay.head_page_bytes, Ur,
-                                                lay.kv_heads // shares.units, T, segs):
+    if rows[0].shape[0] < plan.need:
+        raise ValueError(f"got {rows[0].shape[0]} token rows, need {plan.need}")
+    Ur, n, ub, b0, b1, segs = plan.Ur, plan.n, plan.ub, plan.b0, plan.b1, plan.segs
+    if _stage_natively(dst, rows, plan):
         return
     rows = [_items(r, rb) for r in rows]
     if shares.heads_aligned:  # each unit is whole heads: write the pages straight into staging
-        hu = lay.kv_heads // shares.units
+        hu = plan.hu
         d = _items(dst.reshape(Ur, n, hu, C, T, rb), rb)
         for u in range(Ur):
-            _write_pages(d[u], rows, b0 // lay.head_page_bytes + u * hu, T, segs)
+            _write_pages(d[u], rows, plan.page_head + u * hu, T, segs)
         return
     if b0 % rb == 0 and ub % rb == 0:  # a unit is whole rows of a head (an MLA latent's T/U token rows, or K or
         d = _items(dst.reshape(Ur, n, ub // rb, rb), rb)  # V of a replicated head): straight into staging

@@ -62,6 +62,7 @@ class PushHandle:
         self.plan = RequestPlan(lay, tokens, self.already_sent_indexes)
         self._shares = [StagingShares(lay, tp_size, ok.pool_shards, gp.n_new) for gp in self.plan.groups]
         self._segs: dict[tuple[int, bool], list] = {}
+        self._stage_plans: dict[tuple[int, bool], kvcodec.StagePlan] = {}  # stage_plan: by (group, new_only)
         # group 0's (every layer's, where the model has one layer group: no sliding windows; none without
         # attention layers)
         g0 = self.plan.groups[0] if self.plan.groups else None
@@ -96,6 +97,16 @@ class PushHandle:
         if key not in self._segs:
             self._segs[key] = kvcodec.segments(gp.new_runs, self.tokens, self.client.layout.chunk_tokens, new_only)
         return self._segs[key]
+
+    def stage_plan(self, layer: int, new_only: bool = False) -> kvcodec.StagePlan:
+        """``kvcodec.stage_plan`` of this rank's share of ``layer``: the same for every layer of its group."""
+        gp = self.plan.of(layer)
+        key = (gp.group.index, new_only)
+        plan = self._stage_plans.get(key)
+        if plan is None:
+            plan = self._stage_plans[key] = kvcodec.stage_plan(self._shares[gp.group.index], self.tp_rank,
+                                                               self.layer_segments(layer, new_only))
+        return plan
 
     def staging_layer(self, layer: int) -> np.ndarray:
         """Raw writable bytes of this rank's share of layer ``layer``, shaped ``StagingShares.share_shape``
@@ -158,8 +169,7 @@ class PushHandle:
         A tensor on a device is copied to the host first."""
         comps = tuple(on_host(x) for x in comps)
         try:
-            kvcodec.stage(self.staging_layer(layer), comps, self.layer_shares(layer), self.tp_rank,
-                          self.layer_segments(layer, new_only))
+            kvcodec.stage_planned(self.staging_layer(layer), comps, self.stage_plan(layer, new_only))
         except ValueError as e:
             raise ValueError(f"layer {layer}: {e}") from None
 
