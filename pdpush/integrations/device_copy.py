@@ -134,7 +134,8 @@ class D2HStager:
             return comps, dst, None
         src = torch.empty(dst.numel(), dtype=torch.uint8, device=comps[0].device)
         try:
-            kvcodec.stage_planned(src, comps, handle.stage_plan(layer, self._index[handle]))
+            kvcodec.stage(src, comps, handle.layer_shares(layer), handle.tp_rank,
+                          handle.layer_segments(layer, self._index[handle]))
         except ValueError as e:
             raise ValueError(f"layer {layer}: rank {handle.tp_rank}: {e}") from None
         return comps, dst, src
