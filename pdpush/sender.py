@@ -163,10 +163,12 @@ class Sender:
         self._apply(self.session.abort_all(reason, now_ms()))
 
     def _watched(self) -> tuple[list[int], list[zmq.Socket]]:
-        """The fds the native wait returns on (the sockets' and the lifelines'), and the sockets."""
+        """The fds the native wait returns on (the sockets', the lifelines' and UCX's closed endpoints'), and the
+        sockets."""
         if self._watch_dirty:
             socks = [self.ingress, *self.socks.values()]
-            self._watch = ([s.getsockopt(zmq.FD) for s in socks] + [self.lifelines.fileno()], socks)
+            self._watch = ([s.getsockopt(zmq.FD) for s in socks] + [self.lifelines.fileno(), self.ucx.closed_fd],
+                           socks)
             self._watch_dirty = False
         return self._watch
 
@@ -184,7 +186,7 @@ class Sender:
             timeout_ms = 0
         ready, rung, refused = self.pusher.wait(
             timeout_ms / 1000, fds, self.doorbell.fileno() if self.doorbell is not None else -1, self.ucx.epoll_fd,
-            self._idle, SPIN_S, self.cfg.checksums or self.session.wants_each_landing)
+            self._idle, SPIN_S, self.cfg.checksums or bool(self._unsettled) or self.session.wants_each_landing)
         self.shell_counters["doorbell_rings"] += rung
         if refused:
             self._refused(refused)

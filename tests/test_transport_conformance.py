@@ -282,8 +282,8 @@ def test_the_native_path_posts_each_layer_handed_over_and_lands_it_in_order_with
         pu.post()
         assert pu.in_flight == 1  # one batch: every layer handed over in the pass
         landed, failed = _poll(pu, 4)
-        assert failed == [] and [(h, la) for h, la, _ in landed] == [(7, la) for la in range(4)]
-        assert all(s >= 0 for _, _, s in landed) and pu.in_flight == 1  # the readiness words' batch
+        assert failed == [] and [(h, la) for h, la, _, _ in landed] == [(7, la) for la in range(4)]
+        assert all(s >= 0 for _, _, s, _ in landed) and pu.in_flight == 1  # the readiness words' batch
         _poll(pu, 0)
         deadline = time.monotonic() + 10
         while pu.in_flight:
@@ -327,9 +327,9 @@ def test_the_native_path_lands_a_layer_once_every_tp_rank_s_share_is_in(world):
         assert pu.hand(4, 5, 1, 1) == 0 and pu.hand(4, 5, 0, 1) == 0
         pu.post()
         landed, _ = _poll(pu, 2)
-        assert sorted((h, la) for h, la, _ in landed) == [(5, 0), (5, 1)]
+        assert sorted((h, la) for h, la, _, _ in landed) == [(5, 0), (5, 1)]
         _request(pu, src, p, 6, layers=2, moves=False)  # nothing new to move: it lands as it is handed over
-        assert pu.hand(3, 6, 0, 2) == 0 and [(h, la) for h, la, s in pu.poll()[0]] == [(6, 0), (6, 1)]
+        assert pu.hand(3, 6, 0, 2) == 0 and [(h, la) for h, la, _, _ in pu.poll()[0]] == [(6, 0), (6, 1)]
     finally:
         pu.close()
 
@@ -358,7 +358,7 @@ def test_the_native_path_times_a_stalled_receiver_out_and_holds_nothing_else(wor
             assert pu.hand(3, 2, la, 1) == 0
             pu.post()
             landed, failed = _poll(pu, 1)
-            assert [(h, x) for h, x, _ in landed] == [(2, la)] and failed == []
+            assert [(h, x) for h, x, _, _ in landed] == [(2, la)] and failed == []
         landed, failed = _poll(pu, 1, timeout_s=10)
         assert landed == [] and failed == [(1, native.TIMED_OUT)] and time.monotonic() - t0 >= 1.0
         assert pu.hand(3, 1, 0, 1) == 1  # a failed receiver takes nothing more (the session ends its requests)
@@ -368,6 +368,96 @@ def test_the_native_path_times_a_stalled_receiver_out_and_holds_nothing_else(wor
             pu.poll()
     finally:
         pu.close()
+
+
+@pytest.mark.parametrize("env", [{}, TCP], ids=["default", "tcp"])
+def test_the_native_wait_runs_the_layers_and_returns_only_when_the_session_has_something_to_do(world, env):
+    """``Pusher.wait``, the sender's loop between two looks of its session: it takes the ring's records when
+    the doorbell rings (its idle word set while it sleeps), puts them and reaps them by itself, and returns
+    for a request whose every layer landed with its readiness words, for any landing when ``eager``, for a
+    refused record, for a readable fd of the session's, or at its timeout; never for a layer in between."""
+    import threading
+
+    from pdpush import ring
+
+    make, peer = world
+    w, src = make(env)
+    p, ep = peer(w, env)
+    data = np.random.default_rng(5).integers(0, 256, 2 * LB, dtype=np.uint8)
+    array_at(src.address, 2 * LB)[:] = data
+    array_at(src.address + WORDS_AT, 8).view(np.uint64)[0] = 0x5EED  # the lease id, put as readiness words
+    slots = array_at(src.address + RING_AT, 16 * 8).view(np.uint64)
+    slots[:] = 0
+    idle = src.address + RING_AT + 16 * 8  # the idle word, after the ring
+    idle_word = array_at(idle, 8).view(np.uint64)
+    idle_word[0] = 0
+    sock_r, sock_w = os.pipe()  # stands for one of the session's fds (a socket's, the lifelines')
+    bell_r, bell_w = os.pipe()
+    os.set_blocking(bell_r, False)
+    records = iter(range(16))
+    seen_idle: list[int] = []
+    pu = _pusher(w, src)
+
+    def wait(timeout_s: float, eager: bool = False):
+        t = time.monotonic()
+        out = pu.wait(timeout_s, [sock_r], bell_r, w.epoll_fd, idle, 0.002, eager)
+        return out, time.monotonic() - t
+
+    def hand_later(handle: int, layer: int) -> threading.Thread:
+        def hand() -> None:  # an engine: its record, then the bell (the sender said it was idle)
+            time.sleep(0.05)
+            seen_idle.append(int(idle_word[0]))
+            slots[next(records)] = ring.encode(handle, layer, 1)
+            os.write(bell_w, b"\x01")
+
+        th = threading.Thread(target=hand)
+        th.start()
+        return th
+
+    try:
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        pu.add_ring(3, src.address + RING_AT, 16)
+        _request(pu, src, p, 7, layers=2)
+        out, took = wait(0.3)
+        assert out == ([], 0, []) and took >= 0.3  # nothing to do: it sleeps to its timeout
+        th = hand_later(7, 0)
+        (ready, rung, refused), took = wait(0.6)
+        th.join()
+        # layer 0 went out and landed while it slept on: not the request's last, nothing for the session yet
+        assert (ready, rung, refused) == ([], 1, []) and took >= 0.6 and seen_idle == [1] and idle_word[0] == 0
+        landed, failed = pu.poll()
+        assert [(h, la) for h, la, _, _ in landed] == [(7, 0)] and failed == []
+        th = hand_later(7, 1)
+        t_last = time.monotonic()
+        (ready, rung, refused), took = wait(10)
+        th.join()
+        assert (ready, rung, refused) == ([], 1, []) and took < 5  # the last layer and every word are in
+        landed, _ = pu.poll()
+        assert [(h, la) for h, la, _, _ in landed] == [(7, 1)] and sorted(pu.take_words()) == [7, 7]
+        assert t_last <= landed[0][3] <= time.monotonic()  # when it landed, on time.monotonic()'s clock
+
+        _request(pu, src, p, 8, layers=2)
+        slots[next(records)] = ring.encode(8, 0, 1)  # taken at once: no bell needed while it is awake
+        (ready, rung, refused), took = wait(10, eager=True)
+        assert (ready, refused) == ([], []) and took < 5  # eager: a landing is enough
+        assert [(h, la) for h, la, _, _ in pu.poll()[0]] == [(8, 0)]
+
+        slots[next(records)] = ring.encode(99, 0, 1)  # a request it does not know
+        (ready, rung, refused), took = wait(10)
+        assert refused == [(3, 99, 0, 1, 1)] and took < 5
+        os.write(sock_w, b"\x01")
+        (ready, rung, refused), took = wait(10)
+        assert ready == [sock_r] and took < 5
+    finally:
+        pu.close()
+        for fd in (sock_r, sock_w, bell_r, bell_w):
+            os.close(fd)
+    remote = Attached(p.info["shmid"], REGION)
+    try:
+        assert np.array_equal(remote.array[:2 * LB], data)
+        assert list(remote.array[READY_AT:READY_AT + 16].view(np.uint64)) == [0x5EED] * 2
+    finally:
+        remote.close()
 
 
 @pytest.mark.parametrize("env", [{}, TCP], ids=["default", "tcp"])

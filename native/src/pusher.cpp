@@ -284,8 +284,9 @@ class Pusher {
     // has every layer landed and every readiness word in, a receiver failed, a record was refused, anything
     // landed where ``eager`` (engines wait for staging blocks, or layers carry checksums), or ``timeout_s``
     // passed. After a post or a landing it spins on progress for ``spin_s`` (shared-memory completions need
-    // progress, not an fd event), then sleeps on the fds, the doorbell and the worker's event fd, at most a
-    // millisecond at a time while puts are in flight. ``idle`` is the word engines read to know whether to ring.
+    // progress, not an fd event), looking at ``fds`` every 50 us, then sleeps on the fds, the doorbell and the
+    // worker's event fd, at most a millisecond at a time while puts are in flight. ``idle`` is the word engines
+    // read to know whether to ring.
     // Returns (``fds`` readable, doorbell bytes drained, records refused); the landings wait for poll().
     std::tuple<std::vector<int>, uint64_t, std::vector<Refused>> wait(double timeout_s, const std::vector<int> &fds,
                                                                        int doorbell, int worker_fd, uintptr_t idle,
@@ -296,8 +297,28 @@ class Pusher {
         std::vector<int> ready;
         std::vector<Refused> refused;
         uint64_t rung = 0;
-        std::vector<pollfd> pfds;
-        double now = monotonic();
+        std::vector<pollfd> pfds;  // the session's fds, then the doorbell's, then the worker's
+        for (int fd : fds) pfds.push_back({fd, POLLIN, 0});
+        if (doorbell >= 0) pfds.push_back({doorbell, POLLIN, 0});
+        pfds.push_back({worker_fd, POLLIN, 0});
+        const nfds_t mine = fds.size();
+        // the session's fds that are readable: ``ms`` 0 asks without waiting; else it sleeps on every fd
+        auto look = [&](nfds_t n, int ms) {
+            int rc;
+            if (ms) {
+                nb::gil_scoped_release unlocked;  // the daemon's other threads (metrics) run meanwhile
+                rc = ::poll(pfds.data(), n, ms);
+            } else {
+                rc = ::poll(pfds.data(), n, 0);
+            }
+            const int err = errno;
+            if (rc < 0 && err != EINTR)
+                throw std::runtime_error("poll in the sender's wait failed: errno " + std::to_string(err));
+            for (nfds_t i = 0; rc > 0 && i < mine; ++i)
+                if (pfds[i].revents) ready.push_back(pfds[i].fd);
+            return rc >= 0;  // false: a signal, whose handler runs in the interpreter
+        };
+        double now = monotonic(), looked = now;
         const double deadline = now + std::max(timeout_s, 0.0);
         spin_s_ = spin_s;
         wake_ = false;
@@ -307,11 +328,16 @@ class Pusher {
             refused.insert(refused.end(), no.begin(), no.end());
             post();
             now = monotonic();
-            if (wake_ || !refused.empty() || !failed_.empty() || (eager && (!landed_.empty() || !words_.empty())) ||
-                now >= deadline)
+            if (wake_ || !ready.empty() || !refused.empty() || !failed_.empty() ||
+                (eager && (!landed_.empty() || !words_.empty())) || now >= deadline)
                 break;
-            if (in_flight_ && now < spin_until_) continue;
-            if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+            if ((in_flight_ && now < spin_until_) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
+                if (now - looked >= 50e-6) {  // spinning on progress: the sockets still get a look every 50 us
+                    looked = now;
+                    if (!look(mine, 0)) break;
+                }
+                continue;
+            }
             if (idle_word && !rings_.empty()) {  // engines that write a record from now on ring (pdpush/ring.py)
                 __atomic_store_n(idle_word, uint64_t{1}, __ATOMIC_RELAXED);
                 __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -322,32 +348,19 @@ class Pusher {
                     continue;
                 }
             }
-            pfds.clear();
-            for (int fd : fds) pfds.push_back({fd, POLLIN, 0});
-            if (doorbell >= 0) pfds.push_back({doorbell, POLLIN, 0});
-            pfds.push_back({worker_fd, POLLIN, 0});
             double left = deadline - now;
             if (in_flight_) left = std::min(left, 0.001);
-            int rc;
-            {
-                nb::gil_scoped_release unlocked;  // the daemon's other threads (metrics) run meanwhile
-                rc = ::poll(pfds.data(), pfds.size(), static_cast<int>(left * 1000) + 1);
-            }
-            const int err = errno;
+            const bool slept = look(pfds.size(), static_cast<int>(left * 1000) + 1);
             if (idle_word) __atomic_store_n(idle_word, uint64_t{0}, __ATOMIC_RELAXED);
-            now = monotonic();
-            if (rc < 0) {
-                if (err == EINTR) break;  // a signal: its handler runs in the interpreter
-                throw std::runtime_error("poll in the sender's wait failed: errno " + std::to_string(err));
-            }
-            if (doorbell >= 0 && pfds[fds.size()].revents) {
+            looked = now = monotonic();
+            if (!slept) break;
+            if (doorbell >= 0 && pfds[mine].revents) {
                 char buf[4096];
                 for (ssize_t n; (n = ::read(doorbell, buf, sizeof buf)) > 0;) rung += static_cast<uint64_t>(n);
             }
-            for (size_t i = 0; i < fds.size(); ++i)
-                if (pfds[i].revents) ready.push_back(fds[i]);
-            if (!ready.empty()) break;
+            // (a readable fd of the session's ends the wait at the top, after the rings rung meanwhile are taken)
         }
+        if (ready.empty()) look(mine, 0);  // what the session has to read, whatever ended the wait
         return {std::move(ready), rung, std::move(refused)};
     }
 

@@ -135,6 +135,11 @@ class Transport(Protocol):
         """Run the close callbacks of endpoints that failed or closed since the last call."""
         ...
 
+    @property
+    def closed_fd(self) -> int:
+        """An fd readable while an endpoint has failed or closed and ``dispatch_closed`` has not run."""
+        ...
+
     def pusher(self, address: int, length: int, timeout_s: float):
         """The native per-layer data plane over this transport, for the staging region at ``address``."""
         ...

@@ -12,6 +12,7 @@ Every UcpError is mapped to a pdpush TransportError here; none escapes. Loads UC
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -94,6 +95,7 @@ class _Closable:
         if self.error is None:
             self.error = why
         self._worker._closed.append(self)
+        self._worker._signal_closed()
 
     def peer(self) -> str:
         """The address of its other end (``ip:port``), or its name where UCX cannot say."""
@@ -411,6 +413,9 @@ class UcxWorker:
         self._on_accept: Callable[[AcceptedEndpoint], None] | None = None
         self._err_cb = ucp.ERR_CB(self._ep_failed)  # kept alive with the worker
         self._orphans: list[Completion] = []  # batches of endpoints closed while in flight
+        # readable while an endpoint's close waits for dispatch_closed: a loop that sleeps elsewhere (the
+        # sender's native wait) watches it
+        self._closed_r, self._closed_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def describe(self) -> dict:
         """This worker's UCX: version, library, how it was chosen, and every transport/device it can use."""
@@ -433,8 +438,22 @@ class UcxWorker:
 
         return Pusher(self.worker.handle, address, length, MAX_PUT_BYTES, timeout_s)
 
+    @property
+    def closed_fd(self) -> int:
+        """Readable while an endpoint has closed and ``dispatch_closed`` has not run its callbacks."""
+        return self._closed_r
+
+    def _signal_closed(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: readable already
+            os.write(self._closed_w, b"\x01")
+
     def dispatch_closed(self) -> None:
         """Run on_close callbacks of endpoints that closed since the last call."""
+        if not self._closed:
+            return
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._closed_r, 4096):
+                pass
         while self._closed:
             self._closed.pop(0)._run_close_callbacks()
 
