@@ -314,6 +314,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 | #22, 2026-12-02: an idle sender woken by a byte in a FIFO it polls (`doorbell.py`), not a ZeroMQ `Wake`; same run, by message in brackets (`make bench`) | 1.34 ms (1.61) | 26 us (33) | 5,951 (5,983) |
 | #36, 2026-12-03: completion on the data path (no Commit/CommitAck: 2 control messages a request) | 1.58 ms | 36 us | 5,987 |
 | #36, 2026-12-04: the decode client's spin no longer cut off at `nap_window_s` (it then waited 1 ms on the receiver's mail with the words already in: in words mode no notice comes), a layer's words read with one compare (9.5 -> 2 us); the sender's grants one action a request (82 -> 22 actions) (`make bench`) | 0.53 ms | 3.5 us | 6,311 |
+| #36, 2026-12-04, later: the sender's loop between two looks of its session native (`Pusher.wait`: rings, posts, reaping, the doorbell and the sockets' fds; back to Python when a request has all it needs or a socket has a frame); the engines' staging planned once a request (`kvcodec.stage_plan`: 36 -> 12 us a 64 KiB layer); sender CPU per 1,000 layers 85 -> 55 ms (`make bench`) | 0.44 ms | -1.4 us | 9,292 |
 
 - Kept: batched notices, one batch per pass, readiness words after the flush, the bounded spin. The
   readiness words take the receiver and two ZeroMQ hops off the critical path (a test stops the
