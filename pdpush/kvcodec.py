@@ -193,7 +193,7 @@ def _write_rows(dst, rows: Sequence, r0: int, C: int, T: int, segs: list[Segment
                     _zero(dst[j0 + full, at + z - ta:at + tb - ta])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (its arrays compare elementwise: plans are not compared)
 class StagePlan:
     """What ``stage`` decides from a request alone (its shares, the rank, the new chunks' segments), once per
     request and layer group: a layer's staging then costs its copy and the checks of its inputs."""
