@@ -85,7 +85,6 @@ class Sender:
         self._watch_dirty = True  # the fds and sockets the native wait watches for the loop (_watched)
         self._last_refresh = 0.0
         self._last_tick = 0
-        self._rings = 0  # hand-over rings open (read by the pusher)
         self._idle = 0  # the sender's idle word in staging (ring.py), set while it sleeps: its address
         self.doorbell = None  # the FIFO engines ring to wake it (doorbell.py), with the rings
         self.keys = None
@@ -375,13 +374,11 @@ class Sender:
 
     def _open_ring(self, a: OpenRing, _todo) -> None:
         self.pusher.add_ring(self.conns.ref(a.ident), a.address, a.slots)
-        self._rings += 1
 
     def _close_ring(self, a: CloseRing, _todo) -> None:
         cid = self.conns.ids.get(a.ident)
         if cid is not None:
             self.pusher.drop_ring(cid)
-            self._rings -= 1
             self.conns.unref(a.ident)
 
     # ---- receivers ----

@@ -29,7 +29,4 @@ void register_ring(nb::module_ &m) {
             "``limit`` (0: the ring's slots, which is every record written before the call).")
         .def("pending", &pdpush::Ring::pending, "Whether a record waits (without taking it).")
         .def_prop_ro("taken", &pdpush::Ring::taken, "Records taken so far.");
-    m.def(
-        "fence", [] { __atomic_thread_fence(__ATOMIC_SEQ_CST); },
-        "A full memory fence: the sender's idle word is visible before it looks at the rings again.");
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["CANCELED", "TIMED_OUT", "Batches", "Pusher", "Ring", "UcpError", "fence", "progress", "put_loop"]
+__all__ = ["CANCELED", "TIMED_OUT", "Batches", "Pusher", "Ring", "UcpError", "progress", "put_loop"]
 
 
 def __getattr__(name: str):
