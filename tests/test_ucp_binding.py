@@ -113,3 +113,22 @@ def test_alloc_is_sysv_and_attachable():
         other.close()
     finally:
         region.close()
+
+
+def test_a_closed_worker_gives_back_its_close_signal_pipe():
+    """``UcxWorker.closed_fd`` is a pipe the error callback writes: closing the worker closes both ends, and a
+    late callback's signal is dropped, not written to a reused fd."""
+    from pdpush.transport.ucx import UcxWorker
+
+    w = UcxWorker()
+    r, wr = w._closed_r, w._closed_w
+    inodes = {fd: os.fstat(fd).st_ino for fd in (r, wr)}
+    w.close()
+    assert w.closed_fd == -1
+    for fd, ino in inodes.items():
+        try:
+            assert os.fstat(fd).st_ino != ino, f"fd {fd} still holds the worker's pipe"
+        except OSError:
+            pass  # closed, and not reused
+    w._signal_closed()  # an endpoint's error callback after close: nothing to write to
+    w.close()  # twice: nothing left to close

@@ -444,6 +444,8 @@ class UcxWorker:
         return self._closed_r
 
     def _signal_closed(self) -> None:
+        if self._closed_w < 0:  # the worker is closed (UCX runs this callback only inside progress)
+            return
         with contextlib.suppress(BlockingIOError):  # full: readable already
             os.write(self._closed_w, b"\x01")
 
@@ -452,7 +454,7 @@ class UcxWorker:
         if not self._closed:
             return
         with contextlib.suppress(BlockingIOError):
-            while os.read(self._closed_r, 4096):
+            while self._closed_r >= 0 and os.read(self._closed_r, 4096):
                 pass
         while self._closed:
             self._closed.pop(0)._run_close_callbacks()
@@ -603,3 +605,7 @@ class UcxWorker:
         if self.listener is not None:
             self.listener.destroy()
             self.listener = None
+        for fd in (self._closed_r, self._closed_w):  # the close-signal pipe (closed_fd); a later callback skips it
+            if fd >= 0:
+                os.close(fd)
+        self._closed_r = self._closed_w = -1
