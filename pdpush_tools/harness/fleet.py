@@ -47,10 +47,11 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group (its engine core is
     a child process), stopped by the group's id. ``kv_events``: its ``--kv-events-config``
     (``kv_events_config``). ``restart`` stops it and starts it again with the same arguments: the same
-    port and event endpoints, an empty cache."""
+    port and event endpoints, an empty cache. ``cpus``: the CPUs it and its engine core run on (``taskset``;
+    the engine's OpenMP threads follow its affinity, one per CPU)."""
 
     def __init__(self, role: str, model: Path, ktc: dict | None, log: Path, llm_args: dict | None = None,
-                 env: dict | None = None, kv_events: dict | None = None) -> None:
+                 env: dict | None = None, kv_events: dict | None = None, cpus: str | None = None) -> None:
         self.role, self.log, self.kv_events = role, log, kv_events
         self.starts = 0
         self.port = free_port()
@@ -69,7 +70,7 @@ class Server:
             args += ["--kv-transfer-config", json.dumps(ktc)]
         if kv_events is not None:
             args += ["--kv-events-config", json.dumps(kv_events)]
-        self._args = [str(require_vllm_python()), *args]
+        self._args = [*(["taskset", "-c", cpus] if cpus else []), str(require_vllm_python()), *args]
         self._env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                      **launch.QUIET_UCX, **(env or {})}
         self._start()
@@ -172,11 +173,12 @@ def openai_fleet(work: Path, model: Path, layout: dict, common: dict, *, decodes
                  pool_pages: int = 256, staging_bytes: int = 64 << 20, llm_args: dict | None = None,
                  colocated: bool = True, prefault: bool = False, cores: dict[str, str] | None = None,
                  kv_events: bool = False):
-    """``cores``: role ("prefill", "decode") -> the CPUs its servers' compute threads are bound to
-    (VLLM_CPU_OMP_THREADS_BIND), e.g. to keep prefill and decode off each other's cores as they would
-    be on separate hosts. ``kv_events``: each prefill instance publishes its vLLM KV events on ports of
+    """``cores``: role ("prefill", "decode") -> the CPUs its servers run on (``Server``'s ``cpus``), e.g. to
+    keep prefill and decode off each other's cores as they would be on separate hosts. (Not
+    VLLM_CPU_OMP_THREADS_BIND: vLLM 0.32 reads it only in its multiprocess executor, and these servers run
+    the "uni" one, so each engine ran one OpenMP thread per core of the host, on any core.) ``kv_events``: each prefill instance publishes its vLLM KV events on ports of
     its own (``Fleet.kv_events()`` gives the router's config for them)."""
-    bind = {role: {"VLLM_CPU_OMP_THREADS_BIND": c} for role, c in (cores or {}).items()}
+    bind = cores or {}
     receivers: list[launch.Daemon] = []
     servers: list[Server] = []
     tx = None
@@ -194,17 +196,19 @@ def openai_fleet(work: Path, model: Path, layout: dict, common: dict, *, decodes
         for i in range(prefills):
             prefill.append(Server("prefill", model, {**base, "kv_role": "kv_producer", "kv_connector_extra_config": {
                 **common, "sender_socket": tx_sock, "receiver": rx_eps[0], "allowed_receivers": rx_eps}},
-                work / f"prefill{i}.log", llm_args, bind.get("prefill"),
-                kv_events_config(ports[2 * i], ports[2 * i + 1]) if kv_events else None))
+                work / f"prefill{i}.log", llm_args, None,
+                kv_events_config(ports[2 * i], ports[2 * i + 1]) if kv_events else None, bind.get("prefill")))
             servers.append(prefill[-1])
         decode = [Server("decode", model, {**base, "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
                                            "kv_connector_extra_config": {
                                                **common, "receiver_socket": rx.info["local_endpoint"].removeprefix(
                                                    "ipc://")}},
-                         work / f"decode{i}.log", llm_args, bind.get("decode")) for i, rx in enumerate(receivers)]
+                         work / f"decode{i}.log", llm_args, cpus=bind.get("decode")) for i, rx in enumerate(receivers)]
         servers += decode
         if colocated:
-            coloc = Engine("colocated", model, {}, work / "colocated.log", llm_args)
+            # the reference engine idles while others are measured, but its loop still wakes: off the decode's cores
+            coloc = Engine("colocated", model, {}, work / "colocated.log", llm_args,
+                           prefix=["taskset", "-c", bind["prefill"]] if "prefill" in bind else None)
         for s in servers:
             s.wait_ready()
         if coloc is not None:
