@@ -370,6 +370,48 @@ def test_a_killed_reader_pins_no_page_and_only_its_opener_can_release_a_request(
         stranger.close()
 
 
+def test_an_open_sent_without_waiting_is_taken_later_and_one_given_up_holds_no_page(daemons):
+    """``open_nowait``: the decode connector sends its open before the forward and takes the answer at the first
+    layer. The answer is taken by ``poll`` once it has come (bytes equal); one past its deadline is a typed timeout;
+    an open given up (``abandon``), answered or still parked before its push began, holds nothing: once another
+    reader releases the committed request, it is gone."""
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc, other = DecodeClient(sock(rx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+    k, v = kv(LAY, 40, 5)
+    try:
+        push(pc, "a", list(range(40)), k, v)
+        push(pc, "b", list(range(100, 140)), k, v)
+        pending = dc.open_nowait("a")
+        deadline = time.monotonic() + 10
+        while (req := pending.poll()) is None:
+            assert time.monotonic() < deadline, "the open's answer never came"
+            time.sleep(0.001)
+        with req:
+            got = [req.kv_bytes(layer, wait=True, timeout_s=10) for layer in range(LAY.layers)]
+        assert np.array_equal(np.stack([g[0] for g in got]), k) and np.array_equal(np.stack([g[1] for g in got]), v)
+
+        late = dc.open_nowait("c", timeout_s=0.2)  # no push of "c" yet: parked on the receiver
+        with pytest.raises(TransportTimeout):
+            late.wait()
+        with pytest.raises(TransportTimeout):
+            late.poll()
+        late.abandon()
+        dc.open_nowait("b").abandon()  # answered, its answer dropped, and released: its only open, so it goes
+        dc.query(list(range(40)), LAY)  # one connection is served in order: both Releases are in
+        with pytest.raises(PdpushError, match="is gone: committed and released"):
+            other.open("b", timeout_s=10)
+        push(pc, "c", list(range(200, 240)), k, v)  # the abandoned parked open was not answered: no open holds it
+        other.open("c", timeout_s=10).release()
+        with pytest.raises(PdpushError, match="is gone: committed and released"):
+            other.open("c", timeout_s=10)
+    finally:
+        pc.close()
+        dc.close()
+        other.close()
+
+
 def test_a_receiver_whose_ucx_listener_never_answers_holds_up_no_other_receivers_requests(daemons):
     """Issue 34 item 4: the sender used to connect UCX inside its loop, spinning up to control_timeout_ms per step, so
     while one receiver's listener did not answer nothing else moved. Here receiver B answers Hello on its control port

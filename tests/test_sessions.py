@@ -883,6 +883,23 @@ def test_only_the_connection_that_opened_a_request_can_release_it():
     rx.check()
 
 
+def test_an_open_released_before_its_push_began_is_never_answered_and_holds_nothing():
+    """A decode that gives up an open still parked (``PendingOpen.abandon``: Release after Open) is not answered
+    when the push arrives, so no open of it pins the request; another connection's parked open still is."""
+    rx = receiver()
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
+    for ident in (DEC, b"other"):
+        assert msgs(rx.on_local(ident, protocol.Open(req_id="a"), 0), ToDecode, protocol.OpenOk) == []  # parked
+    assert msgs(rx.on_local(DEC, protocol.Release(req_id="a"), 1), ToDecode, protocol.Ok)
+    alloc = protocol.AllocRequest(req_id="a", chunk_keys=chunk_keys(list(range(40)), LAY), last_chunk_tokens=8,
+                                  lease_ms=5000)
+    out = rx.on_control(b"s", alloc, 10)
+    assert [a.ident for a in out if isinstance(a, ToDecode) and isinstance(a.msg, protocol.OpenOk)] == [b"other"]
+    assert rx.reqs["a"].opens == {b"other": 1}
+    rx.check()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_push_of_chunks_all_held_commits_on_finish_without_any_layer(tp):
     """Regression: an engine that has nothing to stage finishes without handing layers over; the

@@ -108,6 +108,33 @@ w._holds.release(held, [Fence()], lambda r, e: None)
 w._holds.drain(lambda r, e: None)
 out["released_at_shutdown"] = held.released
 out["totals"] = w.stats.totals()
+
+
+# 4. a layerwise load's open goes out without waiting, its answer taken at the first layer (_settle): one that no
+# layer asked for is given up after the forward, one that timed out too; a refused one has nothing to give up
+class Pending:
+    def __init__(self, error=None):
+        self.abandoned, self.error = 0, error
+
+    def wait(self):
+        raise self.error
+
+    def abandon(self):
+        self.abandoned += 1
+
+
+from pdpush.errors import TransportTimeout, UnknownRequest
+
+out["pending"] = {}
+for name, error in (("unasked", None), ("late", TransportTimeout("no answer")), ("refused", UnknownRequest("gone"))):
+    ld, p = load(name), Pending(error)
+    ld.req, ld.pending = None, p
+    if error is None:
+        w._loads.append(ld)
+        w.get_block_ids_with_load_errors()
+    else:
+        w._settle(ld)
+    out["pending"][name] = [p.abandoned, ld.pending is None, ld.reason.value if ld.reason else None]
 print(json.dumps(out))
 """
 
@@ -126,3 +153,6 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     assert t["load_failures"] == 4 and t["load_failed:layerwise:push_failed"] == 3, t
     assert t["load_failed:layerwise:incomplete"] == 1, t  # "copied" ran none of the layout's 2 layers
     assert t["load_requests"] == 1 and t["load_async"] == 1 and t["loads:async"] == 1, t
+    pend = out["pending"]
+    assert pend["unasked"] == [1, True, "incomplete"], pend
+    assert pend["late"] == [1, True, "timeout"] and pend["refused"][:2] == [0, True], pend

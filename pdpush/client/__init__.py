@@ -16,8 +16,8 @@ receiver's client), ``connection.py`` (what both use: the daemon connection, sha
 """
 
 from pdpush.client.connection import DEFAULT_WAIT, WaitPolicy, status
-from pdpush.client.decode import DecodeClient, DecodeRequest
+from pdpush.client.decode import DecodeClient, DecodeRequest, PendingOpen
 from pdpush.client.prefill import PendingBegin, PrefillClient, PushHandle
 
-__all__ = ["DEFAULT_WAIT", "DecodeClient", "DecodeRequest", "PendingBegin", "PrefillClient", "PushHandle", "WaitPolicy",
-           "status"]
+__all__ = ["DEFAULT_WAIT", "DecodeClient", "DecodeRequest", "PendingBegin", "PendingOpen", "PrefillClient", "PushHandle",
+           "WaitPolicy", "status"]

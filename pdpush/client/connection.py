@@ -233,7 +233,11 @@ class Connection:
         """Send ``msg``, and its reply (its typed error raised). A notice about the request that comes first
         (a layer landed, it committed) is not the reply: it stays in the request's mailbox, in order."""
         self.send(msg, timeout_s)
-        deadline = time.monotonic() + timeout_s
+        return self.reply(req_id, time.monotonic() + timeout_s)
+
+    def reply(self, req_id: str | None, deadline: float, check: bool = True) -> Msg:
+        """The reply about ``req_id`` to a message already sent (its typed error raised, unless not ``check``),
+        by ``deadline`` (TransportTimeout); notices that come first stay in the request's mailbox, in order."""
         notices: list[Msg] = []
         try:
             while isinstance(reply := self.recv_for(req_id, deadline), NOTICES):
@@ -241,7 +245,8 @@ class Connection:
         finally:
             if notices and req_id not in self._ended:
                 self.mail[req_id] = notices + self.mail.get(req_id, [])
-        raise_error(reply)
+        if check:
+            raise_error(reply)
         return reply
 
     def close(self, linger_ms: int = 0) -> None:

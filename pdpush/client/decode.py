@@ -320,6 +320,52 @@ class DecodeRequest:
         self.release()
 
 
+class PendingOpen:
+    """An Open sent and not answered yet (``DecodeClient.open_nowait``)."""
+
+    def __init__(self, client: DecodeClient, req_id: str, tp_rank: int, tp_size: int, deadline: float) -> None:
+        self.client, self.req_id, self.tp_rank, self.tp_size = client, req_id, tp_rank, tp_size
+        self.deadline = deadline  # from the send, as a blocking open's
+        # the receiver it went to: a restarted one's lifeline replaces it on the connection, and an answer from
+        # the dead one must not hand out views of its pool
+        self.life = client._conn.life
+
+    def wait(self) -> DecodeRequest:
+        """The opened request, or the receiver's typed error; TransportTimeout past the deadline."""
+        return self._request(self.client._conn.reply(self.req_id, self.deadline, check=False))
+
+    def poll(self) -> DecodeRequest | None:
+        """The opened request if its answer has come, else None (never waits); its typed error, or
+        TransportTimeout once past the deadline."""
+        try:
+            reply = self.client._conn.reply(self.req_id, time.monotonic(), check=False)
+        except TransportTimeout:  # nothing yet (a typed error reply is raised below, never taken for this)
+            if time.monotonic() >= self.deadline:
+                raise TransportTimeout(f"open of {self.req_id!r}: no answer from the receiver in time") from None
+            return None
+        return self._request(reply)
+
+    def abandon(self) -> None:
+        """Give the open up unanswered (a failed load): its answer is dropped when it comes, and the receiver
+        releases what it opened (Release after Open, in order on one connection; an error reply is dropped)."""
+        conn = self.client._conn
+        conn.end(self.req_id)
+        try:
+            conn.send(Release(req_id=self.req_id), self.client.timeout_s)
+        except PdpushError:  # no receiver to tell: its lifeline ends what this connection opened
+            pass
+
+    def _request(self, reply: Msg) -> DecodeRequest:
+        raise_error(reply)
+        if not isinstance(reply, OpenOk):
+            raise ProtocolError(f"unexpected {reply.type} in reply to open")
+        if self.life is not None and not self.life.alive():
+            raise BrokenResourceError(f"open of {self.req_id!r}: the receiver that answered it died")
+        req = DecodeRequest(self.client, reply, self.tp_rank, self.tp_size)
+        req._life = self.life
+        return req
+
+
 class DecodeClient:
     """Reads pushed KV from the local receiver's pool, zero-copy."""
 
@@ -336,13 +382,19 @@ class DecodeClient:
              tp_size: int = 1) -> DecodeRequest:
         """Open a request (waits until its allocation exists on the receiver). A decode rank of
         ``tp_size`` reads its own heads (``layout.rank_heads``: replicated where TP exceeds the KV heads)."""
+        return self.open_nowait(req_id, timeout_s, tp_rank=tp_rank, tp_size=tp_size).wait()
+
+    def open_nowait(self, req_id: str, timeout_s: float | None = None, *, tp_rank: int = 0,
+                    tp_size: int = 1) -> PendingOpen:
+        """``open`` without waiting for the receiver's answer: send it before the forward and take the answer
+        at the first layer (``PendingOpen.wait``), or once it has come (``poll``), so that its round trip
+        overlaps the compute. ``timeout_s`` counts from now."""
         self._conn.begin(req_id)
         self._conn.lifeline()  # the receiver releases this engine's opens if it dies, and we see the receiver die
-        reply = self._conn.call(Open(req_id=req_id, tp_size=tp_size), req_id,
-                                timeout_s if timeout_s is not None else self.timeout_s)
-        if not isinstance(reply, OpenOk):
-            raise ProtocolError(f"unexpected {reply.type} in reply to open")
-        return DecodeRequest(self, reply, tp_rank, tp_size)
+        t = timeout_s if timeout_s is not None else self.timeout_s
+        pending = PendingOpen(self, req_id, tp_rank, tp_size, time.monotonic() + t)
+        self._conn.send(Open(req_id=req_id, tp_size=tp_size), t)
+        return pending
 
     def held_prefix(self, token_ids, layout: KVLayout) -> int:
         """How many leading chunks of this prompt the receiver holds complete."""

@@ -682,6 +682,8 @@ class ReceiverSession:
                 r.watchers.discard(ident)  # (releasing: it hears nothing more of it)
                 self._by_words(r, now, out)  # landed whole: committed, so the last release drops it
                 self._release(r, ident, 1)
+            else:  # an open given up before its push began (PendingOpen.abandon): it is never answered
+                self._unpark(msg.req_id, ident)
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
             out.append(ToDecode(ident, self._claim(msg, now, out)))
@@ -716,12 +718,18 @@ class ReceiverSession:
         for r in [r for r in self.reqs.values() if ident in r.opens or ident in r.watchers]:
             self._release(r, ident, r.opens.get(ident, 0))
         for rid in [rid for rid, ws in self.parked.items() if any(w[0] == ident for w in ws)]:
-            self.parked[rid] = [w for w in self.parked[rid] if w[0] != ident]
-            if not self.parked[rid]:
-                del self.parked[rid]
+            self._unpark(rid, ident)
         self.counters.add("readers_gone")
         self._publish(now, out)
         return out
+
+    def _unpark(self, rid: str, ident: bytes) -> None:
+        """Connection ``ident``'s parked opens of ``rid`` go unanswered (it released them, or it died)."""
+        ws = [w for w in self.parked.get(rid, ()) if w[0] != ident]
+        if ws:
+            self.parked[rid] = ws
+        else:
+            self.parked.pop(rid, None)
 
     def _claim(self, msg: Claim, now: int, out: list) -> ClaimOk:
         """A committed request made of the held leading chunks: opened and released like a pushed one."""

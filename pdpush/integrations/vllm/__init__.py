@@ -30,7 +30,8 @@ Flow (one request, driven by a router such as ``pdpush router``):
 * prefill, scheduler: ``request_finished`` returns ``kv_transfer_params`` for the decode side.
 * decode, scheduler: ``get_num_new_matched_tokens`` asks the receiver's chunk index how far the
   pushed request covers this prompt (all tokens but the last, which the decode step computes).
-* decode, every worker rank: the request is opened at bind time; ``wait_for_layer_load`` waits for
+* decode, every worker rank: the request's open goes to the receiver at bind time, and its answer is
+  taken at the first layer (an asynchronous or state load's at once); ``wait_for_layer_load`` waits for
   layer ``l`` and scatters this rank's heads from the pool (zero-copy views) into vLLM's blocks. A
   failed or late load is reported by block id (``get_block_ids_with_load_errors``): vLLM discards
   the step's output and recomputes from the first bad block, so no block is left holding wrong KV.

@@ -105,7 +105,7 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        pass  # loads were opened in bind_connector_metadata; each layer is read in wait_for_layer_load
+        pass  # loads' opens went out in bind_connector_metadata; each layer is read in wait_for_layer_load
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_for_layer_load(layer_name)

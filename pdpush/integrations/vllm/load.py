@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdpush import kvcodec
-from pdpush.client import DecodeRequest
+from pdpush.client import DecodeRequest, PendingOpen
 from pdpush.errors import BrokenResourceError, PdpushError, RequestFailed, TransportTimeout
 from pdpush.integrations import vllm_layout as vl
 from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
@@ -40,6 +40,7 @@ class _Load:
     reason: LoadFailure | None = None  # why it failed (with ``failed``, the message): ``fail``
     opened: float = 0.0  # perf_counter at its open (an asynchronous load waits from then on)
     waited: float = 0.0  # seconds the forward spent on it (a layerwise load: its open and its layers)
+    pending: PendingOpen | None = None  # its open, sent and not answered yet (``_settle``)
 
     @property
     def block_ids(self) -> set[int]:
@@ -114,15 +115,45 @@ class LoadPath:
                       deadline=time.monotonic() + self.settings.load_timeout_s, opened=t0)
         (self._async if spec.asynchronous else self._loads).append(load_)
         try:
-            req = self.receiver.get().open(spec.push_id, timeout_s=self.settings.load_timeout_s,
-                                        tp_rank=self.tp_rank, tp_size=self.tp_size)
+            load_.pending = self.receiver.get().open_nowait(spec.push_id, timeout_s=self.settings.load_timeout_s,
+                                                            tp_rank=self.tp_rank, tp_size=self.tp_size)
         except _REQUEST_ERRORS as e:
             load_.fail_on(e, "open")
-            return
+        try:
+            # a layerwise load takes the answer at its first layer (wait_for_layer_load), its round trip under the
+            # compute before it; a state goes in before the forward (Mamba layers have no load hook), and an
+            # asynchronous load would wait a step for it: those take it now
+            if spec.asynchronous or lay.state_layers:
+                self._settle(load_)
         finally:
             spent = time.perf_counter() - t0
             load_.waited += spent
             self.stats.load_wait_us += int(spent * 1e6)
+
+    def _settle(self, ld: _Load) -> None:
+        """A load's open, sent without waiting (``_open_load``): wait for its answer (up to the load's timeout
+        from the send) and take it; a failed open fails the load."""
+        pending, ld.pending = ld.pending, None
+        if pending is None:
+            return
+        try:
+            req = pending.wait()
+        except TransportTimeout as e:
+            pending.abandon()  # its answer may still come: the receiver releases what it opened
+            ld.fail_on(e, "open")
+            return
+        except _REQUEST_ERRORS as e:
+            ld.fail_on(e, "open")
+            return
+        try:
+            self._opened(ld, req)
+        except _REQUEST_ERRORS as e:  # (its release goes with the load's: ``req`` is set)
+            ld.fail_on(e, "open")
+
+    def _opened(self, load_: _Load, req: DecodeRequest) -> None:
+        """The receiver's answer to a load's open: check that the push is the one this load needs, and where
+        in the pool each token's rows are."""
+        lay, spec, dst = self.layout, load_.spec, load_.dst
         load_.req = req
         if req.layout.fingerprint() != lay.fingerprint():
             load_.fail(LoadFailure.MISMATCH, f"layout mismatch: pushed {req.layout}, this engine has {lay}")
@@ -209,6 +240,7 @@ class LoadPath:
         t0 = time.perf_counter()
         for ld in self._loads:
             t1 = time.perf_counter()
+            self._settle(ld)
             self._load_layer(ld, layer_name)
             ld.waited += time.perf_counter() - t1
         self.stats.load_wait_us += int((time.perf_counter() - t0) * 1e6)
@@ -350,6 +382,9 @@ class LoadPath:
         # called after every forward: settle this step's loads
         self._holds.poll(_release_failed)
         for ld in self._loads:
+            if ld.pending is not None:  # no layer of the forward asked for it
+                ld.pending.abandon()
+                ld.pending = None
             if ld.failed is None and ld.layers_done != self.layout.layers:
                 ld.fail(LoadFailure.INCOMPLETE, f"only {ld.layers_done} of {self.layout.layers} layers were loaded")
             if ld.failed is None:
