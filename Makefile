@@ -158,7 +158,9 @@ GPU_PLATFORMS := $(foreach n,2_17 2_24 2_26 2_27 2_28,--platform manylinux_$(n)_
 # The native data plane (native/ alone: the check runs the tree) is built here for $(GPU_PY) too, with pip in a
 # scratch venv (GPU_PYTHON: that interpreter).
 GPU_BUILD  ?= /tmp/pdpush-gpu-build
-GPU_PYTHON ?= python$(GPU_PY)
+# The first python$(GPU_PY) that runs (a pyenv shim can exist for a version that is not selected).
+GPU_PYTHON ?= $(firstword $(shell for p in python$(GPU_PY) $$HOME/.pyenv/versions/$(GPU_PY).*/bin/python$(GPU_PY); do \
+	$$p -c '' 2>/dev/null && echo $$p; done) python$(GPU_PY))
 
 gpu-wheels: requirements-gpu.txt $(NATIVE_SRC)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
