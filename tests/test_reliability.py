@@ -374,7 +374,7 @@ def test_an_open_sent_without_waiting_is_taken_later_and_one_given_up_holds_no_p
     """``open_nowait``: the decode connector sends its open before the forward and takes the answer at the first
     layer. The answer is taken by ``poll`` once it has come (bytes equal); one past its deadline is a typed timeout;
     an open given up (``abandon``), answered or still parked before its push began, holds nothing: once another
-    reader releases the committed request, it is gone."""
+    reader releases the committed request, it is gone, also where the one that gave up was another decode TP rank's."""
     rx = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=10)
@@ -406,6 +406,18 @@ def test_an_open_sent_without_waiting_is_taken_later_and_one_given_up_holds_no_p
         other.open("c", timeout_s=10).release()
         with pytest.raises(PdpushError, match="is gone: committed and released"):
             other.open("c", timeout_s=10)
+
+        # two decode TP ranks: rank 1 gives up its parked open before the push begins; once rank 0 has read and
+        # released the request it goes, with rank 1's release counted (not kept to committed_ttl_ms)
+        rank0 = other.open_nowait("d", tp_rank=0, tp_size=2)
+        dc.open_nowait("d", tp_rank=1, tp_size=2).abandon()
+        dc.query(list(range(40)), LAY)  # rank 1's Release is in
+        push(pc, "d", list(range(300, 340)), k, v)
+        with rank0.wait() as req:
+            h0, h1 = req.heads  # rank 0's share of the KV heads
+            assert np.array_equal(req.kv_bytes(0, wait=True, timeout_s=10)[0], k[0][:, h0:h1])
+        with pytest.raises(PdpushError, match="is gone: committed and released"):
+            other.open("d", timeout_s=10)
     finally:
         pc.close()
         dc.close()

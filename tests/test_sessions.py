@@ -900,6 +900,46 @@ def test_an_open_released_before_its_push_began_is_never_answered_and_holds_noth
     rx.check()
 
 
+@pytest.mark.parametrize("gone", ["released", "reader died"])
+def test_a_decode_rank_that_gave_up_its_parked_open_does_not_hold_the_others_request_to_its_ttl(gone):
+    """Two decode TP ranks park their opens; one gives up before the push begins (``PendingOpen.abandon``'s Release,
+    or its engine dies). The push then counts that rank's release: once the other rank has read and released it,
+    the request goes at once, not at ``committed_ttl_ms``. A request whose only reader gave up goes at its commit."""
+    rx = receiver(committed_ttl_ms=600_000)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
+    alloc = protocol.AllocRequest(req_id="a", chunk_keys=chunk_keys(list(range(40)), LAY), last_chunk_tokens=8,
+                                  lease_ms=5000)
+    for ident in (DEC, b"rank1"):
+        assert msgs(rx.on_local(ident, protocol.Open(req_id="a", tp_size=2), 0), ToDecode, protocol.OpenOk) == []
+    if gone == "released":
+        assert msgs(rx.on_local(b"rank1", protocol.Release(req_id="a"), 1), ToDecode, protocol.Ok)
+    else:
+        rx.on_reader_gone(b"rank1", 1)
+    out = rx.on_control(b"s", alloc, 10)
+    assert [a.ident for a in out if isinstance(a, ToDecode) and isinstance(a.msg, protocol.OpenOk)] == [DEC]
+    r = rx.reqs["a"]
+    assert (r.decode_ranks, r.releases, r.readers) == (2, 1, 1) and not rx.parked
+    for layer in range(LAY.layers):
+        rx.on_control(b"s", protocol.LayerDone(req_id="a", layers=[layer]), 20)
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="a", layers=LAY.layers), 20), ToSender, protocol.CommitAck)
+    assert "a" in rx.reqs  # rank 0 still reads it
+    rx.on_local(DEC, protocol.Release(req_id="a"), 30)
+    assert "a" not in rx.reqs and rx.finished["a"] == "committed and released"
+    rx.check()
+    # the only reader gave up before the push began: the request goes once committed (nobody will read it)
+    b = alloc.model_copy(update={"req_id": "b", "chunk_keys": chunk_keys(list(range(100, 116)), LAY)})
+    rx.on_local(DEC, protocol.Open(req_id="b"), 40)
+    rx.on_local(DEC, protocol.Release(req_id="b"), 41)
+    rx.on_control(b"s", b, 50)
+    assert rx.reqs["b"].readers == 0
+    for layer in range(LAY.layers):
+        rx.on_control(b"s", protocol.LayerDone(req_id="b", layers=[layer]), 60)
+    rx.on_control(b"s", protocol.Commit(req_id="b", layers=LAY.layers), 60)
+    assert "b" not in rx.reqs and rx.finished["b"] == "committed after every reader released it"
+    rx.check()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_push_of_chunks_all_held_commits_on_finish_without_any_layer(tp):
     """Regression: an engine that has nothing to stage finishes without handing layers over; the

@@ -203,7 +203,10 @@ class ReceiverSession:
         self.reqs: dict[str, RxRequest] = {}
         self.sessions: OrderedDict[bytes, None] = OrderedDict()  # sender connections that completed Hello (bounded)
         self.tokens: OrderedDict[bytes, bytes] = OrderedDict()  # one-time UCX session token -> sender identity
-        self.parked: dict[str, list[tuple[bytes, int, int]]] = {}  # req_id -> [(decode identity, since ms, tp)]
+        # req_id -> [(decode identity, since ms, tp, given up)]: opens that wait for the push's AllocRequest. One given
+        # up (released, or its connection died) stays as a mark until then: the request arrives with that reader's
+        # release already counted, so a TP rank that gave up does not keep the others' request to its TTL.
+        self.parked: dict[str, list[tuple[bytes, int, int, bool]]] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
         self.unfenced: dict[str, tuple[bytes, int]] = {}  # ended uncommitted: req_id -> (sender, fence at ms)
         self.words_live: set[str] = set()  # live requests that complete by their readiness words (``_by_words``)
@@ -455,9 +458,12 @@ class ReceiverSession:
         self.counters.add("requests_total")
         out.append(Count("chunks_hit", len(alloc.held_idx)))
         out.append(Log(logging.DEBUG, f"alloc {len(msg.chunk_keys)} chunks, {len(alloc.held_idx)} held", rid))
-        for dident, _, tp in self.parked.pop(rid, []):
+        for dident, _, tp, given_up in self.parked.pop(rid, []):
             r.decode_ranks = max(r.decode_ranks, tp)
-            out.append(self._open_ok(dident, r))
+            if given_up:
+                r.releases += 1
+            else:
+                out.append(self._open_ok(dident, r))
         return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
                              lease_ms=lease, state_slot=r.state_slot, completion="words" if r.words else "commit")
@@ -594,6 +600,8 @@ class ReceiverSession:
         for w in r.watchers:
             out.append(ToDecode(w, Committed(req_id=r.req_id)))
         out.append(Log(logging.DEBUG, f"committed {n} new chunks ({event.value})", r.req_id))
+        if r.readers == 0 and 0 < r.decode_ranks <= r.releases:  # every reader it was opened for gave it up already
+            self._drop(r, "committed after every reader released it")
         return n
 
     def _fail(self, r: RxRequest, err: PdpushError, now: int, out: list, settled: bool = False) -> None:
@@ -669,7 +677,7 @@ class ReceiverSession:
                     if not waiters:
                         del self.parked[msg.req_id]
                     raise RequestTooLarge("too many parked opens")
-                waiters.append((ident, now, msg.tp_size))  # answered when the AllocRequest arrives
+                waiters.append((ident, now, msg.tp_size, False))  # answered when the AllocRequest arrives
                 self._due(now + PARKED_OPEN_MS)
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
@@ -683,7 +691,7 @@ class ReceiverSession:
                 self._by_words(r, now, out)  # landed whole: committed, so the last release drops it
                 self._release(r, ident, 1)
             else:  # an open given up before its push began (PendingOpen.abandon): it is never answered
-                self._unpark(msg.req_id, ident)
+                self._unpark(msg.req_id, ident, 1)
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
             out.append(ToDecode(ident, self._claim(msg, now, out)))
@@ -718,18 +726,21 @@ class ReceiverSession:
         for r in [r for r in self.reqs.values() if ident in r.opens or ident in r.watchers]:
             self._release(r, ident, r.opens.get(ident, 0))
         for rid in [rid for rid, ws in self.parked.items() if any(w[0] == ident for w in ws)]:
-            self._unpark(rid, ident)
+            self._unpark(rid, ident, None)
         self.counters.add("readers_gone")
         self._publish(now, out)
         return out
 
-    def _unpark(self, rid: str, ident: bytes) -> None:
-        """Connection ``ident``'s parked opens of ``rid`` go unanswered (it released them, or it died)."""
-        ws = [w for w in self.parked.get(rid, ()) if w[0] != ident]
-        if ws:
-            self.parked[rid] = ws
-        else:
-            self.parked.pop(rid, None)
+    def _unpark(self, rid: str, ident: bytes, n: int | None) -> None:
+        """``n`` of connection ``ident``'s parked opens of ``rid`` (None: all of them) go unanswered: it released
+        them, or it died. Each stays as a given-up mark, so that the request counts its release when it arrives."""
+        ws = self.parked.get(rid, [])
+        for i, (who, since, tp, given_up) in enumerate(ws):
+            if n == 0:
+                break
+            if who == ident and not given_up:
+                ws[i] = (who, since, tp, True)
+                n = None if n is None else n - 1
 
     def _claim(self, msg: Claim, now: int, out: list) -> ClaimOk:
         """A committed request made of the held leading chunks: opened and released like a pushed one."""
