@@ -245,6 +245,7 @@ class BeginOk(Msg):
     ring_slots: U32 = 0  # 0: no ring, hand layers over by LayerReady
     idle_offset: U64 = 0  # the sender's idle word: wake it after a record when it is set
     doorbell: Annotated[str, Field(max_length=4096)] = ""  # its FIFO to wake it (doorbell.py); "": by Wake
+    ring_finish: bool = False  # the ring also takes the request's Finish, as a record (ring.py FINISH)
 
 
 class LayerReady(Msg):

@@ -6,7 +6,12 @@ sender's staging metadata (``BeginOk.ring_offset``), and the sender has one idle
 
     bit 63 set | (layers - 1) << 46 | first layer << 32 | request handle (BeginOk.handle)
 
-for the layers ``[first, first + layers)`` of one request. The engine stores it with a compare-and-swap
+for the layers ``[first, first + layers)`` of one request, or, with bit 62 set (``FINISH``) and no layers,
+
+    bit 63 | bit 62 | request handle
+
+the engine's Finish of that request, after its layers' records (where ``BeginOk.ring_finish`` says the
+sender takes it: the session decides it as it would the message). The engine stores it with a compare-and-swap
 of a free slot (0) to the record, so it never overwrites one the sender has not taken; the sender
 (native ``Ring.take``) takes records in order and writes 0 back. One aligned 8-byte word is never seen
 half written. The CAS is a full barrier, so the staged bytes are visible before the record, and the
@@ -28,6 +33,7 @@ import threading
 log = logging.getLogger("pdpush.ring")
 
 VALID = 1 << 63
+FINISH = 1 << 62
 MAX_LAYERS = 1 << 14  # per record; first layer < MAX_LAYERS too
 _SEQ_CST = 5
 
@@ -38,8 +44,17 @@ def encode(handle: int, first: int, layers: int) -> int:
     return VALID | (layers - 1) << 46 | first << 32 | handle
 
 
+def encode_finish(handle: int) -> int:
+    if not 0 <= handle < 1 << 32:
+        raise ValueError(f"no ring record for handle {handle}")
+    return VALID | FINISH | handle
+
+
 def decode(rec: int) -> tuple[int, int, int]:
-    """(handle, first layer, layers): what the sender's ``Ring.take`` returns for ``rec``."""
+    """(handle, first layer, layers), (handle, 0, 0) for a finish record: what the sender's ``Ring.take``
+    returns for ``rec``."""
+    if rec & FINISH:
+        return rec & 0xFFFFFFFF, 0, 0
     return rec & 0xFFFFFFFF, (rec >> 32) & 0x3FFF, ((rec >> 46) & 0x3FFF) + 1
 
 

@@ -189,6 +189,7 @@ class Sender:
         self.shell_counters["doorbell_rings"] += rung
         if refused:
             self._refused(refused)
+        self._finishes()
         self._reap()
         self.ucx.dispatch_closed()
         for endpoint, sock in list(self.socks.items()):
@@ -273,7 +274,19 @@ class Sender:
         n, refused = self.pusher.take(cid)
         if refused:
             self._refused(refused)
+        self._finishes()
         return n
+
+    def _finishes(self) -> None:
+        """The engines' finish records taken from their rings (after those rings' layer records): each is its
+        request's Finish, for the session to decide."""
+        by_conn: dict[int, list[int]] = {}
+        for cid, handle in self.pusher.take_finished():
+            by_conn.setdefault(cid, []).append(handle)
+        for cid, handles in by_conn.items():
+            ident = self.conns.idents.get(cid)
+            if ident is not None:
+                self._guard(lambda i=ident, hs=handles: self._apply(self.session.on_ring_finish(i, hs, now_ms())))
 
     def _refused(self, refused: list[tuple[int, int, int, int, int]]) -> None:
         by_conn: dict[int, list] = {}

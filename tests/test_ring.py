@@ -40,6 +40,50 @@ def test_a_record_names_its_request_and_layers(handle, first, n):
     assert rec & ring.VALID and ring.decode(rec) == (handle, first, n)
 
 
+@given(st.integers(0, (1 << 32) - 1))
+def test_a_finish_record_names_its_request_and_no_layer(handle):
+    rec = ring.encode_finish(handle)
+    assert rec & ring.VALID and rec & ring.FINISH and ring.decode(rec) == (handle, 0, 0)
+
+
+def test_the_native_reader_tells_a_finish_record_from_a_layers_record():
+    h = (1 << 32) - 1
+    buf = np.zeros(2, np.uint64)
+    buf[0], buf[1] = ring.encode(h, ring.MAX_LAYERS - 1, ring.MAX_LAYERS), ring.encode_finish(h)
+    assert _reader(buf).take() == [(h, ring.MAX_LAYERS - 1, ring.MAX_LAYERS), (h, 0, 0)]
+
+
+def test_a_finish_record_is_the_requests_finish_from_its_own_ranks_only():
+    """The session decides a finish record as the Finish message: after the layers' records before it, only
+    from a connection that pushes the request, once; one for a request that has ended is dropped and counted."""
+    from tests.test_sessions import ENG, Wire, begin
+    from tests.test_sessions import LAY as SLAY
+
+    w = Wire()
+    w.tx.on_lifeline(ENG)
+    w.engine(begin("a", list(range(100, 140)), "", SLAY, handover_ring=True))
+    ok = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
+    assert ok.ring_finish and ok.ring_slots
+    w.records(b"other", [(ok.handle, 0, 0)])  # another connection's: refused, answered, the request goes on
+    assert w.by_client[-1][0] == b"other" and w.by_client[-1][1].code is ErrorCode.UNKNOWN_REQUEST
+    def outcome(rid):  # what ENG heard of the end of ``rid``
+        got = [m for i, m in w.by_client if i == ENG and getattr(m, "req_id", None) == rid
+               and isinstance(m, (protocol.Done, protocol.Error))]
+        return got[-1] if got else None
+
+    w.records(ENG, [(ok.handle, 0, SLAY.push_layers), (ok.handle, 0, 0)])  # every layer, then the finish
+    assert outcome("a") is None  # not before every layer landed
+    w.complete()
+    assert isinstance(outcome("a"), protocol.Done) and outcome("a").layers == SLAY.layers
+    assert w.tx.counters.values["finishes_ring"] == 2  # (the other connection's, refused, counted too)
+    w.records(ENG, [(ok.handle, 0, 0)])  # the request has ended: dropped and counted, nothing answered
+    assert w.tx.counters.values["handovers_stale"] == 1 and isinstance(outcome("a"), protocol.Done)
+    w.engine(begin("b", list(range(200, 240)), "", SLAY, handover_ring=True))
+    okb = [m for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
+    w.records(ENG, [(okb.handle, 0, 2), (okb.handle, 0, 0), (okb.handle, 0, 0)])  # finished twice: the second
+    assert outcome("b").code is ErrorCode.UNEXPECTED  # is refused
+
+
 def test_layers_go_as_runs_in_the_order_given():
     assert ring.runs([3, 4, 5, 9, 1, 2]) == [(3, 3), (9, 1), (1, 2)]
     with pytest.raises(ValueError):
@@ -170,7 +214,8 @@ def _tx_pid(tx) -> int:
 def test_a_full_ring_makes_the_engine_wait_and_no_record_is_lost(daemons):
     """The sender is stopped (SIGSTOP) with a ring of 4 records: the engine's fifth hand-over waits for
     room, bounded, and raises a typed timeout if none comes; once the sender runs again every layer
-    handed over is pushed, byte for byte, so no record was overwritten."""
+    handed over is pushed, byte for byte, so no record was overwritten. The finish goes as a record after them,
+    or, where the ring is full, as a message that the sender reads only after taking the ring's records."""
     rx = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx, handover_ring_slots=4)
     pc = PrefillClient(LAY, sock(tx), timeout_s=1.0)
@@ -200,7 +245,24 @@ def test_a_full_ring_makes_the_engine_wait_and_no_record_is_lost(daemons):
         assert done.layers == LAY.layers
         gk, gv = read_back(dc, "waits", LAY, 30)
         assert np.array_equal(gk, k) and np.array_equal(gv, v)
-        assert status(sock(tx))["handovers_ring"] >= LAY.layers - 1
+        st = status(sock(tx))
+        assert st["handovers_ring"] >= LAY.layers - 1 and st["finishes_ring"] == 1  # the finish too, as a record
+        # the ring is full when the engine finishes: the Finish goes as a message, after the records
+        h = pc.begin("full-at-finish", list(range(100, 130)))
+        for layer in range(LAY.layers - 4):
+            h.put_layer(layer, k[layer], v[layer])
+        until(lambda: status(sock(tx))["handovers_ring"] >= st["handovers_ring"] + LAY.layers - 4, 10,
+              "the sender taking the records")
+        os.kill(_tx_pid(tx), signal.SIGSTOP)
+        try:
+            for layer in range(LAY.layers - 4, LAY.layers):
+                h.put_layer(layer, k[layer], v[layer])
+            h.finish_nowait()
+        finally:
+            os.kill(_tx_pid(tx), signal.SIGCONT)
+        assert h.poll_done(30).layers == LAY.layers
+        gk, gv = read_back(dc, "full-at-finish", LAY, 30)
+        assert np.array_equal(gk, k) and np.array_equal(gv, v) and status(sock(tx))["finishes_ring"] == 1
         # closing the client stops its ring writer first (a handle still open writes nothing more), and
         # its Bye gives the ring back
         h2 = pc.begin("open-at-close", list(range(500, 530)))

@@ -178,7 +178,14 @@ class Wire:
         return actions
 
     def records(self, ident: bytes, records: list[tuple[int, int, int]]) -> None:
-        """Records from ``ident``'s ring, taken by the native path."""
+        """Records from ``ident``'s ring, taken by the native path, in order; a finish record is (handle, 0, 0)
+        (ring.decode), which the shell hands to the session after the layers' records before it."""
+        for i, rec in enumerate(records):
+            if rec[2] == 0:
+                self.records(ident, records[:i])
+                self.run(self.tx.on_ring_finish(ident, [rec[0]], self.now))
+                self.records(ident, records[i + 1:])
+                return
         refused = self.pusher.hand_all(ident, records, self.now)
         self.run(self.tx.on_refused(ident, refused, self.now) if refused else [])
         if landed := self.pusher.take_landed():

@@ -10,6 +10,9 @@
 // on the data path is done when all its layers' words are in). The session hears back in batches: layers
 // landed, words in, receivers failed, records it must answer.
 //
+// A finish record (the engine's Finish, after its layers' records in the same ring) is handed to the session
+// as it is (take_finished): the session checks and decides it as it would a Finish message.
+//
 // A record is refused, and handed to the session to answer, unless it names a request planned here,
 // comes from one of that request's ranks, stays in that rank's stage, repeats no layer, and every layer
 // that moves bytes has its block granted. Addresses come only from the plan and the grants, never from
@@ -230,6 +233,10 @@ class Pusher {
             pdpush::Record rec;
             for (uint32_t i = 0; i < ring.slots() && ring.next(rec); ++i) {
                 ++taken;
+                if (rec.finish) {
+                    finished_.emplace_back(id, rec.handle);
+                    continue;
+                }
                 if (int why = hand(id, rec.handle, rec.first, rec.layers)) refused.emplace_back(id, rec.handle, rec.first, rec.layers, why);
             }
         };
@@ -281,9 +288,9 @@ class Pusher {
     // The sender's loop between two looks of the session: hand-overs taken from the rings (the doorbell woke
     // it, or the idle word was clear), their puts posted, completions reaped, without the interpreter. Returns
     // when the session has something to do: one of ``fds`` is readable (its sockets, its lifelines), a request
-    // has every layer landed and every readiness word in, a receiver failed, a record was refused, anything
-    // landed where ``eager`` (engines wait for staging blocks, or layers carry checksums), or ``timeout_s``
-    // passed. After a post or a landing it spins on progress for ``spin_s`` (shared-memory completions need
+    // has every layer landed and every readiness word in, a receiver failed, a record was refused, a finish
+    // record was taken (take_finished), anything landed where ``eager`` (engines wait for staging blocks, or
+    // layers carry checksums), or ``timeout_s`` passed. After a post or a landing it spins on progress for ``spin_s`` (shared-memory completions need
     // progress, not an fd event), looking at ``fds`` every 50 us, then sleeps on the fds, the doorbell and the
     // worker's event fd, at most a millisecond at a time while puts are in flight. ``idle`` is the word engines
     // read to know whether to ring.
@@ -328,7 +335,7 @@ class Pusher {
             refused.insert(refused.end(), no.begin(), no.end());
             post();
             now = monotonic();
-            if (wake_ || !ready.empty() || !refused.empty() || !failed_.empty() ||
+            if (wake_ || !ready.empty() || !refused.empty() || !failed_.empty() || !finished_.empty() ||
                 (eager && (!landed_.empty() || !words_.empty())) || now >= deadline)
                 break;
             if ((in_flight_ && now < spin_until_) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
@@ -372,6 +379,13 @@ class Pusher {
         return out;
     }
 
+    // The finish records taken from the rings since the last call, in order, as (connection, request handle).
+    std::vector<std::pair<uint32_t, uint32_t>> take_finished() {
+        std::vector<std::pair<uint32_t, uint32_t>> out = std::move(finished_);
+        finished_.clear();
+        return out;
+    }
+
     // Everything goes (the sender stops): before the worker does.
     void close() {
         eps_.clear();
@@ -397,7 +411,7 @@ class Pusher {
         return true;
     }
     bool pending() const {  // handed over, or landed, since the last post()/poll()
-        if (!landed_.empty() || !failed_.empty() || !words_.empty()) return true;
+        if (!landed_.empty() || !failed_.empty() || !words_.empty() || !finished_.empty()) return true;
         for (const auto &[eid, e] : eps_)
             if (!e.ops.empty() || !e.shares.empty()) return true;
         return false;
@@ -480,6 +494,7 @@ class Pusher {
     std::unordered_map<uint32_t, Req> reqs_;
     std::vector<Landed> landed_;
     std::vector<uint32_t> words_;
+    std::vector<std::pair<uint32_t, uint32_t>> finished_;  // finish records taken: (connection, handle)
     std::vector<std::pair<uint32_t, int>> failed_;
     size_t in_flight_ = 0;
     bool wake_ = false;  // a request is complete on this side (wait())
@@ -511,6 +526,7 @@ void register_pusher(nb::module_ &m) {
         .def("wait", &Pusher::wait, nb::arg("timeout_s"), nb::arg("fds"), nb::arg("doorbell"), nb::arg("worker_fd"),
              nb::arg("idle"), nb::arg("spin_s"), nb::arg("eager"))
         .def("take_words", &Pusher::take_words)
+        .def("take_finished", &Pusher::take_finished)
         .def("close", &Pusher::close)
         .def("pending", &Pusher::pending)
         .def("settled", &Pusher::settled, nb::arg("handle"), nb::arg("eid"))

@@ -25,7 +25,8 @@ void register_ring(nb::module_ &m) {
                 return out;
             },
             nb::arg("limit") = 0,
-            "Records in order as (handle, first layer, layers), their slots given back to the engine; at most "
+            "Records in order as (handle, first layer, layers), a finish record as (handle, 0, 0), their slots given "
+            "back to the engine; at most "
             "``limit`` (0: the ring's slots, which is every record written before the call).")
         .def("pending", &pdpush::Ring::pending, "Whether a record waits (without taking it).")
         .def_prop_ro("taken", &pdpush::Ring::taken, "Records taken so far.");

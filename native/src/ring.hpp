@@ -14,7 +14,8 @@
 namespace pdpush {
 
 struct Record {
-    uint32_t handle, first, layers;
+    uint32_t handle, first, layers;  // a finish record: first = layers = 0
+    bool finish;                     // the engine's Finish of request ``handle`` (pdpush/ring.py FINISH)
 };
 
 class Ring {
@@ -30,8 +31,11 @@ class Ring {
         if (!w) return false;
         __atomic_store_n(slot, uint64_t{0}, __ATOMIC_RELEASE);
         ++tail_;
-        rec = {static_cast<uint32_t>(w), static_cast<uint32_t>((w >> 32) & 0x3fff),
-               static_cast<uint32_t>(((w >> 46) & 0x3fff) + 1)};
+        if (w >> 62 & 1)
+            rec = {static_cast<uint32_t>(w), 0, 0, true};
+        else
+            rec = {static_cast<uint32_t>(w), static_cast<uint32_t>((w >> 32) & 0x3fff),
+                   static_cast<uint32_t>(((w >> 46) & 0x3fff) + 1), false};
         return true;
     }
 

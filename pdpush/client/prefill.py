@@ -76,6 +76,8 @@ class PushHandle:
         self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
         self._bell = client._bell(ok.doorbell, ok.daemon_id) if self._ring is not None else None  # wakes it
         self._handle = ok.handle  # how its records name this request
+        # the Finish goes as a record after the layers' records (ring.py FINISH), while no layer went by message
+        self._ring_finish = ok.ring_finish and self._ring is not None
         self._daemon_id = ok.daemon_id  # the sender whose staging (and ring) this request writes
         self._life = client._conn.life  # that sender's lifeline: closed, it died
         self._sent: set[int] = set()
@@ -234,9 +236,7 @@ class PushHandle:
         conn, w = self.client._conn, self._ring
         if w is not None and w.closed:
             raise UnexpectedMessage(f"request {self.req_id!r}: its client is closed")
-        if (conn.peer_id and self._daemon_id and conn.peer_id != self._daemon_id) or not self._sender_alive():
-            raise BrokenResourceError(f"request {self.req_id!r}: the sender it began on died or restarted",
-                                      req_id=self.req_id)
+        self._check_sender()
         if w is None:
             msg = LayerReady(req_id=self.req_id, layers=layers)
             conn.send(msg, self.client.timeout_s) if wait else conn.post(msg)
@@ -247,9 +247,23 @@ class PushHandle:
         if done < len(recs) and wait:
             done = self._wait_ring(w, recs, spans, done)
         if done < len(recs):
+            self._ring_finish = False  # a record taken later would overtake that message: the Finish follows it
             conn.post(LayerReady(req_id=self.req_id, layers=[la for a, n in spans[done:] for la in range(a, a + n)]))
         elif w.sender_idle():
             self._wake()
+
+    def _send_finish(self, timeout_s: float) -> None:
+        """The Finish: a record in the ring after the layers' (no ZeroMQ hop on either side), the sender woken
+        if it sleeps; a ``Finish`` message where the sender offers no ring for it, the ring is full, or a layer
+        went by message (a message sent after it keeps the order)."""
+        w = self._ring
+        if self._ring_finish:
+            self._check_sender()  # (a message would reach a restarted sender, which says it does not know it)
+        if self._ring_finish and w is not None and w.push([ring.encode_finish(self._handle)]):
+            if w.sender_idle():
+                self._wake()
+            return
+        self.client._conn.send(Finish(req_id=self.req_id), timeout_s)
 
     def _wake(self) -> None:
         """Wake a sleeping sender: its doorbell, from the kernel; else (none offered, or the sender is gone) a
@@ -277,6 +291,13 @@ class PushHandle:
                 self._sent.difference_update(la for a, n in spans[done:] for la in range(a, a + n))
                 raise err
         return done
+
+    def _check_sender(self) -> None:
+        """The sender this request began on is the one there, and alive: its staging and ring are read."""
+        conn = self.client._conn
+        if (conn.peer_id and self._daemon_id and conn.peer_id != self._daemon_id) or not self._sender_alive():
+            raise BrokenResourceError(f"request {self.req_id!r}: the sender it began on died or restarted",
+                                      req_id=self.req_id)
 
     def _sender_alive(self) -> bool:
         return self._life is None or self._life.alive()
@@ -315,8 +336,10 @@ class PushHandle:
         if self._done is not None:
             return self._done
         t = timeout_s if timeout_s is not None else self.client.timeout_s
+        deadline = time.monotonic() + t
         try:
-            reply = self.client._conn.call(Finish(req_id=self.req_id), self.req_id, t)
+            self._send_finish(t)
+            reply = self.client._conn.reply(self.req_id, deadline)
         finally:
             self._end()
         if not isinstance(reply, Done):
@@ -329,7 +352,7 @@ class PushHandle:
         if self._done is None and not self._finishing:
             self._check_open()
             self._finishing = True
-            self.client._conn.send(Finish(req_id=self.req_id), self.client.timeout_s)
+            self._send_finish(self.client.timeout_s)
 
     def poll_done(self, timeout_s: float = 0.0) -> Done | None:
         """The commit's outcome if it has come (raises its typed error if it failed), else None."""

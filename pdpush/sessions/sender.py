@@ -3,6 +3,7 @@
 Events in (each with ``now``, monotonic milliseconds):
   * ``on_ingress(client, msg, now)``    Begin / LayerReady / Finish / Abort / Bye from a prefill engine;
   * ``on_refused(client, refused, now)`` hand-overs the native per-layer path would not take;
+  * ``on_ring_finish(client, handles, now)`` Finishes that came as records in the client's ring;
   * ``on_peer(endpoint, msg, now)``     a decoded frame from a receiver;
   * ``on_connected(endpoint, error, now)`` the data plane to a receiver is up (or failed);
   * ``on_landed(landed, now)``          layers whose every share's flush completed (a loop pass's);
@@ -131,7 +132,7 @@ class SenderSession:
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
             "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks",
-            "handovers_stale", "handovers_refused", "rings_refused")})
+            "handovers_stale", "handovers_refused", "rings_refused", "finishes_ring")})
         self.grants = StagingGrants(staging, self.counters, limits.lease_ms)  # the staging, by request
         self.rings = HandoverRings(self.grants.meta, staging.address, limits.ring_slots, self.counters)
 
@@ -188,6 +189,20 @@ class SenderSession:
             err = (UnknownRequest(f"unknown request {r.req_id!r}") if k is None or why == put_plan.NOT_YOURS
                    else RemoteProtocolError(put_plan.refusal(why, r, k, first, n)))
             out.append(ToClient(ident, protocol.error_reply(err, r.req_id)))
+        return out
+
+    def on_ring_finish(self, ident: bytes, handles: list[int], now: int) -> list:
+        """Finish records from ``ident``'s ring (ring.py ``FINISH``), by request handle, in order: each is
+        that request's Finish, checked and answered as the message would be. One naming a request that has
+        ended is dropped and counted (the engine heard of its end already)."""
+        out: list = []
+        for handle in handles:
+            r = self._by_seq.get(handle)
+            if r is None:
+                self.counters.add("handovers_stale")
+                continue
+            self.counters.add("finishes_ring")
+            out.extend(self.on_ingress(ident, Finish(req_id=r.req_id), now))
         return out
 
     def on_peer(self, endpoint: str, msg: Msg, now: int) -> list:
@@ -413,7 +428,7 @@ class SenderSession:
                        staging_bytes=s.nbytes, staging_offset=r.grant.meta_off, new_chunks=r.n_new,
                        daemon_id=s.daemon_id, pool_shards=r.peer.ack.pool_shards, handle=r.seq,
                        ring_offset=ring, ring_slots=slots, idle_offset=self.rings.idle_offset,
-                       doorbell=s.doorbell if slots else "")
+                       doorbell=s.doorbell if slots else "", ring_finish=bool(slots))
 
     def _send_alloc(self, r: TxRequest, event: TxEvent, now: int, out: list) -> None:
         b = r.begin
