@@ -276,6 +276,37 @@ def test_a_full_ring_makes_the_engine_wait_and_no_record_is_lost(daemons):
         dc.close()
 
 
+def test_a_finish_record_the_sender_never_took_ends_in_a_typed_error_when_it_dies_or_restarts(daemons):
+    """The sender is stopped with the engine's finish record in its ring, then killed; a new sender takes its
+    socket, and the engine begins a request there (its connection's lifeline is then the new sender's). The
+    finished request's ``poll_done`` raises a typed BrokenResourceError, never waits on a reply that cannot come."""
+    from pdpush.errors import BrokenResourceError
+
+    rx = daemons.receiver(**rx_opts(LAY))
+    path = str(daemons.workdir / "tx-restarts.sock")
+    tx = daemons.sender(rx, ingress_socket=path)
+    pc = PrefillClient(LAY, path, timeout_s=10)
+    k, v = kv(LAY, 30, seed=4)
+    try:
+        h = pc.begin("orphan", list(range(30)))
+        for layer in range(LAY.layers):
+            h.put_layer(layer, k[layer], v[layer])
+        os.kill(_tx_pid(tx), signal.SIGSTOP)
+        h.finish_nowait()  # a record in the stopped sender's ring
+        assert h._ring_finish
+        tx.kill()
+        daemons.sender(rx, ingress_socket=path)
+        h2 = pc.begin("on-the-new-sender", list(range(100, 130)))
+        assert pc._conn.peer_id != h._daemon_id
+        with pytest.raises(BrokenResourceError, match="died or restarted"):
+            h.poll_done(0.1)
+        for layer in range(LAY.layers):
+            h2.put_layer(layer, k[layer], v[layer])
+        assert h2.finish(timeout_s=10).layers == LAY.layers
+    finally:
+        pc.close()
+
+
 ENGINE = """
 import sys, time
 import numpy as np

@@ -677,6 +677,7 @@ _TX_EVENT = st.one_of(
     st.builds(lambda r, n: ("ingress", begin(r, list(range(n)))), _RID, st.integers(1, 60)),
     st.builds(lambda r, lay: ("ingress", protocol.LayerReady(req_id=r, layers=[lay])), _RID, st.integers(0, 3)),
     st.builds(lambda r: ("ingress", protocol.Finish(req_id=r)), _RID),
+    st.builds(lambda r: ("ring_finish", r), _RID),  # a finish record in the engine's ring, naming r's last handle
     st.builds(lambda r: ("ingress", protocol.Abort(req_id=r)), _RID),
     st.builds(lambda ok: ("complete", ok), st.booleans()),
     st.builds(lambda r, c: ("peer", protocol.Error(code=c, message="x", req_id=r)), _RID, st.sampled_from(ErrorCode)),
@@ -706,6 +707,10 @@ def test_sender_session_fuzz(steps, rx_words):
             w.run(w.tx.on_peer("tcp://rx-a:1", arg, w.now))
         elif kind == "lost":
             w.run(w.tx.on_peer_lost("tcp://rx-a:1", "gone", w.now))
+        elif kind == "ring_finish":
+            handles = [m.handle for m in w.to_client if isinstance(m, protocol.BeginOk) and m.req_id == arg]
+            if handles:
+                w.records(ENG, [(handles[-1], 0, 0)])
         assert w.tx.counters.values["internal_errors"] == 0
         tx, g = w.tx, w.tx.grants
         held = [a for h in g._held.values() for a, _ in h.blocks]
@@ -944,6 +949,20 @@ def test_a_decode_rank_that_gave_up_its_parked_open_does_not_hold_the_others_req
         rx.on_control(b"s", protocol.LayerDone(req_id="b", layers=[layer]), 60)
     rx.on_control(b"s", protocol.Commit(req_id="b", layers=LAY.layers), 60)
     assert "b" not in rx.reqs and rx.finished["b"] == "committed after every reader released it"
+    # its sender's late Commit (the words were in, but late for its clock) is acknowledged, not refused
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="b", layers=LAY.layers), 61), ToSender,
+                protocol.CommitAck)[0].chunks_committed == 1
+    rx.check()
+    # a connection that gave its open up and opens again holds one live open, and no release is counted for it;
+    # giving up and opening again in a loop never runs into the cap of parked opens
+    c = alloc.model_copy(update={"req_id": "c", "chunk_keys": chunk_keys(list(range(200, 216)), LAY)})
+    for i in range(40):
+        rx.on_local(DEC, protocol.Open(req_id="c"), 70 + i)
+        if i < 39:
+            rx.on_local(DEC, protocol.Release(req_id="c"), 70 + i)
+    assert len(rx.parked["c"]) == 1
+    assert [a.ident for a in rx.on_control(b"s", c, 120) if isinstance(a, ToDecode)] == [DEC]
+    assert (rx.reqs["c"].readers, rx.reqs["c"].releases) == (1, 0)
     rx.check()
 
 

@@ -165,10 +165,12 @@ def test_engines_that_ask_are_served_in_the_order_they_asked():
     assert _granted(w, "a") == {1}
 
 
-def test_a_failed_request_keeps_its_staging_until_its_engine_says_it_stopped():
+@pytest.mark.parametrize("finish_by", ["message", "ring"])
+def test_a_failed_request_keeps_its_staging_until_its_engine_says_it_stopped(finish_by):
     """An engine may still read its grant table and write a block when its request fails (it has not
     read the error yet): the request's staging is reused only once the engine says it stopped (an Abort,
-    as the client sends when it sees the failure), or dies, or lease_ms later."""
+    as the client sends when it sees the failure, or its Finish: a message, or a record in its ring that
+    names the request by handle), or dies, or lease_ms later."""
     w = _wire(lease_ms=5000)
     w.engine(begin("a", BIG, lay=LAY), ident=b"a")
     w.engine(begin("b", BIG, lay=LAY), ident=b"b")
@@ -183,7 +185,13 @@ def test_a_failed_request_keeps_its_staging_until_its_engine_says_it_stopped():
     assert not [a for a in out if isinstance(a, ToClient) and a.ident == b"a"]  # an acknowledgement: no reply
     assert _granted(w, "c") == {0} and 0 < w.tx.stats()["staging_held_bytes"] < 4096  # b's grant table
     assert protocol.StagingGranted(req_id="c", unit=0) in [m for i, m in w.by_client if i == b"c"]
-    w.engine(protocol.Finish(req_id="b"), ident=b"b")  # b's engine finishing says it stopped too
+    if finish_by == "message":  # b's engine finishing says it stopped too
+        w.engine(protocol.Finish(req_id="b"), ident=b"b")
+    else:
+        handle = next(m.handle for i, m in w.by_client if i == b"b" and isinstance(m, protocol.BeginOk))
+        w.records(b"a", [(handle, 0, 0)])  # another engine's record naming b: it did not write b's staging
+        assert w.tx.stats()["staging_held_bytes"] > 0
+        w.records(b"b", [(handle, 0, 0)])
     assert w.tx.stats()["staging_held_bytes"] == 0
 
 

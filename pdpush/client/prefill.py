@@ -364,6 +364,11 @@ class PushHandle:
         try:
             reply = self.client._conn.recv_for(self.req_id, time.monotonic() + timeout_s)
         except TransportTimeout:
+            try:  # no answer will come from a sender that died or restarted since (its finish record went with it)
+                self._check_sender()
+            except BrokenResourceError:
+                self._end()
+                raise
             return None
         self._end()
         raise_error(reply)

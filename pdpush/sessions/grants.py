@@ -35,6 +35,7 @@ class _Held:
 
     until_ms: int
     blocks: list[tuple[StagingAllocator, int]]  # (allocator, offset)
+    handle: int = 0  # the request's handle (its seq): how a finish record in the engine's ring names it
 
 
 class StagingGrants:
@@ -127,12 +128,18 @@ class StagingGrants:
             if held is not None:  # an earlier failed request of that id and engine, not acknowledged yet
                 held.blocks.extend(mine)
                 held.until_ms = max(held.until_ms, until)
+                held.handle = r.seq
             else:
-                self._held[(r.req_id, k.client)] = _Held(until, mine)
+                self._held[(r.req_id, k.client)] = _Held(until, mine, r.seq)
 
     # ---- failed requests' engines ----
     def held(self, req_id: str | None, ident: bytes) -> bool:
         return (req_id, ident) in self._held
+
+    def held_by_handle(self, handle: int, ident: bytes) -> str | None:
+        """The failed request whose staging ``ident`` may still write, named by its handle (a finish record
+        names no req_id); None if there is none."""
+        return next((rid for (rid, who), h in self._held.items() if who == ident and h.handle == handle), None)
 
     def stopped(self, req_id: str, ident: bytes, out: list) -> None:
         """Engine ``ident`` has stopped writing failed request ``req_id``'s staging."""

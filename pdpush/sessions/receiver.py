@@ -208,6 +208,9 @@ class ReceiverSession:
         # release already counted, so a TP rank that gave up does not keep the others' request to its TTL.
         self.parked: dict[str, list[tuple[bytes, int, int, bool]]] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
+        # recently dropped committed requests: req_id -> (their sender, chunks committed) (bounded): a late Commit
+        # of one (its words were in, but late for the sender's clock) is acknowledged, not refused as unknown
+        self.dropped_committed: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
         self.unfenced: dict[str, tuple[bytes, int]] = {}  # ended uncommitted: req_id -> (sender, fence at ms)
         self.words_live: set[str] = set()  # live requests that complete by their readiness words (``_by_words``)
         self._words_looked = -1  # when _look_at_words last looked (ms)
@@ -534,6 +537,9 @@ class ReceiverSession:
     def _commit(self, ident: bytes, msg: Commit, now: int, out: list) -> None:
         """The sender's one completion notice: every layer it pushed has landed (a LayerDone came before only for
         layers with checksums, and those were verified then)."""
+        if msg.req_id not in self.reqs and (d := self.dropped_committed.get(msg.req_id)) and d[0] == ident:
+            out.append(ToSender(ident, CommitAck(req_id=msg.req_id, chunks_committed=d[1])))  # and read since
+            return
         r = self._owned(ident, msg.req_id)
         if r.words and r.state is ReqState.COMMITTED:  # its readiness words committed it first
             out.append(ToSender(ident, CommitAck(req_id=r.req_id, chunks_committed=len(r.alloc.new_idx))))
@@ -650,6 +656,10 @@ class ReceiverSession:
 
     def _drop(self, r: RxRequest, why: str) -> None:
         """A committed request nobody reads any more."""
+        if r.sender:
+            self.dropped_committed[r.req_id] = (r.sender, len(r.alloc.new_idx))
+            while len(self.dropped_committed) > MAX_FINISHED:
+                self.dropped_committed.popitem(last=False)
         self.pool.drop(r.req_id)
         if self.state_pool is not None and r.state_slot >= 0:
             self.state_pool.drop(r.req_id)
@@ -673,6 +683,11 @@ class ReceiverSession:
                 raise UnknownRequest(f"request {msg.req_id!r} is gone: {self.finished[msg.req_id]}")
             else:
                 waiters = self.parked.setdefault(msg.req_id, [])
+                mine = next((i for i, w in enumerate(waiters) if w[0] == ident and w[3]), None)
+                if mine is not None:  # it gave one up before: that one is live again (its release is not counted)
+                    waiters[mine] = (ident, now, msg.tp_size, False)
+                    self._due(now + PARKED_OPEN_MS)
+                    return
                 if len(waiters) >= 16 or len(self.parked) > 65536:
                     if not waiters:
                         del self.parked[msg.req_id]

@@ -194,12 +194,15 @@ class SenderSession:
     def on_ring_finish(self, ident: bytes, handles: list[int], now: int) -> list:
         """Finish records from ``ident``'s ring (ring.py ``FINISH``), by request handle, in order: each is
         that request's Finish, checked and answered as the message would be. One naming a request that has
-        ended is dropped and counted (the engine heard of its end already)."""
+        ended is dropped and counted (the engine heard of its end already); where the request failed, it also
+        says that engine has stopped writing the request's staging, as the message does."""
         out: list = []
         for handle in handles:
             r = self._by_seq.get(handle)
             if r is None:
                 self.counters.add("handovers_stale")
+                if (rid := self.grants.held_by_handle(handle, ident)) is not None:
+                    self.grants.stopped(rid, ident, out)
                 continue
             self.counters.add("finishes_ring")
             out.extend(self.on_ingress(ident, Finish(req_id=r.req_id), now))
