@@ -315,6 +315,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 | #36, 2026-12-03: completion on the data path (no Commit/CommitAck: 2 control messages a request) | 1.58 ms | 36 us | 5,987 |
 | #36, 2026-12-04: the decode client's spin no longer cut off at `nap_window_s` (it then waited 1 ms on the receiver's mail with the words already in: in words mode no notice comes), a layer's words read with one compare (9.5 -> 2 us); the sender's grants one action a request (82 -> 22 actions) (`make bench`) | 0.53 ms | 3.5 us | 6,311 |
 | #36, 2026-12-04, later: the sender's loop between two looks of its session native (`Pusher.wait`: rings, posts, reaping, the doorbell and the sockets' fds; back to Python when a request has all it needs or a socket has a frame); the engines' staging planned once a request (`kvcodec.stage_plan`: 36 -> 12 us a 64 KiB layer); sender CPU per 1,000 layers 85 -> 55 ms (`make bench`) | 0.44 ms | -1.4 us | 9,292 |
+| #36, 2026-12-04, last: the engine's Finish as a record in its ring (`ring.FINISH`), not a ZeroMQ message: one hop less per request on each side. Capacity in the same conditions, 3 runs each way alternating: 10,885 layers/s median (ring) against 10,502 (message), within noise; an idle spin on the rings after a record (100 or 500 us, so engines need not ring the doorbell) moved nothing either and was not kept. `make bench` after it | 0.34 ms | 1.0 us | 13,508 |
 
 - Kept: batched notices, one batch per pass, readiness words after the flush, the bounded spin. The
   readiness words take the receiver and two ZeroMQ hops off the critical path (a test stops the
@@ -347,7 +348,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 - Capacity not met, and why: a layer no longer passes through the interpreter on the sender, and a
   request costs two messages between the daemons (AllocRequest/AllocResponse; completion rides the
   readiness words), but each request still costs the Python control plane on every side (Begin, the
-  allocation, BeginOk, Finish, Done locally: ~20-40 us each, each ZeroMQ hop also an I/O-thread
+  allocation, BeginOk, Done locally, the Finish now a ring record: ~20-40 us each, each ZeroMQ hop also an I/O-thread
   wake-up; and, under cProfile, ~1.5 ms of the sender's Python to plan a 32-layer request and ~1.2 ms
   to count its layers landed), and on 2 cores the engine processes, the sender and the receiver share
   the CPUs. The capacity row's CPU split says who: the engines take more than a core, the sender about
@@ -355,6 +356,11 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   completion included), the receiver an eighth. A native loop posts 64 KiB
   put+flush pairs at ~190,000/s here; 0.8x of that is ~4,800 requests/s of 32 layers, which needs
   the per-request control plane native too (or longer requests), not a faster per-layer path.
+  The budget makes it plain: 0.5x of a raw rate of 200,000-540,000 puts/s on 2 cores leaves 7-20 us of
+  CPU per layer for everything, and the run's engine processes alone (Python, `PushHandle.put_layer`:
+  the staging copy, the ring record, the doorbell, the lifeline and mailbox checks) take 70-100 us per
+  layer. Measuring the sender's own capacity needs engines that cost next to nothing (a native loop writing
+  ring records), or a box with cores to spare for them.
 - End to end at small layers, the `begin` round trip (1.6-1.8 ms, four ZeroMQ hops) and the
   engine's Python per layer (`stage` + hand-over, ~50-100 us) are most of a 256 KiB x 32 request
   (8 MiB, ~1.3 ms at the two-copy rate); the two-copy reference has no per-request control at all.
