@@ -952,6 +952,10 @@ def test_a_decode_rank_that_gave_up_its_parked_open_does_not_hold_the_others_req
     # its sender's late Commit (the words were in, but late for its clock) is acknowledged, not refused
     assert msgs(rx.on_control(b"s", protocol.Commit(req_id="b", layers=LAY.layers), 61), ToSender,
                 protocol.CommitAck)[0].chunks_committed == 1
+    assert msgs(rx.on_control(b"s", protocol.Abort(req_id="b"), 61), ToSender, protocol.Ok)  # a late Abort: nothing
+    rx.on_control(b"t", hello, 61)
+    refused = msgs(rx.on_control(b"t", protocol.Commit(req_id="b", layers=LAY.layers), 61), ToSender, protocol.Error)
+    assert refused[0].code is ErrorCode.UNKNOWN_REQUEST  # another sender's Commit of it is still refused
     rx.check()
     # a connection that gave its open up and opens again holds one live open, and no release is counted for it;
     # giving up and opening again in a loop never runs into the cap of parked opens

@@ -370,6 +370,9 @@ class ReceiverSession:
                 self._settle(msg.req_id, now)
                 out.append(ToSender(ident, Ok(req_id=msg.req_id)))
                 return
+            if msg.req_id not in self.reqs and self.dropped_committed.get(msg.req_id, (None,))[0] == ident:
+                out.append(ToSender(ident, Ok(req_id=msg.req_id)))  # committed, read and gone: nothing to end
+                return
             r = self._owned(ident, msg.req_id)
             if r.words and r.state is ReqState.COMMITTED:  # it landed whole first (its words): nothing to end
                 out.append(ToSender(ident, Ok(req_id=msg.req_id)))
