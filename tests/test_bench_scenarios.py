@@ -45,6 +45,8 @@ def test_scenarios_and_report(tmp_path):
     report.write(res, tmp_path / "b.json", png, md)
     text = md.read_text()
     assert png.stat().st_size > 10_000 and "## Targets" in text and "b.png" in text
+    # the sender's own capacity, with engines whose layers are in staging already, beside the Python engines'
+    assert res["latency"]["prestaged_layer_ops_per_s"] > 0 and "the sender's own capacity" in text
 
 
 def test_control_scenario_verified_means_bytes_were_checked(monkeypatch):
