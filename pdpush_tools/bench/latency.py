@@ -65,7 +65,8 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
     flight; every tenth is read back and checked on the decode side. It starts the requests when ``go`` is
     set, once every engine is up (a process's start and imports are not the sender's capacity), and reports
     the CPU of its requests alone. ``prestaged``: a request's layers are in staging already (not copied, but
-    for the tenth it checks) and go over in one hand-over."""
+    for the tenth it checks) and go over in one hand-over, or one per run of layers whose blocks were granted
+    without waiting (a request larger than staging hands over what it holds before it waits for more)."""
     lay = KVLayout(**layout)
     try:
         pc = PrefillClient(lay, sock, timeout_s=60)
@@ -97,9 +98,14 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
             # which on a loaded box can pass between its commit and this engine getting round to it
             req = dc.open(h.req_id) if i % 10 == 0 else None
             if prestaged and req is None:
+                staged: list[int] = []
                 for layer in range(lay.layers):
+                    if staged and not h.granted(layer):  # staging is full: what it holds goes before it waits
+                        h.layers_ready(staged)
+                        staged = []
                     h.staging_layer(layer)  # its block, as a device copy would take it, with nothing copied
-                h.layers_ready(list(range(lay.layers)))
+                    staged.append(layer)
+                h.layers_ready(staged)
             else:
                 for layer in range(lay.layers):
                     h.put_layer(layer, *src.layer(layer))

@@ -85,7 +85,9 @@ def _big_rows(res: dict) -> list[str]:
         rows.append(f"| latency at {big['page_bytes'] >> 10} KiB layers: sender capacity, {big['engines']} engine processes "
                     f">= 0.8x the raw put rate of the same puts | {big['ratio_sender_ops']:.2f}x: "
                     f"{big['sender_layer_ops_per_s']:,.0f} layers/s against {big['raw_put_ops_per_s']:,.0f}"
-                    f"{_cpu_split(big)}; every request verified: {big['verified']} | "
+                    f"{_cpu_split(big)}; with engines handing over layers already in staging "
+                    f"{big.get('ratio_prestaged_ops', float('nan')):.2f}x ({big.get('prestaged_layer_ops_per_s', 0):,.0f} "
+                    f"layers/s); every request verified: {big['verified']} | "
                     f"{_met(big['ratio_sender_ops'] >= 0.8 and big['verified'])} |")
     if tp8:
         rows.append(f"| {tp8['prefill_ranks']} prefill ranks into {tp8['pool_shards']} pool shards through one sender "
