@@ -365,8 +365,10 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   The budget makes it plain: 0.5x of a raw rate of 200,000-540,000 puts/s on 2 cores leaves 7-20 us of
   CPU per layer for everything, and the run's engine processes alone (Python, `PushHandle.put_layer`:
   the staging copy, the ring record, the doorbell, the lifeline and mailbox checks) take 70-100 us per
-  layer. Measuring the sender's own capacity needs engines that cost next to nothing (a native loop writing
-  ring records), or a box with cores to spare for them.
+  layer. The pre-staged row measures the sender with engines that copy nothing (every tenth request still
+  copied and checked): its main thread then spends ~25 us of CPU per 64 KiB layer (a 10 s /proc sample, its
+  ZeroMQ I/O thread ~3 us), a third of it in the native wait, which includes the shared-memory puts' own
+  copies, 14% in ZeroMQ sends of BeginOk and Done, the rest per-request Python. 0.5x raw leaves ~4 us.
 - End to end at small layers, the `begin` round trip (1.6-1.8 ms, four ZeroMQ hops) and the
   engine's Python per layer (`stage` + hand-over, ~50-100 us) are most of a 256 KiB x 32 request
   (8 MiB, ~1.3 ms at the two-copy rate); the two-copy reference has no per-request control at all.
