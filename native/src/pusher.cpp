@@ -290,10 +290,10 @@ class Pusher {
     // when the session has something to do: one of ``fds`` is readable (its sockets, its lifelines), a request
     // has every layer landed and every readiness word in, a receiver failed, a record was refused, a finish
     // record was taken (take_finished), anything landed where ``eager`` (engines wait for staging blocks, or
-    // layers carry checksums), or ``timeout_s`` passed. After a post or a landing it spins on progress for ``spin_s`` (shared-memory completions need
-    // progress, not an fd event), looking at ``fds`` every 50 us, then sleeps on the fds, the doorbell and the
-    // worker's event fd, at most a millisecond at a time while puts are in flight. ``idle`` is the word engines
-    // read to know whether to ring.
+    // layers carry checksums), or ``timeout_s`` passed. After a post or a landing it spins on progress for
+    // ``spin_s`` (shared-memory completions need progress, not an fd event), looking at ``fds`` every 50 us,
+    // then sleeps on the fds, the doorbell and the worker's event fd, at most a millisecond at a time while
+    // puts are in flight. ``idle`` is the word engines read to know whether to ring.
     // Returns (``fds`` readable, doorbell bytes drained, records refused); the landings wait for poll().
     std::tuple<std::vector<int>, uint64_t, std::vector<Refused>> wait(double timeout_s, const std::vector<int> &fds,
                                                                        int doorbell, int worker_fd, uintptr_t idle,

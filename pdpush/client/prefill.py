@@ -256,13 +256,12 @@ class PushHandle:
         """The Finish: a record in the ring after the layers' (no ZeroMQ hop on either side), the sender woken
         if it sleeps; a ``Finish`` message where the sender offers no ring for it, the ring is full, or a layer
         went by message (a message sent after it keeps the order)."""
-        w = self._ring
-        if self._ring_finish:
+        if self._ring_finish:  # (which holds only with a ring)
             self._check_sender()  # (a message would reach a restarted sender, which says it does not know it)
-        if self._ring_finish and w is not None and w.push([ring.encode_finish(self._handle)]):
-            if w.sender_idle():
-                self._wake()
-            return
+            if self._ring.push([ring.encode_finish(self._handle)]):
+                if self._ring.sender_idle():
+                    self._wake()
+                return
         self.client._conn.send(Finish(req_id=self.req_id), timeout_s)
 
     def _wake(self) -> None:

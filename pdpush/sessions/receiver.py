@@ -370,7 +370,7 @@ class ReceiverSession:
                 self._settle(msg.req_id, now)
                 out.append(ToSender(ident, Ok(req_id=msg.req_id)))
                 return
-            if msg.req_id not in self.reqs and self.dropped_committed.get(msg.req_id, (None,))[0] == ident:
+            if self._dropped_of(ident, msg.req_id) is not None:
                 out.append(ToSender(ident, Ok(req_id=msg.req_id)))  # committed, read and gone: nothing to end
                 return
             r = self._owned(ident, msg.req_id)
@@ -540,8 +540,8 @@ class ReceiverSession:
     def _commit(self, ident: bytes, msg: Commit, now: int, out: list) -> None:
         """The sender's one completion notice: every layer it pushed has landed (a LayerDone came before only for
         layers with checksums, and those were verified then)."""
-        if msg.req_id not in self.reqs and (d := self.dropped_committed.get(msg.req_id)) and d[0] == ident:
-            out.append(ToSender(ident, CommitAck(req_id=msg.req_id, chunks_committed=d[1])))  # and read since
+        if (n := self._dropped_of(ident, msg.req_id)) is not None:
+            out.append(ToSender(ident, CommitAck(req_id=msg.req_id, chunks_committed=n)))  # and read since
             return
         r = self._owned(ident, msg.req_id)
         if r.words and r.state is ReqState.COMMITTED:  # its readiness words committed it first
@@ -656,6 +656,11 @@ class ReceiverSession:
         self._fence(ident, now, out)
         self._publish(now, out)
         return out
+
+    def _dropped_of(self, ident: bytes, req_id: str) -> int | None:
+        """Sender ``ident``'s request ``req_id`` committed, read and dropped lately: the chunks it committed."""
+        d = self.dropped_committed.get(req_id) if req_id not in self.reqs else None
+        return d[1] if d is not None and d[0] == ident else None
 
     def _drop(self, r: RxRequest, why: str) -> None:
         """A committed request nobody reads any more."""
