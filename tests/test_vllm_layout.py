@@ -253,6 +253,63 @@ def test_one_pass_gather_from_paged_blocks_equals_gather_then_stage(case):
         assert np.array_equal(got, want), rank
 
 
+@pytest.mark.parametrize("eb", [1, 2, 4, 8])
+@pytest.mark.parametrize("D", [16, 20, 3])
+def test_gather_and_scatter_rows_equal_an_element_by_element_reference(eb, D):
+    """The native row copies against numpy, element by element, on tables that form dimension-major tiles
+    (copied G tokens at a time) in staging's order and in the pool's token-major one, with the tiles broken
+    by a shuffled run of rows, a zeroed row and a tail of D that is no multiple of G."""
+    import numpy as np
+    from pdpush_native._copy import gather_rows, scatter_rows
+
+    rng = np.random.default_rng(eb * 100 + D)
+    N, tiles, H = 16, 5, 3  # tokens per tile; tiles (a block's K tile then its V rows: [D, N] then [N, D])
+    d, n = np.arange(D)[None, :], np.arange(N)[:, None]
+    emap = np.concatenate([d * N + n, N * D + n * D + d]).astype(np.int32)  # K of slot n: row n; V: N + n
+    tile_bytes = 2 * N * D * eb
+    src = rng.integers(0, 256, tiles * tile_bytes + 64, dtype=np.uint8)
+
+    def reference(base, sel):
+        out = np.zeros((len(base), D * eb), np.uint8)
+        for r, (b, m) in enumerate(zip(base, sel, strict=True)):
+            if b >= 0:
+                for k in range(D):
+                    a = b + int(emap[m, k]) * eb
+                    out[r, k * eb:(k + 1) * eb] = src[a:a + eb]
+        return out
+
+    blocks = rng.permutation(tiles)
+    tok = np.arange(3 * N + 5)  # whole tiles and part of one
+    for order in ("staging", "pool"):
+        if order == "staging":  # (head, component, token): consecutive rows are consecutive tokens
+            h, c, t = (x.reshape(-1) for x in np.meshgrid(np.arange(H), np.arange(2), tok, indexing="ij"))
+        else:  # (token, head, component): a token's next is H * 2 rows on
+            t, h, c = (x.reshape(-1) for x in np.meshgrid(tok, np.arange(H), np.arange(2), indexing="ij"))
+        base = blocks[t // N].astype(np.int64) * tile_bytes  # (every head in one tile: they share its bytes)
+        sel = (c * N + t % N).astype(np.int32)
+        base[7] = -1  # a zeroed row (gather) / a row that goes nowhere (scatter)
+        base[40:48], sel[40:48] = base[40:48][::-1].copy(), sel[40:48][::-1].copy()  # a run of rows reversed
+        want = reference(base, sel)
+        got = np.full_like(want, 9)
+        gather_rows(got, src, base, sel, emap, eb)
+        assert np.array_equal(got, want), order
+        rows = rng.integers(0, 256, want.shape, dtype=np.uint8)
+        keep = base >= 0
+        dst = np.full(src.shape, 5, np.uint8)
+        # one writer per element: the rows of distinct (token, component) (heads share a tile here)
+        _, first = np.unique(np.stack([t, c]).T[keep], axis=0, return_index=True)
+        only = np.flatnonzero(keep)[np.sort(first)]
+        b2, s2 = base.copy(), sel.copy()
+        b2[np.setdiff1d(np.arange(len(base)), only)] = -1
+        scatter_rows(dst, b2, s2, emap, eb, rows.reshape(-1), np.arange(len(base), dtype=np.int64) * D * eb)
+        want_dst = np.full(src.shape, 5, np.uint8)
+        for r in only:
+            for k in range(D):
+                a = b2[r] + int(emap[s2[r], k]) * eb
+                want_dst[a:a + eb] = rows[r, k * eb:(k + 1) * eb]
+        assert np.array_equal(dst, want_dst), order
+
+
 def test_one_pass_gather_refuses_addresses_outside_the_cache():
     import numpy as np
     from pdpush_native._copy import gather_rows

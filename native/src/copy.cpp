@@ -23,6 +23,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace nb = nanobind;
 
 namespace {
@@ -185,14 +189,15 @@ using Map = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_conti
 // Gather rows from an engine's own memory (a paged KV cache) in one pass: destination row ``r`` (``dst``
 // [R, D * B], any row stride) is the ``D`` elements of ``B`` bytes at ``src[base[r] + emap[sel[r], d] * B]``
 // for d < D (``base`` in bytes; a negative base zeroes the row). A map row of consecutive offsets is one
-// memcpy; any other (a dimension-major K tile) element by element, from a tile that stays in cache (a
-// 16-row transpose written plainly measured slower here: its strided stores do not vectorise).
+// memcpy; rows of a dimension-major K tile go G tokens at a time through an SSE2 transpose (by_tiles; a
+// 16-row transpose written plainly measured slower: its strided stores do not vectorise); any other map
+// element by element.
 // Every address is checked against ``src``: a bad table raises, it never reads outside.
 // An element map's rows, read once: each row's lowest and highest offset, and whether its offsets are
 // consecutive (the row is then one memcpy).
 struct MapRows {
     std::vector<int64_t> lo, hi;
-    std::vector<char> run;
+    std::vector<char> run, shift1;  // shift1[m]: map row m + 1 is map row m, one element on (a transposed tile)
     size_t M, D;
 
     MapRows(const Map &emap, size_t eb, size_t rb, const char *who) : M(emap.shape(0)), D(emap.shape(1)) {
@@ -213,6 +218,22 @@ struct MapRows {
             }
             lo[m] = a, hi[m] = b, run[m] = c;
         }
+        shift1.assign(M, 0);
+        for (size_t m = 0; m + 1 < M; ++m) {
+            const int32_t *o = map + m * D;
+            bool t = true;
+            for (size_t d = 0; d < D && t; ++d) t = static_cast<int64_t>(o[D + d]) == static_cast<int64_t>(o[d]) + 1;
+            shift1[m] = t;
+        }
+    }
+
+    // Map rows m .. m + G - 1 are one map row shifted by 0 .. G - 1 elements, and not runs: G rows of a
+    // dimension-major tile (each of its elements is G consecutive ones in memory, one per row).
+    bool tile(int32_t m, size_t G) const {
+        if (m < 0 || static_cast<size_t>(m) + G > M || run[m]) return false;
+        for (size_t i = 0; i + 1 < G; ++i)
+            if (!shift1[m + i]) return false;
+        return true;
     }
 
     // Row ``m`` of the map from byte ``b`` stays inside [0, S). b <= S first: then b + an offset of the map
@@ -222,6 +243,105 @@ struct MapRows {
                b + (hi[m] + 1) * static_cast<int64_t>(eb) <= S;
     }
 };
+
+// Dimension-major tiles (CPU_ATTN's K: element d of token n at d * N + n) as SSE2 transposes: G tokens of a
+// row at once (8 of 16 bits, 4 of 32), one 16-byte load per element index and one 16-byte store per token
+// instead of an element-sized load and store each (that path ran at 0.27x memcpy). Other element sizes, and
+// CPUs without SSE2, keep the element path (tile_rows 0).
+#if defined(__SSE2__)
+constexpr size_t tile_rows(size_t eb) { return eb == 2 ? 8 : eb == 4 ? 4 : 0; }
+
+template <size_t E>
+inline void transpose(__m128i *r) {  // r[j] element i -> r[i] element j
+    if constexpr (E == 2) {
+        const __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
+        const __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
+        const __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
+        const __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
+        const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+        const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+        const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+        const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+        r[0] = _mm_unpacklo_epi64(b0, b4), r[1] = _mm_unpackhi_epi64(b0, b4);
+        r[2] = _mm_unpacklo_epi64(b1, b5), r[3] = _mm_unpackhi_epi64(b1, b5);
+        r[4] = _mm_unpacklo_epi64(b2, b6), r[5] = _mm_unpackhi_epi64(b2, b6);
+        r[6] = _mm_unpacklo_epi64(b3, b7), r[7] = _mm_unpackhi_epi64(b3, b7);
+    } else {
+        const __m128i a0 = _mm_unpacklo_epi32(r[0], r[1]), a1 = _mm_unpackhi_epi32(r[0], r[1]);
+        const __m128i a2 = _mm_unpacklo_epi32(r[2], r[3]), a3 = _mm_unpackhi_epi32(r[2], r[3]);
+        r[0] = _mm_unpacklo_epi64(a0, a2), r[1] = _mm_unpackhi_epi64(a0, a2);
+        r[2] = _mm_unpacklo_epi64(a1, a3), r[3] = _mm_unpackhi_epi64(a1, a3);
+    }
+}
+
+// Rows i < G of a tile: row i's element k is at s + (o[k] + i) * E; row i goes to d[i] (D elements).
+template <size_t E>
+void gather_tile(uint8_t *const *d, const uint8_t *s, const int32_t *o, size_t D) {
+    constexpr size_t G = 16 / E;
+    __m128i r[G];
+    size_t k = 0;
+    for (; k + G <= D; k += G) {
+        for (size_t j = 0; j < G; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s + static_cast<int64_t>(o[k + j]) * E));
+        transpose<E>(r);
+        for (size_t i = 0; i < G; ++i) _mm_storeu_si128(reinterpret_cast<__m128i *>(d[i] + k * E), r[i]);
+    }
+    for (; k < D; ++k)
+        for (size_t i = 0; i < G; ++i) std::memcpy(d[i] + k * E, s + (static_cast<int64_t>(o[k]) + static_cast<int64_t>(i)) * E, E);
+}
+
+// The way back: row i (D elements at s[i]) goes to element k of row i at d + (o[k] + i) * E.
+template <size_t E>
+void scatter_tile(uint8_t *d, const int32_t *o, const uint8_t *const *s, size_t D) {
+    constexpr size_t G = 16 / E;
+    __m128i r[G];
+    size_t k = 0;
+    for (; k + G <= D; k += G) {
+        for (size_t i = 0; i < G; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s[i] + k * E));
+        transpose<E>(r);
+        for (size_t j = 0; j < G; ++j) _mm_storeu_si128(reinterpret_cast<__m128i *>(d + static_cast<int64_t>(o[k + j]) * E), r[j]);
+    }
+    for (; k < D; ++k)
+        for (size_t i = 0; i < G; ++i) std::memcpy(d + (static_cast<int64_t>(o[k]) + static_cast<int64_t>(i)) * E, s[i] + k * E, E);
+}
+#else
+constexpr size_t tile_rows(size_t) { return 0; }
+#endif
+
+// How far apart a table's rows of consecutive tokens of one tile are: the first row, among the first few,
+// whose next token (same base, next map row) follows within 256 rows gives it (1 in staging's order, heads x
+// components in the pool's token-major one); 0: none (no tiles).
+size_t tile_step(const int64_t *bs, const int32_t *sl, size_t R) {
+    for (size_t a = 0; a < std::min<size_t>(R, 8); ++a) {
+        if (bs[a] < 0) continue;
+        for (size_t k = 1; a + k < std::min<size_t>(R, a + 257); ++k)
+            if (bs[a + k] == bs[a] && static_cast<int64_t>(sl[a + k]) == static_cast<int64_t>(sl[a]) + 1) return k;
+    }
+    return 0;
+}
+
+// Whether rows r + i * q (i < G) are one tile: one base, map rows m + i of a transposed tile.
+bool is_tile(const MapRows &mr, const int64_t *bs, const int32_t *sl, size_t r, size_t q, size_t G) {
+    const int64_t b = bs[r];
+    const int32_t m = sl[r];
+    if (b < 0 || !mr.tile(m, G)) return false;
+    for (size_t i = 1; i < G; ++i)
+        if (bs[r + i * q] != b || static_cast<int64_t>(sl[r + i * q]) != static_cast<int64_t>(m) + static_cast<int64_t>(i)) return false;
+    return true;
+}
+
+// Visit rows [0, R) as tiles where they form them (``tile(r, q)``: rows r + i * q), else one by one (``row(r)``):
+// blocks of G * q rows, each q tiles of G, then the rows left.
+template <typename Tile, typename Row>
+void by_tiles(size_t R, size_t G, size_t q, Tile tile, Row row) {
+    size_t r0 = 0;
+    if (G && q) {
+        for (; r0 + G * q <= R; r0 += G * q)
+            for (size_t j = 0; j < q; ++j)
+                if (!tile(r0 + j, q))
+                    for (size_t i = 0; i < G; ++i) row(r0 + j + i * q);
+    }
+    for (; r0 < R; ++r0) row(r0);
+}
 
 void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb) {
     const size_t R = dst.shape(0), rb = dst.shape(1);
@@ -238,21 +358,24 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
     uint8_t *d0 = dst.data();
     const int64_t dstride = dst.stride(0);
     nb::gil_scoped_release unlocked;
-    for (size_t r = 0; r < R; ++r) {
+    auto checked = [&](size_t r) {
+        if (!mr.inside(sl[r], bs[r], S, eb))
+            throw std::out_of_range("gather_rows: row " + std::to_string(r) + " reaches outside the source");
+    };
+    auto row = [&](size_t r) {
         uint8_t *d = d0 + static_cast<int64_t>(r) * dstride;
         const int64_t b = bs[r];
         if (b < 0) {
             std::memset(d, 0, rb);
-            continue;
+            return;
         }
+        checked(r);
         const int32_t m = sl[r];
-        if (!mr.inside(m, b, S, eb))
-            throw std::out_of_range("gather_rows: row " + std::to_string(r) + " reaches outside the source");
         const uint8_t *s = s0 + b;
         const int32_t *o = map + static_cast<size_t>(m) * D;
         if (mr.run[m]) {
             std::memcpy(d, s + static_cast<int64_t>(o[0]) * static_cast<int64_t>(eb), rb);
-            continue;
+            return;
         }
         switch (eb) {
             case 1: gather_elems<uint8_t>(d, s, o, D); break;
@@ -260,7 +383,23 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
             case 4: gather_elems<uint32_t>(d, s, o, D); break;
             default: gather_elems<uint64_t>(d, s, o, D); break;
         }
-    }
+    };
+    const size_t G = tile_rows(eb);
+    auto tile = [&](size_t r, size_t q) {
+#if defined(__SSE2__)
+        if (!is_tile(mr, bs, sl, r, q, G)) return false;
+        uint8_t *d[8];
+        for (size_t i = 0; i < G; ++i) checked(r + i * q), d[i] = d0 + static_cast<int64_t>(r + i * q) * dstride;
+        const uint8_t *s = s0 + bs[r];
+        const int32_t *o = map + static_cast<size_t>(sl[r]) * D;
+        eb == 2 ? gather_tile<2>(d, s, o, D) : gather_tile<4>(d, s, o, D);
+        return true;
+#else
+        (void)r, (void)q;
+        return false;
+#endif
+    };
+    by_tiles(R, G, G ? tile_step(bs, sl, R) : 0, tile, row);
 }
 
 template <typename E>
@@ -293,15 +432,15 @@ void scatter_rows(Flat dst, Bases base, Sels sel, Map emap, size_t eb, Bytes src
     const uint8_t *s0 = src.data();
     uint8_t *d0 = dst.data();
     nb::gil_scoped_release unlocked;
-    for (size_t r = 0; r < R; ++r) {
-        if (bs[r] < 0) continue;
+    auto row = [&](size_t r) {
+        if (bs[r] < 0) return;
         const int32_t m = sl[r];
         uint8_t *d = d0 + bs[r];
         const uint8_t *s = s0 + so[r];
         const int32_t *o = map + static_cast<size_t>(m) * D;
         if (mr.run[m]) {
             std::memcpy(d + static_cast<int64_t>(o[0]) * static_cast<int64_t>(eb), s, rb);
-            continue;
+            return;
         }
         switch (eb) {
             case 1: scatter_elems<uint8_t>(d, s, o, D); break;
@@ -309,7 +448,22 @@ void scatter_rows(Flat dst, Bases base, Sels sel, Map emap, size_t eb, Bytes src
             case 4: scatter_elems<uint32_t>(d, s, o, D); break;
             default: scatter_elems<uint64_t>(d, s, o, D); break;
         }
-    }
+    };
+    const size_t G = tile_rows(eb);
+    auto tile = [&](size_t r, size_t q) {  // (every row was checked above)
+#if defined(__SSE2__)
+        if (!is_tile(mr, bs, sl, r, q, G)) return false;
+        const uint8_t *s[8];
+        for (size_t i = 0; i < G; ++i) s[i] = s0 + so[r + i * q];
+        const int32_t *o = map + static_cast<size_t>(sl[r]) * D;
+        eb == 2 ? scatter_tile<2>(d0 + bs[r], o, s, D) : scatter_tile<4>(d0 + bs[r], o, s, D);
+        return true;
+#else
+        (void)r, (void)q;
+        return false;
+#endif
+    };
+    by_tiles(R, G, G ? tile_step(bs, sl, R) : 0, tile, row);
 }
 
 }  // namespace
