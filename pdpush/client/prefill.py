@@ -159,9 +159,11 @@ class PushHandle:
         raise ProtocolError(f"unexpected {msg.type} for {self.req_id!r} while it was being pushed")
 
     def put_layer(self, layer: int, *comps) -> None:
-        """Copy layer ``layer``'s new chunks into staging, then push (``stage_layer``)."""
+        """Copy layer ``layer``'s new chunks into staging, then push (``stage_layer``, then ``layer_ready``
+        without a second look at the request's mail: ``stage_layer`` has just looked)."""
         self.stage_layer(layer, *comps)
-        self.layer_ready(layer)
+        self._mark_sent([layer])
+        self._hand_over([layer], wait=True)
 
     def stage_layer(self, layer: int, *comps, new_only: bool = False) -> None:
         """Copy layer ``layer``'s new chunks into staging without handing it over yet. ``comps`` are the
