@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import numpy as np
 
@@ -32,6 +33,10 @@ _libc.shmget.restype = ctypes.c_int
 _libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
 _libc.shmctl.restype = ctypes.c_int
 _IPC_PRIVATE, _IPC_CREAT, _IPC_RMID = 0, 0o1000, 0
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = 4096
 
 
 def shmid_of(address: int) -> int:
@@ -112,6 +117,24 @@ def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
     a = array_at(address, nbytes)
     for off in range(0, nbytes, step):
         a[off:off + step] = 0
+
+
+def populate(address: int, nbytes: int, stop=None, step: int = 64 << 20) -> int:
+    """Map every page of ``[address, address + nbytes)`` writable in this process's page tables, without
+    reading or writing a byte (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14 and later). For a region another
+    process owns and this one writes into (the sender's mapping of a receiver's pool): otherwise each 4 KiB
+    page costs a fault on this process's first write to it. In ``step`` pieces, stopping before the next
+    when ``stop()`` says so. Returns the bytes populated: fewer where it stopped or the kernel refused (an
+    older kernel, a range no longer mapped)."""
+    end = -(-(address + nbytes) // _PAGE) * _PAGE
+    at = address // _PAGE * _PAGE
+    while at < end and not (stop is not None and stop()):
+        n = min(step, end - at)
+        if _libc.madvise(at, n, _MADV_POPULATE_WRITE) != 0:
+            log.info("cannot populate %d bytes at %#x: %s", n, at, os.strerror(ctypes.get_errno()))
+            break
+        at += n
+    return max(0, min(at, address + nbytes) - address)
 
 
 def pin_if_cuda(address: int, nbytes: int) -> bool:

@@ -223,6 +223,8 @@ def lib() -> ctypes.CDLL:
     L.ucp_ep_rkey_unpack.restype = c_int
     L.ucp_rkey_destroy.argtypes = [c_void_p]
     L.ucp_rkey_destroy.restype = None
+    L.ucp_rkey_ptr.argtypes = [c_void_p, c_uint64, POINTER(c_void_p)]
+    L.ucp_rkey_ptr.restype = c_int
     L.ucp_ep_flush_nbx.argtypes = [c_void_p, POINTER(RequestParam)]
     L.ucp_ep_flush_nbx.restype = c_void_p
     L.ucp_request_check_status.argtypes = [c_void_p]
@@ -411,6 +413,15 @@ class RemoteKey:
         buf = ctypes.create_string_buffer(packed, len(packed))
         _check("ucp_ep_rkey_unpack", lib().ucp_ep_rkey_unpack(ep, buf, byref(rk)))
         self.handle: int | None = rk.value
+
+    def local_address(self, remote: int) -> int | None:
+        """Where the peer's ``remote`` address is mapped in this process: a shared-memory transport attaches the
+        peer's region when the rkey is unpacked (``ucp_rkey_ptr``). None where nothing is mapped here (a network
+        transport)."""
+        p = c_void_p()
+        if not self.handle or lib().ucp_rkey_ptr(self.handle, remote, byref(p)) != UCS_OK or not p.value:
+            return None
+        return p.value
 
     def destroy(self) -> None:
         if self.handle:

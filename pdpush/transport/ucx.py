@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -142,6 +143,7 @@ class Endpoint(_Closable):
         self._batches: deque[_Batch] = deque()
         self._native = None  # pdpush_native.Batches, once the rkey is known
         self._wireup: tuple[list[int], object, bytes] | None = None  # (raw requests, token buffer, packed rkey)
+        self._populating: tuple[threading.Thread, threading.Event] | None = None  # populate_peer's
 
     def set_rkey(self, packed: bytes, timeout_s: float = 5.0) -> None:
         """Unpack the peer's rkey once wire-up is complete.
@@ -165,6 +167,23 @@ class Endpoint(_Closable):
         from pdpush_native import Batches
 
         self._native = Batches(self.handle, self.rkey.handle, MAX_PUT_BYTES)
+
+    def populate_peer(self, remote: int, nbytes: int, done: Callable[[int], None]) -> bool:
+        """Where a shared-memory transport mapped the peer's region into this process (the rkey's unpack
+        attached it), populate this process's page tables for ``[remote, remote + nbytes)`` of it on a thread
+        (``shm.populate``): the first put into each of its pages then takes no page fault here. ``done(bytes)``
+        is called from that thread. The close stops it first. False where nothing is mapped here."""
+        from pdpush import shm
+
+        local = self.rkey.local_address(remote) if self.rkey is not None else None
+        if local is None or self._populating is not None:
+            return False
+        stop = threading.Event()
+        th = threading.Thread(target=lambda: done(shm.populate(local, nbytes, stop.is_set)),
+                              name="pdpush-populate", daemon=True)
+        self._populating = (th, stop)
+        th.start()
+        return True
 
     def begin_wireup(self, token: bytes, packed_rkey: bytes) -> None:
         """Send the one-time session token and a flush, and return at once: the owner's loop goes on serving
@@ -297,6 +316,11 @@ class Endpoint(_Closable):
 
     def close(self) -> None:
         self.cancel_wireup()
+        if self._populating is not None:  # before the rkey goes, and with it the mapping the thread populates
+            th, stop = self._populating
+            stop.set()
+            th.join()  # (within one piece of shm.populate: a few milliseconds)
+            self._populating = None
         if self._batches:  # closing cancels them; report them as failed on the next poll
             self._worker._orphans.extend(
                 Completion(b.token, b.puts, TransferError(f"endpoint {self.name} closed")) for b in self._batches)
