@@ -75,7 +75,8 @@ class _Base(_Settings):
     """Touch every page of the shared region at start-up, so the first transfers do not pay
     for page faults (about 1 s per GiB here). Turn off for very large pools on fast-start hosts.
     A sender also maps each receiver's pool in, on a thread once connected, where UCX maps it into
-    the sender (shared memory on one host): about 0.2 s per GiB here, and page tables of 2 MiB per GiB."""
+    the sender (shared memory on one host), what of it the receiver has in memory: about 0.2 s per GiB
+    here, and page tables of 2 MiB per GiB."""
     ucx_env: dict[str, str] = Field(default_factory=dict)
     """Extra UCX_* variables (UCX_TLS, UCX_NET_DEVICES, ...), applied before UCX starts."""
     drain_timeout_s: float = Field(10.0, gt=0)

@@ -75,13 +75,13 @@ class Sender:
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
         self._connecting: dict[str, tuple[object, float]] = {}  # receiver endpoint -> (endpoint wiring up, deadline)
         self._regions: dict[str, tuple[int, int]] = {}  # receiver endpoint -> its region (address, bytes), to populate
+        self._populated: dict[str, int] = {}  # receiver endpoint -> bytes of its region mapped here (each its thread's)
         self.pusher = None  # the native per-layer path (pdpush_native.Pusher), once started
         self._eids: dict[str, int] = {}  # receiver endpoint -> its id in the pusher (kept for the daemon's life)
         self._eid_names: dict[int, str] = {}
         self.conns = _Connections()  # engine connections -> their ids in the pusher
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
-        self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0,
-                               "peer_bytes_populated": 0}  # receivers' regions mapped here in advance (_connect)
+        self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0}
         self.wire = WireCount()  # control messages to and from receivers
         self.outbox = Outbox(self.wire)  # what a loop pass has for each receiver: one frame each, at its end
         self._watch_dirty = True  # the fds and sockets the native wait watches for the loop (_watched)
@@ -458,8 +458,11 @@ class Sender:
             return self.session.on_connected(a.endpoint, e, now_ms())
         self._connecting[a.endpoint] = (ep, time.monotonic() + self.cfg.control_timeout_ms / 1000)
         if self.cfg.prefault:  # once wired up (_connects): the region this sender's puts write, where it is mapped here
-            self._regions[a.endpoint] = (ack.pool_base, PoolGeometry(
-                ack.layout.kv_layout, ack.pool_pages, ack.pool_shards, ack.state_slots).total_bytes)
+            try:
+                self._regions[a.endpoint] = (ack.pool_base, PoolGeometry(
+                    ack.layout.kv_layout, ack.pool_pages, ack.pool_shards, ack.state_slots).total_bytes)
+            except ValueError:
+                pass  # (an ack the session refuses: nothing to populate)
         return []
 
     def _connects(self) -> None:
@@ -475,18 +478,14 @@ class Sender:
                     endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
                 ep.attach(self.pusher, self._eid(endpoint))
                 if (region := self._regions.pop(endpoint, None)) is not None:
-                    ep.populate_peer(*region, self._populated)
+                    self._populated[endpoint] = 0  # (the thread only updates it: stats() may sum meanwhile)
+                    ep.populate_peer(*region, lambda n, endpoint=endpoint: self._populated.__setitem__(endpoint, n))
                 err = None
             except PdpushError as e:
                 ep.cancel_wireup()
                 err = e
             del self._connecting[endpoint]
             self._apply(self.session.on_connected(endpoint, err, now_ms()))
-
-    def _populated(self, nbytes: int) -> None:
-        """(From an endpoint's populating thread.) A receiver's region is mapped here: its first puts fault no
-        page in (on a cold 512 MiB pool, page faults took 40% of this process's CPU)."""
-        self.shell_counters["peer_bytes_populated"] += nbytes
 
     def _hand(self, a: Hand) -> None:
         """A LayerReady's layers, taken whole or not at all (as its Python checks did before)."""
@@ -528,6 +527,7 @@ class Sender:
             self.pusher.drop_endpoint(self._eids[endpoint])  # its batches, before the endpoint goes
         if ep is not None:
             ep.close()
+        self._populated.pop(endpoint, None)  # (its thread stopped in the close)
 
     def _reset(self, endpoint: str) -> None:
         """A failed receiver: drop its data plane, and its socket (it may hold frames queued for a dead peer)."""
@@ -545,6 +545,8 @@ class Sender:
         return {"role": "sender", "ingress_endpoint": self.ingress_endpoint, **self.session.stats(),
                 "ucx_transports": json.dumps(self.transports()), **ucx_stats(self.ucx_info),
                 **self.pusher.stats(), **self.lifelines.stats(), "metrics_endpoint": self.metrics.endpoint, **self.shell_counters,
+                # receivers' pools mapped into this process in advance (their endpoints' threads; prefault)
+                "peer_bytes_populated": sum(self._populated.values()),
                 **self.wire.stats()}
 
 

@@ -35,6 +35,8 @@ _libc.shmctl.restype = ctypes.c_int
 _IPC_PRIVATE, _IPC_CREAT, _IPC_RMID = 0, 0o1000, 0
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mincore.restype = ctypes.c_int
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE = 4096
 
@@ -119,22 +121,48 @@ def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
         a[off:off + step] = 0
 
 
-def populate(address: int, nbytes: int, stop=None, step: int = 64 << 20) -> int:
-    """Map every page of ``[address, address + nbytes)`` writable in this process's page tables, without
+def mapping_end(address: int) -> int | None:
+    """The end of this process's mapping that holds ``address`` (/proc/self/maps); None if none does."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            if lo <= address < hi:
+                return hi
+    return None
+
+
+def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 << 20) -> int:
+    """Map the pages of ``[address, address + nbytes)`` writable in this process's page tables, without
     reading or writing a byte (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14 and later). For a region another
     process owns and this one writes into (the sender's mapping of a receiver's pool): otherwise each 4 KiB
-    page costs a fault on this process's first write to it. In ``step`` pieces, stopping before the next
-    when ``stop()`` says so. Returns the bytes populated: fewer where it stopped or the kernel refused (an
-    older kernel, a range no longer mapped)."""
-    end = -(-(address + nbytes) // _PAGE) * _PAGE
+    page costs a fault on this process's first write to it.
+
+    Only what the owner has in memory already: a piece with a page not resident (``mincore``: the owner did
+    not prefault it) is left alone, so this process never allocates the owner's memory (nor is charged for
+    it). Never past the mapping that holds ``address``. In ``step`` pieces (each holds this process's
+    mmap lock for a millisecond or so), stopping before the next when ``stop()`` says so; ``progress(bytes)``
+    after each. Returns the bytes populated."""
+    end_map = mapping_end(address)
+    if end_map is None:
+        return 0
+    end = min(-(-(address + nbytes) // _PAGE) * _PAGE, end_map)
     at = address // _PAGE * _PAGE
+    vec = (ctypes.c_ubyte * (step // _PAGE))()
+    done = 0
     while at < end and not (stop is not None and stop()):
         n = min(step, end - at)
-        if _libc.madvise(at, n, _MADV_POPULATE_WRITE) != 0:
-            log.info("cannot populate %d bytes at %#x: %s", n, at, os.strerror(ctypes.get_errno()))
+        if _libc.mincore(at, n, vec) != 0:
+            log.info("cannot tell which pages at %#x are in memory: %s", at, os.strerror(ctypes.get_errno()))
             break
+        if (np.frombuffer(vec, np.uint8, count=-(-n // _PAGE)) & 1).all():
+            if _libc.madvise(at, n, _MADV_POPULATE_WRITE) != 0:
+                log.info("cannot populate %d bytes at %#x: %s", n, at, os.strerror(ctypes.get_errno()))
+                break
+            done += n
+            if progress is not None:
+                progress(done)
         at += n
-    return max(0, min(at, address + nbytes) - address)
+    return done
 
 
 def pin_if_cuda(address: int, nbytes: int) -> bool:

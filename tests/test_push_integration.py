@@ -443,17 +443,32 @@ def _minor_faults(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[7])  # minflt, field 10
 
 
+def _rss_of_segment(pid: int, shmid: int) -> int:
+    """Bytes of SysV segment ``shmid`` mapped in process ``pid``'s page tables (its smaps Rss)."""
+    rss, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and parts[0][0] in "0123456789abcdef" and not parts[0].endswith(":"):
+                inside = len(parts) >= 6 and parts[5].startswith("/SYSV") and int(parts[4]) == shmid
+            elif inside and parts[0] == "Rss:":
+                rss += int(parts[1]) * 1024
+    return rss
+
+
 @pytest.mark.parametrize("prefault", [True, False])
 def test_a_sender_maps_a_receivers_pool_in_ahead_so_its_first_puts_fault_no_page(daemons, prefault):
     """The sender's first write into each 4 KiB page of a receiver's pool used to fault it into the sender's
-    own mapping (40% of its CPU while the pool was cold). With ``prefault`` it populates its mapping once the
-    endpoint is up; without, the same pushes fault every page they write: the count sees the difference."""
+    own mapping (40% of its CPU while the pool was cold). With ``prefault`` it maps the receiver's (prefaulted)
+    pool in once the endpoint is up, and pushes onto pages it never wrote fault none; without, the same
+    pushes map each page they write into the sender then (its mapping grows by their bytes)."""
     from tests.helpers import until
 
     layout = KVLayout(8, 4, 64, "bfloat16", 16)  # a page of a layer: 16 KiB
     pages, chunks = 64, 8
-    rx = daemons.receiver(**rx_opts(layout, pool_pages=pages))
+    rx = daemons.receiver(**rx_opts(layout, pool_pages=pages), prefault=True)
     tx = daemons.sender(rx, prefault=prefault)
+    pool, shmid = rx.info["pool_bytes"], rx.info["shmid"]
     pc = PrefillClient(layout, sock(tx), timeout_s=30)
     dc = DecodeClient(sock(rx), timeout_s=30)
     tokens = chunks * layout.chunk_tokens
@@ -461,20 +476,20 @@ def test_a_sender_maps_a_receivers_pool_in_ahead_so_its_first_puts_fault_no_page
         k, v = kv(layout, tokens, seed=0)
         push(pc, "first", list(range(tokens)), k, v)  # connects the data plane, and writes the pool's first pages
         if prefault:
-            region = rx.info["pool_bytes"]
-            until(lambda: status(sock(tx))["peer_bytes_populated"] >= region, 30, "the pool populated")
-        before = _minor_faults(tx.pid)
+            until(lambda: status(sock(tx))["peer_bytes_populated"] >= pool, 30, "the pool populated")
+        rss, before = _rss_of_segment(tx.pid, shmid), _minor_faults(tx.pid)
         for i in range(1, 5):  # pages the sender has not written yet (the pool hands out its lowest free ones)
             k, v = kv(layout, tokens, seed=i)
             push(pc, f"r{i}", list(range(1000 * i, 1000 * i + tokens)), k, v)
-        faults = _minor_faults(tx.pid) - before
+        faults, grown = _minor_faults(tx.pid) - before, _rss_of_segment(tx.pid, shmid) - rss
         for i in range(1, 5):
             assert np.array_equal(read_back(dc, f"r{i}", layout, tokens)[0], kv(layout, tokens, seed=i)[0])
     finally:
         pc.close()
         dc.close()
-    written = 4 * chunks * layout.layers * layout.page_bytes // 4096  # 4 KiB pages of the pool written
+    written = 4 * chunks * layout.layers * layout.page_bytes  # bytes of pool pages the four pushes wrote
     if prefault:
-        assert faults < written // 4, faults
+        assert rss >= pool and grown == 0, (rss, pool, grown)
+        assert faults < written // 4096 // 4, faults
     else:
-        assert faults >= written * 0.9, faults  # the sender maps the pool itself: its puts are its writes
+        assert rss < pool // 2 and grown >= written, (rss, pool, grown)  # the puts fault the pool in, page by page

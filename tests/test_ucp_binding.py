@@ -132,3 +132,39 @@ def test_a_closed_worker_gives_back_its_close_signal_pipe():
             pass  # closed, and not reused
     w._signal_closed()  # an endpoint's error callback after close: nothing to write to
     w.close()  # twice: nothing left to close
+
+
+def _rss(address: int) -> int:
+    """Bytes of this process's mapping at ``address`` in its page tables (smaps Rss)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and parts[0] == "Rss:":
+                return int(parts[1]) * 1024
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+def test_populate_maps_in_only_what_the_owner_has_in_memory_and_never_past_the_mapping():
+    """shm.populate (the sender's advance mapping of a receiver's pool): a piece whose pages the owner has not
+    faulted in is left alone (this process must not allocate the owner's memory); resident ones are mapped
+    without a byte read or written; the range is cut at the end of the mapping; ``stop`` ends it between pieces."""
+    from pdpush import shm
+
+    mib = 1 << 20
+    shmid, owner = shm.create_private(16 * mib)  # the owner's mapping
+    peer = shm.Attached(shmid, 16 * mib)  # another mapping of it, as UCX attaches a receiver's pool in the sender
+    try:
+        assert shm.populate(peer.address, 16 * mib) == 0 and _rss(peer.address) == 0  # nothing resident yet
+        shm.array_at(owner, 8 * mib)[:] = 7  # the owner faults the first half in
+        seen = []
+        assert shm.populate(peer.address, 64 * mib, progress=seen.append) == 8 * mib  # cut at the mapping's end
+        assert seen == [4 * mib, 8 * mib] and _rss(peer.address) == 8 * mib
+        assert peer.array[:8 * mib].min() == 7 and peer.array[8 * mib:].max() == 0  # no byte changed
+        assert shm.populate(peer.address, 16 * mib, stop=lambda: True) == 0
+    finally:
+        peer.close()
+        shm.detach(owner)

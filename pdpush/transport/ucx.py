@@ -168,18 +168,19 @@ class Endpoint(_Closable):
 
         self._native = Batches(self.handle, self.rkey.handle, MAX_PUT_BYTES)
 
-    def populate_peer(self, remote: int, nbytes: int, done: Callable[[int], None]) -> bool:
+    def populate_peer(self, remote: int, nbytes: int, progress: Callable[[int], None]) -> bool:
         """Where a shared-memory transport mapped the peer's region into this process (the rkey's unpack
         attached it), populate this process's page tables for ``[remote, remote + nbytes)`` of it on a thread
-        (``shm.populate``): the first put into each of its pages then takes no page fault here. ``done(bytes)``
-        is called from that thread. The close stops it first. False where nothing is mapped here."""
+        (``shm.populate``): the first put into each of its pages then takes no page fault here.
+        ``progress(bytes so far)`` is called from that thread. The close stops it first (within a piece of
+        ``shm.populate``). False where nothing is mapped here."""
         from pdpush import shm
 
         local = self.rkey.local_address(remote) if self.rkey is not None else None
         if local is None or self._populating is not None:
             return False
         stop = threading.Event()
-        th = threading.Thread(target=lambda: done(shm.populate(local, nbytes, stop.is_set)),
+        th = threading.Thread(target=lambda: shm.populate(local, nbytes, stop.is_set, progress),
                               name="pdpush-populate", daemon=True)
         self._populating = (th, stop)
         th.start()
@@ -319,7 +320,7 @@ class Endpoint(_Closable):
         if self._populating is not None:  # before the rkey goes, and with it the mapping the thread populates
             th, stop = self._populating
             stop.set()
-            th.join()  # (within one piece of shm.populate: a few milliseconds)
+            th.join()  # (within one piece of shm.populate: a millisecond or so)
             self._populating = None
         if self._batches:  # closing cancels them; report them as failed on the next poll
             self._worker._orphans.extend(
