@@ -411,7 +411,8 @@ void scatter_elems(uint8_t *d, const uint8_t *s, const int32_t *offs, size_t n) 
 // The way back, in one pass: row ``r`` of ``src`` (flat bytes; the row at byte ``src_off[r]``, ``D * B``
 // bytes) goes to the ``D`` elements at ``dst[base[r] + emap[sel[r], d] * B]`` (a negative base: the row goes
 // nowhere). The decode side's copy from the pool into an engine's paged cache. Every address is checked
-// against ``src`` and ``dst`` before anything is written.
+// against ``src`` and ``dst`` before anything is written. Rows must not write the same bytes: tiles are
+// written G rows at a time, not in the table's order (so where two rows did, the table's last would not win).
 void scatter_rows(Flat dst, Bases base, Sels sel, Map emap, size_t eb, Bytes src, Bases src_off) {
     const size_t R = base.shape(0);
     const MapRows mr(emap, eb, emap.shape(1) * eb, "scatter_rows");

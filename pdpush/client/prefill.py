@@ -160,10 +160,10 @@ class PushHandle:
 
     def put_layer(self, layer: int, *comps) -> None:
         """Copy layer ``layer``'s new chunks into staging, then push (``stage_layer``, then ``layer_ready``
-        without a second look at the request's mail: ``stage_layer`` has just looked)."""
+        without a second look at the request's mail: ``stage_layer`` looked before the copy; a failure that
+        came during it surfaces at the next layer or the finish, and the sender refuses a late hand-over)."""
         self.stage_layer(layer, *comps)
-        self._mark_sent([layer])
-        self._hand_over([layer], wait=True)
+        self._ready([layer])
 
     def stage_layer(self, layer: int, *comps, new_only: bool = False) -> None:
         """Copy layer ``layer``'s new chunks into staging without handing it over yet. ``comps`` are the
@@ -219,6 +219,10 @@ class PushHandle:
     def layers_ready(self, layers: list[int]) -> None:
         """Hand several staged layers over in one message (eager mode, or layers that finished together)."""
         self._check_open()
+        self._ready(layers)
+
+    def _ready(self, layers: list[int]) -> None:
+        """The hand-over of layers staged, once the request's mail was looked at."""
         self._mark_sent(layers)
         self._hand_over(list(layers), wait=True)
 
