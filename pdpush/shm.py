@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 
 import numpy as np
 
@@ -70,6 +71,18 @@ class Attached:
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
         self.pinned = False
+        self._populating: tuple[threading.Thread, threading.Event] | None = None
+
+    def populate_async(self) -> None:
+        """Map what the owning daemon has in memory of the segment into this process on a thread (``populate``),
+        so this process's first touch of each page (an engine's copy into staging, or out of the pool) does not
+        fault it in. ``close`` stops it first."""
+        if self._populating is None and self.address:
+            stop = threading.Event()
+            th = threading.Thread(target=populate_quietly, args=(self.address, self.nbytes, stop.is_set),
+                                  name="pdpush-populate", daemon=True)
+            self._populating = (th, stop)
+            th.start()
 
     def pin(self) -> bool:
         """Page-lock this mapping for CUDA copies in this process (``pin_if_cuda``); True if it is."""
@@ -78,6 +91,11 @@ class Attached:
         return self.pinned
 
     def close(self) -> None:
+        if self._populating is not None:  # before the mapping goes (within a piece of populate)
+            th, stop = self._populating
+            stop.set()
+            th.join()
+            self._populating = None
         if self.address:
             # views handed out (ctypes from_address) do not keep the mapping: shmdt unmaps it under them, and a
             # later read faults. Callers detach only once nothing reads the segment (client/connection.py's user counts;
@@ -115,7 +133,11 @@ def array_at(address: int, nbytes: int) -> np.ndarray:
 
 
 def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
-    """Fault every page of a fresh region in (writes zeros; only for memory nobody uses yet)."""
+    """Fault every page of a fresh region in (only for memory nobody uses yet): allocated by the kernel
+    without a byte written here (``populate``), or, where the kernel cannot (before Linux 5.14), by writing
+    zeros."""
+    if populate(address, nbytes, resident_only=False) >= nbytes:
+        return
     a = array_at(address, nbytes)
     for off in range(0, nbytes, step):
         a[off:off + step] = 0
@@ -131,15 +153,16 @@ def mapping_end(address: int) -> int | None:
     return None
 
 
-def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 << 20) -> int:
+def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 << 20,
+             resident_only: bool = True) -> int:
     """Map the pages of ``[address, address + nbytes)`` writable in this process's page tables, without
     reading or writing a byte (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14 and later). For a region another
     process owns and this one writes into (the sender's mapping of a receiver's pool): otherwise each 4 KiB
     page costs a fault on this process's first write to it.
 
-    Only what the owner has in memory already: a piece with a page not resident (``mincore``: the owner did
-    not prefault it) is left alone, so this process never allocates the owner's memory (nor is charged for
-    it). Never past the mapping that holds ``address``. In ``step`` pieces (each holds this process's
+    Only what the owner has in memory already (``resident_only``, for another process's region): a piece
+    with a page not resident (``mincore``: the owner did not prefault it) is left alone, so this process
+    never allocates the owner's memory (nor is charged for it). Never past the mapping that holds ``address``. In ``step`` pieces (each holds this process's
     mmap lock for a millisecond or so), stopping before the next when ``stop()`` says so; ``progress(bytes)``
     after each. Returns the bytes populated."""
     end_map = mapping_end(address)
@@ -151,10 +174,10 @@ def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 
     done = 0
     while at < end and not (stop is not None and stop()):
         n = min(step, end - at)
-        if _libc.mincore(at, n, vec) != 0:
+        if resident_only and _libc.mincore(at, n, vec) != 0:
             log.info("cannot tell which pages at %#x are in memory: %s", at, os.strerror(ctypes.get_errno()))
             break
-        if (np.frombuffer(vec, np.uint8, count=-(-n // _PAGE)) & 1).all():
+        if not resident_only or (np.frombuffer(vec, np.uint8, count=-(-n // _PAGE)) & 1).all():
             if _libc.madvise(at, n, _MADV_POPULATE_WRITE) != 0:
                 log.info("cannot populate %d bytes at %#x: %s", n, at, os.strerror(ctypes.get_errno()))
                 break
@@ -163,6 +186,16 @@ def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 
                 progress(done)
         at += n
     return done
+
+
+def populate_quietly(address: int, nbytes: int, stop=None, progress=None) -> int:
+    """``populate`` from a thread of its own at the lowest priority (nice 19, this thread only), so that the
+    process's own work (an engine's forward, a daemon's loop) goes first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
+    return populate(address, nbytes, stop, progress)
 
 
 def pin_if_cuda(address: int, nbytes: int) -> bool:

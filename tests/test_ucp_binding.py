@@ -168,3 +168,44 @@ def test_populate_maps_in_only_what_the_owner_has_in_memory_and_never_past_the_m
     finally:
         peer.close()
         shm.detach(owner)
+
+
+def test_prefault_allocates_a_fresh_region_without_writing_it():
+    """shm.prefault (a daemon's own pool or staging at start-up): every page allocated and mapped here, by the
+    kernel (MADV_POPULATE_WRITE) rather than by writing zeros, and the region reads zero."""
+    from pdpush import shm
+
+    nbytes = 10 * (1 << 20) + 4096  # not a whole number of pieces
+    shmid, addr = shm.create_private(nbytes)
+    other = shm.Attached(shmid, nbytes)
+    try:
+        assert _rss(addr) == 0
+        shm.prefault(addr, nbytes)
+        assert _rss(addr) == nbytes
+        assert shm.populate(other.address, nbytes) == nbytes  # resident now: another mapping maps it all
+        assert other.array.max() == 0
+    finally:
+        other.close()
+        shm.detach(addr)
+
+
+def test_an_engines_attachment_maps_the_daemons_pages_in_on_a_thread_and_its_close_stops_it():
+    """shm.Attached.populate_async (client/connection.py's Attachments.hold): an engine's mapping of a
+    daemon's staging or pool gets the daemon's resident pages without faulting them in one by one."""
+    from pdpush import shm
+    from tests.helpers import until
+
+    nbytes = 12 << 20
+    shmid, owner = shm.create_private(nbytes)
+    shm.prefault(owner, nbytes)  # the daemon's own prefault
+    a = shm.Attached(shmid, nbytes)
+    try:
+        a.populate_async()
+        until(lambda: _rss(a.address) == nbytes, 10, "the attachment populated")
+    finally:
+        a.close()
+    b = shm.Attached(shmid, nbytes)
+    b.populate_async()
+    b.close()  # at once: the thread stops within a piece, before the mapping goes
+    assert b._populating is None and b.address == 0
+    shm.detach(owner)

@@ -283,6 +283,7 @@ class Attachments:
             a = self._segs[shmid] = Attached(shmid, nbytes)
             if self.pin:
                 a.pin()
+            a.populate_async()  # the daemon's pages mapped here ahead of this engine's first copies
         self._users[shmid] = self._users.get(shmid, 0) + 1
         return a
 

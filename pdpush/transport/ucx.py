@@ -180,7 +180,7 @@ class Endpoint(_Closable):
         if local is None or self._populating is not None:
             return False
         stop = threading.Event()
-        th = threading.Thread(target=lambda: shm.populate(local, nbytes, stop.is_set, progress),
+        th = threading.Thread(target=shm.populate_quietly, args=(local, nbytes, stop.is_set, progress),
                               name="pdpush-populate", daemon=True)
         self._populating = (th, stop)
         th.start()
