@@ -71,18 +71,14 @@ class Attached:
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
         self.pinned = False
-        self._populating: tuple[threading.Thread, threading.Event] | None = None
+        self._populating: Populating | None = None
 
     def populate_async(self) -> None:
         """Map what the owning daemon has in memory of the segment into this process on a thread (``populate``),
         so this process's first touch of each page (an engine's copy into staging, or out of the pool) does not
         fault it in. ``close`` stops it first."""
         if self._populating is None and self.address:
-            stop = threading.Event()
-            th = threading.Thread(target=populate_quietly, args=(self.address, self.nbytes, stop.is_set),
-                                  name="pdpush-populate", daemon=True)
-            self._populating = (th, stop)
-            th.start()
+            self._populating = Populating(self.address, self.nbytes)
 
     def pin(self) -> bool:
         """Page-lock this mapping for CUDA copies in this process (``pin_if_cuda``); True if it is."""
@@ -92,9 +88,7 @@ class Attached:
 
     def close(self) -> None:
         if self._populating is not None:  # before the mapping goes (within a piece of populate)
-            th, stop = self._populating
-            stop.set()
-            th.join()
+            self._populating.stop()
             self._populating = None
         if self.address:
             # views handed out (ctypes from_address) do not keep the mapping: shmdt unmaps it under them, and a
@@ -196,6 +190,21 @@ def populate_quietly(address: int, nbytes: int, stop=None, progress=None) -> int
     except OSError:
         pass
     return populate(address, nbytes, stop, progress)
+
+
+class Populating:
+    """``populate_quietly`` on a thread of its own. ``stop()`` ends it before its next piece and waits for it:
+    call it before the mapping goes."""
+
+    def __init__(self, address: int, nbytes: int, progress=None) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=populate_quietly, args=(address, nbytes, self._stop.is_set, progress),
+                                        name="pdpush-populate", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()  # (within one piece of populate: a millisecond or so)
 
 
 def pin_if_cuda(address: int, nbytes: int) -> bool:

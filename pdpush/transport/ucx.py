@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -143,7 +142,7 @@ class Endpoint(_Closable):
         self._batches: deque[_Batch] = deque()
         self._native = None  # pdpush_native.Batches, once the rkey is known
         self._wireup: tuple[list[int], object, bytes] | None = None  # (raw requests, token buffer, packed rkey)
-        self._populating: tuple[threading.Thread, threading.Event] | None = None  # populate_peer's
+        self._populating = None  # populate_peer's shm.Populating
 
     def set_rkey(self, packed: bytes, timeout_s: float = 5.0) -> None:
         """Unpack the peer's rkey once wire-up is complete.
@@ -179,11 +178,7 @@ class Endpoint(_Closable):
         local = self.rkey.local_address(remote) if self.rkey is not None else None
         if local is None or self._populating is not None:
             return False
-        stop = threading.Event()
-        th = threading.Thread(target=shm.populate_quietly, args=(local, nbytes, stop.is_set, progress),
-                              name="pdpush-populate", daemon=True)
-        self._populating = (th, stop)
-        th.start()
+        self._populating = shm.Populating(local, nbytes, progress)
         return True
 
     def begin_wireup(self, token: bytes, packed_rkey: bytes) -> None:
@@ -318,9 +313,7 @@ class Endpoint(_Closable):
     def close(self) -> None:
         self.cancel_wireup()
         if self._populating is not None:  # before the rkey goes, and with it the mapping the thread populates
-            th, stop = self._populating
-            stop.set()
-            th.join()  # (within one piece of shm.populate: a millisecond or so)
+            self._populating.stop()
             self._populating = None
         if self._batches:  # closing cancels them; report them as failed on the next poll
             self._worker._orphans.extend(
