@@ -231,3 +231,39 @@ def test_native_stage_pages_checks_every_index_before_writing():
     for u, j, i, c, t in np.ndindex(2, 3, 2, 2, 4):
         want = 7 if j == 0 else (comps[c][(j - 1) * 4 + t, u * 2 + i] if (j - 1) * 4 + t < 5 else 0)
         assert (pages[u, j, i, c, t] == want).all(), (u, j, i, c, t)
+
+
+@pytest.mark.parametrize("tp,shards,given", [(1, 1, "rank"), (2, 1, "rank"), (2, 2, "all"), (4, 1, "all"),
+                                             (1, 2, "rank")])
+def test_stage_planned_s_numpy_fast_path_writes_what_the_general_path_does(tp, shards, given):
+    """``stage_planned`` hands C-contiguous numpy inputs straight to the native copy (``_planned_rows``); the
+    bytes equal the general path's (the same inputs as torch tensors), for a rank's heads or every head, and
+    inputs the fast path does not take (a strided view, a wrong shape) go the general way: equal bytes, or its
+    error."""
+    assert kc._native() is not None and getattr(kc._native(), "stage_pages", None) is not None
+    lay = KVLayout(1, 8, 16, "bfloat16", 4)
+    tokens = 3 * 4 + 1
+    new = [0, 2, 3]
+    sh = StagingShares(lay, tp, shards, len(new))
+    segs = kc.segments(runs(new), tokens, lay.chunk_tokens)
+    comps = [c.view(torch.int16).numpy() for c in _kv(lay, tokens, 11)]
+    for r in range(tp):
+        plan = kc.stage_plan(sh, r, segs)
+        h0, h1 = rank_heads(lay.kv_heads, tp, r)
+        src = comps if given == "all" else [np.ascontiguousarray(c[:, h0:h1]) for c in comps]
+        assert kc._planned_rows(src, plan) is not None  # the fast path takes these
+        fast, slow = np.full(sh.share_bytes, 0xEE, np.uint8), np.full(sh.share_bytes, 0xEE, np.uint8)
+        kc.stage_planned(fast, src, plan)
+        kc.stage_planned(torch.from_numpy(slow), [torch.from_numpy(c) for c in src], plan)
+        assert np.array_equal(fast, slow)
+        strided = [np.concatenate([c, c], axis=2)[:, :, :lay.head_dim] for c in src]  # rows 2x apart
+        assert kc._planned_rows(strided, plan) is None
+        other = np.full(sh.share_bytes, 0xEE, np.uint8)
+        kc.stage_planned(other, strided, plan)
+        assert np.array_equal(other, slow)
+        with pytest.raises(ValueError, match="token rows"):
+            kc.stage_planned(other, [c[:4] for c in src], plan)
+        with pytest.raises(ValueError, match="rows of"):
+            kc.stage_planned(other, [c[:, :, :5].copy() for c in src], plan)
+        with pytest.raises(ValueError, match="components"):
+            kc.stage_planned(other, src[:1], plan)

@@ -111,9 +111,10 @@ def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windo
 
 
 def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
-    """Median GB/s of the engine's staging copy (``kvcodec.stage``: token-major ``[tokens, heads, D]``
-    components into head-major pages, as ``PrefillClient.put_layer`` does) of ``layout.layers`` layers,
-    each from and to its own memory: the same bytes and pattern as ``measure_memcpy``, so the two compare."""
+    """Median GB/s of the engine's staging copy (token-major ``[tokens, heads, D]`` components into head-major
+    pages) of ``layout.layers`` layers, each from and to its own memory: the same bytes and pattern as
+    ``measure_memcpy``, so the two compare. As ``PushHandle.put_layer`` does it: the request's plan made once
+    (``kvcodec.stage_plan``, inside the clock), then ``kvcodec.stage_planned`` per layer."""
     from pdpush import kvcodec
     from pdpush.layout import StagingShares
 
@@ -127,8 +128,9 @@ def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
     rates = []
     for _ in range(reps + 1):
         t = time.perf_counter()
+        plan = kvcodec.stage_plan(sh, 0, segs)
         for layer in range(layout.layers):
-            kvcodec.stage(dst[layer], tuple(src[layer]), sh, 0, segs)
+            kvcodec.stage_planned(dst[layer], tuple(src[layer]), plan)
         rates.append(src.nbytes / (time.perf_counter() - t) / 1e9)
     rates = rates[1:]
     return {"median_gbps": statistics.median(rates), "samples_gbps": rates}

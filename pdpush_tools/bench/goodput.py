@@ -126,7 +126,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         "nixl": nixl,
         "nixl_gbps": nixl.get("median_gbps") if nixl else None,
         "ratio_nixl": good / nixl["median_gbps"] if nixl and "median_gbps" in nixl else None,
-        "staging_copy_gbps": stage["median_gbps"],  # kvcodec.stage of one layer: the engine's copy into staging
+        "staging_copy_gbps": stage["median_gbps"],  # the engine's copy into staging, as put_layer makes it
         "ratio_staging_copy": stage["median_gbps"] / mem["median_gbps"],
         # the vLLM connector's copy from paged blocks (CPU_ATTN tiles) into staging: one pass, and the two it replaced
         "paged_stage_gbps": paged.get("one_pass_gbps"),
@@ -167,7 +167,7 @@ def print_table(res: dict) -> None:
     t.add_row("memcpy, median GB/s", f"{res['memcpy_gbps']:.2f}")
     t.add_row("ratio to ceiling", f"{res['ratio']:.2f}")
     t.add_row("ratio to memcpy", f"{res['ratio_memcpy']:.2f}")
-    t.add_row("staging copy (kvcodec.stage), median GB/s", f"{res['staging_copy_gbps']:.2f} "
+    t.add_row("staging copy (kvcodec.stage_planned, as put_layer), median GB/s", f"{res['staging_copy_gbps']:.2f} "
               f"({res['ratio_staging_copy']:.2f}x memcpy)")
     t.add_row("transport only (KV already in staging), GB/s / ratio",
               f"{res['transport_goodput_gbps']:.2f} / {res['ratio_transport']:.2f}")
