@@ -23,7 +23,7 @@ def test_scenarios_and_report(tmp_path):
                                                             "memcpy_gbps", "ratio", "transport_goodput_gbps",
                                                             "ratio_transport", "verified")}]
     res["latency"] = latency.compare(KVLayout(4, 2, 64, "float16", 16), samples=10, engines=2, per_engine=20,
-                                 pool_pages=16)
+                                 pool_pages=16, staging_bytes=16 << 20)
     res["isolation"] = {"scenario": "isolation", "skipped": "see test_isolation_scenario", "verified": False}
     res["across_hosts"] = {"scenario": "across_hosts", "skipped": "see test_across_hosts_scenario", "verified": False}
     res["pipeline"] = scenarios.pipeline(LAY, 256, ratios=(0.5, 2.0), reps=1)

@@ -180,14 +180,20 @@ def _capacity(layout: KVLayout, tx, rx, tx_sock: str, rx_sock: str, engines: int
 
 
 def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int = 300,
-        pool_pages: int = 256, handover: str = "ring", prestaged: bool = True) -> dict:
+        pool_pages: int = 256, handover: str = "ring", prestaged: bool = True, staging_bytes: int = 1 << 30) -> dict:
     wd = launch.scratch_dir("pdpush-bench-")
     daemons: list[launch.Daemon] = []
     try:
-        rx = launch.start_receiver(wd, pool_pages=pool_pages, max_leases_per_sender=4096, committed_ttl_ms=300,
+        # The capacity engines read back one request in ten: the others' pages come back committed_ttl_ms after
+        # their commit, so the pool holds (rate x ttl) requests. At 300 ms, 48 pages of 32 MiB requests (1 MiB
+        # layers) capped the run near 5,000 layers/s whatever the sender did; 50 ms leaves the pool out of it.
+        # Staging is the sender's default (1 GiB): with 64 MiB, two 32 MiB requests filled it, and every layer
+        # beyond waited on a NeedStaging/StagingGranted round trip (measured: 4,100-4,600 against 5,400-5,500
+        # layers/s, and the sender's CPU per layer 150 against 117 us).
+        rx = launch.start_receiver(wd, pool_pages=pool_pages, max_leases_per_sender=4096, committed_ttl_ms=50,
                                    **layout.to_dict())
         daemons.append(rx)
-        tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"], staging_bytes=64 << 20,
+        tx = launch.start_sender(wd, default_receiver=rx.info["control_endpoint"], staging_bytes=staging_bytes,
                                  handover_ring_slots=256 if handover == "ring" else 0)
         daemons.append(tx)
         rx_sock = rx.info["local_endpoint"].removeprefix("ipc://")
