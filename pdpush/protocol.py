@@ -328,6 +328,9 @@ class OpenOk(Msg):
     completion: Completion = "commit"  # "words": every layer's readiness words set means committed (AllocResponse)
     daemon_id: Annotated[str, Field(max_length=64)] = ""  # this receiver's start (liveness: lifeline.py)
     pool_shards: Annotated[int, Field(ge=1, le=4096)] = 1  # PoolGeometry.shards (layout.py)
+    # the request's last chunk key (layout.chunk_keys: it covers every token before it), so that a decode that planned
+    # its load from the prefill's answer, without asking, can check that the push is of its own prompt
+    last_key: Annotated[bytes, Field(max_length=16)] = b""
 
 
 class LayerAvailable(Msg):

@@ -53,3 +53,25 @@ def test_params_parse_leniently_and_keep_other_connectors_fields():
     assert KvParams.parse(None) == KvParams() and KvParams.parse({}).dump() == {}
     out = kv_params.pushed("p1", 40, "tcp://r:1", "ab12")
     assert KvParams.parse(out).pdpush_tokens == 40 and out["do_remote_prefill"] is True
+
+
+def test_the_prefill_s_answer_plans_the_decode_s_load_only_for_its_own_layout_and_a_prompt_that_long():
+    """``KvParams.pushed_prefix``: the tokens the prefill's answer says it pushed, with the chunk key of the
+    decode's prompt cut there (the open checks it against the push's); nothing from a router's decode leg, a
+    claim, another layout, or an answer of more tokens than the prompt."""
+    from pdpush.layout import KVLayout, chunk_keys
+
+    lay = KVLayout(2, 2, 8, "float16", 16, "m")
+    prompt = list(range(3, 60))
+    answer = KvParams.parse(kv_params.pushed("p-1", 40, "tcp://r:1", lay.fingerprint()))
+    assert answer.from_prefill(lay)
+    assert answer.pushed_prefix(prompt, lay) == (40, chunk_keys(prompt[:40], lay)[-1])
+    assert answer.pushed_prefix(prompt[:40], lay) == answer.pushed_prefix(prompt, lay)
+    # the key covers the count too: 8 tokens of the third chunk are not its 16
+    assert answer.pushed_prefix(prompt, lay)[1] != chunk_keys(prompt, lay)[2]
+    assert answer.pushed_prefix(prompt[:39], lay) is None
+    other = KVLayout(2, 2, 8, "float16", 32, "m")
+    assert answer.pushed_prefix(prompt, other) is None and not answer.from_prefill(other)
+    for params in (kv_params.for_decode("p-1"), kv_params.for_decode("p-1", claim=True),
+                   {**kv_params.pushed("p-1", 40, "tcp://r:1", lay.fingerprint()), "pdpush_claim": True}):
+        assert KvParams.parse(params).pushed_prefix(prompt, lay) is None

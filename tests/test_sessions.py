@@ -483,7 +483,8 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 0), ToDecode, protocol.OpenOk) == []  # parked
     out = rx.on_control(b"s", alloc, 10)
     assert msgs(out, ToSender, protocol.AllocResponse)[0].lease_ms == 100  # lease capped by the receiver, as a duration
-    assert msgs(out, ToDecode, protocol.OpenOk)  # the parked open is answered
+    ok = msgs(out, ToDecode, protocol.OpenOk)  # the parked open is answered
+    assert ok and ok[0].last_key == chunk_keys(list(range(40)), LAY)[-1]  # what a decode planning unasked checks
     assert rx.on_tick(109) == [] and "a" in rx.reqs
     out = rx.on_tick(110)
     assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.LEASE_EXPIRED

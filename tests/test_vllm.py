@@ -95,6 +95,8 @@ def test_decode_tokens_equal_colocated_and_only_new_chunks_move(cluster):
         # prefix-cache hits) and recomputed nothing from pdpush's side
         assert dd["load_requests"] == 1 and dd["load_failures"] == 0 and dd["load_layers"] == lay.layers, dd
         assert 0 < dd["load_tokens"] <= len(prompt) - 1, dd
+        # planned from the prefill's answer: no question to the receiver before the load
+        assert dd["match_params"] == 1 and dd["match_queries"] == 0, dd
         if prompt is shared:
             # prefill: chunks 0 and 1 are already on the receiver; only chunks 2 and 3 were staged
             assert pd["push_tokens_staged"] == len(shared) - 2 * lay.chunk_tokens, pd
@@ -203,6 +205,31 @@ def test_decode_uses_the_pushed_kv(cluster):
     finally:
         dc.close()
     assert out["tokens"] != ref, "corrupted KV gave the colocated tokens: the decode did not use the pushed KV"
+
+
+def test_the_prefill_s_answer_for_another_prompt_is_never_loaded(cluster):
+    """The decode plans from the prefill's answer without asking the receiver; the answer given with another
+    prompt of the same length (a client's mix-up) fails the load at its open (the push's last chunk key is not
+    this prompt's), and vLLM recomputes: the tokens are this prompt's. The same answer with its own prompt plus
+    more tokens loads the pushed prefix."""
+    rnd = random.Random(19)
+    a = [rnd.randrange(3, 500) for _ in range(100)]
+    b = a[:50] + [rnd.randrange(3, 500) for _ in range(50)]  # shares a's first chunk only
+    pre, _ = cluster["prefill"].generate(a, 1, {"do_remote_decode": True})
+    params = pre["kv_transfer_params"]
+    d0 = cluster["decode"].stats()
+    out, stats = cluster["decode"].generate(b, NEW_TOKENS, params)
+    d = delta(stats, d0)
+    assert d["match_params"] == 1 and d["match_queries"] == 0, d
+    assert d["load_failures"] == 1 and d["load_requests"] == 0, d
+    assert out["tokens"] == cluster["colocated"].generate(b, NEW_TOKENS)[0]["tokens"]
+    pre, _ = cluster["prefill"].generate(a, 1, {"do_remote_decode": True})  # (the failed load released the first)
+    longer = a + [rnd.randrange(3, 500) for _ in range(30)]
+    d0 = cluster["decode"].stats()
+    out, stats = cluster["decode"].generate(longer, NEW_TOKENS, pre["kv_transfer_params"])
+    d = delta(stats, d0)
+    assert d["load_requests"] == 1 and d["load_failures"] == 0 and d["load_tokens"] <= len(a), d
+    assert out["tokens"] == cluster["colocated"].generate(longer, NEW_TOKENS)[0]["tokens"]
 
 
 def test_a_load_that_times_out_is_recomputed(cluster):

@@ -50,6 +50,7 @@ class DecodeRequest:
         self.state_slot = ok.state_slot
         self.pages = list(ok.pages)  # one per item (plan.py): group 0's chunks, then each window group's
         self.tokens = tokens_of(self.layout, ok.chunks or len(self.pages), ok.last_chunk_tokens)
+        self.last_key = ok.last_key  # the request's last chunk key: it covers all its tokens (b"": not said)
         new = set(ok.new_idx)
         self.plan = RequestPlan(self.layout, self.tokens, [i for i in range(len(self.pages)) if i not in new])
         if self.plan.items != len(self.pages):

@@ -837,7 +837,8 @@ class ReceiverSession:
                                       last_chunk_tokens=r.last_chunk_tokens,
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
                                       completion="words" if r.words else "commit",
-                                      daemon_id=i.daemon_id, pool_shards=i.shards))
+                                      daemon_id=i.daemon_id, pool_shards=i.shards,
+                                      last_key=r.keys[-1] if r.keys else b""))  # a push's (a claim has none)
 
     # ---- state -------------------------------------------------------------------------
     def stats(self) -> dict:

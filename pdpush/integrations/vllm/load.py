@@ -114,9 +114,13 @@ class LoadPath:
         load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
                       deadline=time.monotonic() + self.settings.load_timeout_s, opened=t0)
         (self._async if spec.asynchronous else self._loads).append(load_)
+        # planned from the prefill's answer (no question asked): the push is on the receiver already, unless it failed;
+        # its open waits no longer than a question about it would have been asked again (push_wait_s), and answered
+        s = self.settings
+        wait = min(s.load_timeout_s, s.push_wait_s + s.query_timeout_s) if spec.prefix_key else s.load_timeout_s
         try:
-            load_.pending = self.receiver.get().open_nowait(spec.push_id, timeout_s=self.settings.load_timeout_s,
-                                                            tp_rank=self.tp_rank, tp_size=self.tp_size)
+            load_.pending = self.receiver.get().open_nowait(spec.push_id, timeout_s=wait, tp_rank=self.tp_rank,
+                                                            tp_size=self.tp_size)
         except _REQUEST_ERRORS as e:
             load_.fail_on(e, "open")
         try:
@@ -157,6 +161,9 @@ class LoadPath:
         load_.req = req
         if req.layout.fingerprint() != lay.fingerprint():
             load_.fail(LoadFailure.MISMATCH, f"layout mismatch: pushed {req.layout}, this engine has {lay}")
+        elif spec.prefix_key and req.last_key != spec.prefix_key:
+            load_.fail(LoadFailure.MISMATCH, f"the push {spec.push_id!r} is not of this prompt's first {req.tokens} "
+                                             f"tokens (its last chunk key differs)")
         elif req.tokens < spec.end:
             load_.fail(LoadFailure.MISMATCH, f"the push carries {req.tokens} tokens, {spec.end} needed")
         elif lay.state_layers and spec.end != req.tokens:  # its state is after all of them: all, or nothing

@@ -32,6 +32,7 @@ class LoadSpec:
     tokens: int = 0  # the prompt's (a sliding window's chunks are those of its last tokens); 0: end + 1
     asynchronous: bool = False  # loaded outside the forward once the push has committed (get_finished)
     claim: bool = False  # chunks the receiver already held (conditional disaggregation), not a push
+    prefix_key: bytes = b""  # planned from the prefill's answer: the push's open must show this last chunk key
 
 
 @dataclass

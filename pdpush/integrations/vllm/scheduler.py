@@ -66,6 +66,7 @@ class _Req:
     query: Query | None = None  # the question about its push (its prompt's chunk keys: hashed once)
     claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
     asynchronous: bool = False  # the load planned is asynchronous (loads_async)
+    prefix_key: bytes = b""  # planned from the prefill's answer, not asked: the key the push's open must show
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
 
 
@@ -98,8 +99,8 @@ class SchedulerSide:
         prompt token continues (as vLLM's NixlConnector does: ``_truncate_request_for_prefill``)."""
         params = request.kv_transfer_params
         kp = KvParams.parse(params)
-        if self.consumer and kp.pdpush_req_id and not kp.pdpush_claim:
-            self._ask_early(request, str(kp.pdpush_req_id))
+        if self.consumer and kp.pdpush_req_id and not kp.pdpush_claim and not kp.from_prefill(self.layout):
+            self._ask_early(request, str(kp.pdpush_req_id))  # (the prefill's answer says what it pushed: no question)
         if not (self.producer and self.layout.state_layers and kp.do_remote_decode):
             return
         if params.get("_pdpush_truncated") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
@@ -139,6 +140,8 @@ class SchedulerSide:
         r.prompt_tokens = len(prompt)
         if params.pdpush_claim:
             return self._claim(request, r, str(push_id), prompt, want, num_computed_tokens)
+        if (pushed := params.pushed_prefix(prompt, self.layout)) is not None:
+            return self._from_answer(rid, r, str(push_id), pushed, want, num_computed_tokens)
         reply = self._answer(rid, r, prompt[:want] if self.layout.state_layers else prompt, str(push_id))
         if reply is None or isinstance(reply, int):
             return reply, False
@@ -160,20 +163,41 @@ class SchedulerSide:
             log.warning("pdpush: push %s for %s never reached the receiver; recomputing", push_id, rid)
             return 0, False
         r.first_ask = None
-        end = min(want, reply.request_chunks * self.layout.chunk_tokens)
-        if end <= num_computed_tokens or (self.layout.state_layers and end < want):
+        r.prefix_key = b""
+        return self._plan(rid, r, str(push_id), min(want, reply.request_chunks * self.layout.chunk_tokens), want,
+                          num_computed_tokens, reply.request_committed)
+
+    def _from_answer(self, rid: str, r: _Req, push_id: str, pushed: tuple[int, bytes], want: int,
+                     computed: int) -> tuple[int, bool]:
+        """A decode leg that carries the prefill's answer (``KvParams.pushed_prefix``): its load planned from it, no
+        question to the receiver (one round trip less before the first token). The prefill's call returned after
+        its Begin was answered, so the push is on the receiver; where it failed after all, or is of another
+        prompt (the open's ``last_key``), the load fails and vLLM recomputes. Whether it has committed is not
+        known: ``auto`` loads it outside the batch while others run, so that none waits on it."""
+        if self.asker is not None and self.asker.down(time.monotonic()):  # it did not answer lately: no load
+            self.stats.recompute(Recompute.RECEIVER_DOWN)
+            return 0, False
+        tokens, r.prefix_key = pushed
+        self.stats.match_params += 1
+        return self._plan(rid, r, push_id, min(want, tokens), want, computed, False)
+
+    def _plan(self, rid: str, r: _Req, push_id: str, end: int, want: int, computed: int,
+              committed: bool) -> tuple[int, bool]:
+        """A load of tokens ``[computed, end)`` of push ``push_id`` (``end``: what the push holds of the ``want``
+        tokens), or none: a model with state loads all of them or nothing."""
+        if end <= computed or (self.layout.state_layers and end < want):
             if end < want and self.layout.state_layers:  # its state is after N - 1 tokens: all of them, or none
                 self.stats.recompute(Recompute.PARTIAL)
             return 0, False
-        r.plan = (str(push_id), num_computed_tokens, end)
-        r.asynchronous = self.load_async or loads_async(self.settings.load_mode, reply.request_committed,
+        r.plan = (push_id, computed, end)
+        r.asynchronous = self.load_async or loads_async(self.settings.load_mode, committed,
                                                         len(self._live) - (rid in self._live))
-        self.stats.match_tokens += end - num_computed_tokens
+        self.stats.match_tokens += end - computed
         if r.asynchronous:
             self.stats.match_async += 1
         else:
             self.stats.match_layerwise += 1
-        return end - num_computed_tokens, r.asynchronous
+        return end - computed, r.asynchronous
 
     def _ask_early(self, request: Request, push_id: str) -> None:
         """A decode request arrives: ask about its push now, so that the answer is in by the time the
@@ -309,7 +333,7 @@ class SchedulerSide:
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
             if r.async_blocks is not None and r.plan is not None:
                 meta.loads.append(LoadSpec(rid, r.plan[0], r.async_blocks, r.plan[1], r.plan[2], r.prompt_tokens,
-                                           asynchronous=True, claim=r.claimed is not None))
+                                           asynchronous=True, claim=r.claimed is not None, prefix_key=r.prefix_key))
                 r.plan, r.planned_once, r.async_blocks = None, True, None
                 self._awaiting.add(rid)
         for new in so.scheduled_new_reqs:  # loaded (or failed, then recomputed): it runs now
@@ -326,7 +350,7 @@ class SchedulerSide:
                 continue
             if r.plan is not None:
                 meta.loads.append(LoadSpec(rid, r.plan[0], [list(b) for b in new.block_ids], r.plan[1], r.plan[2],
-                                           r.prompt_tokens, claim=r.claimed is not None))
+                                           r.prompt_tokens, claim=r.claimed is not None, prefix_key=r.prefix_key))
                 r.plan, r.planned_once = None, True
             if r.push_id and not r.pushed:
                 r.block_ids = [list(b) for b in new.block_ids]

@@ -244,6 +244,7 @@ class SchedulerStats(_Counts):
     push_truncated: int = 0  # a model with state: a prefill stopped one token short (on_new_request)
     push_refused: int = 0  # names a receiver outside allowed_receivers: not pushed
     match_queries: int = 0
+    match_params: int = 0  # loads planned from the prefill's answer (kv_transfer_params), no query
     match_query_us: int = 0  # microseconds the scheduler thread spent asking about pushes (asker.py: never a round trip)
     match_tokens: int = 0
     match_missing: int = 0  # recomputed with no load, by reason: recomputed
