@@ -254,13 +254,27 @@ def test_one_pass_gather_from_paged_blocks_equals_gather_then_stage(case):
 
 
 @pytest.mark.parametrize("eb", [1, 2, 4, 8])
-@pytest.mark.parametrize("D", [16, 20, 3])
-def test_gather_and_scatter_rows_equal_an_element_by_element_reference(eb, D):
+@pytest.mark.parametrize("D", [16, 20, 3, 44])
+@pytest.mark.parametrize("wide", [True, False], ids=["avx2", "sse2"])
+def test_gather_and_scatter_rows_equal_an_element_by_element_reference(eb, D, wide):
     """The native row copies against numpy, element by element, on tables that form dimension-major tiles
-    (copied G tokens at a time) in staging's order and in the pool's token-major one, with the tiles broken
-    by a shuffled run of rows, a zeroed row and a tail of D that is no multiple of G."""
+    (copied G tokens at a time, 2G elements a pass with AVX2, G with SSE2) in staging's order and in the pool's
+    token-major one, with the tiles broken by a shuffled run of rows, a zeroed row and a tail of D that is no
+    multiple of G (44: two AVX2 passes of 16-bit elements, one SSE2 pass, then single elements)."""
     import numpy as np
-    from pdpush_native._copy import gather_rows, scatter_rows
+    from pdpush_native._copy import gather_rows, scatter_rows, set_wide_tiles
+
+    was = set_wide_tiles(wide)
+    if wide and not set_wide_tiles(wide):  # asked for, and not on: the CPU has no AVX2 (every x86 box here has)
+        set_wide_tiles(was)
+        pytest.skip("this CPU has no AVX2; the sse2 cases run")
+    try:
+        _gather_scatter_against_reference(eb, D, np, gather_rows, scatter_rows)
+    finally:
+        set_wide_tiles(was)
+
+
+def _gather_scatter_against_reference(eb, D, np, gather_rows, scatter_rows):
 
     rng = np.random.default_rng(eb * 100 + D)
     N, tiles, H = 16, 5, 3  # tokens per tile; tiles (a block's K tile then its V rows: [D, N] then [N, D])
