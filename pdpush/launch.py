@@ -9,8 +9,10 @@ Imports no UCX or torch.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,5 +156,25 @@ def _settings_env(opts: dict) -> dict[str, str]:
     return out
 
 
+_SCRATCH: list[Path] = []  # this process's scratch directories, removed at its exit (_remove_scratch)
+
+
 def scratch_dir(prefix: str = "pdpush-") -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix))
+    """A fresh directory for daemons' sockets, ready files and logs. It goes when this process exits, unless it
+    ends on an unhandled exception or ``PDPUSH_KEEP_SCRATCH`` is set (a failed test session sets it): then it
+    stays, named on stderr, for its logs. (Every bench and test run left one in /tmp before.)"""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    if not _SCRATCH:
+        atexit.register(_remove_scratch)
+    _SCRATCH.append(d)
+    return d
+
+
+def _remove_scratch() -> None:
+    left = [d for d in _SCRATCH if d.exists()]
+    if os.environ.get("PDPUSH_KEEP_SCRATCH") or getattr(sys, "last_value", None) is not None:
+        for d in left:
+            print(f"pdpush: kept {d} (its daemons' logs)", file=sys.stderr)
+        return
+    for d in left:
+        shutil.rmtree(d, ignore_errors=True)

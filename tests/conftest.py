@@ -11,6 +11,12 @@ from pdpush import launch
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """A session that failed keeps its scratch directories (launch.scratch_dir): their daemons' logs say why."""
+    if exitstatus != 0:
+        os.environ["PDPUSH_KEEP_SCRATCH"] = "1"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _model_cache(tmp_path_factory):
     """vLLM test models are built once per size in this session (vllm_cluster.build_model)."""

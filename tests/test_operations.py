@@ -212,3 +212,25 @@ def test_a_second_daemon_never_takes_over_a_live_socket(tmp_path):
     finally:
         tx.stop()
     assert C.default_sender_socket(9711).name == "sender-9711.sock" and C.default_sender_socket(-1).name == "sender.sock"
+
+
+@pytest.mark.parametrize("how", ["clean", "raises", "keep"])
+def test_scratch_directories_go_at_exit_unless_a_failure_needs_their_logs(tmp_path, how):
+    """launch.scratch_dir (the benches' and harness's daemons' sockets and logs): removed when the process exits
+    normally; kept, and named, when it ends on an unhandled exception or with PDPUSH_KEEP_SCRATCH set."""
+    code = ("import sys; from pdpush import launch; d = launch.scratch_dir('pdpush-scratch-test-'); "
+            "(d / 'sender.log').write_text('x'); print(d, flush=True); "
+            + ("raise RuntimeError('the run failed')" if how == "raises" else "sys.exit(0)"))
+    env = {k: v for k, v in os.environ.items() if k != "PDPUSH_KEEP_SCRATCH"}
+    if how == "keep":
+        env["PDPUSH_KEEP_SCRATCH"] = "1"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    d = Path(p.stdout.strip())
+    try:
+        assert d.name.startswith("pdpush-scratch-test-"), p
+        if how == "clean":
+            assert p.returncode == 0 and not d.exists(), p.stderr
+        else:
+            assert (d / "sender.log").exists() and f"kept {d}" in p.stderr, p.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
