@@ -80,6 +80,10 @@ class Attached:
         if self._populating is None and self.address:
             self._populating = Populating(self.address, self.nbytes)
 
+    def populated(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``populate_async`` to be done; whether it is (or never began)."""
+        return self._populating is None or self._populating.wait(timeout_s)
+
     def pin(self) -> bool:
         """Page-lock this mapping for CUDA copies in this process (``pin_if_cuda``); True if it is."""
         if self.address and not self.pinned:
@@ -205,6 +209,11 @@ class Populating:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()  # (within one piece of populate: a millisecond or so)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for it to be done, up to ``timeout_s``; whether it is."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 def pin_if_cuda(address: int, nbytes: int) -> bool:

@@ -287,6 +287,12 @@ class Attachments:
         self._users[shmid] = self._users.get(shmid, 0) + 1
         return a
 
+    def populated(self, timeout_s: float) -> bool:
+        """Wait, up to ``timeout_s`` in all, for every segment held to be mapped in (``Attached.populate_async``):
+        for a process that wants its start-up behind it before it is measured; whether they all are."""
+        deadline = time.monotonic() + timeout_s
+        return all(a.populated(max(0.0, deadline - time.monotonic())) for a in list(self._segs.values()))
+
     def drop(self, shmid: int) -> None:
         if self._users.get(shmid):
             self._users[shmid] -= 1

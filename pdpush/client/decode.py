@@ -379,6 +379,11 @@ class DecodeClient:
         if pin_cuda:  # the pool is page-locked in this process, for asynchronous host-to-device copies
             self._segments.pin_all()
 
+    def wait_mapped(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the daemon's segments this client holds to be mapped into this process (a
+        thread does it from their first use on, ``Attachments.populated``); whether they are."""
+        return self._segments.populated(timeout_s)
+
     def open(self, req_id: str, timeout_s: float | None = None, *, tp_rank: int = 0,
              tp_size: int = 1) -> DecodeRequest:
         """Open a request (waits until its allocation exists on the receiver). A decode rank of

@@ -481,6 +481,11 @@ class PrefillClient:
         self._conn.send(msg, self.timeout_s)
         return pending
 
+    def wait_mapped(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the daemon's segments this client holds to be mapped into this process (a
+        thread does it from their first use on, ``Attachments.populated``); whether they are."""
+        return self._segments.populated(timeout_s)
+
     def status(self) -> dict:
         reply = self._conn.call(StatusRequest(), None, self.timeout_s)
         return dict(reply.stats)  # type: ignore[union-attr]
