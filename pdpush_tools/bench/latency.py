@@ -239,10 +239,10 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             if i >= warm:
                 one.append(t1 - t0)
         # capacity: engine processes at once, the sender's own counters
-        rx_before = status(rx_sock)
+        rx_before, tx_before = status(rx_sock), status(tx_sock)  # (before the capacity engines' warm-up requests)
         cap = _capacity(layout, tx, rx, tx_sock, rx_sock, engines, per_engine, False)
         before, after = cap["before"], cap["after"]
-        wire = wire_per_request(wire0, before, samples + warm)
+        wire = wire_per_request(wire0, tx_before, samples + warm)
         rx_wire = wire_per_request(rx_wire0, rx_before, samples + warm)  # the receiver's side of the same
         loaded = wire_per_request(before, after, engines * per_engine)
         errors = cap["errors"]
