@@ -369,9 +369,25 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   copied and checked): its main thread then spends ~25 us of CPU per 64 KiB layer (a 10 s /proc sample, its
   ZeroMQ I/O thread ~3 us), a third of it in the native wait, which includes the shared-memory puts' own
   copies, 14% in ZeroMQ sends of BeginOk and Done, the rest per-request Python. 0.5x raw leaves ~4 us.
-- End to end at small layers, the `begin` round trip (1.6-1.8 ms, four ZeroMQ hops) and the
-  engine's Python per layer (`stage` + hand-over, ~50-100 us) are most of a 256 KiB x 32 request
-  (8 MiB, ~1.3 ms at the two-copy rate); the two-copy reference has no per-request control at all.
+- The capacity runs measure steady state (2026-12-05): each engine process first sends a request through
+  every path and waits for the daemons' segments to be mapped into it (`wait_mapped`), the sender has its
+  default 1 GiB of staging, and unread requests leave the pool 50 ms after commit. Before, at 1 MiB layers,
+  48 pool pages each held 300 ms by unread requests capped the run near 5,000 layers/s, 64 MiB of staging
+  held two requests (every other layer waited on a grant round trip), and each fresh engine's mapping of
+  the segments (~0.5 s of CPU) fell inside the run: 0.19-0.20x then, 0.30-0.35x after, the sender's own
+  (pre-staged) 0.44-0.46x. What is left at 1 MiB is CPU on two cores: the sender ~110-130 us per layer
+  (the put's memmove ~75 us of it, the rest its per-request Python), the engines ~200 us (their copies,
+  and every tenth request read back and compared).
+- End to end at small layers, the `begin` is the largest piece: 1.16 ms p50 (2026-12-05, traced with
+  timestamps in each process): four ZeroMQ hops 490 us (100-135 us each: an I/O thread wakes on each side),
+  three Python handlers 380 us (the sender's Begin 77 us, the receiver's allocation 127 us, the sender's
+  AllocResponse to BeginOk 173 us) and encoding and decoding 140 us. With the engine's Python per layer
+  (`stage_planned` + hand-over, ~15-30 us at 256 KiB) it is most of a 256 KiB x 32 request (8 MiB, under
+  1 ms at the two-copy rate); the two-copy reference has no per-request control at all.
+- Transport only at 256 KiB: every layer of the request becomes visible within ~40 us of the others, ~1 ms
+  after the hand-over, where its 8 MiB take ~0.6 ms as one raw put+flush: a fixed ~0.35-0.4 ms a request
+  for the sender's wake-up on the doorbell, the batch's flush, the readiness words after it and the
+  reader's 50 us naps. It is a fifth of a 1 MiB-layer request and nothing at 16 MiB.
 """
 
 
