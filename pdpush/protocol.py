@@ -306,6 +306,9 @@ class Open(Msg):
     type: Literal["open"] = "open"
     req_id: ReqId
     tp_size: Annotated[int, Field(ge=1, le=4096)] = 1  # decode ranks that each open it: kept until all released
+    # it must be here already (a load planned from the prefill's answer, whose Begin was answered before that
+    # answer left): one that is not is refused at once, not parked until its push begins
+    exists: bool = False
 
 
 class OpenOk(Msg):

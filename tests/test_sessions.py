@@ -480,6 +480,9 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
     alloc = protocol.AllocRequest(req_id="a", chunk_keys=chunk_keys(list(range(40)), LAY), last_chunk_tokens=8,
                                   lease_ms=5000)
+    # a load planned from the prefill's answer: its push began before the answer left, or it never will here
+    err = msgs(rx.on_local(DEC + b"x", protocol.Open(req_id="a", exists=True), 0), ToDecode, protocol.Error)
+    assert err and err[0].code is ErrorCode.UNKNOWN_REQUEST and "a" not in rx.parked
     assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 0), ToDecode, protocol.OpenOk) == []  # parked
     out = rx.on_control(b"s", alloc, 10)
     assert msgs(out, ToSender, protocol.AllocResponse)[0].lease_ms == 100  # lease capped by the receiver, as a duration

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from pdpush import kv_params
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
 from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model, push_timeline
@@ -230,6 +231,21 @@ def test_the_prefill_s_answer_for_another_prompt_is_never_loaded(cluster):
     d = delta(stats, d0)
     assert d["load_requests"] == 1 and d["load_failures"] == 0 and d["load_tokens"] <= len(a), d
     assert out["tokens"] == cluster["colocated"].generate(longer, NEW_TOKENS)[0]["tokens"]
+
+
+def test_an_answer_whose_push_never_began_here_is_recomputed_at_once(cluster):
+    """The prefill's answer says a push went, but it never began on this receiver (its Begin failed, or it went to
+    another): the load's open is refused at once (``Open.exists``), not parked until a push that will not come,
+    and vLLM recomputes."""
+    rnd = random.Random(23)
+    prompt = [rnd.randrange(3, 500) for _ in range(70)]
+    answer = kv_params.pushed("never-began-here", len(prompt), "tcp://127.0.0.1:1", KVLayout(**LAYOUT).fingerprint())
+    d0 = cluster["decode"].stats()
+    out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, answer)
+    d = delta(stats, d0)
+    assert d["match_params"] == 1 and d["match_queries"] == 0 and d["load_requests"] == 0, d
+    assert d["load_failures"] == 1 and sum(v for k, v in d.items() if k.endswith(":receiver")) == 1, d  # not a timeout
+    assert out["tokens"] == cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
 
 
 def test_a_load_that_times_out_is_recomputed(cluster):

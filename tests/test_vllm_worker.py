@@ -61,7 +61,7 @@ class Link:  # the receiver link: reset() closes the client, which unmaps the po
 
 
 def load(name, failed=None, asynchronous=False):
-    spec = NS(req_id=name, push_id="p-" + name, start=0, end=16, asynchronous=asynchronous, claim=False)
+    spec = NS(req_id=name, push_id="p-" + name, start=0, end=16, asynchronous=asynchronous, claim=False, prefix_key=b"")
     return _Load(spec, Req(name), [], [], [], failed=failed, reason=LoadFailure.PUSH_FAILED if failed else None,
                  deadline=1e18)
 

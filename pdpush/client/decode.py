@@ -391,15 +391,16 @@ class DecodeClient:
         return self.open_nowait(req_id, timeout_s, tp_rank=tp_rank, tp_size=tp_size).wait()
 
     def open_nowait(self, req_id: str, timeout_s: float | None = None, *, tp_rank: int = 0,
-                    tp_size: int = 1) -> PendingOpen:
+                    tp_size: int = 1, exists: bool = False) -> PendingOpen:
         """``open`` without waiting for the receiver's answer: send it before the forward and take the answer
         at the first layer (``PendingOpen.wait``), or once it has come (``poll``), so that its round trip
-        overlaps the compute. ``timeout_s`` counts from now."""
+        overlaps the compute. ``timeout_s`` counts from now. ``exists``: the request must be on the receiver
+        already (its push began), else ``UnknownRequest`` at once, rather than a wait for its push."""
         self._conn.begin(req_id)
         self._conn.lifeline()  # the receiver releases this engine's opens if it dies, and we see the receiver die
         t = timeout_s if timeout_s is not None else self.timeout_s
         pending = PendingOpen(self, req_id, tp_rank, tp_size, time.monotonic() + t)
-        self._conn.send(Open(req_id=req_id, tp_size=tp_size), t)
+        self._conn.send(Open(req_id=req_id, tp_size=tp_size, exists=exists), t)
         return pending
 
     def held_prefix(self, token_ids, layout: KVLayout) -> int:

@@ -689,6 +689,8 @@ class ReceiverSession:
                 self._by_words(r, now, out)  # landed whole: committed (its Committed follows the OpenOk)
             elif msg.req_id in self.finished:
                 raise UnknownRequest(f"request {msg.req_id!r} is gone: {self.finished[msg.req_id]}")
+            elif msg.exists:
+                raise UnknownRequest(f"request {msg.req_id!r} is not on this receiver (its push never began here)")
             else:
                 waiters = self.parked.setdefault(msg.req_id, [])
                 mine = next((i for i, w in enumerate(waiters) if w[0] == ident and w[3]), None)

@@ -13,7 +13,7 @@ import torch
 
 from pdpush import kvcodec
 from pdpush.client import DecodeRequest, PendingOpen
-from pdpush.errors import BrokenResourceError, PdpushError, RequestFailed, TransportTimeout
+from pdpush.errors import BrokenResourceError, ConnectError, PdpushError, RequestFailed, TransportTimeout
 from pdpush.integrations import vllm_layout as vl
 from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
 from pdpush.integrations.vllm.metadata import LoadSpec
@@ -114,13 +114,16 @@ class LoadPath:
         load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
                       deadline=time.monotonic() + self.settings.load_timeout_s, opened=t0)
         (self._async if spec.asynchronous else self._loads).append(load_)
-        # planned from the prefill's answer (no question asked): the push is on the receiver already, unless it failed;
-        # its open waits no longer than a question about it would have been asked again (push_wait_s), and answered
+        # Planned from the prefill's answer (no question asked): the push is on the receiver already, or it never
+        # began there (refused at once: ``exists``). Its open waits as long as a question would have (query_timeout_s);
+        # one that missed it says the receiver is not answering: such loads are not tried for receiver_retry_s.
         s = self.settings
-        wait = min(s.load_timeout_s, s.push_wait_s + s.query_timeout_s) if spec.prefix_key else s.load_timeout_s
+        wait = min(s.load_timeout_s, s.query_timeout_s) if spec.prefix_key else s.load_timeout_s
         try:
+            if spec.prefix_key and time.monotonic() < self._receiver_down_until:
+                raise ConnectError("the receiver missed an open's deadline lately: not asked for receiver_retry_s")
             load_.pending = self.receiver.get().open_nowait(spec.push_id, timeout_s=wait, tp_rank=self.tp_rank,
-                                                            tp_size=self.tp_size)
+                                                            tp_size=self.tp_size, exists=bool(spec.prefix_key))
         except _REQUEST_ERRORS as e:
             load_.fail_on(e, "open")
         try:
@@ -145,6 +148,8 @@ class LoadPath:
         except TransportTimeout as e:
             pending.abandon()  # its answer may still come: the receiver releases what it opened
             ld.fail_on(e, "open")
+            if ld.spec.prefix_key:  # (its open waited query_timeout_s, as a question would have)
+                self._receiver_down_until = time.monotonic() + self.settings.receiver_retry_s
             return
         except _REQUEST_ERRORS as e:
             ld.fail_on(e, "open")

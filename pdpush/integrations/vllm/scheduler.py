@@ -177,8 +177,13 @@ class SchedulerSide:
         if self.asker is not None and self.asker.down(time.monotonic()):  # it did not answer lately: no load
             self.stats.recompute(Recompute.RECEIVER_DOWN)
             return 0, False
-        tokens, r.prefix_key = pushed
-        self.stats.match_params += 1
+        tokens, key = pushed
+        if self.layout.state_layers and tokens != want:  # its state is after its last token: that must be N - 1
+            self.stats.recompute(Recompute.PARTIAL)
+            return 0, False
+        if r.prefix_key != key:  # (counted once: vLLM may ask again while it finds no blocks)
+            r.prefix_key = key
+            self.stats.match_params += 1
         return self._plan(rid, r, push_id, min(want, tokens), want, computed, False)
 
     def _plan(self, rid: str, r: _Req, push_id: str, end: int, want: int, computed: int,

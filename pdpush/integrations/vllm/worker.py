@@ -102,6 +102,7 @@ class WorkerSide(PushPath, LoadPath):
         self._async: list[_Load] = []  # asynchronous loads waiting for their push's commit (get_finished)
         self._load_errors: set[int] = set()
         self._sender_down_until = 0.0
+        self._receiver_down_until = 0.0  # loads planned from the prefill's answer fail at once until then (load.py)
         # connect at start-up: a wrong path or config fails here, with its name, not on a request
         # (ZMQ connects lazily: the daemons may start after the engine)
         if producer:
