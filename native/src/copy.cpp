@@ -280,7 +280,9 @@ inline void transpose(__m128i *r) {  // r[j] element i -> r[i] element j
 // Rows i < G of a tile: row i's element k is at s + (o[k] + i) * E; row i goes to d[i] (D elements).
 // With AVX2 (wide_tiles), 2G elements a pass: the same unpacks transpose two G x G blocks, one per 128-bit lane
 // (elements k.. in the low lane, k + G.. in the high), so each token's 2G elements go in one 32-byte store. The
-// hot tile was bound by the SSE2 transpose's instructions (10 GB/s against V's memcpys at 22).
+// hot tile was bound by the SSE2 transpose's instructions (10 GB/s against V's memcpys at 22). It is transpose's
+// twin on purpose: one template for both widths would need the avx2 target on the SSE2 instance too, and
+// that code would then fault on CPUs without AVX2.
 #if defined(__x86_64__)
 template <size_t E>
 __attribute__((target("avx2"))) inline void transpose2(__m256i *r) {  // per lane: r[j] element i -> r[i] element j

@@ -170,10 +170,11 @@ class SchedulerSide:
     def _from_answer(self, rid: str, r: _Req, push_id: str, pushed: tuple[int, bytes], want: int,
                      computed: int) -> tuple[int, bool]:
         """A decode leg that carries the prefill's answer (``KvParams.pushed_prefix``): its load planned from it, no
-        question to the receiver (one round trip less before the first token). The prefill's call returned after
-        its Begin was answered, so the push is on the receiver; where it failed after all, or is of another
-        prompt (the open's ``last_key``), the load fails and vLLM recomputes. Whether it has committed is not
-        known: ``auto`` loads it outside the batch while others run, so that none waits on it."""
+        question to the receiver (one round trip less before the first token). The prefill answers once it handed
+        the push to its worker, so the push is normally on the receiver; where its Begin failed (the open is
+        refused at once: ``Open.exists``) or it is of another prompt (the open's ``last_key``), the load fails and
+        vLLM recomputes. Whether it has committed is not known: ``auto`` loads it outside the batch while others
+        run, so that none waits on it."""
         if self.asker is not None and self.asker.down(time.monotonic()):  # it did not answer lately: no load
             self.stats.recompute(Recompute.RECEIVER_DOWN)
             return 0, False
