@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pdpush.errors import ConfigError
@@ -91,6 +92,7 @@ class PagedKV:
         self.head_size = head_size
         self.tile_maps = tile_maps
         self._offsets: dict[int, tuple] = {}
+        self._emap: torch.Tensor | None = None  # rows' element map: the same for every layer
 
     def check(self, kv_layer: torch.Tensor) -> None:
         if kv_layer.dim() != 4:
@@ -134,14 +136,15 @@ class PagedKV:
         B, H, N, C = kv_layer.shape
         sB, sH, sN = kv_layer.stride()[:3]
         D = self.head_size
-        if self.kind == CHANNEL:  # K and V side by side in each slot: [0, D) and [D, 2D) from the slot
-            emap = torch.arange(2 * D, dtype=torch.int32).reshape(2, D)
-            return _row_bases(kv_layer, blk, off, token, head, sB, sH, sN), _as_i32(comp), emap
-        kmap, vmap = self.tile_maps  # type: ignore[misc]
-        emap = torch.cat([kmap, vmap]).to(torch.int32)  # [2N, D]: K of slot n is map row n, V is N + n
-        tok = _as_i64(token)
-        sel = _as_i64(comp) * N + off[tok.clamp(min=0)]
-        return _row_bases(kv_layer, blk, off, token, head, sB, sH, 0), sel.to(torch.int32), emap
+        if self._emap is None:  # CHANNEL: K and V side by side in each slot, [0, D) and [D, 2D) from it; TILE:
+            # [2N, D], K of slot n is map row n, V is N + n
+            self._emap = (torch.arange(2 * D, dtype=torch.int32).reshape(2, D) if self.kind == CHANNEL
+                          else torch.cat(self.tile_maps).to(torch.int32))  # type: ignore[arg-type]
+        if self.kind == CHANNEL:
+            return _row_bases(kv_layer, blk, off, token, head, sB, sH, sN), _as_i32(comp), self._emap
+        tok = np.asarray(token, dtype=np.int64)  # (numpy: a dozen small torch ops cost ~10x as much here)
+        sel = np.asarray(comp, dtype=np.int64) * N + np.asarray(off)[np.maximum(tok, 0)]
+        return _row_bases(kv_layer, blk, off, token, head, sB, sH, 0), _as_i32(sel), self._emap
 
     def gather(self, kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == CHANNEL:
@@ -171,17 +174,18 @@ class SlotMap:
     ``chunk_idx``/``chunk_rows`` give each token's chunk index and row in pdpush's pages.
     """
 
-    def __init__(self, block_ids: list[int], block_size: int, tokens: torch.Tensor, chunk_tokens: int) -> None:
-        t = tokens.to(torch.int64)
-        if len(t) and int(t.min()) < 0:
+    def __init__(self, block_ids: list[int], block_size: int, tokens, chunk_tokens: int) -> None:
+        t = np.asarray(tokens, dtype=np.int64)  # (numpy, shown as torch: once per request, a dozen small torch
+        if len(t) and int(t.min()) < 0:         # ops cost a prefill ~0.3 ms here)
             raise ValueError("negative token position")
         if len(t) and int(t.max()) >= len(block_ids) * block_size:
             raise ValueError(f"token {int(t.max())} does not fit in {len(block_ids)} blocks of {block_size}")
-        blocks = torch.tensor(block_ids, dtype=torch.int64)
-        self.slots = blocks[t // block_size] * block_size + t % block_size  # flat slot of each token
-        self.chunk_idx = t // chunk_tokens
-        self.chunk_rows = t % chunk_tokens
-        self.block_ids = sorted({block_ids[i] for i in (t // block_size).unique().tolist()})
+        blk = t // block_size
+        self._slots = np.asarray(block_ids, dtype=np.int64)[blk] * block_size + t % block_size
+        self.slots = torch.from_numpy(self._slots)  # flat slot of each token
+        self.chunk_idx = torch.from_numpy(t // chunk_tokens)
+        self.chunk_rows = torch.from_numpy(t % chunk_tokens)
+        self.block_ids = sorted({block_ids[i] for i in np.unique(blk).tolist()})
         self.tokens = len(t)
         self._addr: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -189,7 +193,8 @@ class SlotMap:
         """(kernel block, slot in it) of each token, for a layer whose blocks hold ``kernel_slots``."""
         a = self._addr.get(kernel_slots)
         if a is None:
-            a = self._addr[kernel_slots] = (self.slots // kernel_slots, self.slots % kernel_slots)
+            a = self._addr[kernel_slots] = (torch.from_numpy(self._slots // kernel_slots),
+                                            torch.from_numpy(self._slots % kernel_slots))
         return a
 
 
@@ -242,22 +247,19 @@ def storage(kv_layer: torch.Tensor) -> torch.Tensor:
     return kv_layer.as_strided((extent,), (1,), kv_layer.storage_offset()).view(torch.uint8)
 
 
-def _as_i64(x) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.int64)
-
-
 def _as_i32(x) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.int32).contiguous()
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32))
 
 
 def _row_bases(kv_layer: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, token, head, sB: int, sH: int,
                sN: int) -> torch.Tensor:
     """Each row's base in bytes: its token's block, its head and (``sN``) its slot, in elements, times the
     element size; -1 for a row of no token (a zeroed tail row)."""
-    tok = _as_i64(token)
-    t = tok.clamp(min=0)
-    base = (blk[t] * sB + _as_i64(head) * sH + off[t] * sN) * kv_layer.element_size()
-    return torch.where(tok >= 0, base, -1).contiguous()
+    tok = np.asarray(token, dtype=np.int64)
+    t = np.maximum(tok, 0)
+    base = (np.asarray(blk)[t] * sB + np.asarray(head, dtype=np.int64) * sH + np.asarray(off)[t] * sN) \
+        * kv_layer.element_size()
+    return torch.from_numpy(np.where(tok >= 0, base, -1))
 
 
 def paged_cache(backend: str, head_size: int, kind: str, tile_maps=None) -> PagedKV | PagedLatent:

@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdpush import kvcodec
@@ -203,10 +204,10 @@ class LoadPath:
     def _group_dst(self, spec: LoadSpec, vi: int, group, first_chunk: int) -> vl.SlotMap:
         """The tokens of ``[spec.start, spec.end)`` that vLLM group ``vi``'s layers load: from chunk
         ``first_chunk`` on (a window's first), and for a window not in vLLM's null block (out of its window)."""
-        t = torch.arange(max(spec.start, first_chunk * self.layout.chunk_tokens), spec.end)
+        t = np.arange(max(spec.start, first_chunk * self.layout.chunk_tokens), spec.end)
         blocks = spec.block_ids[vi]
         if group.window and len(t):
-            t = t[torch.tensor(blocks, dtype=torch.int64)[t // self.block_size] != 0]
+            t = t[np.asarray(blocks, dtype=np.int64)[t // self.block_size] != 0]
         return self._slots(blocks, t, bool(group.window))
 
     def _state_targets(self, spec: LoadSpec, vi: int) -> list[int]:
@@ -299,7 +300,7 @@ class LoadPath:
         key = (vg, tuple(kv.shape), kv.stride(), kv.dtype)  # every layer of a group alike: tables made once
         if key not in ld.rows:
             blk, off = dst.addresses(n)
-            idx = torch.arange(nt * nh * C)
+            idx = np.arange(nt * nh * C)
             base, sel, emap = self._paged.rows(kv, blk, off, idx % C, idx // (nh * C), idx // C % nh)
             ld.rows[key] = None if emap.shape[1] * eb != lay.row_bytes else (  # None: rows are not the map's
                 base, sel, emap, kvcodec.pool_row_offsets(geom, 0, ld.src_page[vg], dst.chunk_rows, (h0, h1)))
