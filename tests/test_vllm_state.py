@@ -89,6 +89,7 @@ _LONG = _prompt(150)
 NH_PROMPTS = {"long": _LONG, "shared": _LONG[:100] + _prompt(37), "tp2": _prompt(140), "corrupt": _prompt(130),
               "fault": _prompt(145)}
 NH_PROMPTS["1to2"] = _prompt(135)
+NH_PROMPTS["late"] = _prompt(147)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,24 @@ def test_a_push_given_up_mid_state_makes_the_decode_recompute_and_the_pool_is_wh
         return s["pool_pages_quarantined"] == 0 and s["state_slots_free"] == s["state_slots_total"] \
             and s["leases_active"] == 0
     until(whole, 15, "pages and state slots back after quarantine")
+
+
+def test_a_begin_answered_only_once_the_forward_is_done_still_pushes_every_layer_and_the_state(nh):
+    """The prefill's forward never waits at a layer for its Begin's answer (push.py ``_begun``): a push whose
+    answer is seen only at the forward's end (``late_begin``) stages then the layers the forward finished, and the
+    state before them, in model order. Every byte goes, and the decode loads all of it."""
+    f = nh
+    f.start("pl", "kv_producer", 1, 1, env={"PDPUSH_TEST_FAULT": "late_begin"}).ready()
+    try:
+        d0 = f.engines["d1"].stats()
+        rx, tx = _push(f, "late", prefill="pl")
+        d1 = f.engines["d1"].stats()
+    finally:
+        f.stop("pl")
+    n = len(NH_PROMPTS["late"]) - 1
+    assert tx["bytes_put"] == _kv_pages(NH_LAY, n) + NH_LAY.state_slot_bytes, tx
+    assert rx["requests_committed"] == 1 and rx["layers_received"] == NH_LAY.push_layers, rx
+    assert d1["load_tokens"] - d0["load_tokens"] == n and d1["load_failures"] == d0["load_failures"], (d0, d1)
 
 
 def test_prefill_tp2_splits_the_state_s_heads_and_decode_tp1_reads_them_whole(nh):

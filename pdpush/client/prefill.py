@@ -407,6 +407,15 @@ class PendingBegin:
         self.deadline = time.monotonic() + client.timeout_s  # from the send, as a blocking begin's
         self._aborted = False
 
+    def answered(self) -> bool:
+        """Whether ``wait()`` would not wait: the answer (or an error) is here, the begin was aborted, its
+        deadline passed or the sender died. Never waits; a look at the socket (``Connection.drain``)."""
+        if self._aborted or time.monotonic() >= self.deadline:
+            return True
+        conn = self.client._conn
+        conn.drain()
+        return bool(conn.mail.get(self.req_id)) or not conn.daemon_alive()
+
     def wait(self) -> PushHandle:
         """The receiver's answer: the handle (which chunks to send), or its typed error; TransportTimeout past the
         client's ``timeout_s`` from the send."""
@@ -464,7 +473,7 @@ class PrefillClient:
                      tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                      layers: tuple[int, int] | None = None) -> PendingBegin:
         """``begin`` without waiting for the allocation: call it before the forward, and ``wait()`` on the result
-        at the first finished layer, so that the round trip to the receiver overlaps the compute."""
+        once ``answered()`` (or at the forward's end), so that the round trip to the receiver overlaps the compute."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("empty prompt")

@@ -11,7 +11,8 @@ Commands (one JSON object per line; one JSON reply per line on stdout):
     {"cmd": "quit"}
 Also: ``--build-model DIR [--size tiny|bench|...]`` writes a random-init model (``MODELS``) + tokenizer and exits.
 ``PDPUSH_TEST_FAULT=abort_state`` (tests): every push is given up by the engine after its attention layers
-were handed over and before its recurrent state is (a push that fails mid-state; TP 1, in-process worker).
+were handed over and before its recurrent state is (a push that fails mid-state; TP 1, in-process worker);
+``late_begin``: every Begin's answer is taken only at the forward's end, so every layer is staged then.
 Exits on stdin EOF, so a dead test never leaves an engine behind.
 """
 
@@ -125,14 +126,20 @@ SLOW_LAYER_S = 0.25
 
 def _inject_fault(fault: str) -> None:
     """``abort_state``: the prefill gives its push up before the state; ``slow_push``: each layer's hand-over
-    waits SLOW_LAYER_S first, so that a push is still arriving when its decode request is scheduled."""
+    waits SLOW_LAYER_S first, so that a push is still arriving when its decode request is scheduled;
+    ``late_begin``: no Begin's answer is seen before the forward's end (``PendingBegin.answered``)."""
     from pdpush.integrations.vllm.worker import WorkerSide
 
+    if fault == "late_begin":
+        from pdpush.client.prefill import PendingBegin
+
+        PendingBegin.answered = lambda self: False
+        return
     if fault == "slow_push":
         save = WorkerSide.save_kv_layer
 
         def slow_save(self, *a, **kw):
-            if self._pushes:  # a step that pushes (not the earlier steps of a chunked prefill)
+            if self._pushes or self._pending:  # a step that pushes (not the earlier steps of a chunked prefill)
                 time.sleep(SLOW_LAYER_S)
             return save(self, *a, **kw)
         WorkerSide.save_kv_layer = slow_save

@@ -24,7 +24,8 @@ Flow (one request, driven by a router such as ``pdpush router``):
 * prefill, every worker rank: ``bind_connector_metadata`` begins the push under the same push id
   (``PrefillClient.begin(tp_rank, tp_size)``: one allocation, the same ``already_sent_indexes`` on
   every rank); ``save_kv_layer`` gathers this rank's heads of the new chunks of layer ``l`` into its
-  share of staging and hands the layer over at once (pipelined push); ``wait_for_save`` asks for
+  share of staging and hands the layer over at once (pipelined push), from the first layer after the
+  begin's answer came (the layers finished before it go then: the forward never waits for it); ``wait_for_save`` asks for
   the commit without waiting. The sender marks a layer landed once every rank's share is in, and
   commits once every rank has finished.
 * prefill, scheduler: ``request_finished`` returns ``kv_transfer_params`` for the decode side.

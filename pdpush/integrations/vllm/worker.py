@@ -13,6 +13,7 @@ import logging
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdpush import kvcodec
@@ -96,7 +97,8 @@ class WorkerSide(PushPath, LoadPath):
         self._state_tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._paged: vl.PagedKV | None = None
         self._pushes: list[_Push] = []
-        self._pending: list = []  # (PushSpec, PendingBegin): Begins sent before the forward, answered at its first layer
+        self._pending: list = []  # (PushSpec, PendingBegin): Begins sent before the forward, not answered yet
+        self._step_layers: list = []  # (name, kv cache) of the layers this forward finished while Begins were pending
         self._finishing: list[PushHandle] = []
         self._loads: list[_Load] = []
         self._async: list[_Load] = []  # asynchronous loads waiting for their push's commit (get_finished)
@@ -241,7 +243,7 @@ class WorkerSide(PushPath, LoadPath):
         if missing:
             raise ConfigError(f"PdpushConnector: layers {missing[:4]} are in no KV cache group")
 
-    def _slots(self, block_ids: list[int], tokens: torch.Tensor, window: bool) -> vl.SlotMap:
+    def _slots(self, block_ids: list[int], tokens: np.ndarray, window: bool) -> vl.SlotMap:
         """A SlotMap of ``tokens`` in a group's blocks; a sliding window's blocks may be vLLM's null block
         (id 0, out of the window): reading or writing one would be a bug, refused here."""
         sm = vl.SlotMap(block_ids, self.block_size, tokens, self.layout.chunk_tokens)
