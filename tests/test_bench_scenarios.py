@@ -47,6 +47,8 @@ def test_scenarios_and_report(tmp_path):
     assert png.stat().st_size > 10_000 and "## Targets" in text and "b.png" in text
     # the sender's own capacity, with engines whose layers are in staging already, beside the Python engines'
     assert res["latency"]["prestaged_layer_ops_per_s"] > 0 and "the sender's own capacity" in text
+    # and against the put loop over the pool's span of memory, beside the target's in-cache reference
+    assert res["latency"]["raw_put_ops_per_s_out_of_cache"] > 0 and "out of the caches" in text
 
 
 def test_control_scenario_verified_means_bytes_were_checked(monkeypatch):

@@ -87,7 +87,7 @@ def _big_rows(res: dict) -> list[str]:
                     f"{big['sender_layer_ops_per_s']:,.0f} layers/s against {big['raw_put_ops_per_s']:,.0f}"
                     f"{_cpu_split(big)}; with engines handing over layers already in staging "
                     f"{big.get('ratio_prestaged_ops', float('nan')):.2f}x ({big.get('prestaged_layer_ops_per_s', 0):,.0f} "
-                    f"layers/s); every request verified: {big['verified']} | "
+                    f"layers/s){_out_of_cache(big)}; every request verified: {big['verified']} | "
                     f"{_met(big['ratio_sender_ops'] >= 0.8 and big['verified'])} |")
     if tp8:
         rows.append(f"| {tp8['prefill_ranks']} prefill ranks into {tp8['pool_shards']} pool shards through one sender "
@@ -95,6 +95,17 @@ def _big_rows(res: dict) -> list[str]:
                     f"{tp8['layer_shares_per_s']:,.0f} layer shares/s, {tp8['ratio_ranks_to_one']:.2f}x one rank's "
                     f"goodput; verified: {tp8['verified']} | |")
     return rows
+
+
+def _out_of_cache(lat: dict) -> str:
+    """The capacity against the same put loop over as much memory as the pool the sender writes (reported beside
+    the target's reference, whose loop stays in the caches)."""
+    if "ratio_sender_ops_out_of_cache" not in lat:
+        return ""
+    return (f"; against the same loop over {lat['out_of_cache_bytes'] >> 20} MiB (out of the caches, as the sender's "
+            f"pool pages and staging are: {lat['raw_put_ops_per_s_out_of_cache']:,.0f} puts/s) "
+            f"{lat['ratio_sender_ops_out_of_cache']:.2f}x, pre-staged "
+            f"{lat.get('ratio_prestaged_ops_out_of_cache', float('nan')):.2f}x")
 
 
 def _cpu_split(lat: dict, run: str = "capacity") -> str:
@@ -209,7 +220,7 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"{lat['page_bytes'] // 1024} KiB) | {_met(lat['layer_overhead_us'] <= 5)} |",
         f"| latency: sender capacity, {lat['engines']} engine processes of one-chunk requests >= 0.5x "
         f"`raw_put_ops_per_s` | {lat.get('ratio_sender_ops', float('nan')):.2f}x: {lat['sender_layer_ops_per_s']:,.0f} "
-        f"layers/s against {lat.get('raw_put_ops_per_s', float('nan')):,.0f}{_cpu_split(lat)} | "
+        f"layers/s against {lat.get('raw_put_ops_per_s', float('nan')):,.0f}{_cpu_split(lat)}{_out_of_cache(lat)} | "
         f"{_met(lat.get('ratio_sender_ops', 0) >= 0.5)} |",
         *([f"| the same, engines handing over layers already in staging (as a GPU's DMA leaves them; every tenth "
            f"request copied and checked): the sender's own capacity (reported) | "
