@@ -389,6 +389,13 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   (pre-staged) 0.44-0.46x. What is left at 1 MiB is CPU on two cores: the sender ~110-130 us per layer
   (the put's memmove ~75 us of it, the rest its per-request Python), the engines ~200 us (their copies,
   and every tenth request read back and compared).
+- The 1 MiB capacity's reference stays in the caches (2026-12-05): its native loop cycles through 32 MiB (one
+  request's worth), while the sender copies from 1 GiB of staging into 1.5 GiB of pool. The same loop over 256
+  MiB to 1 GiB ran 6,800 puts/s against 13,900 over 32 MiB (a probe, and the "out of the caches" figures in the
+  capacity rows, measured in each run). perf on the sender, pre-staged at 1 MiB: 83% of its CPU in the put's
+  memmove (~145 us a layer, ~7 GB/s: memory-bound), the rest its Python. Against the loop over the pool's span
+  the sender's own (pre-staged) capacity was 0.82x and with the engines' copies on the same two cores 0.59x;
+  the target's ratio is still judged against the in-cache loop.
 - End to end at small layers, the `begin` is the largest piece: 1.16 ms p50 (2026-12-05, traced with
   timestamps in each process): four ZeroMQ hops 490 us (100-135 us each: an I/O thread wakes on each side),
   three Python handlers 380 us (the sender's Begin 77 us, the receiver's allocation 127 us, the sender's
