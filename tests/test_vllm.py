@@ -152,7 +152,9 @@ def test_layers_are_handed_over_during_the_prefill_forward(cluster):
 def test_the_device_copy_path_gives_colocated_tokens(cluster, tmp_path):
     """The GPU path's logic in the connector (device_copy.py), run on the CPU: the prefill gathers each
     layer through the stager (a completion thread hands it over), wait_for_save waits for every copy,
-    and the decode loads through H2DLoader with prefetch. Tokens equal colocated; prefix reuse holds."""
+    and the decode loads through H2DLoader with prefetch. Tokens equal colocated; prefix reuse holds.
+    Each Begin's answer is seen only at the forward's third layer (``late_begin``): the two layers finished
+    before it go through the stager then (push.py ``_begun``), the rest as they finish."""
     from pdpush_tools.harness.vllm_cluster import Engine
 
     extra = {**COMMON, "handover": "thread"}
@@ -160,7 +162,7 @@ def test_the_device_copy_path_gives_colocated_tokens(cluster, tmp_path):
     try:  # both start at once; both are stopped by pid whatever happens
         engines.append(Engine("kv_producer", cluster["model"], {**extra, "sender_socket": cluster["tx_sock"],
                                                                 "receiver": cluster["rx"].info["control_endpoint"]},
-                              tmp_path / "prefill-copied.log", LLM_ARGS))
+                              tmp_path / "prefill-copied.log", LLM_ARGS, env={"PDPUSH_TEST_FAULT": "late_begin"}))
         engines.append(Engine("kv_consumer", cluster["model"], {**extra, "receiver_socket": cluster["rx_sock"]},
                               tmp_path / "decode-copied.log", LLM_ARGS))
         prefill, decode = engines

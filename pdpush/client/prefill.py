@@ -422,6 +422,8 @@ class PendingBegin:
         if self._aborted:
             raise Aborted(f"request {self.req_id!r} was aborted before its begin was answered", req_id=self.req_id)
         c = self.client
+        if not c._conn.mail.get(self.req_id) and not c._conn.daemon_alive():  # (not after a wait for it to answer)
+            raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)", req_id=self.req_id)
         reply = c._conn.recv_for(self.req_id, self.deadline)
         raise_error(reply)
         if not isinstance(reply, BeginOk):

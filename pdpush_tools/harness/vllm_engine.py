@@ -12,7 +12,8 @@ Commands (one JSON object per line; one JSON reply per line on stdout):
 Also: ``--build-model DIR [--size tiny|bench|...]`` writes a random-init model (``MODELS``) + tokenizer and exits.
 ``PDPUSH_TEST_FAULT=abort_state`` (tests): every push is given up by the engine after its attention layers
 were handed over and before its recurrent state is (a push that fails mid-state; TP 1, in-process worker);
-``late_begin``: every Begin's answer is taken only at the forward's end, so every layer is staged then.
+``late_begin``: a Begin's answer is seen at the third look only (after the forward's second layer; at its end in
+a model with fewer attention layers), so the layers finished before are staged when it is.
 Exits on stdin EOF, so a dead test never leaves an engine behind.
 """
 
@@ -127,13 +128,18 @@ SLOW_LAYER_S = 0.25
 def _inject_fault(fault: str) -> None:
     """``abort_state``: the prefill gives its push up before the state; ``slow_push``: each layer's hand-over
     waits SLOW_LAYER_S first, so that a push is still arriving when its decode request is scheduled;
-    ``late_begin``: no Begin's answer is seen before the forward's end (``PendingBegin.answered``)."""
+    ``late_begin``: a Begin's answer is not seen at the first two looks (``PendingBegin.answered``)."""
     from pdpush.integrations.vllm.worker import WorkerSide
 
     if fault == "late_begin":
         from pdpush.client.prefill import PendingBegin
 
-        PendingBegin.answered = lambda self: False
+        answered = PendingBegin.answered
+
+        def late(self):
+            self.looks = getattr(self, "looks", 0) + 1
+            return self.looks > 2 and answered(self)
+        PendingBegin.answered = late
         return
     if fault == "slow_push":
         save = WorkerSide.save_kv_layer

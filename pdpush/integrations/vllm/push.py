@@ -64,11 +64,13 @@ class PushPath:
         try:
             pending, self._pending = self._pending, []
             for spec, p in pending:
-                if time.monotonic() < self._sender_down_until:  # an answer before said the sender is gone
+                # an answer before said the sender is gone (and closed the connection this Begin went out on)
+                if time.monotonic() < self._sender_down_until or p.client is not self._prefill:
                     self.stats.push_fail(PushFailure.SENDER_DOWN)
                     continue
-                if not wait and not p.answered():
-                    self._pending.append((spec, p))
+                if not wait and not (looked := self._asked(spec, p.answered)):
+                    if looked is False:  # (None: the look failed it, counted)
+                        self._pending.append((spec, p))
                     continue
                 handle = self._asked(spec, p.wait)
                 if handle is not None and (push := self._start_push(spec, handle)) is not None:
