@@ -187,12 +187,14 @@ def cluster(workdir: Path, model: Path, layout: dict, common: dict, *, staging_b
 
 @contextlib.contextmanager
 def pinned_pair(workdir: Path, model: Path, connector: str, layout: dict, common: dict, *,
-                staging_bytes: int = 512 << 20, cores: tuple[int, int] = (0, 1), pin_daemons: bool = True):
+                staging_bytes: int = 512 << 20, cores: tuple[int, int] = (0, 1), pin_daemons: bool = True,
+                daemons_with: str | None = None):
     """A prefill and a decode engine of one connector, "pdpush" (with its sender beside the prefill and its
     receiver beside the decode) or "nixl" (vLLM's NixlConnector, pull), the prefill side's processes on core
     ``cores[0]`` and the decode side's on ``cores[1]`` (``taskset``, and vLLM's OpenMP threads bound there), as
-    two nodes would be (``pin_daemons`` False: pdpush's daemons go unpinned, anywhere on the host). Everything
-    is stopped by pid on the way out. Yields {"prefill", "decode"}."""
+    two nodes would be (``pin_daemons`` False: pdpush's daemons go unpinned, anywhere on the host; ``daemons_with``
+    "prefill" or "decode": both on that side's core). Everything is stopped by pid on the way out. Yields
+    {"prefill", "decode"}."""
     from pdpush_tools.harness.ports import free_ports
 
     pin = {side: ["taskset", "-c", str(core)] for side, core in zip(("prefill", "decode"), cores, strict=True)}
@@ -203,11 +205,11 @@ def pinned_pair(workdir: Path, model: Path, connector: str, layout: dict, common
     engines: list[Engine] = []
     try:
         if connector == "pdpush":
-            rx = launch.start_receiver(wd, pool_pages=64, prefault=True, prefix=pin["decode"] if pin_daemons else None,
-                                       **layout)
+            rx = launch.start_receiver(wd, pool_pages=64, prefault=True,
+                                       prefix=pin[daemons_with or "decode"] if pin_daemons else None, **layout)
             daemons.append(rx)
             tx = launch.start_sender(wd, staging_bytes=staging_bytes, prefault=True,
-                                     prefix=pin["prefill"] if pin_daemons else None)
+                                     prefix=pin[daemons_with or "prefill"] if pin_daemons else None)
             daemons.append(tx)
             roles = {"prefill": ("kv_producer", {**common, "sender_socket": tx.info["ingress_endpoint"].removeprefix(
                          "ipc://"), "receiver": rx.info["control_endpoint"]}),
@@ -222,7 +224,8 @@ def pinned_pair(workdir: Path, model: Path, connector: str, layout: dict, common
             raise ValueError(f"connector: pdpush or nixl, not {connector!r}")
         for side in ("prefill", "decode"):
             role, extra = roles[side]
-            engines.append(Engine(role, model, extra, workdir / f"{connector}{'' if pin_daemons else '-unpinned'}-{side}.log",
+            how = f"-with-{daemons_with}" if daemons_with else "" if pin_daemons else "-unpinned"
+            engines.append(Engine(role, model, extra, workdir / f"{connector}{how}-{side}.log",
                                   env={**omp[side], **env[side]}, prefix=pin[side]))
         for e in engines:  # they start in parallel; wait for each
             e.ready()
