@@ -79,6 +79,7 @@ def test_every_element_round_trips_staging_pool_and_every_decode_rank(case, dtyp
 # each of stage()'s three paths, with more than one head per rank where the path allows it
 @pytest.mark.parametrize("kind,heads,dim,tp,shards,chunk", [
     ("mha", 4, 8, 2, 2, 8),   # heads aligned: units of whole heads
+    ("mha", 4, 512, 2, 2, 6),  # the same, rows of 1 KiB: the native copy's blocks (4 KiB a head) cut pages
     ("mha", 2, 8, 1, 4, 8),   # a unit is K or V rows of one of the rank's 2 heads
     ("mha", 4, 8, 2, 8, 8),   # units of rows, 2 heads per rank, 8 shards
     ("mha", 1, 8, 2, 1, 8),   # a replicated head: rank 0 its K rows, rank 1 its V rows

@@ -123,8 +123,11 @@ using Segs = nb::ndarray<const int64_t, nb::ndim<2>, nb::device::cpu, nb::c_cont
 // ``dst`` is the share's bytes ``[U, n, hu, C, T, rb]``; ``comps`` the C components ``[tokens, heads, rb]``
 // (a row's bytes contiguous, any strides on the rest), of which heads ``[h0, h0 + U * hu)`` are written; each
 // segment (j0, s0, m) puts source token rows ``[s0, s0 + m)`` into new pages j0, j0 + 1, ..., and the rows of a
-// partial last page past ``m`` are zeroed. Walked in the source's order (token rows, then heads), so the reads
-// stream; one Python call per layer instead of a dozen array views per component.
+// partial last page past ``m`` are zeroed. Walked in blocks of token rows (each head's run of a block is 4 KiB
+// of its page: the block's source, heads x 4 KiB, stays in the caches while its heads are written one after
+// the other), so the reads stream and the writes go to one place at a time. Token by token, a row to each
+// head's page in turn, the 1 MiB layers' copy ran at 0.59x memcpy here, blocked at 0.79x (256 KiB layers:
+// 0.79x, 0.83x). One Python call per layer instead of a dozen array views per component.
 // Every shape and index is checked before any byte moves.
 void stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, size_t hu, size_t T, Segs segs) {
     const size_t C = comps.size();
@@ -157,15 +160,20 @@ void stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
     for (size_t c = 0; c < C; ++c) base[c] = comps[c].data(), ts[c] = comps[c].stride(0), hs[c] = comps[c].stride(1);
     uint8_t *d0 = dst.data();
     const int64_t unit_stride = static_cast<int64_t>(n * page), head_stride = static_cast<int64_t>(C * T * rb);
+    const size_t block = std::max<size_t>(1, 4096 / rb);  // token rows a head's run covers: 4 KiB of its page
     nb::gil_scoped_release unlocked;
     for (size_t c = 0; c < C; ++c) {
         for (size_t k = 0; k < S; ++k) {
             const size_t j0 = sg[3 * k], s0 = sg[3 * k + 1], m = sg[3 * k + 2];
-            for (size_t r = 0; r < m; ++r) {  // token row r of the segment: page j0 + r / T, row r % T
-                const uint8_t *s = base[c] + static_cast<int64_t>(s0 + r) * ts[c] + static_cast<int64_t>(h0) * hs[c];
-                uint8_t *d = d0 + ((j0 + r / T) * hu * C + c) * T * rb + (r % T) * rb;
-                for (size_t u = 0; u < units; ++u, d += unit_stride, s += static_cast<int64_t>(hu) * hs[c])
-                    copy_strided(d, s, hu, head_stride, hs[c], rb);
+            // token rows [r0, r1) of the segment (page j0 + r0 / T, rows r0 % T on), then each head's run of them
+            for (size_t r0 = 0; r0 < m;) {
+                const size_t r1 = std::min({m, r0 + block, (r0 / T + 1) * T});
+                const uint8_t *s = base[c] + static_cast<int64_t>(s0 + r0) * ts[c] + static_cast<int64_t>(h0) * hs[c];
+                uint8_t *d = d0 + ((j0 + r0 / T) * hu * C + c) * T * rb + (r0 % T) * rb;
+                for (size_t h = 0; h < H; ++h)
+                    copy_strided(d + static_cast<int64_t>(h / hu) * unit_stride + static_cast<int64_t>(h % hu) * head_stride,
+                                 s + static_cast<int64_t>(h) * hs[c], r1 - r0, static_cast<int64_t>(rb), ts[c], rb);
+                r0 = r1;
             }
             if (const size_t rest = m % T) {  // the partial last page's tail rows: zeroed
                 for (size_t u = 0; u < units; ++u)
