@@ -424,3 +424,17 @@ def test_one_pass_scatter_refuses_addresses_outside_either_side_and_writes_nothi
         assert not dst.any()  # checked before anything is written
     with pytest.raises(ValueError, match="one entry per row"):
         scatter_rows(dst, np.zeros(2, np.int64), np.zeros(1, np.int32), emap, 2, src, np.zeros(2, np.int64))
+
+
+def test_storages_make_a_layer_s_flat_bytes_once_per_cache_tensor_and_anew_for_another():
+    """``Storages``: the connector's flat view of a layer's cache is made at its first use and reused while vLLM
+    hands over the same tensor; another tensor under that name (caches made anew) gets its own view and geometry."""
+    st = vl.Storages()
+    a = torch.arange(2 * 3 * 4 * 8, dtype=torch.float32).reshape(2, 3, 4, 8)
+    flat, geo = st.get("l0", a)
+    assert st.get("l0", a)[0] is flat and geo == ((2, 3, 4, 8), (96, 32, 8, 1), torch.float32)
+    assert torch.equal(flat, vl.storage(a)) and flat.numel() == a.numel() * 4
+    b = torch.zeros(2, 3, 4, 16, dtype=torch.bfloat16)[..., :8]  # strided: rows 16 apart
+    flat_b, geo_b = st.get("l0", b)
+    assert flat_b is not flat and geo_b == ((2, 3, 4, 8), (192, 64, 16, 1), torch.bfloat16)
+    assert flat_b.numel() == vl.storage(b).numel() and st.get("l1", a)[0] is not flat  # one view per name

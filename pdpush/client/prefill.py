@@ -184,14 +184,17 @@ class PushHandle:
         return kvcodec.share_rows(self.layer_shares(layer), self.tp_rank, self.layer_segments(layer, True),
                                   src_heads)
 
-    def stage_gathered(self, layer: int, src, base, sel, emap) -> None:
+    def stage_gathered(self, layer: int, src, base, sel, emap, hand_over: bool = False) -> None:
         """Copy layer ``layer``'s share into staging straight from an engine's own memory (a paged KV
         cache's host bytes ``src``), one pass, no copy between (``kvcodec.gather``: rows addressed by
-        ``base``/``sel``/``emap`` in ``share_rows``' order); hand it over as ``stage_layer``'s."""
+        ``base``/``sel``/``emap`` in ``share_rows``' order); hand it over as ``stage_layer``'s, or here
+        (``hand_over``: ``layer_ready`` without looking at the request's mail again)."""
         try:
             kvcodec.gather(self.staging_layer(layer), self.layer_shares(layer), src, base, sel, emap)
         except (ValueError, IndexError) as e:
             raise ValueError(f"layer {layer}: {e}") from None
+        if hand_over:
+            self._ready([layer])
 
     def staging_state(self, s: int) -> np.ndarray:
         """Raw writable bytes of this rank's units of state layer ``s``, ``[units / tp, unit bytes]``

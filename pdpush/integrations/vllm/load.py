@@ -272,7 +272,7 @@ class LoadPath:
         try:
             dst = ld.dst[vg]
             pool = ld.req.pool_bytes(layer, timeout_s=self.settings.load_timeout_s)
-            if dst.tokens and self._scatter(ld, vg, layer, kv, n, pool):
+            if dst.tokens and self._scatter(ld, vg, layer, layer_name, kv, n, pool):
                 pass
             elif dst.tokens:
                 pool = torch.from_numpy(pool)
@@ -286,7 +286,7 @@ class LoadPath:
         except _REQUEST_ERRORS as e:
             ld.fail_on(e, f"layer {layer}")
 
-    def _scatter(self, ld: _Load, vg: int, layer: int, kv: torch.Tensor, n: int, pool) -> bool:
+    def _scatter(self, ld: _Load, vg: int, layer: int, layer_name: str, kv: torch.Tensor, n: int, pool) -> bool:
         """One layer from the pool straight into a CPU cache's blocks, one native pass (``kvcodec.scatter``,
         every address checked) where the pushed elements are the cache's own (no conversion) and the pool's
         shards are whole heads; False: the caller copies through row tensors instead."""
@@ -297,7 +297,8 @@ class LoadPath:
             return False
         h0, h1 = ld.req.heads
         nt, nh, C = len(dst.chunk_rows), h1 - h0, lay.components
-        key = (vg, tuple(kv.shape), kv.stride(), kv.dtype)  # every layer of a group alike: tables made once
+        src, geo = self._storages.get(layer_name, kv)
+        key = (vg, geo)  # every layer of a group alike: tables made once
         if key not in ld.rows:
             blk, off = dst.addresses(n)
             idx = np.arange(nt * nh * C)
@@ -307,7 +308,7 @@ class LoadPath:
         if ld.rows[key] is None:
             return False
         base, sel, emap, at0 = ld.rows[key]
-        kvcodec.scatter(vl.storage(kv), base, sel, emap, eb, pool, at0 + geom.offset(layer, 0, 0))
+        kvcodec.scatter(src, base, sel, emap, eb, pool, at0 + geom.offset(layer, 0, 0))
         self.stats.load_bytes += nt * nh * C * lay.row_bytes
         return True
 

@@ -161,12 +161,14 @@ class PushPath:
                 self.stats.push_layers += 1
                 self.stats.push_layers_copied += 1
                 return
-            if p.src[vg].tokens and (rows := self._gather_rows(p, vg, layer, kv_layer, n)) is not None:
-                p.handle.stage_gathered(layer, vl.storage(kv_layer), *rows)  # one pass, cache to staging
-            elif p.src[vg].tokens:  # [new tokens, heads, D] each, then into staging
-                comps = self._paged.gather(kv_layer, *p.src[vg].addresses(n))
-                p.handle.stage_layer(layer, *comps, new_only=True)
-            p.handle.layer_ready(layer)
+            src, geo = self._storages.get(layer_name, kv_layer)
+            if p.src[vg].tokens and (rows := self._gather_rows(p, vg, layer, kv_layer, n, geo)) is not None:
+                p.handle.stage_gathered(layer, src, *rows, hand_over=True)  # one pass, cache to staging
+            else:
+                if p.src[vg].tokens:  # [new tokens, heads, D] each, then into staging
+                    comps = self._paged.gather(kv_layer, *p.src[vg].addresses(n))
+                    p.handle.stage_layer(layer, *comps, new_only=True)
+                p.handle.layer_ready(layer)
             self.stats.events.append(("layer_ready", p.spec.push_id, layer, time.monotonic()))
             p.layers_sent += 1
             self.stats.push_layers += 1
@@ -175,12 +177,12 @@ class PushPath:
         except _REQUEST_ERRORS as e:
             self._fail_push(p, f"layer {layer}: {e}", PushFailure.STAGE)
 
-    def _gather_rows(self, p: _Push, vg: int, layer: int, kv_layer: torch.Tensor, n: int):
+    def _gather_rows(self, p: _Push, vg: int, layer: int, kv_layer: torch.Tensor, n: int, geo: tuple):
         """Where each row of this rank's share of the group's layers lives in vLLM's cache (``kvcodec.gather``:
         one pass from the paged blocks into staging), computed at the group's first layer, as every layer of
-        it has the same shape and strides. None where that cannot run here (no native copy, a cache on a
-        device, units that cut rows): the layer is gathered, then staged."""
-        key = (vg, n, tuple(kv_layer.shape), tuple(kv_layer.stride()))
+        it has the same shape and strides (``geo``: ``Storages``). None where that cannot run here (no native
+        copy, a cache on a device, units that cut rows): the layer is gathered, then staged."""
+        key = (vg, n, geo)
         if key not in p.rows:
             rows = None
             if kv_layer.device.type == "cpu" and kvcodec.can_gather():

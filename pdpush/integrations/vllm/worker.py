@@ -81,6 +81,7 @@ class WorkerSide(PushPath, LoadPath):
         self._holds = CopyHolds()  # loaded requests released once their copies to the device have completed
         self.receiver = ReceiverLink(endpoints, settings.timeout_s)
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._storages = vl.Storages()  # each layer's cache as flat bytes, for the one-pass copies
         self._layer_of: dict[str, int] = {}
         self._load_order: list[str] = []  # attention layer names in model order (asynchronous loads copy so)
         # vLLM's KV cache groups (one per layer kind with its hybrid KV cache manager): each block-id list
