@@ -90,9 +90,18 @@ def test_layers_go_as_runs_in_the_order_given():
         ring.encode(1, ring.MAX_LAYERS, 1)
 
 
-def test_a_full_ring_refuses_records_and_never_overwrites_one():
+def _writer(buf, slots: int, native: bool) -> ring.RingWriter:
+    """The engine's writer through pdpush_native (make install builds it) or through libatomic (ctypes)."""
+    assert not native or ring._native() is not None, "make install builds pdpush_native._copy's ring_push"
+    w = ring.RingWriter(buf.ctypes.data, slots, buf[slots:].ctypes.data, native=native)
+    assert (w._nat is not None) == native
+    return w
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "libatomic"])
+def test_a_full_ring_refuses_records_and_never_overwrites_one(native):
     buf = np.zeros(5, np.uint64)  # four slots and the idle word
-    w = ring.RingWriter(buf.ctypes.data, 4, buf[4:].ctypes.data)
+    w = _writer(buf, 4, native)
     rd = _reader(buf[:4])
     recs = [ring.encode(7, la, 1) for la in range(10)]
     assert w.push(recs) == 4 and w.push(recs[4:]) == 0
@@ -105,10 +114,11 @@ def test_a_full_ring_refuses_records_and_never_overwrites_one():
     assert w.sender_idle()
 
 
-def test_records_from_two_threads_arrive_once_each_in_each_threads_order():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "libatomic"])
+def test_records_from_two_threads_arrive_once_each_in_each_threads_order(native):
     """The engine's owner thread and its completion thread share a ring; the sender takes as it goes."""
     buf = np.zeros(9, np.uint64)
-    w = ring.RingWriter(buf.ctypes.data, 8, buf[8:].ctypes.data)
+    w = _writer(buf, 8, native)
     rd = _reader(buf[:8])
     n = 3000
 
