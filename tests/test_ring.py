@@ -98,6 +98,26 @@ def _writer(buf, slots: int, native: bool) -> ring.RingWriter:
     return w
 
 
+def test_the_native_ring_needs_no_libatomic_and_refuses_a_ring_it_cannot_address(monkeypatch):
+    """An engine venv with pdpush_native but no libatomic still hands over through its ring; a misaligned word or
+    a ring of no slots is a ValueError, never a store."""
+    monkeypatch.setattr(ring, "_lib", None)  # libatomic looked for and not found
+    assert ring.available()
+    buf = np.zeros(5, np.uint64)
+    w = _writer(buf, 4, True)
+    assert w.push([ring.encode(3, 0, 1)]) == 1 and buf[0] == ring.encode(3, 0, 1)
+    with pytest.raises(RuntimeError, match="libatomic"):
+        ring.RingWriter(buf.ctypes.data, 4, buf[4:].ctypes.data, native=False)
+    nat = ring._native()
+    with pytest.raises(ValueError):
+        nat.ring_push(buf.ctypes.data + 4, 4, 0, [1])
+    with pytest.raises(ValueError):
+        nat.ring_push(buf.ctypes.data, 0, 0, [1])
+    with pytest.raises(ValueError):
+        nat.load_word(buf.ctypes.data + 4)
+    assert list(buf[1:]) == [0, 0, 0, 0]
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "libatomic"])
 def test_a_full_ring_refuses_records_and_never_overwrites_one(native):
     buf = np.zeros(5, np.uint64)  # four slots and the idle word

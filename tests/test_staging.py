@@ -19,7 +19,7 @@ from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, RequestTooLarge
 from pdpush.layout import KVLayout
 from pdpush.sessions.sender import ToClient
 from pdpush.staging import ALIGN, StagingAllocator, split
-from tests.helpers import kv, push, read_back, rx_opts, sock
+from tests.helpers import kv, push, read_back, rx_opts, sock, until
 from tests.test_sessions import ENG, Wire, begin
 
 # ---- the allocator -----------------------------------------------------------------------------
@@ -320,8 +320,6 @@ def test_an_engine_sees_its_request_fail_at_its_next_layer_and_its_staging_comes
         h = pc.begin("doomed", list(range(TOKENS)))
         h.put_layer(0, k[0], v[0])
         rx.stop()
-        from tests.helpers import until
-
         until(lambda: status(sock(tx))["requests_failed"] == 1, 20, "the sender failing the request")
         assert status(sock(tx))["staging_held_bytes"] > 0  # its engine has not heard yet
         with pytest.raises(PdpushError) as e:
@@ -332,3 +330,55 @@ def test_an_engine_sees_its_request_fail_at_its_next_layer_and_its_staging_comes
         assert h.layers_handed_over < REAL.layers
     finally:
         pc.close()
+
+
+def _gather_tables(h, layer: int, k: np.ndarray, v: np.ndarray):
+    """``stage_gathered``'s source and row tables for plain ``[tokens, heads, row bytes]`` K and V (as the vLLM
+    connector's are for its paged blocks): the two stacked as flat bytes, each share row's base in them."""
+    comp, token, head = h.share_rows(layer, REAL.kv_heads)
+    rb, tokens = REAL.row_bytes, k.shape[0]
+    base = np.where(token >= 0, ((comp * tokens + token) * REAL.kv_heads + head) * rb, -1).astype(np.int64)
+    emap = np.arange(REAL.head_dim, dtype=np.int32)[None]  # one map row: a row's elements, back to back
+    return np.ascontiguousarray(np.stack([k, v])).reshape(-1), base, np.zeros(len(base), np.int32), emap
+
+
+def test_a_gathered_layer_handed_over_in_its_staging_call_lands_once_and_byte_for_byte(daemons):
+    """``stage_gathered(..., hand_over=True)``, the vLLM connector's staging of a layer: every layer pushed so reads
+    back byte for byte. A layer handed over already is refused before a byte is written (once it lands its block may
+    be another request's), by either staging call, and a request that failed meanwhile raises its typed failure at
+    the next layer."""
+    from pdpush.client import DecodeClient
+
+    rx = daemons.receiver(**rx_opts(REAL, pool_pages=32))
+    tx = daemons.sender(rx, staging_bytes=32 << 20)
+    pc, dc = PrefillClient(REAL, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = kv(REAL, TOKENS, seed=9)
+        h = pc.begin("gathered", list(range(TOKENS)))
+        for layer in range(REAL.layers):
+            h.stage_gathered(layer, *_gather_tables(h, layer, k[layer], v[layer]), hand_over=True)
+            if layer == 0:
+                sh = h.layer_shares(0)
+                at = int(h._grants[0]) - 1 + sh.share_offset(0, h.tp_rank)  # layer 0's block, as staging_layer
+                block = h._base[at:at + sh.share_bytes]
+                was = block.copy()
+                for again in (lambda: h.stage_gathered(0, *_gather_tables(h, 0, k[1], v[1]), hand_over=True),
+                              lambda: h.put_layer(0, k[1], v[1])):
+                    with pytest.raises(ValueError, match="already handed over"):
+                        again()
+                assert np.array_equal(block, was)  # nothing written
+        h.finish(timeout_s=30)
+        got_k, got_v = read_back(dc, "gathered", REAL, TOKENS)
+        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+
+        h = pc.begin("doomed-gathered", list(range(TOKENS)))
+        h.stage_gathered(0, *_gather_tables(h, 0, k[0], v[0]), hand_over=True)
+        rx.stop()
+        until(lambda: status(sock(tx))["requests_failed"] == 1, 20, "the sender failing the request")
+        with pytest.raises(PdpushError) as e:
+            for layer in range(1, REAL.layers):
+                h.stage_gathered(layer, *_gather_tables(h, layer, k[layer], v[layer]), hand_over=True)
+        assert e.value.code in (ErrorCode.PEER_DEAD, ErrorCode.TRANSFER_FAILED, ErrorCode.TIMEOUT)
+    finally:
+        pc.close()
+        dc.close()

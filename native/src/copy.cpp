@@ -133,6 +133,7 @@ void stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
     const size_t C = comps.size();
     if (C == 0 || T == 0 || units == 0 || hu == 0) throw std::invalid_argument("stage_pages: nothing to write into");
     const size_t tokens = comps[0].shape(0), heads = comps[0].shape(1), rb = comps[0].shape(2);
+    if (rb == 0) throw std::invalid_argument("stage_pages: rows of no bytes");
     for (const Comp &c : comps) {
         if (c.shape(0) != tokens || c.shape(1) != heads || c.shape(2) != rb)
             throw std::invalid_argument("stage_pages: components of different shapes");

@@ -113,8 +113,10 @@ class PushHandle:
     def staging_layer(self, layer: int) -> np.ndarray:
         """Raw writable bytes of this rank's share of layer ``layer``, shaped ``StagingShares.share_shape``
         ``[units, new_chunks, unit bytes]`` (layout.py); ``kvcodec.stage`` fills them. Waits for the
-        layer's staging block where staging is full (``_block``)."""
+        layer's staging block where staging is full (``_block``). A layer handed over already is refused: once
+        it lands its block may be another request's."""
         self._check_open()
+        self._check_unsent(layer)
         gp = self.plan.of(layer)
         sh = self._shares[gp.group.index]
         if not gp.n_new:
@@ -203,6 +205,7 @@ class PushHandle:
         if not 0 <= s < lay.state_layers:
             raise ValueError(f"state layer {s} out of range (the layout has {lay.state_layers})")
         self._check_open()
+        self._check_unsent(lay.layers + s)
         off = self._block(lay.layers + s)
         k = lay.state_units // self.tp_size
         page = self._base[off:off + lay.state_page_bytes].reshape(lay.state_units, lay.state_unit_bytes)
@@ -309,6 +312,10 @@ class PushHandle:
 
     def _sender_alive(self) -> bool:
         return self._life is None or self._life.alive()
+
+    def _check_unsent(self, layer: int) -> None:
+        if layer in self._sent:
+            raise ValueError(f"layer {layer} already handed over: its staging is not this request's to write now")
 
     def _mark_sent(self, layers: list[int]) -> None:
         again = [la for la in layers if la in self._sent]

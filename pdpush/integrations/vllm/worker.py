@@ -126,6 +126,7 @@ class WorkerSide(PushPath, LoadPath):
         from vllm.model_executor.models.utils import extract_layer_index
 
         self._kv_caches = dict(kv_caches)
+        self._storages = vl.Storages()  # (caches made anew: the old ones' views go with them)
         specs = self._vgroup_specs or []
         state_names = {n for g, spec in zip(self._vgroup_names or [], specs, strict=True)
                        if type(spec).__name__ == "MambaSpec" for n in g}
