@@ -110,11 +110,14 @@ def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windo
     return {"ops_per_s": out, "layer_bytes": layer_bytes}
 
 
-def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
+def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
     """Median GB/s of the engine's staging copy (token-major ``[tokens, heads, D]`` components into head-major
     pages) of ``layout.layers`` layers, each from and to its own memory: the same bytes and pattern as
     ``measure_memcpy``, so the two compare. As ``PushHandle.put_layer`` does it: the request's plan made once
-    (``kvcodec.stage_plan``, inside the clock), then ``kvcodec.stage_planned`` per layer."""
+    (``kvcodec.stage_plan``, inside the clock), then ``kvcodec.stage_planned`` per layer. Each repetition is
+    paired with a memcpy of the same bytes layer by layer (other memory of the same size) just before it:
+    ``ratio`` is the median of the pairs' ratios, which a drift of this shared box's speed between two
+    separate measurements (0.59x and 0.85x of memcpy at 1 MiB layers in two runs of one code) does not move."""
     from pdpush import kvcodec
     from pdpush.layout import StagingShares
 
@@ -125,15 +128,23 @@ def measure_stage(layout, tokens: int, reps: int = 5) -> dict:
     sh = StagingShares(layout, 1, 1, n)
     dst = np.ones((layout.layers, *sh.share_shape()), dtype=np.uint8)  # written before, as staging is
     segs = kvcodec.segments([(0, 0, n)], tokens, layout.chunk_tokens)
-    rates = []
+    a = np.ones(src.nbytes, dtype=np.uint8)
+    b = np.ones_like(a)
+    per = src.nbytes // layout.layers
+    rates, mems = [], []
     for _ in range(reps + 1):
+        t = time.perf_counter()
+        for layer in range(layout.layers):
+            np.copyto(b[layer * per:(layer + 1) * per], a[layer * per:(layer + 1) * per])
+        mems.append(src.nbytes / (time.perf_counter() - t) / 1e9)
         t = time.perf_counter()
         plan = kvcodec.stage_plan(sh, 0, segs)
         for layer in range(layout.layers):
             kvcodec.stage_planned(dst[layer], tuple(src[layer]), plan)
         rates.append(src.nbytes / (time.perf_counter() - t) / 1e9)
-    rates = rates[1:]
-    return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
+    rates, mems = rates[1:], mems[1:]
+    return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "memcpy_gbps": statistics.median(mems),
+            "ratio": statistics.median(r / m for r, m in zip(rates, mems, strict=True))}
 
 
 def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> dict:

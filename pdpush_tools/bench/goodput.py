@@ -127,7 +127,8 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         "nixl_gbps": nixl.get("median_gbps") if nixl else None,
         "ratio_nixl": good / nixl["median_gbps"] if nixl and "median_gbps" in nixl else None,
         "staging_copy_gbps": stage["median_gbps"],  # the engine's copy into staging, as put_layer makes it
-        "ratio_staging_copy": stage["median_gbps"] / mem["median_gbps"],
+        "staging_memcpy_gbps": stage["memcpy_gbps"],  # its reference, each repetition paired with one
+        "ratio_staging_copy": stage["ratio"],
         # the vLLM connector's copy from paged blocks (CPU_ATTN tiles) into staging: one pass, and the two it replaced
         "paged_stage_gbps": paged.get("one_pass_gbps"),
         "paged_two_pass_gbps": paged.get("two_pass_gbps"),
