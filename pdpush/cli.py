@@ -31,12 +31,13 @@ _PREFAULT = typer.Option(None, "--prefault/--no-prefault", help="Fault the share
 
 
 def _version(value: bool) -> None:
-    """``--version``: the package's version and the control protocol's, then exit."""
+    """``--version``: the package's version, the control protocol's (between daemons) and the local one's (an engine
+    and its daemon), then exit."""
     if value:
         from pdpush import __version__
-        from pdpush.protocol import PROTOCOL_VERSION
+        from pdpush.protocol import LOCAL_PROTOCOL_VERSION, PROTOCOL_VERSION
 
-        typer.echo(f"pdpush {__version__} (control protocol {PROTOCOL_VERSION})")
+        typer.echo(f"pdpush {__version__} (control protocol {PROTOCOL_VERSION}, local protocol {LOCAL_PROTOCOL_VERSION})")
         raise typer.Exit()
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Val
 from pdpush.errors import (
     ErrorCode,
     FrameTooLarge,
+    IncompatiblePeer,
     LocalProtocolError,
     PdpushError,
     RemoteProtocolError,
@@ -29,6 +30,10 @@ from pdpush.errors import (
 PROTOCOL_VERSION = 6  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
 # 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers);
 # 6: completion on the data path (AllocRequest.completion): the readiness words commit a request, no Commit
+# An engine and its local daemon (Begin/BeginOk, Open/OpenOk, and what follows on that connection: the hand-over
+# ring's records, the staging and pool views): their pdpush must speak the same one, or the request is refused
+# (``check_local``). Engines and daemons often come from separate images. 0: a pdpush from before it was numbered.
+LOCAL_PROTOCOL_VERSION = 1
 Completion = Literal["commit", "words"]
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_BATCH = 256  # messages in one frame between the daemons (``encode_batch``)
@@ -226,6 +231,7 @@ class Begin(Msg):
     first_layer: Annotated[int, Field(ge=0, le=4096)] = 0
     end_layer: Annotated[int, Field(ge=0, le=4096)] = 0  # 0: every layer (pp_size 1)
     handover_ring: bool = False  # this engine can write a hand-over ring (ring.py); it says Bye when it closes
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (check_local); absent on the wire: 0
 
 
 class BeginOk(Msg):
@@ -246,6 +252,7 @@ class BeginOk(Msg):
     idle_offset: U64 = 0  # the sender's idle word: wake it after a record when it is set
     doorbell: Annotated[str, Field(max_length=4096)] = ""  # its FIFO to wake it (doorbell.py); "": by Wake
     ring_finish: bool = False  # the ring also takes the request's Finish, as a record (ring.py FINISH)
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the sender's (check_local); absent on the wire: 0
 
 
 class LayerReady(Msg):
@@ -309,6 +316,7 @@ class Open(Msg):
     # it must be here already (a load planned from the prefill's answer, whose Begin was answered before that
     # answer left): one that is not is refused at once, not parked until its push begins
     exists: bool = False
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (check_local); absent on the wire: 0
 
 
 class OpenOk(Msg):
@@ -334,6 +342,7 @@ class OpenOk(Msg):
     # the request's last chunk key (layout.chunk_keys: it covers every token before it), so that a decode that planned
     # its load from the prefill's answer, without asking, can check that the push is of its own prompt
     last_key: Annotated[bytes, Field(max_length=16)] = b""
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the receiver's (check_local); absent on the wire: 0
 
 
 class LayerAvailable(Msg):
@@ -502,13 +511,29 @@ def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
     return _validate(obj)
 
 
+_VERSIONED = frozenset({"begin", "begin_ok", "open", "open_ok"})  # the messages that carry local_version
+
+
 def _validate(obj: dict) -> Msg:
+    if "local_version" not in obj and obj.get("type") in _VERSIONED:
+        obj = {**obj, "local_version": 0}  # from a pdpush before local versions (not this one's default)
     try:
         return _adapter.validate_python(obj)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise RemoteProtocolError(f"invalid message at {where or '<root>'}: {first.get('msg')}") from None
+
+
+def check_local(msg: Begin | BeginOk | Open | OpenOk, sender: str, me: str) -> None:
+    """Raise ``IncompatiblePeer`` (with the request's id) where ``msg``, from ``sender`` to ``me`` on one host, is not
+    of this pdpush's local protocol: an engine and its daemon of different pdpush versions would misread each
+    other's staging, ring and pool views, so the request is refused, each side saying why."""
+    if msg.local_version != LOCAL_PROTOCOL_VERSION:
+        theirs = msg.local_version or "0 (a pdpush from before local protocol versions)"
+        raise IncompatiblePeer(f"{msg.type} for {msg.req_id!r}: the {sender} speaks local protocol {theirs}, this "
+                               f"{me} {LOCAL_PROTOCOL_VERSION}: install one pdpush version in the engine's "
+                               f"environment and the daemons' (`pdpush --version` prints it)", req_id=msg.req_id)
 
 
 def error_reply(err: PdpushError, req_id: str | None = None) -> Error:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpush import protocol as P
-from pdpush.errors import ErrorCode, RemoteProtocolError
+from pdpush.errors import ErrorCode, IncompatiblePeer, RemoteProtocolError
 
 KEY = b"\x01" * 16
 SPEC = P.LayoutSpec(layers=2, kv_heads=2, head_dim=64, dtype="float16", chunk_tokens=16)
@@ -161,3 +161,20 @@ def test_state_machine_table():
     assert P.SENDER_REQUEST.next(T.COMMITTING, X.COMMIT_ACK, "r") is T.DONE
     for state in (T.ALLOCATING, T.COMMITTING, T.DONE, T.FAILED):
         assert not P.SENDER_REQUEST.allows(state, X.LANDED)
+
+
+@pytest.mark.parametrize("msg", [m for m in SAMPLES if "local_version" in type(m).model_fields], ids=lambda m: m.type)
+def test_an_engine_s_and_its_daemon_s_messages_carry_their_local_protocol_and_another_is_refused(msg):
+    """Begin/BeginOk and Open/OpenOk carry the local protocol of the pdpush that sent them (an engine's and its
+    daemon's come from separate images): as this one's, checked through; from a pdpush before it was numbered (the
+    field absent on the wire: 0) or of another, an IncompatiblePeer naming both and the request."""
+    assert msg.local_version == P.LOCAL_PROTOCOL_VERSION
+    P.check_local(P.decode(P.encode(msg)), "engine", "sender")
+    old = msgpack.unpackb(P.encode(msg), raw=False)
+    del old["local_version"]
+    for other in (P.decode(msgpack.packb(old, use_bin_type=True)),
+                  msg.model_copy(update={"local_version": P.LOCAL_PROTOCOL_VERSION + 1})):
+        with pytest.raises(IncompatiblePeer, match="local protocol") as e:
+            P.check_local(other, "engine", "sender")
+        assert e.value.req_id == "r" and P.error_reply(e.value).code is ErrorCode.INCOMPATIBLE_PEER
+    assert P.decode(msgpack.packb(old, use_bin_type=True)).local_version == 0

@@ -137,6 +137,88 @@ def _ask(s: zmq.Socket, frame: bytes) -> protocol.Msg:
     return protocol.decode(s.recv_multipart()[-1])
 
 
+def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_nothing_is_held(daemons):
+    """Engines and their daemons often come from separate images. A Begin to the sender or an Open to the receiver
+    from a pdpush of another local protocol, or from one before it was numbered (no version on the wire), is answered
+    with an IncompatiblePeer naming the request and both versions; neither daemon holds anything for it, and an
+    engine of this pdpush then pushes and reads back as usual."""
+    import msgpack
+
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(layout))
+    tx = daemons.sender(rx)
+    ids = list(range(40))
+    begin = protocol.Begin(req_id="skewed", receiver="", layout=protocol.LayoutSpec(**layout.to_dict()),
+                           chunk_keys=chunk_keys(ids, layout), last_chunk_tokens=layout.last_chunk_tokens(len(ids)))
+    for endpoint, msg in ((tx.info["ingress_endpoint"], begin), (rx.info["local_endpoint"],
+                                                                 protocol.Open(req_id="skewed"))):
+        s = _raw_dealer(endpoint)
+        try:
+            before = msgpack.unpackb(protocol.encode(msg), raw=False)
+            del before["local_version"]
+            newer = msg.model_copy(update={"local_version": protocol.LOCAL_PROTOCOL_VERSION + 1})
+            for frame in (msgpack.packb(before, use_bin_type=True), protocol.encode(newer)):
+                reply = _ask(s, frame)
+                assert isinstance(reply, protocol.Error) and reply.code is ErrorCode.INCOMPATIBLE_PEER, reply
+                assert reply.req_id == "skewed" and "local protocol" in reply.message, reply
+        finally:
+            s.close(0)
+    assert status(sock(tx))["requests_total"] == 0 and status(sock(rx))["requests_inflight"] == 0
+    pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = kv(layout, len(ids), seed=3)
+        push(pc, "skewed", ids, k, v)
+        got_k, got_v = read_back(dc, "skewed", layout, len(ids))
+        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+    finally:
+        pc.close()
+        dc.close()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_engine_refuses_a_daemon_of_another_local_protocol_and_gives_back_what_it_answered(tmp_path, side):
+    """The other way round: a daemon from before local protocols were numbered answers without a version (a stand-in
+    socket, replaying what such a daemon sends). The engine raises IncompatiblePeer rather than reading its staging
+    or pool by another protocol's rules, and tells the daemon it gave the request up (Abort; Release)."""
+    import threading
+
+    import msgpack
+
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    path = tmp_path / "daemon.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{path}")
+    answer = (protocol.BeginOk(req_id="r", already_sent_indexes=[], staging_shmid=1, staging_bytes=1 << 20,
+                               staging_offset=0, new_chunks=1) if side == "prefill" else
+              protocol.OpenOk(req_id="r", shmid=1, pool_base=0, pool_pages=1, layout=protocol.LayoutSpec(
+                  **layout.to_dict()), pages=[0], last_chunk_tokens=16, layers_ready=[], committed=False))
+    old = msgpack.unpackb(protocol.encode(answer), raw=False)
+    del old["local_version"]
+    seen: list[protocol.Msg] = []
+
+    def daemon():
+        for _ in range(2):  # the Begin or Open, then what the engine says after the answer
+            if not router.poll(10_000):
+                return
+            ident, frame = router.recv_multipart()
+            seen.append(protocol.decode(frame))
+            if len(seen) == 1:
+                router.send_multipart([ident, msgpack.packb(old, use_bin_type=True)])
+
+    t = threading.Thread(target=daemon, daemon=True)
+    t.start()
+    client = PrefillClient(layout, path, timeout_s=10) if side == "prefill" else DecodeClient(path, timeout_s=10)
+    try:
+        with pytest.raises(IncompatiblePeer, match="local protocol 0"):
+            client.begin("r", list(range(16))) if side == "prefill" else client.open("r")
+        t.join(10)
+        assert [m.type for m in seen] == (["begin", "abort"] if side == "prefill" else ["open", "release"])
+    finally:
+        client.close()
+        router.close(0)
+
+
 def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):
     import msgpack
 

@@ -15,6 +15,7 @@ from pdpush import kvcodec
 from pdpush.client.connection import DEFAULT_WAIT, Attachments, Connection, WaitPolicy, raise_error
 from pdpush.errors import (
     BrokenResourceError,
+    IncompatiblePeer,
     PdpushError,
     ProtocolError,
     TransportTimeout,
@@ -34,6 +35,7 @@ from pdpush.protocol import (
     Query,
     QueryReply,
     Release,
+    check_local,
 )
 
 
@@ -360,6 +362,11 @@ class PendingOpen:
         raise_error(reply)
         if not isinstance(reply, OpenOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to open")
+        try:
+            check_local(reply, "receiver", "engine")
+        except IncompatiblePeer:
+            self.abandon()  # the receiver releases what it opened
+            raise
         if self.life is not None and not self.life.alive():
             raise BrokenResourceError(f"open of {self.req_id!r}: the receiver that answered it died")
         req = DecodeRequest(self.client, reply, self.tp_rank, self.tp_size)

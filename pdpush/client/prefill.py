@@ -21,6 +21,7 @@ from pdpush.doorbell import Bell
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
+    IncompatiblePeer,
     PdpushError,
     ProtocolError,
     TransportTimeout,
@@ -42,6 +43,7 @@ from pdpush.protocol import (
     StagingGranted,
     StatusRequest,
     Wake,
+    check_local,
 )
 from pdpush.shm import Attached
 
@@ -438,6 +440,11 @@ class PendingBegin:
         raise_error(reply)
         if not isinstance(reply, BeginOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to begin")
+        try:
+            check_local(reply, "sender", "engine")
+        except IncompatiblePeer:
+            self.abort("the engine's pdpush is of another local protocol")  # the sender ends what it began
+            raise
         return PushHandle(c, self.req_id, self.tokens, reply, self.tp_rank, self.tp_size,
                           range(*self.layers) if self.layers else range(c.layout.push_layers))
 
