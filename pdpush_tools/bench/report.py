@@ -390,6 +390,11 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   (pre-staged) 0.44-0.46x. What is left at 1 MiB is CPU on two cores: the sender ~110-130 us per layer
   (the put's memmove ~75 us of it, the rest its per-request Python), the engines ~200 us (their copies,
   and every tenth request read back and compared).
+- The staging copy (2026-12-05): walked token by token, a row to each head's page in turn, the 1 MiB layers'
+  copy ran at 0.59-0.70x memcpy here; in blocks of token rows, each head's run of a block 4 KiB of its page,
+  0.79-0.90x. At 256 KiB what is left is Python: a layer's copy takes ~20.7 us in the native call and ~23 us
+  through `stage_planned` (the checks of its arrays, their byte views), which alone puts it at ~0.8x. Its
+  ratio pairs each repetition with a memcpy just before it: measured apart, one code gave 0.59x and 0.85x.
 - The 1 MiB capacity's reference stays in the caches (2026-12-05): its native loop cycles through 32 MiB (one
   request's worth), while the sender copies from 1 GiB of staging into 1.5 GiB of pool. The same loop over 256
   MiB to 1 GiB ran 6,800 puts/s against 13,900 over 32 MiB (a probe, and the "out of the caches" figures in the
