@@ -192,12 +192,12 @@ def recv_ready(sock: zmq.Socket, limit: int = 256, copy: bool = True):
             return
 
 
-def recv_until(sock: zmq.Socket, deadline: float, max_frame: int) -> Msg:
-    """Receive one message on a DEALER before ``deadline`` (monotonic seconds)."""
+def recv_until(sock: zmq.Socket, deadline: float, max_frame: int, decode=protocol.decode) -> Msg:
+    """Receive one message on a DEALER before ``deadline`` (monotonic seconds), decoded by ``decode``."""
     while True:
         left = deadline - time.monotonic()
         if sock.poll(int(left * 1000) + 1 if left > 0 else 0, zmq.POLLIN):  # a past deadline still looks once
             frames = sock.recv_multipart(zmq.NOBLOCK)
-            return protocol.decode(frames[-1], max_frame)
+            return decode(frames[-1], max_frame)
         if left <= 0:
             raise TransportTimeout("no reply before the deadline")

@@ -32,7 +32,8 @@ PROTOCOL_VERSION = 6  # 4: leases travel as durations (AllocResponse.lease_ms), 
 # 6: completion on the data path (AllocRequest.completion): the readiness words commit a request, no Commit
 # An engine and its local daemon (Begin/BeginOk, Open/OpenOk, and what follows on that connection: the hand-over
 # ring's records, the staging and pool views): their pdpush must speak the same one, or the request is refused
-# (``check_local``). Engines and daemons often come from separate images. 0: a pdpush from before it was numbered.
+# (``_validate``, before the message's fields are read: a newer one may have more). Engines and daemons often come
+# from separate images. 0: a pdpush from before it was numbered.
 LOCAL_PROTOCOL_VERSION = 1
 Completion = Literal["commit", "words"]
 DEFAULT_MAX_FRAME = 8 << 20
@@ -231,7 +232,7 @@ class Begin(Msg):
     first_layer: Annotated[int, Field(ge=0, le=4096)] = 0
     end_layer: Annotated[int, Field(ge=0, le=4096)] = 0  # 0: every layer (pp_size 1)
     handover_ring: bool = False  # this engine can write a hand-over ring (ring.py); it says Bye when it closes
-    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (check_local); absent on the wire: 0
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (_validate refuses another); absent on the wire: 0
 
 
 class BeginOk(Msg):
@@ -252,7 +253,7 @@ class BeginOk(Msg):
     idle_offset: U64 = 0  # the sender's idle word: wake it after a record when it is set
     doorbell: Annotated[str, Field(max_length=4096)] = ""  # its FIFO to wake it (doorbell.py); "": by Wake
     ring_finish: bool = False  # the ring also takes the request's Finish, as a record (ring.py FINISH)
-    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the sender's (check_local); absent on the wire: 0
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the sender's (_validate refuses another); absent on the wire: 0
 
 
 class LayerReady(Msg):
@@ -316,7 +317,7 @@ class Open(Msg):
     # it must be here already (a load planned from the prefill's answer, whose Begin was answered before that
     # answer left): one that is not is refused at once, not parked until its push begins
     exists: bool = False
-    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (check_local); absent on the wire: 0
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (_validate refuses another); absent on the wire: 0
 
 
 class OpenOk(Msg):
@@ -342,7 +343,7 @@ class OpenOk(Msg):
     # the request's last chunk key (layout.chunk_keys: it covers every token before it), so that a decode that planned
     # its load from the prefill's answer, without asking, can check that the push is of its own prompt
     last_key: Annotated[bytes, Field(max_length=16)] = b""
-    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the receiver's (check_local); absent on the wire: 0
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the receiver's (_validate refuses another); absent: 0
 
 
 class LayerAvailable(Msg):
@@ -387,12 +388,14 @@ class Claim(Msg):
     chunk_keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_CHUNKS)]
     last_chunk_tokens: Annotated[int, Field(ge=1)]  # of the prompt's last chunk (used if every chunk is held)
     lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (_validate refuses another); absent on the wire: 0
 
 
 class ClaimOk(Msg):
     type: Literal["claim_ok"] = "claim_ok"
     req_id: ReqId
     chunks: U32  # leading chunks claimed (0: none held, and no request was made)
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the receiver's (_validate refuses another); absent: 0
 
 
 # ---- chunk-index events (receiver -> routers, on the control endpoint) ----
@@ -511,12 +514,30 @@ def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
     return _validate(obj)
 
 
-_VERSIONED = frozenset({"begin", "begin_ok", "open", "open_ok"})  # the messages that carry local_version
+# the messages that carry local_version: those that begin something for an engine on its daemon, and their answers
+_VERSIONED = frozenset({"begin", "begin_ok", "open", "open_ok", "claim", "claim_ok"})
+
+
+def _check_local(obj: dict) -> None:
+    """A Begin, Open or Claim (an engine to its daemon) or its answer of another local protocol than this pdpush's
+    (``LOCAL_PROTOCOL_VERSION``; absent: 0, a pdpush from before it was numbered) is an ``IncompatiblePeer`` naming
+    both versions and, where the message carries a valid one, the request, so that the answer reaches that request
+    (``error_reply``; an engine files it, ``decode_answer``). Looked at before the fields: another version's may
+    differ."""
+    v = obj.get("local_version", 0)
+    if v == LOCAL_PROTOCOL_VERSION:
+        return
+    rid = obj.get("req_id")
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None
+    theirs = v if isinstance(v, int) and v else "0 (a pdpush from before local protocol versions)"
+    raise IncompatiblePeer(f"{obj.get('type')} for {rid!r} is of local protocol {theirs}, this pdpush speaks "
+                           f"{LOCAL_PROTOCOL_VERSION}: install one pdpush version in the engine's environment and the "
+                           f"daemons' (`pdpush --version` prints it)", req_id=rid)
 
 
 def _validate(obj: dict) -> Msg:
-    if "local_version" not in obj and obj.get("type") in _VERSIONED:
-        obj = {**obj, "local_version": 0}  # from a pdpush before local versions (not this one's default)
+    if obj.get("type") in _VERSIONED:
+        _check_local(obj)
     try:
         return _adapter.validate_python(obj)
     except ValidationError as e:
@@ -525,15 +546,22 @@ def _validate(obj: dict) -> Msg:
         raise RemoteProtocolError(f"invalid message at {where or '<root>'}: {first.get('msg')}") from None
 
 
-def check_local(msg: Begin | BeginOk | Open | OpenOk, sender: str, me: str) -> None:
-    """Raise ``IncompatiblePeer`` (with the request's id) where ``msg``, from ``sender`` to ``me`` on one host, is not
-    of this pdpush's local protocol: an engine and its daemon of different pdpush versions would misread each
-    other's staging, ring and pool views, so the request is refused, each side saying why."""
-    if msg.local_version != LOCAL_PROTOCOL_VERSION:
-        theirs = msg.local_version or "0 (a pdpush from before local protocol versions)"
-        raise IncompatiblePeer(f"{msg.type} for {msg.req_id!r}: the {sender} speaks local protocol {theirs}, this "
-                               f"{me} {LOCAL_PROTOCOL_VERSION}: install one pdpush version in the engine's "
-                               f"environment and the daemons' (`pdpush --version` prints it)", req_id=msg.req_id)
+def local_mismatch(e: Exception) -> bool:
+    """Whether ``e`` says an engine and its daemon speak different local protocols (``_check_local``): a lasting
+    condition, which the connector treats as a daemon that is not there."""
+    return isinstance(e, IncompatiblePeer) and "of local protocol" in str(e)
+
+
+def decode_answer(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
+    """``decode`` for an engine reading its daemon's answers: one that cannot be read but names its request (another
+    local protocol's BeginOk or OpenOk) becomes that request's ``Error``, so that the request fails with it rather
+    than whichever wait read the frame."""
+    try:
+        return decode(frame, max_frame)
+    except PdpushError as e:
+        if e.req_id is None:
+            raise
+        return error_reply(e)
 
 
 def error_reply(err: PdpushError, req_id: str | None = None) -> Error:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -165,16 +167,22 @@ def test_state_machine_table():
 
 @pytest.mark.parametrize("msg", [m for m in SAMPLES if "local_version" in type(m).model_fields], ids=lambda m: m.type)
 def test_an_engine_s_and_its_daemon_s_messages_carry_their_local_protocol_and_another_is_refused(msg):
-    """Begin/BeginOk and Open/OpenOk carry the local protocol of the pdpush that sent them (an engine's and its
-    daemon's come from separate images): as this one's, checked through; from a pdpush before it was numbered (the
-    field absent on the wire: 0) or of another, an IncompatiblePeer naming both and the request."""
-    assert msg.local_version == P.LOCAL_PROTOCOL_VERSION
-    P.check_local(P.decode(P.encode(msg)), "engine", "sender")
+    """Begin/BeginOk, Open/OpenOk and Claim/ClaimOk carry the local protocol of the pdpush that sent them (an engine's and its
+    daemon's come from separate images). One of a pdpush from before it was numbered (the field absent: 0) or of
+    another, whose fields may differ (one more here), is an IncompatiblePeer naming both versions and the request,
+    before its fields are read; an engine reading it as an answer files it as that request's Error."""
+    assert msg.local_version == P.LOCAL_PROTOCOL_VERSION and P.decode(P.encode(msg)) == msg
     old = msgpack.unpackb(P.encode(msg), raw=False)
     del old["local_version"]
-    for other in (P.decode(msgpack.packb(old, use_bin_type=True)),
-                  msg.model_copy(update={"local_version": P.LOCAL_PROTOCOL_VERSION + 1})):
-        with pytest.raises(IncompatiblePeer, match="local protocol") as e:
-            P.check_local(other, "engine", "sender")
-        assert e.value.req_id == "r" and P.error_reply(e.value).code is ErrorCode.INCOMPATIBLE_PEER
-    assert P.decode(msgpack.packb(old, use_bin_type=True)).local_version == 0
+    newer = {**old, "local_version": P.LOCAL_PROTOCOL_VERSION + 1, "a_field_of_the_next_one": 1}
+    for frame, theirs in ((msgpack.packb(old, use_bin_type=True), "0 (a pdpush from before"),
+                          (msgpack.packb(newer, use_bin_type=True), str(P.LOCAL_PROTOCOL_VERSION + 1))):
+        with pytest.raises(IncompatiblePeer, match=re.escape(f"local protocol {theirs}")) as e:
+            P.decode(frame)
+        assert e.value.req_id == msg.req_id
+        answer = P.decode_answer(frame)
+        assert isinstance(answer, P.Error) and answer.code is ErrorCode.INCOMPATIBLE_PEER and answer.req_id == msg.req_id
+    nameless = msgpack.packb({**old, "req_id": 7}, use_bin_type=True)  # no request to file it under: raised
+    with pytest.raises(IncompatiblePeer) as e:
+        P.decode_answer(nameless)
+    assert e.value.req_id is None

@@ -135,6 +135,36 @@ for name, error in (("unasked", None), ("late", TransportTimeout("no answer")), 
     else:
         w._settle(ld)
     out["pending"][name] = [p.abandoned, ld.pending is None, ld.reason.value if ld.reason else None]
+
+# 5. an engine and its daemon of different local protocols (separate images): a lasting condition, so the prefill
+# stops asking the sender for sender_retry_s, as for a missing one, and the decode stops planned loads for
+# receiver_retry_s; another refusal (a receiver of another layout, say) costs only its own request
+import time
+
+from pdpush.errors import IncompatiblePeer
+
+skew = IncompatiblePeer("begin for 'r' is of local protocol 0 (a pdpush from before local protocol versions), "
+                        "this pdpush speaks 1", req_id="r")
+other = IncompatiblePeer("layout mismatch, sender vs receiver", req_id="r")
+w.settings = NS(async_layers_per_step=4, load_timeout_s=60.0, sender_retry_s=30.0, receiver_retry_s=30.0)
+w._prefill, w._sender_down_until, w._receiver_down_until = None, 0.0, 0.0
+w.stats = WorkerStats()
+
+
+def refused(e):
+    raise e
+
+
+w._asked(NS(req_id="r", push_id="p-r"), lambda: refused(other))
+out["down_after_other"] = w._sender_down_until > time.monotonic()
+w._asked(NS(req_id="r", push_id="p-r"), lambda: refused(skew))
+out["down_after_skew"] = w._sender_down_until > time.monotonic() + 20
+ld, p = load("skewed"), Pending(skew)
+ld.req, ld.pending = None, p
+w._settle(ld)
+out["receiver_down_after_skew"] = w._receiver_down_until > time.monotonic() + 20
+out["skew_load"] = [p.abandoned, ld.reason.value if ld.reason else None]
+out["skew_totals"] = w.stats.totals()
 print(json.dumps(out))
 """
 
@@ -156,3 +186,7 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     pend = out["pending"]
     assert pend["unasked"] == [1, True, "incomplete"], pend
     assert pend["late"] == [1, True, "timeout"] and pend["refused"][:2] == [0, True], pend
+    assert not out["down_after_other"] and out["down_after_skew"] and out["receiver_down_after_skew"], out
+    t = out["skew_totals"]
+    assert t["push_failed:refused"] == 1 and t["push_failed:sender"] == 1, t
+    assert out["skew_load"] == [0, "receiver"], out  # refused before anything was opened: nothing to give back

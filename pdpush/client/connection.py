@@ -158,7 +158,7 @@ class Connection:
         try:
             self._flush()
             for frames in control.recv_ready(self.sock, limit=1 << 30):  # twice a layer: an empty socket is cheap
-                self._file(protocol.decode(frames[-1], self.max_frame))
+                self._file(protocol.decode_answer(frames[-1], self.max_frame))
         finally:
             self.lock.release()
 
@@ -174,7 +174,7 @@ class Connection:
     def _recv_one(self, deadline: float) -> Msg:
         with self.lock:
             self._flush()
-            return control.recv_until(self.sock, deadline, self.max_frame)
+            return control.recv_until(self.sock, deadline, self.max_frame, protocol.decode_answer)
 
     def _recv_for(self, req_id: str | None, deadline: float, grants: bool) -> Msg:
         box = self.mail.get(req_id)

@@ -35,7 +35,6 @@ from pdpush.protocol import (
     Query,
     QueryReply,
     Release,
-    check_local,
 )
 
 
@@ -359,14 +358,13 @@ class PendingOpen:
             pass
 
     def _request(self, reply: Msg) -> DecodeRequest:
-        raise_error(reply)
+        try:
+            raise_error(reply)
+        except IncompatiblePeer:  # (an answer of another local protocol, say): the receiver releases what it opened
+            self.abandon()
+            raise
         if not isinstance(reply, OpenOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to open")
-        try:
-            check_local(reply, "receiver", "engine")
-        except IncompatiblePeer:
-            self.abandon()  # the receiver releases what it opened
-            raise
         if self.life is not None and not self.life.alive():
             raise BrokenResourceError(f"open of {self.req_id!r}: the receiver that answered it died")
         req = DecodeRequest(self.client, reply, self.tp_rank, self.tp_size)

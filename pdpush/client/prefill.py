@@ -43,7 +43,6 @@ from pdpush.protocol import (
     StagingGranted,
     StatusRequest,
     Wake,
-    check_local,
 )
 from pdpush.shm import Attached
 
@@ -437,14 +436,13 @@ class PendingBegin:
         if not c._conn.mail.get(self.req_id) and not c._conn.daemon_alive():  # (not after a wait for it to answer)
             raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)", req_id=self.req_id)
         reply = c._conn.recv_for(self.req_id, self.deadline)
-        raise_error(reply)
+        try:
+            raise_error(reply)
+        except IncompatiblePeer:  # (an answer of another local protocol, say): the sender ends what it began
+            self.abort("the engine could not take the sender's answer")
+            raise
         if not isinstance(reply, BeginOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to begin")
-        try:
-            check_local(reply, "sender", "engine")
-        except IncompatiblePeer:
-            self.abort("the engine's pdpush is of another local protocol")  # the sender ends what it began
-            raise
         return PushHandle(c, self.req_id, self.tokens, reply, self.tp_rank, self.tp_size,
                           range(*self.layers) if self.layers else range(c.layout.push_layers))
 

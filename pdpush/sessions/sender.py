@@ -373,7 +373,6 @@ class SenderSession:
         raise UnknownRequest(f"unknown request {req_id!r}")
 
     def _begin(self, ident: bytes, msg: Begin, now: int, out: list) -> None:
-        protocol.check_local(msg, "engine", "sender")  # before anything is held for it
         if self.draining:
             raise ShuttingDown("sender is draining")
         stage = participants.check_begin(msg)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdpush import kvcodec
+from pdpush import kvcodec, protocol
 from pdpush.client import DecodeRequest, PendingOpen
 from pdpush.errors import BrokenResourceError, ConnectError, PdpushError, RequestFailed, TransportTimeout
 from pdpush.integrations import vllm_layout as vl
@@ -154,6 +154,8 @@ class LoadPath:
             return
         except _REQUEST_ERRORS as e:
             ld.fail_on(e, "open")
+            if protocol.local_mismatch(e):  # a receiver of another pdpush: loads planned without asking stop a while
+                self._receiver_down_until = time.monotonic() + self.settings.receiver_retry_s
             return
         try:
             self._opened(ld, req)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdpush import kvcodec
+from pdpush import kvcodec, protocol
 from pdpush.client import PushHandle
 from pdpush.errors import BrokenResourceError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
@@ -87,7 +87,12 @@ class PushPath:
         """``ask()``'s result (a begin or its answer), or None where the push cannot go: counted and logged."""
         try:
             return ask()
-        except (TransportError, BrokenResourceError) as e:  # no sender, or it died: stop asking for a while
+        except _REQUEST_ERRORS as e:
+            if not isinstance(e, (TransportError, BrokenResourceError)) and not protocol.local_mismatch(e):
+                self.stats.push_fail(PushFailure.REFUSED)  # the receiver refused this one (pool exhausted, ...)
+                log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
+                return None
+            # no sender, it died, or it speaks another local protocol than this engine: stop asking for a while
             self.stats.push_fail(PushFailure.SENDER)
             log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
                       self.settings.sender_retry_s, e)
@@ -95,9 +100,6 @@ class PushPath:
             if self._prefill is not None:  # a fresh connection: a late reply must not answer another begin
                 self._prefill.close()
                 self._prefill = None
-        except _REQUEST_ERRORS as e:  # the receiver refused this one (pool exhausted, too large, ...)
-            self.stats.push_fail(PushFailure.REFUSED)
-            log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
         return None
 
     def _start_push(self, spec: PushSpec, handle: PushHandle) -> _Push | None:
