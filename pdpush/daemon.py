@@ -237,6 +237,16 @@ def count_dropped(counters: dict, key: str, what: str, log: logging.Logger) -> N
         log.warning("could not send %s (%s: peer gone or not reading): %d dropped so far", what, key, n)
 
 
+def count_skewed(counters: dict, err: Exception, log: logging.Logger) -> None:
+    """An engine's Begin, Open or Claim of another local protocol than this daemon's (``protocol._check_local``),
+    refused: counted in ``counters["local_protocol_refused"]`` and logged at the 1st, 2nd, 4th, ... (an engine of
+    another image sends one a request), so that the daemon's operator sees it too, not only the engine's."""
+    n = counters["local_protocol_refused"] = counters.get("local_protocol_refused", 0) + 1
+    if n & (n - 1) == 0:
+        log.warning("refused an engine's request of another local protocol (%d so far; install one pdpush version in "
+                    "the engines and the daemons): %s", n, err)
+
+
 def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
     """Log which UCX the daemon runs (version, library, how chosen), what it can use, and what the host offers
     (memlock against the ``registered_bytes`` of its pool or staging, hugepages, CUDA); where it talks to other

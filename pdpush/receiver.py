@@ -27,7 +27,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
-from pdpush.daemon import Outbox, WireCount, count_dropped, log_ucx, ucx_stats
+from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import READY_WORD, combine_digests
 from pdpush.protocol import Msg, StatusReply, StatusRequest
@@ -53,7 +53,7 @@ class Receiver:
         self.auth = None
         self.reader_keys: frozenset[str] = frozenset()
         self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0, "control_dropped": 0,
-                               "local_dropped": 0}
+                               "local_dropped": 0, "local_protocol_refused": 0}
         self.wire = WireCount()  # control messages to and from senders
         self.outbox = Outbox(self.wire)  # what a loop pass has for each sender: one frame each, at its end
         self._last_tick = 0
@@ -206,6 +206,8 @@ class Receiver:
             msgs = [protocol.decode(payload, self.cfg.max_frame_bytes)] if local else \
                 protocol.decode_batch(payload, self.cfg.max_frame_bytes)
         except PdpushError as e:
+            if local and protocol.local_mismatch(e):
+                count_skewed(self.shell_counters, e, log)
             self._apply(self.session.bad_frame(ident, e, local))
             return
         kinds = [m.type if isinstance(m, Msg) else "invalid" for m in msgs if not isinstance(m, StatusRequest)]

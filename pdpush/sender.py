@@ -33,7 +33,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, is_loopback
-from pdpush.daemon import Outbox, WireCount, count_dropped, log_ucx, ucx_stats
+from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, ucx_stats
 from pdpush.errors import IncompatiblePeer, PdpushError, TransportTimeout
 from pdpush.layout import PoolGeometry, combine_digests
 from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
@@ -81,7 +81,8 @@ class Sender:
         self._eid_names: dict[int, str] = {}
         self.conns = _Connections()  # engine connections -> their ids in the pusher
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
-        self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0}
+        self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0,
+                               "local_protocol_refused": 0}
         self.wire = WireCount()  # control messages to and from receivers
         self.outbox = Outbox(self.wire)  # what a loop pass has for each receiver: one frame each, at its end
         self._watch_dirty = True  # the fds and sockets the native wait watches for the loop (_watched)
@@ -303,6 +304,8 @@ class Sender:
         try:
             msg = protocol.decode(payload, self.cfg.max_frame_bytes)
         except PdpushError as e:
+            if protocol.local_mismatch(e):
+                count_skewed(self.shell_counters, e, log)
             control.send(self.ingress, protocol.error_reply(e), ident)
             return
         if isinstance(msg, StatusRequest):

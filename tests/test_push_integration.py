@@ -140,8 +140,8 @@ def _ask(s: zmq.Socket, frame: bytes) -> protocol.Msg:
 def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_nothing_is_held(daemons):
     """Engines and their daemons often come from separate images. A Begin to the sender or an Open to the receiver
     from a pdpush of another local protocol, or from one before it was numbered (no version on the wire), is answered
-    with an IncompatiblePeer naming the request and both versions; neither daemon holds anything for it, and an
-    engine of this pdpush then pushes and reads back as usual."""
+    with an IncompatiblePeer naming the request and both versions; neither daemon holds anything for it (each counts
+    and logs it), and an engine of this pdpush then pushes and reads back as usual."""
     import msgpack
 
     layout = KVLayout(2, 2, 64, "float16", 16)
@@ -164,6 +164,8 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
         finally:
             s.close(0)
     assert status(sock(tx))["requests_total"] == 0 and status(sock(rx))["requests_inflight"] == 0
+    for d in (tx, rx):  # each daemon's operator sees it too: counted, and logged at the first and second
+        assert status(sock(d))["local_protocol_refused"] == 2 and d.log().count("of another local protocol") == 2
     pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
     try:
         k, v = kv(layout, len(ids), seed=3)
