@@ -516,6 +516,7 @@ def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
 
 # the messages that carry local_version: those that begin something for an engine on its daemon, and their answers
 _VERSIONED = frozenset({"begin", "begin_ok", "open", "open_ok", "claim", "claim_ok"})
+_OF_LOCAL = "is of local protocol"  # in _check_local's message, which is all an Error carries to an engine
 
 
 def _check_local(obj: dict) -> None:
@@ -530,7 +531,7 @@ def _check_local(obj: dict) -> None:
     rid = obj.get("req_id")
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None
     theirs = v if isinstance(v, int) and v else "0 (a pdpush from before local protocol versions)"
-    raise IncompatiblePeer(f"{obj.get('type')} for {rid!r} is of local protocol {theirs}, this pdpush speaks "
+    raise IncompatiblePeer(f"{obj.get('type')} for {rid!r} {_OF_LOCAL} {theirs}, this pdpush speaks "
                            f"{LOCAL_PROTOCOL_VERSION}: install one pdpush version in the engine's environment and the "
                            f"daemons' (`pdpush --version` prints it)", req_id=rid)
 
@@ -549,7 +550,7 @@ def _validate(obj: dict) -> Msg:
 def local_mismatch(e: Exception) -> bool:
     """Whether ``e`` says an engine and its daemon speak different local protocols (``_check_local``): a lasting
     condition, which the connector treats as a daemon that is not there."""
-    return isinstance(e, IncompatiblePeer) and "of local protocol" in str(e)
+    return isinstance(e, IncompatiblePeer) and _OF_LOCAL in str(e)
 
 
 def decode_answer(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
