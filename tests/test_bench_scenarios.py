@@ -21,7 +21,8 @@ def test_scenarios_and_report(tmp_path):
                                  requests=2, prefix_shared=0.5)
     res["goodput_sweep"] = [{k: res["goodput"][k] for k in ("layer_bytes", "goodput_gbps", "ceiling_gbps",
                                                             "memcpy_gbps", "ratio", "transport_goodput_gbps",
-                                                            "ratio_transport", "verified")}]
+                                                            "ratio_transport", "ratio_transport_hot",
+                                                            "footprint_put_gbps", "verified")}]
     res["latency"] = latency.compare(KVLayout(4, 2, 64, "float16", 16), samples=10, engines=2, per_engine=20,
                                  pool_pages=16, staging_bytes=16 << 20)
     res["isolation"] = {"scenario": "isolation", "skipped": "see test_isolation_scenario", "verified": False}
@@ -49,6 +50,10 @@ def test_scenarios_and_report(tmp_path):
     assert res["latency"]["prestaged_layer_ops_per_s"] > 0 and "the sender's own capacity" in text
     # and against the put loop over the pool's span of memory, beside the target's in-cache reference
     assert res["latency"]["raw_put_ops_per_s_out_of_cache"] > 0 and "out of the caches" in text
+    # transport only, paired with a raw put through a push's footprint, beside the same memory put again
+    g = res["goodput"]
+    assert len(g["footprint_put_samples_gbps"]) == len(g["transport_samples_gbps"]) == 2
+    assert g["footprint_put_gbps"] > 0 and g["footprint_copies"][1] == 3 <= 1 + g["footprint_copies"][0] and "a push's footprint" in text
 
 
 def test_control_scenario_verified_means_bytes_were_checked(monkeypatch):

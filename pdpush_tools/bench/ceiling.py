@@ -2,7 +2,7 @@
 
 The passive side is ``pdpush_tools.peer``, a region allocated exactly as the receiver's pool is.
 ``measure_put`` is the active side and uses the same transport code and pattern as the sender:
-one put+flush per layer.
+one put+flush per layer; ``PutReference`` does the same through a push's footprint of memory.
 """
 
 from __future__ import annotations
@@ -62,26 +62,66 @@ def connected(info: dict, host: str = "127.0.0.1"):
         ep.close()
 
 
+class PutReference:
+    """Raw put+flush of one request's layers (one put and its flush each, as ``measure_put``) from a source
+    of ``src_copies`` requests into a peer of ``dst_copies``, request by request in turn: the footprint a
+    push moves through (the sender's staging ring, the receiver's pool of several requests), so its bytes
+    are in the same caches as a push's. ``rewrite``: each request's source is written just before it is
+    put, untimed, as the engine writes staging before its hand-over. ``once()`` times one request (GB/s)."""
+
+    def __init__(self, w, ep, info: dict, layer_bytes: int, layers: int, src_copies: int, dst_copies: int,
+                 rewrite: bool) -> None:
+        from pdpush.shm import array_at
+
+        self.w, self.ep, self.info = w, ep, info
+        self.layer_bytes, self.layers, self.rewrite = layer_bytes, layers, rewrite
+        self.total = layer_bytes * layers
+        self.src_copies, self.dst_copies = src_copies, dst_copies
+        self.src, _, _ = w.alloc_shared(self.total * src_copies)  # the same memory the sender's staging uses
+        self.view = array_at(self.src.address, self.total * src_copies)
+        self.view[:] = 1  # fault the pages in, as a real staging area would be
+        self.n = 0
+
+    def once(self) -> float:
+        from pdpush.transport.base import PutOp
+        from pdpush_tools.peer import put_and_wait
+
+        s, d = (self.n % self.src_copies) * self.total, (self.n % self.dst_copies) * self.total
+        self.n += 1
+        if self.rewrite:
+            self.view[s:s + self.total] = self.n & 0xFF
+        t = time.perf_counter()
+        for layer in range(self.layers):
+            off = layer * self.layer_bytes
+            put_and_wait(self.w, self.ep, [PutOp(self.src.address + s + off, self.info["address"] + d + off,
+                                                 self.layer_bytes)], 30.0)
+        return self.total / (time.perf_counter() - t) / 1e9
+
+    def close(self) -> None:
+        self.src.close()
+
+
+@contextlib.contextmanager
+def put_reference(layer_bytes: int, layers: int, src_copies: int = 1, dst_copies: int = 1, rewrite: bool = False,
+                  peer: tuple[dict, str] | None = None):
+    """A ``PutReference`` into a peer started here (``peer``: as ``measure_put``'s), its peer stopped after.
+    Each request's first pass touches its remote pages: warm it with ``dst_copies`` calls of ``once()``."""
+    total = layer_bytes * layers
+    with _peer(total * dst_copies) if peer is None else connected(*peer) as (w, ep, info):
+        ref = PutReference(w, ep, info, layer_bytes, layers, src_copies, dst_copies, rewrite)
+        try:
+            yield ref
+        finally:
+            ref.close()
+
+
 def measure_put(layer_bytes: int, layers: int, reps: int = 5, peer: tuple[dict, str] | None = None) -> dict:
     """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes: a peer started here,
-    or ``peer`` (its info line and host), one already serving at least ``layer_bytes * layers``."""
-    from pdpush.shm import array_at
-    from pdpush.transport.base import PutOp
-    from pdpush_tools.peer import put_and_wait
-
-    total = layer_bytes * layers
-    with _peer(total) if peer is None else connected(*peer) as (w, ep, info):
-        src, _, _ = w.alloc_shared(total)  # the same memory the sender's staging uses
-        array_at(src.address, total)[:] = 1  # fault the pages in, as a real staging area would be
-        rates = []
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            for layer in range(layers):
-                off = layer * layer_bytes
-                put_and_wait(w, ep, [PutOp(src.address + off, info["address"] + off, layer_bytes)], 30.0)
-            rates.append(total / (time.perf_counter() - t) / 1e9)
-        src.close()
-    rates = rates[1:]  # first pass touches the remote pages
+    or ``peer`` (its info line and host), one already serving at least ``layer_bytes * layers``. The same
+    source and destination every time: below a few MiB a request, they stay in cache (``PutReference``
+    with a push's footprint does not)."""
+    with put_reference(layer_bytes, layers, peer=peer) as ref:
+        rates = [ref.once() for _ in range(reps + 1)][1:]  # the first pass touches the remote pages
     return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
 
 

@@ -159,6 +159,10 @@ def _met(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
+def _footprint(r: dict) -> str:
+    return f"{r['footprint_put_gbps']:.2f} / " if "footprint_put_gbps" in r else ""
+
+
 def markdown(res: dict, plot_rel: str) -> str:
     g, lat, p, inc, c, ctl, iso, m = (res[k] for k in ("goodput", "latency", "pipeline", "incremental", "concurrency",
                                                        "control", "isolation", "machine"))
@@ -169,7 +173,9 @@ def markdown(res: dict, plot_rel: str) -> str:
     inc_summary = ", ".join(f"h={r['h']}: {r['ratio_to_ideal']:.3f}" for r in inc["rows"])
     sweep = sorted(res["goodput_sweep"], key=lambda r: r["layer_bytes"])
     mib = [_size(r["layer_bytes"]) for r in sweep]
-    tr = ", ".join(f"{s}: {r['ratio_transport']:.2f}x" for s, r in zip(mib, sweep, strict=True))
+    tr = ", ".join(f"{s}: {r['ratio_transport']:.2f}x" + (f" ({r['ratio_transport_hot']:.2f}x the same memory again)"
+                                                           if "ratio_transport_hot" in r else "")
+                   for s, r in zip(mib, sweep, strict=True))
     e2e = [(s, r) for s, r in zip(mib, sweep, strict=True) if r["layer_bytes"] >= 4 << 20]
     e2e_txt = ", ".join(f"{s}: {r['ratio']:.2f}x" for s, r in e2e)
     sweep_mib = list(zip(mib, sweep, strict=True))
@@ -202,7 +208,10 @@ def markdown(res: dict, plot_rel: str) -> str:
         "| target | measured | |",
         "|---|---|---|",
         f"| transport only (KV already in staging, as a GPU's D2H DMA leaves it; hand-over -> decode-visible) "
-        f">= 0.95x raw put+flush at every size | {tr} | {_met(all(r['ratio_transport'] >= 0.95 for r in sweep))} |",
+        f">= 0.95x raw put+flush at every size: paired request by request with a put+flush of the same bytes "
+        f"through a push's footprint (staging's and the pool's requests in turn, each source written just "
+        f"before). In brackets, against the same memory put again, which stays in cache below a few MiB a "
+        f"request | {tr} | {_met(all(r['ratio_transport'] >= 0.95 for r in sweep))} |",
         f"| end to end through `PrefillClient.put_layer` >= 0.85x `two_copy_gbps` (a copier process and a putter, "
         f"pipelined, no pdpush code) | {two_txt} | {_met(all(r.get('ratio_two_copy', 0) >= 0.85 for _, r in sweep_mib))} |",
         f"| end to end through `PrefillClient.put_layer` against raw put+flush, 4 MiB and above | {e2e_txt} | |",
@@ -262,13 +271,13 @@ def markdown(res: dict, plot_rel: str) -> str:
         "",
         "## Goodput vs layer size",
         "",
-        "| bytes/layer | end to end GB/s | transport only GB/s | raw put+flush GB/s | memcpy GB/s | ratio | "
-        "ratio_transport | verified |",
+        "| bytes/layer | end to end GB/s | transport only GB/s | raw put+flush GB/s (footprint / same memory) | "
+        "memcpy GB/s | ratio | ratio_transport | verified |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in sweep:
         lines.append(f"| {_size(r['layer_bytes'])} | {r['goodput_gbps']:.2f} | "
-                     f"{r['transport_goodput_gbps']:.2f} | {r['ceiling_gbps']:.2f} | {r['memcpy_gbps']:.2f} | "
+                     f"{r['transport_goodput_gbps']:.2f} | {_footprint(r)}{r['ceiling_gbps']:.2f} | {r['memcpy_gbps']:.2f} | "
                      f"{r['ratio']:.2f} | {r['ratio_transport']:.2f} | {r['verified']} |")
     lines += ["", "## Pipelining (emulated compute c per layer; a sleep, since GPU compute costs the host no CPU)", "",
               "| c/t | c (ms) | exposed eager (ms) | exposed pipelined (ms) |", "|---|---|---|---|"]
