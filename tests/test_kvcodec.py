@@ -234,6 +234,61 @@ def test_native_stage_pages_checks_every_index_before_writing():
         assert (pages[u, j, i, c, t] == want).all(), (u, j, i, c, t)
 
 
+def _aligned(n: int, fill: int, at: int = 0) -> np.ndarray:
+    """``n`` bytes of ``fill`` starting ``at`` bytes past a 64-byte boundary."""
+    raw = np.full(n + 128, fill, np.uint8)
+    start = (-raw.ctypes.data) % 64 + at
+    return raw[start:start + n]
+
+
+@pytest.mark.parametrize("row", [16, 48, 128, 256, 512, 1024])
+@pytest.mark.parametrize("at", [0, 16, 8], ids=["aligned", "16-aligned", "unaligned"])
+@pytest.mark.parametrize("wide", [True, False], ids=["avx2", "sse2"])
+def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide):
+    """Staging is written with streaming stores where the CPU has them (``set_streaming``; rows of 128, 256 and
+    512 bytes inlined, other multiples of 16 by 64 and then 16 bytes, anything else cached). A layer staged, and
+    rows gathered (runs of a map row, and K tiles: AVX2's passes where rows are 32-byte aligned, then SSE2's),
+    each way into the same places: the same bytes, and each byte where it belongs. A destination off 16-byte
+    alignment takes the cached path."""
+    from pdpush_native._copy import gather_rows, set_streaming, set_wide_tiles, stage_pages
+
+    rng = np.random.default_rng(row + at)
+    T, hu, units, C, tokens = 4, 2, 2, 2, 11
+    comps = [rng.integers(0, 256, (tokens, units * hu, row), dtype=np.uint8) for _ in range(C)]
+    n = 3
+    segs = np.array([[0, 0, tokens]], np.int64)
+    N, D, eb = 8, row // 2, 2  # a K tile (dimension-major, 8 tokens) and V rows, of 16-bit elements
+    d, k = np.arange(D)[None, :], np.arange(N)[:, None]
+    emap = np.concatenate([d * N + k, N * D + k * D + d]).astype(np.int32)
+    src = rng.integers(0, 256, 3 * 2 * N * D * eb, dtype=np.uint8)
+    rows = 3 * 2 * N
+    base = np.repeat(np.arange(3, dtype=np.int64) * 2 * N * D * eb, 2 * N)
+    sel = np.tile(np.arange(2 * N, dtype=np.int32), 3)
+    out = {}
+    was, was_wide = set_streaming(True), set_wide_tiles(wide)
+    try:
+        for stream in (True, False):
+            set_streaming(stream)
+            staged = _aligned(units * n * hu * C * T * row, 0xEE, at)
+            stage_pages(staged, comps, 0, units, hu, T, segs)
+            gathered = _aligned(rows * row, 0xEE, at).reshape(rows, row)
+            gather_rows(gathered, src, base, sel, emap, eb)
+            out[stream] = staged.copy(), gathered.copy()
+    finally:
+        set_streaming(was)
+        set_wide_tiles(was_wide)
+    assert np.array_equal(out[True][0], out[False][0]) and np.array_equal(out[True][1], out[False][1])
+    pages = out[True][0].reshape(units, n, hu, C, T, row)
+    for u, j, i, c, t in np.ndindex(units, n, hu, C, T):
+        tok = j * T + t
+        want = comps[c][tok, u * hu + i] if tok < tokens else 0
+        assert (pages[u, j, i, c, t] == want).all(), (u, j, i, c, t)
+    elems = src.view(np.uint16)
+    for r in range(rows):
+        b, m = base[r] // eb, sel[r]
+        assert np.array_equal(out[True][1][r].view(np.uint16), elems[b + emap[m]]), r
+
+
 @pytest.mark.parametrize("tp,shards,given", [(1, 1, "rank"), (2, 1, "rank"), (2, 2, "all"), (4, 1, "all"),
                                              (1, 2, "rank")])
 def test_stage_planned_s_numpy_fast_path_writes_what_the_general_path_does(tp, shards, given):

@@ -150,14 +150,75 @@ def measure_put_rate(layer_bytes: int, slots: int = 32, count: int = 2000, windo
     return {"ops_per_s": out, "layer_bytes": layer_bytes}
 
 
+class StagingRing:
+    """Memory as the engine finds staging: a SysV segment (staging's kind of memory) of ``slots`` places of
+    ``nbytes``, written in turn, so that what one is written into is not in this core's cache (the sender's
+    staging is a ring of 1 GiB by default; a request's blocks follow the last ones round it, and the sender's
+    put reads them from another core). ``footprint``: the ring's bytes at least (two places at most, where a
+    request is that large itself)."""
+
+    def __init__(self, nbytes: int, footprint: int = 64 << 20) -> None:
+        from pdpush import shm
+
+        self.nbytes, self.slots = nbytes, max(2, -(-footprint // nbytes))
+        self._shmid, self._addr = shm.create_private(nbytes * self.slots)
+        self.array = shm.array_at(self._addr, nbytes * self.slots)
+        self.array[:] = 1  # faulted in, as the sender's staging is (shm.populate)
+        self._next = 0
+
+    def next(self) -> np.ndarray:
+        """The next place's bytes."""
+        k, self._next = self._next, (self._next + 1) % self.slots
+        return self.array[k * self.nbytes:(k + 1) * self.nbytes]
+
+    def close(self) -> None:
+        from pdpush import shm
+
+        self.array = None
+        shm.detach(self._addr)
+
+
+def paired_with_memcpy(write, nbytes: int, layers: int, reps: int) -> dict:
+    """``write(place)`` (one request's layers into ``place``, ``nbytes`` in all) timed in a ``StagingRing``, each
+    repetition paired with a memcpy of as many bytes layer by layer into the ring's place just before it:
+    ``ratio`` is the median of the pairs' ratios, which a drift of this shared box's speed between two separate
+    measurements (0.59x and 0.85x of memcpy at 1 MiB layers in two runs of one code) does not move."""
+    ring = StagingRing(nbytes)
+    src = np.ones(nbytes, dtype=np.uint8)
+    per = nbytes // layers
+    rates, mems = [], []
+    try:
+        for _ in range(reps + 1):
+            b = ring.next()
+            t = time.perf_counter()
+            for layer in range(layers):
+                np.copyto(b[layer * per:(layer + 1) * per], src[layer * per:(layer + 1) * per])
+            mems.append(nbytes / (time.perf_counter() - t) / 1e9)
+            place = ring.next()
+            t = time.perf_counter()
+            write(place)
+            rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+    finally:
+        ring.close()
+    rates, mems = rates[1:], mems[1:]
+    return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "memcpy_gbps": statistics.median(mems),
+            "ratio": statistics.median(r / m for r, m in zip(rates, mems, strict=True))}
+
+
+def _streaming(on: bool) -> bool | None:
+    """``pdpush_native._copy.set_streaming``, where the module has it: the previous setting."""
+    from pdpush import kvcodec
+
+    native = kvcodec._native()
+    return native.set_streaming(on) if native is not None and hasattr(native, "set_streaming") else None
+
+
 def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
     """Median GB/s of the engine's staging copy (token-major ``[tokens, heads, D]`` components into head-major
-    pages) of ``layout.layers`` layers, each from and to its own memory: the same bytes and pattern as
-    ``measure_memcpy``, so the two compare. As ``PushHandle.put_layer`` does it: the request's plan made once
-    (``kvcodec.stage_plan``, inside the clock), then ``kvcodec.stage_planned`` per layer. Each repetition is
-    paired with a memcpy of the same bytes layer by layer (other memory of the same size) just before it:
-    ``ratio`` is the median of the pairs' ratios, which a drift of this shared box's speed between two
-    separate measurements (0.59x and 0.85x of memcpy at 1 MiB layers in two runs of one code) does not move."""
+    pages) of ``layout.layers`` layers, as ``PushHandle.put_layer`` does it: the request's plan made once
+    (``kvcodec.stage_plan``, inside the clock), then ``kvcodec.stage_planned`` per layer, into a
+    ``StagingRing``, paired with a memcpy of the same bytes (``paired_with_memcpy``). With streaming stores,
+    what the engine does (``median_gbps``, ``ratio``), and with cached ones (``cached_gbps``, ``cached_ratio``)."""
     from pdpush import kvcodec
     from pdpush.layout import StagingShares
 
@@ -166,32 +227,31 @@ def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
     src = rng.integers(0, 256, (layout.layers, layout.components, tokens, layout.kv_heads, layout.row_bytes),
                        dtype=np.uint8)
     sh = StagingShares(layout, 1, 1, n)
-    dst = np.ones((layout.layers, *sh.share_shape()), dtype=np.uint8)  # written before, as staging is
     segs = kvcodec.segments([(0, 0, n)], tokens, layout.chunk_tokens)
-    a = np.ones(src.nbytes, dtype=np.uint8)
-    b = np.ones_like(a)
-    per = src.nbytes // layout.layers
-    rates, mems = [], []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        for layer in range(layout.layers):
-            np.copyto(b[layer * per:(layer + 1) * per], a[layer * per:(layer + 1) * per])
-        mems.append(src.nbytes / (time.perf_counter() - t) / 1e9)
-        t = time.perf_counter()
+    per = sh.share_bytes
+
+    def write(place: np.ndarray) -> None:
         plan = kvcodec.stage_plan(sh, 0, segs)
         for layer in range(layout.layers):
-            kvcodec.stage_planned(dst[layer], tuple(src[layer]), plan)
-        rates.append(src.nbytes / (time.perf_counter() - t) / 1e9)
-    rates, mems = rates[1:], mems[1:]
-    return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "memcpy_gbps": statistics.median(mems),
-            "ratio": statistics.median(r / m for r, m in zip(rates, mems, strict=True))}
+            kvcodec.stage_planned(place[layer * per:(layer + 1) * per].reshape(sh.share_shape()), tuple(src[layer]),
+                                  plan)
+
+    was = _streaming(False)
+    try:
+        cached = paired_with_memcpy(write, per * layout.layers, layout.layers, reps)
+    finally:
+        if was is not None:
+            _streaming(was)
+    out = paired_with_memcpy(write, per * layout.layers, layout.layers, reps)
+    return {**out, "streaming": was, "cached_gbps": cached["median_gbps"], "cached_ratio": cached["ratio"]}
 
 
 def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> dict:
     """Median GB/s of the vLLM connector's staging copy from paged blocks (CPU_ATTN's tiles: K
-    dimension-major ``[D, N]``, V token-major, blocks scattered) into staging, ``layout.layers`` layers:
-    one pass (``kvcodec.gather``, what the connector does) and, for comparison, the two passes it replaced
-    (gather token-major rows, then ``kvcodec.stage``)."""
+    dimension-major ``[D, N]``, V token-major, blocks scattered) into staging (a ``StagingRing``),
+    ``layout.layers`` layers: one pass (``kvcodec.gather``, what the connector does; ``ratio``: against a memcpy
+    paired with each repetition) and, for comparison, the two passes it replaced (gather token-major rows, then
+    ``kvcodec.stage``)."""
     import torch
 
     from pdpush import kvcodec
@@ -215,27 +275,24 @@ def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> 
     chunks = layout.num_chunks(tokens)
     sh = StagingShares(layout, 1, 1, chunks)
     segs = kvcodec.segments([(0, 0, chunks)], tokens, layout.chunk_tokens, new_only=True)
-    dst = np.ones((layout.layers, *sh.share_shape()), dtype=np.uint8)
+    per = sh.share_bytes
     rows = paged.rows(caches[0], blk, off, *kvcodec.share_rows(sh, 0, segs, H))
 
-    def one_pass():
-        for layer, kv in enumerate(caches):
-            kvcodec.gather(dst[layer], sh, vl.storage(kv), *rows)
+    def layer_of(place: np.ndarray, layer: int) -> np.ndarray:
+        return place[layer * per:(layer + 1) * per].reshape(sh.share_shape())
 
-    def two_pass():
+    def one_pass(place: np.ndarray) -> None:
         for layer, kv in enumerate(caches):
-            kvcodec.stage(dst[layer], paged.gather(kv, blk, off), sh, 0, segs)
+            kvcodec.gather(layer_of(place, layer), sh, vl.storage(kv), *rows)
 
-    out = {}
-    nbytes = dst.nbytes
-    for name, f in (("one_pass", one_pass), ("two_pass", two_pass)):
-        rates = []
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            f()
-            rates.append(nbytes / (time.perf_counter() - t) / 1e9)
-        out[f"{name}_gbps"] = statistics.median(rates[1:])
-    return out
+    def two_pass(place: np.ndarray) -> None:
+        for layer, kv in enumerate(caches):
+            kvcodec.stage(layer_of(place, layer), paged.gather(kv, blk, off), sh, 0, segs)
+
+    one = paired_with_memcpy(one_pass, per * layout.layers, layout.layers, reps)
+    two = paired_with_memcpy(two_pass, per * layout.layers, layout.layers, reps)
+    return {"one_pass_gbps": one["median_gbps"], "one_pass_ratio": one["ratio"], "memcpy_gbps": one["memcpy_gbps"],
+            "two_pass_gbps": two["median_gbps"]}
 
 
 def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 3) -> dict:
