@@ -98,7 +98,7 @@ def _host_bytes(x):
     return x.numpy() if x.device.type == "cpu" else None
 
 
-def _stage_natively(dst, rows: list, plan: StagePlan) -> bool:
+def _stage_natively(dst, rows: list, plan: StagePlan, stream: bool = False) -> bool:
     """``stage``'s whole-heads case in one native call (``_copy.stage_pages``) where the arrays are on the
     host and the native build has it; False where it cannot (the caller then writes the pages itself)."""
     fn = plan.native
@@ -108,7 +108,7 @@ def _stage_natively(dst, rows: list, plan: StagePlan) -> bool:
     srcs = [_host_bytes(r) for r in rows]
     if d is None or any(r is None for r in srcs) or not d.flags.c_contiguous:
         return False
-    fn(d.reshape(-1), srcs, plan.page_head, plan.Ur, plan.hu, plan.layout.chunk_tokens, plan.seg_array)
+    fn(d.reshape(-1), srcs, plan.page_head, plan.Ur, plan.hu, plan.layout.chunk_tokens, plan.seg_array, stream)
     return True
 
 
@@ -268,13 +268,15 @@ def stage(dst, comps: Sequence, shares: StagingShares, rank: int, segs: list[Seg
     stage_planned(dst, comps, stage_plan(shares, rank, segs))
 
 
-def stage_planned(dst, comps: Sequence, plan: StagePlan) -> None:
-    """``stage`` with its plan made (``stage_plan``): an engine makes it once per request and layer group."""
+def stage_planned(dst, comps: Sequence, plan: StagePlan, stream: bool = False) -> None:
+    """``stage`` with its plan made (``stage_plan``): an engine makes it once per request and layer group.
+    ``stream``: ``dst`` is staging, which this thread does not read again: the native copy writes it with
+    streaming stores (native/src/copy.cpp), which leave no line of it in this core's cache."""
     if plan.native is not None and type(dst) is np.ndarray and dst.flags.c_contiguous:
         rows = _planned_rows(comps, plan)
         if rows is not None:  # the common case, host arrays as an engine hands them: one native call
             plan.native(dst.reshape(-1), rows, plan.page_head, plan.Ur, plan.hu, plan.layout.chunk_tokens,
-                        plan.seg_array)
+                        plan.seg_array, stream)
             return
     shares, lay = plan.shares, plan.layout
     C, T, rb = lay.components, lay.chunk_tokens, lay.row_bytes
@@ -299,7 +301,7 @@ def stage_planned(dst, comps: Sequence, plan: StagePlan) -> None:
     if rows[0].shape[0] < plan.need:
         raise ValueError(f"got {rows[0].shape[0]} token rows, need {plan.need}")
     Ur, n, ub, b0, b1, segs = plan.Ur, plan.n, plan.ub, plan.b0, plan.b1, plan.segs
-    if _stage_natively(dst, rows, plan):
+    if _stage_natively(dst, rows, plan, stream):
         return
     rows = [_items(r, rb) for r in rows]
     if shares.heads_aligned:  # each unit is whole heads: write the pages straight into staging
@@ -366,13 +368,14 @@ def can_gather() -> bool:
     return hasattr(_native(), "gather_rows")
 
 
-def gather(dst, shares: StagingShares, src, base, sel, emap) -> None:
+def gather(dst, shares: StagingShares, src, base, sel, emap, stream: bool = False) -> None:
     """Fill a rank's share of a layer (``dst``, its staging bytes) straight from an engine's own memory, in
     one pass (native/src/copy.cpp): share row ``r`` (``share_rows``' order) is the ``D`` elements at byte
     ``base[r] + emap[sel[r], d] * B`` of ``src`` (flat host bytes; ``base`` int64, < 0 zeroes the row;
-    ``sel`` int32; ``emap`` int32 ``[M, D]`` element offsets). Every address is checked against ``src``."""
+    ``sel`` int32; ``emap`` int32 ``[M, D]`` element offsets). Every address is checked against ``src``.
+    ``stream``: as ``stage_planned``'s."""
     lay = shares.layout
-    _native().gather_rows(dst.reshape(-1, lay.row_bytes), src, base, sel, emap, DTYPES[lay.dtype].bytes)
+    _native().gather_rows(dst.reshape(-1, lay.row_bytes), src, base, sel, emap, DTYPES[lay.dtype].bytes, stream)
 
 
 def pool_row_offsets(geom: PoolGeometry, layer: int, page_of, row_of, heads: tuple[int, int]) -> np.ndarray:

@@ -235,58 +235,67 @@ def test_native_stage_pages_checks_every_index_before_writing():
 
 
 def _aligned(n: int, fill: int, at: int = 0) -> np.ndarray:
-    """``n`` bytes of ``fill`` starting ``at`` bytes past a 64-byte boundary."""
-    raw = np.full(n + 128, fill, np.uint8)
-    start = (-raw.ctypes.data) % 64 + at
+    """``n`` bytes of ``fill`` starting ``at`` bytes past a 64-byte boundary, a view of an array with 64 bytes of
+    ``fill`` at least on each side (its ``base``: to see that nothing was written past them)."""
+    raw = np.full(n + 192, fill, np.uint8)
+    start = (-raw.ctypes.data) % 64 + 64 + at
     return raw[start:start + n]
 
 
 @pytest.mark.parametrize("row", [16, 48, 128, 256, 512, 1024])
 @pytest.mark.parametrize("at", [0, 16, 8], ids=["aligned", "16-aligned", "unaligned"])
 @pytest.mark.parametrize("wide", [True, False], ids=["avx2", "sse2"])
-def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide):
-    """Staging is written with streaming stores where the CPU has them (``set_streaming``; rows of 128, 256 and
-    512 bytes inlined, other multiples of 16 by 64 and then 16 bytes, anything else cached). A layer staged, and
-    rows gathered (runs of a map row, and K tiles: AVX2's passes where rows are 32-byte aligned, then SSE2's),
-    each way into the same places: the same bytes, and each byte where it belongs. A destination off 16-byte
-    alignment takes the cached path."""
+@pytest.mark.parametrize("eb", [2, 4])
+def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide, eb):
+    """``stream``: staging is written with streaming stores where the CPU has them, rows and places whole cache
+    lines (rows of 128, 256 and 512 bytes inlined, other multiples of 64 by 64 bytes; anything else cached). A
+    layer staged, and rows gathered (runs of a map row, and K tiles: AVX2's passes, then SSE2's), each way into
+    the same places: the same bytes, each where it belongs, nothing written around them; the calls say whether
+    they streamed (so a path that never does shows), and ``set_streaming(False)`` turns it off."""
     from pdpush_native._copy import gather_rows, set_streaming, set_wide_tiles, stage_pages
 
-    rng = np.random.default_rng(row + at)
-    T, hu, units, C, tokens = 4, 2, 2, 2, 11
+    rng = np.random.default_rng(row + at + eb)
+    T, hu, units, C, tokens, n = 4, 2, 2, 2, 11, 3
     comps = [rng.integers(0, 256, (tokens, units * hu, row), dtype=np.uint8) for _ in range(C)]
-    n = 3
     segs = np.array([[0, 0, tokens]], np.int64)
-    N, D, eb = 8, row // 2, 2  # a K tile (dimension-major, 8 tokens) and V rows, of 16-bit elements
+    N, D = 16 // eb * 2, row // eb  # a K tile (dimension-major: two of SSE2's G tokens) and V rows
     d, k = np.arange(D)[None, :], np.arange(N)[:, None]
     emap = np.concatenate([d * N + k, N * D + k * D + d]).astype(np.int32)
     src = rng.integers(0, 256, 3 * 2 * N * D * eb, dtype=np.uint8)
     rows = 3 * 2 * N
     base = np.repeat(np.arange(3, dtype=np.int64) * 2 * N * D * eb, 2 * N)
     sel = np.tile(np.arange(2 * N, dtype=np.int32), 3)
+    whole_lines = at == 0 and row % 64 == 0
+    if not (set_streaming(True) or not whole_lines):
+        pytest.skip("this CPU has no SSE2: nothing streams")
     out = {}
-    was, was_wide = set_streaming(True), set_wide_tiles(wide)
+    was_wide = set_wide_tiles(wide)
     try:
-        for stream in (True, False):
-            set_streaming(stream)
+        for how in ("stream", "cached", "switched off"):
+            set_streaming(how != "switched off")
             staged = _aligned(units * n * hu * C * T * row, 0xEE, at)
-            stage_pages(staged, comps, 0, units, hu, T, segs)
             gathered = _aligned(rows * row, 0xEE, at).reshape(rows, row)
-            gather_rows(gathered, src, base, sel, emap, eb)
-            out[stream] = staged.copy(), gathered.copy()
+            streamed = (stage_pages(staged, comps, 0, units, hu, T, segs, stream=how != "cached"),
+                        gather_rows(gathered, src, base, sel, emap, eb, stream=how != "cached"))
+            assert streamed == ((whole_lines and how == "stream"),) * 2, (how, streamed)
+            for x in (staged, gathered):  # nothing written around them
+                at0 = x.ctypes.data - x.base.ctypes.data
+                assert (x.base[:at0] == 0xEE).all() and (x.base[at0 + x.nbytes:] == 0xEE).all(), how
+            out[how] = staged.copy(), gathered.copy()
     finally:
-        set_streaming(was)
+        set_streaming(True)
         set_wide_tiles(was_wide)
-    assert np.array_equal(out[True][0], out[False][0]) and np.array_equal(out[True][1], out[False][1])
-    pages = out[True][0].reshape(units, n, hu, C, T, row)
+    for how in ("cached", "switched off"):
+        assert np.array_equal(out["stream"][0], out[how][0]) and np.array_equal(out["stream"][1], out[how][1]), how
+    pages = out["stream"][0].reshape(units, n, hu, C, T, row)
     for u, j, i, c, t in np.ndindex(units, n, hu, C, T):
         tok = j * T + t
         want = comps[c][tok, u * hu + i] if tok < tokens else 0
         assert (pages[u, j, i, c, t] == want).all(), (u, j, i, c, t)
-    elems = src.view(np.uint16)
+    elems = src.view(np.uint16 if eb == 2 else np.uint32)
     for r in range(rows):
         b, m = base[r] // eb, sel[r]
-        assert np.array_equal(out[True][1][r].view(np.uint16), elems[b + emap[m]]), r
+        assert np.array_equal(out["stream"][1][r].view(elems.dtype), elems[b + emap[m]]), r
 
 
 @pytest.mark.parametrize("tp,shards,given", [(1, 1, "rank"), (2, 1, "rank"), (2, 2, "all"), (4, 1, "all"),

@@ -9,8 +9,8 @@
 // for the CPU's widest vectors (target_clones); kvcodec.stage's common case is one call per layer
 // (stage_pages), since a dozen array views per component cost as much as the copy at 256 KiB layers.
 //
-// What goes into staging (stage_pages, gather_rows) is written with streaming (non-temporal) stores where the
-// CPU has them (``streaming``): no line of staging is read into the cache to be written, and this core never
+// What goes into staging (stage_pages and gather_rows with ``stream``) is written with streaming (non-temporal)
+// stores where the CPU has them: no line of staging is read into the cache to be written, and this core never
 // reads staging again (the sender's put does, on another core). Staging is a ring the size of several requests,
 // so its lines are out of this core's cache when it writes them: inside a push, a 256 KiB layer's copy took
 // 59 us with cached stores and 43 us streamed, and the engine's whole put_layer 0.10 against 0.045 ms. A
@@ -73,7 +73,8 @@ inline void stream_bytes(uint8_t *d, const uint8_t *s, size_t n) {
     for (; i < n; i += 16) stream_fixed<16>(d + i, s + i);
 }
 
-inline bool stream_ok(const void *d, uint64_t n) { return (reinterpret_cast<uintptr_t>(d) | n) % 16 == 0; }
+// Whole cache lines only: a line streamed in part is flushed slowly, and may share its line with cached stores.
+inline bool stream_ok(const void *d, uint64_t n) { return (reinterpret_cast<uintptr_t>(d) | n) % 64 == 0; }
 
 template <size_t R>
 void stream_rows(uint8_t *d, const uint8_t *s, size_t n, int64_t ds, int64_t ss) {
@@ -83,15 +84,25 @@ void stream_rows(uint8_t *d, const uint8_t *s, size_t n, int64_t ds, int64_t ss)
 inline void fence_streams(bool on) {
     if (on) _mm_sfence();  // the streamed bytes are visible before any later store (a ring record, a message)
 }
+
+// Fences when it goes out of scope, however the copy ends (a bad row's exception too): declared after the GIL's
+// release, so before the interpreter has the thread back.
+struct StreamFence {
+    bool on;
+    ~StreamFence() { fence_streams(on); }
+};
 #else
 constexpr bool streaming = false;
 inline void stream_bytes(uint8_t *, const uint8_t *, size_t) {}
 inline bool stream_ok(const void *, uint64_t) { return false; }
 inline void fence_streams(bool) {}
+struct StreamFence {
+    bool on;
+};
 #endif
 
-// Tests and A/B measurements take either path: streaming stores into staging on (where the CPU has SSE2) or
-// off; returns the previous setting.
+// Whether a copy asked to stream does (where the CPU has SSE2): on by default; off for A/B measurements.
+// Returns the previous setting.
 bool set_streaming(bool on) {
 #if defined(__SSE2__)
     const bool was = streaming;
@@ -103,8 +114,8 @@ bool set_streaming(bool on) {
 #endif
 }
 
-// ``copy_strided`` with streaming stores; false (nothing copied) where the rows or their places are not
-// 16-byte multiples.
+// ``copy_strided`` with streaming stores; false (nothing copied) where the rows or their places are not whole
+// cache lines.
 bool stream_strided(uint8_t *d, const uint8_t *s, size_t n, int64_t ds, int64_t ss, size_t row) {
     if (!stream_ok(d, static_cast<uint64_t>(ds) | row)) return false;
 #if defined(__SSE2__)
@@ -203,7 +214,8 @@ using Segs = nb::ndarray<const int64_t, nb::ndim<2>, nb::device::cpu, nb::c_cont
 // head's page in turn, the 1 MiB layers' copy ran at 0.59x memcpy here, blocked at 0.79x (256 KiB layers:
 // 0.79x, 0.83x). One Python call per layer instead of a dozen array views per component.
 // Every shape and index is checked before any byte moves.
-void stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, size_t hu, size_t T, Segs segs) {
+bool stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, size_t hu, size_t T, Segs segs,
+                 bool stream) {
     const size_t C = comps.size();
     if (C == 0 || T == 0 || units == 0 || hu == 0) throw std::invalid_argument("stage_pages: nothing to write into");
     const size_t tokens = comps[0].shape(0), heads = comps[0].shape(1), rb = comps[0].shape(2);
@@ -236,8 +248,10 @@ void stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
     uint8_t *d0 = dst.data();
     const int64_t unit_stride = static_cast<int64_t>(n * page), head_stride = static_cast<int64_t>(C * T * rb);
     const size_t block = std::max<size_t>(1, 4096 / rb);  // token rows a head's run covers: 4 KiB of its page
-    const bool nt = streaming;
+    const bool nt = stream && streaming;
+    bool streamed = false;
     nb::gil_scoped_release unlocked;
+    const StreamFence fence{nt};
     for (size_t c = 0; c < C; ++c) {
         for (size_t k = 0; k < S; ++k) {
             const size_t j0 = sg[3 * k], s0 = sg[3 * k + 1], m = sg[3 * k + 2];
@@ -249,7 +263,9 @@ void stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
                 for (size_t h = 0; h < H; ++h) {
                     uint8_t *dh = d + static_cast<int64_t>(h / hu) * unit_stride + static_cast<int64_t>(h % hu) * head_stride;
                     const uint8_t *sh = s + static_cast<int64_t>(h) * hs[c];
-                    if (!(nt && stream_strided(dh, sh, r1 - r0, static_cast<int64_t>(rb), ts[c], rb)))
+                    if (nt && stream_strided(dh, sh, r1 - r0, static_cast<int64_t>(rb), ts[c], rb))
+                        streamed = true;
+                    else
                         copy_strided(dh, sh, r1 - r0, static_cast<int64_t>(rb), ts[c], rb);
                 }
                 r0 = r1;
@@ -262,7 +278,7 @@ void stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
             }
         }
     }
-    fence_streams(nt);
+    return streamed;
 }
 
 template <typename E>
@@ -453,7 +469,7 @@ template <size_t E>
 size_t scatter_tile2(uint8_t *, const int32_t *, const uint8_t *const *, size_t) { return 0; }
 #endif
 
-// NT: streaming stores (rows 16-byte aligned); wide: AVX2 passes first (with NT, rows 32-byte aligned).
+// NT: streaming stores (rows 32-byte aligned); wide: AVX2 passes first.
 template <size_t E, bool NT>
 void gather_tile(uint8_t *const *d, const uint8_t *s, const int32_t *o, size_t D, bool wide) {
     constexpr size_t G = 16 / E;
@@ -527,7 +543,7 @@ void by_tiles(size_t R, size_t G, size_t q, Tile tile, Row row) {
     for (; r0 < R; ++r0) row(r0);
 }
 
-void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb) {
+bool gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb, bool stream) {
     const size_t R = dst.shape(0), rb = dst.shape(1);
     const MapRows mr(emap, eb, rb, "gather_rows");
     const size_t D = mr.D;
@@ -541,8 +557,10 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
     const uint8_t *s0 = src.data();
     uint8_t *d0 = dst.data();
     const int64_t dstride = dst.stride(0);
-    const bool nt = streaming;
+    const bool nt = stream && streaming;
+    bool streamed = false;
     nb::gil_scoped_release unlocked;
+    const StreamFence fence{nt};
     auto checked = [&](size_t r) {
         if (!mr.inside(sl[r], bs[r], S, eb))
             throw std::out_of_range("gather_rows: row " + std::to_string(r) + " reaches outside the source");
@@ -561,7 +579,7 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
         if (mr.run[m]) {
             const uint8_t *from = s + static_cast<int64_t>(o[0]) * static_cast<int64_t>(eb);
             if (nt && stream_ok(d, rb))
-                stream_bytes(d, from, rb);
+                stream_bytes(d, from, rb), streamed = true;
             else
                 std::memcpy(d, from, rb);
             return;
@@ -578,14 +596,14 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
 #if defined(__SSE2__)
         if (!is_tile(mr, bs, sl, r, q, G)) return false;
         uint8_t *d[8];
-        uintptr_t at = 0;  // the rows' places or'ed: streamed where all are aligned (16 bytes; 32 for AVX2's)
+        uintptr_t at = rb;  // the rows' places and length or'ed: streamed where all are whole cache lines
         for (size_t i = 0; i < G; ++i)
             checked(r + i * q), d[i] = d0 + static_cast<int64_t>(r + i * q) * dstride, at |= reinterpret_cast<uintptr_t>(d[i]);
         const uint8_t *s = s0 + bs[r];
         const int32_t *o = map + static_cast<size_t>(sl[r]) * D;
-        if (nt && at % 16 == 0) {
-            const bool wide = wide_tiles && at % 32 == 0;
-            eb == 2 ? gather_tile<2, true>(d, s, o, D, wide) : gather_tile<4, true>(d, s, o, D, wide);
+        if (nt && at % 64 == 0) {
+            eb == 2 ? gather_tile<2, true>(d, s, o, D, wide_tiles) : gather_tile<4, true>(d, s, o, D, wide_tiles);
+            streamed = true;
         } else {
             eb == 2 ? gather_tile<2, false>(d, s, o, D, wide_tiles) : gather_tile<4, false>(d, s, o, D, wide_tiles);
         }
@@ -596,7 +614,7 @@ void gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb)
 #endif
     };
     by_tiles(R, G, G ? tile_step(bs, sl, R) : 0, tile, row);
-    fence_streams(nt);
+    return streamed;
 }
 
 template <typename E>
@@ -696,8 +714,8 @@ NB_MODULE(_copy, m) {
           "Store records into a hand-over ring's free slots from head on (compare-and-swap each); how many.");
     m.def("load_word", &load_word, nb::arg("address"), "A sequentially consistent load of an aligned u64.");
     m.def("set_streaming", &set_streaming, nb::arg("on"),
-          "Write staging (stage_pages, gather_rows) with streaming stores (the default where the CPU has SSE2) or "
-          "cached ones; returns the previous setting. For tests and A/B measurements.");
+          "Whether stage_pages and gather_rows asked to stream do (the default, where the CPU has SSE2); returns "
+          "the previous setting. For A/B measurements.");
     m.def("set_wide_tiles", &set_wide_tiles, nb::arg("on"),
           "Transpose dimension-major tiles 2G elements at a time with AVX2 (the default where the CPU has it), or "
           "G at a time with SSE2; returns the previous setting. For tests and A/B measurements.");
@@ -705,14 +723,17 @@ NB_MODULE(_copy, m) {
           "Copy every row of src ([..., row] bytes, the last axis contiguous, any strides) into the same place "
           "of dst (the same shape); the GIL is released. They must not overlap.");
     m.def("stage_pages", &stage_pages, nb::arg("dst").noconvert(), nb::arg("comps"), nb::arg("h0"), nb::arg("units"),
-          nb::arg("hu"), nb::arg("T"), nb::arg("segs").noconvert(),
+          nb::arg("hu"), nb::arg("T"), nb::arg("segs").noconvert(), nb::arg("stream") = false,
           "One layer of a rank's share, whole heads per unit: dst ([U, n, hu, C, T, rb] bytes, flat) from the C "
           "components [tokens, heads, rb] (heads h0 .. h0 + U * hu), by segments (j0, s0, m) int64 [k, 3]; the "
-          "rows of a partial last page are zeroed; every index checked; the GIL is released.");
+          "rows of a partial last page are zeroed; every index checked; the GIL is released. stream: streaming "
+          "stores where rows and places are whole cache lines (staging, which this thread does not read again); "
+          "returns whether any were.");
     m.def("gather_rows", &gather_rows, nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("base").noconvert(),
-          nb::arg("sel").noconvert(), nb::arg("emap").noconvert(), nb::arg("elem_bytes"),
+          nb::arg("sel").noconvert(), nb::arg("emap").noconvert(), nb::arg("elem_bytes"), nb::arg("stream") = false,
           "Row r of dst ([R, D * B]) = the D elements of B bytes at src[base[r] + emap[sel[r], d] * B] (src: flat "
-          "bytes; base: int64 bytes, < 0 zeroes the row; sel: int32; emap: int32 [M, D]), every address checked.");
+          "bytes; base: int64 bytes, < 0 zeroes the row; sel: int32; emap: int32 [M, D]), every address checked. "
+          "stream: as stage_pages'; returns whether any row was streamed.");
     m.def("scatter_rows", &scatter_rows, nb::arg("dst").noconvert(), nb::arg("base").noconvert(),
           nb::arg("sel").noconvert(), nb::arg("emap").noconvert(), nb::arg("elem_bytes"), nb::arg("src").noconvert(),
           nb::arg("src_off").noconvert(),

@@ -176,7 +176,7 @@ class PushHandle:
         A tensor on a device is copied to the host first."""
         comps = tuple(on_host(x) for x in comps)
         try:
-            kvcodec.stage_planned(self.staging_layer(layer), comps, self.stage_plan(layer, new_only))
+            kvcodec.stage_planned(self.staging_layer(layer), comps, self.stage_plan(layer, new_only), stream=True)
         except ValueError as e:
             raise ValueError(f"layer {layer}: {e}") from None
 
@@ -193,7 +193,7 @@ class PushHandle:
         ``base``/``sel``/``emap`` in ``share_rows``' order); hand it over as ``stage_layer``'s, or here
         (``hand_over``: ``layer_ready`` without looking at the request's mail again)."""
         try:
-            kvcodec.gather(self.staging_layer(layer), self.layer_shares(layer), src, base, sel, emap)
+            kvcodec.gather(self.staging_layer(layer), self.layer_shares(layer), src, base, sel, emap, stream=True)
         except (ValueError, IndexError) as e:
             raise ValueError(f"layer {layer}: {e}") from None
         if hand_over:

@@ -234,7 +234,7 @@ def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
         plan = kvcodec.stage_plan(sh, 0, segs)
         for layer in range(layout.layers):
             kvcodec.stage_planned(place[layer * per:(layer + 1) * per].reshape(sh.share_shape()), tuple(src[layer]),
-                                  plan)
+                                  plan, stream=True)
 
     was = _streaming(False)
     try:
@@ -283,7 +283,7 @@ def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> 
 
     def one_pass(place: np.ndarray) -> None:
         for layer, kv in enumerate(caches):
-            kvcodec.gather(layer_of(place, layer), sh, vl.storage(kv), *rows)
+            kvcodec.gather(layer_of(place, layer), sh, vl.storage(kv), *rows, stream=True)
 
     def two_pass(place: np.ndarray) -> None:
         for layer, kv in enumerate(caches):
