@@ -404,9 +404,12 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   and every tenth request read back and compared).
 - The staging copy (2026-12-05): walked token by token, a row to each head's page in turn, the 1 MiB layers'
   copy ran at 0.59-0.70x memcpy here; in blocks of token rows, each head's run of a block 4 KiB of its page,
-  0.79-0.90x. At 256 KiB what is left is Python: a layer's copy takes ~20.7 us in the native call and ~23 us
-  through `stage_planned` (the checks of its arrays, their byte views), which alone puts it at ~0.8x. Its
-  ratio pairs each repetition with a memcpy just before it: measured apart, one code gave 0.59x and 0.85x.
+  0.79-0.90x, measured in a loop over one buffer. Inside a real push it was twice as slow (256 KiB layers: 59
+  us a layer against ~25 in the loop): staging is a ring of several requests, read by the sender from the other
+  core, so the lines the engine writes are out of its cache and each cached store first reads its line in.
+  Streaming stores (later that day) skip that read: 43 us a layer in the push, `put_layer` 0.045 against 0.10
+  ms, end to end at 256 KiB 1.6-2.0 against 1.3-1.4 GB/s. In a loop over one buffer they are slower (7
+  against 11 GB/s), so the bench now writes a ring of staging memory, against a memcpy into the same ring.
 - The 1 MiB capacity's reference stays in the caches (2026-12-05): its native loop cycles through 32 MiB (one
   request's worth), while the sender copies from 1 GiB of staging into 1.5 GiB of pool. The same loop over 256
   MiB to 1 GiB ran 6,800 puts/s against 13,900 over 32 MiB (a probe, and the "out of the caches" figures in the
@@ -420,10 +423,12 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   AllocResponse to BeginOk 173 us) and encoding and decoding 140 us. With the engine's Python per layer
   (`stage_planned` + hand-over, ~15-30 us at 256 KiB) it is most of a 256 KiB x 32 request (8 MiB, under
   1 ms at the two-copy rate); the two-copy reference has no per-request control at all.
-- Transport only at 256 KiB: every layer of the request becomes visible within ~40 us of the others, ~1 ms
-  after the hand-over, where its 8 MiB take ~0.6 ms as one raw put+flush: a fixed ~0.35-0.4 ms a request
-  for the sender's wake-up on the doorbell, the batch's flush, the readiness words after it and the
-  reader's 50 us naps. It is a fifth of a 1 MiB-layer request and nothing at 16 MiB.
+- Transport only at 256 KiB (2026-12-05): a prestaged request's 32 layers go in one batch, and all become
+  visible within ~40 us of each other, ~1.5 ms after the hand-over. The sender's own post-to-flush of them was
+  1.2-1.4 ms (~6 GB/s); the rest, ~0.25 ms, is the hand-over (~0.1 ms in the engine), the sender's wake-up,
+  the readiness words after the flush and the reader's 50 us naps. The old reference put one request's 8 MiB
+  again and again, in cache (10-12 GB/s against 5-6 through three requests' memory): transport only is now
+  paired with a raw put through a push's footprint, and what is left at 256 KiB is that fixed ~0.25 ms.
 """
 
 
