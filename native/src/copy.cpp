@@ -469,12 +469,12 @@ template <size_t E>
 size_t scatter_tile2(uint8_t *, const int32_t *, const uint8_t *const *, size_t) { return 0; }
 #endif
 
-// NT: streaming stores (rows 32-byte aligned); wide: AVX2 passes first.
+// NT: streaming stores (rows 32-byte aligned).
 template <size_t E, bool NT>
-void gather_tile(uint8_t *const *d, const uint8_t *s, const int32_t *o, size_t D, bool wide) {
+void gather_tile(uint8_t *const *d, const uint8_t *s, const int32_t *o, size_t D) {
     constexpr size_t G = 16 / E;
     __m128i r[G];
-    size_t k = wide ? gather_tile2<E, NT>(d, s, o, D) : 0;
+    size_t k = wide_tiles ? gather_tile2<E, NT>(d, s, o, D) : 0;
     for (; k + G <= D; k += G) {
         for (size_t j = 0; j < G; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s + static_cast<int64_t>(o[k + j]) * E));
         transpose<E>(r);
@@ -602,10 +602,10 @@ bool gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb,
         const uint8_t *s = s0 + bs[r];
         const int32_t *o = map + static_cast<size_t>(sl[r]) * D;
         if (nt && at % 64 == 0) {
-            eb == 2 ? gather_tile<2, true>(d, s, o, D, wide_tiles) : gather_tile<4, true>(d, s, o, D, wide_tiles);
+            eb == 2 ? gather_tile<2, true>(d, s, o, D) : gather_tile<4, true>(d, s, o, D);
             streamed = true;
         } else {
-            eb == 2 ? gather_tile<2, false>(d, s, o, D, wide_tiles) : gather_tile<4, false>(d, s, o, D, wide_tiles);
+            eb == 2 ? gather_tile<2, false>(d, s, o, D) : gather_tile<4, false>(d, s, o, D);
         }
         return true;
 #else

@@ -243,7 +243,7 @@ def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
         if was is not None:
             _streaming(was)
     out = paired_with_memcpy(write, per * layout.layers, layout.layers, reps)
-    return {**out, "streaming": was, "cached_gbps": cached["median_gbps"], "cached_ratio": cached["ratio"]}
+    return {**out, "cached_gbps": cached["median_gbps"], "cached_ratio": cached["ratio"]}
 
 
 def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> dict:
