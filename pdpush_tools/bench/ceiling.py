@@ -67,14 +67,17 @@ class PutReference:
     of ``src_copies`` requests into a peer of ``dst_copies``, request by request in turn: the footprint a
     push moves through (the sender's staging ring, the receiver's pool of several requests), so its bytes
     are in the same caches as a push's. ``rewrite``: each request's source is written just before it is
-    put, untimed, as the engine writes staging before its hand-over. ``once()`` times one request (GB/s)."""
+    put, untimed, as the engine writes staging before its hand-over. ``batched``: every layer's put is posted
+    at once, with one flush after them all (as the sender posts a request whose layers are all handed over).
+    ``once()`` times one request (GB/s)."""
 
     def __init__(self, w, ep, info: dict, layer_bytes: int, layers: int, src_copies: int, dst_copies: int,
-                 rewrite: bool) -> None:
+                 rewrite: bool, batched: bool = False, spin_s: float | None = None) -> None:
         from pdpush.shm import array_at
 
         self.w, self.ep, self.info = w, ep, info
-        self.layer_bytes, self.layers, self.rewrite = layer_bytes, layers, rewrite
+        self.layer_bytes, self.layers, self.rewrite, self.batched = layer_bytes, layers, rewrite, batched
+        self.spin_s = spin_s
         self.total = layer_bytes * layers
         self.src_copies, self.dst_copies = src_copies, dst_copies
         self.src, _, _ = w.alloc_shared(self.total * src_copies)  # the same memory the sender's staging uses
@@ -90,11 +93,11 @@ class PutReference:
         self.n += 1
         if self.rewrite:
             self.view[s:s + self.total] = self.n & 0xFF
+        ops = [PutOp(self.src.address + s + off, self.info["address"] + d + off, self.layer_bytes)
+               for off in range(0, self.total, self.layer_bytes)]
         t = time.perf_counter()
-        for layer in range(self.layers):
-            off = layer * self.layer_bytes
-            put_and_wait(self.w, self.ep, [PutOp(self.src.address + s + off, self.info["address"] + d + off,
-                                                 self.layer_bytes)], 30.0)
+        for batch in [ops] if self.batched else [[op] for op in ops]:
+            put_and_wait(self.w, self.ep, batch, 30.0, self.spin_s)
         return self.total / (time.perf_counter() - t) / 1e9
 
     def close(self) -> None:
@@ -103,12 +106,12 @@ class PutReference:
 
 @contextlib.contextmanager
 def put_reference(layer_bytes: int, layers: int, src_copies: int = 1, dst_copies: int = 1, rewrite: bool = False,
-                  peer: tuple[dict, str] | None = None):
+                  peer: tuple[dict, str] | None = None, batched: bool = False, spin_s: float | None = None):
     """A ``PutReference`` into a peer started here (``peer``: as ``measure_put``'s), its peer stopped after.
     Each request's first pass touches its remote pages: warm it with ``dst_copies`` calls of ``once()``."""
     total = layer_bytes * layers
     with _peer(total * dst_copies) if peer is None else connected(*peer) as (w, ep, info):
-        ref = PutReference(w, ep, info, layer_bytes, layers, src_copies, dst_copies, rewrite)
+        ref = PutReference(w, ep, info, layer_bytes, layers, src_copies, dst_copies, rewrite, batched, spin_s)
         try:
             yield ref
         finally:
