@@ -26,6 +26,18 @@ def split(nbytes: int) -> tuple[int, int]:
     return meta, nbytes - meta
 
 
+def ahead_bytes(layer_bytes: int, layers: int) -> int:
+    """The smallest staging region (``staging_bytes``) whose sender grants every block of a request of ``layers``
+    x ``layer_bytes`` at allocation (ahead grants keep to half of the layer area, after ``split``'s metadata;
+    each block is rounded to ``ALIGN``), so that none of its layers waits for a ``NeedStaging`` round trip.
+    Twice the request is not enough: the metadata area comes out of the region first."""
+    need = 2 * layers * (-(-layer_bytes // ALIGN) * ALIGN)
+    n = need
+    while split(n)[1] < need:
+        n = need + split(n)[0]  # the metadata grows with the region: a few rounds at most
+    return n
+
+
 class StagingAllocator:
     """Blocks of ``[base, base + size)``, ``align``-aligned; offsets are from the region's start."""
 

@@ -18,7 +18,7 @@ from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout
 from pdpush.sessions.sender import ToClient
-from pdpush.staging import ALIGN, StagingAllocator, split
+from pdpush.staging import ALIGN, StagingAllocator, ahead_bytes, split
 from tests.helpers import kv, push, read_back, rx_opts, sock, until
 from tests.test_sessions import ENG, Wire, begin
 
@@ -147,6 +147,19 @@ def test_a_request_larger_than_staging_gets_each_layer_as_the_one_before_lands()
     w.engine(protocol.Finish(req_id="big"))
     assert isinstance(w.outcome("big"), protocol.Done) and w.outcome("big").layers == LAY.layers
     assert w.tx.grants.layers.free_bytes == w.tx.grants.layers.size and w.tx.grants.meta.free_bytes + w.tx.rings.meta_bytes == w.tx.grants.meta.size
+
+
+@pytest.mark.parametrize("chunks", [1, 7, 48, 2000])
+def test_ahead_bytes_is_the_least_staging_under_which_a_request_never_asks(chunks):
+    """Every block granted with the allocation at ``ahead_bytes``, not at a page less: twice the request is not
+    enough, since the metadata comes out of the region first."""
+    ids = list(range(chunks * LAY.chunk_tokens))
+    need = ahead_bytes(chunks * LAY.page_bytes, LAY.layers)
+    for nbytes, all_ahead in ((need, True), (need - ALIGN, False)):
+        w = Wire(lay=LAY, pages=4 * chunks, staging_bytes=nbytes)
+        w.engine(begin("r", ids, lay=LAY))
+        assert (_granted(w, "r") == set(range(LAY.layers))) is all_ahead, (chunks, nbytes)
+    assert need > 2 * LAY.layers * chunks * LAY.page_bytes
 
 
 def test_engines_that_ask_are_served_in_the_order_they_asked():

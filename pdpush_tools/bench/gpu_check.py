@@ -172,6 +172,7 @@ def demo_check(device: str, spec_kw: dict, prompt_tokens: int, chunk_tokens: int
                say) -> dict:
     from pdpush import launch
     from pdpush.integrations.transformers import ModelSpec
+    from pdpush.staging import ahead_bytes
     from pdpush_tools.demo import run as demo
 
     spec = ModelSpec(**spec_kw)
@@ -185,7 +186,7 @@ def demo_check(device: str, spec_kw: dict, prompt_tokens: int, chunk_tokens: int
     workdir = launch.scratch_dir("pdpush-gpu-check-")
     t0 = time.monotonic()
     cluster = demo.Cluster(spec, chunk_tokens, workdir, pool_pages=chunks * 4,
-                           staging_bytes=max(4 << 20, 2 * lay.layers * chunks * lay.page_bytes), device=device)
+                           staging_bytes=ahead_bytes(chunks * lay.page_bytes, lay.layers), device=device)
     out: dict = {"model": spec.model_id, "spec": spec_kw, "prompt_tokens": prompt_tokens, "chunk_tokens": chunk_tokens,
                  "kv_bytes_per_request": lay.layers * chunks * lay.page_bytes, "repeats": repeats}
     try:

@@ -20,6 +20,7 @@ from pdpush import launch, protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
+from pdpush.staging import ahead_bytes
 from pdpush_tools.bench.common import OBSERVER, LazySource, Source, child, push_one, verify
 
 
@@ -71,8 +72,10 @@ def pipeline(layout: KVLayout, tokens: int, ratios=(0.25, 0.5, 1.0, 2.0, 4.0), r
     """Exposed transfer after the last layer, eager vs pipelined, over c/t (c = emulated compute per layer)."""
     chunks = layout.num_chunks(tokens)
     rng = np.random.default_rng(7)
-    req_bytes = layout.layers * chunks * layout.page_bytes
-    with _Pair(layout, pool_pages=chunks * 3, staging_bytes=2 * req_bytes + (1 << 20)) as pair:
+    # every block granted at the allocation: no layer waits for a NeedStaging round trip (2x the request plus
+    # 1 MiB was short by the metadata's share, and its last layer asked, ~1 ms more exposed)
+    with _Pair(layout, pool_pages=chunks * 3, staging_bytes=ahead_bytes(chunks * layout.page_bytes,
+                                                                         layout.layers)) as pair:
         pc, dc = pair.clients()
         n = 0
 
@@ -116,7 +119,8 @@ def incremental(layout: KVLayout, tokens: int, hits=(0.0, 0.25, 0.5, 0.75, 0.9))
     rng = np.random.default_rng(8)
     full = layout.layers * chunks * layout.page_bytes
     rows = []
-    with _Pair(layout, pool_pages=chunks * 3, staging_bytes=2 * full + (1 << 20)) as pair:
+    with _Pair(layout, pool_pages=chunks * 3, staging_bytes=ahead_bytes(chunks * layout.page_bytes,
+                                                                         layout.layers)) as pair:
         pc, dc = pair.clients()
         for i, h in enumerate(hits):
             base = Source(layout, _ids(rng, tokens), rng)
