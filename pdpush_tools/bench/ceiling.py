@@ -298,59 +298,82 @@ def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> 
             "two_pass_gbps": two["median_gbps"]}
 
 
-def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 3) -> dict:
+def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 3, ring_bytes: int = 0,
+                     dst_copies: int = 1) -> dict:
     """The one-host limit of an end-to-end push, with no pdpush code: a copier process memcpys each layer
     into a staging slot, this process puts it (native ``put_loop``, one put and its flush) into a peer
-    process, pipelined over ``slots`` slots; pipes say which slot is full and which is free again.
-    Every byte is copied twice, as on this host pdpush copies it twice. Median GB/s."""
+    process, pipelined over ``slots`` slots in flight; pipes say which slot is full and that one is free again.
+    Every byte is copied twice, as on this host pdpush copies it twice. Median GB/s.
+
+    A push's footprint: the slots advance through a ring of ``ring_bytes`` (the sender's staging, which the
+    engine writes block after block), and each request goes to the next of ``dst_copies`` places in the peer
+    (the receiver's pool, request after request). Four slots written again and again stay in this core's
+    cache, which a push's staging never does."""
     copier = None
-    with _peer(layer_bytes * layers) as (w, ep, info):
-        staging, shmid, _ = w.alloc_shared(layer_bytes * slots)
+    ring_slots = max(slots, ring_bytes // layer_bytes)
+    req = layer_bytes * layers
+    with _peer(req * dst_copies) as (w, ep, info):
+        staging, shmid, _ = w.alloc_shared(layer_bytes * ring_slots)
         from pdpush_native import put_loop
 
         full_r, full_w = os.pipe()
         free_r, free_w = os.pipe()
         copier = subprocess.Popen([sys.executable, "-m", "pdpush_tools.bench.ceiling", "copier", str(shmid),
-                                   str(layer_bytes), str(layers), str(slots), str(reps + 1), str(full_w),
-                                   str(free_r)], pass_fds=(full_w, free_r), env=_env(), preexec_fn=die_with_parent)
+                                   str(layer_bytes), str(layers), str(slots), str(ring_slots),
+                                   str(reps + dst_copies), str(full_w), str(free_r)], pass_fds=(full_w, free_r),
+                                  env=_env(), preexec_fn=die_with_parent)
         os.close(full_w)
         os.close(free_r)
         full, free = os.fdopen(full_r, "rb", buffering=0), os.fdopen(free_w, "wb", buffering=0)
         rates = []
         try:
-            for _ in range(reps + 1):
+            for n in range(reps + dst_copies):
+                dst = info["address"] + (n % dst_copies) * req
                 t = time.perf_counter()
                 for layer in range(layers):
-                    slot = full.read(1)[0]  # the copier has filled it
+                    slot = int.from_bytes(_read_exactly(full, 4), "little")  # the copier has filled it
                     put_loop(w.worker.handle, ep.handle, ep.rkey.handle, staging.address + slot * layer_bytes,
-                             info["address"] + layer * layer_bytes, layer_bytes, 1, 1, 1, 60.0)
-                    free.write(bytes([slot]))
-                rates.append(layer_bytes * layers / (time.perf_counter() - t) / 1e9)
+                             dst + layer * layer_bytes, layer_bytes, 1, 1, 1, 60.0)
+                    free.write(b"\x01")
+                rates.append(req / (time.perf_counter() - t) / 1e9)
         finally:
             full.close()
             free.close()
             _stop(copier)
         staging.close()
-    rates = rates[1:]  # the first pass faults the pages in
-    return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "slots": slots}
+    rates = rates[dst_copies:]  # the first pass over each place in the peer faults its pages in
+    return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "slots": slots, "ring_slots": ring_slots,
+            "dst_copies": dst_copies}
 
 
-def _copier(shmid: int, layer_bytes: int, layers: int, slots: int, passes: int, full_fd: int, free_fd: int) -> None:
-    """measure_two_copy's copier: each layer's bytes into the next free slot, then say so."""
+def _read_exactly(f, n: int) -> bytes:
+    b = f.read(n)
+    while len(b) < n:
+        more = f.read(n - len(b))
+        if not more:
+            raise EOFError("measure_two_copy's copier stopped")
+        b += more
+    return b
+
+
+def _copier(shmid: int, layer_bytes: int, layers: int, slots: int, ring_slots: int, passes: int, full_fd: int,
+            free_fd: int) -> None:
+    """measure_two_copy's copier: each layer's bytes into the ring's next slot once the putter is at most
+    ``slots`` behind, then say which."""
     from pdpush.shm import Attached
 
-    st = Attached(shmid, layer_bytes * slots)
+    st = Attached(shmid, layer_bytes * ring_slots)
     src = np.frombuffer(np.random.default_rng(1).bytes(layer_bytes * layers), dtype=np.uint8)
     full, free = os.fdopen(full_fd, "wb", buffering=0), os.fdopen(free_fd, "rb", buffering=0)
     n = 0
     for _ in range(passes):
         for layer in range(layers):
-            slot = n % slots
+            slot = n % ring_slots
             if n >= slots:
-                free.read(1)  # the putter is done with the oldest slot, which is this one
+                free.read(1)  # the putter is done with the oldest slot in flight
             np.copyto(st.array[slot * layer_bytes:(slot + 1) * layer_bytes],
                       src[layer * layer_bytes:(layer + 1) * layer_bytes])
-            full.write(bytes([slot]))
+            full.write(slot.to_bytes(4, "little"))
             n += 1
     for _ in range(min(n, slots)):  # the putter frees every slot: take the last ones before leaving
         free.read(1)
@@ -373,4 +396,4 @@ def measure_memcpy(layer_bytes: int, layers: int, reps: int = 5) -> dict:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copier"]:
-    _copier(*(int(x) for x in sys.argv[2:9]))
+    _copier(*(int(x) for x in sys.argv[2:10]))

@@ -111,12 +111,13 @@ def push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layo
     th.start()
     t0 = time.perf_counter()
     h = pc.begin(req_id, src.token_ids)
+    t_begun = time.perf_counter()  # the begin answered: a begin made ahead (at scheduling time) is over by now
     copy_s = 0.0
     layer_end = []
     if prestaged:
         for layer in range(layout.layers):
             h.stage_layer(layer, *src.layer(layer))
-        t0 = time.perf_counter()
+        t0 = t_begun = time.perf_counter()
         h.layers_ready(list(range(layout.layers)))  # all at once, as a DMA that finished would hand them over
         layer_end = [t0] * layout.layers
         pipelined = None  # nothing left to hand over
@@ -141,5 +142,7 @@ def push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layo
     t_vis = seen["arrivals"][-1]
     return {"req_id": req_id, "bytes_sent": done.bytes_sent, "puts": done.puts, "chunks_skipped": done.chunks_skipped,
             "seconds": t_vis - t0, "goodput_gbps": done.bytes_sent / (t_vis - t0) / 1e9 if done.bytes_sent else 0.0,
+            "begin_s": t_begun - t0,
+            "begun_goodput_gbps": done.bytes_sent / (t_vis - t_begun) / 1e9 if done.bytes_sent else 0.0,
             "exposed_s": t_vis - t_end, "client_copy_s": copy_s, "layer_end": layer_end,
             "arrivals": seen["arrivals"], "verified": seen.get("verified")}
