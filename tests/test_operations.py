@@ -67,6 +67,10 @@ def test_metrics_move_after_a_transfer(daemons):
     assert after_tx["pdpush_layer_transfer_seconds_count"] >= LAY.layers
     assert after_tx["pdpush_alloc_rtt_seconds_count"] >= 2
     assert after_tx["pdpush_request_seconds_count"] == 2 and after_rx["pdpush_request_seconds_count"] == 2
+    # timed to the microsecond, not in whole milliseconds (a 0.4 ms round trip read as 0 or 1 ms)
+    for m, name in ((after_tx, "pdpush_alloc_rtt_seconds_sum"), (after_tx, "pdpush_request_seconds_sum"),
+                    (after_rx, "pdpush_request_seconds_sum")):
+        assert abs(m[name] * 1000 - round(m[name] * 1000)) > 1e-6, (name, m[name])
     assert after_tx["pdpush_chunks_hit_total"] == 3 and after_rx["pdpush_chunks_hit_total"] == 3
     assert after_rx["pdpush_chunks_cached"] == 3
     # 3 pages cached, the aborted lease's page waiting (unfenced until its settled Abort, then quarantined for

@@ -549,7 +549,7 @@ class SenderSession:
         retry_at = now + retry_after_ms
         if retry_at - r.t0_ms > self.limits.alloc_retry_budget_ms:
             self._fail(r, PoolExhausted(
-                f"receiver pool exhausted; gave up after {r.alloc_attempts} attempts in {now - r.t0_ms} ms "
+                f"receiver pool exhausted; gave up after {r.alloc_attempts} attempts in {now - r.t0_ms:.0f} ms "
                 f"(alloc_retry_budget_ms={self.limits.alloc_retry_budget_ms}); receiver: {why}"), now, out)
             return
         r.state = SENDER_REQUEST.next(r.state, TxEvent.EXHAUSTED, f"request {r.req_id!r}")
