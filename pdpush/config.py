@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from pdpush import staging
 from pdpush.errors import ConfigError
 from pdpush.layout import DType, Kind, KVLayout, KvScales, PoolGeometry, check_shards
 
@@ -227,7 +228,7 @@ class SenderConfig(_Base):
     ingress_socket: str = ""
     """Unix socket for the local prefill engine; default <runtime dir>/sender-<metrics_port>.sock (so that
     senders on one host, which need their own metrics ports anyway, get their own sockets)."""
-    staging_bytes: int = Field(1 << 30, ge=1 << 20)
+    staging_bytes: int = Field(1 << 30, ge=staging.MIN_BYTES)
     """Shared staging memory the prefill engine writes layers into: the layers in flight (a layer must fit in
     half of it; docs/layout.md, "Staging: the layers in flight")."""
     default_receiver: str = "tcp://127.0.0.1:5710"

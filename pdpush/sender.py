@@ -260,7 +260,7 @@ class Sender:
                     self.metrics.layer_seconds.observe(seconds)
             sums = [self._checksum(seq, layer) for seq, layer, _, _ in landed] if self.cfg.checksums else None
             self._apply(self.session.on_landed([(seq, layer) for seq, layer, _, _ in landed], now_ms(), sums, words,
-                                               [int(at * 1000) for _, _, _, at in landed]))
+                                               [at * 1000 for _, _, _, at in landed]))
         for eid, status in failed:
             endpoint = self._eid_names[eid]
             err = self.ucx.put_failure(endpoint, status)

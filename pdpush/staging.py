@@ -17,6 +17,7 @@ import bisect
 from pdpush.errors import PoolExhausted, RequestTooLarge
 
 ALIGN = 4096
+MIN_BYTES = 1 << 20  # the least staging a sender takes (config.SenderConfig.staging_bytes)
 
 
 def split(nbytes: int) -> tuple[int, int]:
@@ -27,15 +28,16 @@ def split(nbytes: int) -> tuple[int, int]:
 
 
 def ahead_bytes(layer_bytes: int, layers: int) -> int:
-    """The smallest staging region (``staging_bytes``) whose sender grants every block of a request of ``layers``
-    x ``layer_bytes`` at allocation (ahead grants keep to half of the layer area, after ``split``'s metadata;
-    each block is rounded to ``ALIGN``), so that none of its layers waits for a ``NeedStaging`` round trip.
-    Twice the request is not enough: the metadata area comes out of the region first."""
+    """The smallest staging region (``staging_bytes``, at least ``MIN_BYTES``) whose sender grants every block of
+    a request of ``layers`` x ``layer_bytes`` at its allocation, when it is the only request in flight (ahead
+    grants keep to half of the layer area, counting every block granted and not yet landed, and none are made
+    while an engine waits; blocks are rounded to ``ALIGN``), so that none of its layers waits for a
+    ``NeedStaging`` round trip. Twice the request is not enough: ``split``'s metadata area comes out first."""
     need = 2 * layers * (-(-layer_bytes // ALIGN) * ALIGN)
     n = need
     while split(n)[1] < need:
         n = need + split(n)[0]  # the metadata grows with the region: a few rounds at most
-    return n
+    return max(n, MIN_BYTES)
 
 
 class StagingAllocator:

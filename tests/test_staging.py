@@ -18,7 +18,7 @@ from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import ErrorCode, PdpushError, PoolExhausted, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout
 from pdpush.sessions.sender import ToClient
-from pdpush.staging import ALIGN, StagingAllocator, ahead_bytes, split
+from pdpush.staging import ALIGN, MIN_BYTES, StagingAllocator, ahead_bytes, split
 from tests.helpers import kv, push, read_back, rx_opts, sock, until
 from tests.test_sessions import ENG, Wire, begin
 
@@ -152,14 +152,18 @@ def test_a_request_larger_than_staging_gets_each_layer_as_the_one_before_lands()
 @pytest.mark.parametrize("chunks", [1, 7, 48, 2000])
 def test_ahead_bytes_is_the_least_staging_under_which_a_request_never_asks(chunks):
     """Every block granted with the allocation at ``ahead_bytes``, not at a page less: twice the request is not
-    enough, since the metadata comes out of the region first."""
+    enough, since the metadata comes out of the region first. A small request gets the least staging a sender
+    takes (1 MiB)."""
     ids = list(range(chunks * LAY.chunk_tokens))
     need = ahead_bytes(chunks * LAY.page_bytes, LAY.layers)
     for nbytes, all_ahead in ((need, True), (need - ALIGN, False)):
+        if nbytes < MIN_BYTES:
+            continue
         w = Wire(lay=LAY, pages=4 * chunks, staging_bytes=nbytes)
         w.engine(begin("r", ids, lay=LAY))
         assert (_granted(w, "r") == set(range(LAY.layers))) is all_ahead, (chunks, nbytes)
     assert need > 2 * LAY.layers * chunks * LAY.page_bytes
+    assert (need == MIN_BYTES) is (chunks <= 7)  # (7 chunks: 448 KiB a request, 1 MiB of staging)
 
 
 def test_engines_that_ask_are_served_in_the_order_they_asked():

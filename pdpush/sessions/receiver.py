@@ -579,7 +579,7 @@ class ReceiverSession:
         return out
 
     def _look_at_words(self, now: int, out: list, at_most_each_ms: bool = False) -> None:
-        if at_most_each_ms and now == self._words_looked:  # a batch of allocations looks once
+        if at_most_each_ms and now - self._words_looked < 1:  # a batch of allocations looks once a millisecond
             return
         self._words_looked = now
         for rid in list(self.words_live):

@@ -238,7 +238,7 @@ class SenderSession:
         return out
 
     def on_landed(self, landed: list[tuple[int, int]], now: int, checksums: list[int | None] | None = None,
-                  words: list[int] | tuple[int, ...] = (), at_ms: list[int] | None = None) -> list:
+                  words: list[int] | tuple[int, ...] = (), at_ms: list[float] | None = None) -> list:
         """Layers that landed since the last call, as (request handle, layer), with their checksums where
         they are on (``layer_checksum``: a LayerDone per request carries them), and ``words``: a request handle
         for each layer whose readiness words are in the pool; then the requests that completed. ``at_ms``: when

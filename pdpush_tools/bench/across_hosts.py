@@ -10,18 +10,20 @@ pipes by this process, which never touches the link, so the pipes add nothing to
   allocation came back while the layers computed, as the vLLM connector's scheduler-time begin does) and
   every layer in staging, from hand-over on ``p`` to every layer visible on ``d`` (readiness words read in a
   spin). Target: at most its bytes' time at the raw put+flush rate between the hosts + 2 RTT + 0.5 ms. Each
-  sample is paired with a raw put+flush of its bytes just before it, between the same hosts; the target holds
-  when the median of (push - its raw put) is within 2 RTT + 0.5 ms (``one_chunk_excess_ms``).
+  sample is paired with a raw put+flush of its bytes between the same hosts, alternately just before and just
+  after it; the target holds when the median of (push - its raw put) is within 2 RTT + 0.5 ms
+  (``one_chunk_excess_ms``).
 * ``cold_p50_ms``: the same request begun at hand-over (nothing ahead: the allocation's round trip, the
   staging copy and the hand-over, to visible): what scheduling-time begin saves.
 * ``goodput_gbps``: a 16 MiB request (32 layers of 512 KiB) the same way as ``one_chunk``, bytes over time,
-  against ``raw_put_gbps``: the same pairing, the median of (raw / push). Target: >= 0.9x.
+  against the same pairing: ``ratio_goodput`` is the median of (raw time / push time), ``raw_put_gbps`` the
+  paired raw puts' median rate. Target: >= 0.9x.
+* ``rtt_ms``: a TCP echo's round trip between the engines' hosts (the link's delay and the relay's own).
 
 The paired raw put posts every layer's put at once and one flush (as the sender posts a request handed over
 whole) and waits as the sender does: a 2 ms spin, then its events. A reference that spins throughout (as
 ``raw_put_*_back_to_back`` and the ``raw`` command's do, reported beside) takes, where the two hosts share two
 cores, the core the relay and the peer need: it measured 0.31-0.68 GB/s from run to run for the same bytes.
-* ``rtt_ms``: a TCP echo's round trip between the engines' hosts (the link's delay and the relay's own).
 
 Every request's bytes are checked on ``d``. The clock: ``p`` stamps the hand-over and ``d`` the last layer
 seen, both with CLOCK_REALTIME, which the harness's hosts share (one kernel; their monotonic clocks are
@@ -111,16 +113,14 @@ def _prefill_agent(layout: KVLayout, sock: str, chunks: int) -> None:
                 _reply(raw_put_gbps=max(whole["median_gbps"], max(rate["ops_per_s"].values()) * lb / 1e9),
                        raw_put_whole_gbps=whole["median_gbps"], raw_put_seq_gbps=seq["median_gbps"])
             elif cmd == "pair":  # the request's layers into d's peer, every put posted at once and one flush, as
-                # the sender puts them, just before its push: the link's state (its TCP window after the same
+                # the sender puts them, next to its push: the link's state (its TCP window after the same
                 # idle) is the push's, which a reference measured back to back is not (it moved 2x between runs)
                 if pair is None:
                     info, addr = json.loads(args[0]), args[1]
                     pair = refs.enter_context(ceiling.put_reference(layout.page_bytes * chunks, layout.layers,
                                                                     peer=(info, addr), batched=True, spin_s=SPIN_S))
                     pair.once()  # its first pass touches the remote pages
-                t = time.perf_counter()
-                pair.once()
-                _reply(raw_ms=(time.perf_counter() - t) * 1000)
+                _reply(raw_ms=pair.total / (pair.once() * 1e9) * 1000)  # its puts alone, as once() times them
             elif cmd == "begin":  # begun ahead and staged: what the hand-over finds in the common case
                 i = int(args[0])
                 src = LazySource(layout, _ids(i, layout, chunks), i)
@@ -318,7 +318,7 @@ def _phase(hosts, layout: KVLayout, chunks: int, samples: int, cold: bool) -> di
            "raw_put_gbps": raw["raw_put_gbps"], "raw_put_seq_gbps": raw["raw_put_seq_gbps"],
            "raw_put_whole_gbps": raw["raw_put_whole_gbps"], "bytes_ms": bytes_ms,
            "p50_ms": statistics.median(ahead) * 1000, "p99_ms": _pct(ahead, 0.99) * 1000,
-           # each sample against its own raw put+flush of the same bytes, just before it
+           # each sample against its own raw put+flush of the same bytes, just before or just after it
            "paired_raw_p50_ms": statistics.median(paired) * 1000,
            "paired_raw_gbps": req_bytes / statistics.median(paired) / 1e9,
            "excess_p50_ms": statistics.median(a - r for a, r in zip(ahead, paired, strict=True)) * 1000,
@@ -351,14 +351,13 @@ def run(layout: KVLayout, rtt_ms: float = 1.0, samples: int = 40, big_chunks: in
         plain_small = _phase(hosts, one, 1, samples, cold=False)
         plain_big = _phase(hosts, one, big_chunks, max(5, samples // 4), cold=False)
     # the target: at most the request's bytes' time + 2 RTT + 0.5 ms. Each sample is set against a raw put+flush
-    # of its bytes made just before it (the median of the differences); the reference measured back to back,
+    # of its bytes made next to it (the median of the differences); the reference measured back to back,
     # before and after the samples, is reported beside it
     allowance = 2 * small["rtt_ms"] + 0.5
-    limit = small["paired_raw_p50_ms"] + allowance
     return {"scenario": "across_hosts", "layout": one.to_dict(), "link_delay_ms_each_way": rtt_ms / 2,
             "rtt_ms": small["rtt_ms"],
             "one_chunk_p50_ms": small["p50_ms"], "one_chunk_p99_ms": small["p99_ms"],
-            "one_chunk_limit_ms": limit, "one_chunk_excess_ms": small["excess_p50_ms"],
+            "one_chunk_excess_ms": small["excess_p50_ms"],
             "one_chunk_allowance_ms": allowance, "one_chunk_target_met": small["excess_p50_ms"] <= allowance,
             "one_chunk_limit_ms_back_to_back": small["bytes_ms"] + allowance,
             "cold_p50_ms": small["cold_p50_ms"], "cold_p99_ms": small["cold_p99_ms"],
