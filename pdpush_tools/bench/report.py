@@ -466,7 +466,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   AllocResponse to BeginOk 173 us) and encoding and decoding 140 us. With the engine's Python per layer
   (`stage_planned` + hand-over, ~15-30 us at 256 KiB) it is most of a 256 KiB x 32 request (8 MiB, under
   1 ms at the two-copy rate); the two-copy reference has no per-request control at all. In the goodput runs
-  the begin takes 2.4-3.2 ms (the decode side opens the request meanwhile, and the box is shared): the end to
+  the begin takes 2.2-3.5 ms (the decode side opens the request meanwhile, and the box is shared): the end to
   end row also gives each size from the begin's answer on, as a begin made at scheduling time would leave it.
 - Transport only at 256 KiB (2026-12-05): a prestaged request's 32 layers go in one batch, and all become
   visible within ~40 us of each other, ~1.5 ms after the hand-over. The sender's own post-to-flush of them was
