@@ -27,7 +27,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
-from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, ucx_stats
+from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import READY_WORD, combine_digests
 from pdpush.protocol import Msg, StatusReply, StatusRequest
@@ -36,12 +36,6 @@ from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, Rece
 log = logging.getLogger("pdpush.receiver")
 
 TOKEN_BYTES = 32
-
-
-def now_ms() -> float:
-    """The session's clock: monotonic milliseconds, with their fraction. Whole milliseconds made a round trip of
-    0.4 ms (``pdpush_alloc_rtt_seconds``) read as 0 or 1 ms, and a request of a few ms as +-1 ms of itself."""
-    return time.monotonic() * 1000
 
 
 class Receiver:

@@ -33,7 +33,7 @@ import zmq
 
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, is_loopback
-from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, ucx_stats
+from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
 from pdpush.errors import IncompatiblePeer, PdpushError, TransportTimeout
 from pdpush.layout import PoolGeometry, combine_digests
 from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
@@ -61,12 +61,6 @@ log = logging.getLogger("pdpush.sender")
 
 
 SPIN_S = 0.002  # how long the native wait spins on UCX progress after a post or a completion
-
-
-def now_ms() -> float:
-    """The sessions' clock: monotonic milliseconds, with their fraction. Whole milliseconds made a round trip of
-    0.4 ms (``pdpush_alloc_rtt_seconds``) read as 0 or 1 ms, and a request of a few ms as +-1 ms of itself."""
-    return time.monotonic() * 1000
 
 
 class Sender:

@@ -79,6 +79,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         # request, the same memory put again stays in cache (``ceiling_gbps``), which no push's does.
         layer_bytes = chunks * layout.page_bytes
         transport, footprint = [], []
+        # (a configured sender's staging and receiver's pool may be far larger: at most 16 requests' places each)
         copies = min(16, max(1, staging_bytes // request_bytes)), min(16, max(1, pool_pages // chunks))
         with ceiling.put_reference(layer_bytes, layout.layers, *copies, rewrite=True) as ref:
             for _ in range(copies[1]):
@@ -100,9 +101,8 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         # through a push's footprint (its staging ring, its pool's requests); the same four slots and the same
         # destination each pass (``two_copy_hot``) stay in cache below a few MiB a request, as no push does
         # (8 passes each: a pass of a small request is a millisecond or two, and single passes moved 3x here)
-        # (a configured sender's staging and receiver's pool may be far larger: at most 1 GiB of ring, 16 places)
         two = ceiling.measure_two_copy(layer_bytes, layout.layers, reps=8, ring_bytes=min(staging_bytes, 1 << 30),
-                                       dst_copies=min(16, max(1, pool_pages // chunks)))
+                                       dst_copies=copies[1])
         two_hot = ceiling.measure_two_copy(layer_bytes, layout.layers, reps=8)
         stage = ceiling.measure_stage(layout, tokens)
         paged = ceiling.measure_paged_stage(layout, tokens)
