@@ -474,6 +474,20 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   the readiness words after the flush and the reader's 50 us naps. The old reference put one request's 8 MiB
   again and again, in cache (10-12 GB/s against 5-6 through three requests' memory): transport only is now
   paired with a raw put through a push's footprint, and what is left at 256 KiB is that fixed ~0.25 ms.
+- The bench's decode side (2026-12-05) looked at every layer's readiness words every 50 us. Such a nap wakes
+  ~7,000 times a second here at ~24 us of CPU a wake (17% of a core), for the whole of a request, on the two
+  cores that the engine's copy and the sender's puts share; the two-copy reference has no observer. It now looks
+  every millisecond until the bytes still to come could land within three looks, and the last layer, where the
+  clock stops, still every 50 us (`bench.common.watch_layers`). End to end moved from 0.37 / 0.49 / 0.68 / 0.76
+  to 0.40 / 0.67 / 0.73 / 0.84 (from the begin's answer: 0.74 / 0.69 / 0.76 / 0.79 to 0.86 / 0.99 / 0.83 /
+  0.87). The concurrency scenario's single stream goes through the same observer, so it moved too: 0.81 to
+  1.11 GB/s, against an aggregate of 0.80 and 0.91, so its ratio fell from 0.98x to 0.82x. The 0.98x of the run
+  before was the observer's cost in the reference, not pdpush's speed.
+- The begin in these runs took 2.2-3.4 ms, and 2.5-3.5 ms in a probe with 50 ms between requests (all three
+  processes asleep when it starts), against 1.8-2.2 ms with 3 ms between them: most of it is waking processes
+  and ZeroMQ's I/O threads (about three wake-ups per hop, four hops), which cost more the longer the VM's cores
+  have idled. A begin made at scheduling time (the vLLM connector's `begin_nowait`) is answered while the
+  first layer computes.
 """
 
 
