@@ -245,7 +245,7 @@ def count_dropped(counters: dict, key: str, what: str, log: logging.Logger) -> N
 
 
 def count_skewed(counters: dict, err: Exception, log: logging.Logger) -> None:
-    """An engine's Begin, Open or Claim of another local protocol than this daemon's (``protocol._check_local``),
+    """An engine's Begin, Open, Claim or Query of another local protocol than this daemon's (``protocol._check_local``),
     refused: counted in ``counters["local_protocol_refused"]`` and logged at the 1st, 2nd, 4th, ... (an engine of
     another image sends one a request), so that the daemon's operator sees it too, not only the engine's."""
     n = counters["local_protocol_refused"] = counters.get("local_protocol_refused", 0) + 1

@@ -30,11 +30,12 @@ from pdpush.errors import (
 PROTOCOL_VERSION = 6  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
 # 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers);
 # 6: completion on the data path (AllocRequest.completion): the readiness words commit a request, no Commit
-# An engine and its local daemon (Begin/BeginOk, Open/OpenOk, and what follows on that connection: the hand-over
-# ring's records, the staging and pool views): their pdpush must speak the same one, or the request is refused
+# An engine and its local daemon (Begin/BeginOk, Open/OpenOk, Query/QueryReply, and what follows on that connection:
+# the hand-over ring's records, the staging and pool views): their pdpush must speak the same one, or it is refused
 # (``_validate``, before the message's fields are read: a newer one may have more). Engines and daemons often come
-# from separate images. 0: a pdpush from before it was numbered.
-LOCAL_PROTOCOL_VERSION = 1
+# from separate images. 0: a pdpush from before it was numbered; 2: a decode scheduler's Query and its answer carry it
+# too (a Query may come before any Open)
+LOCAL_PROTOCOL_VERSION = 2
 Completion = Literal["commit", "words"]
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_BATCH = 256  # messages in one frame between the daemons (``encode_batch``)
@@ -368,6 +369,8 @@ class Query(Msg):
     type: Literal["query"] = "query"
     chunk_keys: Annotated[list[Key], Field(max_length=MAX_CHUNKS)]
     req_id: ReqId | None = None  # also count how far this live (maybe still arriving) request covers the keys
+    # the engine's (_validate refuses another): a decode scheduler may ask before it opens anything; absent: 0
+    local_version: U32 = LOCAL_PROTOCOL_VERSION
 
 
 class QueryReply(Msg):
@@ -376,6 +379,7 @@ class QueryReply(Msg):
     request_chunks: U32 = 0  # leading keys that the request named in the query carries (0: not live here)
     request_gone: bool = False  # the named request was here and has ended (failed, expired or released)
     request_committed: bool = False  # the named request is here and committed: every layer has landed
+    local_version: U32 = LOCAL_PROTOCOL_VERSION  # the receiver's (_validate refuses another); absent: 0
 
 
 class Claim(Msg):
@@ -514,21 +518,25 @@ def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
     return _validate(obj)
 
 
-# the messages that carry local_version: those that begin something for an engine on its daemon, and their answers
-_VERSIONED = frozenset({"begin", "begin_ok", "open", "open_ok", "claim", "claim_ok"})
+# the messages that carry local_version: those that begin something for an engine on its daemon, the query a decode
+# scheduler may send before any of them (its chunk keys are computed by the engine's pdpush), and their answers
+_VERSIONED = frozenset({"begin", "begin_ok", "open", "open_ok", "claim", "claim_ok", "query", "query_ok"})
+# answered by a message that names no request (QueryReply): a refusal naming the request asked about would be filed
+# under it, and the engine's wait for the answer would never see it
+_ANSWER_NAMELESS = frozenset({"query"})
 _OF_LOCAL = "is of local protocol"  # in _check_local's message, which is all an Error carries to an engine
 
 
 def _check_local(obj: dict) -> None:
-    """A Begin, Open or Claim (an engine to its daemon) or its answer of another local protocol than this pdpush's
-    (``LOCAL_PROTOCOL_VERSION``; absent: 0, a pdpush from before it was numbered) is an ``IncompatiblePeer`` naming
-    both versions and, where the message carries a valid one, the request, so that the answer reaches that request
-    (``error_reply``; an engine files it, ``decode_answer``). Looked at before the fields: another version's may
-    differ."""
+    """A Begin, Open, Claim or Query (an engine to its daemon) or its answer of another local protocol than this
+    pdpush's (``LOCAL_PROTOCOL_VERSION``; absent: 0, a pdpush from before it was numbered) is an ``IncompatiblePeer``
+    naming both versions and, where the message carries a valid one, the request, so that the answer reaches that
+    request (``error_reply``; an engine files it, ``decode_answer``). A Query's names none (``_ANSWER_NAMELESS``).
+    Looked at before the fields: another version's may differ."""
     v = obj.get("local_version", 0)
     if v == LOCAL_PROTOCOL_VERSION:
         return
-    rid = obj.get("req_id")
+    rid = obj.get("req_id") if obj.get("type") not in _ANSWER_NAMELESS else None
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None
     theirs = v if isinstance(v, int) and v else "0 (a pdpush from before local protocol versions)"
     raise IncompatiblePeer(f"{obj.get('type')} for {rid!r} {_OF_LOCAL} {theirs}, this pdpush speaks "

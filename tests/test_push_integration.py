@@ -141,7 +141,9 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
     """Engines and their daemons often come from separate images. A Begin to the sender or an Open to the receiver
     from a pdpush of another local protocol, or from one before it was numbered (no version on the wire), is answered
     with an IncompatiblePeer naming the request and both versions; neither daemon holds anything for it (each counts
-    and logs it), and an engine of this pdpush then pushes and reads back as usual."""
+    and logs it), and an engine of this pdpush then pushes and reads back as usual. So is a decode scheduler's Query
+    (its chunk keys are computed by the engine's pdpush; it may come before any Open), refused naming no request, as
+    its answer names none."""
     import msgpack
 
     layout = KVLayout(2, 2, 64, "float16", 16)
@@ -150,8 +152,9 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
     ids = list(range(40))
     begin = protocol.Begin(req_id="skewed", receiver="", layout=protocol.LayoutSpec(**layout.to_dict()),
                            chunk_keys=chunk_keys(ids, layout), last_chunk_tokens=layout.last_chunk_tokens(len(ids)))
-    for endpoint, msg in ((tx.info["ingress_endpoint"], begin), (rx.info["local_endpoint"],
-                                                                 protocol.Open(req_id="skewed"))):
+    query = protocol.Query(chunk_keys=chunk_keys(ids, layout), req_id="skewed")
+    for endpoint, msg in ((tx.info["ingress_endpoint"], begin), (rx.info["local_endpoint"], protocol.Open(req_id="skewed")),
+                          (rx.info["local_endpoint"], query)):
         s = _raw_dealer(endpoint)
         try:
             before = msgpack.unpackb(protocol.encode(msg), raw=False)
@@ -160,12 +163,12 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
             for frame in (msgpack.packb(before, use_bin_type=True), protocol.encode(newer)):
                 reply = _ask(s, frame)
                 assert isinstance(reply, protocol.Error) and reply.code is ErrorCode.INCOMPATIBLE_PEER, reply
-                assert reply.req_id == "skewed" and "local protocol" in reply.message, reply
+                assert reply.req_id == (None if msg is query else "skewed") and "local protocol" in reply.message, reply
         finally:
             s.close(0)
     assert status(sock(tx))["requests_total"] == 0 and status(sock(rx))["requests_inflight"] == 0
-    for d in (tx, rx):  # each daemon's operator sees it too: counted, and logged at the first and second
-        assert status(sock(d))["local_protocol_refused"] == 2 and d.log().count("of another local protocol") == 2
+    for d, n, logged in ((tx, 2, 2), (rx, 4, 3)):  # each daemon's operator sees it too: counted, logged at 1, 2, 4
+        assert status(sock(d))["local_protocol_refused"] == n and d.log().count("of another local protocol") == logged
     pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
     try:
         k, v = kv(layout, len(ids), seed=3)

@@ -144,7 +144,7 @@ import time
 from pdpush.errors import IncompatiblePeer
 
 skew = IncompatiblePeer("begin for 'r' is of local protocol 0 (a pdpush from before local protocol versions), "
-                        "this pdpush speaks 1", req_id="r")
+                        "this pdpush speaks 2", req_id="r")
 other = IncompatiblePeer("layout mismatch, sender vs receiver", req_id="r")
 w.settings = NS(async_layers_per_step=4, load_timeout_s=60.0, sender_retry_s=30.0, receiver_retry_s=30.0)
 w._prefill, w._sender_down_until, w._receiver_down_until = None, 0.0, 0.0
