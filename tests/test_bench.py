@@ -72,3 +72,17 @@ def test_a_killed_bench_leaves_no_engine_process(tmp_path):
         for p in pids:
             if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_the_box_ceiling_is_the_two_copies_on_the_cores_or_the_one_sender_s_puts():
+    """``latency.box_ceiling``: the most layers/s with no pdpush code, which the capacity rows set the target
+    against. Both copies share the cores; the puts are one process's."""
+    from pdpush_tools.bench.latency import box_ceiling
+
+    # 1 MiB at 8 GB/s (131 us) + 151 us a put: the cores would allow 2 / 282 us = 7,090; one process puts 6,600
+    b = box_ceiling(1 << 20, 8.0, 6600.0, cores=2)
+    assert b["ops_per_s"] == 6600.0 and round(b["copy_us"]) == 131 and round(b["put_us"]) == 152
+    # 64 KiB: 10 us a copy + 10 us a put on 2 cores is 100,000 layers/s, under the puts' 102,000
+    b = box_ceiling(80_000, 8.0, 102_000.0, cores=2)
+    assert abs(b["ops_per_s"] - 2 / (10e-6 + 1 / 102_000)) < 1e-6 and b["ops_per_s"] < 102_000
+    assert box_ceiling(80_000, 8.0, 102_000.0, cores=64)["ops_per_s"] == 102_000.0

@@ -138,6 +138,19 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
         dc.close()
 
 
+def box_ceiling(layer_bytes: int, copy_gbps: float, put_ops_out_of_cache: float, cores: int | None = None) -> dict:
+    """The most layers/s this host could move with no pdpush code at all: each layer copied into staging once by an
+    engine (at the staging copy's measured rate) and put once by the one sender process (at the native put loop's
+    rate over as much memory as the pool: ``rate_oc``), those two alone on the host's cores, in parallel at will and
+    nothing else running. The sender's puts are one process's: at most ``put_ops_out_of_cache``; and both copies
+    together need ``copy + put`` seconds of a core per layer. An upper bound: it leaves out that the two copies
+    share the memory bus."""
+    cores = cores or len(os.sched_getaffinity(0))
+    copy_s, put_s = layer_bytes / (copy_gbps * 1e9), 1 / put_ops_out_of_cache
+    return {"ops_per_s": min(put_ops_out_of_cache, cores / (copy_s + put_s)), "cores": cores,
+            "copy_us": copy_s * 1e6, "put_us": put_s * 1e6}
+
+
 def wire_per_request(before: dict, after: dict, requests: int) -> dict:
     """The sender's wire-message counters (daemon.WireCount) between two status replies, per request."""
     b, a = json.loads(before.get("wire_messages", "{}")), json.loads(after.get("wire_messages", "{}"))
@@ -262,12 +275,14 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
         span = max(layout.layers, min(pool_pages * layout.layers * layout.page_bytes, 1 << 30) // layout.page_bytes)
         rate_oc = ceiling.measure_put_rate(layout.page_bytes, slots=span, count=max(2000, span), windows=(16,),
                                            reps=3)["ops_per_s"][16]
+        stage = ceiling.measure_stage(layout, layout.chunk_tokens)  # the engines' copy of a layer into staging
     finally:
         for d in daemons:
             d.stop()
     raw_layer_s = layout.page_bytes / (put["median_gbps"] * 1e9)
     p50 = statistics.median(one)
     ops = cap["ops_per_s"]
+    box = box_ceiling(layout.page_bytes, stage["median_gbps"], rate_oc)
     return {"scenario": "latency", "handover": handover, "layout": layout.to_dict(), "page_bytes": layout.page_bytes,
             "handovers_ring": after.get("handovers_ring", 0) - before.get("handovers_ring", 0),
             "one_chunk_p50_ms": p50 * 1000, "one_chunk_p99_ms": _pct(one, 0.99) * 1000,
@@ -295,6 +310,9 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
             # against the loop over the pool's span of memory (rate_oc above): the sender's puts as they are
             "raw_put_ops_per_s_out_of_cache": rate_oc, "out_of_cache_bytes": span * layout.page_bytes,
             "ratio_sender_ops_out_of_cache": ops / rate_oc,
+            # what this host's cores allow with no pdpush code at all (box_ceiling), and the capacity against it
+            "box_ceiling_ops_per_s": box["ops_per_s"], "box_ceiling": box, "ratio_box_ceiling": ops / box["ops_per_s"],
+            **({"ratio_prestaged_box_ceiling": pre["ops_per_s"] / rate_oc} if pre else {}),
             # control messages between the sender and the receiver daemons per request, both directions (the
             # sender's count of what it sent and received: each wire message once), and by kind
             "wire_messages_per_request": wire["total"], "wire_messages_by_kind": wire["by_kind"],
