@@ -86,3 +86,26 @@ def test_the_box_ceiling_is_the_two_copies_on_the_cores_or_the_one_sender_s_puts
     b = box_ceiling(80_000, 8.0, 102_000.0, cores=2)
     assert abs(b["ops_per_s"] - 2 / (10e-6 + 1 / 102_000)) < 1e-6 and b["ops_per_s"] < 102_000
     assert box_ceiling(80_000, 8.0, 102_000.0, cores=64)["ops_per_s"] == 102_000.0
+
+
+def test_a_stamped_source_makes_the_same_bytes_again_and_passes_for_no_other_request_or_layer():
+    """``bench.common.StampedSource``: what the concurrency scenario's engines push and its decode side checks. Made
+    again from its seed it is the same; another request's layer, or another layer on the same random base, differs."""
+    import numpy as np
+
+    from pdpush.layout import KVLayout
+    from pdpush_tools.bench.common import StampedSource
+
+    lay = KVLayout(8, 2, 64, "float16", 16)
+    ids = list(range(16))
+    a, again, other = StampedSource(lay, ids, 1), StampedSource(lay, ids, 1), StampedSource(lay, ids, 2)
+    for layer in range(lay.layers):
+        mine = a.layer(layer)
+        assert all(np.array_equal(x, y) for x, y in zip(mine, again.layer(layer), strict=True))
+        assert not any(np.array_equal(x, y) for x, y in zip(mine, other.layer(layer), strict=True))
+        same_base = a.layer((layer + StampedSource.BASES) % lay.layers)
+        assert not any(np.array_equal(x, y) for x, y in zip(mine, same_base, strict=True))
+        assert not np.array_equal(mine[0], mine[1])
+        mine[0][:] = 0  # a copy: the next one is whole again
+        assert np.array_equal(a.layer(layer)[1], again.layer(layer)[1]) and a.layer(layer)[0].any()
+

@@ -316,7 +316,10 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"stream | {c['ratio']:.2f}x ({c['aggregate_gbps']:.2f} vs {c['single_stream_gbps']:.2f} GB/s), request "
         f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms; pool sized to the box "
         f"{c.get('pool_pages', 0)} of {c.get('pool_pages_needed', 0)} pages, {c.get('alloc_retries', 0)} alloc retries, "
-        f"{c.get('pool_exhausted_failures', 0)} refused | {_met(c['target_met'])} |",
+        f"{c.get('pool_exhausted_failures', 0)} refused"
+        + (f"; the decode side's check of every byte took {c['decode_check_cores']:.2f} cores of the aggregate's "
+           f"run (the single stream's comes after each request's clock)" if "decode_check_cores" in c else "")
+        + f" | {_met(c['target_met'])} |",
         iso_row,
         *_across_rows(res.get("across_hosts")),
         f"| pipelined exposed <= t + 2 ms at every compute-to-transfer ratio c/t | worst "
@@ -505,6 +508,14 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   0.87). The concurrency scenario's single stream goes through the same observer, so it moved too: 0.81 to
   1.11 GB/s, against an aggregate of 0.80 and 0.91, so its ratio fell from 0.98x to 0.82x. The 0.98x of the run
   before was the observer's cost in the reference, not pdpush's speed.
+- The concurrency scenario measured the making of random bytes (2026-12-05): its engines made every layer from a
+  seed (`LazySource`: numpy's random bytes, 0.6-1.9 GB/s here), and its decode side made them all again to check
+  them. Single stream and aggregate were both ~1 GB/s for that reason. Its engines now push `StampedSource`
+  layers (a copy of one of four random layers, with each token's rows stamped with the request and the layer, so
+  that no other request's or layer's page passes the check): at 256 tokens the single stream moved from 1.11 to
+  2.1-2.3 GB/s, the aggregate from 0.91 to 1.8-2.0. What is left of the gap is the check itself: the decode side
+  reads and compares every byte during the aggregate's clock (0.75-0.82 cores of the two, measured with
+  `time.thread_time`, now in the row), while the single stream's check comes after each request's clock.
 - The begin in these runs took 2.2-3.4 ms, and 2.5-3.5 ms in a probe with 50 ms between requests (all three
   processes asleep when it starts), against 1.8-2.2 ms with 3 ms between them: most of it is waking processes
   and ZeroMQ's I/O threads (about three wake-ups per hop, four hops), which cost more the longer the VM's cores

@@ -21,7 +21,7 @@ from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.staging import ahead_bytes
-from pdpush_tools.bench.common import OBSERVER, LazySource, Source, child, push_one, verify
+from pdpush_tools.bench.common import OBSERVER, Source, StampedSource, child, push_one, verify
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -140,11 +140,12 @@ def incremental(layout: KVLayout, tokens: int, hits=(0.0, 0.25, 0.5, 0.75, 0.9))
             "verified": all(r["verified"] for r in rows)}
 
 
-def _conc_source(layout: KVLayout, i: int, j: int, tokens: int) -> LazySource:
+def _conc_source(layout: KVLayout, i: int, j: int, tokens: int) -> StampedSource:
     """Request ``j`` of engine ``i`` in the concurrency scenario: its engine makes it a layer at a time, and the decode
-    side makes the same bytes again to check what landed."""
+    side makes the same bytes again to check what landed (``StampedSource``: cheap to make, so that what the run
+    measures is pdpush, not the making of random bytes)."""
     seed = 1000 * (i + 1) + j
-    return LazySource(layout, _ids(np.random.default_rng(seed), tokens), seed)
+    return StampedSource(layout, _ids(np.random.default_rng(seed), tokens), seed)
 
 
 def _mem_available() -> int:
@@ -164,7 +165,7 @@ def size_concurrency(layout: KVLayout, tokens: int, senders: int, in_flight: int
     is the scenario's: the senders' staging (four layers of each request in flight, as docs/layout.md sizes it, at
     most a quarter of the budget over all senders) and the pool, the rest. A pool short of every request in flight
     at once is the point, not a failure: the receiver answers ``pool_exhausted`` with ``retry_after``, the senders
-    back off, and the scenario reports how often. The engines make their KV a layer at a time (``LazySource``)."""
+    back off, and the scenario reports how often. The engines make their KV a layer at a time (``StampedSource``)."""
     chunks = layout.num_chunks(tokens)
     page_set = layout.layers * layout.page_bytes  # one chunk: its page in every layer
     budget = mem_available // 2
@@ -247,14 +248,12 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
         cl = [pair.clients(i) for i in range(senders)]
         dc = cl[0][1]
         # single stream: one request at a time through one sender (after a warm-up touching the pool)
-        src = LazySource(layout, _ids(rng, tokens), 9)
         for j in range(min(in_flight, 4)):
-            push_one(cl[0][0], dc, f"warm-{j}", src, layout, check=False)
-            src.token_ids = _ids(rng, tokens)
+            push_one(cl[0][0], dc, f"warm-{j}", StampedSource(layout, _ids(rng, tokens), 9000 + j), layout)
         single = []
-        for j in range(min(in_flight, 8)):
-            src.token_ids = _ids(rng, tokens)
-            single.append(push_one(cl[0][0], dc, f"single-{j}", src, layout, check=False))
+        for j in range(min(in_flight, 8)):  # (its check comes after its clock; the aggregate's, during theirs)
+            single.append(push_one(cl[0][0], dc, f"single-{j}", StampedSource(layout, _ids(rng, tokens), 9100 + j),
+                                   layout))
         single_gbps = statistics.median(r["goodput_gbps"] for r in single)
         before = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
         # concurrent: one engine *process* per sender (threads of one process would share a GIL and blur what is
@@ -267,7 +266,7 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
         for p in procs:
             p.start()
         outs: list[dict] = []
-        verified, read = True, 0
+        verified, read, check_cpu = all(r["verified"] for r in single), 0, 0.0
         try:
             for _ in procs:  # every engine is connected: start the clock, then let them go
                 q.get(timeout=600)
@@ -281,8 +280,10 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
                     with contextlib.suppress(Exception):
                         outs.append(q.get_nowait())
                     continue
+                c0 = time.thread_time()
                 with dc.open(f"conc-{i}-{j}", timeout_s=60) as req:
                     verified = verify(req, _conc_source(layout, i, j, tokens), layout) and verified
+                check_cpu += time.thread_time() - c0
                 read += 1
             while True:  # commits reported after the last engine's summary
                 try:
@@ -318,6 +319,9 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
             "latency_p99_ms": _pct(lat, 0.99) * 1000 if lat else None,
             "latency_max_ms": max(lat) * 1000 if lat else None,
             "completed": len(lat), "read_on_decode": read, "errors": errors[:20],
+            # the decode side's reading and checking of every byte, on the same cores during the aggregate's clock (the
+            # single stream's comes after each request's clock)
+            "decode_check_cores": check_cpu / wall if wall > 0 else 0.0,
             "target_met": agg >= 0.95 * single_gbps and not errors,
             # every committed request was read back whole; a request refused for a full pool (past the senders'
             # alloc_retry_budget_ms) is what overload looks like, reported above, not a wrong byte
