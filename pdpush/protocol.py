@@ -23,6 +23,7 @@ from pdpush.errors import (
     IncompatiblePeer,
     LocalProtocolError,
     PdpushError,
+    ProtocolError,
     RemoteProtocolError,
     UnexpectedMessage,
 )
@@ -557,8 +558,12 @@ def _validate(obj: dict) -> Msg:
 
 def local_mismatch(e: Exception) -> bool:
     """Whether ``e`` says an engine and its daemon speak different local protocols (``_check_local``): a lasting
-    condition, which the connector treats as a daemon that is not there."""
-    return isinstance(e, IncompatiblePeer) and _OF_LOCAL in str(e)
+    condition, which the connector treats as a daemon that is not there. Also an older daemon's refusal of the
+    ``local_version`` field itself (``_validate``'s "invalid message at query.local_version: Extra inputs ...": a
+    Query to a daemon of local protocol 1, which did not number queries), where that refusal reaches the engine."""
+    if isinstance(e, IncompatiblePeer):
+        return _OF_LOCAL in str(e)
+    return isinstance(e, ProtocolError) and e.code is ErrorCode.BAD_MESSAGE and ".local_version:" in str(e)
 
 
 def decode_answer(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:

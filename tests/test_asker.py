@@ -129,3 +129,52 @@ def test_an_answer_that_is_not_a_message_loses_the_questions(tmp_path):
     finally:
         a.close()
         sock.close(0)
+
+
+def _skewed_answers() -> dict:
+    import msgpack
+
+    old_reply = msgpack.unpackb(protocol.encode(QueryReply(held_prefix=1)), raw=False)
+    del old_reply["local_version"]
+    return {
+        # a daemon of a newer local protocol refuses the Query (``protocol._check_local``)
+        "newer daemon": protocol.encode(protocol.Error(
+            code=protocol.ErrorCode.INCOMPATIBLE_PEER, message="query for None is of local protocol 2, this pdpush "
+            "speaks 3: install one pdpush version in the engine's environment and the daemons'")),
+        # a daemon of local protocol 1 did not number queries: it refuses the field itself
+        "release-1 daemon": protocol.encode(protocol.Error(
+            code=protocol.ErrorCode.BAD_MESSAGE,
+            message="invalid message at query.local_version: Extra inputs are not permitted")),
+        # and its answer carries no version, which this side refuses as it reads it
+        "release-1 answer": msgpack.packb(old_reply, use_bin_type=True),
+    }
+
+
+@pytest.mark.parametrize("who", list(_skewed_answers()))
+def test_a_receiver_of_another_local_protocol_loses_the_questions_and_is_not_asked_for_retry_s(tmp_path, who):
+    """A decode scheduler's receiver of another pdpush answers its Query with a refusal, or with an answer of other
+    rules: a lasting condition. The asker takes it as a lost receiver (no question for ``retry_s``) rather than as
+    one request's error, which would have the connector log and ask again at every request. Another error answer is
+    just an answer."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{tmp_path}/rx.sock")
+    a = Asker(str(tmp_path / "rx.sock"), timeout_s=5, retry_s=5, max_inflight=8)
+    try:
+        assert a.ask(_q(1), "other", time.monotonic())
+        assert sock.poll(5000)
+        ident, _ = sock.recv_multipart()
+        sock.send_multipart([ident, protocol.encode(protocol.Error(code=protocol.ErrorCode.BAD_MESSAGE,
+                                                                   message="invalid message at query.chunk_keys"))])
+        (tag, answer), = _until_answers(a, 1)
+        assert tag == "other" and isinstance(answer, protocol.Error) and not a.down(time.monotonic())
+        assert a.ask(_q(1), "x", time.monotonic())
+        assert sock.poll(5000)
+        ident, _ = sock.recv_multipart()
+        sock.send_multipart([ident, _skewed_answers()[who]])
+        with pytest.raises(Lost, match="local") as e:
+            _until_answers(a, 1)
+        assert e.value.tags == ["x"] and a.down(time.monotonic())
+    finally:
+        a.close()
+        sock.close(0)

@@ -92,7 +92,10 @@ class StampedSource:
             self._bases[key] = [[np.frombuffer(rng.bytes(size), dtype=np.uint8).reshape(shape)
                                  for _ in range(lay.components)] for _ in range(self.BASES)]
         base = self._bases[key][(self.seed * 7 + layer) % self.BASES]
-        stamp = np.frombuffer(np.uint64(((self.seed & 0xFFFFFFFF) << 32) | (layer & 0xFFFFFFFF)).tobytes(), np.uint8)
+        # the seed and the layer mixed into all 8 bytes (odd multipliers: each alone is one to one), so that even a
+        # row of under 8 bytes keeps some of both
+        mixed = (self.seed * 0x9E3779B97F4A7C15 ^ layer * 0xC2B2AE3D27D4EB4F) & (1 << 64) - 1
+        stamp = np.frombuffer(np.uint64(mixed).tobytes(), np.uint8)
         n = min(8, lay.row_bytes)
         out = []
         for c, b in enumerate(base):
@@ -132,13 +135,13 @@ FASTEST_BPS = 25e9
 def watch_layers(req, deadline: float) -> list[float]:
     """Wait for every layer of the decode request ``req`` in order, the one near the end by the client's policy
     (above); when each was seen."""
-    layers = req.layout.push_layers
+    layers = req.layout.layers  # what push_one pushes and verify checks
     left = [sum(req.plan.layer_bytes(la) for la in range(first, layers)) for first in range(layers)]
     seen: list[float] = []
     for layer in range(layers):
         while not req.landed(layer):
             pace = FASTEST_BPS
-            if len(seen) >= 2 and seen[-1] - seen[0] >= 2 * EARLY_LOOK_S:
+            if len(seen) >= 2 and seen[-1] - seen[0] >= 2 * EARLY_LOOK_S and left[1] > left[len(seen)]:
                 pace = min(FASTEST_BPS, FASTER * (left[1] - left[len(seen)]) / (seen[-1] - seen[0]))
             if layer == layers - 1 or left[layer] / pace <= NEAR_LOOKS * EARLY_LOOK_S:
                 req.wait_layer(layer, timeout_s=max(0.0, deadline - time.monotonic()))

@@ -144,7 +144,7 @@ def _conc_source(layout: KVLayout, i: int, j: int, tokens: int) -> StampedSource
     """Request ``j`` of engine ``i`` in the concurrency scenario: its engine makes it a layer at a time, and the decode
     side makes the same bytes again to check what landed (``StampedSource``: cheap to make, so that what the run
     measures is pdpush, not the making of random bytes)."""
-    seed = 1000 * (i + 1) + j
+    seed = (i + 1) << 20 | j  # (the single stream's are 1 << 40 and up)
     return StampedSource(layout, _ids(np.random.default_rng(seed), tokens), seed)
 
 
@@ -249,11 +249,11 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
         dc = cl[0][1]
         # single stream: one request at a time through one sender (after a warm-up touching the pool)
         for j in range(min(in_flight, 4)):
-            push_one(cl[0][0], dc, f"warm-{j}", StampedSource(layout, _ids(rng, tokens), 9000 + j), layout)
+            push_one(cl[0][0], dc, f"warm-{j}", StampedSource(layout, _ids(rng, tokens), 1 << 40 | j), layout)
         single = []
         for j in range(min(in_flight, 8)):  # (its check comes after its clock; the aggregate's, during theirs)
-            single.append(push_one(cl[0][0], dc, f"single-{j}", StampedSource(layout, _ids(rng, tokens), 9100 + j),
-                                   layout))
+            src = StampedSource(layout, _ids(rng, tokens), 1 << 40 | 1 << 20 | j)
+            single.append(push_one(cl[0][0], dc, f"single-{j}", src, layout))
         single_gbps = statistics.median(r["goodput_gbps"] for r in single)
         before = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
         # concurrent: one engine *process* per sender (threads of one process would share a GIL and blur what is

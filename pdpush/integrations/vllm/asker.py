@@ -18,8 +18,8 @@ from typing import Any
 import zmq
 
 from pdpush import control, protocol
-from pdpush.errors import PdpushError
-from pdpush.protocol import Msg
+from pdpush.errors import PdpushError, error_from_code
+from pdpush.protocol import Error, Msg
 
 MAX_FRAME = 1 << 20
 
@@ -77,6 +77,8 @@ class Asker:
                 except zmq.Again:
                     break
                 msg = protocol.decode(frames[-1], self.max_frame)  # raises with its question still in flight
+                if isinstance(msg, Error) and protocol.local_mismatch(err := error_from_code(msg.code, msg.message)):
+                    raise err  # a receiver of another local protocol: lasting, so down for retry_s as if lost
                 got.append((self.inflight.popleft()[0], msg))
         except (zmq.ZMQError, PdpushError) as e:
             tags = [t for t, _ in got] + [t for t, _ in self.inflight]
