@@ -113,22 +113,34 @@ def test_a_receiver_that_is_not_there_costs_a_deadline_never_a_wait(tmp_path):
         a.close()
 
 
-def test_an_answer_that_is_not_a_message_loses_the_questions(tmp_path):
+@pytest.fixture
+def scripted(tmp_path):
+    """An asker, and a bare ROUTER standing in for its receiver: ``answer(tag, frame)`` asks, and answers with
+    ``frame``."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"ipc://{tmp_path}/rx.sock")
     a = Asker(str(tmp_path / "rx.sock"), timeout_s=5, retry_s=5, max_inflight=8)
-    try:
-        assert a.ask(_q(1), "x", time.monotonic())
+
+    def answer(tag: str, frame: bytes) -> None:
+        assert a.ask(_q(1), tag, time.monotonic())
         assert sock.poll(5000)
         ident, _ = sock.recv_multipart()
-        sock.send_multipart([ident, b"\xc1garbage"])
-        with pytest.raises(Lost, match="RemoteProtocolError") as e:
-            _until_answers(a, 1)
-        assert e.value.tags == ["x"] and a.down(time.monotonic())
+        sock.send_multipart([ident, frame])
+
+    try:
+        yield a, answer
     finally:
         a.close()
         sock.close(0)
+
+
+def test_an_answer_that_is_not_a_message_loses_the_questions(scripted):
+    a, answer = scripted
+    answer("x", b"\xc1garbage")
+    with pytest.raises(Lost, match="RemoteProtocolError") as e:
+        _until_answers(a, 1)
+    assert e.value.tags == ["x"] and a.down(time.monotonic())
 
 
 def _skewed_answers() -> dict:
@@ -151,30 +163,17 @@ def _skewed_answers() -> dict:
 
 
 @pytest.mark.parametrize("who", list(_skewed_answers()))
-def test_a_receiver_of_another_local_protocol_loses_the_questions_and_is_not_asked_for_retry_s(tmp_path, who):
+def test_a_receiver_of_another_local_protocol_loses_the_questions_and_is_not_asked_for_retry_s(scripted, who):
     """A decode scheduler's receiver of another pdpush answers its Query with a refusal, or with an answer of other
     rules: a lasting condition. The asker takes it as a lost receiver (no question for ``retry_s``) rather than as
     one request's error, which would have the connector log and ask again at every request. Another error answer is
     just an answer."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"ipc://{tmp_path}/rx.sock")
-    a = Asker(str(tmp_path / "rx.sock"), timeout_s=5, retry_s=5, max_inflight=8)
-    try:
-        assert a.ask(_q(1), "other", time.monotonic())
-        assert sock.poll(5000)
-        ident, _ = sock.recv_multipart()
-        sock.send_multipart([ident, protocol.encode(protocol.Error(code=protocol.ErrorCode.BAD_MESSAGE,
-                                                                   message="invalid message at query.chunk_keys"))])
-        (tag, answer), = _until_answers(a, 1)
-        assert tag == "other" and isinstance(answer, protocol.Error) and not a.down(time.monotonic())
-        assert a.ask(_q(1), "x", time.monotonic())
-        assert sock.poll(5000)
-        ident, _ = sock.recv_multipart()
-        sock.send_multipart([ident, _skewed_answers()[who]])
-        with pytest.raises(Lost, match="local") as e:
-            _until_answers(a, 1)
-        assert e.value.tags == ["x"] and a.down(time.monotonic())
-    finally:
-        a.close()
-        sock.close(0)
+    a, answer = scripted
+    answer("other", protocol.encode(protocol.Error(code=protocol.ErrorCode.BAD_MESSAGE,
+                                                   message="invalid message at query.chunk_keys")))
+    (tag, got), = _until_answers(a, 1)
+    assert tag == "other" and isinstance(got, protocol.Error) and not a.down(time.monotonic())
+    answer("x", _skewed_answers()[who])
+    with pytest.raises(Lost, match="local") as e:
+        _until_answers(a, 1)
+    assert e.value.tags == ["x"] and a.down(time.monotonic())
