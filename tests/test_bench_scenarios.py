@@ -38,6 +38,7 @@ def test_scenarios_and_report(tmp_path):
     assert res["incremental"]["target_met"]  # bytes are exact; this is not a speed claim
     assert [r["chunks_skipped"] for r in res["incremental"]["rows"]] == [0, 4]
     assert res["concurrency"]["completed"] == 4 and not res["concurrency"]["errors"]
+    assert res["concurrency"]["single_stream_requests"] == 2 and res["concurrency"]["single_stream_gbps"] > 0
     assert res["control"]["alloc_rtt_p50_ms"] > 0
     assert [r["policy"] for r in res["decode_wait"]["rows"]] == list(decode_wait.POLICIES)
     assert all(r["wake_p50_us"] > 0 and r["cpu_ms_per_request"] > 0 for r in res["decode_wait"]["rows"])

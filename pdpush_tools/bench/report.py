@@ -317,8 +317,12 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms; pool sized to the box "
         f"{c.get('pool_pages', 0)} of {c.get('pool_pages_needed', 0)} pages, {c.get('alloc_retries', 0)} alloc retries, "
         f"{c.get('pool_exhausted_failures', 0)} refused"
-        + (f"; the decode side's check of every byte took {c['decode_check_cores']:.2f} cores of the aggregate's "
-           f"run (the single stream's comes after each request's clock)" if "decode_check_cores" in c else "")
+        + (f"; the decode side's check of every byte, on the same cores, took {c['decode_check_cores']:.2f} cores "
+           f"of the aggregate's run" + (f" and {c['single_decode_check_cores']:.2f} of the single stream's (one engine "
+                                         f"process, one request at a time, through the same harness)"
+                                         if "single_decode_check_cores" in c else
+                                         " (the single stream's came after each request's clock)")
+           if "decode_check_cores" in c else "")
         + f" | {_met(c['target_met'])} |",
         iso_row,
         *_across_rows(res.get("across_hosts")),
@@ -514,10 +518,17 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   them. Single stream and aggregate were both ~1 GB/s for that reason. Its engines now push `StampedSource`
   layers (a copy of one of four random layers, with each token's rows stamped with the request and the layer, so
   that no other request's or layer's page passes the check): at 256 tokens the single stream moved from 1.11 to
-  1.9-2.3 GB/s, the aggregate from 0.91 to 1.8-2.0 (0.79-0.90x in four runs alone, 0.97x in this report's). What
-  else weighs on the aggregate is the check itself: the decode side reads and compares every byte during the
+  1.9-2.3 GB/s, the aggregate from 0.91 to 1.8-2.0 (0.79-0.90x in four runs alone, 0.97x in the run after). What
+  else weighed on the aggregate was the check itself: the decode side reads and compares every byte during the
   aggregate's clock (0.75-0.82 cores of the two, measured with `time.thread_time`, now in the row), while the
-  single stream's check comes after each request's clock.
+  single stream (`push_one` in this process) checked after each request's clock. And the single stream moved
+  with the check's cache footprint: a cheaper check in page order left the source's layers out of cache for
+  the next request's copy, and the single stream fell from 2.43 to 2.00-2.05 GB/s (two runs each way).
+- So the single stream now runs through the same harness as the aggregate (`scenarios._engines`): one engine
+  process, one sender, one request at a time, the decode side checking each as it commits, on the same cores.
+  Alone, two runs: single stream 1.70-2.01 GB/s, aggregate 2.37-2.42, ratio 1.18-1.42x (the check took 0.67-0.79
+  cores of the single stream's run and 0.92-0.93 of the aggregate's). One request at a time leaves the begin's
+  round trips and the check of the request before unoverlapped; sixteen in flight overlap them.
 - The begin in these runs took 2.2-3.4 ms, and 2.5-3.5 ms in a probe with 50 ms between requests (all three
   processes asleep when it starts), against 1.8-2.2 ms with 3 ms between them: most of it is waking processes
   and ZeroMQ's I/O threads (about three wake-ups per hop, four hops), which cost more the longer the VM's cores

@@ -140,11 +140,12 @@ def incremental(layout: KVLayout, tokens: int, hits=(0.0, 0.25, 0.5, 0.75, 0.9))
             "verified": all(r["verified"] for r in rows)}
 
 
-def _conc_source(layout: KVLayout, i: int, j: int, tokens: int) -> StampedSource:
-    """Request ``j`` of engine ``i`` in the concurrency scenario: its engine makes it a layer at a time, and the decode
-    side makes the same bytes again to check what landed (``StampedSource``: cheap to make, so that what the run
-    measures is pdpush, not the making of random bytes)."""
-    seed = (i + 1) << 20 | j  # (the single stream's are 1 << 40 and up)
+def _conc_source(layout: KVLayout, run: int, i: int, j: int, tokens: int) -> StampedSource:
+    """Request ``j`` of engine ``i`` in run ``run`` of the concurrency scenario: its engine makes it a layer at a time,
+    and the decode side makes the same bytes again to check what landed (``StampedSource``: cheap to make, so that
+    what the run measures is pdpush, not the making of random bytes). Each its own prompt: none shares a chunk with
+    another (a shared one would be skipped)."""
+    seed = run << 40 | (i + 1) << 20 | j
     return StampedSource(layout, _ids(np.random.default_rng(seed), tokens), seed)
 
 
@@ -177,7 +178,7 @@ def size_concurrency(layout: KVLayout, tokens: int, senders: int, in_flight: int
             "pool_bytes": pages * page_set}
 
 
-def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, n: int, window: int, q, done_q,
+def _concurrent_engine(layout_d: dict, sock: str, run: int, i: int, tokens: int, n: int, window: int, q, done_q,
                        start) -> None:
     """One engine process of the concurrency scenario. Each of its ``n`` requests is begun (waiting, as a real engine
     would, while the sender backs off a full pool), handed over layer by layer and finished without waiting; at most
@@ -205,7 +206,7 @@ def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, n: int, w
                         open_.remove((j, h, t0))
                     continue
                 lat.append(time.perf_counter() - t0)
-                done_q.put((i, j))
+                done_q.put((run, i, j))
             except PdpushError as e:
                 errors.append(f"sender {i} request {j}: {e.code.value}: {e}")
             open_.remove((j, h, t0))
@@ -213,10 +214,10 @@ def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, n: int, w
     try:
         for j in range(n):
             collect(0.0)  # before this begin waits on a full pool: what has committed goes to be read
-            src = _conc_source(layout, i, j, tokens)
+            src = _conc_source(layout, run, i, j, tokens)
             t0 = time.perf_counter()
             try:
-                h = pc.begin(f"conc-{i}-{j}", src.token_ids)
+                h = pc.begin(f"conc-{run}-{i}-{j}", src.token_ids)
                 for layer in range(layout.layers):
                     h.put_layer(layer, *src.layer(layer))
                 h.finish_nowait()
@@ -233,99 +234,108 @@ def _concurrent_engine(layout_d: dict, sock: str, i: int, tokens: int, n: int, w
     q.put({"lat": lat, "t_end": time.perf_counter(), "errors": errors})
 
 
+def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines: int, tokens: int, n: int,
+             window: int) -> dict:
+    """Run ``run``: ``engines`` engine *processes*, one per sender (threads of one process would share a GIL and blur
+    what is measured), ``n`` requests each with ``window`` in flight; the decode side here reads and checks every byte
+    of each request as it commits, and releases it, as a decode engine would. The clock runs from the engines' start
+    to the last one's end."""
+    ctx = mp.get_context("spawn")
+    q, done_q, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    socks = [t.info["ingress_endpoint"].removeprefix("ipc://") for t in pair.tx[:engines]]
+    procs = [ctx.Process(target=child, args=(_concurrent_engine, layout.to_dict(), socks[i], run, i, tokens, n,
+                                             window, q, done_q, start)) for i in range(engines)]
+    for p in procs:
+        p.start()
+    outs: list[dict] = []
+    verified, read, check_cpu = True, 0, 0.0
+
+    def check(item) -> None:
+        nonlocal verified, read, check_cpu
+        r, i, j = item
+        c0 = time.thread_time()
+        with dc.open(f"conc-{r}-{i}-{j}", timeout_s=60) as req:
+            verified = verify(req, _conc_source(layout, r, i, j, tokens), layout) and verified
+        check_cpu += time.thread_time() - c0
+        read += 1
+
+    try:
+        for _ in procs:  # every engine is connected: start the clock, then let them go
+            q.get(timeout=600)
+        t0 = time.perf_counter()
+        start.set()
+        deadline = time.monotonic() + 600
+        while len(outs) < len(procs) and time.monotonic() < deadline:
+            try:
+                item = done_q.get(timeout=0.05)
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing committed meanwhile
+                with contextlib.suppress(Exception):
+                    outs.append(q.get_nowait())
+                continue
+            check(item)
+        while True:  # commits reported after the last engine's summary
+            try:
+                item = done_q.get(timeout=0.5)
+            except Exception:  # noqa: BLE001 - queue.Empty: all read
+                break
+            check(item)
+        if len(outs) < len(procs):
+            outs += [{"lat": [], "errors": ["an engine process did not report within 600 s"]}] * (len(procs) - len(outs))
+        wall = max((o["t_end"] for o in outs if "t_end" in o), default=time.perf_counter()) - t0
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    lat = [x for o in outs for x in o["lat"]]
+    errors = [e for o in outs for e in o["errors"]]
+    return {"lat": lat, "errors": errors, "wall": wall, "read": read, "check_cpu": check_cpu,
+            "gbps": len(lat) * layout.layers * layout.num_chunks(tokens) * layout.page_bytes / wall / 1e9
+            if wall > 0 else 0.0,
+            # every committed request was read back whole; a request refused for a full pool (past the senders'
+            # alloc_retry_budget_ms) is what overload looks like, reported, not a wrong byte
+            "verified": verified and read == len(lat) and len(errors) == sum("pool_exhausted" in e for e in errors)}
+
+
 def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int = 16, requests: int | None = None,
                 mem_available: int | None = None) -> dict:
     """``senders`` sender daemons, each fed by one engine process with ``in_flight`` requests in flight (``requests``
     each, 2 x in_flight by default), into one receiver whose pool is sized to this box (``size_concurrency``); a decode
     side reads and releases each request as it commits (checking every byte), as a decode engine would. Against a
-    single stream through one sender."""
+    single stream: the same with one engine process through one sender, one request at a time (``_engines`` for
+    both, so that the engines' making of their bytes, and the decode side's check, weigh the same on each)."""
     n = requests or 2 * in_flight
     chunks = layout.num_chunks(tokens)
     req_bytes = layout.layers * chunks * layout.page_bytes
     size = size_concurrency(layout, tokens, senders, in_flight, mem_available or _mem_available())
-    rng = np.random.default_rng(9)
     with _Pair(layout, pool_pages=size["pool_pages"], staging_bytes=size["staging_bytes"], senders=senders) as pair:
         cl = [pair.clients(i) for i in range(senders)]
         dc = cl[0][1]
-        # single stream: one request at a time through one sender (after a warm-up touching the pool)
-        for j in range(min(in_flight, 4)):
-            push_one(cl[0][0], dc, f"warm-{j}", StampedSource(layout, _ids(rng, tokens), 1 << 40 | j), layout)
-        single = []
-        for j in range(min(in_flight, 8)):  # (its check comes after its clock; the aggregate's, during theirs)
-            src = StampedSource(layout, _ids(rng, tokens), 1 << 40 | 1 << 20 | j)
-            single.append(push_one(cl[0][0], dc, f"single-{j}", src, layout))
-        single_gbps = statistics.median(r["goodput_gbps"] for r in single)
+        warm = _engines(layout, pair, dc, 0, senders, tokens, min(in_flight, 4), 1)  # every sender's pool pages touched
+        single = _engines(layout, pair, dc, 1, 1, tokens, min(n, 8), 1)
         before = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
-        # concurrent: one engine *process* per sender (threads of one process would share a GIL and blur what is
-        # measured); the decode side here reads each request as it commits, and releases it
-        ctx = mp.get_context("spawn")
-        q, done_q, start = ctx.Queue(), ctx.Queue(), ctx.Event()
-        socks = [t.info["ingress_endpoint"].removeprefix("ipc://") for t in pair.tx]
-        procs = [ctx.Process(target=child, args=(_concurrent_engine, layout.to_dict(), socks[i], i, tokens, n,
-                                                 in_flight, q, done_q, start)) for i in range(senders)]
-        for p in procs:
-            p.start()
-        outs: list[dict] = []
-        verified, read, check_cpu = all(r["verified"] for r in single), 0, 0.0
-        try:
-            for _ in procs:  # every engine is connected: start the clock, then let them go
-                q.get(timeout=600)
-            t0 = time.perf_counter()
-            start.set()
-            deadline = time.monotonic() + 600
-            while len(outs) < len(procs) and time.monotonic() < deadline:
-                try:
-                    i, j = done_q.get(timeout=0.05)
-                except Exception:  # noqa: BLE001 - queue.Empty: nothing committed meanwhile
-                    with contextlib.suppress(Exception):
-                        outs.append(q.get_nowait())
-                    continue
-                c0 = time.thread_time()
-                with dc.open(f"conc-{i}-{j}", timeout_s=60) as req:
-                    verified = verify(req, _conc_source(layout, i, j, tokens), layout) and verified
-                check_cpu += time.thread_time() - c0
-                read += 1
-            while True:  # commits reported after the last engine's summary
-                try:
-                    i, j = done_q.get(timeout=0.5)
-                except Exception:  # noqa: BLE001 - queue.Empty: all read
-                    break
-                with dc.open(f"conc-{i}-{j}", timeout_s=60) as req:
-                    verified = verify(req, _conc_source(layout, i, j, tokens), layout) and verified
-                read += 1
-            if len(outs) < len(procs):
-                outs += [{"lat": [], "errors": ["an engine process did not report within 600 s"]}] * (len(procs) - len(outs))
-            wall = max((o["t_end"] for o in outs if "t_end" in o), default=time.perf_counter()) - t0
-        finally:
-            for p in procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
+        agg = _engines(layout, pair, dc, 2, senders, tokens, n, in_flight)
         after = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
         for pc, d in cl:
             pc.close()
             d.close()
-    lat = [x for o in outs for x in o["lat"]]
-    errors = [e for o in outs for e in o["errors"]]
-    exhausted = sum("pool_exhausted" in e for e in errors)
+    lat, errors = agg["lat"], agg["errors"]
     retries = sum(a["alloc_retries"] - b["alloc_retries"] for a, b in zip(after, before, strict=True))
-    agg = len(lat) * req_bytes / wall / 1e9 if wall > 0 else 0.0
     return {"scenario": "concurrency", "layout": layout.to_dict(), "tokens": tokens, "senders": senders,
             "in_flight_per_sender": in_flight, "requests_per_sender": n, "request_bytes": req_bytes, **size,
             "pool_short": size["pool_pages"] < size["pool_pages_needed"],
-            "alloc_retries": retries, "pool_exhausted_failures": exhausted,
-            "single_stream_gbps": single_gbps, "aggregate_gbps": agg, "ratio": agg / single_gbps,
+            "alloc_retries": retries, "pool_exhausted_failures": sum("pool_exhausted" in e for e in errors),
+            "single_stream_gbps": single["gbps"], "single_stream_requests": len(single["lat"]),
+            "aggregate_gbps": agg["gbps"], "ratio": agg["gbps"] / single["gbps"] if single["gbps"] else 0.0,
             "latency_p50_ms": _pct(lat, 0.5) * 1000 if lat else None,
             "latency_p99_ms": _pct(lat, 0.99) * 1000 if lat else None,
             "latency_max_ms": max(lat) * 1000 if lat else None,
-            "completed": len(lat), "read_on_decode": read, "errors": errors[:20],
-            # the decode side's reading and checking of every byte, on the same cores during the aggregate's clock (the
-            # single stream's comes after each request's clock)
-            "decode_check_cores": check_cpu / wall if wall > 0 else 0.0,
-            "target_met": agg >= 0.95 * single_gbps and not errors,
-            # every committed request was read back whole; a request refused for a full pool (past the senders'
-            # alloc_retry_budget_ms) is what overload looks like, reported above, not a wrong byte
-            "verified": verified and read == len(lat) and len(errors) == exhausted}
+            "completed": len(lat), "read_on_decode": agg["read"], "errors": (errors + single["errors"])[:20],
+            # the decode side's reading and checking of every byte, on the same cores during each run's clock
+            "decode_check_cores": agg["check_cpu"] / agg["wall"] if agg["wall"] > 0 else 0.0,
+            "single_decode_check_cores": single["check_cpu"] / single["wall"] if single["wall"] > 0 else 0.0,
+            "target_met": agg["gbps"] >= 0.95 * single["gbps"] and not errors and not single["errors"],
+            "verified": agg["verified"] and single["verified"] and warm["verified"] and not single["errors"]}
 
 
 def control(layout: KVLayout | None = None, n: int = 1000, requests: int = 200) -> dict:
