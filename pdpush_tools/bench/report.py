@@ -509,16 +509,16 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   every millisecond until the bytes still to come could land within three looks, and the last layer, where the
   clock stops, still every 50 us (`bench.common.watch_layers`). In the first `make bench` after it, end to end
   moved from 0.37 / 0.49 / 0.68 / 0.76 to 0.40 / 0.67 / 0.73 / 0.84 (from the begin's answer: 0.74 / 0.69 /
-  0.76 / 0.79 to 0.86 / 0.99 / 0.83 / 0.87); in the next (this report's, a slower run of this shared box: its
-  capacity 8% lower too) 0.35 / 0.45 / 0.77 / 0.83. The concurrency scenario's single stream goes through the
-  same observer, so it moved too: 0.81 to 1.11 GB/s, against an aggregate of 0.80 and 0.91, so its ratio fell
-  from 0.98x to 0.82x. The 0.98x of the run before was the observer's cost in the reference, not pdpush's speed.
+  0.76 / 0.79 to 0.86 / 0.99 / 0.83 / 0.87); in the second (a slower run of this shared box: its capacity 8%
+  lower too) 0.35 / 0.45 / 0.77 / 0.83. The concurrency scenario's single stream went through the same observer
+  then, so it moved too: 0.81 to 1.11 GB/s, against an aggregate of 0.80 and 0.91, so its ratio fell from 0.98x
+  to 0.82x. The 0.98x of the run before was the observer's cost in the reference, not pdpush's speed.
 - The concurrency scenario measured the making of random bytes (2026-12-05): its engines made every layer from a
   seed (`LazySource`: numpy's random bytes, 0.6-1.9 GB/s here), and its decode side made them all again to check
   them. Single stream and aggregate were both ~1 GB/s for that reason. Its engines now push `StampedSource`
   layers (a copy of one of four random layers, with each token's rows stamped with the request and the layer, so
   that no other request's or layer's page passes the check): at 256 tokens the single stream moved from 1.11 to
-  1.9-2.3 GB/s, the aggregate from 0.91 to 1.8-2.0 (0.79-0.90x in four runs alone, 0.97x in the run after). What
+  1.9-2.3 GB/s, the aggregate from 0.91 to 1.8-2.0 (0.79-0.90x in four runs alone, 0.97x in the second `make bench`). What
   else weighed on the aggregate was the check itself: the decode side reads and compares every byte during the
   aggregate's clock (0.75-0.82 cores of the two, measured with `time.thread_time`, now in the row), while the
   single stream (`push_one` in this process) checked after each request's clock. And the single stream moved
@@ -527,8 +527,9 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
 - So the single stream now runs through the same harness as the aggregate (`scenarios._engines`): one engine
   process, one sender, one request at a time, the decode side checking each as it commits, on the same cores.
   Alone, two runs: single stream 1.70-2.01 GB/s, aggregate 2.37-2.42, ratio 1.18-1.42x (the check took 0.67-0.79
-  cores of the single stream's run and 0.92-0.93 of the aggregate's). One request at a time leaves the begin's
-  round trips and the check of the request before unoverlapped; sixteen in flight overlap them.
+  cores of the single stream's run and 0.92-0.93 of the aggregate's). One request at a time leaves each
+  request's begin round trips and its wait for the commit unoverlapped; sixteen in flight overlap them. Each
+  engine process first pushes a request the clock does not count (its connection, ring, mapped staging).
 - The begin in these runs took 2.2-3.4 ms, and 2.5-3.5 ms in a probe with 50 ms between requests (all three
   processes asleep when it starts), against 1.8-2.2 ms with 3 ms between them: most of it is waking processes
   and ZeroMQ's I/O threads (about three wake-ups per hop, four hops), which cost more the longer the VM's cores

@@ -140,6 +140,9 @@ def incremental(layout: KVLayout, tokens: int, hits=(0.0, 0.25, 0.5, 0.75, 0.9))
             "verified": all(r["verified"] for r in rows)}
 
 
+WARM = (1 << 20) - 1  # an engine's warm-up request, before the clock (``_concurrent_engine``)
+
+
 def _conc_source(layout: KVLayout, run: int, i: int, j: int, tokens: int) -> StampedSource:
     """Request ``j`` of engine ``i`` in run ``run`` of the concurrency scenario: its engine makes it a layer at a time,
     and the decode side makes the same bytes again to check what landed (``StampedSource``: cheap to make, so that
@@ -180,38 +183,51 @@ def size_concurrency(layout: KVLayout, tokens: int, senders: int, in_flight: int
 
 def _concurrent_engine(layout_d: dict, sock: str, run: int, i: int, tokens: int, n: int, window: int, q, done_q,
                        start) -> None:
-    """One engine process of the concurrency scenario. Each of its ``n`` requests is begun (waiting, as a real engine
-    would, while the sender backs off a full pool), handed over layer by layer and finished without waiting; at most
-    ``window`` are in flight, the oldest collected when it is full. Reports each commit on ``done_q`` (the decode side
-    reads and releases it), then its latencies (s) and end time on ``q``. Begins only when every engine is ready."""
-    layout = KVLayout(**layout_d)
-    pc = PrefillClient(layout, sock, timeout_s=120)
+    """One engine process of the concurrency scenario. Before it says it is ready, it pushes one request the clock
+    does not count (``WARM``: its connection, lifeline, ring and mapped staging, and its sources' random layers, are
+    not what the run measures). Then each of its ``n`` requests is begun (waiting, as a real engine would, while the
+    sender backs off a full pool), handed over layer by layer and finished without waiting; at most ``window`` are in
+    flight, the oldest collected when it is full. Reports each commit on ``done_q`` (the decode side reads and releases
+    it), then its latencies (s), the bytes its requests moved and its end time on ``q``, whatever happens. Begins
+    only when every engine is ready."""
     lat: list[float] = []
     errors: list[str] = []
-    q.put({"ready": i})
-    if not start.wait(600):
-        q.put({"lat": [], "errors": [f"sender {i}: never started"]})
-        pc.close()
-        return
-    open_: list = []
-
-    def collect(wait_s: float) -> None:
-        """Report every request that has committed (the oldest waited for up to ``wait_s``): the decode side reads
-        and releases it, which is what gives the pool back."""
-        for k, (j, h, t0) in enumerate(list(open_)):
-            try:
-                if h.poll_done(wait_s if k == 0 else 0.0) is None:
-                    if k == 0 and wait_s:
-                        errors.append(f"sender {i} request {j}: no commit within {wait_s:.0f} s")
-                        open_.remove((j, h, t0))
-                    continue
-                lat.append(time.perf_counter() - t0)
-                done_q.put((run, i, j))
-            except PdpushError as e:
-                errors.append(f"sender {i} request {j}: {e.code.value}: {e}")
-            open_.remove((j, h, t0))
-
+    moved = 0
+    pc = None
     try:
+        layout = KVLayout(**layout_d)
+        pc = PrefillClient(layout, sock, timeout_s=120)
+        src = _conc_source(layout, run, i, WARM, tokens)
+        h = pc.begin(f"conc-{run}-{i}-{WARM}", src.token_ids)
+        for layer in range(layout.layers):
+            h.put_layer(layer, *src.layer(layer))
+        h.finish(120)
+        pc.wait_mapped(60)
+        done_q.put((run, i, WARM))  # checked and released before the clock starts
+        q.put({"ready": i})
+        if not start.wait(600):
+            raise TimeoutError("never told to start")
+        open_: list = []
+
+        def collect(wait_s: float) -> None:
+            """Report every request that has committed (the oldest waited for up to ``wait_s``): the decode side
+            reads and releases it, which is what gives the pool back."""
+            nonlocal moved
+            for k, (j, h, t0) in enumerate(list(open_)):
+                try:
+                    done = h.poll_done(wait_s if k == 0 else 0.0)
+                    if done is None:
+                        if k == 0 and wait_s:
+                            errors.append(f"sender {i} request {j}: no commit within {wait_s:.0f} s")
+                            open_.remove((j, h, t0))
+                        continue
+                    lat.append(time.perf_counter() - t0)
+                    moved += done.bytes_sent
+                    done_q.put((run, i, j))
+                except PdpushError as e:
+                    errors.append(f"sender {i} request {j}: {e.code.value}: {e}")
+                open_.remove((j, h, t0))
+
         for j in range(n):
             collect(0.0)  # before this begin waits on a full pool: what has committed goes to be read
             src = _conc_source(layout, run, i, j, tokens)
@@ -229,9 +245,12 @@ def _concurrent_engine(layout_d: dict, sock: str, run: int, i: int, tokens: int,
                 collect(120.0)
         while open_:
             collect(120.0)
+    except Exception as e:  # noqa: BLE001 - reported to the bench, which fails the run
+        errors.append(f"sender {i}: {type(e).__name__}: {e}")
     finally:
-        pc.close()
-    q.put({"lat": lat, "t_end": time.perf_counter(), "errors": errors})
+        if pc is not None:
+            pc.close()
+        q.put({"lat": lat, "bytes": moved, "t_end": time.perf_counter(), "errors": errors})
 
 
 def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines: int, tokens: int, n: int,
@@ -250,18 +269,33 @@ def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines:
     outs: list[dict] = []
     verified, read, check_cpu = True, 0, 0.0
 
-    def check(item) -> None:
+    def check(item, clocked: bool = True) -> None:
         nonlocal verified, read, check_cpu
         r, i, j = item
         c0 = time.thread_time()
         with dc.open(f"conc-{r}-{i}-{j}", timeout_s=60) as req:
             verified = verify(req, _conc_source(layout, r, i, j, tokens), layout) and verified
-        check_cpu += time.thread_time() - c0
-        read += 1
+        if clocked:
+            check_cpu += time.thread_time() - c0
+        read += j != WARM
 
     try:
-        for _ in procs:  # every engine is connected: start the clock, then let them go
-            q.get(timeout=600)
+        ready, deadline = 0, time.monotonic() + 600
+        while ready < len(procs):  # every engine warmed up and connected: start the clock, then let them go
+            try:
+                msg = q.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 - queue.Empty: an engine that died meanwhile ends the run
+                if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
+                    raise RuntimeError("a concurrency engine died or did not start") from None
+                continue
+            if "ready" not in msg:
+                raise RuntimeError(f"a concurrency engine failed to start: {msg['errors']}")
+            ready += 1
+        while True:  # their warm-up requests, read and released before the clock
+            try:
+                check(done_q.get(timeout=0.2), clocked=False)
+            except Exception:  # noqa: BLE001 - queue.Empty: all read
+                break
         t0 = time.perf_counter()
         start.set()
         deadline = time.monotonic() + 600
@@ -273,12 +307,12 @@ def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines:
                     outs.append(q.get_nowait())
                 continue
             check(item)
-        while True:  # commits reported after the last engine's summary
+        while True:  # commits reported after the last engine's summary (after the clock: not counted as its CPU)
             try:
                 item = done_q.get(timeout=0.5)
             except Exception:  # noqa: BLE001 - queue.Empty: all read
                 break
-            check(item)
+            check(item, clocked=False)
         if len(outs) < len(procs):
             outs += [{"lat": [], "errors": ["an engine process did not report within 600 s"]}] * (len(procs) - len(outs))
         wall = max((o["t_end"] for o in outs if "t_end" in o), default=time.perf_counter()) - t0
@@ -290,8 +324,7 @@ def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines:
     lat = [x for o in outs for x in o["lat"]]
     errors = [e for o in outs for e in o["errors"]]
     return {"lat": lat, "errors": errors, "wall": wall, "read": read, "check_cpu": check_cpu,
-            "gbps": len(lat) * layout.layers * layout.num_chunks(tokens) * layout.page_bytes / wall / 1e9
-            if wall > 0 else 0.0,
+            "gbps": sum(o.get("bytes", 0) for o in outs) / wall / 1e9 if wall > 0 else 0.0,
             # every committed request was read back whole; a request refused for a full pool (past the senders'
             # alloc_retry_budget_ms) is what overload looks like, reported, not a wrong byte
             "verified": verified and read == len(lat) and len(errors) == sum("pool_exhausted" in e for e in errors)}
@@ -309,17 +342,18 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
     req_bytes = layout.layers * chunks * layout.page_bytes
     size = size_concurrency(layout, tokens, senders, in_flight, mem_available or _mem_available())
     with _Pair(layout, pool_pages=size["pool_pages"], staging_bytes=size["staging_bytes"], senders=senders) as pair:
-        cl = [pair.clients(i) for i in range(senders)]
-        dc = cl[0][1]
-        warm = _engines(layout, pair, dc, 0, senders, tokens, min(in_flight, 4), 1)  # every sender's pool pages touched
-        single = _engines(layout, pair, dc, 1, 1, tokens, min(n, 8), 1)
-        before = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
-        agg = _engines(layout, pair, dc, 2, senders, tokens, n, in_flight)
-        after = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
-        for pc, d in cl:
-            pc.close()
-            d.close()
-    lat, errors = agg["lat"], agg["errors"]
+        pc, dc = pair.clients(0)
+        pc.close()  # (the decode side's client only: the engines are processes of their own)
+        try:
+            # every sender's data plane to the receiver up and its view of the pool mapped, before anything is timed
+            warm = _engines(layout, pair, dc, 0, senders, tokens, min(in_flight, 4), 1)
+            single = _engines(layout, pair, dc, 1, 1, tokens, min(n, 8), 1)
+            before = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
+            agg = _engines(layout, pair, dc, 2, senders, tokens, n, in_flight)
+            after = [status(t.info["ingress_endpoint"].removeprefix("ipc://")) for t in pair.tx]
+        finally:
+            dc.close()
+    lat, errors = agg["lat"], agg["errors"] + warm["errors"]
     retries = sum(a["alloc_retries"] - b["alloc_retries"] for a, b in zip(after, before, strict=True))
     return {"scenario": "concurrency", "layout": layout.to_dict(), "tokens": tokens, "senders": senders,
             "in_flight_per_sender": in_flight, "requests_per_sender": n, "request_bytes": req_bytes, **size,
@@ -335,7 +369,8 @@ def concurrency(layout: KVLayout, tokens: int, senders: int = 4, in_flight: int 
             "decode_check_cores": agg["check_cpu"] / agg["wall"] if agg["wall"] > 0 else 0.0,
             "single_decode_check_cores": single["check_cpu"] / single["wall"] if single["wall"] > 0 else 0.0,
             "target_met": agg["gbps"] >= 0.95 * single["gbps"] and not errors and not single["errors"],
-            "verified": agg["verified"] and single["verified"] and warm["verified"] and not single["errors"]}
+            "verified": agg["verified"] and single["verified"] and warm["verified"] and not single["errors"]
+            and not warm["errors"]}
 
 
 def control(layout: KVLayout | None = None, n: int = 1000, requests: int = 200) -> dict:
