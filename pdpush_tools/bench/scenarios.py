@@ -279,6 +279,15 @@ def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines:
             check_cpu += time.thread_time() - c0
         read += j != WARM
 
+    def check_the_rest(wait_s: float) -> None:
+        """Check what the engines reported until none comes for ``wait_s`` (outside the clock)."""
+        while True:
+            try:
+                item = done_q.get(timeout=wait_s)
+            except Exception:  # noqa: BLE001 - queue.Empty: all read
+                return
+            check(item, clocked=False)
+
     try:
         ready, deadline = 0, time.monotonic() + 600
         while ready < len(procs):  # every engine warmed up and connected: start the clock, then let them go
@@ -291,11 +300,7 @@ def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines:
             if "ready" not in msg:
                 raise RuntimeError(f"a concurrency engine failed to start: {msg['errors']}")
             ready += 1
-        while True:  # their warm-up requests, read and released before the clock
-            try:
-                check(done_q.get(timeout=0.2), clocked=False)
-            except Exception:  # noqa: BLE001 - queue.Empty: all read
-                break
+        check_the_rest(0.2)  # their warm-up requests, read and released before the clock
         t0 = time.perf_counter()
         start.set()
         deadline = time.monotonic() + 600
@@ -307,12 +312,7 @@ def _engines(layout: KVLayout, pair: _Pair, dc: DecodeClient, run: int, engines:
                     outs.append(q.get_nowait())
                 continue
             check(item)
-        while True:  # commits reported after the last engine's summary (after the clock: not counted as its CPU)
-            try:
-                item = done_q.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - queue.Empty: all read
-                break
-            check(item, clocked=False)
+        check_the_rest(0.5)  # commits reported after the last engine's summary
         if len(outs) < len(procs):
             outs += [{"lat": [], "errors": ["an engine process did not report within 600 s"]}] * (len(procs) - len(outs))
         wall = max((o["t_end"] for o in outs if "t_end" in o), default=time.perf_counter()) - t0
