@@ -1,26 +1,45 @@
-"""Lifelines: an engine and its local daemon see each other die, with no pid.
+"""Lifelines: each engine connection's stream to its local daemon, which also tells either end the other died.
 
-A pid means nothing across PID namespaces: an engine in a container of its own reports pid 1, and probing it
-from the daemon's namespace finds nothing, or another process. So liveness rides a connection instead. Each
-engine connection opens a lifeline, a unix SOCK_SEQPACKET socket, to its daemon at ``<local socket>.life``,
-and names its ZeroMQ identity in the one packet it ever sends. When either process dies the kernel closes its
-end, and the other sees the hang-up at once, in whatever PID namespace each runs: the daemon fails that
-connection's requests, the engine fails its waits.
+An engine connection (``client.Connection``) opens a lifeline, a unix SOCK_STREAM socket, to its daemon at
+``<local socket>.life``. Every message between them rides it, both ways, in frames: a 4-byte big-endian length,
+then that many bytes. The engine's first frame names the connection (its identity, 1..255 bytes); every frame
+after it is one protocol message (``protocol.encode``), at most the daemon's ``max_frame_bytes``.
 
-``Lifelines`` is the daemon's side (one epoll fd for its poller); ``Lifeline`` the engine's. Imports no zmq.
+* **Why messages ride it.** They went through a ZeroMQ DEALER on the daemon's local socket before. A ZeroMQ hop
+  passes each message through an I/O thread in the sender's process and another in the receiver's, and each of
+  them must be woken: a round trip between two processes here took 141 us back to back and 510 us after 50 ms
+  idle, against 10 us and 156 us for the same bytes over a unix socket (BENCHMARKS.md). A request's begin, its
+  answer and its Done each took one such hop.
+* **Liveness, with no pid.** A pid means nothing across PID namespaces: an engine in a container of its own
+  reports pid 1, and probing it from the daemon's namespace finds nothing, or another process. When either
+  process dies the kernel closes its end, and the other sees the hang-up at once, in whatever PID namespace each
+  runs: the daemon fails that connection's requests, the engine fails its waits.
+* **Bounds.** A frame over the cap, or a first frame that is no identity, closes the lifeline (the engine sees
+  a daemon that went away). What the daemon has not yet written to an engine that does not read is capped at
+  ``MAX_QUEUED`` bytes: past it a message is dropped and counted, as ZeroMQ's high-water mark did.
+
+``Lifelines`` is the daemon's side (one epoll fd for its poller); ``Lifeline`` the engine's. The daemon's local
+ZeroMQ socket still serves what is not an engine's connection (a decode scheduler's queries). Imports no zmq.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
 import time
 from pathlib import Path
 
+from pdpush.errors import IncompatiblePeer
+
 MAX_IDENT = 255
 MAX_LINES = 4096  # lifelines a daemon keeps at once; more are refused (closed at once)
 HELLO_TIMEOUT_S = 5.0  # a lifeline that has not named its connection by then is closed
+MAX_QUEUED = 64 << 20  # bytes a daemon keeps for one engine that is not reading them
+_READ = 1 << 18  # bytes one recv takes
+_READ_PER_LOOK = 4 << 20  # bytes one look reads from one lifeline: one busy engine does not hold up the others
+_IN = select.EPOLLIN | select.EPOLLRDHUP
 
 
 def path_for(local_socket: str | Path) -> Path:
@@ -28,14 +47,69 @@ def path_for(local_socket: str | Path) -> Path:
     return Path(str(local_socket).removeprefix("ipc://") + ".life")
 
 
-class Lifelines:
-    """The daemon's side: accepts lifelines and says which connections' lifelines have closed."""
+def frame(payload: bytes) -> bytes:
+    """``payload`` as one frame of a lifeline."""
+    return len(payload).to_bytes(4, "big") + payload
 
-    def __init__(self, path: Path) -> None:
+
+def split(buf: bytearray, max_frame: int, limit: int = 1 << 62) -> list[bytes]:
+    """The whole frames at the head of ``buf`` (at most ``limit``), taken out of it; what is left is the start of
+    the next. ValueError for a frame longer than ``max_frame``: the stream cannot be trusted past it."""
+    out: list[bytes] = []
+    i, n = 0, len(buf)
+    while n - i >= 4 and len(out) < limit:
+        k = int.from_bytes(buf[i:i + 4], "big")
+        if k > max_frame:
+            raise ValueError(f"a frame of {k} bytes, over the cap of {max_frame}")
+        if n - i - 4 < k:
+            break
+        out.append(bytes(buf[i + 4:i + 4 + k]))
+        i += 4 + k
+    if i:
+        del buf[:i]
+    return out
+
+
+def _read(sock: socket.socket, buf: bytearray, limit: int) -> bool:
+    """Append what ``sock`` has (up to about ``limit`` bytes) to ``buf`` without waiting; False at its end (the
+    peer closed it, or it failed)."""
+    got = 0
+    while got < limit:
+        try:
+            data = sock.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        buf += data
+        got += len(data)
+    return True
+
+
+class _Line:
+    """One engine connection's lifeline, at the daemon."""
+
+    __slots__ = ("sock", "ident", "rbuf", "wbuf", "deadline", "writing")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+        self.ident = b""  # named by its first frame
+        self.rbuf, self.wbuf = bytearray(), bytearray()
+        self.writing = False  # registered for EPOLLOUT: wbuf waits for room
+
+
+class Lifelines:
+    """The daemon's side: accepts lifelines, reads their frames, writes its answers, and says which connections'
+    lifelines opened and which closed."""
+
+    def __init__(self, path: Path, max_frame: int) -> None:
         self.path = Path(path)
+        self.max_frame = max_frame
         if self.path.exists() or self.path.is_symlink():
             self.path.unlink()  # a stale one of a killed daemon (the local socket's bind already refused a live one)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # 0600 from the start: no window where another user could connect
         try:
             self._listener.bind(str(self.path))
@@ -45,38 +119,59 @@ class Lifelines:
         self._listener.setblocking(False)
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
-        self._pending: dict[int, tuple[socket.socket, float]] = {}  # fd -> (socket, hello deadline)
-        self._lines: dict[int, tuple[socket.socket, bytes]] = {}  # fd -> (socket, connection identity)
+        self._lines: dict[int, _Line] = {}  # fd -> line, named or not yet
+        self._named: dict[bytes, _Line] = {}  # identity -> its lifeline (the latest, where it opened more)
         self._count: dict[bytes, int] = {}  # identity -> its lifelines open
         self.refused = 0
+        self.bad_frames = 0
+        self.dropped = 0
 
     def fileno(self) -> int:
-        """Readable when a lifeline connects, names itself or closes."""
+        """Readable when a lifeline connects, sends, closes, or has room again for what waits to be written."""
         return self._epoll.fileno()
 
     def has(self, ident: bytes) -> bool:
         return ident in self._count
 
-    def service(self, now: float | None = None) -> tuple[list[bytes], list[bytes]]:
-        """Accept, read names, reap: (identities that opened their first lifeline, identities whose last
-        lifeline closed) since the last call."""
+    def service(self, now: float | None = None) -> tuple[list[bytes], list[tuple[bytes, bytes]], list[bytes]]:
+        """Accept, read, write, reap, without waiting: (identities that opened their first lifeline, the frames
+        their engines sent as (identity, payload) in order, identities whose last lifeline closed) since the last
+        call. An identity is named before its frames, and gone after them: what an engine sent before it went
+        counts."""
         now = time.monotonic() if now is None else now
         named: list[bytes] = []
+        frames: list[tuple[bytes, bytes]] = []
         gone: list[bytes] = []
         for _ in range(4):  # an accept's hello may already be queued: read it in the same call
             events = self._epoll.poll(0)
             if not events:
                 break
-            for fd, _ in events:
+            for fd, ev in events:
                 if fd == self._listener.fileno():
                     self._accept(now)
-                elif fd in self._pending:
-                    self._hello(fd, named)
-                elif fd in self._lines:
-                    self._check(fd, gone)
-        for fd in [fd for fd, (_, deadline) in self._pending.items() if now > deadline]:
-            self._drop_pending(fd)
-        return named, gone
+                    continue
+                line = self._lines.get(fd)
+                if line is None:
+                    continue
+                if ev & select.EPOLLOUT:
+                    self._write(line)
+                if ev & ~select.EPOLLOUT:
+                    self._take(line, named, frames, gone)
+        for line in [ln for ln in self._lines.values() if not ln.ident and now > ln.deadline]:
+            self._drop(line, gone)
+        return named, frames, gone
+
+    def send(self, ident: bytes, payload: bytes) -> bool:
+        """Write ``payload`` as a frame to ``ident``'s engine, or queue it until its lifeline has room; False
+        (counted) where it has none open, or keeps ``MAX_QUEUED`` bytes it has not read."""
+        line = self._named.get(ident)
+        if line is None or len(line.wbuf) + 4 + len(payload) > MAX_QUEUED:
+            self.dropped += 1
+            return False
+        line.wbuf += frame(payload)
+        if not line.writing:
+            self._write(line)
+        return True
 
     def _accept(self, now: float) -> None:
         while True:
@@ -86,44 +181,68 @@ class Lifelines:
                 return
             except OSError:
                 return
-            if len(self._pending) + len(self._lines) >= MAX_LINES:
+            if len(self._lines) >= MAX_LINES:
                 self.refused += 1
                 conn.close()
                 continue
             conn.setblocking(False)
-            self._pending[conn.fileno()] = (conn, now + HELLO_TIMEOUT_S)
-            self._epoll.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+            self._lines[conn.fileno()] = _Line(conn, now + HELLO_TIMEOUT_S)
+            self._epoll.register(conn.fileno(), _IN)
 
-    def _hello(self, fd: int, named: list[bytes]) -> None:
-        conn, _ = self._pending[fd]
+    def _take(self, line: _Line, named: list[bytes], frames: list[tuple[bytes, bytes]], gone: list[bytes]) -> None:
+        """Read what ``line`` has; its name, if this is its first frame, then its frames; reap it at its end."""
+        open_ = _read(line.sock, line.rbuf, _READ_PER_LOOK)
         try:
-            ident = conn.recv(MAX_IDENT + 1)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            ident = b""
-        if not ident or len(ident) > MAX_IDENT:
-            self._drop_pending(fd)
-            return
-        del self._pending[fd]
-        self._lines[fd] = (conn, ident)
+            if not line.ident:
+                hello = split(line.rbuf, MAX_IDENT, limit=1)
+                if hello:
+                    if not hello[0]:
+                        raise ValueError("an empty identity")
+                    self._name(line, hello[0], named)
+            if line.ident:
+                frames.extend((line.ident, f) for f in split(line.rbuf, self.max_frame))
+        except ValueError:
+            self.bad_frames += 1
+            open_ = False
+        if not open_:
+            self._drop(line, gone)
+
+    def _name(self, line: _Line, ident: bytes, named: list[bytes]) -> None:
+        line.ident = ident
+        self._named[ident] = line
         self._count[ident] = self._count.get(ident, 0) + 1
         if self._count[ident] == 1:
             named.append(ident)
 
-    def _check(self, fd: int, gone: list[bytes]) -> None:
-        conn, ident = self._lines[fd]
-        try:
-            data = conn.recv(1, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            return  # nothing more is ever sent; a stray packet is ignored
+    def _write(self, line: _Line) -> None:
+        """Write what ``line`` has queued, as far as it has room; wait for room (EPOLLOUT) for the rest."""
+        while line.wbuf:
+            try:
+                n = line.sock.send(line.wbuf, socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # its engine is gone: its end is read (and the line reaped) at the next look
+                line.wbuf.clear()
+                break
+            del line.wbuf[:n]
+        want = bool(line.wbuf)
+        if want != line.writing:
+            line.writing = want
+            self._epoll.modify(line.sock.fileno(), _IN | select.EPOLLOUT if want else _IN)
+
+    def _drop(self, line: _Line, gone: list[bytes]) -> None:
+        fd = line.sock.fileno()
         self._epoll.unregister(fd)
         del self._lines[fd]
-        conn.close()
+        line.sock.close()
+        ident = line.ident
+        if not ident:
+            return
+        if self._named.get(ident) is line:
+            del self._named[ident]
+            for other in self._lines.values():  # another lifeline of the same connection answers from now on
+                if other.ident == ident:
+                    self._named[ident] = other
         left = self._count[ident] - 1
         if left:
             self._count[ident] = left
@@ -131,19 +250,15 @@ class Lifelines:
             del self._count[ident]
             gone.append(ident)
 
-    def _drop_pending(self, fd: int) -> None:
-        conn, _ = self._pending.pop(fd)
-        self._epoll.unregister(fd)
-        conn.close()
-
     def stats(self) -> dict:
-        return {"lifelines": len(self._lines), "lifelines_refused": self.refused}
+        return {"lifelines": len(self._lines), "lifelines_refused": self.refused,
+                "lifeline_bad_frames": self.bad_frames, "lifeline_dropped": self.dropped}
 
     def close(self) -> None:
-        for conn, _ in [*self._pending.values(), *self._lines.values()]:
-            conn.close()
-        self._pending.clear()
+        for line in self._lines.values():
+            line.sock.close()
         self._lines.clear()
+        self._named.clear()
         self._count.clear()
         self._epoll.close()
         self._listener.close()
@@ -154,25 +269,66 @@ class Lifelines:
 
 
 class Lifeline:
-    """The engine's side: one per connection to a daemon; ``alive()`` never waits."""
+    """The engine's side: one per connection to a daemon. Never waits unless asked to (``wait``)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_frame: int) -> None:
         self._sock = sock
+        self.max_frame = max_frame
+        self._rbuf = bytearray()
         self._dead = False
 
     @classmethod
-    def connect(cls, path: Path, ident: bytes) -> Lifeline | None:
-        """A lifeline to the daemon serving ``path``; None when no daemon serves it (not started yet, or gone)."""
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def connect(cls, path: Path, ident: bytes, max_frame: int) -> Lifeline | None:
+        """A lifeline to the daemon serving ``path``, named ``ident``; None when no daemon serves it (not started
+        yet, or gone). IncompatiblePeer for a daemon whose lifelines carry no messages (local protocol 2 and
+        before: a packet socket)."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(1.0)
             s.connect(str(path))
-            s.send(ident)
+            s.sendall(frame(ident))
             s.setblocking(False)
-        except OSError:
+        except OSError as e:
             s.close()
+            if e.errno == errno.EPROTOTYPE:
+                raise IncompatiblePeer(f"the pdpush daemon at {path} is of an older local protocol (its lifelines "
+                                       "carry no messages): install one pdpush version in the engine's environment "
+                                       "and the daemons' (`pdpush --version` prints it)") from None
             return None
-        return cls(s)
+        return cls(s, max_frame)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Write as much of ``data`` as the socket takes now: how many bytes (0 once the daemon is gone)."""
+        if self._dead:
+            return 0
+        try:
+            return self._sock.send(data, socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError:
+            self._dead = True
+            return 0
+
+    def frames(self) -> list[bytes]:
+        """The whole frames the daemon has sent so far, without waiting. A frame over the cap ends the lifeline:
+        nothing after it can be read."""
+        if not self._dead and not _read(self._sock, self._rbuf, 1 << 62):
+            self._dead = True
+        try:
+            return split(self._rbuf, self.max_frame)
+        except ValueError:
+            self._dead = True
+            self._rbuf.clear()
+            return []
+
+    def wait(self, timeout_s: float, write: bool = False) -> bool:
+        """Wait up to ``timeout_s`` for something to read (or room to write); whether it came."""
+        p = select.poll()
+        p.register(self._sock.fileno(), select.POLLOUT if write else select.POLLIN)
+        return bool(p.poll(max(0, int(timeout_s * 1000 + 0.999))))
 
     def alive(self) -> bool:
         """False once the daemon's end closed (the daemon died or restarted)."""

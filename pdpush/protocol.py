@@ -35,8 +35,9 @@ PROTOCOL_VERSION = 6  # 4: leases travel as durations (AllocResponse.lease_ms), 
 # the hand-over ring's records, the staging and pool views): their pdpush must speak the same one, or it is refused
 # (``_validate``, before the message's fields are read: a newer one may have more). Engines and daemons often come
 # from separate images. 0: a pdpush from before it was numbered; 2: a decode scheduler's Query and its answer carry it
-# too (a Query may come before any Open)
-LOCAL_PROTOCOL_VERSION = 2
+# too (a Query may come before any Open); 3: an engine's connection sends and receives its messages on its lifeline,
+# a stream (lifeline.py), not the daemon's ZeroMQ socket
+LOCAL_PROTOCOL_VERSION = 3
 Completion = Literal["commit", "words"]
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_BATCH = 256  # messages in one frame between the daemons (``encode_batch``)

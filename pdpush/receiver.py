@@ -93,7 +93,8 @@ class Receiver:
         self.router, self.control_endpoint = control.bind_router(cfg.host, cfg.control_port, cfg.max_frame_bytes,
                                                                  configure, hwm=max(1000, 4 * cfg.max_leases_per_sender))
         self.local, self.local_endpoint = control.bind_local(cfg.local_socket_path(), cfg.max_frame_bytes)
-        self.lifelines = lifeline.Lifelines(lifeline.path_for(cfg.local_socket_path()))  # decode engines' deaths
+        # the decode engines' connections: their messages both ways, and their deaths (lifeline.py)
+        self.lifelines = lifeline.Lifelines(lifeline.path_for(cfg.local_socket_path()), cfg.max_frame_bytes)
         from pdpush.metrics import Metrics
 
         self.metrics = Metrics("receiver", cfg.metrics_host, cfg.metrics_port)
@@ -168,7 +169,9 @@ class Receiver:
         t = now_ms()
         due = t - self._last_tick >= 10
         if due or self.lifelines.fileno() in events:  # a hello's deadline passes without an event: each tick
-            _, gone = self.lifelines.service()
+            _, frames, gone = self.lifelines.service()
+            for ident, payload in frames:
+                self._guarded(self._on_frame, ident, payload, True)
             for ident in gone:  # decode connections whose engine died: their opens are released
                 self._apply(self.session.on_reader_gone(ident, now_ms()))
         if due:
@@ -190,9 +193,11 @@ class Receiver:
             return  # nothing to reply to
         # with CURVE, the peer's public key (Z85) as the authenticator admitted it: roles and caps go by key
         peer = _user_id(frames[-1]) if self.auth is not None and not local else ""
-        ident, payload = frames[0].bytes, frames[-1].bytes
+        self._guarded(self._on_frame, frames[0].bytes, frames[-1].bytes, local, peer)
+
+    def _guarded(self, fn, *args) -> None:
         try:
-            self._on_frame(ident, payload, local, peer)
+            fn(*args)
         except Exception:  # noqa: BLE001 - a bug in the shell must not end the daemon either
             self.shell_counters["loop_errors"] += 1
             log.exception("internal error handling a frame")
@@ -214,7 +219,10 @@ class Receiver:
                 self._apply(self.session.bad_frame(ident, msg, local))
             elif isinstance(msg, StatusRequest):
                 self._apply(self.session.look(now_ms()))  # requests whose readiness words are in count as committed
-                control.send(self.local if local else self.router, StatusReply(stats=self.stats()), ident)
+                if local:
+                    self._to_local(ident, StatusReply(stats=self.stats()))
+                else:
+                    control.send(self.router, StatusReply(stats=self.stats()), ident)
             else:
                 t = now_ms()
                 self._apply(self.session.on_local(ident, msg, t) if local else
@@ -225,12 +233,19 @@ class Receiver:
             if isinstance(a, ToSender):
                 self.outbox.post(a.ident, a.msg)
             elif isinstance(a, ToDecode):
-                if not control.send(self.local, a.msg, a.ident):
-                    count_dropped(self.shell_counters, "local_dropped", a.msg.type, log)
+                self._to_local(a.ident, a.msg)
             elif isinstance(a, FenceSender):
                 self._fence(a.ident)
             else:
                 self.metrics.apply(a, log)
+
+    def _to_local(self, ident: bytes, msg: Msg) -> None:
+        """To a decode engine's connection over its lifeline; to a local ZeroMQ client (no lifeline) on the local
+        socket."""
+        sent = (self.lifelines.send(ident, protocol.encode(msg)) if self.lifelines.has(ident)
+                else control.send(self.local, msg, ident))
+        if not sent:
+            count_dropped(self.shell_counters, "local_dropped", msg.type, log)
 
     # ---- UCX ----
     def _on_ucx_peer(self, ep) -> None:

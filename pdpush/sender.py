@@ -36,7 +36,7 @@ from pdpush.config import SenderConfig, is_loopback
 from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
 from pdpush.errors import IncompatiblePeer, PdpushError, TransportTimeout
 from pdpush.layout import PoolGeometry, combine_digests
-from pdpush.protocol import Abort, Begin, Msg, StatusReply, StatusRequest, Wake
+from pdpush.protocol import Abort, Msg, StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
     CloseRing,
     Connect,
@@ -106,7 +106,8 @@ class Sender:
             shm.prefault(self.region.address, self.region.length)
         self.ingress, self.ingress_endpoint = control.bind_local(self.cfg.ingress_socket_path(),
                                                                  self.cfg.max_frame_bytes)
-        self.lifelines = lifeline.Lifelines(lifeline.path_for(self.cfg.ingress_socket_path()))  # engines' deaths
+        # the engines' connections: their messages both ways, and their deaths (lifeline.py)
+        self.lifelines = lifeline.Lifelines(lifeline.path_for(self.cfg.ingress_socket_path()), self.cfg.max_frame_bytes)
         from pdpush.metrics import Metrics
 
         self.metrics = Metrics("sender", self.cfg.metrics_host, self.cfg.metrics_port)
@@ -223,10 +224,14 @@ class Sender:
                 self._apply(self.session.on_peer_lost(ep, f"receiver {ep} is not reachable", now_ms()))
 
     def _lifelines(self) -> None:
-        """Engine connections whose lifeline opened, or closed (their process died): lifeline.py."""
-        named, gone = self.lifelines.service()
+        """Engine connections whose lifeline opened, what they sent, and which closed (their process died):
+        lifeline.py."""
+        named, frames, gone = self.lifelines.service()
         for ident in named:
             self.session.on_lifeline(ident)
+        for ident, payload in frames:
+            self._take_ring(ident)  # its records were written before this frame was sent
+            self._guard(self._on_ingress_frame, ident, payload)
         for ident in gone:
             self._apply(self.session.on_client_gone(ident, now_ms()))
 
@@ -297,20 +302,19 @@ class Sender:
                 self._guard(lambda i=ident, rs=records: self._apply(self.session.on_refused(i, rs, now_ms())))
 
     def _on_ingress_frame(self, ident: bytes, payload: bytes) -> None:
+        """A message from an engine's connection (its lifeline), or from a local ZeroMQ client."""
         try:
             msg = protocol.decode(payload, self.cfg.max_frame_bytes)
         except PdpushError as e:
             if protocol.local_mismatch(e):
                 count_skewed(self.shell_counters, e, log)
-            control.send(self.ingress, protocol.error_reply(e), ident)
+            self._to_local(ident, protocol.error_reply(e))
             return
         if isinstance(msg, StatusRequest):
-            control.send(self.ingress, StatusReply(stats=self.stats()), ident)
+            self._to_local(ident, StatusReply(stats=self.stats()))
             return
         if isinstance(msg, Wake):
             return  # its records are taken already (_take_ring before each frame)
-        if isinstance(msg, Begin) and ident not in self.session.lifelines:
-            self._lifelines()  # its engine opened its lifeline before it sent this
         self._apply(self.session.on_ingress(ident, msg, now_ms()))
 
     def _on_peer_frame(self, endpoint: str, payload: bytes) -> None:
@@ -360,8 +364,14 @@ class Sender:
                 CloseRing: self._close_ring}
 
     def _to_client(self, a: ToClient, _todo) -> None:
-        if not control.send(self.ingress, a.msg, a.ident):
-            count_dropped(self.shell_counters, "ingress_dropped", a.msg.type, log)
+        self._to_local(a.ident, a.msg)
+
+    def _to_local(self, ident: bytes, msg: Msg) -> None:
+        """To an engine's connection over its lifeline; to a local ZeroMQ client (no lifeline) on the ingress."""
+        sent = (self.lifelines.send(ident, protocol.encode(msg)) if self.lifelines.has(ident)
+                else control.send(self.ingress, msg, ident))
+        if not sent:
+            count_dropped(self.shell_counters, "ingress_dropped", msg.type, log)
 
     def _to_peer(self, a: ToPeer, _todo) -> None:
         self.outbox.post(a.endpoint, self._settled(a) if a.handle else a.msg)

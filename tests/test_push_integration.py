@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zmq
 
-from pdpush import protocol
+from pdpush import lifeline, protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import Aborted, ErrorCode, IncompatiblePeer, PdpushError
 from pdpush.layout import KVLayout, chunk_keys
@@ -183,17 +183,19 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_an_engine_refuses_a_daemon_of_another_local_protocol_and_gives_back_what_it_answered(tmp_path, side):
     """The other way round: a daemon from before local protocols were numbered answers without a version (a stand-in
-    socket, replaying what such a daemon sends). The engine raises IncompatiblePeer rather than reading its staging
-    or pool by another protocol's rules, and tells the daemon it gave the request up (Abort; Release)."""
+    on the lifeline, replaying what such a daemon sends). The engine raises IncompatiblePeer rather than reading its
+    staging or pool by another protocol's rules, and tells the daemon it gave the request up (Abort; Release)."""
+    import socket
     import threading
 
     import msgpack
 
     layout = KVLayout(2, 2, 64, "float16", 16)
     path = tmp_path / "daemon.sock"
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(f"ipc://{path}")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(lifeline.path_for(path)))
+    listener.listen(1)
+    listener.settimeout(10)
     answer = (protocol.BeginOk(req_id="r", already_sent_indexes=[], staging_shmid=1, staging_bytes=1 << 20,
                                staging_offset=0, new_chunks=1) if side == "prefill" else
               protocol.OpenOk(req_id="r", shmid=1, pool_base=0, pool_pages=1, layout=protocol.LayoutSpec(
@@ -203,13 +205,22 @@ def test_an_engine_refuses_a_daemon_of_another_local_protocol_and_gives_back_wha
     seen: list[protocol.Msg] = []
 
     def daemon():
-        for _ in range(2):  # the Begin or Open, then what the engine says after the answer
-            if not router.poll(10_000):
-                return
-            ident, frame = router.recv_multipart()
-            seen.append(protocol.decode(frame))
-            if len(seen) == 1:
-                router.send_multipart([ident, msgpack.packb(old, use_bin_type=True)])
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        buf, hello = bytearray(), None
+        with conn:
+            while len(seen) < 2:  # the Begin or Open, then what the engine says after the answer
+                data = conn.recv(1 << 16)
+                if not data:
+                    return
+                buf += data
+                for f in lifeline.split(buf, 1 << 20):
+                    if hello is None:
+                        hello = f  # the connection's name
+                        continue
+                    seen.append(protocol.decode(f))
+                    if len(seen) == 1:
+                        conn.sendall(lifeline.frame(msgpack.packb(old, use_bin_type=True)))
 
     t = threading.Thread(target=daemon, daemon=True)
     t.start()
@@ -221,7 +232,27 @@ def test_an_engine_refuses_a_daemon_of_another_local_protocol_and_gives_back_wha
         assert [m.type for m in seen] == (["begin", "abort"] if side == "prefill" else ["open", "release"])
     finally:
         client.close()
-        router.close(0)
+        listener.close()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_engine_names_a_daemon_whose_lifelines_carry_no_messages(tmp_path, side):
+    """A daemon of local protocol 2 and before listens for lifelines on a packet socket, and reads messages from
+    its ZeroMQ socket: an engine of this pdpush says so at once, rather than waiting for answers that cannot come."""
+    import socket
+
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    path = tmp_path / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(lifeline.path_for(path)))
+    listener.listen(1)
+    client = PrefillClient(layout, path, timeout_s=10) if side == "prefill" else DecodeClient(path, timeout_s=10)
+    try:
+        with pytest.raises(IncompatiblePeer, match="older local protocol"):
+            client.begin("r", list(range(16))) if side == "prefill" else client.open("r")
+    finally:
+        client.close()
+        listener.close()
 
 
 def test_bad_input_gets_typed_error_and_daemon_keeps_serving(daemons):

@@ -9,7 +9,7 @@ In-page layout: ``page[H, C, chunk_tokens, head_dim]`` (see layout.py).
 Zero-copy: the prefill side writes straight into the sender's staging
 memory; the decode side gets views straight into the receiver's pool.
 
-Imports numpy and zmq; torch only when a torch tensor is passed or asked for.
+Imports numpy; torch only when a torch tensor is passed or asked for.
 
 By role, as vLLM splits its NIXL connector: ``prefill.py`` (the sender's client), ``decode.py`` (the
 receiver's client), ``connection.py`` (what both use: the daemon connection, shared memory, ``status``).

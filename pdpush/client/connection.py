@@ -1,8 +1,8 @@
-"""What both engine-side clients share: the connection to a daemon's local socket (``Connection``: one
-ZeroMQ DEALER, its mailboxes by request, the daemon's lifeline), the shared memory segments a client
-holds (``Attachments``), how a decode client waits (``WaitPolicy``), and ``status``.
+"""What both engine-side clients share: the connection to a daemon (``Connection``: its lifeline, which carries
+the messages both ways, and its mailboxes by request), the shared memory segments a client holds
+(``Attachments``), how a decode client waits (``WaitPolicy``), and ``status``.
 
-Imports numpy and zmq only.
+Imports numpy only.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
-
-from pdpush import control, lifeline, protocol
+from pdpush import lifeline, protocol
 from pdpush.errors import (
     BrokenResourceError,
     TransportTimeout,
@@ -61,11 +59,6 @@ class WaitPolicy:
 DEFAULT_WAIT = WaitPolicy()
 
 
-def endpoint(sock: str | Path) -> str:
-    s = str(sock)
-    return s if "://" in s else f"ipc://{s}"
-
-
 def on_host(x):
     if type(x).__module__.startswith("torch") and x.device.type != "cpu":
         return x.cpu()
@@ -78,33 +71,45 @@ def raise_error(msg: Msg) -> None:
 
 
 class Connection:
-    """A DEALER to a local daemon, with request/reply helpers and a per-request mailbox."""
+    """An engine's connection to its local daemon: messages both ways over its lifeline (lifeline.py), request and
+    reply helpers, and a mailbox per request."""
 
     def __init__(self, sock_path: str | Path, max_frame: int = protocol.DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
-        # our own identity, which the lifeline names to the daemon (lifeline.py): liveness with no pid
+        # our own identity, which the lifeline names to the daemon: the daemon's answers and our liveness, no pid
         self.ident = secrets.token_bytes(16)
-        self.sock = control.dealer(endpoint(sock_path), max_frame,
-                                   lambda s: s.setsockopt(zmq.IDENTITY, self.ident))
         self._life_path = lifeline.path_for(str(sock_path))
         self.life: Lifeline | None = None
         self.mail: dict[str | None, list[Msg]] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # requests this side gave up on: late mail is dropped
         self.peer_id = ""  # learnt from BeginOk/OpenOk: the local daemon's start (a new one: it restarted)
-        # The socket is used by one thread at a time, under ``lock``. A completion thread
+        # The lifeline is used by one thread at a time, under ``lock``. A completion thread
         # (integrations/device_copy.py) never waits for it: ``post`` queues its frame in ``_outbox``, which
         # whoever holds the lock sends first; waits then run in short slices so that queued frames leave soon.
         self.lock = threading.Lock()
-        self._outbox: deque[bytes] = deque()
+        self._outbox: deque[list] = deque()  # [frame, its number(, begun)]: the first may be partly written
+        self._numbering = threading.Lock()  # frames are numbered in the order they join the outbox
+        self._numbered = 0
+        self._written = 0  # the number of the last frame written whole
+        self._inbox: deque[bytes] = deque()  # frames read, not yet decoded
         self._slice_s = 0.25
 
     def allow_posts(self, slice_s: float = 0.002) -> None:
         """Another thread will ``post``: wait for replies in ``slice_s`` slices, sending its frames between."""
         self._slice_s = min(self._slice_s, slice_s)
 
+    def _queue(self, msg: Msg) -> int:
+        """``msg``'s frame at the end of the outbox (any thread): its number."""
+        frame = lifeline.frame(protocol.encode(msg))
+        with self._numbering:
+            self._numbered += 1
+            n = self._numbered
+            self._outbox.append([frame, n])
+        return n
+
     def post(self, msg: Msg) -> None:
-        """Send from any thread without waiting: now if the socket is free, else by its current user."""
-        self._outbox.append(protocol.encode(msg))
+        """Send from any thread without waiting: now if the lifeline is free, else by its current user."""
+        self._queue(msg)
         self._flush_if_free()
 
     def _flush_if_free(self) -> None:
@@ -115,32 +120,63 @@ class Connection:
                 self.lock.release()
 
     def _flush(self) -> None:
-        """Send queued frames (lock held); a full socket keeps the rest for the next holder."""
+        """Write queued frames (lock held), as far as the lifeline takes them now."""
+        life = self.life
+        if life is None:
+            return
         while self._outbox:
-            try:
-                self.sock.send(self._outbox[0], zmq.NOBLOCK)
-            except zmq.Again:
+            head = self._outbox[0]
+            n = life.write(head[0])
+            if n < len(head[0]):
+                if n:
+                    head[0] = head[0][n:]
+                    head.append(True)  # begun: it must end whole, whatever its sender decides
                 return
+            self._written = head[1]
             self._outbox.popleft()
 
+    def _line(self, deadline: float) -> Lifeline:
+        """The open lifeline (lock held), connecting one until ``deadline`` where there is none: the daemon may
+        be starting. A new one after a dead one is another daemon's: frames queued for the old one are dropped."""
+        while True:
+            life = self.lifeline()
+            if life is not None:
+                return life
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"no pdpush daemon answers at {self._life_path}")
+            time.sleep(0.01)  # a daemon that is starting: its socket appears; bounded by the deadline
+
     def send(self, msg: Msg, timeout_s: float) -> None:
+        """Send ``msg``, by ``timeout_s`` (TransportTimeout: the daemon does not read); BrokenResourceError where
+        the daemon dies first."""
         deadline = time.monotonic() + timeout_s
-        frame = protocol.encode(msg)
+        with self.lock:
+            life = self._line(deadline)
+        n = self._queue(msg)
         try:
             while True:
                 with self.lock:
                     self._flush()  # posted frames go first: a hand-over before the finish that follows it
-                    if not self._outbox:
-                        try:
-                            self.sock.send(frame, zmq.NOBLOCK)
-                            return
-                        except zmq.Again:
-                            pass
+                    if self._written >= n:
+                        return
+                    if self.life is not life or not life.alive():
+                        self._unqueue(n)
+                        raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)")
                     if time.monotonic() > deadline:
-                        raise TransportTimeout("local daemon is not accepting messages") from None
-                    self.sock.poll(10, zmq.POLLOUT)
+                        self._unqueue(n)
+                        raise TransportTimeout("local daemon is not accepting messages")
+                life.wait(0.01, write=True)
         finally:
             self._flush_if_free()
+
+    def _unqueue(self, n: int) -> None:
+        """Take frame ``n`` back (lock held) unless it has begun to be written: a stream cannot lose half a frame."""
+        with self._numbering:
+            for i, f in enumerate(self._outbox):
+                if f[1] == n:
+                    if len(f) == 2:
+                        del self._outbox[i]
+                    return
 
     def recv_for(self, req_id: str | None, deadline: float, grants: bool = False) -> Msg:
         """Next message about ``req_id`` (others are kept for their owners). A ``StagingGranted`` is for
@@ -152,13 +188,15 @@ class Connection:
 
     def drain(self) -> None:
         """Sort what has arrived into the mailboxes, without waiting (skipped while another thread holds
-        the socket): a prefill engine notices its request's failure at its next layer."""
+        the lifeline): a prefill engine notices its request's failure at its next layer."""
         if not self.lock.acquire(blocking=False):
             return
         try:
             self._flush()
-            for frames in control.recv_ready(self.sock, limit=1 << 30):  # twice a layer: an empty socket is cheap
-                self._file(protocol.decode_answer(frames[-1], self.max_frame))
+            if self.life is not None:
+                self._inbox.extend(self.life.frames())
+            while self._inbox:
+                self._file(protocol.decode_answer(self._inbox.popleft(), self.max_frame))
         finally:
             self.lock.release()
 
@@ -172,9 +210,25 @@ class Connection:
         return rid
 
     def _recv_one(self, deadline: float) -> Msg:
+        """The next message from the daemon, by ``deadline`` (TransportTimeout); BrokenResourceError once it is
+        gone and everything it sent before is read."""
         with self.lock:
             self._flush()
-            return control.recv_until(self.sock, deadline, self.max_frame, protocol.decode_answer)
+            while True:
+                if self._inbox:
+                    return protocol.decode_answer(self._inbox.popleft(), self.max_frame)
+                life = self.life
+                if life is None:
+                    raise BrokenResourceError("no local pdpush daemon: this connection has sent it nothing")
+                self._inbox.extend(life.frames())
+                if self._inbox:
+                    continue
+                if not life.alive():
+                    raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout("no reply before the deadline")
+                life.wait(left)
 
     def _recv_for(self, req_id: str | None, deadline: float, grants: bool) -> Msg:
         box = self.mail.get(req_id)
@@ -220,9 +274,14 @@ class Connection:
         """This connection's lifeline to its daemon, opened anew when the daemon it had died (a restarted one
         is another daemon); None while no daemon serves the socket."""
         if self.life is None or not self.life.alive():
-            if self.life is not None:
-                self.life.close()
-            self.life = Lifeline.connect(self._life_path, self.ident)
+            old = self.life
+            if old is not None:
+                old.close()
+            self.life = Lifeline.connect(self._life_path, self.ident, self.max_frame)
+            if old is not None and self.life is not None:
+                with self._numbering:  # queued for the daemon that died: not for this one
+                    self._outbox.clear()
+                self._inbox.clear()
         return self.life
 
     def daemon_alive(self) -> bool:
@@ -249,11 +308,13 @@ class Connection:
             raise_error(reply)
         return reply
 
-    def close(self, linger_ms: int = 0) -> None:
+    def close(self) -> None:
+        """Close the lifeline, after what is queued that the socket takes now (the daemon reads it before the
+        hang-up)."""
         with self.lock:
-            self.sock.close(linger_ms)
-        if self.life is not None:
-            self.life.close()
+            if self.life is not None:
+                self._flush()
+                self.life.close()
 
 
 class Attachments:

@@ -1,7 +1,7 @@
 """The decode engine's client (``DecodeClient``) to its receiver, and one request's view of what landed
 (``DecodeRequest``): open or claim, wait for each layer, read its KV straight from the pool, release.
 
-Imports numpy and zmq; torch only when a torch tensor is asked for.
+Imports numpy; torch only when a torch tensor is asked for.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 begin, write each finished layer into staging, hand it over (by the hand-over ring and the doorbell, or by
 message), finish.
 
-Imports numpy and zmq; torch only when a torch tensor is passed.
+Imports numpy; torch only when a torch tensor is passed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import zmq
 
 from pdpush import kvcodec, ring
 from pdpush.client.connection import Attachments, Connection, on_host, raise_error
@@ -545,7 +544,6 @@ class PrefillClient:
             return b
 
     def close(self) -> None:
-        linger = 0
         try:
             with self._rings_lock:
                 for w in self._rings.values():
@@ -560,11 +558,11 @@ class PrefillClient:
                     # everything sent before it was handled: only then does the lifeline close, so an Abort
                     # just sent is not taken for this process's death
                     self._conn.call(Bye(), None, 1.0)
-                except (PdpushError, zmq.ZMQError):
-                    linger = 500  # no answer: what is queued still gets its chance to leave
+                except PdpushError:
+                    pass  # no answer: what is queued still gets written as the connection closes
         finally:
             self._segments.close()
-            self._conn.close(linger)
+            self._conn.close()
 
 
 # ----------------------------------------------------------------------------- decode side

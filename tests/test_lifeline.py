@@ -1,0 +1,196 @@
+"""Lifelines carry an engine connection's messages both ways, in frames, and say when either end dies (lifeline.py).
+
+The daemon's side (``Lifelines``) and the engine's (``Lifeline``) here in one process over a real unix socket; the
+real daemons at the end."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from pdpush import lifeline, protocol
+from pdpush.client import DecodeClient, PrefillClient, status
+from pdpush.layout import KVLayout
+from tests.helpers import kv, push, read_back, rx_opts, sock, until
+
+MAX_FRAME = 1 << 20
+
+
+def test_frames_are_split_whole_and_a_frame_over_the_cap_is_refused():
+    buf = bytearray(lifeline.frame(b"a") + lifeline.frame(b"") + lifeline.frame(b"bcd") + lifeline.frame(b"xyz")[:5])
+    assert lifeline.split(buf, 16) == [b"a", b"", b"bcd"]
+    assert bytes(buf) == lifeline.frame(b"xyz")[:5]  # the start of the next stays
+    buf += lifeline.frame(b"xyz")[5:]
+    assert lifeline.split(buf, 16, limit=1) == [b"xyz"] and not buf
+    with pytest.raises(ValueError, match="over the cap"):
+        lifeline.split(bytearray(lifeline.frame(b"x" * 17)), 16)
+
+
+class Pair:
+    """A daemon's lifelines and one engine's lifeline to it; what the daemon's looks gathered, in order."""
+
+    def __init__(self, tmp_path, ident: bytes = b"engine-1") -> None:
+        self.path = tmp_path / "d.sock.life"
+        self.daemon = lifeline.Lifelines(self.path, MAX_FRAME)
+        self.engine = lifeline.Lifeline.connect(self.path, ident, MAX_FRAME)
+        assert self.engine is not None
+        self.named: list[bytes] = []
+        self.frames: list[bytes] = []
+        self.gone: list[bytes] = []
+
+    def service(self) -> None:
+        named, frames, gone = self.daemon.service()
+        self.named += named
+        self.frames += [f for _, f in frames]
+        self.gone += gone
+
+    def look(self, want, until_s: float = 5.0) -> None:
+        """The daemon looks until ``want()`` holds, or ``until_s`` passed."""
+        deadline = time.monotonic() + until_s
+        while not want() and time.monotonic() < deadline:
+            self.service()
+            time.sleep(0.001)  # bounded by the deadline
+
+    def write_all(self, data: bytes, timeout_s: float = 5.0) -> None:
+        """The engine writes ``data`` whole, while the daemon reads (each side as it would, without waiting)."""
+        view, deadline = memoryview(data), time.monotonic() + timeout_s
+        while view:
+            view = view[self.engine.write(view):]
+            assert time.monotonic() < deadline, "the daemon did not take the bytes"
+            self.service()
+
+    def close(self) -> None:
+        self.engine.close()
+        self.daemon.close()
+
+
+def test_an_engine_is_named_before_its_frames_and_gone_after_them(tmp_path):
+    p = Pair(tmp_path)
+    try:
+        big = os.urandom(3 * MAX_FRAME // 4)  # larger than a socket's buffer: written and read in parts
+        p.write_all(lifeline.frame(b"one") + lifeline.frame(big) + lifeline.frame(b"three"))
+        p.engine.close()  # it dies with its last frames sent: they count
+        p.look(lambda: p.gone)
+        assert p.named == [b"engine-1"] and p.gone == [b"engine-1"]
+        assert p.frames == [b"one", big, b"three"]
+        assert not p.daemon.has(b"engine-1")
+    finally:
+        p.close()
+
+
+def test_the_daemon_answers_in_order_whatever_the_engine_has_room_for(tmp_path):
+    p = Pair(tmp_path)
+    try:
+        p.look(lambda: p.named)
+        msgs = [os.urandom(random.Random(i).randrange(1, MAX_FRAME // 2)) for i in range(12)]  # MBs: not one buffer
+        for m in msgs:
+            assert p.daemon.send(b"engine-1", m)
+        got: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(got) < len(msgs) and time.monotonic() < deadline:
+            p.engine.wait(0.01)
+            got += p.engine.frames()
+            p.daemon.service()  # the rest is written as the engine makes room (EPOLLOUT)
+        assert got == msgs
+        assert not p.daemon.send(b"nobody", b"x") and p.daemon.stats()["lifeline_dropped"] == 1
+    finally:
+        p.close()
+
+
+def test_an_engine_that_does_not_read_costs_the_daemon_a_bounded_queue(tmp_path, monkeypatch):
+    monkeypatch.setattr(lifeline, "MAX_QUEUED", 4 * MAX_FRAME)
+    p = Pair(tmp_path)
+    try:
+        p.look(lambda: p.named)
+        sent = sum(p.daemon.send(b"engine-1", b"x" * (MAX_FRAME // 2)) for _ in range(64))
+        assert 0 < sent < 64  # the socket's buffers, then the queue, then dropped and counted
+        assert p.daemon.stats()["lifeline_dropped"] == 64 - sent
+        assert p.engine.alive()
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("bad", ["over the cap", "no name", "silent"])
+def test_a_lifeline_that_breaks_the_framing_is_closed_and_the_engine_sees_it(tmp_path, bad):
+    path = tmp_path / "d.sock.life"
+    daemon = lifeline.Lifelines(path, MAX_FRAME)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        if bad == "over the cap":  # named, then a length past the cap: nothing after it can be trusted
+            s.sendall(lifeline.frame(b"e") + (MAX_FRAME + 1).to_bytes(4, "big"))
+        elif bad == "no name":  # a first frame longer than any identity
+            s.sendall(lifeline.frame(b"e" * (lifeline.MAX_IDENT + 1)))
+        gone: list[bytes] = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            accepted = daemon.stats()["lifelines"] > 0  # a silent one is closed once its hello is overdue
+            later = lifeline.HELLO_TIMEOUT_S + 1 if bad == "silent" and accepted else 0
+            gone += daemon.service(time.monotonic() + later)[2]
+            try:
+                if s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                    break
+            except BlockingIOError:
+                pass
+            time.sleep(0.001)  # bounded by the deadline
+        assert daemon.stats()["lifelines"] == 0
+        assert gone == ([b"e"] if bad == "over the cap" else [])
+        assert daemon.stats()["lifeline_bad_frames"] == (0 if bad == "silent" else 1)
+        s.settimeout(5)
+        assert s.recv(1) == b""  # closed: the engine's waits see the daemon gone
+    finally:
+        s.close()
+        daemon.close()
+
+
+def test_real_daemons_survive_garbage_on_their_lifelines_and_serve_the_next_engine(daemons):
+    """Random bytes, a frame over the cap, and a named connection sending messages that are not valid: each daemon
+    answers what it can read with a typed error, closes what it cannot, and then serves a real push and read."""
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(layout))
+    tx = daemons.sender(rx)
+    rnd = random.Random(11)
+    for d in (tx, rx):
+        path = lifeline.path_for(sock(d))
+        for i in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            try:
+                s.connect(str(path))
+                if i % 2:  # named: then frames that are not messages
+                    s.sendall(lifeline.frame(f"junk-{i}".encode()))
+                    for _ in range(3):
+                        s.sendall(lifeline.frame(rnd.randbytes(rnd.randrange(0, 64))))
+                    reply = lifeline.split(_read_some(s), MAX_FRAME)
+                    assert reply and isinstance(protocol.decode_answer(reply[0]), protocol.Error), reply
+                else:
+                    s.sendall(rnd.randbytes(rnd.randrange(1, 4096)))
+            finally:
+                s.close()
+        until(lambda d=d: status(sock(d))["lifelines"] <= 1, 10, "the broken lifelines closed")
+    pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+    try:
+        ids = list(range(40))
+        k, v = kv(layout, len(ids), seed=9)
+        push(pc, "after-garbage", ids, k, v)
+        gk, gv = read_back(dc, "after-garbage", layout, len(ids))
+        assert np.array_equal(gk, k) and np.array_equal(gv, v)
+        assert tx.alive() and rx.alive()
+    finally:
+        pc.close()
+        dc.close()
+
+
+def _read_some(s: socket.socket) -> bytearray:
+    buf = bytearray()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        buf += s.recv(1 << 16)
+        if len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "big"):
+            return buf
+    return buf
