@@ -6,8 +6,11 @@ Endpoints:
     which the chunk-index events go out on it (index.py).
   * UCX listener on the configured address: senders' endpoints; their
     one-sided puts land in the pool.
-  * ZMQ ROUTER on a 0600 unix socket for the local decode engine: Open,
-    Claim, Release, Query, Status; the receiver pushes LayerAvailable/Committed.
+  * the lifelines (lifeline.py), a 0600 unix stream socket, for the local decode
+    engine's connections: Open, Claim, Release, Query, Status; the receiver
+    pushes LayerAvailable/Committed on them too.
+  * ZMQ ROUTER on a 0600 unix socket for the other local clients (a decode
+    scheduler's Query), with the same messages.
 
 Every decision is the session's; this module moves bytes and carries out its
 actions. A frame that does not decode gets a typed Error reply; an exception

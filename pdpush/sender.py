@@ -8,8 +8,9 @@ For each request:
      without waiting; readiness words (and a LayerDone, with checksums) when every rank's share is flushed
   -> Finish (client) -> Done once every layer's readiness words are flushed (completion on the data path),
      or, with checksums or state layers, Commit -> CommitAck -> Done.
-Every decision is the session's; this module polls sockets and carries out the
-session's actions. The per-layer path is native (``pdpush_native.Pusher``,
+An engine's messages come and go on its connection's lifeline (lifeline.py, a unix stream); the
+ZeroMQ ingress socket serves other local clients. Every decision is the session's; this module
+polls sockets and carries out the session's actions. The per-layer path is native (``pdpush_native.Pusher``,
 native/src/pusher.cpp): it takes ring records, posts puts and flushes, reaps
 completions and puts readiness words, and this loop hands the session what
 landed, in batches. The loop never waits on one receiver:
