@@ -30,13 +30,16 @@ import select
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from pdpush.errors import IncompatiblePeer
+from pdpush.errors import IncompatiblePeer, UnexpectedMessage
 
 MAX_IDENT = 255
 MAX_LINES = 4096  # lifelines a daemon keeps at once; more are refused (closed at once)
 HELLO_TIMEOUT_S = 5.0  # a lifeline that has not named its connection by then is closed
-MAX_QUEUED = 64 << 20  # bytes a daemon keeps for one engine that is not reading them
+MAX_QUEUED = 16 << 20  # bytes a daemon keeps for one engine that is not reading them
+MAX_QUEUED_ALL = 256 << 20  # and for all of them together
+NAMED, FRAME, GONE = "named", "frame", "gone"  # what ``Lifelines.service`` reports, in order
 _READ = 1 << 18  # bytes one recv takes
 _READ_PER_LOOK = 4 << 20  # bytes one look reads from one lifeline: one busy engine does not hold up the others
 _IN = select.EPOLLIN | select.EPOLLRDHUP
@@ -52,22 +55,25 @@ def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(4, "big") + payload
 
 
-def split(buf: bytearray, max_frame: int, limit: int = 1 << 62) -> list[bytes]:
+def split(buf: bytearray, max_frame: int, limit: int = 1 << 62) -> tuple[list[bytes], bool]:
     """The whole frames at the head of ``buf`` (at most ``limit``), taken out of it; what is left is the start of
-    the next. ValueError for a frame longer than ``max_frame``: the stream cannot be trusted past it."""
+    the next. And whether the stream is still sound: False at a frame longer than ``max_frame`` (nothing past it
+    can be trusted), after the frames before it."""
     out: list[bytes] = []
     i, n = 0, len(buf)
+    sound = True
     while n - i >= 4 and len(out) < limit:
         k = int.from_bytes(buf[i:i + 4], "big")
         if k > max_frame:
-            raise ValueError(f"a frame of {k} bytes, over the cap of {max_frame}")
+            sound = False
+            break
         if n - i - 4 < k:
             break
         out.append(bytes(buf[i + 4:i + 4 + k]))
         i += 4 + k
     if i:
         del buf[:i]
-    return out
+    return out, sound
 
 
 def _read(sock: socket.socket, buf: bytearray, limit: int) -> bool:
@@ -86,6 +92,21 @@ def _read(sock: socket.socket, buf: bytearray, limit: int) -> bool:
         buf += data
         got += len(data)
     return True
+
+
+def off_lifeline(msg, path: Path) -> UnexpectedMessage:
+    """The error for an engine's message (a Begin, an Open, ...) that came on a daemon's ZeroMQ socket, which takes
+    only what is not an engine's connection (a status request; a decode scheduler's Query at the receiver)."""
+    return UnexpectedMessage(f"{msg.type} on the daemon's ZeroMQ socket: an engine's connection sends its messages "
+                             f"on its lifeline, {path} (local protocol 3)", req_id=getattr(msg, "req_id", None))
+
+
+class Event(NamedTuple):
+    """A connection's lifeline opened (NAMED: its first), sent a frame (FRAME), or closed (GONE: its last)."""
+
+    kind: str
+    ident: bytes
+    payload: bytes = b""
 
 
 class _Line:
@@ -119,12 +140,13 @@ class Lifelines:
         self._listener.setblocking(False)
         self._epoll = select.epoll()
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+        self._paused_until = 0.0  # out of fds: the listener is not watched until then (it would wake every look)
         self._lines: dict[int, _Line] = {}  # fd -> line, named or not yet
         self._named: dict[bytes, _Line] = {}  # identity -> its lifeline (the latest, where it opened more)
         self._count: dict[bytes, int] = {}  # identity -> its lifelines open
+        self._queued = 0  # bytes in every line's wbuf
         self.refused = 0
         self.bad_frames = 0
-        self.dropped = 0
 
     def fileno(self) -> int:
         """Readable when a lifeline connects, sends, closes, or has room again for what waits to be written."""
@@ -133,15 +155,15 @@ class Lifelines:
     def has(self, ident: bytes) -> bool:
         return ident in self._count
 
-    def service(self, now: float | None = None) -> tuple[list[bytes], list[tuple[bytes, bytes]], list[bytes]]:
-        """Accept, read, write, reap, without waiting: (identities that opened their first lifeline, the frames
-        their engines sent as (identity, payload) in order, identities whose last lifeline closed) since the last
-        call. An identity is named before its frames, and gone after them: what an engine sent before it went
-        counts."""
+    def service(self, now: float | None = None) -> list[Event]:
+        """Accept, read, write, reap, without waiting: what happened since the last call, in order. A connection
+        is NAMED before its frames and GONE after them (what an engine sent before it went counts), and a
+        connection that closes and opens again is GONE before it is NAMED again."""
         now = time.monotonic() if now is None else now
-        named: list[bytes] = []
-        frames: list[tuple[bytes, bytes]] = []
-        gone: list[bytes] = []
+        out: list[Event] = []
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         for _ in range(4):  # an accept's hello may already be queued: read it in the same call
             events = self._epoll.poll(0)
             if not events:
@@ -156,19 +178,20 @@ class Lifelines:
                 if ev & select.EPOLLOUT:
                     self._write(line)
                 if ev & ~select.EPOLLOUT:
-                    self._take(line, named, frames, gone)
+                    self._take(line, out)
         for line in [ln for ln in self._lines.values() if not ln.ident and now > ln.deadline]:
-            self._drop(line, gone)
-        return named, frames, gone
+            self._drop(line, out)
+        return out
 
     def send(self, ident: bytes, payload: bytes) -> bool:
-        """Write ``payload`` as a frame to ``ident``'s engine, or queue it until its lifeline has room; False
-        (counted) where it has none open, or keeps ``MAX_QUEUED`` bytes it has not read."""
+        """Write ``payload`` as a frame to ``ident``'s engine, or queue it until its lifeline has room; False where
+        it has none open, or keeps ``MAX_QUEUED`` bytes it has not read (``MAX_QUEUED_ALL`` for every engine)."""
         line = self._named.get(ident)
-        if line is None or len(line.wbuf) + 4 + len(payload) > MAX_QUEUED:
-            self.dropped += 1
+        size = 4 + len(payload)
+        if line is None or len(line.wbuf) + size > MAX_QUEUED or self._queued + size > MAX_QUEUED_ALL:
             return False
         line.wbuf += frame(payload)
+        self._queued += size
         if not line.writing:
             self._write(line)
         return True
@@ -179,7 +202,11 @@ class Lifelines:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as e:  # out of fds: the connection waits in the backlog; look again in 100 ms
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.refused += 1
+                    self._epoll.unregister(self._listener.fileno())
+                    self._paused_until = now + 0.1
                 return
             if len(self._lines) >= MAX_LINES:
                 self.refused += 1
@@ -189,33 +216,35 @@ class Lifelines:
             self._lines[conn.fileno()] = _Line(conn, now + HELLO_TIMEOUT_S)
             self._epoll.register(conn.fileno(), _IN)
 
-    def _take(self, line: _Line, named: list[bytes], frames: list[tuple[bytes, bytes]], gone: list[bytes]) -> None:
-        """Read what ``line`` has; its name, if this is its first frame, then its frames; reap it at its end."""
+    def _take(self, line: _Line, out: list[Event]) -> None:
+        """Read what ``line`` has: its name, if this is its first frame, then its frames; reap it at its end, or at
+        a frame that breaks the framing (after the frames before it)."""
         open_ = _read(line.sock, line.rbuf, _READ_PER_LOOK)
-        try:
-            if not line.ident:
-                hello = split(line.rbuf, MAX_IDENT, limit=1)
-                if hello:
-                    if not hello[0]:
-                        raise ValueError("an empty identity")
-                    self._name(line, hello[0], named)
-            if line.ident:
-                frames.extend((line.ident, f) for f in split(line.rbuf, self.max_frame))
-        except ValueError:
+        sound = True
+        if not line.ident:
+            hello, sound = split(line.rbuf, MAX_IDENT, limit=1)
+            if hello and not hello[0]:
+                sound = False  # an empty identity
+            elif hello:
+                self._name(line, hello[0], out)
+        if line.ident and sound:
+            frames, sound = split(line.rbuf, self.max_frame)
+            out.extend(Event(FRAME, line.ident, f) for f in frames)
+        if not sound:
             self.bad_frames += 1
-            open_ = False
-        if not open_:
-            self._drop(line, gone)
+        if not (open_ and sound):
+            self._drop(line, out)
 
-    def _name(self, line: _Line, ident: bytes, named: list[bytes]) -> None:
+    def _name(self, line: _Line, ident: bytes, out: list[Event]) -> None:
         line.ident = ident
         self._named[ident] = line
         self._count[ident] = self._count.get(ident, 0) + 1
         if self._count[ident] == 1:
-            named.append(ident)
+            out.append(Event(NAMED, ident))
 
     def _write(self, line: _Line) -> None:
         """Write what ``line`` has queued, as far as it has room; wait for room (EPOLLOUT) for the rest."""
+        before = len(line.wbuf)
         while line.wbuf:
             try:
                 n = line.sock.send(line.wbuf, socket.MSG_NOSIGNAL)
@@ -225,15 +254,17 @@ class Lifelines:
                 line.wbuf.clear()
                 break
             del line.wbuf[:n]
+        self._queued -= before - len(line.wbuf)
         want = bool(line.wbuf)
         if want != line.writing:
             line.writing = want
             self._epoll.modify(line.sock.fileno(), _IN | select.EPOLLOUT if want else _IN)
 
-    def _drop(self, line: _Line, gone: list[bytes]) -> None:
+    def _drop(self, line: _Line, out: list[Event]) -> None:
         fd = line.sock.fileno()
         self._epoll.unregister(fd)
         del self._lines[fd]
+        self._queued -= len(line.wbuf)
         line.sock.close()
         ident = line.ident
         if not ident:
@@ -248,11 +279,11 @@ class Lifelines:
             self._count[ident] = left
         else:
             del self._count[ident]
-            gone.append(ident)
+            out.append(Event(GONE, ident))
 
     def stats(self) -> dict:
         return {"lifelines": len(self._lines), "lifelines_refused": self.refused,
-                "lifeline_bad_frames": self.bad_frames, "lifeline_dropped": self.dropped}
+                "lifeline_bad_frames": self.bad_frames, "lifeline_queued_bytes": self._queued}
 
     def close(self) -> None:
         for line in self._lines.values():
@@ -275,7 +306,8 @@ class Lifeline:
         self._sock = sock
         self.max_frame = max_frame
         self._rbuf = bytearray()
-        self._dead = False
+        self._dead = False  # its end was read (or the stream broke): nothing more comes
+        self.write_failed = False  # a write failed: nothing more goes
 
     @classmethod
     def connect(cls, path: Path, ident: bytes, max_frame: int) -> Lifeline | None:
@@ -301,28 +333,28 @@ class Lifeline:
         return self._sock.fileno()
 
     def write(self, data: bytes | memoryview) -> int:
-        """Write as much of ``data`` as the socket takes now: how many bytes (0 once the daemon is gone)."""
-        if self._dead:
+        """Write as much of ``data`` as the socket takes now: how many bytes (0 once a write failed: the daemon
+        is gone, though what it sent before can still be read)."""
+        if self.write_failed:
             return 0
         try:
             return self._sock.send(data, socket.MSG_NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             return 0
         except OSError:
-            self._dead = True
+            self.write_failed = True
             return 0
 
     def frames(self) -> list[bytes]:
-        """The whole frames the daemon has sent so far, without waiting. A frame over the cap ends the lifeline:
-        nothing after it can be read."""
+        """The whole frames the daemon has sent so far, without waiting. A frame over the cap ends the lifeline,
+        after the frames before it: nothing after it can be read."""
         if not self._dead and not _read(self._sock, self._rbuf, 1 << 62):
             self._dead = True
-        try:
-            return split(self._rbuf, self.max_frame)
-        except ValueError:
+        got, sound = split(self._rbuf, self.max_frame)
+        if not sound:
             self._dead = True
             self._rbuf.clear()
-            return []
+        return got
 
     def wait(self, timeout_s: float, write: bool = False) -> bool:
         """Wait up to ``timeout_s`` for something to read (or room to write); whether it came."""
@@ -331,9 +363,11 @@ class Lifeline:
         return bool(p.poll(max(0, int(timeout_s * 1000 + 0.999))))
 
     def alive(self) -> bool:
-        """False once the daemon's end closed (the daemon died or restarted)."""
+        """False once the daemon's end closed (the daemon died or restarted) and all it sent before is read."""
         if self._dead:
             return False
+        if self._rbuf:
+            return True
         try:
             data = self._sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
@@ -343,6 +377,10 @@ class Lifeline:
         if not data:
             self._dead = True
         return not self._dead
+
+    def usable(self) -> bool:
+        """Whether messages can still go both ways: no write failed, and the daemon's end is not closed."""
+        return not self.write_failed and self.alive()
 
     def close(self) -> None:
         self._dead = True

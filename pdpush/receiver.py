@@ -33,7 +33,7 @@ from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import READY_WORD, combine_digests
-from pdpush.protocol import Msg, StatusReply, StatusRequest
+from pdpush.protocol import Msg, Query, StatusReply, StatusRequest
 from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 
 log = logging.getLogger("pdpush.receiver")
@@ -172,11 +172,11 @@ class Receiver:
         t = now_ms()
         due = t - self._last_tick >= 10
         if due or self.lifelines.fileno() in events:  # a hello's deadline passes without an event: each tick
-            _, frames, gone = self.lifelines.service()
-            for ident, payload in frames:
-                self._guarded(self._on_frame, ident, payload, True)
-            for ident in gone:  # decode connections whose engine died: their opens are released
-                self._apply(self.session.on_reader_gone(ident, now_ms()))
+            for ev in self.lifelines.service():
+                if ev.kind == lifeline.FRAME:
+                    self._guarded(self._on_frame, ev.ident, ev.payload, True, "", True)
+                elif ev.kind == lifeline.GONE:  # a decode connection whose engine died: its opens are released
+                    self._apply(self.session.on_reader_gone(ev.ident, now_ms()))
         if due:
             self._last_tick = t
             self._apply(self.session.on_tick(t))
@@ -205,7 +205,9 @@ class Receiver:
             self.shell_counters["loop_errors"] += 1
             log.exception("internal error handling a frame")
 
-    def _on_frame(self, ident: bytes, payload: bytes, local: bool, peer: str = "") -> None:
+    def _on_frame(self, ident: bytes, payload: bytes, local: bool, peer: str = "", on_lifeline: bool = False) -> None:
+        """A frame from a sender (or a router), from a decode engine's connection (on its lifeline), or from a
+        local ZeroMQ client, which may only ask (Query, status): an open made there would outlive its engine."""
         try:  # a peer daemon's frame may carry a batch (daemon.Outbox); an engine's is one message
             msgs = [protocol.decode(payload, self.cfg.max_frame_bytes)] if local else \
                 protocol.decode_batch(payload, self.cfg.max_frame_bytes)
@@ -226,6 +228,8 @@ class Receiver:
                     self._to_local(ident, StatusReply(stats=self.stats()))
                 else:
                     control.send(self.router, StatusReply(stats=self.stats()), ident)
+            elif local and not on_lifeline and not isinstance(msg, Query):
+                self._apply(self.session.bad_frame(ident, lifeline.off_lifeline(msg, self.lifelines.path), local))
             else:
                 t = now_ms()
                 self._apply(self.session.on_local(ident, msg, t) if local else

@@ -200,8 +200,7 @@ class Sender:
                     break  # the peer was reset while handling that frame
         for frames in control.recv_ready(self.ingress):
             if len(frames) >= 2:
-                self._take_ring(frames[0])  # its records were written before this frame was sent
-                self._guard(self._on_ingress_frame, frames[0], frames[-1])
+                self._guard(self._on_ingress_frame, frames[0], frames[-1], False)
         if self.lifelines.fileno() in ready:  # after the ingress: what an engine sent before it went counts
             self._lifelines()
         self.pusher.post()  # everything handed over in this pass: one batch per receiver
@@ -227,14 +226,14 @@ class Sender:
     def _lifelines(self) -> None:
         """Engine connections whose lifeline opened, what they sent, and which closed (their process died):
         lifeline.py."""
-        named, frames, gone = self.lifelines.service()
-        for ident in named:
-            self.session.on_lifeline(ident)
-        for ident, payload in frames:
-            self._take_ring(ident)  # its records were written before this frame was sent
-            self._guard(self._on_ingress_frame, ident, payload)
-        for ident in gone:
-            self._apply(self.session.on_client_gone(ident, now_ms()))
+        for ev in self.lifelines.service():
+            if ev.kind == lifeline.FRAME:
+                self._take_ring(ev.ident)  # its records were written before this frame was sent
+                self._guard(self._on_ingress_frame, ev.ident, ev.payload)
+            elif ev.kind == lifeline.NAMED:
+                self.session.on_lifeline(ev.ident)
+            else:
+                self._apply(self.session.on_client_gone(ev.ident, now_ms()))
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -302,8 +301,9 @@ class Sender:
             if ident is not None:
                 self._guard(lambda i=ident, rs=records: self._apply(self.session.on_refused(i, rs, now_ms())))
 
-    def _on_ingress_frame(self, ident: bytes, payload: bytes) -> None:
-        """A message from an engine's connection (its lifeline), or from a local ZeroMQ client."""
+    def _on_ingress_frame(self, ident: bytes, payload: bytes, on_lifeline: bool = True) -> None:
+        """A message from an engine's connection (on its lifeline), or from a local ZeroMQ client, which may only
+        ask for the status: a request begun there would outlive its engine unseen."""
         try:
             msg = protocol.decode(payload, self.cfg.max_frame_bytes)
         except PdpushError as e:
@@ -313,6 +313,9 @@ class Sender:
             return
         if isinstance(msg, StatusRequest):
             self._to_local(ident, StatusReply(stats=self.stats()))
+            return
+        if not on_lifeline:
+            self._to_local(ident, protocol.error_reply(lifeline.off_lifeline(msg, self.lifelines.path)))
             return
         if isinstance(msg, Wake):
             return  # its records are taken already (_take_ring before each frame)

@@ -21,14 +21,13 @@ from tests.helpers import kv, push, read_back, rx_opts, sock, until
 MAX_FRAME = 1 << 20
 
 
-def test_frames_are_split_whole_and_a_frame_over_the_cap_is_refused():
+def test_frames_are_split_whole_and_a_frame_over_the_cap_ends_the_stream_after_those_before_it():
     buf = bytearray(lifeline.frame(b"a") + lifeline.frame(b"") + lifeline.frame(b"bcd") + lifeline.frame(b"xyz")[:5])
-    assert lifeline.split(buf, 16) == [b"a", b"", b"bcd"]
+    assert lifeline.split(buf, 16) == ([b"a", b"", b"bcd"], True)
     assert bytes(buf) == lifeline.frame(b"xyz")[:5]  # the start of the next stays
     buf += lifeline.frame(b"xyz")[5:]
-    assert lifeline.split(buf, 16, limit=1) == [b"xyz"] and not buf
-    with pytest.raises(ValueError, match="over the cap"):
-        lifeline.split(bytearray(lifeline.frame(b"x" * 17)), 16)
+    assert lifeline.split(buf, 16, limit=1) == ([b"xyz"], True) and not buf
+    assert lifeline.split(bytearray(lifeline.frame(b"ok") + lifeline.frame(b"x" * 17)), 16) == ([b"ok"], False)
 
 
 class Pair:
@@ -44,10 +43,9 @@ class Pair:
         self.gone: list[bytes] = []
 
     def service(self) -> None:
-        named, frames, gone = self.daemon.service()
-        self.named += named
-        self.frames += [f for _, f in frames]
-        self.gone += gone
+        for ev in self.daemon.service():
+            {lifeline.NAMED: self.named, lifeline.GONE: self.gone}.get(ev.kind, self.frames).append(
+                ev.payload if ev.kind == lifeline.FRAME else ev.ident)
 
     def look(self, want, until_s: float = 5.0) -> None:
         """The daemon looks until ``want()`` holds, or ``until_s`` passed."""
@@ -97,7 +95,7 @@ def test_the_daemon_answers_in_order_whatever_the_engine_has_room_for(tmp_path):
             got += p.engine.frames()
             p.daemon.service()  # the rest is written as the engine makes room (EPOLLOUT)
         assert got == msgs
-        assert not p.daemon.send(b"nobody", b"x") and p.daemon.stats()["lifeline_dropped"] == 1
+        assert not p.daemon.send(b"nobody", b"x")
     finally:
         p.close()
 
@@ -108,8 +106,8 @@ def test_an_engine_that_does_not_read_costs_the_daemon_a_bounded_queue(tmp_path,
     try:
         p.look(lambda: p.named)
         sent = sum(p.daemon.send(b"engine-1", b"x" * (MAX_FRAME // 2)) for _ in range(64))
-        assert 0 < sent < 64  # the socket's buffers, then the queue, then dropped and counted
-        assert p.daemon.stats()["lifeline_dropped"] == 64 - sent
+        assert 0 < sent < 64  # the socket's buffers, then the queue, then refused (the shell counts it)
+        assert p.daemon.stats()["lifeline_queued_bytes"] <= 4 * MAX_FRAME
         assert p.engine.alive()
     finally:
         p.close()
@@ -131,7 +129,7 @@ def test_a_lifeline_that_breaks_the_framing_is_closed_and_the_engine_sees_it(tmp
         while time.monotonic() < deadline:
             accepted = daemon.stats()["lifelines"] > 0  # a silent one is closed once its hello is overdue
             later = lifeline.HELLO_TIMEOUT_S + 1 if bad == "silent" and accepted else 0
-            gone += daemon.service(time.monotonic() + later)[2]
+            gone += [ev.ident for ev in daemon.service(time.monotonic() + later) if ev.kind == lifeline.GONE]
             try:
                 if s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
                     break
@@ -166,7 +164,7 @@ def test_real_daemons_survive_garbage_on_their_lifelines_and_serve_the_next_engi
                     s.sendall(lifeline.frame(f"junk-{i}".encode()))
                     for _ in range(3):
                         s.sendall(lifeline.frame(rnd.randbytes(rnd.randrange(0, 64))))
-                    reply = lifeline.split(_read_some(s), MAX_FRAME)
+                    reply, _ = lifeline.split(_read_some(s), MAX_FRAME)
                     assert reply and isinstance(protocol.decode_answer(reply[0]), protocol.Error), reply
                 else:
                     s.sendall(rnd.randbytes(rnd.randrange(1, 4096)))
@@ -184,6 +182,57 @@ def test_real_daemons_survive_garbage_on_their_lifelines_and_serve_the_next_engi
     finally:
         pc.close()
         dc.close()
+
+
+def test_a_connection_closed_and_opened_again_is_gone_before_it_is_named_again(tmp_path):
+    p = Pair(tmp_path)
+    try:
+        p.look(lambda: p.named)
+        p.engine.close()
+        again = lifeline.Lifeline.connect(p.path, b"engine-1", MAX_FRAME)  # the same connection, a new lifeline
+        again.write(lifeline.frame(b"after"))
+        events: list = []
+        deadline = time.monotonic() + 5
+        while not any(e.kind == lifeline.FRAME for e in events) and time.monotonic() < deadline:
+            events += p.daemon.service()
+            time.sleep(0.001)  # bounded by the deadline
+        assert [(e.kind, e.payload) for e in events] == [(lifeline.GONE, b""), (lifeline.NAMED, b""),
+                                                         (lifeline.FRAME, b"after")]
+        assert p.daemon.has(b"engine-1")
+        again.close()
+    finally:
+        p.close()
+
+
+def test_what_was_queued_for_a_daemon_that_died_never_reaches_the_next(tmp_path):
+    """A frame half written to a daemon that then dies, and frames posted behind it, are dropped with its lifeline:
+    the restarted daemon reads the engine's next message whole, and nothing before it."""
+    from pdpush.client.connection import Connection
+
+    path = tmp_path / "d.sock"
+    first = lifeline.Lifelines(lifeline.path_for(path), 4 << 20)
+    conn = Connection(path, max_frame=4 << 20)
+    try:
+        assert conn.lifeline() is not None
+        conn.post(protocol.Query(chunk_keys=[os.urandom(16) for _ in range(100_000)]))  # ~1.8 MB: not one write
+        conn.post(protocol.Abort(req_id="r", reason="stale"))
+        assert conn._outbox, "the socket took everything: the frame must be cut off for this test"
+        first.close()  # dies without reading
+        second = lifeline.Lifelines(lifeline.path_for(path), 4 << 20)
+        try:
+            conn.send(protocol.StatusRequest(), 5)
+            events: list = []
+            deadline = time.monotonic() + 5
+            while not any(e.kind == lifeline.FRAME for e in events) and time.monotonic() < deadline:
+                events += second.service()
+                time.sleep(0.001)  # bounded by the deadline
+            frames = [protocol.decode(e.payload) for e in events if e.kind == lifeline.FRAME]
+            assert [type(m) for m in frames] == [protocol.StatusRequest]
+            assert second.stats()["lifeline_bad_frames"] == 0
+        finally:
+            second.close()
+    finally:
+        conn.close()
 
 
 def _read_some(s: socket.socket) -> bytearray:

@@ -180,6 +180,37 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
         dc.close()
 
 
+def test_a_request_cannot_begin_on_a_daemons_zeromq_socket_where_its_engine_could_die_unseen(daemons):
+    """An engine's connection sends its messages on its lifeline, whose hang-up tells the daemon it died. The daemons'
+    ZeroMQ sockets answer a status request and a decode scheduler's Query, and refuse a Begin, Open or Claim with a
+    typed error naming the lifeline: nothing is held for them."""
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(layout))
+    tx = daemons.sender(rx)
+    ids = list(range(40))
+    keys = chunk_keys(ids, layout)
+    begin = protocol.Begin(req_id="unseen", receiver="", layout=protocol.LayoutSpec(**layout.to_dict()),
+                           chunk_keys=keys, last_chunk_tokens=layout.last_chunk_tokens(len(ids)))
+    claim = protocol.Claim(req_id="unseen", chunk_keys=keys, last_chunk_tokens=layout.last_chunk_tokens(len(ids)),
+                           lease_ms=1000)
+    for endpoint, msg in ((tx.info["ingress_endpoint"], begin), (rx.info["local_endpoint"], protocol.Open(req_id="unseen")),
+                          (rx.info["local_endpoint"], claim)):
+        s = _raw_dealer(endpoint)
+        try:
+            reply = _ask(s, protocol.encode(msg))
+            assert isinstance(reply, protocol.Error) and reply.code is ErrorCode.UNEXPECTED, reply
+            assert reply.req_id == "unseen" and ".life" in reply.message, reply
+            assert isinstance(_ask(s, protocol.encode(protocol.StatusRequest())), protocol.StatusReply)
+        finally:
+            s.close(0)
+    s = _raw_dealer(rx.info["local_endpoint"])
+    try:
+        assert isinstance(_ask(s, protocol.encode(protocol.Query(chunk_keys=keys))), protocol.QueryReply)
+    finally:
+        s.close(0)
+    assert status(sock(tx))["requests_total"] == 0 and status(sock(rx))["requests_inflight"] == 0
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_an_engine_refuses_a_daemon_of_another_local_protocol_and_gives_back_what_it_answered(tmp_path, side):
     """The other way round: a daemon from before local protocols were numbered answers without a version (a stand-in
@@ -214,7 +245,7 @@ def test_an_engine_refuses_a_daemon_of_another_local_protocol_and_gives_back_wha
                 if not data:
                     return
                 buf += data
-                for f in lifeline.split(buf, 1 << 20):
+                for f in lifeline.split(buf, 1 << 20)[0]:
                     if hello is None:
                         hello = f  # the connection's name
                         continue

@@ -604,6 +604,7 @@ def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_
     monkeypatch.setattr(shell.control, "send", lambda sock, msg, ident=None: sent.append((ident, msg)) or True)
     s = shell.Sender.__new__(shell.Sender)
     s.session, s.pusher, s.ingress, s.shell_counters = w.tx, BrokenGrants(), None, {"action_errors": 0}
+    s.lifelines = type("L", (), {"has": lambda self, ident: False})()  # no lifeline: the reply goes on the ingress
     s.wire = WireCount()
     s.outbox = Outbox(s.wire)
     s.metrics = type("M", (), {"apply": lambda self, a, log: None})()

@@ -92,6 +92,7 @@ class Connection:
         self._numbered = 0
         self._written = 0  # the number of the last frame written whole
         self._inbox: deque[bytes] = deque()  # frames read, not yet decoded
+        self._closed = False
         self._slice_s = 0.25
 
     def allow_posts(self, slice_s: float = 0.002) -> None:
@@ -137,9 +138,9 @@ class Connection:
 
     def _line(self, deadline: float) -> Lifeline:
         """The open lifeline (lock held), connecting one until ``deadline`` where there is none: the daemon may
-        be starting. A new one after a dead one is another daemon's: frames queued for the old one are dropped."""
+        be starting."""
         while True:
-            life = self.lifeline()
+            life = self._reline()
             if life is not None:
                 return life
             if time.monotonic() >= deadline:
@@ -147,8 +148,9 @@ class Connection:
             time.sleep(0.01)  # a daemon that is starting: its socket appears; bounded by the deadline
 
     def send(self, msg: Msg, timeout_s: float) -> None:
-        """Send ``msg``, by ``timeout_s`` (TransportTimeout: the daemon does not read); BrokenResourceError where
-        the daemon dies first."""
+        """Send ``msg``, by ``timeout_s``: TransportTimeout where the daemon does not read it by then (a frame
+        that has begun to be written is finished all the same: a stream cannot lose half a frame), and
+        BrokenResourceError where the daemon dies first."""
         deadline = time.monotonic() + timeout_s
         with self.lock:
             life = self._line(deadline)
@@ -159,7 +161,7 @@ class Connection:
                     self._flush()  # posted frames go first: a hand-over before the finish that follows it
                     if self._written >= n:
                         return
-                    if self.life is not life or not life.alive():
+                    if self.life is not life or not life.usable():
                         self._unqueue(n)
                         raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)")
                     if time.monotonic() > deadline:
@@ -273,15 +275,22 @@ class Connection:
     def lifeline(self) -> Lifeline | None:
         """This connection's lifeline to its daemon, opened anew when the daemon it had died (a restarted one
         is another daemon); None while no daemon serves the socket."""
-        if self.life is None or not self.life.alive():
-            old = self.life
-            if old is not None:
-                old.close()
-            self.life = Lifeline.connect(self._life_path, self.ident, self.max_frame)
-            if old is not None and self.life is not None:
-                with self._numbering:  # queued for the daemon that died: not for this one
+        with self.lock:
+            return self._reline()
+
+    def _reline(self) -> Lifeline | None:
+        """``lifeline`` with the lock held. What was queued for a daemon that died is dropped with its lifeline
+        (a frame half written among it): none of it is for the next daemon. What it sent before it died is
+        still read."""
+        if self._closed:
+            raise BrokenResourceError("this connection to the local pdpush daemon is closed")
+        if self.life is None or not self.life.usable():
+            if self.life is not None:
+                self.life.close()
+                self.life = None
+                with self._numbering:
                     self._outbox.clear()
-                self._inbox.clear()
+            self.life = Lifeline.connect(self._life_path, self.ident, self.max_frame)
         return self.life
 
     def daemon_alive(self) -> bool:
@@ -310,8 +319,9 @@ class Connection:
 
     def close(self) -> None:
         """Close the lifeline, after what is queued that the socket takes now (the daemon reads it before the
-        hang-up)."""
+        hang-up). A closed connection sends nothing more."""
         with self.lock:
+            self._closed = True
             if self.life is not None:
                 self._flush()
                 self.life.close()

@@ -278,7 +278,7 @@ class PushHandle:
 
     def _wake(self) -> None:
         """Wake a sleeping sender: its doorbell, from the kernel; else (none offered, or the sender is gone) a
-        ``Wake`` message, through ZeroMQ's I/O threads."""
+        ``Wake`` message on the connection's lifeline."""
         if self._bell is None or not self._bell.ring():
             self.client._conn.post(Wake())
 
