@@ -99,18 +99,12 @@ class Connection:
         """Another thread will ``post``: wait for replies in ``slice_s`` slices, sending its frames between."""
         self._slice_s = min(self._slice_s, slice_s)
 
-    def _queue(self, msg: Msg) -> int:
-        """``msg``'s frame at the end of the outbox (any thread): its number."""
+    def post(self, msg: Msg) -> None:
+        """Send from any thread without waiting: now if the lifeline is free, else by its current user."""
         frame = lifeline.frame(protocol.encode(msg))
         with self._numbering:
             self._numbered += 1
-            n = self._numbered
-            self._outbox.append([frame, n])
-        return n
-
-    def post(self, msg: Msg) -> None:
-        """Send from any thread without waiting: now if the lifeline is free, else by its current user."""
-        self._queue(msg)
+            self._outbox.append([frame, self._numbered])
         self._flush_if_free()
 
     def _flush_if_free(self) -> None:
@@ -152,9 +146,17 @@ class Connection:
         that has begun to be written is finished all the same: a stream cannot lose half a frame), and
         BrokenResourceError where the daemon dies first."""
         deadline = time.monotonic() + timeout_s
+        frame = lifeline.frame(protocol.encode(msg))
         with self.lock:
             life = self._line(deadline)
-        n = self._queue(msg)
+            with self._numbering:  # the common case: nothing queued before it (a post joins the queue under
+                self._numbered += 1  # this lock), and the socket takes it whole
+                n = self._numbered
+                done = life.write(frame) if not self._outbox else 0
+                if done == len(frame):
+                    self._written = n
+                    return
+                self._outbox.append([frame[done:], n, True] if done else [frame, n])  # the rest, as any queued
         try:
             while True:
                 with self.lock:
