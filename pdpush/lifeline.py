@@ -191,7 +191,8 @@ class Lifelines:
         it has none open, or keeps ``MAX_QUEUED`` bytes it has not read (``MAX_QUEUED_ALL`` for every engine)."""
         line = self._named.get(ident)
         size = 4 + len(payload)
-        if line is None or len(line.wbuf) + size > MAX_QUEUED or self._queued + size > MAX_QUEUED_ALL:
+        room = max(MAX_QUEUED, self.max_frame + 4)  # any one answer fits an engine that reads
+        if line is None or len(line.wbuf) + size > room or self._queued + size > max(MAX_QUEUED_ALL, room):
             return False
         line.wbuf += frame(payload)
         self._queued += size
@@ -311,10 +312,6 @@ class Lifeline:
         self._rbuf = bytearray()
         self._dead = False  # its end was read (or the stream broke): nothing more comes
         self.write_failed = False  # a write failed: nothing more goes
-        # looked at before a read: a read of an empty socket raises, which costs a few us, and an engine
-        # looks twice a layer (Connection.drain) and at its liveness once (alive)
-        self._look = select.poll()
-        self._look.register(sock.fileno(), select.POLLIN)
 
     @classmethod
     def connect(cls, path: Path, ident: bytes, max_frame: int) -> Lifeline | None:
@@ -355,13 +352,24 @@ class Lifeline:
     def frames(self) -> list[bytes]:
         """The whole frames the daemon has sent so far, without waiting. A frame over the cap ends the lifeline,
         after the frames before it: nothing after it can be read."""
-        if not self._dead and self._look.poll(0) and not _read(self._sock, self._rbuf, 1 << 62):
+        if not self._dead and self._readable() and not _read(self._sock, self._rbuf, 1 << 62):
             self._dead = True
         got, sound = split(self._rbuf, self.max_frame)
         if not sound:
             self._dead = True
             self._rbuf.clear()
         return got
+
+    def _readable(self) -> bool:
+        """Whether a read would not block (data, or the daemon's end), without reading: a read of an empty
+        socket raises, which costs a few us, and an engine looks twice a layer (Connection.drain) and at its
+        liveness once (alive). A poll object of its own per look: threads of one engine look at once."""
+        p = select.poll()
+        p.register(self._sock.fileno(), select.POLLIN)
+        try:
+            return bool(p.poll(0))
+        except OSError:  # closed under it by another thread: a read says the rest
+            return True
 
     def wait(self, timeout_s: float, write: bool = False) -> bool:
         """Wait up to ``timeout_s`` for something to read (or room to write); whether it came."""
@@ -373,7 +381,7 @@ class Lifeline:
         """False once the daemon's end closed (the daemon died or restarted) and all it sent before is read."""
         if self._dead:
             return False
-        if self._rbuf or not self._look.poll(0):  # nothing to read: not even its end
+        if not self._readable():  # nothing to read, not even its end
             return True
         try:
             data = self._sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)

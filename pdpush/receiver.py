@@ -9,8 +9,9 @@ Endpoints:
   * the lifelines (lifeline.py), a 0600 unix stream socket, for the local decode
     engine's connections: Open, Claim, Release, Query, Status; the receiver
     pushes LayerAvailable/Committed on them too.
-  * ZMQ ROUTER on a 0600 unix socket for the other local clients (a decode
-    scheduler's Query), with the same messages.
+  * ZMQ ROUTER on a 0600 unix socket for the other local clients: a decode
+    scheduler's Query, and Status (an Open or Claim there is refused: it
+    would outlive its engine unseen).
 
 Every decision is the session's; this module moves bytes and carries out its
 actions. A frame that does not decode gets a typed Error reply; an exception

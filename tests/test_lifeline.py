@@ -235,6 +235,34 @@ def test_what_was_queued_for_a_daemon_that_died_never_reaches_the_next(tmp_path)
         conn.close()
 
 
+def test_two_threads_of_an_engine_look_at_its_lifeline_at_once(tmp_path):
+    """A completion thread checks the sender's liveness (alive) while the engine's thread reads its mail (frames):
+    neither look may fail for the other's."""
+    import threading
+
+    p = Pair(tmp_path)
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 0.5
+
+    def look(fn):
+        try:
+            while time.monotonic() < stop:
+                fn()
+        except BaseException as e:  # noqa: BLE001 - any failure is the finding
+            errors.append(e)
+
+    try:
+        p.look(lambda: p.named)
+        ts = [threading.Thread(target=look, args=(f,)) for f in (p.engine.alive, p.engine.frames, p.engine.alive)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(5)
+        assert not errors, errors
+    finally:
+        p.close()
+
+
 def _read_some(s: socket.socket) -> bytearray:
     buf = bytearray()
     deadline = time.monotonic() + 5

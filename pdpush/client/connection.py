@@ -93,6 +93,7 @@ class Connection:
         self._written = 0  # the number of the last frame written whole
         self._inbox: deque[bytes] = deque()  # frames read, not yet decoded
         self._closed = False
+        self._lost = False  # a lifeline died and none replaced it yet (_reline)
         self._slice_s = 0.25
 
     def allow_posts(self, slice_s: float = 0.002) -> None:
@@ -100,9 +101,12 @@ class Connection:
         self._slice_s = min(self._slice_s, slice_s)
 
     def post(self, msg: Msg) -> None:
-        """Send from any thread without waiting: now if the lifeline is free, else by its current user."""
+        """Send from any thread without waiting: now if the lifeline is free, else by its current user. Dropped
+        while the daemon it was for is gone and no other answers: it was about that daemon's requests."""
         frame = lifeline.frame(protocol.encode(msg))
         with self._numbering:
+            if self._lost:
+                return
             self._numbered += 1
             self._outbox.append([frame, self._numbered])
         self._flush_if_free()
@@ -147,23 +151,25 @@ class Connection:
         BrokenResourceError where the daemon dies first."""
         deadline = time.monotonic() + timeout_s
         frame = lifeline.frame(protocol.encode(msg))
-        with self.lock:
-            life = self._line(deadline)
-            with self._numbering:  # the common case: nothing queued before it (a post joins the queue under
-                self._numbered += 1  # this lock), and the socket takes it whole
-                n = self._numbered
-                done = life.write(frame) if not self._outbox else 0
-                if done == len(frame):
-                    self._written = n
-                    return
-                self._outbox.append([frame[done:], n, True] if done else [frame, n])  # the rest, as any queued
         try:
+            with self.lock:
+                life = self._line(deadline)
+                with self._numbering:  # the common case: nothing queued before it (a post joins the queue under
+                    self._numbered += 1  # this lock), and the socket takes it whole
+                    n = self._numbered
+                    done = life.write(frame) if not self._outbox else 0
+                    if done == len(frame):
+                        self._written = n
+                        return
+                    self._outbox.append([frame[done:], n, True] if done else [frame, n])  # the rest, as any queued
             while True:
                 with self.lock:
+                    if self.life is not life:  # it died and was replaced: what was queued for it went with it
+                        raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)")
                     self._flush()  # posted frames go first: a hand-over before the finish that follows it
                     if self._written >= n:
                         return
-                    if self.life is not life or not life.usable():
+                    if not life.usable():
                         self._unqueue(n)
                         raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)")
                     if time.monotonic() > deadline:
@@ -292,7 +298,11 @@ class Connection:
                 self.life = None
                 with self._numbering:
                     self._outbox.clear()
+                    self._lost = True  # until another daemon answers, posts are for the dead one's requests
             self.life = Lifeline.connect(self._life_path, self.ident, self.max_frame)
+            if self.life is not None:
+                with self._numbering:
+                    self._lost = False
         return self.life
 
     def daemon_alive(self) -> bool:

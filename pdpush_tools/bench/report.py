@@ -531,10 +531,25 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   request's begin round trips and its wait for the commit unoverlapped; sixteen in flight overlap them. Each
   engine process first pushes a request the clock does not count (its connection, ring, mapped staging).
 - The begin in these runs took 2.2-3.4 ms, and 2.5-3.5 ms in a probe with 50 ms between requests (all three
-  processes asleep when it starts), against 1.8-2.2 ms with 3 ms between them: most of it is waking processes
-  and ZeroMQ's I/O threads (about three wake-ups per hop, four hops), which cost more the longer the VM's cores
-  have idled. A begin made at scheduling time (the vLLM connector's `begin_nowait`) is answered while the
-  first layer computes.
+  processes asleep when it starts), against 1.8-2.2 ms with 3 ms between them. A begin made at scheduling
+  time (the vLLM connector's `begin_nowait`) is answered while the first layer computes.
+- Where an idle begin's time goes (2026-12-05, timestamps in each process around each encode and decode, 50 ms
+  between requests, begin 3.06 ms): the engine's Python before its send 0.23 ms, encoding and decoding the four
+  messages 0.7 ms (the Begin's decode alone 0.21 ms, 9 us back to back), the three daemons' handlers 0.9 ms
+  (the receiver's allocation 0.38 ms, the sender's answer 0.33 ms), and the four hops 1.07 ms. Python run after
+  an idle spell is that slow on this VM: a Begin's encode takes 4.7 us back to back, 7.4 us after a 10 ms
+  sleep, 39-117 us after 50-100 ms, 42 us after evicting 64 MiB of cache, and 15 us after 50 ms when two
+  low-priority spinners keep both vCPUs busy: an idle vCPU loses its caches and predictors to the host.
+  What shortens an idle begin here is less Python on its path, not fewer wake-ups.
+- The engine's messages left ZeroMQ for its connection's lifeline, a unix stream (2026-12-05): in a probe loop a
+  ZeroMQ round trip between two processes took 141 us back to back and 510 us after 50 ms idle, against 10 us
+  and 156 us over a unix socket. On the begin's path it changed nothing measurable: the engine-to-sender hop,
+  medians of 12 requests, 133 us before and after (3 ms between requests; 255 and 287 us at 50 ms), the
+  sender-to-engine hop 84 and 71 us. A daemon's hop is its wake from its poll and the Python of its loop
+  before it reads the message, not ZeroMQ's threads. Begin p50 in three paired runs of 60 requests, 10 ms
+  apart: 2.12 / 2.03 / 1.66 ms before, 2.03 / 2.08 / 2.09 after; the engine's CPU per request (32 layers of 64
+  KiB) 1.96 / 1.89 / 1.60 ms before, 1.91 / 1.98 / 1.95 after. `make bench-vllm`, each once: pdpush's sum
+  32.9 ms before and after (1.12x and 1.17x NIXL's, which moved 29.3 to 28.2 ms).
 """
 
 
