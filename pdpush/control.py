@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
 from pdpush import protocol
-from pdpush.errors import ConfigError, ConnectError, TransportTimeout
+from pdpush.errors import ConfigError, ConnectError
 from pdpush.protocol import Msg
 
 # zmq drops a peer that sends a frame over MAXMSGSIZE; keep some slack over our own cap so
@@ -190,14 +189,3 @@ def recv_ready(sock: zmq.Socket, limit: int = 256, copy: bool = True):
             yield sock.recv_multipart(zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             return
-
-
-def recv_until(sock: zmq.Socket, deadline: float, max_frame: int, decode=protocol.decode) -> Msg:
-    """Receive one message on a DEALER before ``deadline`` (monotonic seconds), decoded by ``decode``."""
-    while True:
-        left = deadline - time.monotonic()
-        if sock.poll(int(left * 1000) + 1 if left > 0 else 0, zmq.POLLIN):  # a past deadline still looks once
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            return decode(frames[-1], max_frame)
-        if left <= 0:
-            raise TransportTimeout("no reply before the deadline")

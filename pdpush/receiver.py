@@ -175,7 +175,7 @@ class Receiver:
         if due or self.lifelines.fileno() in events:  # a hello's deadline passes without an event: each tick
             for ev in self.lifelines.service():
                 if ev.kind == lifeline.FRAME:
-                    self._guarded(self._on_frame, ev.ident, ev.payload, True, "", True)
+                    self._guarded(self._on_frame, ev.ident, ev.payload, True, on_lifeline=True)
                 elif ev.kind == lifeline.GONE:  # a decode connection whose engine died: its opens are released
                     self._apply(self.session.on_reader_gone(ev.ident, now_ms()))
         if due:
@@ -199,9 +199,9 @@ class Receiver:
         peer = _user_id(frames[-1]) if self.auth is not None and not local else ""
         self._guarded(self._on_frame, frames[0].bytes, frames[-1].bytes, local, peer)
 
-    def _guarded(self, fn, *args) -> None:
+    def _guarded(self, fn, *args, **kwargs) -> None:
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - a bug in the shell must not end the daemon either
             self.shell_counters["loop_errors"] += 1
             log.exception("internal error handling a frame")

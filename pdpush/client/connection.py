@@ -129,7 +129,8 @@ class Connection:
             if n < len(head[0]):
                 if n:
                     head[0] = head[0][n:]
-                    head.append(True)  # begun: it must end whole, whatever its sender decides
+                    if len(head) == 2:
+                        head.append(True)  # begun: it must end whole, whatever its sender decides
                 return
             self._written = head[1]
             self._outbox.popleft()
