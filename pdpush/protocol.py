@@ -11,12 +11,14 @@ Imports no zmq, UCX or torch.
 from __future__ import annotations
 
 import functools
+import typing
 from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
+from pdpush import fastcodec
 from pdpush.errors import (
     ErrorCode,
     FrameTooLarge,
@@ -462,10 +464,19 @@ Message = Annotated[
 _adapter: TypeAdapter = TypeAdapter(Message)
 
 
+# every message's msgspec twin (fastcodec.py): it decodes, in C, the frames it accepts into the same messages, and
+# leaves the others to msgpack and pydantic (``_unpack``, ``_validate``), which stay the authority. A versioned
+# message takes the fast path only with this local protocol's version on the wire (``_check_local`` judges others).
+_fast = fastcodec.Codec(list(typing.get_args(typing.get_args(Message)[0])),
+                        pinned={"local_version": LOCAL_PROTOCOL_VERSION}, base=Msg)
+
+
 def encode(msg: Msg) -> bytes:
+    """A message's fields in order, as a msgpack map (what ``msgpack.packb(msg.model_dump())`` gives, byte for
+    byte)."""
     if not isinstance(msg, Msg):
         raise LocalProtocolError(f"not a protocol message: {type(msg).__name__}")
-    return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+    return _fast.encode(msg)
 
 
 def encode_batch(encoded: list[bytes]) -> bytes:
@@ -481,39 +492,58 @@ def encode_batch(encoded: list[bytes]) -> bytes:
     return head + b"".join(encoded)
 
 
-def _unpack(frame: bytes, max_frame: int):
+def _cap(frame: bytes, max_frame: int) -> None:
     if len(frame) > max_frame:
         raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the {max_frame}-byte cap")
+
+
+def _unpack(frame: bytes, max_frame: int):
+    _cap(frame, max_frame)
     try:
         return msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises many unrelated types on garbage
         raise RemoteProtocolError(f"undecodable frame: {type(e).__name__}: {e}") from None
 
 
+def _entry(entry, i: int, max_frame: int) -> Msg | RemoteProtocolError:
+    """One entry of a batch: its message, or the error that costs only that entry."""
+    msg = _fast.decode(entry)
+    if msg is not None:
+        return msg
+    try:
+        o = _unpack(entry, max_frame)
+        if not isinstance(o, dict):
+            raise RemoteProtocolError(f"batch entry {i} is a msgpack {type(o).__name__}, expected a map")
+        return _validate(o)
+    except RemoteProtocolError as e:
+        return e
+
+
 def decode_batch(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> list[Msg | RemoteProtocolError]:
     """A frame from a peer daemon: one message, or a batch of them (``encode_batch``). Each entry is a validated
     message or the RemoteProtocolError saying why it is not one, so one bad entry costs only itself. A frame that is
     not a message or a batch of 2..MAX_BATCH raises RemoteProtocolError (or FrameTooLarge)."""
+    _cap(frame, max_frame)
+    msg = _fast.decode(frame)
+    if msg is not None:
+        return [msg]
+    entries = _fast.entries(frame, MAX_BATCH)
+    if entries is not None:
+        return [_entry(e, i, max_frame) for i, e in enumerate(entries)]
     obj = _unpack(frame, max_frame)
     if isinstance(obj, dict):
         return [_validate(obj)]
-    if not isinstance(obj, list) or not 1 < len(obj) <= MAX_BATCH:
-        raise RemoteProtocolError(f"frame is a msgpack {type(obj).__name__}"
-                                  f"{f' of {len(obj)}' if isinstance(obj, list) else ''}, expected a map or a batch "
-                                  f"of 2..{MAX_BATCH} maps")
-    out: list[Msg | RemoteProtocolError] = []
-    for i, o in enumerate(obj):
-        try:
-            if not isinstance(o, dict):
-                raise RemoteProtocolError(f"batch entry {i} is a msgpack {type(o).__name__}, expected a map")
-            out.append(_validate(o))
-        except RemoteProtocolError as e:
-            out.append(e)
-    return out
+    raise RemoteProtocolError(f"frame is a msgpack {type(obj).__name__}"
+                              f"{f' of {len(obj)}' if isinstance(obj, list) else ''}, expected a map or a batch "
+                              f"of 2..{MAX_BATCH} maps")
 
 
 def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
     """Bytes -> validated message, or RemoteProtocolError. Never anything else."""
+    _cap(frame, max_frame)
+    msg = _fast.decode(frame)
+    if msg is not None:
+        return msg
     obj = _unpack(frame, max_frame)
     if not isinstance(obj, dict):
         raise RemoteProtocolError(f"frame is a msgpack {type(obj).__name__}, expected a map")

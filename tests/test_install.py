@@ -45,7 +45,7 @@ def _requires(extra: str | None) -> set[str]:
 def test_the_installed_metadata_splits_the_sides_and_names_no_torch():
     assert set(SIDES) <= set(md.metadata("pdpush").get_all("Provides-Extra"))
     base = _requires(None)
-    assert {"pyzmq", "msgpack", "pydantic", "pydantic-settings", "xxhash", "numpy", "typer"} <= base, base
+    assert {"pyzmq", "msgpack", "msgspec", "pydantic", "pydantic-settings", "xxhash", "numpy", "typer"} <= base, base
     assert _requires("engine") == base, "the engine side needs nothing beyond the base (vLLM brings torch)"
     assert {"libucx-cu12", "prometheus-client"} <= _requires("daemons")
     assert {"starlette", "uvicorn", "httpx"} <= _requires("router") and "libucx-cu12" not in _requires("router")
