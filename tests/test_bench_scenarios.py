@@ -51,6 +51,8 @@ def test_scenarios_and_report(tmp_path):
     assert res["latency"]["prestaged_layer_ops_per_s"] > 0 and "the sender's own capacity" in text
     # and against the put loop over the pool's span of memory, beside the target's in-cache reference
     assert res["latency"]["raw_put_ops_per_s_out_of_cache"] > 0 and "out of the caches" in text
+    # the begin's four messages through the codec, fast path beside msgpack + pydantic
+    assert res["latency"]["codec_us"]["begin"]["decode_pydantic_us"] > 0 and "the codec, a begin's four" in text
     # transport only, paired with a raw put through a push's footprint, beside the same memory put again
     g = res["goodput"]
     assert len(g["footprint_put_samples_gbps"]) == len(g["transport_samples_gbps"]) == 2

@@ -13,16 +13,15 @@ from hypothesis import strategies as st
 
 from pdpush import protocol as P
 from pdpush.errors import IncompatiblePeer, PdpushError
+from pdpush.layout import KVLayout
+from pdpush_tools.bench import codec, report
 from tests.test_protocol import KEY, SAMPLES
 
 
 def _authority(frame: bytes):
     """What decoding gave before the fast path: msgpack, then pydantic. A message, or the error's class."""
     try:
-        obj = P._unpack(frame, P.DEFAULT_MAX_FRAME)
-        if not isinstance(obj, dict):
-            return RuntimeError
-        return P._validate(obj)
+        return P.decode(frame, fast=False)
     except PdpushError as e:
         return type(e)
 
@@ -152,3 +151,11 @@ def test_mutated_frames_take_the_fast_path_only_as_the_authority_s_message(msg, 
     for _ in range(n):
         obj = _mutate(obj, data.draw)
     _same(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_the_bench_measures_the_begin_s_messages_both_ways():
+    got = codec.measure(KVLayout(4, 2, 64, "float16", 16), idle_s=0.001, samples=2)
+    assert set(got) == {"begin", "alloc", "alloc_ok", "begin_ok", "idle_ms"}
+    assert all(v > 0 for k in ("begin", "alloc_ok") for v in got[k].values())
+    row = report._codec_row({"codec_us": got})[0]
+    assert "begin " in row and "after 1 ms asleep" in row

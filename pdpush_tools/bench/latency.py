@@ -162,7 +162,10 @@ def wire_per_request(before: dict, after: dict, requests: int) -> dict:
 
 def compare(layout: KVLayout, **kw) -> dict:
     """The scenario with the ring, then with messages, in one run: the ring's result, with the other's."""
+    from pdpush_tools.bench import codec
+
     ring, msgs = run(layout, handover="ring", **kw), run(layout, handover="messages", prestaged=False, **kw)
+    ring["codec_us"] = codec.measure(layout)  # the begin's four messages: fast path against msgpack + pydantic
     ring["messages"] = {k: msgs[k] for k in ("one_chunk_p50_ms", "one_chunk_p99_ms", "layer_overhead_us",
                                              "sender_layer_ops_per_s", "raw_put_us_per_layer", "verified")}
     ring["ratio_ring_ops"] = ring["sender_layer_ops_per_s"] / msgs["sender_layer_ops_per_s"]

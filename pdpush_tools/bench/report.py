@@ -97,6 +97,22 @@ def _big_rows(res: dict) -> list[str]:
     return rows
 
 
+def _codec_row(lat: dict) -> list[str]:
+    """The begin's four messages through the codec: the fast path (fastcodec.py) against msgpack + pydantic."""
+    c = lat.get("codec_us")
+    if not c:
+        return []
+    names = [k for k in c if k != "idle_ms"]
+
+    def cell(suffix: str) -> str:
+        return ", ".join(f"{k} {c[k][f'decode{suffix}_us']:.1f} / {c[k][f'encode{suffix}_us']:.1f} "
+                         f"({c[k][f'decode_pydantic{suffix}_us']:.1f} / {c[k][f'encode_pydantic{suffix}_us']:.1f})"
+                         for k in names)
+    return [f"| the codec, a begin's four messages (reported): us to decode / encode by the fast path (msgspec "
+            f"types derived from the messages), in brackets by msgpack + pydantic | back to back: {cell('')}; "
+            f"after {c['idle_ms']:.0f} ms asleep: {cell('_idle')} | |"]
+
+
 def _out_of_cache(lat: dict) -> str:
     """The capacity against the same put loop over as much memory as the pool the sender writes (reported beside
     the target's reference, whose loop stays in the caches)."""
@@ -312,6 +328,7 @@ def markdown(res: dict, plot_rel: str) -> str:
          + f" | {_met(lat.get('wire_messages_per_request_steady', lat['wire_messages_per_request']) <= 2)} |"
          if "wire_messages_per_request" in lat else
          "| control messages per request | not measured | |"),
+        *_codec_row(lat),
         f"| concurrency: {c['senders']} engine processes x {c['in_flight_per_sender']} in flight >= 0.95x single "
         f"stream | {c['ratio']:.2f}x ({c['aggregate_gbps']:.2f} vs {c['single_stream_gbps']:.2f} GB/s), request "
         f"latency p50 {c['latency_p50_ms']:.0f} ms, p99 {c['latency_p99_ms']:.0f} ms; pool sized to the box "
