@@ -64,6 +64,23 @@ def _has_validators(model: type[BaseModel]) -> bool:
     return bool(d.model_validators or d.field_validators or d.root_validators or d.validators)
 
 
+_PLAIN_CONFIG = {"frozen", "extra", "strict", "title"}  # model_config keys the derived types reproduce (or ignore)
+
+
+def _unmodelled(model: type[BaseModel]) -> str | None:
+    """What of ``model`` the derived types would not reproduce, or None: config beyond ``_PLAIN_CONFIG`` (enum values,
+    string transforms, inf/nan...), serializers, computed fields, aliases, excluded fields. Such a model keeps
+    pydantic's path alone, for decoding and encoding."""
+    extra = set(model.model_config) - _PLAIN_CONFIG
+    d = model.__pydantic_decorators__
+    if extra or d.field_serializers or d.model_serializers or d.computed_fields:
+        return f"config {sorted(extra)} or serializers"
+    for name, f in model.model_fields.items():
+        if f.alias or f.validation_alias or f.serialization_alias or f.exclude or f.discriminator:
+            return f"field {name}'s alias or exclusion"
+    return None
+
+
 class Codec:
     """Derives the types of ``models`` (each with a ``type`` literal, its tag) and decodes frames into them."""
 
@@ -90,6 +107,8 @@ class Codec:
     def _struct(self, model: type[BaseModel], tag: str | None) -> type:
         if _has_validators(model) or model.__private_attributes__ or model.__pydantic_post_init__:
             raise Underivable(f"{model.__name__} has validators or private attributes")
+        if why := _unmodelled(model):
+            raise Underivable(f"{model.__name__}: {why}")
         names = list(model.model_fields)
         if tag is not None and names[0] != "type":
             raise Underivable(f"{model.__name__}: its tag is not its first field")
@@ -126,7 +145,7 @@ class Codec:
             return self._type(inner, [*metadata, *extra], where, depth)
         origin, args = typing.get_origin(t), typing.get_args(t)
         if isinstance(t, type) and issubclass(t, BaseModel):
-            if meta or depth > 1 or (depth and _has_validators(t)):
+            if meta or depth > 1 or (depth and _has_validators(t)) or _unmodelled(t):
                 raise Underivable(f"{where}: a model where the fast path does not build one")
             if _has_validators(t):
                 return msgspec.Raw
@@ -158,7 +177,7 @@ class Codec:
             return None
         try:
             return self._model(self._one.decode(frame))
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        except Exception:  # noqa: BLE001 - refused here (even RecursionError, on deep nesting): the authority judges it
             return None
 
     def entries(self, frame, most: int) -> list[msgspec.Raw] | None:
@@ -167,29 +186,31 @@ class Codec:
         head = frame[0] if len(frame) else 0
         if 0x90 <= head <= 0x9F:
             n = head & 0x0F
-        elif head == 0xDC and len(frame) >= 3:
-            n = int.from_bytes(frame[1:3], "big")
+        elif head in (0xDC, 0xDD):  # array 16, array 32
+            n = int.from_bytes(frame[1:3 if head == 0xDC else 5], "big")
         else:
             return None
         if not 1 < n <= most:
             return None
         try:
             return self._many.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except Exception:  # noqa: BLE001 - as in decode
             return None
 
     def _model(self, s) -> BaseModel:
         """The pydantic model of a decoded struct, made as ``model_construct`` makes one (its fields, all set; no
         extra, no private attributes: ``_struct`` derives no model that has them), without its per-field Python:
         on a cold vCPU every line of Python costs a microsecond or more."""
-        model, tag, convert = self._build[type(s)]
+        model, tag, convert = self._build[type(s)]  # (every field is in fields_set: pydantic's has those on the wire;
+        # nothing in pdpush reads it)
         values = msgspec.structs.asdict(s)
         if tag is not None:
             values = {"type": tag, **values}
         for name, how, nested in convert:
             v = values[name]
             if how == "raw":
-                values[name] = _validated(nested, bytes(v))
+                raw = bytes(v)
+                values[name] = _validated(nested, raw) if len(raw) <= MAX_CACHED else _validate(nested, raw)
             elif how == "struct":
                 values[name] = self._model(v)
             else:
@@ -207,13 +228,25 @@ class Codec:
         return self._encoder.encode(msg)
 
     def _fields(self, obj):
+        """A model's fields, in order. One whose ``__dict__`` holds other keys (``model_copy(update=)`` takes any,
+        unchecked) gives its ``model_dump``, as encoding did before: its fields alone."""
         if isinstance(obj, self._base):
-            return obj.__dict__
+            d = obj.__dict__
+            return d if len(d) == len(type(obj).model_fields) else obj.model_dump(mode="python")
         raise NotImplementedError(f"not a protocol message: {type(obj).__name__}")
+
+
+MAX_CACHED = 32 << 10  # a layout's encoding is at most ~20 KiB (4,096 windows); a longer one (padded with repeated
+# keys) is validated each time, so that the cache holds at most 64 x 32 KiB whatever peers send
+
+
+def _validate(model: type[BaseModel], raw: bytes) -> BaseModel:
+    return model.model_validate(msgpack.unpackb(raw, raw=False, strict_map_key=True))
 
 
 @functools.lru_cache(maxsize=64)
 def _validated(model: type[BaseModel], raw: bytes) -> BaseModel:
     """A nested model with validators, from its msgpack bytes: validated by pydantic once per distinct encoding (an
-    exception is not cached). The models are frozen, so the messages that carry one may share it."""
-    return model.model_validate(msgpack.unpackb(raw, raw=False, strict_map_key=True))
+    exception is not cached). The messages that carry the same one share it: it is frozen, and nothing may change
+    its lists in place (no code does)."""
+    return _validate(model, raw)

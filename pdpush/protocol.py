@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
 import msgpack
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from pdpush import fastcodec
@@ -505,13 +506,14 @@ def _unpack(frame: bytes, max_frame: int):
         raise RemoteProtocolError(f"undecodable frame: {type(e).__name__}: {e}") from None
 
 
-def _entry(entry, i: int, max_frame: int) -> Msg | RemoteProtocolError:
-    """One entry of a batch: its message, or the error that costs only that entry."""
-    msg = _fast.decode(entry)
-    if msg is not None:
-        return msg
+def _entry(o, i: int) -> Msg | RemoteProtocolError:
+    """One entry of a batch (its bytes, where the fast path split the frame, or what msgpack made of it): its message,
+    or the error that costs only that entry."""
     try:
-        o = _unpack(entry, max_frame)
+        if isinstance(o, msgspec.Raw):
+            if (msg := _fast.decode(o)) is not None:
+                return msg
+            o = _unpack(bytes(o), len(o))
         if not isinstance(o, dict):
             raise RemoteProtocolError(f"batch entry {i} is a msgpack {type(o).__name__}, expected a map")
         return _validate(o)
@@ -524,18 +526,18 @@ def decode_batch(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> list[Msg |
     message or the RemoteProtocolError saying why it is not one, so one bad entry costs only itself. A frame that is
     not a message or a batch of 2..MAX_BATCH raises RemoteProtocolError (or FrameTooLarge)."""
     _cap(frame, max_frame)
-    msg = _fast.decode(frame)
-    if msg is not None:
+    if (msg := _fast.decode(frame)) is not None:
         return [msg]
-    entries = _fast.entries(frame, MAX_BATCH)
-    if entries is not None:
-        return [_entry(e, i, max_frame) for i, e in enumerate(entries)]
-    obj = _unpack(frame, max_frame)
-    if isinstance(obj, dict):
-        return [_validate(obj)]
-    raise RemoteProtocolError(f"frame is a msgpack {type(obj).__name__}"
-                              f"{f' of {len(obj)}' if isinstance(obj, list) else ''}, expected a map or a batch "
-                              f"of 2..{MAX_BATCH} maps")
+    obj = _fast.entries(frame, MAX_BATCH)
+    if obj is None:
+        obj = _unpack(frame, max_frame)
+        if isinstance(obj, dict):
+            return [_validate(obj)]
+    if not isinstance(obj, list) or not 1 < len(obj) <= MAX_BATCH:
+        raise RemoteProtocolError(f"frame is a msgpack {type(obj).__name__}"
+                                  f"{f' of {len(obj)}' if isinstance(obj, list) else ''}, expected a map or a batch "
+                                  f"of 2..{MAX_BATCH} maps")
+    return [_entry(o, i) for i, o in enumerate(obj)]
 
 
 def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME, fast: bool = True) -> Msg:

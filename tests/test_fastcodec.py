@@ -159,3 +159,69 @@ def test_the_bench_measures_the_begin_s_messages_both_ways():
     assert all(v > 0 for k in ("begin", "alloc_ok") for v in got[k].values())
     row = report._codec_row({"codec_us": got})[0]
     assert "begin " in row and "after 1 ms asleep" in row
+
+
+# ---- found by review: each was a difference from the authority ----
+
+def test_deep_nesting_is_a_remote_protocol_error_not_a_recursion_error():
+    deep = b"\x81\xa1x" + b"\x91" * 1000 + b"\xc0"  # {"x": [[[...nil...]]]}: 1 KB
+    with pytest.raises(P.RemoteProtocolError):
+        P.decode(deep)
+    first, second = P.decode_batch(b"\x92" + deep + P.encode(SAMPLES[0]))
+    assert isinstance(first, P.RemoteProtocolError) and second == SAMPLES[0]
+
+
+def test_a_batch_under_any_array_header_is_read():
+    body = b"".join(P.encode(m) for m in SAMPLES[:3])
+    for head in (b"\x93", b"\xdc\x00\x03", b"\xdd\x00\x00\x00\x03"):
+        assert P.decode_batch(head + body) == SAMPLES[:3]
+
+
+def test_a_layout_padded_past_the_cache_s_bound_is_validated_but_not_kept():
+    from pdpush import fastcodec
+
+    hello = SAMPLES[0].model_dump(mode="python")
+    padded = msgpack.packb(hello["layout"])
+    pad = b"".join(msgpack.packb("model_id") + msgpack.packb("m" * 200) for _ in range(200))  # repeated: last wins
+    n = padded[0] & 0x0F
+    layout = b"\xde" + (n + 200).to_bytes(2, "big") + pad + padded[1:]
+    assert len(layout) > fastcodec.MAX_CACHED
+    frame = msgpack.packb({k: v for k, v in hello.items() if k != "layout"}, use_bin_type=True)
+    frame = bytes([frame[0] + 1]) + frame[1:] + msgpack.packb("layout") + layout
+    fastcodec._validated.cache_clear()
+    assert _same(frame) and fastcodec._validated.cache_info().currsize == 0
+
+
+def test_a_copy_given_a_key_it_does_not_have_encodes_its_fields_alone():
+    msg = next(m for m in SAMPLES if m.type == "abort")
+    assert P.encode(msg.model_copy(update={"bogus": 1})) == P.encode(msg)
+
+
+def test_a_model_whose_config_or_fields_the_derived_types_do_not_reproduce_keeps_pydantic_s_path():
+    from enum import Enum
+    from typing import Literal
+
+    from pydantic import ConfigDict, Field
+
+    from pdpush import fastcodec
+
+    class Colour(str, Enum):
+        RED = "red"
+
+    class Lowered(P.Msg):
+        model_config = ConfigDict(str_to_lower=True)
+        type: Literal["lowered"] = "lowered"
+        name: str
+
+    class Aliased(P.Msg):
+        type: Literal["aliased"] = "aliased"
+        name: str = Field(alias="Name")
+
+    class Valued(P.Msg):
+        model_config = ConfigDict(use_enum_values=True)
+        type: Literal["valued"] = "valued"
+        colour: Colour
+
+    codec = fastcodec.Codec([Lowered, Aliased, Valued], pinned={}, base=P.Msg)
+    assert set(codec.skipped) == {"lowered", "aliased", "valued"}
+    assert codec.decode(msgpack.packb({"type": "lowered", "name": "XY"})) is None
