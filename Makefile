@@ -11,7 +11,7 @@ export UCX_WARN_UNUSED_ENV_VARS ?= n
 # `make bench BENCH_COMPARE="--compare nixl"` where NIXL is installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)
 BENCH_COMPARE ?= $(shell $(PY) -c "import nixl._api" >/dev/null 2>&1 && echo --compare nixl)
 
-.PHONY: install ucx-system test-ucx-system deploy-tools vllm-env nixl-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench soak lint clean
+.PHONY: install ucx-system test-ucx-system deploy-tools vllm-env nixl-env bench-vllm bench-fleet bench-itl bench-sim vllm-one-host gpu-wheels gpu-check test test-slow demo bench ab soak lint clean
 
 install: $(STAMP)
 
@@ -97,6 +97,12 @@ bench: install
 	mkdir -p bench-out docs/bench
 	$(VENV)/bin/pdpush bench --scenario all --json bench-out/bench.json --plot docs/bench/bench.png \
 		--report BENCHMARKS.md $(BENCH_COMPARE)
+
+# the begin's path against two or more git revisions, interleaved round by round, each process running its own
+# revision's code (pdpush_tools/bench/ab.py): make ab REVS="afae3e0 HEAD" ('.' is the working tree as it is)
+REVS ?= HEAD .
+ab: install
+	$(PY) -m pdpush_tools.bench.ab $(REVS) --json bench-out/ab.json
 
 soak: install
 	mkdir -p bench-out
