@@ -560,13 +560,32 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   What shortens an idle begin here is less Python on its path, not fewer wake-ups.
 - The engine's messages left ZeroMQ for its connection's lifeline, a unix stream (2026-12-05): in a probe loop a
   ZeroMQ round trip between two processes took 141 us back to back and 510 us after 50 ms idle, against 10 us
-  and 156 us over a unix socket. On the begin's path it changed nothing measurable: the engine-to-sender hop,
-  medians of 12 requests, 133 us before and after (3 ms between requests; 255 and 287 us at 50 ms), the
-  sender-to-engine hop 84 and 71 us. A daemon's hop is its wake from its poll and the Python of its loop
-  before it reads the message, not ZeroMQ's threads. Begin p50 in three paired runs of 60 requests, 10 ms
-  apart: 2.12 / 2.03 / 1.66 ms before, 2.03 / 2.08 / 2.09 after; the engine's CPU per request (32 layers of 64
-  KiB) 1.96 / 1.89 / 1.60 ms before, 1.91 / 1.98 / 1.95 after. `make bench-vllm`, each once: pdpush's sum
-  32.9 ms before and after (1.12x and 1.17x NIXL's, which moved 29.3 to 28.2 ms).
+  and 156 us over a unix socket. This report first said it changed nothing on the begin's path: those
+  before-and-after runs put the old tree on PYTHONPATH, which the editable install's import finder overrides,
+  so both sides ran the same code. `make ab` (pdpush_tools/bench/ab.py) takes that finder out in every process
+  of a run and alternates the revisions round by round. `make ab REVS="afae3e0 24faf02 ."`, 6 rounds of 150
+  one-chunk requests (32 layers of 64 KiB) 30 ms apart, medians of the rounds' medians, and in how many rounds
+  the later revision was lower:
+  - the lifeline (afae3e0 -> 24faf02): finish to Done 1.07 -> 0.88 ms (6 of 6), begin to Done 4.65 -> 4.49 ms
+    (5 of 6), the engine's CPU per request 2.78 -> 2.51 ms (6 of 6); the begin itself 2.57 -> 2.68 ms (2 of 6:
+    no change);
+  - the codec's fast path (24faf02 -> this tree, next item): the begin 2.68 -> 2.52 ms (5 of 6), the open
+    0.90 -> 0.78 ms (6 of 6), begin to Done 4.49 -> 4.32 ms (5 of 6), the engine's CPU 2.51 -> 2.34 ms (5 of 6).
+  A second run of the same three (6 rounds): finish 1.02 / 0.83 / 0.81 ms, open 0.87 / 0.86 / 0.75 ms, begin to
+  Done 4.42 / 4.09 / 3.89 ms, engine CPU 2.48 / 2.28 / 2.10 ms.
+- The codec's fast path (2026-12-05, `pdpush/fastcodec.py`): each message's msgspec twin, derived from its
+  pydantic model with the same bounds, validates it in C; pydantic stays the authority for what the twin refuses.
+  A begin's four messages decode in 1.6-2.6 us (pydantic: 2.3-9.7 us) and encode in 0.4-1.0 us (1.6-3.9) back
+  to back; after 50 ms asleep, ~100 us to decode (136-228) and 32-67 us to encode (84-117): the row above has
+  this run's. On a vCPU that slept, the first Python to run pays the refill of its caches whatever it is, so the
+  saving on a whole begin (~0.15 ms) is well under the sum of the codec's.
+- Tried and not kept (2026-12-05): the sender's native wait spinning for its 2 ms after the last completion too,
+  not only while puts are in flight, so that an engine's next hand-over finds it awake (no doorbell). One engine
+  alone: its CPU per request 0.98-1.01 -> 0.81-0.91 ms and the 1-chunk p50 0.42-0.45 -> 0.41-0.43 ms; but with
+  four engines the spinning sender took the engines' core: sender CPU per 1,000 layers 27 -> 59 ms, capacity
+  24,564 -> 15,975 layers/s (layers in staging). The 1-chunk request's first layer is visible only 17 us before
+  its last (0.385 against 0.402 ms): a hand-over of 32 layers is one batch and one flush, then the readiness
+  words; the excess over the same puts back to back is the puts' copies from staging that another core wrote.
 """
 
 
