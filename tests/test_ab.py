@@ -6,6 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from pdpush_tools.bench import ab
 
@@ -24,8 +27,16 @@ def test_the_revision_on_the_path_wins_over_the_editable_install(tmp_path):
     assert out == str(fake / "__init__.py")
 
 
-def test_two_revisions_interleaved_each_read_back_and_counted(tmp_path):
-    res = ab.compare([".", "."], rounds=1, gap_s=0.001, requests=3, work=tmp_path)
-    assert res["files"]["."].startswith(str(ab.ROOT)) and len(res["runs"]["."]) == 2
-    assert all(r["verified"] and r["begin_ms"] > 0 for r in res["runs"]["."])
+def test_a_revision_runs_its_own_code_through_real_daemons_and_is_read_back(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = ab.compare(["."], rounds=2, gap_s=0.001, requests=3, work=Path("rel"))  # (a relative folder, resolved)
+    runs = res["runs"]["."]
+    assert len(runs) == 2 and all(r["verified"] and r["begin_ms"] > 0 for r in runs)
+    assert all(Path(r["pdpush"]).is_relative_to(ab.ROOT) for r in runs)
+    assert all(Path(r["pdpush_native"]).is_relative_to(tmp_path / "rel") for r in runs)  # its build, not the install
     json.dumps(res)
+
+
+def test_a_revision_named_twice_is_refused():
+    with pytest.raises(ValueError):
+        ab.compare([".", "."], rounds=1, gap_s=0.001, requests=1, work=Path("unused"))

@@ -1,10 +1,11 @@
 """``make ab REVS="A B"``: the same probe against two or more revisions, interleaved, each running its own code.
 
 A change's effect on a request's path is smaller than this host's run-to-run spread, so it is measured by
-alternating the revisions round after round on the same machine and counting in how many rounds one beat the
-other, beside the medians. Each revision is a git worktree (its own native build where its native/ differs from
-the installed one's), and each process of a run (the probe and the daemons it starts) imports that worktree's
-pdpush.
+running the revisions round after round on the same machine, in the opposite order every other round (so that
+running second is no revision's advantage), and counting in how many rounds one beat the other, beside the
+medians. Each revision is a git worktree with its own build of native/ (one per distinct content), and each
+process of a run (the probe and the daemons it starts) imports that worktree's pdpush: each probe says which
+files it imported, and a run whose files are not its revision's is refused.
 
 That last point is not what ``PYTHONPATH`` alone gives: ``pip install -e .`` with scikit-build-core puts a finder
 at the front of ``sys.meta_path`` that maps ``pdpush`` and ``pdpush_native`` to the installed tree whatever
@@ -24,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,52 +32,75 @@ _FINDERLESS = '''# pdpush_tools/bench/ab.py: the revision on PYTHONPATH, not the
 import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "_editable_" not in getattr(type(f), "__module__", "")]
 '''
-KEYS = ("begin_ms", "finish_ms", "open_ms", "begin_to_done_ms", "engine_cpu_us_per_request")
+# the probe process's CPU per request: its prefill and decode clients, its read-backs (the same code for every
+# revision where pdpush_tools/bench/common.py is)
+KEYS = ("begin_ms", "finish_ms", "open_ms", "begin_to_done_ms", "probe_cpu_us_per_request")
 
 
 def _git(*args: str, cwd: Path = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def prepare(rev: str, work: Path) -> Path:
-    """A worktree of ``rev`` (``.``: this working tree as it is) with pdpush_native importable from it: its own build
-    of native/ where that differs from this tree's, else this tree's installed build. Returns the path to put first."""
+def _native_key(tree: Path) -> str:
+    """What a build of ``tree``'s native/ depends on: every file's content as it is on disk (committed or not),
+    this Python's ABI and the UCX asked for."""
+    h = hashlib.sha256(f"{sys.implementation.cache_tag} {os.environ.get('PDPUSH_UCX', '')}".encode())
+    for f in sorted(p for p in (tree / "native").rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        h.update(str(f.relative_to(tree)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def prepare(rev: str, work: Path) -> tuple[Path, Path]:
+    """``rev``'s tree (``.``: this working tree as it is; else a worktree of the commit) and a build of its native/
+    (one per distinct content, kept in ``work``)."""
     if rev == ".":
         tree = ROOT
     else:
         sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
-        tree = work / sha[:12]
-        if not tree.exists():
-            _git("worktree", "add", "--detach", str(tree), sha)
-    native = hashlib.sha256(_git("ls-files", "-s", "native", cwd=tree).encode()).hexdigest()[:12]
-    site = work / f"native-{native}"
-    if not site.exists():
+        tree = work / sha
+        if not (tree / ".git").exists() or _git("rev-parse", "HEAD", cwd=tree) != sha:
+            _git("worktree", "add", "--force", "--detach", str(tree), sha)
+    site = work / f"native-{_native_key(tree)}"
+    if not (site / "pdpush_native").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                         str(tree / "native")], check=True)
-    return Path(f"{site}{os.pathsep}{tree}")
+    return tree, site
 
 
-def run_probe(path: Path, finderless: Path, gap_s: float, requests: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{finderless}{os.pathsep}{path}"}
+def run_probe(tree: Path, site: Path, work: Path, gap_s: float, requests: int) -> dict:
+    """One probe run importing ``tree``'s pdpush and ``site``'s pdpush_native, in a directory of its own (a
+    daemon's ``python -m`` looks in its working directory first); refused where it imported anything else."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (work / "finderless", site, tree)))}
+    cwd = work / "cwd"
+    cwd.mkdir(exist_ok=True)
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("ab_probe.py")), str(gap_s), str(requests)],
-                         env=env, cwd=tempfile.gettempdir(), check=True, capture_output=True, text=True, timeout=600)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                         env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"the probe of {tree} failed ({out.returncode}): {out.stderr[-2000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not (Path(got["pdpush"]).is_relative_to(tree) and Path(got["pdpush_native"]).is_relative_to(site)):
+        raise RuntimeError(f"the probe of {tree} imported {got['pdpush']} and {got['pdpush_native']}")
+    return got
 
 
 def compare(revs: list[str], rounds: int, gap_s: float, requests: int, work: Path) -> dict:
-    """``rounds`` rounds, each running the probe once per revision in order; per revision the medians of its
-    rounds, and per key and pair of neighbours the rounds the later revision beat the earlier in."""
-    finderless = work / "finderless"
-    finderless.mkdir(parents=True, exist_ok=True)
-    (finderless / "sitecustomize.py").write_text(_FINDERLESS)
-    paths = {rev: prepare(rev, work) for rev in revs}
+    """``rounds`` rounds, each running the probe once per revision, in ``revs``' order and reversed every other
+    round; per revision the medians of its rounds, and per key and pair of neighbours the rounds the later revision
+    beat the earlier in. A revision that does not read back what it pushed ends the comparison."""
+    if len(set(revs)) != len(revs) or rounds < 1:
+        raise ValueError(f"distinct revisions and one round or more: {revs}, {rounds} rounds")
+    work = work.resolve()
+    (work / "finderless").mkdir(parents=True, exist_ok=True)
+    (work / "finderless" / "sitecustomize.py").write_text(_FINDERLESS)
+    built = {rev: prepare(rev, work) for rev in revs}
     runs: dict[str, list[dict]] = {rev: [] for rev in revs}
-    for _ in range(rounds):
-        for rev in revs:
-            runs[rev].append(run_probe(paths[rev], finderless, gap_s, requests))
+    for i in range(rounds):
+        for rev in (revs if i % 2 == 0 else revs[::-1]):
+            runs[rev].append(run_probe(*built[rev], work, gap_s, requests))
             if not runs[rev][-1]["verified"]:
                 raise RuntimeError(f"{rev}: a request read back differed from what was pushed")
     res = {"revs": revs, "rounds": rounds, "gap_ms": gap_s * 1000, "requests": requests,
+           "trees": {rev: _git("describe", "--always", "--dirty", cwd=built[rev][0]) for rev in revs},
            "files": {rev: runs[rev][0]["pdpush"] for rev in revs},
            "medians": {rev: {k: statistics.median(r[k] for r in runs[rev]) for k in KEYS} for rev in revs},
            "runs": runs}
@@ -95,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "bench-out" / "ab")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    if len(a.revs) < 2:
-        ap.error("name two revisions or more")
+    if len(set(a.revs)) < 2 or len(set(a.revs)) != len(a.revs) or a.rounds < 1:
+        ap.error("name two distinct revisions or more, and one round or more")
     res = compare(a.revs, a.rounds, a.gap_ms / 1000, a.requests, a.work)
     for rev in a.revs:
-        print(rev, res["files"][rev], json.dumps({k: round(v, 3) for k, v in res["medians"][rev].items()}))
+        print(rev, res["trees"][rev], json.dumps({k: round(v, 3) for k, v in res["medians"][rev].items()}))
     for pair, won in res["later_won"].items():
         print(f"{pair}: rounds the later was lower, of {a.rounds}:", json.dumps(won))
     if a.json:

@@ -1,7 +1,7 @@
 """ab.py's probe, run as a file with a revision's tree first on the path: one engine's one-chunk requests through
 real daemons, ``gap_s`` apart (argv: gap_s, requests). Prints one JSON line: medians of the begin, the finish to
 its Done, the decode side's open, begin to Done, and the engine's CPU per request; every request read back and
-checked. Only the API every revision has: keep it so."""
+checked; and the files it imported pdpush and pdpush_native from. Only the API every revision has: keep it so."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import pdpush_native
 
 import pdpush
 from pdpush import launch
@@ -61,8 +62,9 @@ def main() -> None:
                     times[k].append(v * 1000)
             time.sleep(gap_s)
         out = {k: statistics.median(v) for k, v in times.items()}
-        out["engine_cpu_us_per_request"] = (time.process_time() - cpu0) / n * 1e6
-        print(json.dumps({**out, "verified": verified, "pdpush": pdpush.__file__}))
+        out["probe_cpu_us_per_request"] = (time.process_time() - cpu0) / n * 1e6
+        print(json.dumps({**out, "verified": verified, "pdpush": pdpush.__file__,
+                          "pdpush_native": pdpush_native.__file__}))
     finally:
         tx.stop()
         rx.stop()
