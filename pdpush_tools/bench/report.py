@@ -563,16 +563,16 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   and 156 us over a unix socket. This report first said it changed nothing on the begin's path: those
   before-and-after runs put the old tree on PYTHONPATH, which the editable install's import finder overrides,
   so both sides ran the same code. `make ab` (pdpush_tools/bench/ab.py) takes that finder out in every process
-  of a run and alternates the revisions round by round. `make ab REVS="afae3e0 24faf02 ."`, 6 rounds of 150
-  one-chunk requests (32 layers of 64 KiB) 30 ms apart, medians of the rounds' medians, and in how many rounds
-  the later revision was lower:
-  - the lifeline (afae3e0 -> 24faf02): finish to Done 1.07 -> 0.88 ms (6 of 6), begin to Done 4.65 -> 4.49 ms
-    (5 of 6), the engine's CPU per request 2.78 -> 2.51 ms (6 of 6); the begin itself 2.57 -> 2.68 ms (2 of 6:
-    no change);
-  - the codec's fast path (24faf02 -> this tree, next item): the begin 2.68 -> 2.52 ms (5 of 6), the open
-    0.90 -> 0.78 ms (6 of 6), begin to Done 4.49 -> 4.32 ms (5 of 6), the engine's CPU 2.51 -> 2.34 ms (5 of 6).
-  A second run of the same three (6 rounds): finish 1.02 / 0.83 / 0.81 ms, open 0.87 / 0.86 / 0.75 ms, begin to
-  Done 4.42 / 4.09 / 3.89 ms, engine CPU 2.48 / 2.28 / 2.10 ms.
+  of a run, checks what each probe imported, and runs the revisions round by round, in the opposite order every
+  other round. `make ab REVS="afae3e0 24faf02 ."`, 6 rounds of 150 one-chunk requests (32 layers of 64 KiB) 30 ms
+  apart, medians of the rounds' medians, and in how many rounds the later revision was lower:
+  - the lifeline (afae3e0 -> 24faf02): finish to Done 1.11 -> 0.90 ms (6 of 6), begin to Done 4.76 -> 4.61 ms
+    (5 of 6), the client process's CPU per request (its prefill and decode clients) 2.75 -> 2.54 ms (6 of 6);
+    the begin itself 2.63 -> 2.71 ms (2 of 6: no change);
+  - the codec's fast path (24faf02 -> a1fd625, next item): the begin 2.71 -> 2.60 ms, the open 0.91 -> 0.79 ms,
+    finish to Done 0.90 -> 0.87 ms, begin to Done 4.61 -> 4.40 ms, the CPU 2.54 -> 2.38 ms (each 6 of 6).
+  An earlier run of the same three in one fixed order gave the same directions: finish 1.07 / 0.88 / 0.86 ms,
+  begin to Done 4.65 / 4.49 / 4.32 ms, CPU 2.78 / 2.51 / 2.34 ms.
 - The codec's fast path (2026-12-05, `pdpush/fastcodec.py`): each message's msgspec twin, derived from its
   pydantic model with the same bounds, validates it in C; pydantic stays the authority for what the twin refuses.
   A begin's four messages decode in 1.6-2.6 us (pydantic: 2.3-9.7 us) and encode in 0.4-1.0 us (1.6-3.9) back
