@@ -1,9 +1,10 @@
 """Wire messages, the msgpack codec and the request state machine (sans-I/O).
 
 Every message is a frozen pydantic model with a ``type`` discriminator. This
-module is the only place that touches msgpack; it never touches a socket or a
-clock. Decoding enforces a frame-size cap before unpacking and validates every
-field, so a malformed frame becomes a ``RemoteProtocolError`` and nothing else.
+module and its fast path (fastcodec.py: msgspec twins of the models) are the only
+places that touch msgpack; neither touches a socket or a clock. Decoding enforces
+a frame-size cap before unpacking and validates every field, so a malformed frame
+becomes a ``RemoteProtocolError`` and nothing else.
 
 Imports no zmq, UCX or torch.
 """
