@@ -99,10 +99,11 @@ bench: install
 		--report BENCHMARKS.md $(BENCH_COMPARE)
 
 # the begin's path against two or more git revisions, interleaved round by round, each process running its own
-# revision's code (pdpush_tools/bench/ab.py): make ab REVS="afae3e0 HEAD" ('.' is the working tree as it is)
+# revision's code (pdpush_tools/bench/ab.py): make ab REVS="afae3e0 HEAD" ('.' is the working tree as it is);
+# bytes instead of the begin: AB_ARGS="--probe bytes --layer-kib 16384"
 REVS ?= HEAD .
 ab: install
-	$(PY) -m pdpush_tools.bench.ab $(REVS) --json bench-out/ab.json
+	$(PY) -m pdpush_tools.bench.ab $(REVS) $(AB_ARGS) --json bench-out/ab.json
 
 soak: install
 	mkdir -p bench-out

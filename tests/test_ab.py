@@ -37,6 +37,15 @@ def test_a_revision_runs_its_own_code_through_real_daemons_and_is_read_back(tmp_
     json.dumps(res)
 
 
+def test_the_bytes_probe_moves_and_reads_back_its_requests(tmp_path):
+    res = ab.compare(["."], rounds=1, gap_s=0.001, requests=2, work=tmp_path, probe="bytes", extra=("64",))
+    (run,) = res["runs"]["."]
+    assert run["verified"] and all(run[k] > 0 for k in ab.PROBES["bytes"][1])
+    assert res["probe"] == "bytes" and set(res["medians"]["."]) == set(ab.PROBES["bytes"][1])
+
+
 def test_a_revision_named_twice_is_refused():
     with pytest.raises(ValueError):
         ab.compare([".", "."], rounds=1, gap_s=0.001, requests=1, work=Path("unused"))
+    with pytest.raises(ValueError):
+        ab.compare(["."], rounds=1, gap_s=0.001, requests=1, work=Path("unused"), probe="nonesuch")

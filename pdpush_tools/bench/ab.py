@@ -12,8 +12,10 @@ at the front of ``sys.meta_path`` that maps ``pdpush`` and ``pdpush_native`` to 
 ``PYTHONPATH`` says, so two "revisions" run that way are the same code. A ``sitecustomize`` on the path
 (``_FINDERLESS``) takes that finder out in every process of the run.
 
-The probe (``begin_probe``) uses only the API the revisions share: the daemons' launch, ``PrefillClient`` and
-``DecodeClient``. It is run as a file from this tree, with the revision's tree first on the path.
+A probe uses only the API the revisions share: the daemons' launch, ``PrefillClient`` and ``DecodeClient``. It is
+run as a file from this tree, with the revision's tree first on the path. ``ab_probe.py`` (``--probe begin``, the
+default) times one-chunk requests' begin, finish and open; ``ab_bytes_probe.py`` (``--probe bytes``) moves bytes:
+end to end and transport only at one layer size.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ sys.meta_path[:] = [f for f in sys.meta_path if "_editable_" not in getattr(type
 # the probe process's CPU per request: its prefill and decode clients, its read-backs (the same code for every
 # revision where pdpush_tools/bench/common.py is)
 KEYS = ("begin_ms", "finish_ms", "open_ms", "begin_to_done_ms", "probe_cpu_us_per_request")
+# each probe: its file beside this one, and the keys it reports (every one lower-is-better)
+PROBES = {"begin": ("ab_probe.py", KEYS), "bytes": ("ab_bytes_probe.py", ("e2e_ms", "begun_ms", "transport_ms"))}
 
 
 def _git(*args: str, cwd: Path = ROOT) -> str:
@@ -67,13 +71,15 @@ def prepare(rev: str, work: Path) -> tuple[Path, Path]:
     return tree, site
 
 
-def run_probe(tree: Path, site: Path, work: Path, gap_s: float, requests: int) -> dict:
+def run_probe(tree: Path, site: Path, work: Path, gap_s: float, requests: int, probe: str = "begin",
+              extra: tuple[str, ...] = ()) -> dict:
     """One probe run importing ``tree``'s pdpush and ``site``'s pdpush_native, in a directory of its own (a
     daemon's ``python -m`` looks in its working directory first); refused where it imported anything else."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (work / "finderless", site, tree)))}
     cwd = work / "cwd"
     cwd.mkdir(exist_ok=True)
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("ab_probe.py")), str(gap_s), str(requests)],
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name(PROBES[probe][0])), str(gap_s), str(requests),
+                          *extra],
                          env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"the probe of {tree} failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -83,12 +89,16 @@ def run_probe(tree: Path, site: Path, work: Path, gap_s: float, requests: int) -
     return got
 
 
-def compare(revs: list[str], rounds: int, gap_s: float, requests: int, work: Path) -> dict:
-    """``rounds`` rounds, each running the probe once per revision, in ``revs``' order and reversed every other
-    round; per revision the medians of its rounds, and per key and pair of neighbours the rounds the later revision
-    beat the earlier in. A revision that does not read back what it pushed ends the comparison."""
-    if len(set(revs)) != len(revs) or rounds < 1:
-        raise ValueError(f"distinct revisions and one round or more: {revs}, {rounds} rounds")
+def compare(revs: list[str], rounds: int, gap_s: float, requests: int, work: Path, probe: str = "begin",
+            extra: tuple[str, ...] = ()) -> dict:
+    """``rounds`` rounds, each running the probe (``PROBES[probe]``, given ``extra`` after its gap and requests)
+    once per revision, in ``revs``' order and reversed every other round; per revision the medians of its rounds,
+    and per key and pair of neighbours the rounds the later revision beat the earlier in. A revision that does not
+    read back what it pushed ends the comparison."""
+    if len(set(revs)) != len(revs) or rounds < 1 or probe not in PROBES:
+        raise ValueError(f"distinct revisions, one round or more and a probe of {list(PROBES)}: {revs}, {rounds} "
+                         f"rounds, {probe!r}")
+    keys = PROBES[probe][1]
     work = work.resolve()
     (work / "finderless").mkdir(parents=True, exist_ok=True)
     (work / "finderless" / "sitecustomize.py").write_text(_FINDERLESS)
@@ -96,15 +106,16 @@ def compare(revs: list[str], rounds: int, gap_s: float, requests: int, work: Pat
     runs: dict[str, list[dict]] = {rev: [] for rev in revs}
     for i in range(rounds):
         for rev in (revs if i % 2 == 0 else revs[::-1]):
-            runs[rev].append(run_probe(*built[rev], work, gap_s, requests))
+            runs[rev].append(run_probe(*built[rev], work, gap_s, requests, probe, extra))
             if not runs[rev][-1]["verified"]:
                 raise RuntimeError(f"{rev}: a request read back differed from what was pushed")
-    res = {"revs": revs, "rounds": rounds, "gap_ms": gap_s * 1000, "requests": requests,
+    res = {"revs": revs, "probe": probe, "probe_args": list(extra), "rounds": rounds, "gap_ms": gap_s * 1000,
+           "requests": requests,
            "trees": {rev: _git("describe", "--always", "--dirty", cwd=built[rev][0]) for rev in revs},
            "files": {rev: runs[rev][0]["pdpush"] for rev in revs},
-           "medians": {rev: {k: statistics.median(r[k] for r in runs[rev]) for k in KEYS} for rev in revs},
+           "medians": {rev: {k: statistics.median(r[k] for r in runs[rev]) for k in keys} for rev in revs},
            "runs": runs}
-    res["later_won"] = {f"{a} -> {b}": {k: sum(y[k] < x[k] for x, y in zip(runs[a], runs[b], strict=True)) for k in KEYS}
+    res["later_won"] = {f"{a} -> {b}": {k: sum(y[k] < x[k] for x, y in zip(runs[a], runs[b], strict=True)) for k in keys}
                         for a, b in zip(revs, revs[1:], strict=False)}
     return res
 
@@ -117,10 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--work", type=Path, default=ROOT / "bench-out" / "ab")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--probe", choices=list(PROBES), default="begin",
+                    help="begin: one-chunk requests, the begin's path; bytes: 32 layers of --layer-kib, end to end "
+                         "and transport only")
+    ap.add_argument("--layer-kib", type=int, default=1024, help="the bytes probe's layer size")
     a = ap.parse_args(argv)
     if len(set(a.revs)) < 2 or len(set(a.revs)) != len(a.revs) or a.rounds < 1:
         ap.error("name two distinct revisions or more, and one round or more")
-    res = compare(a.revs, a.rounds, a.gap_ms / 1000, a.requests, a.work)
+    extra = (str(a.layer_kib),) if a.probe == "bytes" else ()
+    res = compare(a.revs, a.rounds, a.gap_ms / 1000, a.requests, a.work, a.probe, extra)
     for rev in a.revs:
         print(rev, res["trees"][rev], json.dumps({k: round(v, 3) for k, v in res["medians"][rev].items()}))
     for pair, won in res["later_won"].items():
