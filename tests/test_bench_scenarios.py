@@ -22,7 +22,8 @@ def test_scenarios_and_report(tmp_path):
     res["goodput_sweep"] = [{k: res["goodput"][k] for k in ("layer_bytes", "goodput_gbps", "ceiling_gbps",
                                                             "memcpy_gbps", "ratio", "transport_goodput_gbps",
                                                             "ratio_transport", "ratio_transport_hot",
-                                                            "footprint_put_gbps", "verified")}]
+                                                            "footprint_put_gbps", "ratio_transport_strict",
+                                                            "ratio_transport_observed", "verified")}]
     res["latency"] = latency.compare(KVLayout(4, 2, 64, "float16", 16), samples=10, engines=2, per_engine=20,
                                  pool_pages=16, staging_bytes=16 << 20)
     res["isolation"] = {"scenario": "isolation", "skipped": "see test_isolation_scenario", "verified": False}
@@ -55,7 +56,9 @@ def test_scenarios_and_report(tmp_path):
     assert res["latency"]["codec_us"]["begin"]["decode_pydantic_us"] > 0 and "the codec, a begin's four" in text
     # transport only, paired with a raw put through a push's footprint, beside the same memory put again
     g = res["goodput"]
-    assert len(g["footprint_put_samples_gbps"]) == len(g["transport_samples_gbps"]) == 2
+    assert len(g["footprint_put_samples_gbps"]) == len(g["transport_samples_gbps"]) == goodput.TRANSPORT_SAMPLES
+    # beside it, the strict reference (posted at once, streamed source) and the push through a decode thread
+    assert g["strict_put_gbps"] > 0 and g["transport_observed_gbps"] > 0 and "the strict reference" in text
     assert g["footprint_put_gbps"] > 0 and g["footprint_copies"][1] == 3 <= 1 + g["footprint_copies"][0] and "a push's footprint" in text
 
 

@@ -85,23 +85,45 @@ class PutReference:
         self.view[:] = 1  # fault the pages in, as a real staging area would be
         self.n = 0
 
-    def once(self) -> float:
+    def once(self, batched: bool | None = None, streamed: bool = False) -> float:
+        """``batched``: this call's (None: the reference's own). ``streamed``: the source is written with
+        streaming stores, as the engine writes staging (``kvcodec.stage_planned``): out of the caches when it
+        is put, where ``rewrite``'s stores leave the last few MiB of it in this core's."""
         from pdpush.transport.base import PutOp
         from pdpush_tools.peer import put_and_wait
 
         s, d = (self.n % self.src_copies) * self.total, (self.n % self.dst_copies) * self.total
         self.n += 1
-        if self.rewrite:
+        if streamed:
+            _stream_fill(self.view[s:s + self.total], self.n & 0xFF)
+        elif self.rewrite:
             self.view[s:s + self.total] = self.n & 0xFF
         ops = [PutOp(self.src.address + s + off, self.info["address"] + d + off, self.layer_bytes)
                for off in range(0, self.total, self.layer_bytes)]
         t = time.perf_counter()
-        for batch in [ops] if self.batched else [[op] for op in ops]:
+        for batch in [ops] if (self.batched if batched is None else batched) else [[op] for op in ops]:
             put_and_wait(self.w, self.ep, batch, 30.0, self.spin_s)
         return self.total / (time.perf_counter() - t) / 1e9
 
     def close(self) -> None:
         self.src.close()
+
+
+_ROW = 4096  # _stream_fill's rows: whole cache lines, so that every one streams
+
+
+def _stream_fill(view: np.ndarray, value: int) -> None:
+    """Fill ``view`` (uint8, 64-byte aligned, a multiple of 4 KiB) with ``value`` by streaming stores
+    (``pdpush_native._copy.gather_rows``, which staging's copies use), then fence."""
+    from pdpush_native import _copy
+
+    rows = view.size // _ROW
+    if rows * _ROW != view.size or view.ctypes.data % 64:
+        raise ValueError("_stream_fill: a 64-byte aligned view of whole 4 KiB rows")
+    pattern = np.full(_ROW, value, np.uint8)
+    if not _copy.gather_rows(view.reshape(rows, _ROW), pattern, np.zeros(rows, np.int64), np.zeros(rows, np.int32),
+                             np.arange(_ROW // 8, dtype=np.int32).reshape(1, -1), 8, True):
+        raise RuntimeError("_stream_fill: this CPU has no streaming stores")
 
 
 @contextlib.contextmanager

@@ -154,6 +154,35 @@ def watch_layers(req, deadline: float) -> list[float]:
     return seen
 
 
+# A decode side that spins on the readiness words (``push_handed_over``): the clock stops when they land.
+SPIN = WaitPolicy(spin_s=60.0)
+
+
+def push_handed_over(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layout: KVLayout) -> dict:
+    """Transport only, timed in one thread: every layer staged first (as a GPU's D2H DMA leaves them), then
+    handed over at once, and the same thread waits for each layer on the decode side (``dc``: its policy, a
+    spin for ``SPIN``). The hand-over does not block, so nothing else is on the clock: no second thread's GIL
+    switching or naps (``push_one``'s decode side). Every byte is checked after. Times are perf_counter
+    seconds: ``seconds`` from the hand-over to the last layer seen."""
+    h = pc.begin(req_id, src.token_ids)
+    req = dc.open(req_id)
+    try:
+        for layer in range(layout.layers):
+            h.stage_layer(layer, *src.layer(layer))
+        t0 = time.perf_counter()
+        h.layers_ready(list(range(layout.layers)))
+        for layer in range(layout.layers):
+            req.wait_layer(layer)
+        t1 = time.perf_counter()
+        done = h.finish()
+        req.wait_committed()
+        ok = verify(req, src, layout)
+    finally:
+        req.release()
+    return {"req_id": req_id, "seconds": t1 - t0, "bytes_sent": done.bytes_sent,
+            "goodput_gbps": done.bytes_sent / (t1 - t0) / 1e9, "verified": ok}
+
+
 def push_one(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Source, layout: KVLayout, *,
              compute_s: float = 0.0, pipelined: bool = True, check: bool = True, prestaged: bool = False) -> dict:
     """Push one request; the decode side verifies every byte. Times are monotonic seconds.

@@ -42,10 +42,10 @@ import time
 import numpy as np
 
 from pdpush import launch
-from pdpush.client import DecodeClient, PrefillClient, WaitPolicy, status
+from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import ceiling
-from pdpush_tools.bench.common import Source, child, verify
+from pdpush_tools.bench.common import SPIN, Source, child, push_handed_over, verify
 
 
 def _cpu_s(pid: int) -> float:
@@ -232,28 +232,17 @@ def run(layout: KVLayout, samples: int = 200, engines: int = 4, per_engine: int 
         # the decode side spins on the readiness words: this measures when they land, not how a decode
         # engine chooses to wait for them (that is the decode_wait scenario's, against this same spin)
         pc = PrefillClient(layout, tx_sock, timeout_s=60)
-        dc = DecodeClient(rx_sock, timeout_s=60, wait=WaitPolicy(spin_s=60.0))
+        dc = DecodeClient(rx_sock, timeout_s=60, wait=SPIN)
         rng = np.random.default_rng(5)
         one, verified = [], True
         warm = pool_pages + 20  # every page touched once before anything is measured
         wire0, rx_wire0 = status(tx_sock), status(rx_sock)
         for i in range(samples + warm):
             src = Source(layout, rng.integers(0, 1 << 31, size=layout.chunk_tokens).tolist(), rng)
-            h = pc.begin(f"lat-{i}", src.token_ids)
-            req = dc.open(f"lat-{i}")
-            for layer in range(layout.layers):
-                h.stage_layer(layer, *src.layer(layer))
-            t0 = time.perf_counter()
-            h.layers_ready(list(range(layout.layers)))
-            for layer in range(layout.layers):
-                req.wait_layer(layer)
-            t1 = time.perf_counter()
-            h.finish()
-            req.wait_committed()
-            verified = verify(req, src, layout) and verified
-            req.release()
+            r = push_handed_over(pc, dc, f"lat-{i}", src, layout)
+            verified = r["verified"] and verified
             if i >= warm:
-                one.append(t1 - t0)
+                one.append(r["seconds"])
         # capacity: engine processes at once, the sender's own counters
         rx_before, tx_before = status(rx_sock), status(tx_sock)  # (before the capacity engines' warm-up requests)
         cap = _capacity(layout, tx, rx, tx_sock, rx_sock, engines, per_engine, False)

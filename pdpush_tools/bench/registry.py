@@ -68,7 +68,8 @@ def _goodput_suite(a: BenchArgs) -> dict:
 
     main = goodput.run(**a.shape, tokens=a.tokens, requests=5, prefix_shared=0.5, compare_nixl=a.compare_nixl)
     keys = ("layer_bytes", "goodput_gbps", "ceiling_gbps", "memcpy_gbps", "ratio", "transport_goodput_gbps",
-            "ratio_transport", "ratio_transport_hot", "footprint_put_gbps", "two_copy_gbps", "ratio_two_copy", "staging_copy_gbps", "staging_memcpy_gbps", "ratio_staging_copy",
+            "ratio_transport", "ratio_transport_hot", "footprint_put_gbps", "strict_put_gbps", "ratio_transport_strict",
+            "transport_observed_gbps", "ratio_transport_observed", "two_copy_gbps", "ratio_two_copy", "staging_copy_gbps", "staging_memcpy_gbps", "ratio_staging_copy",
             "staging_copy_cached_gbps", "ratio_staging_copy_cached", "two_copy_hot_gbps", "ratio_two_copy_hot",
             "begin_ms_p50", "begun_goodput_gbps", "ratio_two_copy_begun", "verified")
     sweep = []
