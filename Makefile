@@ -100,7 +100,7 @@ bench: install
 
 # the begin's path against two or more git revisions, interleaved round by round, each process running its own
 # revision's code (pdpush_tools/bench/ab.py): make ab REVS="afae3e0 HEAD" ('.' is the working tree as it is);
-# bytes instead of the begin: AB_ARGS="--probe bytes --layer-kib 16384"
+# bytes instead of the begin: AB_ARGS="--probe bytes --layer-kib 1024 --requests 15"
 REVS ?= HEAD .
 ab: install
 	$(PY) -m pdpush_tools.bench.ab $(REVS) $(AB_ARGS) --json bench-out/ab.json

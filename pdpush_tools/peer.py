@@ -40,9 +40,9 @@ def put_and_wait(worker, ep, ops: Sequence, timeout_s: float, spin_s: float | No
     spin throughout, the fastest on a host with a core to spare; where the hosts share two cores, a spinning
     reference takes the core that moves its bytes, which the sender's wait does not)."""
     token = object()
-    now = time.monotonic()
-    n = ep.post_puts(list(ops), token, now + timeout_s)
-    spin_until = None if spin_s is None else now + spin_s
+    n = ep.post_puts(list(ops), token, time.monotonic() + timeout_s)
+    # from when the post returns: on shared memory the puts are the copy itself, done in post_puts (as the sender's)
+    spin_until = None if spin_s is None else time.monotonic() + spin_s
     while True:
         now = time.monotonic()
         for c in worker.poll(now):

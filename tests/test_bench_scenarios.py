@@ -58,7 +58,8 @@ def test_scenarios_and_report(tmp_path):
     g = res["goodput"]
     assert len(g["footprint_put_samples_gbps"]) == len(g["transport_samples_gbps"]) == goodput.TRANSPORT_SAMPLES
     # beside it, the strict reference (posted at once, streamed source) and the push through a decode thread
-    assert g["strict_put_gbps"] > 0 and g["transport_observed_gbps"] > 0 and "the strict reference" in text
+    assert g["strict_put_gbps"] > 0 and g["transport_observed_gbps"] > 0
+    assert "x the strict reference" in text and "x through a decode thread" in text  # (report._transport_beside)
     assert g["footprint_put_gbps"] > 0 and g["footprint_copies"][1] == 3 <= 1 + g["footprint_copies"][0] and "a push's footprint" in text
 
 
@@ -143,3 +144,19 @@ def test_across_hosts_scenario():
     for side in ("sender", "receiver"):
         lanes = json.loads(res["one_chunk"]["transports"][side]).values()
         assert lanes and all(lane.startswith("tcp/eth0") for lane in lanes), res["one_chunk"]["transports"]
+
+
+def test_a_streamed_fill_writes_its_whole_view_and_nothing_beside_it():
+    """The strict reference's source is written with streaming stores (ceiling._stream_fill): whole cache lines
+    streamed, the bytes around them stored plainly, at any offset and size (an MLA layer of 61 x 18 KiB)."""
+    import mmap
+
+    import numpy as np
+
+    from pdpush_tools.bench.ceiling import _stream_fill
+
+    buf = np.frombuffer(mmap.mmap(-1, 2 << 20), np.uint8)
+    for off, n in ((0, 4096), (3, 1000), (64, 61 * 18432), (5, 10), (0, 0), (17, 64)):
+        buf[:] = 7
+        _stream_fill(buf[off:off + n], 0xAB)
+        assert (buf[off:off + n] == 0xAB).all() and (buf[:off] == 7).all() and (buf[off + n:] == 7).all(), (off, n)

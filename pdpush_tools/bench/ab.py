@@ -131,11 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe", choices=list(PROBES), default="begin",
                     help="begin: one-chunk requests, the begin's path; bytes: 32 layers of --layer-kib, end to end "
                          "and transport only")
-    ap.add_argument("--layer-kib", type=int, default=1024, help="the bytes probe's layer size")
+    ap.add_argument("--layer-kib", type=int, help="the bytes probe's layer size (default 1024): a multiple of 4 "
+                                                 "up to 1024, of 1024 above")
     a = ap.parse_args(argv)
+    if a.probe != "bytes" and a.layer_kib is not None:
+        ap.error("--layer-kib is the bytes probe's")
+    kib = 1024 if a.layer_kib is None else a.layer_kib
+    if kib < 4 or kib % (4 if kib <= 1024 else 1024):  # 4 KiB a token, pages of at most 256 tokens (1 MiB)
+        ap.error(f"--layer-kib {kib}: a multiple of 4 KiB up to 1024, of 1024 above")
     if len(set(a.revs)) < 2 or len(set(a.revs)) != len(a.revs) or a.rounds < 1:
         ap.error("name two distinct revisions or more, and one round or more")
-    extra = (str(a.layer_kib),) if a.probe == "bytes" else ()
+    extra = (str(kib),) if a.probe == "bytes" else ()
     res = compare(a.revs, a.rounds, a.gap_ms / 1000, a.requests, a.work, a.probe, extra)
     for rev in a.revs:
         print(rev, res["trees"][rev], json.dumps({k: round(v, 3) for k, v in res["medians"][rev].items()}))

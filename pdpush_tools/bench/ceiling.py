@@ -109,21 +109,25 @@ class PutReference:
         self.src.close()
 
 
-_ROW = 4096  # _stream_fill's rows: whole cache lines, so that every one streams
+_LINE = 64  # _stream_fill's rows: one cache line each, so that every whole line streams
 
 
 def _stream_fill(view: np.ndarray, value: int) -> None:
-    """Fill ``view`` (uint8, 64-byte aligned, a multiple of 4 KiB) with ``value`` by streaming stores
-    (``pdpush_native._copy.gather_rows``, which staging's copies use), then fence."""
+    """Fill ``view`` (uint8, contiguous) with ``value``: its whole cache lines by streaming stores
+    (``pdpush_native._copy.gather_rows``, which staging's copies use, then a fence), the bytes before the first and
+    after the last by plain stores."""
     from pdpush_native import _copy
 
-    rows = view.size // _ROW
-    if rows * _ROW != view.size or view.ctypes.data % 64:
-        raise ValueError("_stream_fill: a 64-byte aligned view of whole 4 KiB rows")
-    pattern = np.full(_ROW, value, np.uint8)
-    if not _copy.gather_rows(view.reshape(rows, _ROW), pattern, np.zeros(rows, np.int64), np.zeros(rows, np.int32),
-                             np.arange(_ROW // 8, dtype=np.int32).reshape(1, -1), 8, True):
-        raise RuntimeError("_stream_fill: this CPU has no streaming stores")
+    head = min(-view.ctypes.data % _LINE, view.size)
+    rows = (view.size - head) // _LINE
+    view[:head] = value
+    view[head + rows * _LINE:] = value
+    if not rows:
+        return
+    body = view[head:head + rows * _LINE].reshape(rows, _LINE)
+    if not _copy.gather_rows(body, np.full(_LINE, value, np.uint8), np.zeros(rows, np.int64), np.zeros(rows, np.int32),
+                             np.arange(_LINE // 8, dtype=np.int32).reshape(1, -1), 8, True):
+        raise RuntimeError("_stream_fill: no streaming stores here (no SSE2, or set_streaming(False))")
 
 
 @contextlib.contextmanager

@@ -165,20 +165,24 @@ def push_handed_over(pc: PrefillClient, dc: DecodeClient, req_id: str, src: Sour
     switching or naps (``push_one``'s decode side). Every byte is checked after. Times are perf_counter
     seconds: ``seconds`` from the hand-over to the last layer seen."""
     h = pc.begin(req_id, src.token_ids)
-    req = dc.open(req_id)
     try:
-        for layer in range(layout.layers):
-            h.stage_layer(layer, *src.layer(layer))
-        t0 = time.perf_counter()
-        h.layers_ready(list(range(layout.layers)))
-        for layer in range(layout.layers):
-            req.wait_layer(layer)
-        t1 = time.perf_counter()
-        done = h.finish()
-        req.wait_committed()
-        ok = verify(req, src, layout)
-    finally:
-        req.release()
+        req = dc.open(req_id)
+        try:
+            for layer in range(layout.layers):
+                h.stage_layer(layer, *src.layer(layer))
+            t0 = time.perf_counter()
+            h.layers_ready(list(range(layout.layers)))
+            for layer in range(layout.layers):
+                req.wait_layer(layer)
+            t1 = time.perf_counter()
+            done = h.finish()
+            req.wait_committed()
+            ok = verify(req, src, layout)
+        finally:
+            req.release()
+    except BaseException:
+        h.abort("the bench's request failed")  # (nothing, where it finished)
+        raise
     return {"req_id": req_id, "seconds": t1 - t0, "bytes_sent": done.bytes_sent,
             "goodput_gbps": done.bytes_sent / (t1 - t0) / 1e9, "verified": ok}
 

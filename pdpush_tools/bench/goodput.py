@@ -7,6 +7,7 @@ between two processes, and the memcpy of the same bytes, both in this run.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -89,7 +90,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         # (a configured sender's staging and receiver's pool may be far larger: at most 16 requests' places each)
         copies = min(16, max(1, staging_bytes // request_bytes)), min(16, max(1, pool_pages // chunks))
         spin = DecodeClient(rx_local, timeout_s=60, wait=SPIN)
-        with ceiling.put_reference(layer_bytes, layout.layers, *copies, rewrite=True) as ref:
+        with contextlib.closing(spin), ceiling.put_reference(layer_bytes, layout.layers, *copies, rewrite=True) as ref:
             for _ in range(copies[1]):
                 ref.once()  # each request's first pass touches its remote pages
             for i in range(max(requests, TRANSPORT_SAMPLES)):
@@ -99,7 +100,6 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
                                                   layout))
                 observed.append(push_one(pc, dc, f"bench-{tag}-o{i}", Source(layout, fresh_ids(tokens), rng),
                                          layout, prestaged=True))
-        spin.close()
         # Incremental: a first request, then one sharing its first prefix_shared of tokens.
         shared = int(tokens * prefix_shared)
         first = Source(layout, fresh_ids(tokens), rng)

@@ -596,22 +596,23 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   24,564 -> 15,975 layers/s (layers in staging). The 1-chunk request's first layer is visible only 17 us before
   its last (0.385 against 0.402 ms): a hand-over of 32 layers is one batch and one flush, then the readiness
   words; the excess over the same puts back to back is the puts' copies from staging that another core wrote.
-- The sender's flush waited up to 1 ms after a long copy (2026-12-06). On one host a put is UCX's "short"
+- The sender's flush waited up to 2 ms after a long copy (2026-12-06). On one host a put is UCX's "short"
   protocol into the pool mapped in the sender: the copy itself, inside `ucp_put_nbx`. Its flush completes on
   progress, which gives no fd event, and the native wait's 2 ms spin was counted from before the posts: a batch
-  that took longer than that to copy (32 layers of 1 MiB, ~5 ms) found its spin over and slept up to 1 ms before
-  reaping its flush. The spin now counts from when the posts return. `make ab REVS="9798910 4cb8b9b" AB_ARGS=
-  "--probe bytes --layer-kib 1024"`, 6 rounds of 15 requests: transport only 6.9 -> 4.8 ms a request (6 of 6
-  rounds); end to end 8.5 -> 8.4 ms (3 of 6: no change, its layers are handed over one by one). At 16 MiB layers
-  two runs disagreed (end to end 6 of 6 lower, then 1 of 8; transport 1 of 6, then 4 of 8): this box's swings
-  there (20-50% between rounds) are larger than the change.
+  that took longer than that to copy (32 layers of 1 MiB, ~5 ms) found its spin over and slept before
+  reaping its flush (the wait sleeps up to 2 ms at a time with puts in flight). The spin now counts from when the
+  posts return. `make ab REVS="9798910 4cb8b9b" AB_ARGS="--probe bytes --layer-kib 1024 --requests 15"`, 6 rounds:
+  transport only 6.9 -> 4.8 ms a request (6 of 6 rounds); end to end 8.5 -> 8.4 ms (3 of 6: no change, its layers
+  are handed over one by one). At 16 MiB layers (`--layer-kib 16384 --requests 6`, 6 and then 8 rounds) the two
+  runs disagreed (end to end 6 of 6 lower, then 1 of 8; transport 1 of 6, then 4 of 8): this box's swings there
+  (20-50% between rounds) are larger than the change.
 - Transport only is timed in one thread (2026-12-06), as the latency scenario times a one-chunk request: the
   engine thread hands over, then spins on the readiness words. Through `push_one`'s decode thread (its naps,
   and GIL switching with the engine thread) the same pushes measured 10-20% slower at 256 KiB to 1 MiB: the
   harness's cost, not the transport's. Both are in the row, with a stricter reference beside the target's: the
   same puts posted at once with one flush, as the sender posts them, their source written with streaming stores
   as staging's is. Before the fix above, against that reference, one thread: 0.93-0.96 at 256 KiB, 0.67 at 1 MiB
-  (the 1 ms sleep), 0.97 at 4 MiB; after it 0.94-1.00, 0.96-0.99 and 0.97.
+  (the sleep), 0.97 at 4 MiB; after it 0.94-1.00, 0.96-0.99 and 0.97.
 - An engine's hand-over of a layer costs it 20-25 us of CPU at 64 KiB, and a one-chunk request's hand-over of
   32 layers 70 us, of which the doorbell's write is 46 us: the sender sleeps between requests, and waking a
   process on another vCPU is that slow on this VM. In a loop of `put_layer` calls the sender sleeps after each
