@@ -300,7 +300,7 @@ class Pusher {
     // layers carry checksums), or ``timeout_s`` passed. After a post or a landing it spins on progress for
     // ``spin_s`` (shared-memory completions need progress, not an fd event), looking at ``fds`` every 50 us,
     // then sleeps on the fds, the doorbell and the worker's event fd, at most 2 ms at a time while puts
-    // are in flight (a millisecond, rounded up, plus one). ``idle`` is the word engines read to know whether to ring.
+    // are in flight (the millisecond, truncated, plus one). ``idle`` is the word engines read to know whether to ring.
     // Returns (``fds`` readable, doorbell bytes drained, records refused); the landings wait for poll().
     std::tuple<std::vector<int>, uint64_t, std::vector<Refused>> wait(double timeout_s, const std::vector<int> &fds,
                                                                        int doorbell, int worker_fd, uintptr_t idle,

@@ -81,7 +81,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         # ring's and the pool's requests, each source written just before, as staging is): below a few MiB a
         # request, the same memory put again stays in cache (``ceiling_gbps``), which no push's does.
         # Timed as the latency scenario times a request (``push_handed_over``: hand-over, then the same thread
-        # spins on the readiness words), and, as before 2026-12-06, through ``push_one``'s decode thread, whose
+        # spins on the readiness words), and, as before 2026-12-05, through ``push_one``'s decode thread, whose
         # naps and GIL switching cost 10-20% of a 256 KiB to 1 MiB request here (``transport_observed``). Each
         # is paired with the raw put+flush above and with the same puts posted at once with one flush, their
         # source streamed as staging's is (``strict``: a push's own pattern, without pdpush).
@@ -163,7 +163,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         # against the same puts posted at once, with one flush, their source streamed (the stricter reference)
         "strict_put_gbps": statistics.median(strict),
         "ratio_transport_strict": _paired(transport, strict),
-        # the same through push_one's decode thread (how transport only was timed until 2026-12-06)
+        # the same through push_one's decode thread (how transport only was timed until 2026-12-05)
         "transport_observed_gbps": statistics.median(r["goodput_gbps"] for r in observed),
         "ratio_transport_observed": _paired(observed, footprint),
         # against the same memory put again (in cache below a few MiB a request)

@@ -290,7 +290,7 @@ def markdown(res: dict, plot_rel: str) -> str:
         f"bytes through a push's footprint (staging's and the pool's requests in turn, each source written just "
         f"before). In brackets: against the strict reference (the same puts posted at once with one flush, as the "
         f"sender posts them, their source written with streaming stores, as staging's is); the push timed through "
-        f"a second thread's decode side, as this row was until 2026-12-06 (its naps and GIL switching on the "
+        f"a second thread's decode side, as this row was until 2026-12-05 (its naps and GIL switching on the "
         f"clock); and against the same memory put again, which stays in cache below a few MiB a "
         f"request | {tr} | {_met(all(r['ratio_transport'] >= 0.95 for r in sweep))} |",
         f"| end to end through `PrefillClient.put_layer`, from `begin` to decode-visible, >= 0.85x `two_copy_gbps` (a "
@@ -596,7 +596,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   24,564 -> 15,975 layers/s (layers in staging). The 1-chunk request's first layer is visible only 17 us before
   its last (0.385 against 0.402 ms): a hand-over of 32 layers is one batch and one flush, then the readiness
   words; the excess over the same puts back to back is the puts' copies from staging that another core wrote.
-- The sender's flush waited up to 2 ms after a long copy (2026-12-06). On one host a put is UCX's "short"
+- The sender's flush waited up to 2 ms after a long copy (2026-12-05). On one host a put is UCX's "short"
   protocol into the pool mapped in the sender: the copy itself, inside `ucp_put_nbx`. Its flush completes on
   progress, which gives no fd event, and the native wait's 2 ms spin was counted from before the posts: a batch
   that took longer than that to copy (32 layers of 1 MiB, ~5 ms) found its spin over and slept before
@@ -606,7 +606,7 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   are handed over one by one). At 16 MiB layers (`--layer-kib 16384 --requests 6`, 6 and then 8 rounds) the two
   runs disagreed (end to end 6 of 6 lower, then 1 of 8; transport 1 of 6, then 4 of 8): this box's swings there
   (20-50% between rounds) are larger than the change.
-- Transport only is timed in one thread (2026-12-06), as the latency scenario times a one-chunk request: the
+- Transport only is timed in one thread (2026-12-05), as the latency scenario times a one-chunk request: the
   engine thread hands over, then spins on the readiness words. Through `push_one`'s decode thread (its naps,
   and GIL switching with the engine thread) the same pushes measured 10-20% slower at 256 KiB to 1 MiB: the
   harness's cost, not the transport's. Both are in the row, with a stricter reference beside the target's: the
