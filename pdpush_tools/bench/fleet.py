@@ -9,7 +9,8 @@ Runs (each on a fresh router, with the same workload shape):
   * cache_aware_conditional: the same, and the prefill skipped where the decode node holds all but
     ``--local-prefill-max-tokens`` of the prompt.
 Each run gets its own conversations (another seed, same shape), so that neither the receivers' pools
-nor vLLM's own prefix caches carry anything from one run into the next.
+nor vLLM's own prefix caches carry anything from one run into the next. Then the legs again, concurrent and
+sequential in that order (``legs_ab``), for an A/B of the two in alternating blocks.
 
 ``--two-prefill`` runs only issue 23's section, on a fleet of its own: 2 prefill instances (each
 publishing its vLLM KV events) and 2 decode instances, the same workload shape with ``--inflight``
@@ -49,8 +50,9 @@ RUNS = {"round_robin": {"policy": "round_robin", "concurrent_legs": False},
         "cache_aware": {"policy": "cache_aware", "concurrent_legs": False},
         "cache_aware_concurrent": {"policy": "cache_aware", "concurrent_legs": True},
         "cache_aware_conditional": {"policy": "cache_aware", "concurrent_legs": True}}
-# issue 23: two prefill instances; legs one after the other in both (the router's default, and faster on
-# this box: docs/bench/fleet.md); cost_model also gets the prefill engines' kv_events (run_two_prefill)
+# issue 23: two prefill instances; legs one after the other in both, named (the default, "auto", would choose
+# by each instance's load, and this section compares placement alone); cost_model also gets the prefill
+# engines' kv_events (run_two_prefill)
 RUNS_2P = {"least_loaded": {"policy": "cache_aware", "concurrent_legs": False},
            "cost_model": {"policy": "cost_model", "concurrent_legs": False}}
 # prefill on core 0, decode instances on core 1: on separate hosts a waiting decode instance takes
@@ -284,10 +286,35 @@ def _runs(work: Path, model: Path, a, pool_pages: int, names: list[str], tokeniz
             print(f"pool {pool_pages:4d} {name:26s} pushed {res['bytes_pushed'] / 2**20:7.1f} MiB  prefill tokens "
                   f"{res['prefill_tokens']:6.0f}  TTFT p50 {res['ttft_p50_ms']:7.1f} ms  p99 {res['ttft_p99_ms']:7.1f} ms"
                   f"  tokens match {res['tokens_match']}", flush=True)
+        if tokenizer and {"cache_aware", "cache_aware_concurrent"} <= set(names):
+            out["legs"] = legs_ab(f, a, out["runs"], a.seed + len(RUNS))
         if tokenizer:
             out["tokenizer"] = tokenizer_costs(f, a)
     rr, ca = out["runs"].get("round_robin"), out["runs"].get("cache_aware")
     out["cache_aware_over_round_robin_bytes"] = ca["bytes_pushed"] / rr["bytes_pushed"] if rr and ca else None
+    return out
+
+
+LEGS = {"sequential": "cache_aware", "concurrent": "cache_aware_concurrent"}
+
+
+def legs_ab(f: Fleet, a, runs: dict, seed: int) -> dict:
+    """Both legs at once against one after the other (both cache-aware): after the runs above (sequential, then
+    concurrent), a block of each in the opposite order, each block with its own conversations, so that neither
+    the box's drift nor one seed's prompts favours a mode. Each mode's TTFT over all of its requests."""
+    blocks = {mode: [runs[name]] for mode, name in LEGS.items()}
+    for k, mode in enumerate(("concurrent", "sequential")):
+        res = run_one(f, LEGS[mode], dict(RUNS[LEGS[mode]]), seed + k, a)
+        blocks[mode].append(res)
+        print(f"legs {mode:10s} TTFT p50 {res['ttft_p50_ms']:7.1f} ms  p99 {res['ttft_p99_ms']:7.1f} ms  "
+              f"tokens match {res['tokens_match']}", flush=True)
+    out: dict = {"order": ["sequential", "concurrent", "concurrent", "sequential"]}
+    for mode, rs in blocks.items():
+        ttft = sorted(x["ttft_ms"] for r in rs for x in r["rows"])
+        out[mode] = {"ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+                     "requests": len(ttft), "block_ttft_p50_ms": [r["ttft_p50_ms"] for r in rs],
+                     "tokens_match": all(r["tokens_match"] for r in rs), "seeds": [r["seed"] for r in rs]}
+    out["concurrent_over_sequential_ttft_p50"] = out["concurrent"]["ttft_p50_ms"] / out["sequential"]["ttft_p50_ms"]
     return out
 
 
@@ -457,18 +484,29 @@ def markdown(res: dict) -> str:
         "  round-robin's bytes. More decode nodes widen the gap (not measured here), and so would pools",
         "  small enough that round-robin loses chunks a later turn needs (at 24 pages, below, it did not).",
     ]
-    if "cache_aware_concurrent" in runs and "cache_aware" in runs:
+    legs = res.get("legs")
+    if legs:
+        c, q = legs["concurrent"], legs["sequential"]
+        faster = legs["concurrent_over_sequential_ttft_p50"] < 1
         lines += [
-            f"- Both legs at once against one after the other (both cache-aware): TTFT p50 "
-            f"{runs['cache_aware_concurrent']['ttft_p50_ms']:.0f} ms against {runs['cache_aware']['ttft_p50_ms']:.0f} ms:",
-            "  **slower here.** The prefill instance is bound to core 0 and the decode instances to core 1 (as",
-            "  on separate hosts), yet a 300-token prefill took about twice as long while its decode instance",
-            "  waited for the push: the engines' other threads, the daemons and the router share both cores,",
-            "  and the waiting decode engine is not idle (measured outside this run: about 1.3 CPU-seconds per",
-            "  request against 0.6 one after the other). Concurrent legs are meant for instances on separate",
-            "  hosts; this box cannot show their benefit, and the router sends the legs one after the other",
-            "  by default (`concurrent_legs = false`). The conditional run uses concurrent legs for the",
-            "  requests it does not keep local, which is where its p99 comes from.",
+            f"- Both legs at once against one after the other (both cache-aware), in blocks of {q['requests'] // 2}"
+            " requests in the order one after the other, at once, at once, one after the other (the first two are",
+            f"  the runs above), each block with its own conversations: TTFT p50 {c['ttft_p50_ms']:.0f} ms against "
+            f"{q['ttft_p50_ms']:.0f} ms (**{legs['concurrent_over_sequential_ttft_p50']:.2f}x**), p99 "
+            f"{c['ttft_p99_ms']:.0f} against {q['ttft_p99_ms']:.0f} ms; the blocks' p50s "
+            f"{' / '.join(f'{x:.0f}' for x in c['block_ttft_p50_ms'])} against "
+            f"{' / '.join(f'{x:.0f}' for x in q['block_ttft_p50_ms'])} ms.",
+            "  " + ("At once is faster: the decode instance's leg (its HTTP request, scheduling and open) runs while"
+                    " the prefill computes, and it loads each layer as it lands, so the first token follows the"
+                    " prefill's last layer rather than its whole answer. The router's default (`concurrent_legs ="
+                    " \"auto\"`) sends both at once where the prefill instance has nothing in flight, as in these"
+                    " runs of one request at a time (docs/operations.md, \"Both legs at once\")." if faster else
+                    "At once is not faster in this run, though the router's default (`concurrent_legs = \"auto\"`)"
+                    " sends both at once where the prefill instance has nothing in flight: see docs/operations.md,"
+                    " \"Both legs at once\"."),
+            "  The prefill instance runs on core 0 and the decode instances on core 1 (`taskset`), as on separate",
+            "  hosts; the daemons and the router share both cores. The conditional run uses concurrent legs for the",
+            "  requests it does not keep local.",
         ]
     lines += [
         "- \"prefill tokens computed\" is the sum over all three servers of vLLM's "
