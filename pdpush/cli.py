@@ -265,7 +265,9 @@ def router(
     ttft_slo_ms: Optional[float] = typer.Option(None, "--ttft-slo-ms",
                                                 help="cost_model: refuse (429) what is predicted over this."),
     concurrent_legs: Optional[bool] = typer.Option(None, "--concurrent-legs/--sequential-legs",
-                                                   help="Send the prefill and decode legs at once."),
+                                                   help="Send the prefill and decode legs at once, or the "
+                                                        "decode's after the prefill's answer (default: at once "
+                                                        "where the prefill instance has nothing in flight)."),
     local_prefill_max_tokens: Optional[int] = typer.Option(
         None, "--local-prefill-max-tokens", help="Skip the prefill when the decode node holds all but this many."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="engine, or a tokenizer directory."),

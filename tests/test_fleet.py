@@ -132,7 +132,7 @@ def test_the_conditional_path_pushes_nothing_and_matches_colocated(fleet):
     until(lambda: synced(url), 20, "the router's index feeds")
     c = Chat(7)
     got = turn(fleet, url, c)  # nothing held anywhere: a push
-    assert got["match"] and got["route"] == "sequential"  # the default legs
+    assert got["match"] and got["route"] == "concurrent"  # the default legs ("auto"), its prefill instance idle
     i = [d.url for d in fleet.decode].index(got["decode"])
     until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{got['decode']}"]["index_chunks"] > 0,
           10, "the first turn's chunks in the router's index")

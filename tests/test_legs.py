@@ -75,3 +75,10 @@ def test_the_prefill_s_answer_plans_the_decode_s_load_only_for_its_own_layout_an
     for params in (kv_params.for_decode("p-1"), kv_params.for_decode("p-1", claim=True),
                    {**kv_params.pushed("p-1", 40, "tcp://r:1", lay.fingerprint()), "pdpush_claim": True}):
         assert KvParams.parse(params).pushed_prefix(prompt, lay) is None
+
+
+def test_auto_legs_go_at_once_only_where_the_prefill_instance_has_nothing_in_flight():
+    at_once = legs.at_once
+    assert at_once("auto", 0) and not at_once("auto", 1) and not at_once("auto", 5)
+    assert at_once(True, 0) and at_once(True, 3)
+    assert not at_once(False, 0) and not at_once(False, 2)

@@ -257,6 +257,29 @@ def test_both_legs_carry_the_routers_push_id_and_the_clients_is_dropped(upstream
     assert 'pdpush_router_decisions_total{leg="decode",reason="load"}' in metrics
 
 
+def test_by_default_the_legs_go_at_once_unless_the_prefill_instance_is_busy(upstreams, start_router):
+    """concurrent_legs "auto": at once where the prefill instance has no leg in flight; behind one, the decode leg
+    waits for its own prefill's answer (its engine would otherwise wait for a push that has not begun)."""
+    slow = 2.5
+    p_url, p, _ = upstreams("prefill", mode="slow", sleep=slow)
+    d_url, d, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}])
+    url = r.info["url"]
+    first = post(url, {"prompt": "a", "max_tokens": 2})  # answered without waiting for its prefill leg
+    assert first.status_code == 200 and first.headers["x-pdpush-route"] == "concurrent"
+    t = time.monotonic()
+    second = post(url, {"prompt": "b", "max_tokens": 2})  # the first's prefill leg is still computing
+    assert second.status_code == 200 and second.headers["x-pdpush-route"] == "sequential"
+    assert time.monotonic() - t >= slow  # its decode leg went after its own prefill's answer
+    until(lambda: httpx.get(url + "/health").json()["instances"][f"prefill:{p_url}"]["inflight"] == 0, 10,
+          "the prefill legs done")
+    third = post(url, {"prompt": "c", "max_tokens": 2})
+    assert third.status_code == 200 and third.headers["x-pdpush-route"] == "concurrent"
+    until(lambda: len([b for path, b in p.seen if path == "/v1/completions"]) == 3, 10, "every prefill leg")
+    pushed = [b["kv_transfer_params"]["pdpush_push_id"] for path, b in p.seen if path == "/v1/completions"]
+    assert [first.headers["x-pdpush-push-id"], second.headers["x-pdpush-push-id"]] == pushed[:2]
+
+
 def test_a_failing_prefill_is_retried_once_elsewhere_and_a_dead_decode_is_ejected(upstreams, start_router):
     p1_url, p1, _ = upstreams("prefill1", mode="fail500")
     p2_url, p2, _ = upstreams("prefill2")

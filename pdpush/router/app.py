@@ -468,7 +468,8 @@ class Router:
 
     async def _serve(self, request: Request, path: str, body: dict, route: Route_, t0: float) -> Response:
         headers = legs.upstream_headers(request.headers, own_key=self.api_key is not None)
-        mode = "conditional" if route.prefill is None else ("concurrent" if self.cfg.concurrent_legs else "sequential")
+        together = route.prefill is not None and legs.at_once(self.cfg.concurrent_legs, route.prefill.inflight)
+        mode = "conditional" if route.prefill is None else ("concurrent" if together else "sequential")
         self.metrics.prompt_chunks.inc(-(-route.prompt_tokens // self._chunk_tokens()) if route.prompt_tokens else 0)
         self.metrics.hit_chunks.inc(route.hit_chunks)
         log.info("route %s", route.push_id, extra={"fields": {
@@ -480,7 +481,7 @@ class Router:
         if route.prefill is None:
             self.counters["conditional"] += 1
             params = kv_params.for_decode(route.push_id, claim=True)
-        elif self.cfg.concurrent_legs:
+        elif together:
             # counted now, not when the task first runs: a request placed before then must see this one's load
             taken = self._take(route.prefill, route.estimate.computed_tokens if route.estimate else 0)
             prefill_task = asyncio.create_task(self._prefill(path, body, route, headers, taken))

@@ -7,7 +7,8 @@ means, and where a failed prefill leg is tried again. app.py moves the bytes.
   anywhere, so the decode instance recomputes (it says why); anything else, or no answer, is tried
   once more on another healthy prefill instance, the least loaded, under the same push id.
 * The decode leg is the client's body with the router's ``kv_transfer_params`` in place of any the
-  client sent (push ids are the router's).
+  client sent (push ids are the router's). It goes with the prefill leg (both at once) or after its answer
+  (``at_once``).
 * Both legs carry the client's W3C trace context (``traceparent``, ``tracestate``), so that a trace spans
   the router and both engines, and its ``Authorization`` unless the router checks a key of its own.
 """
@@ -43,6 +44,18 @@ class Outcome(Enum):
 class _Inst(Protocol):
     healthy: bool
     inflight: int
+
+
+def at_once(setting: bool | str, prefill_inflight: int) -> bool:
+    """Whether the decode leg goes with the prefill leg (``concurrent_legs``) rather than after its answer.
+
+    At once, the decode instance's leg (its request, scheduling, the open of the push) runs while the prefill
+    computes, and it loads each layer as it lands: docs/bench/fleet.md measured the first token 0.77x as late.
+    But its engine waits for the push to begin on the receiver, and recomputes the prompt once its connector's
+    ``push_wait_s`` passed (2 s by default): a prefill leg queued behind others could miss that. ``auto`` sends
+    both at once only where the prefill instance has no leg of this router in flight (``prefill_inflight``,
+    this one not counted), so that the push begins as soon as the prefill engine schedules it."""
+    return prefill_inflight == 0 if setting == "auto" else bool(setting)
 
 
 def prefill_body(body: dict, receiver: str, push_id: str) -> dict:
