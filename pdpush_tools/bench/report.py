@@ -620,6 +620,24 @@ between two processes. Each row adds to the one above; `latency` scenario, 32 la
   Spinning on after the last completion was measured and not kept (above); a shorter spin while a request
   still has layers to come would pay off only where layers come faster than a wake-up, which a real engine's
   (a layer's compute apart) do not.
+- End to end with the begin, and what a begin with no round trip to the receiver would leave (2026-12-06,
+  probes): a begin 50 ms after the last took 2.50 ms p50 (the engine's Python to its send 0.35 ms, its wait
+  for the answer 2.06 ms: the sender, the receiver and four hops, the handle 0.12 ms), and 1.14 ms 1 ms after
+  the last (0.11 / 0.96 / 0.06). A round trip to the sender alone (a `StatusRequest` over the engine's stream)
+  took 0.35 ms idle and 0.14 ms back to back. So a begin that the sender answered from pages the receiver
+  granted it ahead (issue 36's credits; not built) would take ~1.0 ms idle here, and end to end with it would
+  reach ~0.6-0.7x at 256 KiB and 1 MiB, short of 0.85x: at 1 MiB even from the begin's answer a push is
+  0.70-0.75x. There the engine outruns the sender: `put_layer` takes 0.12-0.14 ms a layer (~8 GB/s), the last
+  layer lands 2.1-3.9 ms after the engine's last call, and the sender's puts, beside the engine's copies on
+  the other core, move ~5 GB/s against 6.4 alone (transport only).
+- Tried and not kept (2026-12-06): the bench's decode side in a process of its own (no GIL shared with the
+  engine thread), each request against the decode thread in turn: end to end 2.07 against 1.90 GB/s at 256
+  KiB, 3.58 against 3.65 at 1 MiB, 4.85 against 4.87 at 4 MiB, the begin no shorter (10, 8 and 6 pairs). The
+  thread's cost is in transport only's short requests (above), not in end to end's. Cached stores into
+  staging instead of streaming ones, each request against the other in turn: end to end 1.76 against 2.28
+  GB/s at 256 KiB, 3.17 against 3.72 at 1 MiB, 4.82 against 5.05 at 4 MiB. The sender reads cached lines
+  sooner (the tail after the engine's last layer 0.93 against 2.26 ms at 1 MiB), but the engine's copy takes
+  0.22 against 0.13 ms a layer.
 """
 
 
