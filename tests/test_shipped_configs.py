@@ -66,6 +66,19 @@ def test_the_shipped_router_config_loads():
 
     cfg = load(RouterConfig, ROOT / "configs/router.toml")
     assert cfg.host == "127.0.0.1" and cfg.decode[0].receiver == "tcp://127.0.0.1:5710"
+    assert cfg.concurrent_legs == "auto"  # a string the legs' policy reads as "at once where idle", not True
+
+
+def test_concurrent_legs_takes_auto_true_or_false_from_the_environment_and_refuses_the_rest(monkeypatch):
+    from pdpush.config import RouterConfig, load
+    from pdpush.errors import ConfigError
+
+    for raw, want in (("auto", "auto"), ("true", True), ("false", False)):
+        monkeypatch.setenv("PDPUSH_CONCURRENT_LEGS", raw)
+        assert load(RouterConfig, ROOT / "configs/router.toml").concurrent_legs == want
+    monkeypatch.setenv("PDPUSH_CONCURRENT_LEGS", "sometimes")
+    with pytest.raises(ConfigError, match="concurrent_legs"):
+        load(RouterConfig, ROOT / "configs/router.toml")
 
 
 def test_compose_models_two_hosts(tmp_path):
