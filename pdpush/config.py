@@ -325,8 +325,8 @@ class RouterConfig(_Settings):
     """Send the prefill and decode legs at once (the decode loads each layer as it lands), rather than the
     decode leg after the prefill's answer: ``true``, ``false``, or ``auto``, at once where the prefill instance
     has no leg of this router in flight (router/legs.py ``at_once``: behind a queue, the decode engine could wait
-    longer than its ``push_wait_s`` for the push to begin, and recompute). At once, the first token came 0.77x as
-    late (docs/bench/fleet.md)."""
+    longer than its ``push_wait_s`` for the push to begin, and recompute). At once, the first token came about 0.76x
+    as late; behind a queue, later (docs/bench/fleet.md)."""
     local_prefill_max_tokens: int = Field(0, ge=0)
     """Conditional disaggregation: when the chosen decode instance's receiver holds all but at most
     this many prompt tokens, skip the prefill instance; the decode instance loads the held chunks

@@ -50,7 +50,7 @@ def at_once(setting: bool | str, prefill_inflight: int) -> bool:
     """Whether the decode leg goes with the prefill leg (``concurrent_legs``) rather than after its answer.
 
     At once, the decode instance's leg (its request, scheduling, the open of the push) runs while the prefill
-    computes, and it loads each layer as it lands: docs/bench/fleet.md measured the first token 0.77x as late.
+    computes, and it loads each layer as it lands: docs/bench/fleet.md measured the first token about 0.76x as late.
     But its engine waits for the push to begin on the receiver, and recomputes the prompt once its connector's
     ``push_wait_s`` passed (2 s by default): a prefill leg queued behind others could miss that. ``auto`` sends
     both at once only where the prefill instance has no leg of this router in flight (``prefill_inflight``,

@@ -10,7 +10,8 @@ Runs (each on a fresh router, with the same workload shape):
     ``--local-prefill-max-tokens`` of the prompt.
 Each run gets its own conversations (another seed, same shape), so that neither the receivers' pools
 nor vLLM's own prefix caches carry anything from one run into the next. Then the legs again, concurrent and
-sequential in that order (``legs_ab``), for an A/B of the two in alternating blocks.
+sequential in that order (``legs_ab``), for an A/B of the two in alternating blocks; and, on a fleet of one prefill
+and one decode instance, the legs true, "auto" and false behind a queue at the prefill instance (``legs_under_load``).
 
 ``--two-prefill`` runs only issue 23's section, on a fleet of its own: 2 prefill instances (each
 publishing its vLLM KV events) and 2 decode instances, the same workload shape with ``--inflight``
@@ -318,6 +319,63 @@ def legs_ab(f: Fleet, a, runs: dict, seed: int) -> dict:
     return out
 
 
+# Both legs at once behind a queue: requests arriving faster than one prefill instance computes them, with the
+# decode connector's default push_wait_s (2 s; COMMON's 10 s keeps the runs above from ever timing out). Each
+# setting twice, in this order, on one fleet.
+LOAD = {"arrivals": 10, "gap_ms": 100, "prompt_tokens": 320, "new_tokens": 4, "push_wait_s": 2.0}
+LOAD_ORDER = (True, "auto", False, False, "auto", True)
+
+
+def legs_under_load(work: Path, model: Path) -> dict:
+    """``concurrent_legs`` true, "auto" and false with a queue at the prefill instance (``LOAD``): each arrival's
+    TTFT, the decode's recomputes for a push that did not begin within ``push_wait_s``, and the legs each setting
+    sent at once or one after the other (the router's ``pdpush_router_request_seconds`` by mode). Tokens are checked
+    against the colocated engine's."""
+    from argparse import Namespace
+
+    from pdpush_tools.bench import itl
+
+    a = Namespace(streams=0, stream_prompt=0, stream_tokens=0, arrivals=LOAD["arrivals"],
+                  arrival_tokens=LOAD["prompt_tokens"], arrival_new=LOAD["new_tokens"], gap_ms=LOAD["gap_ms"], warm_s=0.0)
+    out: dict = {"setup": dict(LOAD), "runs": []}
+    (work / "load").mkdir(exist_ok=True)
+    with openai_fleet(work / "load", model, LAYOUT, {**COMMON, "push_wait_s": LOAD["push_wait_s"]}, decodes=1,
+                      pool_pages=256, staging_bytes=256 << 20, llm_args={"max_num_seqs": 16}, cores=CORES) as f:
+        warm_up(f)
+        for k, legs in enumerate(LOAD_ORDER):
+            r = _router(f, {"policy": "cache_aware", "concurrent_legs": legs})
+            url = r.info["url"]
+            before = itl.scraped(f.decode[0].url, "vllm:pdpush_recomputes_total")
+            timeouts = _push_timeouts(f)
+            res = itl.phase(f, url, a, 5000 + 100 * k, a.arrivals)
+            time.sleep(1.0)  # the engine's last stats reach its /metrics at its next steps
+            modes = {line.split('mode="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines()
+                     if line.startswith("pdpush_router_request_seconds_count{")}
+            row = {"concurrent_legs": legs, "ttft_p50_ms": res["ttft_p50_ms"], "ttft_max_ms": res["ttft_max_ms"],
+                   "tokens_match": res["tokens_match"], "push_timeouts": _push_timeouts(f) - timeouts,
+                   "recomputes": itl.scraped(f.decode[0].url, "vllm:pdpush_recomputes_total") - before,
+                   "at_once": modes.get("concurrent", 0.0), "one_after_the_other": modes.get("sequential", 0.0)}
+            out["runs"].append(row)
+            r.stop()
+            f.routers.remove(r)
+            print(f"load legs {str(legs):5s} TTFT p50 {row['ttft_p50_ms']:7.0f} ms  max {row['ttft_max_ms']:7.0f} ms  "
+                  f"push timeouts {row['push_timeouts']:.0f}  at once {row['at_once']:.0f}, after "
+                  f"{row['one_after_the_other']:.0f}  tokens match {row['tokens_match']}", flush=True)
+    for legs in dict.fromkeys(LOAD_ORDER):
+        rows = [x for x in out["runs"] if x["concurrent_legs"] == legs]
+        out[str(legs).lower()] = {"ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in rows),
+                                  "push_timeouts": sum(x["push_timeouts"] for x in rows),
+                                  "requests": LOAD["arrivals"] * len(rows)}
+    return out
+
+
+def _push_timeouts(f: Fleet) -> float:
+    text = httpx.get(f.decode[0].url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:pdpush_recomputes_total{") and 'reason="push_timeout"' in line)
+
+
 def warm_up(f: Fleet) -> None:
     """A request through each instance (round-robin on both legs), off the books."""
     warm = f.router(policy="round_robin", concurrent_legs=False)
@@ -432,6 +490,8 @@ def run(a) -> dict:
         out["pool_pressure"] = _runs(work, model, a, a.pressure_pool_pages,
                                      [n for n in ("round_robin", "cache_aware") if n in names], tokenizer=False)
         out["pool_pressure"]["pool_pages"] = a.pressure_pool_pages
+    if {"cache_aware", "cache_aware_concurrent"} <= set(names):
+        out["legs_load"] = legs_under_load(work, model)
     out["setup"] = {**_setup(a), "pressure_pool_pages": a.pressure_pool_pages,
                     "local_prefill_max_tokens": a.local_prefill_max_tokens}
     return out
@@ -529,6 +589,30 @@ def markdown(res: dict) -> str:
                           f"round-robin. Against the ample pools above, round-robin moved "
                           f"{rr_p['bytes_pushed'] / runs['round_robin']['bytes_pushed']:.2f}x its bytes and "
                           f"cache-aware {ca_p['bytes_pushed'] / runs['cache_aware']['bytes_pushed']:.2f}x."]
+    load = res.get("legs_load")
+    if load:
+        u = load["setup"]
+        lines += ["", "## Both legs at once behind a queue", "",
+                  f"A fleet of one prefill and one decode instance (the same cores). {u['arrivals']} requests of "
+                  f"{u['prompt_tokens']} prompt tokens arrive through the router {u['gap_ms']} ms apart, faster than the",
+                  "prefill instance computes them, and the decode connector has its default `push_wait_s` "
+                  f"({u['push_wait_s']:.0f} s): a decode",
+                  "leg sent at once waits for its push to begin, and recomputes the prompt if it does not in time. Each",
+                  "setting twice, in the order true, auto, false, false, auto, true, with its own prompts.", "",
+                  "| `concurrent_legs` | TTFT p50 | TTFT max | recomputed (push not begun in time) | legs at once / after |"
+                  " tokens = colocated |", "|---|---|---|---|---|---|"]
+        for x in load["runs"]:
+            legs = f'"{x["concurrent_legs"]}"' if isinstance(x["concurrent_legs"], str) else str(x["concurrent_legs"]).lower()
+            lines.append(f"| {legs} | {x['ttft_p50_ms']:.0f} ms | {x['ttft_max_ms']:.0f} ms | {x['push_timeouts']:.0f} "
+                         f"of {u['arrivals']} | {x['at_once']:.0f} / {x['one_after_the_other']:.0f} | "
+                         f"{x['tokens_match']} |")
+        t, au, fa = load["true"], load["auto"], load["false"]
+        lines += ["", f"- TTFT p50, the median of each setting's two runs: at once {t['ttft_p50_ms']:.0f} ms, auto {au['ttft_p50_ms']:.0f} ms, "
+                      f"one after the other {fa['ttft_p50_ms']:.0f} ms; recomputed: {t['push_timeouts']:.0f}, "
+                      f"{au['push_timeouts']:.0f} and {fa['push_timeouts']:.0f} of {t['requests']}.",
+                  "- Behind a queue the decode leg gains nothing by going early, and a push that begins late costs a",
+                  "  recompute on the decode node. \"auto\" sends the legs at once only where the prefill instance has",
+                  "  nothing in flight: here the first arrival of each run."]
     lines += [
         "",
         "Raw results: `bench-out/fleet.json`.",
