@@ -164,8 +164,9 @@ class ReceiverConfig(_Base):
     allowed_senders: list[str] = Field(default_factory=list)
     """Sender public keys admitted with CURVE: Z85 keys, ``.key`` files, or directories of them."""
     allowed_readers: list[str] = Field(default_factory=list)
-    """Router public keys admitted with CURVE only to subscribe to the chunk-index feed: no Hello, so no pool rkey and
-    no UCX token (a compromised HTTP-facing router cannot write KV). Same forms as ``allowed_senders``."""
+    """Router public keys admitted with CURVE only to subscribe to the chunk-index feed and to withdraw a push that has
+    not begun (``Withdraw``): no Hello, so no pool rkey and no UCX token (a compromised HTTP-facing router cannot write
+    KV). Same forms as ``allowed_senders``."""
     insecure: bool = False
     """Allow binding a non-loopback address without CURVE authentication (logs a warning)."""
     ucx_token_timeout_ms: int = Field(5000, ge=10)
@@ -363,7 +364,8 @@ class RouterConfig(_Settings):
     """Namespace of the push ids this router makes (default: ``rt-`` and 8 random hex digits)."""
     curve_secret_key_file: str | None = None
     """This router's CURVE secret key, for receivers exposed with CURVE (add its public key to their
-    allowed_readers: it subscribes to their chunk-index feeds and can do nothing else)."""
+    allowed_readers: it subscribes to their chunk-index feeds, withdraws pushes that will not come, and can do
+    nothing else)."""
 
     @model_validator(mode="after")
     def _check_router(self):

@@ -449,6 +449,18 @@ class IndexEvent(Msg):
     load: IndexLoad
 
 
+class Withdraw(Msg):
+    """A router, to the receiver of a decode leg it sent beside its prefill leg: the push ``req_id`` will not come
+    (the prefill leg failed everywhere it was tried). The decode's next ``Query`` of it finds it gone, so the
+    decode recomputes at once instead of waiting out its ``push_wait_s``, and a push of it that begins later is
+    refused. A push already begun is left to end as it would. Accepted from any peer the control endpoint admits,
+    a reader's key too (sessions/receiver.py, "Withdrawn pushes"); answered ``Ok``."""
+
+    type: Literal["withdraw"] = "withdraw"
+    req_id: ReqId
+    reason: Annotated[str, Field(max_length=1024)] = ""
+
+
 class Ok(Msg):
     type: Literal["ok"] = "ok"
     req_id: str | None = None
@@ -459,7 +471,7 @@ Message = Annotated[
         Hello, HelloAck, AllocRequest, AllocResponse, LayerDone, Commit, CommitAck, Abort, Error,
         StatusRequest, StatusReply, Begin, BeginOk, LayerReady, Wake, Bye, NeedStaging, StagingGranted, Finish, Done,
         Open, OpenOk, LayerAvailable, Committed, Release, Query, QueryReply, Ok, Claim, ClaimOk, IndexSubscribe, IndexSnapshot,
-        IndexEvent,
+        IndexEvent, Withdraw,
     ],
     Field(discriminator="type"),
 ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -283,6 +285,58 @@ def test_the_connectors_numbers_are_on_the_engines_metrics(fleet):
     assert listed - samples == {"vllm:pdpush_push_failures_total"}, sorted(listed - samples)
     assert {s for s in samples if not s.endswith(("_created", "_sum", "_count"))} <= listed, sorted(samples)
     r.stop()
+
+
+class _FailingPrefill(BaseHTTPRequestHandler):
+    """A prefill instance that passes its health checks and fails every prefill (HTTP 500)."""
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def _send(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_GET(self) -> None:
+        self._send(200)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._send(500)
+
+
+def test_a_prefill_leg_that_fails_beside_its_decode_leg_makes_the_real_decode_recompute_at_once(fleet):
+    """Both legs at once, and a prefill instance that fails every prefill: the router withdraws the push on the
+    decode's receiver, so the real decode engine's connector recomputes on its next question (``push_ended``)
+    instead of after its push_wait_s (``push_timeout``, 5 s here). Tokens equal colocated."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FailingPrefill)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = fleet.router(prefill=[f"http://127.0.0.1:{srv.server_address[1]}"], concurrent_legs=True)
+        url = r.info["url"]
+        until(lambda: synced(url), 20, "the router's index feeds")
+        before = {d.url: (d.metric("vllm:pdpush_recomputes_total", 'reason="push_ended"'),
+                          d.metric("vllm:pdpush_recomputes_total", 'reason="push_timeout"')) for d in fleet.decode}
+        prompt = [(13 * k) % 500 + 3 for k in range(70)]
+        res = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": NEW,
+                                                        "temperature": 0, "ignore_eos": True,
+                                                        "return_token_ids": True}, timeout=120)
+        assert res.status_code == 200 and res.headers["x-pdpush-route"] == "concurrent", res.text
+        assert res.json()["choices"][0]["token_ids"] == fleet.colocated.generate(prompt, NEW)[0]["tokens"]
+        dec = next(d for d in fleet.decode if d.url == res.headers["x-pdpush-decode"])
+        ended, timed_out = before[dec.url]
+        until(lambda: dec.metric("vllm:pdpush_recomputes_total", 'reason="push_ended"') == ended + 1, 15,
+              "the decode's recompute, the push ended")
+        assert dec.metric("vllm:pdpush_recomputes_total", 'reason="push_timeout"') == timed_out
+        assert httpx.get(url + "/health").json()["withdrawn"] == 1
+        r.stop()
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_a_decode_instance_killed_mid_run_no_request_hangs_and_later_ones_go_to_the_other(fleet):

@@ -116,7 +116,7 @@ class Upstream(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: list  # (path, body) of each POST
     heard: list  # (path, its headers, lower-case names) of each POST
-    state: dict  # mode: ok | fail500 | slow | dead-after-headers ; role
+    state: dict  # mode: ok | fail500 | slow | dead-after-headers | ask (state["ask"](body): its text) ; role
 
     def log_message(self, *a) -> None:
         pass
@@ -160,6 +160,9 @@ class Upstream(BaseHTTPRequestHandler):
             time.sleep(self.state.get("sleep", 1.0))
         if mode == "fail500":
             self._send(500, {"error": {"message": "boom"}})
+            return
+        if mode == "ask":  # a decode that asks its receiver about the push, as the connector does
+            self._send(200, {"choices": [{"text": self.state["ask"](body)}]})
             return
         if body.get("stream"):
             self.send_response(200)
@@ -526,6 +529,59 @@ def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, s
         finally:
             s.close()
     finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_a_prefill_leg_that_failed_beside_its_decode_leg_is_withdrawn_and_the_decode_recomputes_at_once(
+        upstreams, start_router, tmp_path):
+    """With both legs at once, the decode leg waits for the push: the connector asks its receiver every 10 ms, up to
+    its push_wait_s (2 s by default). A prefill leg that failed wherever it was tried used to leave it waiting all
+    that time. The router now tells the receiver that the push will not come (``Withdraw``): the decode's next
+    question finds it gone, and a push of it that begins later is refused. The stand-in decode asks as the connector
+    does, with a wait far longer than the router's answer takes: "gone" can only come from the withdrawal."""
+    from pdpush.client import DecodeClient
+    from pdpush.errors import ErrorCode, PdpushError
+
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    dc = DecodeClient(rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=10)
+    layout, ids = KVLayout(**LAY), list(range(40))
+
+    def ask(body) -> str:
+        push_id = body["kv_transfer_params"]["pdpush_req_id"]
+        deadline = time.monotonic() + 20  # the connector's push_wait_s, far beyond what a withdrawal takes
+        while time.monotonic() < deadline:
+            if dc.query(ids, layout, req_id=push_id).request_gone:
+                return "gone"
+            time.sleep(0.01)
+        return "waited out"
+
+    try:
+        p_url, p, _ = upstreams("prefill", mode="fail500")
+        d_url, _, _ = upstreams("decode", mode="ask", ask=ask)
+        r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=True)
+        url = r.info["url"]
+        until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["index_synced"], 10,
+              "the receiver's feed")
+        res = post(url, {"prompt": ids, "max_tokens": 1}, timeout=60)
+        assert res.status_code == 200 and res.headers["x-pdpush-route"] == "concurrent", res.text
+        assert res.json()["choices"][0]["text"] == "gone"
+        push_id = res.headers["x-pdpush-push-id"]
+        assert [b["kv_transfer_params"]["pdpush_push_id"] for path, b in p.seen if path == "/v1/completions"] == \
+            [push_id]  # (one prefill instance: nowhere else to try)
+        health = httpx.get(url + "/health").json()
+        assert health["withdrawn"] == 1 and health["withdraw_unsent"] == 0 and health["recomputed"] == 1
+        assert 'pdpush_router_withdrawals_total{outcome="sent"} 1.0' in httpx.get(url + "/metrics").text
+        assert rx_status(rx)["requests_withdrawn"] == 1
+        with pytest.raises(PdpushError) as refused:  # the prefill engine comes back late: its push is refused
+            push(tx, rx, push_id, ids)
+        assert refused.value.code is ErrorCode.ABORTED and "withdrawn" in str(refused.value)
+        assert rx_status(rx)["requests_total"] == 0
+        push(tx, rx, "another", ids)  # the receiver goes on
+        assert rx_status(rx)["requests_committed"] == 1
+    finally:
+        dc.close()
         tx.stop()
         rx.stop()
 

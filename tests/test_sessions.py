@@ -637,6 +637,7 @@ _RX_MSG = st.one_of(
     st.builds(lambda r: protocol.Release(req_id=r), _RID),
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
               st.none() | _RID),
+    st.builds(lambda r: protocol.Withdraw(req_id=r), _RID),
 )
 
 
@@ -880,6 +881,44 @@ def test_per_sender_caps_count_a_curve_key_across_its_connections_and_a_reader_k
         assert err and err[0].code is ErrorCode.FORBIDDEN and "allowed_readers" in err[0].message
     fed = rx.on_control(b"r", protocol.IndexSubscribe(snapshot=True), 0, "ROUTER-KEY")
     assert fed and all(isinstance(a, ToSender) for a in fed) and not msgs(fed, ToSender, protocol.Error)
+    rx.check()
+
+
+def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begins_later():
+    """A router whose prefill leg, sent beside the decode leg, failed says so (``Withdraw``, a reader's key may): the
+    decode's next query finds the push gone (it recomputes at once instead of waiting out push_wait_s), an open
+    parked on it is refused, and a push of it that begins later is refused, typed; a live push is left alone."""
+    rx = receiver(pages=16, reader_keys=frozenset({"ROUTER-KEY"}))
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
+    keys = chunk_keys(list(range(40)), LAY)
+
+    def alloc(rid):
+        return rx.on_control(b"s", protocol.AllocRequest(req_id=rid, chunk_keys=keys, last_chunk_tokens=8,
+                                                         lease_ms=5000), 1)
+
+    def query(rid):
+        return msgs(rx.on_local(DEC, protocol.Query(chunk_keys=keys, req_id=rid), 1), ToDecode, protocol.QueryReply)[0]
+
+    assert not query("w").request_gone  # not here yet: the decode asks again, up to its push_wait_s
+    assert msgs(rx.on_local(b"parked", protocol.Open(req_id="w"), 0), ToDecode, protocol.OpenOk) == []
+    out = rx.on_control(b"router", protocol.Withdraw(req_id="w", reason="the prefill leg failed"), 1, "ROUTER-KEY")
+    assert msgs(out, ToSender, protocol.Ok) == [protocol.Ok(req_id="w")]
+    refused = [a for a in out if isinstance(a, ToDecode)]
+    assert [a.ident for a in refused] == [b"parked"] and refused[0].msg.code is ErrorCode.UNKNOWN_REQUEST
+    assert "withdrawn" in refused[0].msg.message and "w" not in rx.parked
+    assert query("w").request_gone
+    err = msgs(alloc("w"), ToSender, protocol.Error)
+    assert err and err[0].code is ErrorCode.ABORTED and "withdrawn" in err[0].message and "w" not in rx.reqs
+    err = msgs(rx.on_local(DEC, protocol.Claim(req_id="w", chunk_keys=keys, last_chunk_tokens=8, lease_ms=100), 1),
+               ToDecode, protocol.Error)
+    assert err and err[0].code is ErrorCode.ABORTED
+    assert rx.counters.values["requests_withdrawn"] == 1
+    # a push already begun is its sender's to end: a withdrawal leaves it as it was
+    assert msgs(alloc("live"), ToSender, protocol.AllocResponse)
+    assert msgs(rx.on_control(b"router", protocol.Withdraw(req_id="live"), 1, "ROUTER-KEY"), ToSender, protocol.Ok)
+    assert "live" in rx.reqs and "live" not in rx.withdrawn and not query("live").request_gone
+    assert rx.counters.values["requests_withdrawn"] == 1
     rx.check()
 
 

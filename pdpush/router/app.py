@@ -102,7 +102,8 @@ class Router:
         self.last_reload = ""  # what the last SIGHUP did (counted by outcome in /metrics)
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
-                         "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0}
+                         "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0, "withdrawn": 0,
+                         "withdraw_unsent": 0}
         self.estimates = costmodel.Estimates(cfg.prefill_tokens_per_s, cfg.push_gbps * 1e9,
                                              cfg.decode_wait_ms_per_request / 1000, cfg.local_tokens_per_s)
         self.caps = costmodel.Caps(cfg.max_inflight, cfg.max_imbalance)
@@ -485,6 +486,7 @@ class Router:
             # counted now, not when the task first runs: a request placed before then must see this one's load
             taken = self._take(route.prefill, route.estimate.computed_tokens if route.estimate else 0)
             prefill_task = asyncio.create_task(self._prefill(path, body, route, headers, taken))
+            prefill_task.add_done_callback(lambda t, route=route: self._withdraw_if_unpushed(t, route))
             params = kv_params.for_decode(route.push_id)
         else:
             params = await self._prefill(path, body, route, headers)
@@ -590,6 +592,25 @@ class Router:
             "compute_ms": round(e.compute_s * 1000, 1), "transfer_ms": round(e.transfer_s * 1000, 1),
             "wait_ms": round(e.wait_s * 1000, 1), "computed_tokens": e.computed_tokens,
             "pushed_chunks": e.pushed_chunks}})
+
+    def _withdraw_if_unpushed(self, task: asyncio.Task, route: Route_) -> None:
+        """A prefill leg sent beside its decode leg that pushed nothing (failed wherever it was tried, or refused):
+        the decode waits for that push up to its connector's ``push_wait_s``. Its receiver is told that the push
+        will not come (``protocol.Withdraw``), so the decode recomputes at once."""
+        if task.cancelled() or (task.exception() is None and task.result()):
+            return  # (cancelled: the router stops)
+
+        def done(sent: bool) -> None:
+            self.counters["withdrawn" if sent else "withdraw_unsent"] += 1
+            self.metrics.withdrawals.labels("sent" if sent else "unsent").inc()
+            log.warning("prefill leg of %s pushed nothing: %s", route.push_id,
+                        f"its receiver {route.decode.receiver} told that it will not come" if sent else
+                        f"its receiver {route.decode.receiver} could not be told (the decode waits out its "
+                        "push_wait_s)",
+                        extra={"fields": {"event": "withdraw", "push_id": route.push_id,
+                                          "receiver": route.decode.receiver, "sent": sent}})
+
+        self.watches.withdraw(route.decode, route.push_id, "the prefill leg failed", done)
 
     def _settle_later(self, task: asyncio.Task | None, route: Route_) -> None:
         """Count how a concurrent prefill leg went when it ends (bounded by its own deadline); the

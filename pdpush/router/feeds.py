@@ -14,7 +14,7 @@ import zmq
 from pdpush import control, protocol
 from pdpush.errors import PdpushError
 from pdpush.index import IndexView
-from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe
+from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe, Withdraw
 
 log = logging.getLogger("pdpush.router.feeds")
 
@@ -47,6 +47,18 @@ class Feed:
             await self.sock.send(protocol.encode(IndexSubscribe(snapshot=snapshot)), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # not connected yet: the next keep-alive or re-subscription tries again
+
+    async def withdraw(self, push_id: str, reason: str) -> bool:
+        """Tell the receiver that push ``push_id`` will not come (``protocol.Withdraw``), on the feed's socket: its
+        ``Ok`` comes back on it, an ``Error`` is logged. False where it could not be sent (no socket, or the
+        receiver not connected): the decode then waits for it as long as its ``push_wait_s``."""
+        if self.sock is None:
+            return False
+        try:
+            await self.sock.send(protocol.encode(Withdraw(req_id=push_id, reason=reason[:1024])), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     async def run(self) -> None:
         self._connect()

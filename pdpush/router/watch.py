@@ -26,6 +26,7 @@ class Watches:
         self._on_feed = on_feed
         self._tasks: dict[int, asyncio.Task] = {}  # by id(instance), while it is listed
         self._feeds: dict[int, Feed] = {}
+        self._sends: set[asyncio.Task] = set()  # withdrawals on their way
         self.curve = None  # the router's CURVE key pair (auth.KeyPair), for receivers exposed with CURVE
 
     def load_keypair(self, path: str) -> None:
@@ -64,6 +65,22 @@ class Watches:
         else:
             return
         self._tasks[id(inst)] = task
+
+    def withdraw(self, inst: Instance, push_id: str, reason: str, done: Callable[[bool], None]) -> None:
+        """Tell decode instance ``inst``'s receiver that push ``push_id`` will not come (feeds.py); ``done`` gets
+        whether it was sent. Nothing is sent where its feed is not running (a reload dropped it)."""
+        feed = self._feeds.get(id(inst))
+        if feed is None:
+            done(False)
+            return
+        task = asyncio.get_running_loop().create_task(feed.withdraw(push_id, reason), name=f"withdraw {push_id}")
+        self._sends.add(task)
+
+        def sent(t: asyncio.Task) -> None:
+            self._sends.discard(t)
+            done(not t.cancelled() and t.exception() is None and t.result())
+
+        task.add_done_callback(sent)
 
     def stop(self, inst: Instance) -> None:
         """An instance no longer listed: its subscription ends (its views are no longer read)."""

@@ -20,6 +20,14 @@ are flushed, so when every word of the request holds its lease id it has landed 
 when it next looks (each tick, and before it opens, answers a query about, allocates beside, expires or fails
 it). Anything else commits by its Commit, acknowledged.
 
+Withdrawn pushes: a router that sent a decode leg beside its prefill leg, and saw that prefill leg fail, sends
+``Withdraw``. A push id not live here is then marked ended (``finished``), so the decode's next ``Query`` finds
+it gone and recomputes at once; opens parked on it are refused; and a push of it that begins later is refused
+(``withdrawn``, bounded like ``finished``), since its decode no longer waits for it. A live request is left
+alone: its own sender ends it. Any peer the control endpoint admits may withdraw, a reader's key too: that is
+no more than a sender can do (an AllocRequest of the id, then its Abort) or than the router decides anyway
+(the decode leg sent without the push), and it never touches pages or a live request.
+
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while
 handling a message becomes that message's typed ``Error`` reply; any other
@@ -84,6 +92,7 @@ from pdpush.protocol import (
     Release,
     ReqEvent,
     ReqState,
+    Withdraw,
 )
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
 
@@ -208,6 +217,7 @@ class ReceiverSession:
         # release already counted, so a TP rank that gave up does not keep the others' request to its TTL.
         self.parked: dict[str, list[tuple[bytes, int, int, bool]]] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
+        self.withdrawn: OrderedDict[str, None] = OrderedDict()  # push ids a router withdrew: refused (bounded)
         # recently dropped committed requests: req_id -> (their sender, chunks committed) (bounded): a late Commit
         # of one (its words were in, but late for the sender's clock) is acknowledged, not refused as unknown
         self.dropped_committed: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
@@ -220,7 +230,8 @@ class ReceiverSession:
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
-            "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words")})
+            "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words",
+            "requests_withdrawn")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
@@ -351,6 +362,10 @@ class ReceiverSession:
             out.extend(ToSender(i, m) for i, m in self.feed.subscribe(ident, msg.snapshot, keys,
                                                                       self._index_load(), now))
             return
+        if isinstance(msg, Withdraw):  # a router's (or a sender's): "Withdrawn pushes" above
+            self._withdraw(msg, out)
+            out.append(ToSender(ident, Ok(req_id=msg.req_id)))
+            return
         if peer and peer in self.limits.reader_keys:  # a router's key: never the pool's rkey, never a write
             raise Forbidden(f"{msg.type}: this key may only subscribe to the chunk-index feed (allowed_readers)")
         if isinstance(msg, Hello):
@@ -418,6 +433,7 @@ class ReceiverSession:
             raise RemoteProtocolError("last_chunk_tokens exceeds chunk_tokens", req_id=rid)
         if rid in self.reqs:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
+        self._refuse_withdrawn(rid)
         self._look_at_words(now, out, at_most_each_ms=True)  # those that landed whole since: indexed, off the caps
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
@@ -673,6 +689,30 @@ class ReceiverSession:
             self.state_pool.drop(r.req_id)
         self._forget(r.req_id, why)
 
+    def _withdraw(self, msg: Withdraw, out: list) -> None:
+        """The push ``msg.req_id`` will not come: ended, refused if it begins, its parked opens refused."""
+        rid = msg.req_id
+        if rid in self.reqs:
+            out.append(Log(logging.INFO, "withdrawn by a router while live: left to its sender", rid))
+            return
+        why = f"withdrawn by the router that placed it{': ' + msg.reason if msg.reason else ''}"
+        self._forget(rid, why)
+        self.withdrawn[rid] = None
+        self.withdrawn.move_to_end(rid)
+        while len(self.withdrawn) > MAX_FINISHED:
+            self.withdrawn.popitem(last=False)
+        self.counters.add("requests_withdrawn")
+        out.append(Log(logging.INFO, why, rid))
+        for dident, _, _, given_up in self.parked.pop(rid, []):
+            if not given_up:
+                out.append(ToDecode(dident, protocol.error_reply(UnknownRequest(f"request {rid!r} is gone: {why}",
+                                                                                req_id=rid), rid)))
+
+    def _refuse_withdrawn(self, rid: str) -> None:
+        if rid in self.withdrawn:
+            raise Aborted(f"request {rid!r} was withdrawn by the router that placed it (its decode recomputes)",
+                          req_id=rid)
+
     def _forget(self, req_id: str, why: str) -> None:
         self.reqs.pop(req_id, None)
         self.finished[req_id] = why
@@ -775,6 +815,7 @@ class ReceiverSession:
             if not r.claimed:
                 raise DuplicateRequest(f"request {rid!r} already exists (pushed)", req_id=rid)
             return ClaimOk(req_id=rid, chunks=r.chunks)
+        self._refuse_withdrawn(rid)
         if rid in self.finished:
             raise UnknownRequest(f"request {rid!r} is gone: {self.finished[rid]}", req_id=rid)
         if self.draining:
@@ -867,6 +908,7 @@ class ReceiverSession:
             self.state_pool.check()
             assert set(self.state_pool.requests) == {r.req_id for r in self.reqs.values() if r.state_slot >= 0}
         assert set(self.pool.requests) == set(self.reqs), "pool and session disagree on requests"
+        assert not any(rid in self.reqs for rid in self.withdrawn), "a withdrawn push is live"
         for r in self.reqs.values():
             assert r.alloc is self.pool.requests[r.req_id]
             assert (r.state is ReqState.COMMITTED) == r.alloc.indexed

@@ -160,8 +160,9 @@ class Fleet:
         """The router's ``kv_events``: each prefill instance that publishes them, by URL."""
         return {p.url: p.events_source for p in self.prefill if p.events_source is not None}
 
-    def router(self, **opts) -> launch.Daemon:
-        r = launch.start_router(self.work, prefill=[p.url for p in self.prefill],
+    def router(self, prefill: list[str] | None = None, **opts) -> launch.Daemon:
+        """A router in front of the fleet (``prefill``: other prefill URLs instead of the fleet's)."""
+        r = launch.start_router(self.work, prefill=prefill or [p.url for p in self.prefill],
                                 decode=[{"url": d.url, "receiver": rx.info["control_endpoint"]}
                                         for d, rx in zip(self.decode, self.receivers, strict=True)], **opts)
         self.routers.append(r)
