@@ -49,6 +49,9 @@ def _main(version: bool = _VERSION) -> None:
     """pdpush: push KV cache from prefill to decode, layer by layer."""
 
 
+LEGS = {"auto": "auto", "concurrent": True, "sequential": False}  # --legs: the router's concurrent_legs
+
+
 def _fail_config(e: Exception) -> None:
     typer.echo(f"pdpush: configuration error: {e}", err=True)
     raise typer.Exit(2)
@@ -264,10 +267,10 @@ def router(
     policy: Optional[str] = typer.Option(None, "--policy", help="cache_aware, round_robin or cost_model."),
     ttft_slo_ms: Optional[float] = typer.Option(None, "--ttft-slo-ms",
                                                 help="cost_model: refuse (429) what is predicted over this."),
-    concurrent_legs: Optional[bool] = typer.Option(None, "--concurrent-legs/--sequential-legs",
-                                                   help="Send the prefill and decode legs at once, or the "
-                                                        "decode's after the prefill's answer (default: at once "
-                                                        "where the prefill instance has nothing in flight)."),
+    legs: Optional[str] = typer.Option(None, "--legs", metavar="auto|concurrent|sequential",
+                                       help="concurrent: the prefill and decode legs at once; sequential: the "
+                                            "decode's after the prefill's answer; auto (the default): at once "
+                                            "where the prefill instance has nothing in flight."),
     local_prefill_max_tokens: Optional[int] = typer.Option(
         None, "--local-prefill-max-tokens", help="Skip the prefill when the decode node holds all but this many."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="engine, or a tokenizer directory."),
@@ -279,6 +282,8 @@ def router(
     from pdpush import config as cfgmod
     from pdpush import daemon
 
+    if legs is not None and legs not in LEGS:
+        _fail_config(ValueError(f"--legs {legs!r}: give auto, concurrent or sequential"))
     decodes = None
     if decode:
         decodes = []
@@ -289,7 +294,8 @@ def router(
             decodes.append({"url": url, "receiver": rcv})
     try:
         cfg = cfgmod.load(cfgmod.RouterConfig, config, host=bind, port=port, prefill=list(prefill) if prefill else None,
-                          decode=decodes, policy=policy, ttft_slo_ms=ttft_slo_ms, concurrent_legs=concurrent_legs,
+                          decode=decodes, policy=policy, ttft_slo_ms=ttft_slo_ms,
+                          concurrent_legs=LEGS.get(legs),
                           local_prefill_max_tokens=local_prefill_max_tokens, tokenizer=tokenizer,
                           api_key_file=api_key_file, ready_file=ready_file, log_level=log_level,
                           log_format=log_format)

@@ -134,9 +134,9 @@ def start_sender(workdir: Path, *, config: Path | None = None, env: dict | None 
 
 
 def start_router(workdir: Path, *, config: Path | None = None, env: dict | None = None,
-                 prefix: list[str] | None = None, **opts) -> Daemon:
-    """``pdpush router``; ``info["url"]`` is its base URL."""
-    args = ["--config", str(config)] if config else []
+                 prefix: list[str] | None = None, flags: list[str] | None = None, **opts) -> Daemon:
+    """``pdpush router``; ``info["url"]`` is its base URL. ``flags``: its command line's own."""
+    args = (["--config", str(config)] if config else []) + list(flags or [])
     if config is None:
         opts.setdefault("port", 0)
     return Daemon("router", args, workdir, {**_settings_env(opts), **(env or {})}, prefix=prefix)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from pdpush import launch
 from pdpush.client import PrefillClient
@@ -281,6 +282,27 @@ def test_by_default_the_legs_go_at_once_unless_the_prefill_instance_is_busy(upst
     until(lambda: len([b for path, b in p.seen if path == "/v1/completions"]) == 3, 10, "every prefill leg")
     pushed = [b["kv_transfer_params"]["pdpush_push_id"] for path, b in p.seen if path == "/v1/completions"]
     assert [first.headers["x-pdpush-push-id"], second.headers["x-pdpush-push-id"]] == pushed[:2]
+
+
+@pytest.mark.parametrize("flag,env,mode", [("sequential", None, "sequential"), ("concurrent", "false", "concurrent"),
+                                           ("auto", "false", "concurrent")])
+def test_the_command_line_names_each_legs_setting_and_wins_over_the_environment(upstreams, start_router, flag, env,
+                                                                                 mode):
+    """``--legs auto|concurrent|sequential`` (an idle prefill instance: "auto" sends both at once); a flag wins over
+    PDPUSH_CONCURRENT_LEGS, as every flag over the environment."""
+    p_url, _, _ = upstreams("prefill")
+    d_url, _, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], flags=["--legs", flag],
+                     concurrent_legs=env)
+    res = post(r.info["url"], {"prompt": "abc", "max_tokens": 2})
+    assert res.status_code == 200 and res.headers["x-pdpush-route"] == mode
+
+
+def test_a_legs_setting_the_command_line_does_not_know_is_refused():
+    from pdpush import cli
+
+    r = CliRunner().invoke(cli.app, ["router", "--legs", "sometimes"])
+    assert r.exit_code == 2 and "--legs 'sometimes': give auto, concurrent or sequential" in r.output, r.output
 
 
 def test_a_failing_prefill_is_retried_once_elsewhere_and_a_dead_decode_is_ejected(upstreams, start_router):
