@@ -17,7 +17,7 @@ from pdpush import config as cfgmod
 from pdpush import launch
 from pdpush.config import RouterConfig
 from pdpush.errors import ConfigError
-from pdpush.router import reload
+from pdpush.router import legs, reload
 from pdpush.router.app import Router
 from pdpush.router.fleet import Fleet, Instance
 from tests.helpers import until
@@ -92,6 +92,21 @@ def test_a_dropped_instance_is_retired_until_its_requests_in_flight_end():
     assert f.reap() == [a] and f.retired == []
     with pytest.raises(ValueError):
         f.replace([], [d], [])
+
+
+def test_an_engine_relisted_by_a_reload_counts_the_legs_its_retired_entry_still_runs():
+    """A reload that changes only how the router follows a prefill engine (its KV events) retires the old entry and
+    lists a new one for the same URL: "auto" must see the legs still running there, not an idle engine."""
+    old, d = Instance("prefill", A), Instance("decode", "http://d1:8200")
+    f = Fleet([old], [d])
+    old.inflight = 2
+    new, other = Instance("prefill", A), Instance("prefill", B)
+    f.replace([new, other], [d], [old])
+    new.inflight = 1
+    assert f.inflight_at(new) == 3 and f.inflight_at(other) == 0
+    assert not legs.at_once("auto", f.inflight_at(new)) and legs.at_once("auto", f.inflight_at(other))
+    old.inflight = 0
+    assert f.reap() == [old] and f.inflight_at(new) == 1
 
 
 def test_the_router_applies_the_plan_keeping_the_instances_state():

@@ -469,7 +469,7 @@ class Router:
 
     async def _serve(self, request: Request, path: str, body: dict, route: Route_, t0: float) -> Response:
         headers = legs.upstream_headers(request.headers, own_key=self.api_key is not None)
-        together = route.prefill is not None and legs.at_once(self.cfg.concurrent_legs, route.prefill.inflight)
+        together = route.prefill is not None and legs.at_once(self.cfg.concurrent_legs, self.fleet.inflight_at(route.prefill))
         mode = "conditional" if route.prefill is None else ("concurrent" if together else "sequential")
         self.metrics.prompt_chunks.inc(-(-route.prompt_tokens // self._chunk_tokens()) if route.prompt_tokens else 0)
         self.metrics.hit_chunks.inc(route.hit_chunks)

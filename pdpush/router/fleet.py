@@ -58,6 +58,12 @@ class Fleet:
         self.retired = [i for i in self.retired if i.inflight > 0]
         return done
 
+    def inflight_at(self, inst: Instance) -> int:
+        """Requests in flight on ``inst``'s engine: its own and those of retired entries for the same URL (a reload
+        that changed only how the router follows it, e.g. its KV events, retires the old entry while that one's
+        legs still run there)."""
+        return inst.inflight + sum(i.inflight for i in self.retired if i.url == inst.url and i.role == inst.role)
+
     def ok(self, inst: Instance) -> bool:
         """A passing health check or request. True if this re-admits it."""
         inst.failures = 0
