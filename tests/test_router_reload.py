@@ -224,7 +224,7 @@ def test_sighup_sends_requests_to_the_new_instances_and_drops_the_old_after_thei
         write(path, [p2_url], [d2_url])
         os.kill(r.pid, signal.SIGHUP)
         until(lambda: set(health(url)["instances"]) == {f"prefill:{p2_url}", f"decode:{d2_url}"}, 10, "the new lists")
-        # its request is still in flight (its prefill leg, where it went at once, ends and is dropped by the next check)
+        # its request is still in flight (its prefill leg, where it went at once, ends and is dropped by then)
         until(lambda: health(url)["draining"] == {f"decode:{d1_url}": {"inflight": 1}}, 10, "decode1 draining")
         h = health(url)
         assert h["last_reload"].startswith(f"applied: prefill: +{p2_url}; -{p1_url}; 0 kept | decode: +{d2_url}")

@@ -638,6 +638,7 @@ class Router:
                 * 1000, 2), "legs_measured": e.samples.get(inst.url, 0)}
 
     async def health(self, request: Request) -> Response:
+        self._reap()  # a retired instance whose last leg just ended is not shown draining until the next check
         f = self.fleet
         inst = {i.name: {"healthy": i.healthy, "inflight": i.inflight, "failures": i.failures,
                          "ejections": i.ejections, "last_error": i.last_error,
