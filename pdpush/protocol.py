@@ -451,7 +451,7 @@ class IndexEvent(Msg):
 
 class Withdraw(Msg):
     """A router, to the receiver of a decode leg it sent beside its prefill leg: the push ``req_id`` will not come
-    (the prefill leg failed everywhere it was tried). The decode's next ``Query`` of it finds it gone, so the
+    (the prefill leg surely pushed nothing: router/app.py). The decode's next ``Query`` of it finds it gone, so the
     decode recomputes at once instead of waiting out its ``push_wait_s``, and a push of it that begins later is
     refused. A push already begun is left to end as it would. Accepted from any peer the control endpoint admits,
     a reader's key too (sessions/receiver.py, "Withdrawn pushes"); answered ``Ok``."""

@@ -332,7 +332,7 @@ def test_a_prefill_leg_that_fails_beside_its_decode_leg_makes_the_real_decode_re
         until(lambda: dec.metric("vllm:pdpush_recomputes_total", 'reason="push_ended"') == ended + 1, 15,
               "the decode's recompute, the push ended")
         assert dec.metric("vllm:pdpush_recomputes_total", 'reason="push_timeout"') == timed_out
-        assert httpx.get(url + "/health").json()["withdrawn"] == 1
+        until(lambda: httpx.get(url + "/health").json()["withdrawn"] == 1, 10, "the receiver's acknowledgement")
         r.stop()
     finally:
         srv.shutdown()

@@ -117,7 +117,7 @@ class Upstream(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: list  # (path, body) of each POST
     heard: list  # (path, its headers, lower-case names) of each POST
-    state: dict  # mode: ok | fail500 | slow | dead-after-headers | ask (state["ask"](body): its text) ; role
+    state: dict  # mode: ok | fail500 | slow | dead | drop | ask (state["ask"](body): its text) ; role
 
     def log_message(self, *a) -> None:
         pass
@@ -161,6 +161,9 @@ class Upstream(BaseHTTPRequestHandler):
             time.sleep(self.state.get("sleep", 1.0))
         if mode == "fail500":
             self._send(500, {"error": {"message": "boom"}})
+            return
+        if mode == "drop":  # it took the request and died before answering (its health checks still pass)
+            self.close_connection = True
             return
         if mode == "ask":  # a decode that asks its receiver about the push, as the connector does
             self._send(200, {"choices": [{"text": self.state["ask"](body)}]})
@@ -555,13 +558,16 @@ def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, s
         rx.stop()
 
 
-def test_a_prefill_leg_that_failed_beside_its_decode_leg_is_withdrawn_and_the_decode_recomputes_at_once(
-        upstreams, start_router, tmp_path):
+@pytest.mark.parametrize("prefill_mode", ["fail500", "drop"])
+def test_a_prefill_leg_that_surely_failed_beside_its_decode_leg_is_withdrawn_and_the_decode_recomputes_at_once(
+        upstreams, start_router, tmp_path, prefill_mode):
     """With both legs at once, the decode leg waits for the push: the connector asks its receiver every 10 ms, up to
     its push_wait_s (2 s by default). A prefill leg that failed wherever it was tried used to leave it waiting all
     that time. The router now tells the receiver that the push will not come (``Withdraw``): the decode's next
     question finds it gone, and a push of it that begins later is refused. The stand-in decode asks as the connector
-    does, with a wait far longer than the router's answer takes: "gone" can only come from the withdrawal."""
+    does, with a wait far longer than the router's answer takes: "gone" can only come from the withdrawal. A prefill
+    leg whose engine took the request and never answered ("drop") may still push: it is not withdrawn, and the
+    decode waits for it."""
     from pdpush.client import DecodeClient
     from pdpush.errors import ErrorCode, PdpushError
 
@@ -569,10 +575,11 @@ def test_a_prefill_leg_that_failed_beside_its_decode_leg_is_withdrawn_and_the_de
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
     dc = DecodeClient(rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=10)
     layout, ids = KVLayout(**LAY), list(range(40))
+    wait_s = 20 if prefill_mode == "fail500" else 3  # the connector's push_wait_s, in the stand-in
 
     def ask(body) -> str:
         push_id = body["kv_transfer_params"]["pdpush_req_id"]
-        deadline = time.monotonic() + 20  # the connector's push_wait_s, far beyond what a withdrawal takes
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if dc.query(ids, layout, req_id=push_id).request_gone:
                 return "gone"
@@ -580,7 +587,7 @@ def test_a_prefill_leg_that_failed_beside_its_decode_leg_is_withdrawn_and_the_de
         return "waited out"
 
     try:
-        p_url, p, _ = upstreams("prefill", mode="fail500")
+        p_url, p, _ = upstreams("prefill", mode=prefill_mode)
         d_url, _, _ = upstreams("decode", mode="ask", ask=ask)
         r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=True)
         url = r.info["url"]
@@ -588,13 +595,24 @@ def test_a_prefill_leg_that_failed_beside_its_decode_leg_is_withdrawn_and_the_de
               "the receiver's feed")
         res = post(url, {"prompt": ids, "max_tokens": 1}, timeout=60)
         assert res.status_code == 200 and res.headers["x-pdpush-route"] == "concurrent", res.text
-        assert res.json()["choices"][0]["text"] == "gone"
         push_id = res.headers["x-pdpush-push-id"]
         assert [b["kv_transfer_params"]["pdpush_push_id"] for path, b in p.seen if path == "/v1/completions"] == \
-            [push_id]  # (one prefill instance: nowhere else to try)
+            [push_id] or prefill_mode == "drop"  # (one prefill instance: nowhere else to try)
+        if prefill_mode == "drop":
+            assert res.json()["choices"][0]["text"] == "waited out"
+            health = httpx.get(url + "/health").json()
+            assert health["withdraw_sent"] == 0 and health["withdrawn"] == 0 and health["recomputed"] == 1
+            assert rx_status(rx)["requests_withdrawn"] == 0
+            push(tx, rx, push_id, ids)  # the engine pushes after all: the receiver takes it
+            assert rx_status(rx)["requests_committed"] == 1
+            return
+        assert res.json()["choices"][0]["text"] == "gone"
+        until(lambda: httpx.get(url + "/health").json()["withdrawn"] == 1, 10, "the receiver's acknowledgement")
         health = httpx.get(url + "/health").json()
-        assert health["withdrawn"] == 1 and health["withdraw_unsent"] == 0 and health["recomputed"] == 1
-        assert 'pdpush_router_withdrawals_total{outcome="sent"} 1.0' in httpx.get(url + "/metrics").text
+        assert health["withdraw_sent"] == 1 and health["withdraw_unsent"] == 0 and health["recomputed"] == 1
+        metrics = httpx.get(url + "/metrics").text
+        assert 'pdpush_router_withdrawals_total{outcome="sent"} 1.0' in metrics
+        assert 'pdpush_router_withdrawals_total{outcome="acknowledged"} 1.0' in metrics
         assert rx_status(rx)["requests_withdrawn"] == 1
         with pytest.raises(PdpushError) as refused:  # the prefill engine comes back late: its push is refused
             push(tx, rx, push_id, ids)

@@ -637,7 +637,7 @@ _RX_MSG = st.one_of(
     st.builds(lambda r: protocol.Release(req_id=r), _RID),
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
               st.none() | _RID),
-    st.builds(lambda r: protocol.Withdraw(req_id=r), _RID),
+    st.builds(lambda r: protocol.Withdraw(req_id=r), st.sampled_from(["d", "w"])),  # (a, b, c: never withdrawn)
 )
 
 
@@ -919,6 +919,13 @@ def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begin
     assert msgs(rx.on_control(b"router", protocol.Withdraw(req_id="live"), 1, "ROUTER-KEY"), ToSender, protocol.Ok)
     assert "live" in rx.reqs and "live" not in rx.withdrawn and not query("live").request_gone
     assert rx.counters.values["requests_withdrawn"] == 1
+    # a flood of withdrawals pushes out only older withdrawals, never another request's end
+    assert msgs(rx.on_control(b"s", protocol.Abort(req_id="live"), 2), ToSender, protocol.Ok)
+    assert query("live").request_gone
+    for k in range(5000):
+        rx.on_control(b"router", protocol.Withdraw(req_id=f"junk-{k}"), 3, "ROUTER-KEY")
+    assert query("live").request_gone and not query("w").request_gone  # (the oldest withdrawal went first)
+    assert len(rx.withdrawn) <= 4096
     rx.check()
 
 

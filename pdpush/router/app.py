@@ -81,6 +81,9 @@ class Route_:
     reason: str
     estimate: costmodel.Estimate | None = None  # cost_model: the prediction it was chosen by
     prefill_served: Instance | None = None  # the instance whose prefill leg pushed (another one after a retry)
+    # a prefill leg that may have reached its engine and gone unanswered (a broken answer, a timeout): its push may
+    # still come, so it is not withdrawn (a refused connection or an error status is sure)
+    prefill_unsure: bool = False
 
 
 class Router:
@@ -97,13 +100,13 @@ class Router:
         self._last_decode = self._last_prefill = -1
         self._tasks: list[asyncio.Task] = []
         self._legs: set[asyncio.Task] = set()  # concurrent prefill legs still running
-        self.watches = Watches(cfg.index_silence_s, self._feed_changed)
+        self.watches = Watches(cfg.index_silence_s, self._feed_changed, self._withdrawn)
         self._started = False
         self.last_reload = ""  # what the last SIGHUP did (counted by outcome in /metrics)
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
-                         "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0, "withdrawn": 0,
-                         "withdraw_unsent": 0}
+                         "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0, "withdraw_sent": 0,
+                         "withdrawn": 0, "withdraw_unsent": 0}
         self.estimates = costmodel.Estimates(cfg.prefill_tokens_per_s, cfg.push_gbps * 1e9,
                                              cfg.decode_wait_ms_per_request / 1000, cfg.local_tokens_per_s)
         self.caps = costmodel.Caps(cfg.max_inflight, cfg.max_imbalance)
@@ -372,6 +375,7 @@ class Router:
             except (httpx.HTTPError, ValueError) as e:
                 self._unreachable(inst, e)
                 status, why = None, f"{type(e).__name__}: {e}"
+                route.prefill_unsure |= not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
             finally:
                 inst.inflight -= 1
                 inst.pending_tokens = max(0.0, inst.pending_tokens - work)
@@ -594,23 +598,33 @@ class Router:
             "pushed_chunks": e.pushed_chunks}})
 
     def _withdraw_if_unpushed(self, task: asyncio.Task, route: Route_) -> None:
-        """A prefill leg sent beside its decode leg that pushed nothing (failed wherever it was tried, or refused):
-        the decode waits for that push up to its connector's ``push_wait_s``. Its receiver is told that the push
-        will not come (``protocol.Withdraw``), so the decode recomputes at once."""
+        """A prefill leg sent beside its decode leg that surely pushed nothing (refused, or failed wherever it was
+        tried, each try with an error status or a refused connection): the decode waits for that push up to its
+        connector's ``push_wait_s``. Its receiver is told that the push will not come (``protocol.Withdraw``),
+        so the decode recomputes at once. A try that may have reached its engine unanswered leaves it waiting."""
         if task.cancelled() or (task.exception() is None and task.result()):
             return  # (cancelled: the router stops)
+        if route.prefill_unsure:
+            log.warning("prefill leg of %s pushed nothing that the router knows of; not withdrawn (a try may have "
+                        "reached its engine): the decode waits for it up to its push_wait_s", route.push_id)
+            return
 
         def done(sent: bool) -> None:
-            self.counters["withdrawn" if sent else "withdraw_unsent"] += 1
+            self.counters["withdraw_sent" if sent else "withdraw_unsent"] += 1
             self.metrics.withdrawals.labels("sent" if sent else "unsent").inc()
             log.warning("prefill leg of %s pushed nothing: %s", route.push_id,
-                        f"its receiver {route.decode.receiver} told that it will not come" if sent else
-                        f"its receiver {route.decode.receiver} could not be told (the decode waits out its "
+                        f"telling its receiver {route.decode.receiver} that it will not come" if sent else
+                        f"its receiver {route.decode.receiver} cannot be told (the decode waits out its "
                         "push_wait_s)",
                         extra={"fields": {"event": "withdraw", "push_id": route.push_id,
                                           "receiver": route.decode.receiver, "sent": sent}})
 
         self.watches.withdraw(route.decode, route.push_id, "the prefill leg failed", done)
+
+    def _withdrawn(self, d: Instance, push_id: str) -> None:
+        """The receiver acknowledged a withdrawal (its ``Ok``)."""
+        self.counters["withdrawn"] += 1
+        self.metrics.withdrawals.labels("acknowledged").inc()
 
     def _settle_later(self, task: asyncio.Task | None, route: Route_) -> None:
         """Count how a concurrent prefill leg went when it ends (bounded by its own deadline); the

@@ -30,10 +30,12 @@ class Feed:
     """Keeps ``view`` equal to the receiver's index: subscribe, fold events, re-snapshot on a gap,
     a new epoch or silence; a fresh socket after silence (the receiver may have restarted)."""
 
-    def __init__(self, endpoint: str, view: IndexView, silence_s: float, configure=None, on_change=None) -> None:
+    def __init__(self, endpoint: str, view: IndexView, silence_s: float, configure=None, on_change=None,
+                 on_withdrawn=None) -> None:
         self.endpoint, self.view, self.silence_ms = endpoint, view, int(silence_s * 1000)
         self._configure = configure
         self._on_change = on_change or (lambda kind: None)
+        self._on_withdrawn = on_withdrawn or (lambda push_id: None)  # the receiver's Ok to a withdrawal
         self.sock = None
 
     def _connect(self) -> None:
@@ -50,8 +52,9 @@ class Feed:
 
     async def withdraw(self, push_id: str, reason: str) -> bool:
         """Tell the receiver that push ``push_id`` will not come (``protocol.Withdraw``), on the feed's socket: its
-        ``Ok`` comes back on it, an ``Error`` is logged. False where it could not be sent (no socket, or the
-        receiver not connected): the decode then waits for it as long as its ``push_wait_s``."""
+        ``Ok`` comes back on it (``on_withdrawn``), an ``Error`` is logged. False where it could not be queued (no
+        socket, or its queue full); a queued one is lost with the socket if the receiver is not reached before a
+        reconnection. Unacknowledged, the decode waits for the push as long as its ``push_wait_s``."""
         if self.sock is None:
             return False
         try:
@@ -116,6 +119,8 @@ class Feed:
                 self._on_change("gap")
                 log.info("index feed of %s: out of sync at seq %d (%s); asking for a snapshot", self.endpoint,
                          msg.seq, msg.kind)
+        elif isinstance(msg, protocol.Ok) and msg.req_id:  # (only a withdrawal is answered Ok on this socket)
+            self._on_withdrawn(msg.req_id)
         elif isinstance(msg, protocol.Error):
             log.warning("index feed of %s: %s: %s", self.endpoint, msg.code.value, msg.message)
 

@@ -21,9 +21,11 @@ log = logging.getLogger("pdpush.router")
 
 
 class Watches:
-    def __init__(self, silence_s: float, on_feed: Callable[[Instance, str], None]) -> None:
+    def __init__(self, silence_s: float, on_feed: Callable[[Instance, str], None],
+                 on_withdrawn: Callable[[Instance, str], None] = lambda d, push_id: None) -> None:
         self.silence_s = silence_s
         self._on_feed = on_feed
+        self._on_withdrawn = on_withdrawn  # a receiver acknowledged a withdrawal (feeds.py)
         self._tasks: dict[int, asyncio.Task] = {}  # by id(instance), while it is listed
         self._feeds: dict[int, Feed] = {}
         self._sends: set[asyncio.Task] = set()  # withdrawals on their way
@@ -56,7 +58,8 @@ class Watches:
     def start(self, inst: Instance, key: PrefillKey | DecodeKey, configure: Callable | None = None) -> None:
         if isinstance(key, DecodeKey):
             feed = Feed(key.receiver, inst.index, self.silence_s, configure,
-                        on_change=lambda kind, d=inst: self._on_feed(d, kind))
+                        on_change=lambda kind, d=inst: self._on_feed(d, kind),
+                        on_withdrawn=lambda push_id, d=inst: self._on_withdrawn(d, push_id))
             task = asyncio.create_task(feed.run(), name=f"feed {key.receiver}")
             task.add_done_callback(lambda t, feed=feed: feed.close())  # the socket closes once the task has ended
             self._feeds[id(inst)] = feed
@@ -68,7 +71,8 @@ class Watches:
 
     def withdraw(self, inst: Instance, push_id: str, reason: str, done: Callable[[bool], None]) -> None:
         """Tell decode instance ``inst``'s receiver that push ``push_id`` will not come (feeds.py); ``done`` gets
-        whether it was sent. Nothing is sent where its feed is not running (a reload dropped it)."""
+        whether it was sent (queued to the receiver: its acknowledgement comes to ``on_withdrawn``). Nothing is
+        sent where its feed is not running (a reload dropped it)."""
         feed = self._feeds.get(id(inst))
         if feed is None:
             done(False)
@@ -90,6 +94,8 @@ class Watches:
             task.cancel()
 
     async def close(self) -> None:
+        for t in list(self._sends):
+            t.cancel()
         tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()

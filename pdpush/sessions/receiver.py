@@ -21,20 +21,15 @@ when it next looks (each tick, and before it opens, answers a query about, alloc
 it). Anything else commits by its Commit, acknowledged.
 
 Withdrawn pushes: a router that sent a decode leg beside its prefill leg, and saw that prefill leg fail, sends
-``Withdraw``. A push id not live here is then marked ended (``finished``), so the decode's next ``Query`` finds
-it gone and recomputes at once; opens parked on it are refused; and a push of it that begins later is refused
-(``withdrawn``, bounded like ``finished``), since its decode no longer waits for it. A live request is left
-alone: its own sender ends it. Any peer the control endpoint admits may withdraw, a reader's key too: that is
-no more than a sender can do (an AllocRequest of the id, then its Abort) or than the router decides anyway
-(the decode leg sent without the push), and it never touches pages or a live request.
+``Withdraw``. A push id not live here is then remembered as withdrawn (``withdrawn``, bounded, apart from
+``finished`` so that a flood of them cannot push out other requests' ends): the decode's next ``Query`` finds
+it gone and recomputes at once, opens of it are refused (those parked on it too), and a push of it that begins
+later is refused, since its decode no longer waits for it. A live request is left alone: its own sender ends
+it. Any peer the control endpoint admits may withdraw, a reader's key too. That is a veto over a push id not
+begun: a router makes its push ids (random) and hands them to its own legs, and a reader learns no other's
+from the receiver (neither the index feed nor the status carries one), so in practice a router can only veto
+its own. It never touches pages or a live request.
 
-Each request's whole life is one ``RxRequest`` here (state, lease, readers,
-watchers); the pool only says which pages it owns. Any ``PdpushError`` while
-handling a message becomes that message's typed ``Error`` reply; any other
-exception fails the request it concerned with ``InternalError`` and is logged
-with its traceback. Either way the session keeps serving.
-
-Imports no zmq, UCX, torch or clock.
 """
 
 from __future__ import annotations
@@ -217,7 +212,7 @@ class ReceiverSession:
         # release already counted, so a TP rank that gave up does not keep the others' request to its TTL.
         self.parked: dict[str, list[tuple[bytes, int, int, bool]]] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
-        self.withdrawn: OrderedDict[str, None] = OrderedDict()  # push ids a router withdrew: refused (bounded)
+        self.withdrawn: OrderedDict[str, str] = OrderedDict()  # push ids a router withdrew -> why: refused (bounded)
         # recently dropped committed requests: req_id -> (their sender, chunks committed) (bounded): a late Commit
         # of one (its words were in, but late for the sender's clock) is acknowledged, not refused as unknown
         self.dropped_committed: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
@@ -696,17 +691,21 @@ class ReceiverSession:
             out.append(Log(logging.INFO, "withdrawn by a router while live: left to its sender", rid))
             return
         why = f"withdrawn by the router that placed it{': ' + msg.reason if msg.reason else ''}"
-        self._forget(rid, why)
-        self.withdrawn[rid] = None
+        if rid not in self.withdrawn:
+            self.counters.add("requests_withdrawn")
+            out.append(Log(logging.INFO, why, rid))
+        self.withdrawn[rid] = why
         self.withdrawn.move_to_end(rid)
         while len(self.withdrawn) > MAX_FINISHED:
             self.withdrawn.popitem(last=False)
-        self.counters.add("requests_withdrawn")
-        out.append(Log(logging.INFO, why, rid))
         for dident, _, _, given_up in self.parked.pop(rid, []):
             if not given_up:
                 out.append(ToDecode(dident, protocol.error_reply(UnknownRequest(f"request {rid!r} is gone: {why}",
                                                                                 req_id=rid), rid)))
+
+    def _ended(self, rid: str) -> str | None:
+        """Why request ``rid``, not live here, has ended lately (or was withdrawn before it began); None: unknown."""
+        return self.withdrawn.get(rid) or self.finished.get(rid)
 
     def _refuse_withdrawn(self, rid: str) -> None:
         if rid in self.withdrawn:
@@ -727,8 +726,8 @@ class ReceiverSession:
                 r.decode_ranks = max(r.decode_ranks, msg.tp_size)
                 out.append(self._open_ok(ident, r))
                 self._by_words(r, now, out)  # landed whole: committed (its Committed follows the OpenOk)
-            elif msg.req_id in self.finished:
-                raise UnknownRequest(f"request {msg.req_id!r} is gone: {self.finished[msg.req_id]}")
+            elif (why := self._ended(msg.req_id)) is not None:
+                raise UnknownRequest(f"request {msg.req_id!r} is gone: {why}")
             elif msg.exists:
                 raise UnknownRequest(f"request {msg.req_id!r} is not on this receiver (its push never began here)")
             else:
@@ -766,7 +765,8 @@ class ReceiverSession:
             out.append(ToDecode(ident, QueryReply(
                 held_prefix=self.pool.held_prefix(msg.chunk_keys),
                 request_chunks=self._request_prefix(msg.req_id, msg.chunk_keys),
-                request_gone=msg.req_id is not None and msg.req_id not in self.reqs and msg.req_id in self.finished,
+                request_gone=msg.req_id is not None and msg.req_id not in self.reqs and
+                self._ended(msg.req_id) is not None,
                 request_committed=self._committed(msg.req_id))))
         else:
             raise UnexpectedMessage(f"receiver does not accept {msg.type} on the local endpoint")
