@@ -454,7 +454,8 @@ class Withdraw(Msg):
     (the prefill leg surely pushed nothing: router/app.py). The decode's next ``Query`` of it finds it gone, so the
     decode recomputes at once instead of waiting out its ``push_wait_s``, and a push of it that begins later is
     refused. A push already begun is left to end as it would. Accepted from any peer the control endpoint admits,
-    a reader's key too (sessions/receiver.py, "Withdrawn pushes"); answered ``Ok``."""
+    a reader's key too (sessions/receiver.py, "Withdrawn pushes"); answered ``Ok`` naming it, or ``Ok`` with no
+    ``req_id`` where the push had begun (nothing withdrawn)."""
 
     type: Literal["withdraw"] = "withdraw"
     req_id: ReqId

@@ -20,7 +20,15 @@ from pdpush.errors import ErrorCode, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.protocol import ReqState, TxState
 from pdpush.sessions import Log
-from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
+from pdpush.sessions.receiver import (
+    MAX_FINISHED,
+    FenceSender,
+    PoolInfo,
+    ReceiverLimits,
+    ReceiverSession,
+    ToDecode,
+    ToSender,
+)
 from pdpush.sessions.sender import (
     Connect,
     FillWords,
@@ -916,7 +924,8 @@ def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begin
     assert rx.counters.values["requests_withdrawn"] == 1
     # a push already begun is its sender's to end: a withdrawal leaves it as it was
     assert msgs(alloc("live"), ToSender, protocol.AllocResponse)
-    assert msgs(rx.on_control(b"router", protocol.Withdraw(req_id="live"), 1, "ROUTER-KEY"), ToSender, protocol.Ok)
+    assert msgs(rx.on_control(b"router", protocol.Withdraw(req_id="live"), 1, "ROUTER-KEY"), ToSender,
+                protocol.Ok) == [protocol.Ok(req_id=None)]  # (not named: nothing was withdrawn)
     assert "live" in rx.reqs and "live" not in rx.withdrawn and not query("live").request_gone
     assert rx.counters.values["requests_withdrawn"] == 1
     # a flood of withdrawals pushes out only older withdrawals, never another request's end
@@ -925,7 +934,7 @@ def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begin
     for k in range(5000):
         rx.on_control(b"router", protocol.Withdraw(req_id=f"junk-{k}"), 3, "ROUTER-KEY")
     assert query("live").request_gone and not query("w").request_gone  # (the oldest withdrawal went first)
-    assert len(rx.withdrawn) <= 4096
+    assert len(rx.withdrawn) <= MAX_FINISHED
     rx.check()
 
 

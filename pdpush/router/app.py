@@ -375,7 +375,7 @@ class Router:
             except (httpx.HTTPError, ValueError) as e:
                 self._unreachable(inst, e)
                 status, why = None, f"{type(e).__name__}: {e}"
-                route.prefill_unsure |= not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+                route.prefill_unsure |= not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
             finally:
                 inst.inflight -= 1
                 inst.pending_tokens = max(0.0, inst.pending_tokens - work)
@@ -604,7 +604,7 @@ class Router:
         so the decode recomputes at once. A try that may have reached its engine unanswered leaves it waiting."""
         if task.cancelled() or (task.exception() is None and task.result()):
             return  # (cancelled: the router stops)
-        if route.prefill_unsure:
+        if route.prefill_unsure or task.exception() is not None:  # (an error of the router's after a try was sent)
             log.warning("prefill leg of %s pushed nothing that the router knows of; not withdrawn (a try may have "
                         "reached its engine): the decode waits for it up to its push_wait_s", route.push_id)
             return

@@ -38,7 +38,7 @@ class Metrics:
                                        "cost_model: time to the decode answer's first bytes (a streamed answer's first "
                                        "token; a whole answer otherwise)", ["stream"], buckets=ttft, registry=r)
         self.withdrawals = Counter("pdpush_router_withdrawals", "Pushes told to their receiver as never coming (a "
-                                   "prefill leg sent beside its decode leg pushed nothing), by outcome: sent, unsent",
+                                   "prefill leg sent beside its decode leg pushed nothing), by outcome: sent, acknowledged, unsent",
                                    ["outcome"], registry=r)
         self.slo_rejections = Counter("pdpush_router_slo_rejections", "Requests refused: predicted TTFT over the SLO",
                                       registry=r)

@@ -82,7 +82,8 @@ class Watches:
 
         def sent(t: asyncio.Task) -> None:
             self._sends.discard(t)
-            done(not t.cancelled() and t.exception() is None and t.result())
+            if not t.cancelled():  # (cancelled: the router stops)
+                done(t.exception() is None and t.result())
 
         task.add_done_callback(sent)
 

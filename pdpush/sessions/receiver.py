@@ -30,6 +30,13 @@ begun: a router makes its push ids (random) and hands them to its own legs, and 
 from the receiver (neither the index feed nor the status carries one), so in practice a router can only veto
 its own. It never touches pages or a live request.
 
+Each request's whole life is one ``RxRequest`` here (state, lease, readers,
+watchers); the pool only says which pages it owns. Any ``PdpushError`` while
+handling a message becomes that message's typed ``Error`` reply; any other
+exception fails the request it concerned with ``InternalError`` and is logged
+with its traceback. Either way the session keeps serving.
+
+Imports no zmq, UCX, torch or clock.
 """
 
 from __future__ import annotations
@@ -358,8 +365,7 @@ class ReceiverSession:
                                                                       self._index_load(), now))
             return
         if isinstance(msg, Withdraw):  # a router's (or a sender's): "Withdrawn pushes" above
-            self._withdraw(msg, out)
-            out.append(ToSender(ident, Ok(req_id=msg.req_id)))
+            out.append(ToSender(ident, Ok(req_id=msg.req_id if self._withdraw(msg, out) else None)))
             return
         if peer and peer in self.limits.reader_keys:  # a router's key: never the pool's rkey, never a write
             raise Forbidden(f"{msg.type}: this key may only subscribe to the chunk-index feed (allowed_readers)")
@@ -684,12 +690,13 @@ class ReceiverSession:
             self.state_pool.drop(r.req_id)
         self._forget(r.req_id, why)
 
-    def _withdraw(self, msg: Withdraw, out: list) -> None:
-        """The push ``msg.req_id`` will not come: ended, refused if it begins, its parked opens refused."""
+    def _withdraw(self, msg: Withdraw, out: list) -> bool:
+        """The push ``msg.req_id`` will not come: ended, refused if it begins, its parked opens refused. False: it is
+        live here (begun), and left to its sender."""
         rid = msg.req_id
         if rid in self.reqs:
             out.append(Log(logging.INFO, "withdrawn by a router while live: left to its sender", rid))
-            return
+            return False
         why = f"withdrawn by the router that placed it{': ' + msg.reason if msg.reason else ''}"
         if rid not in self.withdrawn:
             self.counters.add("requests_withdrawn")
@@ -702,6 +709,7 @@ class ReceiverSession:
             if not given_up:
                 out.append(ToDecode(dident, protocol.error_reply(UnknownRequest(f"request {rid!r} is gone: {why}",
                                                                                 req_id=rid), rid)))
+        return True
 
     def _ended(self, rid: str) -> str | None:
         """Why request ``rid``, not live here, has ended lately (or was withdrawn before it began); None: unknown."""
