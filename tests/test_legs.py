@@ -38,6 +38,9 @@ def test_outcomes_and_the_retry_rule():
     assert legs.next_prefill(ps, {0}, 0) == 3  # the least loaded healthy one not tried
     assert legs.next_prefill(ps, {0, 3}, 0) == 1
     assert legs.next_prefill(ps, {0}, 1) is None  # attempts spent: the decode recomputes
+    # a leg sent at once whose decode waits already: with "auto" tried again only where the instance is idle
+    assert legs.retry_beside_decode("auto", 0) and not legs.retry_beside_decode("auto", 1)
+    assert legs.retry_beside_decode(True, 5)
     assert legs.next_prefill([P(True, 0), P(False, 0)], {0}, 0) is None
 
 

@@ -626,6 +626,54 @@ def test_a_prefill_leg_that_surely_failed_beside_its_decode_leg_is_withdrawn_and
         rx.stop()
 
 
+def test_a_failed_leg_sent_at_once_is_not_retried_behind_a_busy_instance_but_withdrawn(upstreams, start_router,
+                                                                                         tmp_path):
+    """"auto": a prefill leg sent at once that fails is tried again only on an idle instance, as ``at_once`` decides
+    for the first try: its decode is waiting already, and behind another leg the push would begin late. Here the
+    other instance is busy, so the leg is given up and withdrawn, and the decode recomputes at once."""
+    from pdpush.client import DecodeClient
+
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    dc = DecodeClient(rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=10)
+    layout, ids = KVLayout(**LAY), list(range(40))
+
+    def ask(body) -> str:
+        if body["prompt"] != ids:
+            return "other"
+        push_id = body["kv_transfer_params"]["pdpush_req_id"]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if dc.query(ids, layout, req_id=push_id).request_gone:
+                return "gone"
+            time.sleep(0.01)
+        return "waited out"
+
+    try:
+        busy_url, busy, _ = upstreams("busy", mode="slow", sleep=4.0)
+        fail_url, fail, _ = upstreams("failing", mode="fail500")
+        d_url, _, _ = upstreams("decode", mode="ask", ask=ask)
+        r = start_router([busy_url, fail_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}],
+                         policy="round_robin")
+        url = r.info["url"]
+        until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["index_synced"], 10,
+              "the receiver's feed")
+        first = post(url, {"prompt": "a", "max_tokens": 1})  # round robin: its prefill leg on the slow instance
+        assert first.status_code == 200 and first.headers["x-pdpush-prefill"] == busy_url
+        res = post(url, {"prompt": ids, "max_tokens": 1}, timeout=60)  # then the failing one, idle: at once
+        assert res.status_code == 200 and res.headers["x-pdpush-route"] == "concurrent", res.text
+        assert res.json()["choices"][0]["text"] == "gone"
+        push_id = res.headers["x-pdpush-push-id"]
+        assert [b["kv_transfer_params"]["pdpush_push_id"] for path, b in fail.seen if path == "/v1/completions"] \
+            == [push_id]
+        until(lambda: httpx.get(url + "/health").json()["withdrawn"] == 1, 10, "the receiver's acknowledgement")
+        assert push_id not in [b["kv_transfer_params"]["pdpush_push_id"] for path, b in busy.seen
+                               if path == "/v1/completions"]  # not tried again behind the busy instance's leg
+        assert httpx.get(url + "/health").json()["prefill_retries"] == 0
+    finally:
+        dc.close()
+        rx.stop()
+
+
 # ---- cost model: both legs, the prefill engines' own caches, SLO admission -------------------------
 
 def test_a_request_predicted_over_the_slo_gets_429_and_no_leg_runs(upstreams, start_router):

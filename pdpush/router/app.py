@@ -352,7 +352,8 @@ class Router:
     async def _prefill(self, path: str, body: dict, route: Route_, headers: dict,
                        taken: tuple[float, int] | None = None) -> dict | None:
         """The prefill leg, tried again elsewhere as legs.py says. Returns its kv_transfer_params, or None
-        (the decode instance recomputes). ``taken``: the first attempt was already counted (``_take``)."""
+        (the decode instance recomputes). ``taken``: the first attempt was already counted (``_take``): the leg
+        goes at once with its decode leg."""
         tried: list[Instance] = []  # instances, not indices: a reload may change the list between attempts
         inst = route.prefill
         work = route.estimate.computed_tokens if route.estimate else 0
@@ -390,6 +391,11 @@ class Router:
             listed = self.fleet.prefill
             nxt = legs.next_prefill(listed, {k for k, p in enumerate(listed) if any(p is t for t in tried)}, attempt)
             if nxt is None:
+                break
+            if taken is not None and not legs.retry_beside_decode(self.cfg.concurrent_legs,
+                                                                  self.fleet.inflight_at(listed[nxt])):
+                log.warning("prefill leg of %s not tried again: %s is busy and its decode is waiting already",
+                            route.push_id, listed[nxt].url)
                 break
             inst = listed[nxt]
             self.counters["prefill_retries"] += 1

@@ -96,3 +96,13 @@ def next_prefill(prefills: Sequence[_Inst], tried: set[int], attempt: int) -> in
         return None
     others = [i for i, p in enumerate(prefills) if p.healthy and i not in tried]
     return min(others, key=lambda i: prefills[i].inflight) if others else None
+
+
+def retry_beside_decode(setting: bool | str, prefill_inflight: int) -> bool:
+    """Whether a prefill leg sent at once with its decode leg, which failed, is tried again on the instance
+    ``next_prefill`` chose, which has ``prefill_inflight`` legs of this router in flight. The decode is waiting for
+    the push already, its ``push_wait_s`` running since its first question: with ``auto``, as ``at_once``, only an
+    idle instance begins it soon enough; otherwise the leg is given up and withdrawn (app.py), and the decode
+    recomputes at once rather than after its wait. ``true`` tries anywhere (its push_wait_s is set above the
+    prefill queues, as the docs ask)."""
+    return setting != "auto" or prefill_inflight == 0
