@@ -558,6 +558,23 @@ def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, s
         rx.stop()
 
 
+def asks_until_gone(dc, layout: KVLayout, ids: list[int], wait_s: float):
+    """A stand-in decode's answer (Upstream mode "ask"): it asks its receiver about the push, as the connector does,
+    every 10 ms up to ``wait_s`` (its push_wait_s): "gone" once the receiver says the push ended, else "waited out".
+    A prompt other than ``ids`` is answered "other" at once."""
+    def ask(body) -> str:
+        if body["prompt"] != ids:
+            return "other"
+        push_id = body["kv_transfer_params"]["pdpush_req_id"]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if dc.query(ids, layout, req_id=push_id).request_gone:
+                return "gone"
+            time.sleep(0.01)
+        return "waited out"
+    return ask
+
+
 @pytest.mark.parametrize("prefill_mode", ["fail500", "drop"])
 def test_a_prefill_leg_that_surely_failed_beside_its_decode_leg_is_withdrawn_and_the_decode_recomputes_at_once(
         upstreams, start_router, tmp_path, prefill_mode):
@@ -575,16 +592,7 @@ def test_a_prefill_leg_that_surely_failed_beside_its_decode_leg_is_withdrawn_and
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
     dc = DecodeClient(rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=10)
     layout, ids = KVLayout(**LAY), list(range(40))
-    wait_s = 20 if prefill_mode == "fail500" else 3  # the connector's push_wait_s, in the stand-in
-
-    def ask(body) -> str:
-        push_id = body["kv_transfer_params"]["pdpush_req_id"]
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if dc.query(ids, layout, req_id=push_id).request_gone:
-                return "gone"
-            time.sleep(0.01)
-        return "waited out"
+    ask = asks_until_gone(dc, layout, ids, 20 if prefill_mode == "fail500" else 3)
 
     try:
         p_url, p, _ = upstreams("prefill", mode=prefill_mode)
@@ -637,16 +645,7 @@ def test_a_failed_leg_sent_at_once_is_not_retried_behind_a_busy_instance_but_wit
     dc = DecodeClient(rx.info["local_endpoint"].removeprefix("ipc://"), timeout_s=10)
     layout, ids = KVLayout(**LAY), list(range(40))
 
-    def ask(body) -> str:
-        if body["prompt"] != ids:
-            return "other"
-        push_id = body["kv_transfer_params"]["pdpush_req_id"]
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if dc.query(ids, layout, req_id=push_id).request_gone:
-                return "gone"
-            time.sleep(0.01)
-        return "waited out"
+    ask = asks_until_gone(dc, layout, ids, 20)
 
     try:
         busy_url, busy, _ = upstreams("busy", mode="slow", sleep=4.0)
