@@ -99,7 +99,8 @@ def _read(sock: socket.socket, buf: bytearray, limit: int) -> bool:
 
 def off_lifeline(msg, path: Path) -> UnexpectedMessage:
     """The error for an engine's message (a Begin, an Open, ...) that came on a daemon's ZeroMQ socket, which takes
-    only what is not an engine's connection (a status request; a decode scheduler's Query at the receiver)."""
+    only what is not an engine's connection (a status request; a decode scheduler's Query or Withdraw at the
+    receiver)."""
     return UnexpectedMessage(f"{msg.type} on the daemon's ZeroMQ socket: an engine's connection sends its messages "
                              f"on its lifeline, {path} (local protocol 3)", req_id=getattr(msg, "req_id", None))
 

@@ -455,7 +455,9 @@ class Withdraw(Msg):
     decode recomputes at once instead of waiting out its ``push_wait_s``, and a push of it that begins later is
     refused. A push already begun is left to end as it would. Accepted from any peer the control endpoint admits,
     a reader's key too (sessions/receiver.py, "Withdrawn pushes"); answered ``Ok`` naming it, or ``Ok`` with no
-    ``req_id`` where the push had begun (nothing withdrawn)."""
+    ``req_id`` where the push had begun (nothing withdrawn). A decode engine sends it too, on the local endpoint,
+    for a push it stopped waiting for (its ``push_wait_s`` passed): one that begins later is refused, and one
+    already begun that nobody has open is dropped once committed."""
 
     type: Literal["withdraw"] = "withdraw"
     req_id: ReqId

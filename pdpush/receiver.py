@@ -35,7 +35,7 @@ from pdpush.config import ReceiverConfig, is_loopback
 from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
 from pdpush.errors import PdpushError
 from pdpush.layout import READY_WORD, combine_digests
-from pdpush.protocol import Msg, Query, StatusReply, StatusRequest
+from pdpush.protocol import Msg, Query, StatusReply, StatusRequest, Withdraw
 from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
 
 log = logging.getLogger("pdpush.receiver")
@@ -230,7 +230,7 @@ class Receiver:
                     self._to_local(ident, StatusReply(stats=self.stats()))
                 else:
                     control.send(self.router, StatusReply(stats=self.stats()), ident)
-            elif local and not on_lifeline and not isinstance(msg, Query):
+            elif local and not on_lifeline and not isinstance(msg, (Query, Withdraw)):  # (a decode scheduler's)
                 self._apply(self.session.bad_frame(ident, lifeline.off_lifeline(msg, self.lifelines.path), local))
             else:
                 t = now_ms()

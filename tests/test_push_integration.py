@@ -182,8 +182,8 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
 
 def test_a_request_cannot_begin_on_a_daemons_zeromq_socket_where_its_engine_could_die_unseen(daemons):
     """An engine's connection sends its messages on its lifeline, whose hang-up tells the daemon it died. The daemons'
-    ZeroMQ sockets answer a status request and a decode scheduler's Query, and refuse a Begin, Open or Claim with a
-    typed error naming the lifeline: nothing is held for them."""
+    ZeroMQ sockets answer a status request and a decode scheduler's Query or Withdraw, and refuse a Begin, Open or
+    Claim with a typed error naming the lifeline: nothing is held for them."""
     layout = KVLayout(2, 2, 64, "float16", 16)
     rx = daemons.receiver(**rx_opts(layout))
     tx = daemons.sender(rx)
@@ -206,6 +206,7 @@ def test_a_request_cannot_begin_on_a_daemons_zeromq_socket_where_its_engine_coul
     s = _raw_dealer(rx.info["local_endpoint"])
     try:
         assert isinstance(_ask(s, protocol.encode(protocol.Query(chunk_keys=keys))), protocol.QueryReply)
+        assert _ask(s, protocol.encode(protocol.Withdraw(req_id="given-up"))) == protocol.Ok(req_id="given-up")
     finally:
         s.close(0)
     assert status(sock(tx))["requests_total"] == 0 and status(sock(rx))["requests_inflight"] == 0

@@ -938,6 +938,48 @@ def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begin
     rx.check()
 
 
+def test_a_decode_that_stopped_waiting_withdraws_its_push_and_a_late_one_takes_no_pages():
+    """The decode engine's own ``Withdraw`` (local endpoint), sent when its ``push_wait_s`` passed and it recomputes:
+    a push of it that begins later is refused, typed, naming why; one already begun that nobody has open is dropped
+    once committed (at once if it already was), its chunks left in the index; one that a reader has open is kept."""
+    rx = receiver(pages=16)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
+
+    def alloc(rid, first):
+        return rx.on_control(b"s", protocol.AllocRequest(req_id=rid, chunk_keys=chunk_keys(list(range(first, first + 40)),
+                                                                                        LAY), last_chunk_tokens=8,
+                                                         lease_ms=5000), 1)
+
+    def withdraw(rid, now=2):
+        return msgs(rx.on_local(DEC, protocol.Withdraw(req_id=rid, reason="push_wait_s"), now), ToDecode, protocol.Ok)
+
+    assert withdraw("late") == [protocol.Ok(req_id="late")]
+    err = msgs(alloc("late", 0), ToSender, protocol.Error)
+    assert err and err[0].code is ErrorCode.ABORTED and "its decode engine, which stopped waiting" in err[0].message
+    assert "late" not in rx.reqs and rx.pool.free_pages == 16 and rx.counters.values["requests_withdrawn"] == 1
+    # begun, then given up: committed, then dropped at the next look instead of waiting out committed_ttl_ms
+    assert msgs(alloc("begun", 100), ToSender, protocol.AllocResponse)
+    assert withdraw("begun") == [protocol.Ok(req_id=None)]  # (not named: it had begun)
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="begun", layers=LAY.layers), 3), ToSender, protocol.CommitAck)
+    assert "begun" in rx.reqs
+    rx.on_tick(4)
+    assert "begun" not in rx.reqs and rx.pool.chunks_cached > 0  # its chunks stay, unpinned
+    # committed already, unread: dropped at once
+    assert msgs(alloc("done", 200), ToSender, protocol.AllocResponse)
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="done", layers=LAY.layers), 3), ToSender, protocol.CommitAck)
+    withdraw("done", 5)
+    assert "done" not in rx.reqs
+    # one that a reader has open is that reader's: kept
+    assert msgs(alloc("read", 300), ToSender, protocol.AllocResponse)
+    assert msgs(rx.on_local(b"reader", protocol.Open(req_id="read"), 5), ToDecode, protocol.OpenOk)
+    withdraw("read", 6)
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="read", layers=LAY.layers), 7), ToSender, protocol.CommitAck)
+    rx.on_tick(1000)
+    assert "read" in rx.reqs and rx.counters.values["requests_withdrawn"] == 1
+    rx.check()
+
+
 def test_only_the_connection_that_opened_a_request_can_release_it():
     """A Release from a connection with no open of the request is refused, typed, and changes nothing: it used to
     take a reader away from whoever held the request open, whose pages could then be reused under its views."""

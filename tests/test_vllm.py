@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from pdpush import kv_params
-from pdpush.client import DecodeClient, PrefillClient
+from pdpush.client import DecodeClient, PrefillClient, status
+from pdpush.errors import Aborted
 from pdpush.layout import KVLayout
 from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model, push_timeline
 from pdpush_tools.harness.vllm_cluster import cluster as vllm_cluster
@@ -294,15 +295,33 @@ def test_a_push_that_failed_is_recomputed_without_waiting(cluster):
     assert out["tokens"] == ref
 
 
-def test_a_push_that_never_arrives_is_recomputed(cluster):
+def test_a_push_that_never_arrives_is_recomputed_and_refused_if_it_comes_later(cluster):
+    """The decode waits ``push_wait_s`` for a push that does not come, recomputes, and withdraws it at its receiver
+    (``Withdraw`` on the local endpoint): the push, begun afterwards, is refused, typed, instead of holding pool
+    pages unread for ``committed_ttl_ms``."""
     rnd = random.Random(17)
     prompt = [rnd.randrange(3, 500) for _ in range(60)]
     ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+    rx_sock = cluster["rx_sock"]
+    w0 = status(rx_sock)["requests_withdrawn"]
     d0 = cluster["decode"].stats()
     out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, {"pdpush_req_id": "never-pushed"})
     d = delta(stats, d0)
     assert d["match_missing"] == 1 and d["load_requests"] == 0, d
     assert out["tokens"] == ref
+    deadline = time.monotonic() + 5  # (sent without waiting, at the step that gave up)
+    while status(rx_sock)["requests_withdrawn"] == w0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status(rx_sock)["requests_withdrawn"] == w0 + 1
+    before = status(rx_sock)
+    pc = PrefillClient(KVLayout(**LAYOUT), cluster["tx_sock"], receiver=cluster["rx"].info["control_endpoint"])
+    try:
+        with pytest.raises(Aborted, match="its decode engine, which stopped waiting"):
+            pc.begin("never-pushed", prompt)  # the late push: refused at its allocation
+    finally:
+        pc.close()
+    after = status(rx_sock)  # nothing of it took a page
+    assert after["requests_total"] == before["requests_total"] and after["pool_pages_free"] == before["pool_pages_free"]
 
 
 def test_a_receiver_outside_the_allowlist_is_not_pushed_to(cluster):

@@ -30,6 +30,12 @@ begun: a router makes its push ids (random) and hands them to its own legs, and 
 from the receiver (neither the index feed nor the status carries one), so in practice a router can only veto
 its own. It never touches pages or a live request.
 
+A decode engine that stopped waiting for its push (its ``push_wait_s`` passed, and it recomputes) withdraws it
+the same way on the local endpoint, so that a push that comes later takes no pages. A push of it already begun,
+that nobody has open, is dropped once committed (at once if it is) rather than kept ``committed_ttl_ms`` unread;
+its chunks stay in the index, unpinned, as any dropped request's do. A local client can open and read any push
+already, so this gives it nothing more.
+
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while
 handling a message becomes that message's typed ``Error`` reply; any other
@@ -616,7 +622,7 @@ class ReceiverSession:
         r.state = state  # (only once its chunks are indexed: check() holds either way)
         self.words_live.discard(r.req_id)
         r.committed_at_ms = now
-        self._due(now + self.limits.committed_ttl_ms)
+        self._due(now + self._ttl(r))
         self.counters.count(out, "requests_committed", metric="requests")
         # (words are seen at the receiver's next look, a tick at most 10 ms after they land: so is this sample)
         out.append(Observe("request_seconds", (now - r.t_alloc_ms) / 1000))
@@ -690,17 +696,27 @@ class ReceiverSession:
             self.state_pool.drop(r.req_id)
         self._forget(r.req_id, why)
 
-    def _withdraw(self, msg: Withdraw, out: list) -> bool:
-        """The push ``msg.req_id`` will not come: ended, refused if it begins, its parked opens refused. False: it is
-        live here (begun), and left to its sender."""
+    def _withdraw(self, msg: Withdraw, out: list, by_decode: bool = False) -> bool:
+        """The push ``msg.req_id`` will not come, or will not be read: a router's (``by_decode`` False) or its own
+        decode engine's, which stopped waiting for it. Not live here: ended, refused if it begins, its parked opens
+        refused; True. Live here (begun): False, and it is left to its sender; where its decode gave it up and
+        nobody has it open, it is dropped once committed (at once if it is), not kept ``committed_ttl_ms`` unread."""
         rid = msg.req_id
-        if rid in self.reqs:
-            out.append(Log(logging.INFO, "withdrawn by a router while live: left to its sender", rid))
+        who = "its decode engine, which stopped waiting for it" if by_decode else "the router that placed it"
+        why = f"withdrawn by {who}{': ' + msg.reason if msg.reason else ''}"
+        if (r := self.reqs.get(rid)) is not None:
+            if by_decode and not r.readers and not r.claimed:
+                if r.state is ReqState.COMMITTED:
+                    self._drop(r, why)
+                else:
+                    r.ttl_ms = 1
+                out.append(Log(logging.DEBUG, f"{why}, after its push began: dropped unread once committed", rid))
+            else:
+                out.append(Log(logging.DEBUG, f"{why}, after its push began: left to its sender", rid))
             return False
-        why = f"withdrawn by the router that placed it{': ' + msg.reason if msg.reason else ''}"
         if rid not in self.withdrawn:
             self.counters.add("requests_withdrawn")
-            out.append(Log(logging.INFO, why, rid))
+            out.append(Log(logging.DEBUG, why, rid))  # (counted: a flood of them makes no flood of lines)
         self.withdrawn[rid] = why
         self.withdrawn.move_to_end(rid)
         while len(self.withdrawn) > MAX_FINISHED:
@@ -717,8 +733,7 @@ class ReceiverSession:
 
     def _refuse_withdrawn(self, rid: str) -> None:
         if rid in self.withdrawn:
-            raise Aborted(f"request {rid!r} was withdrawn by the router that placed it (its decode recomputes)",
-                          req_id=rid)
+            raise Aborted(f"request {rid!r} was {self.withdrawn[rid]} (its decode recomputes)", req_id=rid)
 
     def _forget(self, req_id: str, why: str) -> None:
         self.reqs.pop(req_id, None)
@@ -767,6 +782,8 @@ class ReceiverSession:
             out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
             out.append(ToDecode(ident, self._claim(msg, now, out)))
+        elif isinstance(msg, Withdraw):  # the decode engine stopped waiting for this push: "Withdrawn pushes" above
+            out.append(ToDecode(ident, Ok(req_id=msg.req_id if self._withdraw(msg, out, by_decode=True) else None)))
         elif isinstance(msg, Query):
             if (r := self.reqs.get(msg.req_id) if msg.req_id else None) is not None:
                 self._by_words(r, now, out)

@@ -16,7 +16,7 @@ from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, Rece
 from pdpush.integrations.vllm.stats import Recompute, SchedulerStats
 from pdpush.kv_params import KvParams
 from pdpush.layout import KVLayout, chunk_keys
-from pdpush.protocol import Query, QueryReply
+from pdpush.protocol import Query, QueryReply, Withdraw
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -160,7 +160,9 @@ class SchedulerSide:
                 return None, False
             r.first_ask = None
             self.stats.recompute(Recompute.PUSH_TIMEOUT)
-            log.warning("pdpush: push %s for %s never reached the receiver; recomputing", push_id, rid)
+            told = self._withdraw(push_id, now)
+            log.warning("pdpush: push %s for %s never reached the receiver; recomputing%s", push_id, rid,
+                        " (the receiver will refuse it if it comes)" if told else "")
             return 0, False
         r.first_ask = None
         r.prefix_key = b""
@@ -268,6 +270,18 @@ class SchedulerSide:
             return 0
         reply, r.answer = r.answer, None
         return reply
+
+    def _withdraw(self, push_id: str, now: float) -> bool:
+        """Tell the receiver that push ``push_id`` will not be read (``protocol.Withdraw``): one that comes later
+        is refused instead of holding pages unread for ``committed_ttl_ms``. Sent without waiting; its answer,
+        tagged apart from any request's, is dropped when read. False: not sent (no room, or the receiver is down),
+        so a late push is kept until its TTL, as before."""
+        try:
+            return self.asker.ask(Withdraw(req_id=push_id, reason="its decode stopped waiting (push_wait_s)"),
+                                  ("withdraw", push_id), now)
+        except Lost as e:
+            self._lost(e)
+            return False
 
     def _read_answers(self, now: float) -> None:
         """File the answers that have arrived with their requests (one that has ended meanwhile: dropped)."""
