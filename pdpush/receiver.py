@@ -11,8 +11,8 @@ Endpoints:
     engine's connections: Open, Claim, Release, Query, Status; the receiver
     pushes LayerAvailable/Committed on them too.
   * ZMQ ROUTER on a 0600 unix socket for the other local clients: a decode
-    scheduler's Query, and Status (an Open or Claim there is refused: it
-    would outlive its engine unseen).
+    scheduler's Query and Withdraw (a push it stopped waiting for), and Status
+    (an Open or Claim there is refused: it would outlive its engine unseen).
 
 Every decision is the session's; this module moves bytes and carries out its
 actions. A frame that does not decode gets a typed Error reply; an exception
@@ -209,7 +209,8 @@ class Receiver:
 
     def _on_frame(self, ident: bytes, payload: bytes, local: bool, peer: str = "", on_lifeline: bool = False) -> None:
         """A frame from a sender (or a router), from a decode engine's connection (on its lifeline), or from a
-        local ZeroMQ client, which may only ask (Query, status): an open made there would outlive its engine."""
+        local ZeroMQ client, which may only ask (Query, status) or withdraw a push (a decode scheduler that stopped
+        waiting for it): an open made there would outlive its engine."""
         try:  # a peer daemon's frame may carry a batch (daemon.Outbox); an engine's is one message
             msgs = [protocol.decode(payload, self.cfg.max_frame_bytes)] if local else \
                 protocol.decode_batch(payload, self.cfg.max_frame_bytes)

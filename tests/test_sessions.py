@@ -970,13 +970,28 @@ def test_a_decode_that_stopped_waiting_withdraws_its_push_and_a_late_one_takes_n
     assert msgs(rx.on_control(b"s", protocol.Commit(req_id="done", layers=LAY.layers), 3), ToSender, protocol.CommitAck)
     withdraw("done", 5)
     assert "done" not in rx.reqs
-    # one that a reader has open is that reader's: kept
-    assert msgs(alloc("read", 300), ToSender, protocol.AllocResponse)
-    assert msgs(rx.on_local(b"reader", protocol.Open(req_id="read"), 5), ToDecode, protocol.OpenOk)
-    withdraw("read", 6)
-    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="read", layers=LAY.layers), 7), ToSender, protocol.CommitAck)
-    rx.on_tick(1000)
-    assert "read" in rx.reqs and rx.counters.values["requests_withdrawn"] == 1
+    assert rx.counters.values["requests_given_up"] == 2 and rx.counters.values["requests_withdrawn"] == 1
+    # given up while live, then failed (its sender aborted it): a push of it again (a retried prefill leg) is refused
+    assert msgs(alloc("retried", 250), ToSender, protocol.AllocResponse)
+    withdraw("retried", 5)
+    assert msgs(rx.on_control(b"s", protocol.Abort(req_id="retried"), 5), ToSender, protocol.Ok)
+    err = msgs(alloc("retried", 250), ToSender, protocol.Error)
+    assert err and err[0].code is ErrorCode.ABORTED and "its decode engine, which stopped waiting" in err[0].message
+    # one that a reader has open is that reader's: kept, before its commit and after
+    for rid, first, committed_first in (("read", 300, False), ("read-after", 350, True)):
+        assert msgs(alloc(rid, first), ToSender, protocol.AllocResponse)
+        assert msgs(rx.on_local(b"reader", protocol.Open(req_id=rid), 5), ToDecode, protocol.OpenOk)
+        if committed_first:
+            assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid, layers=LAY.layers), 6), ToSender,
+                        protocol.CommitAck)
+        owned = set(rx.pool.requests[rid].pages)
+        withdraw(rid, 6)
+        if not committed_first:
+            assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid, layers=LAY.layers), 7), ToSender,
+                        protocol.CommitAck)
+        rx.on_tick(1000)
+        assert rid in rx.reqs and set(rx.pool.requests[rid].pages) == owned  # its pages under the reader's views
+    assert rx.counters.values["requests_given_up"] == 3
     rx.check()
 
 

@@ -33,8 +33,8 @@ its own. It never touches pages or a live request.
 A decode engine that stopped waiting for its push (its ``push_wait_s`` passed, and it recomputes) withdraws it
 the same way on the local endpoint, so that a push that comes later takes no pages. A push of it already begun,
 that nobody has open, is dropped once committed (at once if it is) rather than kept ``committed_ttl_ms`` unread;
-its chunks stay in the index, unpinned, as any dropped request's do. A local client can open and read any push
-already, so this gives it nothing more.
+its chunks stay in the index, unpinned, as any dropped request's do, and a push of it again is refused too. A
+local client can open and read any push already; what this adds is a veto over a push id it knows, as a router's.
 
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while
@@ -181,6 +181,7 @@ class RxRequest:
     decode_ranks: int = 1  # opens it takes: a committed request stays until that many releases
     releases: int = 0
     ttl_ms: int = 0  # committed and unread for this long: dropped (0: the receiver's committed_ttl_ms)
+    given_up: str = ""  # its decode withdrew it while live: why; remembered as withdrawn once it leaves
     claimed: bool = False  # made by a Claim from held chunks, not pushed
     chunks: int = 0  # the prompt's chunks (its items, by group: plan)
     plan: RequestPlan | None = None
@@ -225,7 +226,7 @@ class ReceiverSession:
         # release already counted, so a TP rank that gave up does not keep the others' request to its TTL.
         self.parked: dict[str, list[tuple[bytes, int, int, bool]]] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
-        self.withdrawn: OrderedDict[str, str] = OrderedDict()  # push ids a router withdrew -> why: refused (bounded)
+        self.withdrawn: OrderedDict[str, str] = OrderedDict()  # push ids withdrawn (a router, a decode) -> why: refused (bounded)
         # recently dropped committed requests: req_id -> (their sender, chunks committed) (bounded): a late Commit
         # of one (its words were in, but late for the sender's clock) is acknowledged, not refused as unknown
         self.dropped_committed: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
@@ -239,7 +240,7 @@ class ReceiverSession:
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
             "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words",
-            "requests_withdrawn")})
+            "requests_withdrawn", "requests_given_up")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
@@ -706,26 +707,32 @@ class ReceiverSession:
         why = f"withdrawn by {who}{': ' + msg.reason if msg.reason else ''}"
         if (r := self.reqs.get(rid)) is not None:
             if by_decode and not r.readers and not r.claimed:
+                self.counters.add("requests_given_up")
+                r.given_up = why  # a push of it again (a retried prefill leg) is refused once this one leaves
                 if r.state is ReqState.COMMITTED:
                     self._drop(r, why)
+                    out.append(Log(logging.DEBUG, f"{why}, after it committed: dropped", rid))
                 else:
                     r.ttl_ms = 1
-                out.append(Log(logging.DEBUG, f"{why}, after its push began: dropped unread once committed", rid))
+                    out.append(Log(logging.DEBUG, f"{why}, after its push began: dropped once committed", rid))
             else:
                 out.append(Log(logging.DEBUG, f"{why}, after its push began: left to its sender", rid))
             return False
         if rid not in self.withdrawn:
             self.counters.add("requests_withdrawn")
             out.append(Log(logging.DEBUG, why, rid))  # (counted: a flood of them makes no flood of lines)
-        self.withdrawn[rid] = why
-        self.withdrawn.move_to_end(rid)
-        while len(self.withdrawn) > MAX_FINISHED:
-            self.withdrawn.popitem(last=False)
+        self._remember_withdrawn(rid, why)
         for dident, _, _, given_up in self.parked.pop(rid, []):
             if not given_up:
                 out.append(ToDecode(dident, protocol.error_reply(UnknownRequest(f"request {rid!r} is gone: {why}",
                                                                                 req_id=rid), rid)))
         return True
+
+    def _remember_withdrawn(self, rid: str, why: str) -> None:
+        self.withdrawn[rid] = why
+        self.withdrawn.move_to_end(rid)
+        while len(self.withdrawn) > MAX_FINISHED:
+            self.withdrawn.popitem(last=False)
 
     def _ended(self, rid: str) -> str | None:
         """Why request ``rid``, not live here, has ended lately (or was withdrawn before it began); None: unknown."""
@@ -736,7 +743,9 @@ class ReceiverSession:
             raise Aborted(f"request {rid!r} was {self.withdrawn[rid]} (its decode recomputes)", req_id=rid)
 
     def _forget(self, req_id: str, why: str) -> None:
-        self.reqs.pop(req_id, None)
+        r = self.reqs.pop(req_id, None)
+        if r is not None and r.given_up:  # its decode no longer waits for it: a push of it again is refused
+            self._remember_withdrawn(req_id, r.given_up)
         self.finished[req_id] = why
         while len(self.finished) > MAX_FINISHED:
             self.finished.popitem(last=False)

@@ -14,7 +14,7 @@ import torch
 
 from pdpush import kvcodec, protocol
 from pdpush.client import PushHandle
-from pdpush.errors import BrokenResourceError, PdpushError, TransportError
+from pdpush.errors import Aborted, BrokenResourceError, PdpushError, TransportError
 from pdpush.integrations import vllm_layout as vl
 from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
 from pdpush.integrations.vllm.metadata import PushSpec
@@ -90,7 +90,9 @@ class PushPath:
         except _REQUEST_ERRORS as e:
             if not isinstance(e, (TransportError, BrokenResourceError)) and not protocol.local_mismatch(e):
                 self.stats.push_fail(PushFailure.REFUSED)  # the receiver refused this one (pool exhausted, ...)
-                log.error("pdpush: cannot push %s (%s): %s", spec.req_id, spec.push_id, e)
+                # (aborted: its decode no longer waits for it, and recomputes; expected where legs went at once)
+                log.log(logging.WARNING if isinstance(e, Aborted) else logging.ERROR, "pdpush: cannot push %s (%s): %s",
+                        spec.req_id, spec.push_id, e)
                 return None
             # no sender, it died, or it speaks another local protocol than this engine: stop asking for a while
             self.stats.push_fail(PushFailure.SENDER)

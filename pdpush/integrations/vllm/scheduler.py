@@ -57,6 +57,7 @@ class _Req:
     plan: tuple[str, int, int] | None = None
     prompt_tokens: int = 0
     planned_once: bool = False  # planned before (then preempted): its push was released, recompute
+    gave_up: bool = False  # its push did not come within push_wait_s: withdrawn, recomputed whenever asked again
     first_ask: float | None = None
     next_ask: float = 0.0
     asking: bool = False  # a question about its push is out (asker.py); its answer is read at a later call
@@ -130,8 +131,8 @@ class SchedulerSide:
                 log.warning("pdpush: request %s names receiver %r, which is not in allowed_receivers; "
                             "not pushing it", rid, receiver)
         push_id = params.pdpush_req_id
-        if not (self.consumer and push_id) or (r is not None and r.planned_once):
-            return 0, False  # a request planned before (then preempted) recomputes: its push was released
+        if not (self.consumer and push_id) or (r is not None and (r.planned_once or r.gave_up)):
+            return 0, False  # planned before (then preempted: its push was released), or its push given up
         prompt = list(request.prompt_token_ids or [])
         want = len(prompt) - 1  # the last prompt token is computed here, giving the first sampled token
         if want <= num_computed_tokens:
@@ -158,11 +159,11 @@ class SchedulerSide:
                 if self._idle:  # nothing else runs: nap, or vLLM's loop spins a core that the prefill may need
                     time.sleep(IDLE_NAP_S)
                 return None, False
-            r.first_ask = None
+            r.first_ask, r.gave_up = None, True  # (vLLM asks again while it finds no blocks: counted once)
             self.stats.recompute(Recompute.PUSH_TIMEOUT)
             told = self._withdraw(push_id, now)
             log.warning("pdpush: push %s for %s never reached the receiver; recomputing%s", push_id, rid,
-                        " (the receiver will refuse it if it comes)" if told else "")
+                        " (told the receiver to refuse it if it comes)" if told else "")
             return 0, False
         r.first_ask = None
         r.prefix_key = b""
@@ -277,7 +278,7 @@ class SchedulerSide:
         tagged apart from any request's, is dropped when read. False: not sent (no room, or the receiver is down),
         so a late push is kept until its TTL, as before."""
         try:
-            return self.asker.ask(Withdraw(req_id=push_id, reason="its decode stopped waiting (push_wait_s)"),
+            return self.asker.ask(Withdraw(req_id=push_id, reason=f"push_wait_s ({self.settings.push_wait_s:g} s)"),
                                   ("withdraw", push_id), now)
         except Lost as e:
             self._lost(e)
