@@ -248,7 +248,7 @@ def _external_tokens(llm) -> list[int]:
 
 def _timed(llm, req, sp, external: list[int]) -> tuple:
     """One request through the engine's own step loop: (its final output, (ms to finish, ms to first token,
-    tokens the connector loaded for it))."""
+    tokens the connector loaded for it, when its first token came: monotonic seconds, this host's clock))."""
     from vllm.sampling_params import RequestOutputKind
 
     sp.output_kind = RequestOutputKind.CUMULATIVE  # an output at every step, the first token's included
@@ -267,7 +267,7 @@ def _timed(llm, req, sp, external: list[int]) -> tuple:
             if out.finished:
                 final = out
     end = time.monotonic()
-    return final, ((end - t) * 1000, ((first or end) - t) * 1000, external[0])
+    return final, ((end - t) * 1000, ((first or end) - t) * 1000, external[0], first or end)
 
 
 def main() -> int:
@@ -323,7 +323,8 @@ def main() -> int:
                 timed.append((llm.generate([req], sp, use_tqdm=False)[0], (time.monotonic() - t) * 1000))
         results = [{"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
                     "num_cached_tokens": r.num_cached_tokens, "ms": ms[0] if isinstance(ms, tuple) else ms,
-                    **({"ttft_ms": ms[1], "external_tokens": ms[2]} if isinstance(ms, tuple) else {})}
+                    **({"ttft_ms": ms[1], "external_tokens": ms[2], "first_at": ms[3]} if isinstance(ms, tuple)
+                       else {})}
                    for r, ms in timed]
         out.write(json.dumps({"outputs": results, "stats": connector_stats(llm)[0] if connected else {}}) + "\n")
         out.flush()
