@@ -622,6 +622,7 @@ def test_a_prefill_leg_that_surely_failed_beside_its_decode_leg_is_withdrawn_and
         assert 'pdpush_router_withdrawals_total{outcome="sent"} 1.0' in metrics
         assert 'pdpush_router_withdrawals_total{outcome="acknowledged"} 1.0' in metrics
         assert rx_status(rx)["requests_withdrawn"] == 1
+        assert 'pdpush_pushes_withdrawn_total{by="router"} 1.0' in httpx.get(rx_status(rx)["metrics_endpoint"]).text
         with pytest.raises(PdpushError) as refused:  # the prefill engine comes back late: its push is refused
             push(tx, rx, push_id, ids)
         assert refused.value.code is ErrorCode.ABORTED and "withdrawn" in str(refused.value)

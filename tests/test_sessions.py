@@ -19,7 +19,7 @@ from pdpush import protocol
 from pdpush.errors import ErrorCode, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.protocol import ReqState, TxState
-from pdpush.sessions import Log
+from pdpush.sessions import Count, Log
 from pdpush.sessions.receiver import (
     MAX_FINISHED,
     FenceSender,
@@ -954,7 +954,8 @@ def test_a_decode_that_stopped_waiting_withdraws_its_push_and_a_late_one_takes_n
     def withdraw(rid, now=2):
         return msgs(rx.on_local(DEC, protocol.Withdraw(req_id=rid, reason="push_wait_s"), now), ToDecode, protocol.Ok)
 
-    assert withdraw("late") == [protocol.Ok(req_id="late")]
+    out = rx.on_local(DEC, protocol.Withdraw(req_id="late", reason="push_wait_s"), 2)
+    assert msgs(out, ToDecode, protocol.Ok) == [protocol.Ok(req_id="late")] and Count("withdrawn", 1, "decode") in out
     err = msgs(alloc("late", 0), ToSender, protocol.Error)
     assert err and err[0].code is ErrorCode.ABORTED and "its decode engine, which stopped waiting" in err[0].message
     assert "late" not in rx.reqs and rx.pool.free_pages == 16 and rx.counters.values["requests_withdrawn"] == 1
@@ -968,7 +969,7 @@ def test_a_decode_that_stopped_waiting_withdraws_its_push_and_a_late_one_takes_n
     # committed already, unread: dropped at once
     assert msgs(alloc("done", 200), ToSender, protocol.AllocResponse)
     assert msgs(rx.on_control(b"s", protocol.Commit(req_id="done", layers=LAY.layers), 3), ToSender, protocol.CommitAck)
-    withdraw("done", 5)
+    assert Count("withdrawn", 1, "decode_live") in rx.on_local(DEC, protocol.Withdraw(req_id="done"), 5)
     assert "done" not in rx.reqs
     assert rx.counters.values["requests_given_up"] == 2 and rx.counters.values["requests_withdrawn"] == 1
     # given up while live, then failed (its sender aborted it): a push of it again (a retried prefill leg) is refused

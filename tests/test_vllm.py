@@ -13,6 +13,7 @@ import random
 import subprocess
 import time
 
+import httpx
 import numpy as np
 import pytest
 
@@ -313,6 +314,8 @@ def test_a_push_that_never_arrives_is_recomputed_and_refused_if_it_comes_later(c
     while status(rx_sock)["requests_withdrawn"] == w0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert status(rx_sock)["requests_withdrawn"] == w0 + 1
+    metrics = httpx.get(status(rx_sock)["metrics_endpoint"], timeout=10).text.splitlines()
+    assert f'pdpush_pushes_withdrawn_total{{by="decode"}} {w0 + 1:.1f}' in metrics  # (no router here: all the decode's)
     before = status(rx_sock)
     pc = PrefillClient(KVLayout(**LAYOUT), cluster["tx_sock"], receiver=cluster["rx"].info["control_endpoint"])
     try:

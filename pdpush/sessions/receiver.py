@@ -707,7 +707,7 @@ class ReceiverSession:
         why = f"withdrawn by {who}{': ' + msg.reason if msg.reason else ''}"
         if (r := self.reqs.get(rid)) is not None:
             if by_decode and not r.readers and not r.claimed:
-                self.counters.add("requests_given_up")
+                self.counters.count(out, "requests_given_up", metric="withdrawn", label="decode_live")
                 r.given_up = why  # a push of it again (a retried prefill leg) is refused once this one leaves
                 if r.state is ReqState.COMMITTED:
                     self._drop(r, why)
@@ -719,7 +719,7 @@ class ReceiverSession:
                 out.append(Log(logging.DEBUG, f"{why}, after its push began: left to its sender", rid))
             return False
         if rid not in self.withdrawn:
-            self.counters.add("requests_withdrawn")
+            self.counters.count(out, "requests_withdrawn", metric="withdrawn", label="decode" if by_decode else "router")
             out.append(Log(logging.DEBUG, why, rid))  # (counted: a flood of them makes no flood of lines)
         self._remember_withdrawn(rid, why)
         for dident, _, _, given_up in self.parked.pop(rid, []):
