@@ -111,6 +111,14 @@ MAX_FINISHED = 4096
 _LIVE = (ReqState.ALLOCATED, ReqState.STREAMING)
 
 
+def _keep_recent(d: OrderedDict, key, value, cap: int) -> None:
+    """``d[key] = value`` as its most recent entry, the least recent ones dropped past ``cap``."""
+    d[key] = value
+    d.move_to_end(key)
+    while len(d) > cap:
+        d.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class ToSender:
     ident: bytes
@@ -416,14 +424,9 @@ class ReceiverSession:
             raise IncompatiblePeer(f"layout mismatch, sender vs receiver: {theirs.mismatch(self.layout) or 'fingerprint'}"
                                    f" (sender {theirs.describe()}, fp {msg.fingerprint}; receiver "
                                    f"{self.layout.describe()}, fp {mine})")
-        self.sessions[ident] = None
-        self.sessions.move_to_end(ident)
-        while len(self.sessions) > MAX_SESSIONS:
-            self.sessions.popitem(last=False)  # a connection long silent: it says Hello again
+        _keep_recent(self.sessions, ident, None, MAX_SESSIONS)  # one long silent goes: it says Hello again
         token = self._new_token()
-        self.tokens[token] = ident
-        while len(self.tokens) > MAX_TOKENS:  # unused tokens of peers that never connected
-            self.tokens.popitem(last=False)
+        _keep_recent(self.tokens, token, ident, MAX_TOKENS)  # (unused tokens of peers that never connected go)
         i = self.info
         return HelloAck(ucx_token=token, version=protocol.PROTOCOL_VERSION, fingerprint=mine, layout=self.spec,
                         pool_base=i.base, pool_pages=i.pages, page_bytes=self.layout.page_bytes, rkey=i.rkey,
@@ -689,9 +692,7 @@ class ReceiverSession:
     def _drop(self, r: RxRequest, why: str) -> None:
         """A committed request nobody reads any more."""
         if r.sender:
-            self.dropped_committed[r.req_id] = (r.sender, len(r.alloc.new_idx))
-            while len(self.dropped_committed) > MAX_FINISHED:
-                self.dropped_committed.popitem(last=False)
+            _keep_recent(self.dropped_committed, r.req_id, (r.sender, len(r.alloc.new_idx)), MAX_FINISHED)
         self.pool.drop(r.req_id)
         if self.state_pool is not None and r.state_slot >= 0:
             self.state_pool.drop(r.req_id)
@@ -721,18 +722,12 @@ class ReceiverSession:
         if rid not in self.withdrawn:
             self.counters.count(out, "requests_withdrawn", metric="withdrawn", label="decode" if by_decode else "router")
             out.append(Log(logging.DEBUG, why, rid))  # (counted: a flood of them makes no flood of lines)
-        self._remember_withdrawn(rid, why)
+        _keep_recent(self.withdrawn, rid, why, MAX_FINISHED)
         for dident, _, _, given_up in self.parked.pop(rid, []):
             if not given_up:
                 out.append(ToDecode(dident, protocol.error_reply(UnknownRequest(f"request {rid!r} is gone: {why}",
                                                                                 req_id=rid), rid)))
         return True
-
-    def _remember_withdrawn(self, rid: str, why: str) -> None:
-        self.withdrawn[rid] = why
-        self.withdrawn.move_to_end(rid)
-        while len(self.withdrawn) > MAX_FINISHED:
-            self.withdrawn.popitem(last=False)
 
     def _ended(self, rid: str) -> str | None:
         """Why request ``rid``, not live here, has ended lately (or was withdrawn before it began); None: unknown."""
@@ -745,10 +740,8 @@ class ReceiverSession:
     def _forget(self, req_id: str, why: str) -> None:
         r = self.reqs.pop(req_id, None)
         if r is not None and r.given_up:  # its decode no longer waits for it: a push of it again is refused
-            self._remember_withdrawn(req_id, r.given_up)
-        self.finished[req_id] = why
-        while len(self.finished) > MAX_FINISHED:
-            self.finished.popitem(last=False)
+            _keep_recent(self.withdrawn, req_id, r.given_up, MAX_FINISHED)
+        _keep_recent(self.finished, req_id, why, MAX_FINISHED)
 
     # ---- local decode engine -----------------------------------------------------------
     def _local(self, ident: bytes, msg: Msg, now: int, out: list) -> None:
