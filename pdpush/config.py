@@ -328,6 +328,12 @@ class RouterConfig(_Settings):
     has no leg of this router in flight (router/legs.py ``at_once``: behind a queue, the decode engine could wait
     longer than its ``push_wait_s`` for the push to begin, and recompute). At once, the first token came about 0.76x
     as late; behind a queue, later (docs/bench/fleet.md)."""
+    prefill_leg_linger_s: float = Field(1.0, ge=0)
+    """A prefill leg sent at once with its decode leg that is still unanswered this long after the decode's answer
+    ended is cancelled: its engine drops the request (vLLM aborts what its client hung up on). The decode loaded
+    the push or recomputed the prompt by then, so the leg would compute it for nobody; typically it was queued
+    past the decode's ``push_wait_s``. A push already begun is finished by its engine all the same (a request is
+    aborted between steps, and a push ends in the step that computes its prompt's last chunk)."""
     local_prefill_max_tokens: int = Field(0, ge=0)
     """Conditional disaggregation: when the chosen decode instance's receiver holds all but at most
     this many prompt tokens, skip the prefill instance; the decode instance loads the held chunks

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import select
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -137,6 +139,15 @@ class Upstream(BaseHTTPRequestHandler):
             return True
         return False
 
+    def _hung_up_within(self, seconds: float) -> bool:
+        """Sleep ``seconds``, or until the client closes its connection, as vLLM's server notices it (and then
+        aborts the request): True if it did."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if select.select([self.connection], [], [], left)[0]:
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
+        return False
+
     def do_GET(self) -> None:
         if self._dead():
             return
@@ -157,8 +168,9 @@ class Upstream(BaseHTTPRequestHandler):
         if self.path == "/tokenize":
             self._send(200, {"tokens": list(range(1, 1 + len(body.get("prompt", "")))), "count": 0})
             return
-        if mode == "slow":
-            time.sleep(self.state.get("sleep", 1.0))
+        if mode == "slow" and self._hung_up_within(self.state.get("sleep", 1.0)):
+            self.state.setdefault("hung_up", []).append(body.get("kv_transfer_params"))
+            return
         if mode == "fail500":
             self._send(500, {"error": {"message": "boom"}})
             return
@@ -270,7 +282,7 @@ def test_by_default_the_legs_go_at_once_unless_the_prefill_instance_is_busy(upst
     slow = 2.5
     p_url, p, _ = upstreams("prefill", mode="slow", sleep=slow)
     d_url, d, _ = upstreams("decode")
-    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}])
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], prefill_leg_linger_s=60)
     url = r.info["url"]
     first = post(url, {"prompt": "a", "max_tokens": 2})  # answered without waiting for its prefill leg
     assert first.status_code == 200 and first.headers["x-pdpush-route"] == "concurrent"
@@ -285,6 +297,34 @@ def test_by_default_the_legs_go_at_once_unless_the_prefill_instance_is_busy(upst
     until(lambda: len([b for path, b in p.seen if path == "/v1/completions"]) == 3, 10, "every prefill leg")
     pushed = [b["kv_transfer_params"]["pdpush_push_id"] for path, b in p.seen if path == "/v1/completions"]
     assert [first.headers["x-pdpush-push-id"], second.headers["x-pdpush-push-id"]] == pushed[:2]
+
+
+def test_a_prefill_leg_left_running_after_its_decodes_answer_is_cancelled(upstreams, start_router):
+    """Both legs at once: once the decode's answer has ended, the prefill leg is needed by nobody (the decode loaded
+    the push or recomputed). One still unanswered ``prefill_leg_linger_s`` later (here: queued for 8 s) is cancelled:
+    the router hangs up, as vLLM's server notices, and its engine drops the request. One that answers in time is
+    counted as pushed, not cancelled. The router's legs also go straight to the engines whatever HTTP_PROXY says."""
+    p_url, p, _ = upstreams("prefill", mode="slow", sleep=8.0)
+    d_url, _, _ = upstreams("decode")
+    proxy = {k: "http://127.0.0.1:9" for k in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")}
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs=True,
+                     prefill_leg_linger_s=0.5, env=proxy)
+    url = r.info["url"]
+    t = time.monotonic()
+    res = post(url, {"prompt": "abc", "max_tokens": 2})
+    assert res.status_code == 200 and res.headers["x-pdpush-route"] == "concurrent", res.text
+    until(lambda: httpx.get(url + "/health").json()["prefill_cancelled"] == 1, 6, "the leg cancelled")
+    until(lambda: p.state.get("hung_up"), 5, "the prefill instance seeing the hang-up")
+    assert time.monotonic() - t < 8.0  # not waited out
+    assert p.state["hung_up"][0]["pdpush_push_id"] == res.headers["x-pdpush-push-id"]
+    health = httpx.get(url + "/health").json()
+    assert health["instances"][f"prefill:{p_url}"]["inflight"] == 0 and health["pushed"] == 0
+    assert "pdpush_router_prefill_legs_cancelled_total 1.0" in httpx.get(url + "/metrics").text
+    p.state.update(sleep=0.2)  # answered within the linger: pushed
+    res = post(url, {"prompt": "abd", "max_tokens": 2})
+    assert res.status_code == 200 and res.headers["x-pdpush-route"] == "concurrent", res.text
+    until(lambda: httpx.get(url + "/health").json()["pushed"] == 1, 6, "the second leg's answer")
+    assert httpx.get(url + "/health").json()["prefill_cancelled"] == 1 and len(p.state["hung_up"]) == 1
 
 
 @pytest.mark.parametrize("flag,env,mode", [("sequential", None, "sequential"), ("concurrent", "false", "concurrent"),
@@ -653,7 +693,7 @@ def test_a_failed_leg_sent_at_once_is_not_retried_behind_a_busy_instance_but_wit
         fail_url, fail, _ = upstreams("failing", mode="fail500")
         d_url, _, _ = upstreams("decode", mode="ask", ask=ask)
         r = start_router([busy_url, fail_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}],
-                         policy="round_robin")
+                         policy="round_robin", prefill_leg_linger_s=60)  # the busy leg stays
         url = r.info["url"]
         until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["index_synced"], 10,
               "the receiver's feed")

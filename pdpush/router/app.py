@@ -106,7 +106,7 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
                          "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0, "withdraw_sent": 0,
-                         "withdrawn": 0, "withdraw_unsent": 0}
+                         "withdrawn": 0, "withdraw_unsent": 0, "prefill_cancelled": 0}
         self.estimates = costmodel.Estimates(cfg.prefill_tokens_per_s, cfg.push_gbps * 1e9,
                                              cfg.decode_wait_ms_per_request / 1000, cfg.local_tokens_per_s)
         self.caps = costmodel.Caps(cfg.max_inflight, cfg.max_imbalance)
@@ -121,8 +121,11 @@ class Router:
     async def start(self) -> None:
         c = self.cfg
         timeout = httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s)
+        # trust_env off: an HTTP_PROXY in the router's environment (set for pip, say) must not take the legs
+        # through a proxy, which would break them, or answer for an engine with its own 502 or 504
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
-                                                                            max_keepalive_connections=64))
+                                                                            max_keepalive_connections=64),
+                                        trust_env=False)
         if c.curve_secret_key_file:
             self.watches.load_keypair(c.curve_secret_key_file)
         for p, pk in zip(self.fleet.prefill, reload.prefill_keys(c), strict=True):
@@ -633,23 +636,41 @@ class Router:
         self.metrics.withdrawals.labels("acknowledged").inc()
 
     def _settle_later(self, task: asyncio.Task | None, route: Route_) -> None:
-        """Count how a concurrent prefill leg went when it ends (bounded by its own deadline); the
-        decode's answer does not wait for it. The task is kept referenced until then."""
+        """Count how a concurrent prefill leg went when it ends; the decode's answer, which has ended, does not wait
+        for it. The task is kept referenced until then, and cancelled if it is still running
+        ``prefill_leg_linger_s`` later: nothing needs its push any more (config.py says why)."""
         if task is None:
             return
         self._legs.add(task)
+        timer = None
+        if not task.done():
+            timer = asyncio.get_running_loop().call_later(self.cfg.prefill_leg_linger_s, self._cancel_leg, task, route)
 
         def done(t: asyncio.Task) -> None:
             self._legs.discard(t)
+            if timer is not None:
+                timer.cancel()
+            if t.cancelled():  # by _cancel_leg (or the router stopping): neither pushed nor known to be recomputed
+                return
             params = None
-            if not t.cancelled():
-                if t.exception() is not None:
-                    log.error("prefill leg of %s: %r", route.push_id, t.exception())
-                else:
-                    params = t.result()
+            if t.exception() is not None:
+                log.error("prefill leg of %s: %r", route.push_id, t.exception())
+            else:
+                params = t.result()
             self.counters["pushed" if params else "recomputed"] += 1
 
         task.add_done_callback(done)
+
+    def _cancel_leg(self, task: asyncio.Task, route: Route_) -> None:
+        if task.done():
+            return
+        task.cancel()  # its connection closes; the engine aborts the request
+        self.counters["prefill_cancelled"] += 1
+        self.metrics.prefill_cancelled.inc()
+        log.warning("prefill leg of %s cancelled: unanswered %.1f s after its decode's answer (the decode loaded the "
+                    "push or recomputed; its prefill instance is likely queued)", route.push_id,
+                    self.cfg.prefill_leg_linger_s,
+                    extra={"fields": {"event": "prefill_cancelled", "push_id": route.push_id}})
 
     def _fit(self, inst: Instance) -> dict:
         """What the cost model takes a prefill instance's speed to be, and from how many legs of its own."""

@@ -40,6 +40,9 @@ class Metrics:
         self.withdrawals = Counter("pdpush_router_withdrawals", "Pushes told to their receiver as never coming (a "
                                    "prefill leg sent beside its decode leg pushed nothing), by outcome: sent, acknowledged, unsent",
                                    ["outcome"], registry=r)
+        self.prefill_cancelled = Counter("pdpush_router_prefill_legs_cancelled", "Prefill legs sent at once, still "
+                                         "unanswered prefill_leg_linger_s after their decode's answer: cancelled",
+                                         registry=r)
         self.slo_rejections = Counter("pdpush_router_slo_rejections", "Requests refused: predicted TTFT over the SLO",
                                       registry=r)
         self.reloads = Counter("pdpush_router_reloads", "Config files read again (SIGHUP), by outcome: applied, "
