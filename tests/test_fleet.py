@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -337,6 +338,57 @@ def test_a_prefill_leg_that_fails_beside_its_decode_leg_makes_the_real_decode_re
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _queue_up(url: str, n: int, tokens: int) -> list[socket.socket]:
+    """``n`` requests of ``tokens`` new tokens each straight to a vLLM server, on raw connections that stay open:
+    closing one is a client hanging up."""
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "m", "prompt": [7, 8, 9, 10, 11], "max_tokens": tokens, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(head + body)
+        out.append(s)
+    return out
+
+
+def test_a_prefill_leg_still_queued_after_its_decodes_answer_is_cancelled_and_the_engine_drops_it(fleet):
+    """Both legs at once behind a full prefill engine (96 long requests straight to it, 8 at a time): the decode
+    gives up on the push after its push_wait_s (5 s here), recomputes (tokens equal colocated) and answers. The
+    prefill leg, still queued ``prefill_leg_linger_s`` later, is cancelled, and the real vLLM server aborts it: once
+    the queue is gone (the long requests hung up too), that leg never ran, so no push of it began, nor was refused.
+    Without the cancel it would run last and its push would be refused (the decode withdrew it)."""
+    p = fleet.prefill[0]
+    r = fleet.router(concurrent_legs=True, prefill_leg_linger_s=0.5)
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    pushes = lambda: (p.metric("vllm:pdpush_pushes_total"), p.metric("vllm:pdpush_push_failures_total"))  # noqa: E731
+    before = pushes()
+    blockers = _queue_up(p.url, 96, 500)
+    try:
+        until(lambda: p.metric("vllm:num_requests_waiting") > 0, 30, "a queue at the prefill engine")
+        prompt = [(11 * k) % 500 + 3 for k in range(70)]
+        res = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": NEW,
+                                                        "temperature": 0, "ignore_eos": True,
+                                                        "return_token_ids": True}, timeout=120)
+        assert res.status_code == 200 and res.headers["x-pdpush-route"] == "concurrent", res.text
+        until(lambda: httpx.get(url + "/health").json()["prefill_cancelled"] == 1, 10, "the prefill leg cancelled")
+        assert p.metric("vllm:num_requests_waiting") > 0  # it was cancelled while queued, not after it ran
+    finally:
+        for s in blockers:
+            s.close()
+    assert res.json()["choices"][0]["token_ids"] == fleet.colocated.generate(prompt, NEW)[0]["tokens"]
+    until(lambda: p.metric("vllm:num_requests_waiting") + p.metric("vllm:num_requests_running") == 0, 60,
+          "the prefill engine idle")
+    assert httpx.post(p.url + "/v1/completions", json={"model": "m", "prompt": [5, 6], "max_tokens": 2},
+                      timeout=60).status_code == 200  # a step after: the engine's last counts reach its /metrics
+    time.sleep(1.0)
+    assert pushes() == before
+    assert httpx.get(url + "/health").json()["pushed"] == 0
+    r.stop()
 
 
 def test_a_decode_instance_killed_mid_run_no_request_hangs_and_later_ones_go_to_the_other(fleet):

@@ -742,7 +742,7 @@ def test_requests_arriving_together_see_each_others_prefill_load_with_both_legs_
         upstreams("prefill2", mode="slow", sleep=1.5)
     d_url, _, _ = upstreams("decode")
     r = start_router([p1_url, p2_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], policy="cost_model",
-                     prefill_tokens_per_s=1000.0, concurrent_legs=True)
+                     prefill_tokens_per_s=1000.0, concurrent_legs=True, prefill_leg_linger_s=60)
     url = r.info["url"]
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         answers = list(ex.map(lambda i: post(url, {"prompt": f"abcdefgh{i}", "max_tokens": 2}), range(4)))

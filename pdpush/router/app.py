@@ -121,11 +121,11 @@ class Router:
     async def start(self) -> None:
         c = self.cfg
         timeout = httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s)
-        # trust_env off: an HTTP_PROXY in the router's environment (set for pip, say) must not take the legs
-        # through a proxy, which would break them, or answer for an engine with its own 502 or 504
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
-                                                                            max_keepalive_connections=64),
-                                        trust_env=False)
+        # a transport of its own: httpx then ignores HTTP_PROXY and the like (set for pip in many images), which
+        # would take the legs through a proxy that breaks them or answers for an engine with its own 502 or 504;
+        # SSL_CERT_FILE and SSL_CERT_DIR still count (trust_env=False would drop them too)
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(timeout=timeout, transport=httpx.AsyncHTTPTransport(limits=limits))
         if c.curve_secret_key_file:
             self.watches.load_keypair(c.curve_secret_key_file)
         for p, pk in zip(self.fleet.prefill, reload.prefill_keys(c), strict=True):
@@ -642,15 +642,22 @@ class Router:
         if task is None:
             return
         self._legs.add(task)
-        timer = None
+        timer, cancelled = None, []
         if not task.done():
-            timer = asyncio.get_running_loop().call_later(self.cfg.prefill_leg_linger_s, self._cancel_leg, task, route)
+            timer = asyncio.get_running_loop().call_later(self.cfg.prefill_leg_linger_s, self._cancel_leg, task,
+                                                          cancelled)
 
         def done(t: asyncio.Task) -> None:
             self._legs.discard(t)
             if timer is not None:
                 timer.cancel()
-            if t.cancelled():  # by _cancel_leg (or the router stopping): neither pushed nor known to be recomputed
+            if t.cancelled():  # neither pushed nor known to be recomputed
+                if cancelled:  # by _cancel_leg, not the router stopping
+                    self.counters["prefill_cancelled"] += 1
+                    self.metrics.prefill_cancelled.inc()
+                    log.warning("prefill leg of %s cancelled: unanswered %.1f s after its decode's answer ended (its "
+                                "prefill instance is likely queued)", route.push_id, self.cfg.prefill_leg_linger_s,
+                                extra={"fields": {"event": "prefill_cancelled", "push_id": route.push_id}})
                 return
             params = None
             if t.exception() is not None:
@@ -661,16 +668,11 @@ class Router:
 
         task.add_done_callback(done)
 
-    def _cancel_leg(self, task: asyncio.Task, route: Route_) -> None:
-        if task.done():
-            return
-        task.cancel()  # its connection closes; the engine aborts the request
-        self.counters["prefill_cancelled"] += 1
-        self.metrics.prefill_cancelled.inc()
-        log.warning("prefill leg of %s cancelled: unanswered %.1f s after its decode's answer (the decode loaded the "
-                    "push or recomputed; its prefill instance is likely queued)", route.push_id,
-                    self.cfg.prefill_leg_linger_s,
-                    extra={"fields": {"event": "prefill_cancelled", "push_id": route.push_id}})
+    @staticmethod
+    def _cancel_leg(task: asyncio.Task, cancelled: list) -> None:
+        if not task.done():
+            cancelled.append(True)
+            task.cancel()  # its connection closes; the engine aborts the request
 
     def _fit(self, inst: Instance) -> dict:
         """What the cost model takes a prefill instance's speed to be, and from how many legs of its own."""

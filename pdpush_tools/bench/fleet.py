@@ -235,7 +235,7 @@ def run_one(f: Fleet, name: str, opts: dict, seed: int, a, inflight: int = 1, or
             "requests": len(rows), "tokens_match": all(x["tokens_match"] for x in rows),
             "conditional": sum(x["route"] == "conditional" for x in rows),
             "commits": after["committed"] - before["committed"], "claims": after["claimed"] - before["claimed"],
-            "router": {k: health[k] for k in ("pushed", "conditional", "recomputed", "prefill_retries")},
+            "router": {k: health[k] for k in ("pushed", "conditional", "recomputed", "prefill_retries", "prefill_cancelled")},
             "options": opts, "seed": seed, "inflight": inflight, "wall_s": wall, "router_log": str(r.log_path),
             "rows": rows}
 
@@ -355,13 +355,15 @@ def legs_under_load(work: Path, model: Path) -> dict:
             row = {"concurrent_legs": legs, "ttft_p50_ms": res["ttft_p50_ms"], "ttft_max_ms": res["ttft_max_ms"],
                    "tokens_match": res["tokens_match"], "push_timeouts": _push_timeouts(f) - timeouts,
                    "recomputes": itl.scraped(f.decode[0].url, "vllm:pdpush_recomputes_total") - before,
-                   "at_once": modes.get("concurrent", 0.0), "one_after_the_other": modes.get("sequential", 0.0)}
+                   "at_once": modes.get("concurrent", 0.0), "one_after_the_other": modes.get("sequential", 0.0),
+                   "prefill_cancelled": httpx.get(url + "/health", timeout=30).json()["prefill_cancelled"]}
             out["runs"].append(row)
             r.stop()
             f.routers.remove(r)
             print(f"load legs {str(legs):5s} TTFT p50 {row['ttft_p50_ms']:7.0f} ms  max {row['ttft_max_ms']:7.0f} ms  "
                   f"push timeouts {row['push_timeouts']:.0f}  at once {row['at_once']:.0f}, after "
-                  f"{row['one_after_the_other']:.0f}  tokens match {row['tokens_match']}", flush=True)
+                  f"{row['one_after_the_other']:.0f}  prefill legs cancelled {row['prefill_cancelled']}  "
+                  f"tokens match {row['tokens_match']}", flush=True)
     for legs in dict.fromkeys(LOAD_ORDER):
         rows = [x for x in out["runs"] if x["concurrent_legs"] == legs]
         out[str(legs).lower()] = {"ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in rows),
