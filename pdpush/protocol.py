@@ -456,8 +456,8 @@ class Withdraw(Msg):
     refused. A push already begun is left to end as it would. Accepted from any peer the control endpoint admits,
     a reader's key too (sessions/receiver.py, "Withdrawn pushes"); answered ``Ok`` naming it, or ``Ok`` with no
     ``req_id`` where the push had begun (nothing withdrawn). A decode engine sends it too, on the local endpoint,
-    for a push it stopped waiting for (its ``push_wait_s`` passed): one that begins later is refused, and one
-    already begun that nobody has open is dropped once committed."""
+    for a push it will not read (its ``push_wait_s`` passed, or its request ended without loading it): one that
+    begins later is refused, and one already begun that nobody has open is dropped once committed."""
 
     type: Literal["withdraw"] = "withdraw"
     req_id: ReqId

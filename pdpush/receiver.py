@@ -11,7 +11,7 @@ Endpoints:
     engine's connections: Open, Claim, Release, Query, Status; the receiver
     pushes LayerAvailable/Committed on them too.
   * ZMQ ROUTER on a 0600 unix socket for the other local clients: a decode
-    scheduler's Query and Withdraw (a push it stopped waiting for), and Status
+    scheduler's Query and Withdraw (a push it will not read), and Status
     (an Open or Claim there is refused: it would outlive its engine unseen).
 
 Every decision is the session's; this module moves bytes and carries out its

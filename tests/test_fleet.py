@@ -340,11 +340,12 @@ def test_a_prefill_leg_that_fails_beside_its_decode_leg_makes_the_real_decode_re
         srv.server_close()
 
 
-def _queue_up(url: str, n: int, tokens: int) -> list[socket.socket]:
-    """``n`` requests of ``tokens`` new tokens each straight to a vLLM server, on raw connections that stay open:
-    closing one is a client hanging up."""
+def _queue_up(url: str, n: int, tokens: int, prompt: list[int] | None = None) -> list[socket.socket]:
+    """``n`` requests of ``tokens`` new tokens each to a vLLM server (or the router), on raw connections that stay
+    open: closing one is a client hanging up."""
     port = int(url.rsplit(":", 1)[1])
-    body = json.dumps({"model": "m", "prompt": [7, 8, 9, 10, 11], "max_tokens": tokens, "ignore_eos": True}).encode()
+    body = json.dumps({"model": "m", "prompt": prompt or [7, 8, 9, 10, 11], "max_tokens": tokens,
+                       "ignore_eos": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     out = []
@@ -388,6 +389,44 @@ def test_a_prefill_leg_still_queued_after_its_decodes_answer_is_cancelled_and_th
     time.sleep(1.0)
     assert pushes() == before
     assert httpx.get(url + "/health").json()["pushed"] == 0
+    r.stop()
+
+
+def test_a_client_gone_while_its_decode_queues_cancels_it_and_the_decode_drops_its_unread_push(fleet):
+    """One leg after the other, both decode engines full (32 long requests straight to each, 8 at a time): the push
+    commits on the decode's receiver while the decode leg waits in its engine's queue. The client gives up. The
+    router hangs up on the decode (as on the prefill), the real vLLM server aborts the queued request, and its
+    connector withdraws the push it never loaded, so the receiver drops it now instead of holding its pages unread
+    for committed_ttl_ms (10 minutes). Fails without either half: the request would run and load it later, or the
+    push would stay."""
+    r = fleet.router(concurrent_legs=False)
+    url = r.info["url"]
+    until(lambda: synced(url), 20, "the router's index feeds")
+    given_up = lambda: sum(s["requests_given_up"] for s in rx(fleet))  # noqa: E731
+    loads = lambda: sum(d.metric("vllm:pdpush_loads_total") for d in fleet.decode)  # noqa: E731
+    before, loaded = given_up(), loads()
+    blockers = [s for d in fleet.decode for s in _queue_up(d.url, 32, 500)]
+    try:
+        until(lambda: all(d.metric("vllm:num_requests_waiting") > 0 for d in fleet.decode), 30, "queues at the decodes")
+        committed = sum(s["requests_committed"] for s in rx(fleet))
+        client = _queue_up(url, 1, NEW, [(17 * k) % 500 + 3 for k in range(70)])[0]
+        until(lambda: sum(s["requests_committed"] for s in rx(fleet)) == committed + 1, 60, "the push committed")
+        until(lambda: any(v["inflight"] for k, v in httpx.get(url + "/health").json()["instances"].items()
+                          if k.startswith("decode:")), 30, "the decode leg sent")
+        client.close()  # the client gives up
+        until(lambda: given_up() == before + 1, 15, "the unread push withdrawn by its aborted decode")
+        assert all(d.metric("vllm:num_requests_waiting") > 0 for d in fleet.decode)  # (its queue was not run)
+    finally:
+        for s in blockers:
+            s.close()
+    until(lambda: sum(d.metric("vllm:num_requests_waiting") + d.metric("vllm:num_requests_running")
+                      for d in fleet.decode) == 0, 60, "the decode engines idle")
+    for d in fleet.decode:  # a step after: the engines' last counts reach their /metrics
+        assert httpx.post(d.url + "/v1/completions", json={"model": "m", "prompt": [5, 6], "max_tokens": 2},
+                          timeout=60).status_code == 200
+    time.sleep(1.0)
+    assert loads() == loaded and given_up() == before + 1
+    assert 'outcome="client_gone"' in httpx.get(url + "/metrics").text
     r.stop()
 
 

@@ -327,6 +327,36 @@ def test_a_prefill_leg_left_running_after_its_decodes_answer_is_cancelled(upstre
     assert httpx.get(url + "/health").json()["prefill_cancelled"] == 1 and len(p.state["hung_up"]) == 1
 
 
+@pytest.mark.parametrize("legs", ["concurrent", "sequential"])
+def test_a_client_that_hangs_up_before_its_answer_cancels_its_legs(upstreams, start_router, legs):
+    """A client gone before its (unstreamed) answer: the router hangs up on the engines at once, as vLLM's own
+    server does with its clients, so that neither computes an answer for nobody (a decode engine that had not
+    loaded its push withdraws it: tests/test_fleet.py). Before, the router waited out both legs."""
+    p_url, p, _ = upstreams("prefill", mode="slow", sleep=20.0)
+    d_url, d, _ = upstreams("decode", mode="slow", sleep=20.0)
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs=legs == "concurrent",
+                     prefill_leg_linger_s=60)
+    url = r.info["url"]
+    t = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        post(url, {"prompt": "abc", "max_tokens": 2}, timeout=1.0)
+    until(lambda: p.state.get("hung_up"), 10, "the prefill leg hung up on")
+    if legs == "concurrent":
+        until(lambda: d.state.get("hung_up"), 10, "the decode leg hung up on")
+    else:
+        assert not [b for path, b in d.seen if path == "/v1/completions"]  # never sent
+    assert time.monotonic() - t < 15.0
+    health = httpx.get(url + "/health").json()
+    until(lambda: all(i["inflight"] == 0 for i in httpx.get(url + "/health").json()["instances"].values()), 10,
+          "nothing in flight")
+    assert health["prefill_cancelled"] == 0 and health["pushed"] == 0
+    until(lambda: 'pdpush_router_requests_total{outcome="client_gone",route="/v1/completions"} 1.0' in
+          httpx.get(url + "/metrics").text, 10, "the hang-up counted")
+    p.state.update(mode="ok")
+    d.state.update(mode="ok")
+    assert post(url, {"prompt": "abd", "max_tokens": 2}).status_code == 200  # it goes on
+
+
 @pytest.mark.parametrize("flag,env,mode", [("sequential", None, "sequential"), ("concurrent", "false", "concurrent"),
                                            ("auto", "false", "concurrent")])
 def test_the_command_line_names_each_legs_setting_and_wins_over_the_environment(upstreams, start_router, flag, env,

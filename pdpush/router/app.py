@@ -69,6 +69,12 @@ def error(status: int, message: str, kind: str = "invalid_request_error", header
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
 
 
+async def _hung_up(request: Request) -> None:
+    """Returns once the client has closed its connection (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @dataclass
 class Route_:
     """One request's placement."""
@@ -466,7 +472,36 @@ class Router:
         if isinstance(route, Response):
             self.metrics.requests.labels(path, "busy").inc()
             return route
-        return await self._serve(request, path, body, route, t0)
+        return await self._unless_gone(request, path, route, self._serve(request, path, body, route, t0))
+
+    async def _unless_gone(self, request: Request, path: str, route: Route_, work) -> Response:
+        """``work`` (a request's legs, up to its answer or the start of its stream), cancelled if the client hangs
+        up meanwhile, as vLLM's own server does (``with_cancellation``): the legs' connections close, each engine
+        aborts its part, and a decode that had not loaded its push withdraws it (integrations/vllm/scheduler.py).
+        Without this a client gone from an unstreamed request left both engines computing its answer for nobody.
+        A stream, once begun, ends with its client by itself (Starlette cancels its relay)."""
+        job = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_hung_up(request))
+        try:
+            await asyncio.wait((job, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not job.done() and (gone.cancelled() or gone.exception() is not None):
+                await asyncio.wait((job,))  # (no telling whether the client is there: its answer as before)
+        finally:
+            gone.cancel()
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # (retrieved: asyncio would log it as never retrieved)
+            if not job.done():
+                job.cancel()
+        if job.done() and not job.cancelled():
+            return job.result()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job  # its cleanup (connections closed, counts undone)
+        if (me := asyncio.current_task()) is not None and me.cancelling():
+            raise asyncio.CancelledError  # the router itself is stopping, not the client gone
+        self.metrics.requests.labels(path, "client_gone").inc()
+        log.info("client of %s hung up before its answer: its legs were cancelled", route.push_id,
+                 extra={"fields": {"event": "client_gone", "push_id": route.push_id}})
+        return error(499, "the client closed the request", "client_closed")
 
     async def _ids(self, path: str, body: dict) -> list[int] | None | Response:
         pre = [p for p in self.fleet.prefill if p.healthy] or [d for d in self.fleet.decode if d.healthy]
@@ -531,6 +566,12 @@ class Router:
                 decode = other.decode
                 decode.inflight += 1
                 resp = await self._open_decode(decode, path, legs.decode_body(body, None), headers)
+        except asyncio.CancelledError:  # its client hung up (_unless_gone): its decode withdraws the push
+            decode.inflight -= 1
+            self._settle_later(prefill_task, route)
+            if prefill_task is not None:
+                prefill_task.cancel()
+            raise
         except httpx.HTTPError as e:
             decode.inflight -= 1
             self.metrics.requests.labels(path, "upstream_error").inc()
@@ -541,10 +582,14 @@ class Router:
         if resp.status_code != 200:
             try:
                 data = await resp.aread()
+            except asyncio.CancelledError:  # its client hung up (_unless_gone): its decode withdraws the push
+                if prefill_task is not None:
+                    prefill_task.cancel()
+                raise
             finally:
                 await resp.aclose()
                 decode.inflight -= 1
-            self._settle_later(prefill_task, route)
+                self._settle_later(prefill_task, route)
             self.metrics.requests.labels(path, f"upstream_{resp.status_code}").inc()
             return Response(data, resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
                             headers={"X-Pdpush-Upstream": decode.url})
@@ -583,6 +628,10 @@ class Router:
             self._unreachable(decode, e)
             self.metrics.requests.labels(path, "upstream_error").inc()
             return error(502, f"decode instance {decode.url} broke off its answer: {e}", "upstream_error")
+        except asyncio.CancelledError:  # its client hung up (_unless_gone): its decode withdraws the push
+            if prefill_task is not None:
+                prefill_task.cancel()
+            raise
         finally:
             await resp.aclose()
             decode.inflight -= 1

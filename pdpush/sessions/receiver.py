@@ -30,8 +30,8 @@ begun: a router makes its push ids (random) and hands them to its own legs, and 
 from the receiver (neither the index feed nor the status carries one), so in practice a router can only veto
 its own. It never touches pages or a live request.
 
-A decode engine that stopped waiting for its push (its ``push_wait_s`` passed, and it recomputes) withdraws it
-the same way on the local endpoint, so that a push that comes later takes no pages. A push of it already begun,
+A decode engine that stopped waiting for its push (its ``push_wait_s`` passed, and it recomputes), or whose
+request ended without loading it (aborted, say), withdraws it the same way on the local endpoint, so that a push that comes later takes no pages. A push of it already begun,
 that nobody has open, is dropped once committed (at once if it is) rather than kept ``committed_ttl_ms`` unread;
 its chunks stay in the index, unpinned, as any dropped request's do, and a push of it again is refused too. A
 local client can open and read any push already; what this adds is a veto over a push id it knows, as a router's.

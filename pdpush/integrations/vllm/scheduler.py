@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ log = logging.getLogger("pdpush.vllm")
 # an idle engine loses nothing, a busy one never naps.
 IDLE_NAP_S = 0.01
 MAX_QUERIES = 64  # questions to the receiver outstanding at once (asker.py)
+MAX_WITHDRAWALS = 4096  # withdrawals waiting to be sent (the oldest dropped beyond: kept until their TTL)
 # an answer older than this (asked when the request arrived, looked at later: the engine was full) is
 # asked again rather than acted on
 ANSWER_FRESH_S = 0.25
@@ -58,6 +60,7 @@ class _Req:
     prompt_tokens: int = 0
     planned_once: bool = False  # planned before (then preempted): its push was released, recompute
     gave_up: bool = False  # its push did not come within push_wait_s: withdrawn, recomputed whenever asked again
+    push_gone: bool = False  # the receiver said its push ended (failed, or used): nothing to withdraw
     first_ask: float | None = None
     next_ask: float = 0.0
     asking: bool = False  # a question about its push is out (asker.py); its answer is read at a later call
@@ -88,6 +91,8 @@ class SchedulerSide:
         self._napped = 0.0  # of the current _answer: seconds waited on an idle step
         self._live: set[str] = set()  # requests scheduled at least once and not finished: those a load could hold up
         self._awaiting: set[str] = set()  # asynchronous loads handed to the workers, not yet scheduled
+        # pushes to withdraw (push id, why), sent as the asker has room: many requests can end in one step
+        self._to_withdraw: deque[tuple[str, str]] = deque(maxlen=MAX_WITHDRAWALS)
         # a model of several KV cache groups (sliding windows, state) loads asynchronously: vLLM can take a
         # failed load only as a failed request then, never as failed blocks (it recomputes it from token 0)
         self.load_async = bool(layout.windows or layout.state_layers) or kv_groups > 1
@@ -148,6 +153,7 @@ class SchedulerSide:
             return reply, False
         now = time.monotonic()
         if reply.request_chunks == 0 and reply.request_gone:  # it failed or was already used: recompute now
+            r.push_gone = True
             self.stats.recompute(Recompute.PUSH_ENDED)
             log.warning("pdpush: push %s for %s has ended on the receiver; recomputing", push_id, rid)
             return 0, False
@@ -163,7 +169,8 @@ class SchedulerSide:
             self.stats.recompute(Recompute.PUSH_TIMEOUT)
             told = self._withdraw(push_id, now)
             log.warning("pdpush: push %s for %s never reached the receiver; recomputing%s", push_id, rid,
-                        " (told the receiver to refuse it if it comes)" if told else "")
+                        " (told the receiver to refuse it if it comes)" if told else
+                        " (the receiver is told to refuse it as soon as it can be)")
             return 0, False
         r.first_ask = None
         r.prefix_key = b""
@@ -272,17 +279,44 @@ class SchedulerSide:
         reply, r.answer = r.answer, None
         return reply
 
-    def _withdraw(self, push_id: str, now: float) -> bool:
+    def _withdraw_unread(self, request: Request, r: _Req | None) -> None:
+        """A decode request that named a push ends without its load ever handed to a worker: aborted (its client
+        hung up, maybe while it queued here), or its prompt found in this engine's own cache. Nobody will read that
+        push: withdrawn, so that it leaves the receiver's pool now (or is refused if it begins later), rather than
+        holding its pages unread for ``committed_ttl_ms``. A push that was loaded is released by its reader, one
+        given up is withdrawn already, and claimed chunks go with their claim."""
+        kp = KvParams.parse(request.kv_transfer_params)
+        if not kp.pdpush_req_id or kp.pdpush_claim or (r is not None and (r.planned_once or r.gave_up or r.push_gone)):
+            return
+        self.stats.push_unread += 1
+        log.info("pdpush: request %s ended without loading push %s: withdrawing it", request.request_id,
+                 kp.pdpush_req_id)
+        self._withdraw(str(kp.pdpush_req_id), time.monotonic(), "its request ended before loading it")
+
+    def _withdraw(self, push_id: str, now: float, why: str = "") -> bool:
         """Tell the receiver that push ``push_id`` will not be read (``protocol.Withdraw``): one that comes later
-        is refused instead of holding pages unread for ``committed_ttl_ms``. Sent without waiting; its answer,
-        tagged apart from any request's, is dropped when read. False: not sent (no room, or the receiver is down),
-        so a late push is kept until its TTL, as before."""
+        is refused instead of holding pages unread for ``committed_ttl_ms``. Sent without waiting, now or at a
+        later step (``_send_withdrawals``); its answer, tagged apart from any request's, is dropped when read.
+        False: not sent yet."""
+        self._to_withdraw.append((push_id, why or f"push_wait_s ({self.settings.push_wait_s:g} s)"))
+        return self._send_withdrawals(now)
+
+    def _send_withdrawals(self, now: float) -> bool:
+        """Send the withdrawals waiting, while at most half the asker's room is taken (the rest is for the questions
+        about pushes); read the answers that came first (a decode that loads from the prefill's answers asks
+        nothing, and nothing else would read them). True: none is left waiting. One the receiver never gets (it is
+        down, or more than ``MAX_WITHDRAWALS`` wait) leaves that push until its TTL, as before."""
         try:
-            return self.asker.ask(Withdraw(req_id=push_id, reason=f"push_wait_s ({self.settings.push_wait_s:g} s)"),
-                                  ("withdraw", push_id), now)
+            if self.asker.inflight:
+                self._read_answers(now)
+            while self._to_withdraw and len(self.asker.inflight) < MAX_QUERIES // 2:
+                push_id, why = self._to_withdraw[0]
+                if not self.asker.ask(Withdraw(req_id=push_id, reason=why), ("withdraw", push_id), now):
+                    break  # the receiver is down: tried again at the next step
+                self._to_withdraw.popleft()
         except Lost as e:
             self._lost(e)
-            return False
+        return not self._to_withdraw
 
     def _read_answers(self, now: float) -> None:
         """File the answers that have arrived with their requests (one that has ended meanwhile: dropped)."""
@@ -349,6 +383,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdpushConnectorMetadata:
         meta = PdpushConnectorMetadata()
         so = scheduler_output
+        if self._to_withdraw or (self.asker is not None and self.asker.inflight):
+            self._send_withdrawals(time.monotonic())  # (and the answers that came: the room they take is freed)
         self._idle = so.total_num_scheduled_tokens == 0
         self._live.update(so.num_scheduled_tokens)
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
@@ -399,6 +435,8 @@ class SchedulerSide:
         self._awaiting.discard(request.request_id)
         self._live.discard(request.request_id)
         r = self.reqs.pop(request.request_id, None)
+        if self.consumer:
+            self._withdraw_unread(request, r)
         if r is None or not r.pushed:
             return False, None
         # the blocks were copied into staging during the forward: vLLM may free them now
