@@ -69,3 +69,53 @@ def test_many_decode_requests_ending_unread_in_one_step_withdraw_every_push(tmp_
     finally:
         tx.stop()
         rx.stop()
+
+
+_RESUMED = """
+import json, sys, time
+from types import SimpleNamespace as NS
+
+from pdpush import kv_params
+from pdpush.integrations.vllm.scheduler import SchedulerSide
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout
+
+sock, lay, ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+settings = ConnectorSettings(receiver_socket=sock)
+side = SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=False, consumer=True)
+req = NS(request_id="rz", kv_transfer_params=kv_params.for_decode("pz"), prompt_token_ids=ids)
+side.on_new_request(req)  # (after a preemption vLLM asks again, as for a new request)
+deadline = time.monotonic() + 30
+while (got := side.get_num_new_matched_tokens(req, 0))[0] is None and time.monotonic() < deadline:
+    time.sleep(0.005)
+n, asynchronous = got
+side.update_state_after_alloc(req, NS(get_block_ids=lambda: ([5, 6, 7],)), n)
+# vLLM's v1 model runner: a resumed request is among the cached ones, with all of its blocks anew
+so = NS(total_num_scheduled_tokens=1, num_scheduled_tokens={"rz": 1}, scheduled_new_reqs=[],
+        scheduled_cached_reqs=NS(req_ids=["rz"], new_block_ids=[([5, 6, 7],)], num_computed_tokens=[n],
+                                 resumed_req_ids={"rz"}))
+meta = side.build_connector_meta(so)
+print(json.dumps({"matched": n, "asynchronous": asynchronous,
+                  "loads": [[x.req_id, x.push_id, x.block_ids, x.start, x.end] for x in meta.loads]}))
+"""
+
+
+def test_a_load_planned_for_a_resumed_request_goes_to_the_workers(tmp_path):
+    """A decode request that first ran with no load (its receiver did not answer, say), was preempted, and on
+    resuming finds its push on the receiver: vLLM counts the tokens the connector matched as loaded, and its v1
+    model runner lists the resumed request among the cached ones. The load must go to the workers all the same, or
+    those tokens' KV is whatever the blocks held (wrong tokens, silently). It used to be sent for new requests only."""
+    rx = launch.start_receiver(tmp_path, pool_pages=16, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        ids = list(range(3, 51))  # 48 tokens: three chunks
+        push(tx, rx, "pz", ids)
+        r = subprocess.run([str(VLLM_PY), "-c", _RESUMED, rx.info["local_endpoint"].removeprefix("ipc://"),
+                            json.dumps(LAY), json.dumps(ids)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["matched"] == 47 and not out["asynchronous"], out  # all but the last prompt token, in the forward
+        assert out["loads"] == [["rz", "pz", [[5, 6, 7]], 0, 47]], out
+    finally:
+        tx.stop()
+        rx.stop()

@@ -415,7 +415,17 @@ class SchedulerSide:
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             r = self.reqs.get(rid)
-            if r is None or not r.push_id or r.pushed:
+            if r is None:
+                continue
+            if r.plan is not None and rid in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                # a preempted request that first ran with no load (its receiver was down, say) and has one planned
+                # now: vLLM's v1 model runner lists it here, with all its blocks, not in scheduled_new_reqs. Its
+                # tokens are counted as loaded: without this LoadSpec they would be whatever its blocks held
+                meta.loads.append(LoadSpec(rid, r.plan[0], [list(b) for b in cached.new_block_ids[i]], r.plan[1],
+                                           r.plan[2], r.prompt_tokens, claim=r.claimed is not None,
+                                           prefix_key=r.prefix_key))
+                r.plan, r.planned_once = None, True
+            if not r.push_id or r.pushed:
                 continue
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids and new_blocks is not None:
