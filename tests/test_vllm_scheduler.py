@@ -119,3 +119,51 @@ def test_a_load_planned_for_a_resumed_request_goes_to_the_workers(tmp_path):
     finally:
         tx.stop()
         rx.stop()
+
+
+_NAPS = """
+import json, sys, time
+from types import SimpleNamespace as NS
+
+from pdpush import kv_params
+from pdpush.integrations.vllm import scheduler
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout
+
+sock, lay, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+settings = ConnectorSettings(receiver_socket=sock, push_wait_s=30)
+side = scheduler.SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=False, consumer=True)
+reqs = [NS(request_id=f"w{i}", kv_transfer_params=kv_params.for_decode(f"none{i}"), prompt_token_ids=list(range(40)))
+        for i in range(n)]
+for q in reqs:
+    side.on_new_request(q)  # asked at once: the answers ("not here yet") come while we wait
+time.sleep(0.5)
+naps = []
+real_sleep = time.sleep
+scheduler.time.sleep = lambda s: (naps.append(s), real_sleep(s))[1]
+side.asker.wait = lambda s: naps.append(s)
+passes = []
+for _ in range(3):  # idle steps (the last scheduled nothing), each a pass over the waiting requests
+    side._idle = True
+    before = len(naps)
+    got = [side.get_num_new_matched_tokens(q, 0)[0] for q in reqs]
+    passes.append({"naps": len(naps) - before, "waiting": sum(g is None for g in got)})
+    for q in reqs:
+        side.reqs[q.request_id].next_ask = 0.0  # (asked again at the next pass)
+print(json.dumps({"passes": passes}))
+"""
+
+
+def test_an_idle_step_naps_once_however_many_requests_wait_for_their_pushes(tmp_path):
+    """On a step with nothing else to run, the scheduler naps (10 ms) rather than let vLLM's loop spin a core; it
+    used to nap once per request still waiting for its push to begin, 20 of them 200 ms a step, every step."""
+    rx = launch.start_receiver(tmp_path, pool_pages=16, **LAY)
+    try:
+        r = subprocess.run([str(VLLM_PY), "-c", _NAPS, rx.info["local_endpoint"].removeprefix("ipc://"),
+                            json.dumps(LAY), "20"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert all(p["waiting"] == 20 for p in out["passes"]), out  # none of their pushes has begun
+        assert all(p["naps"] == 1 for p in out["passes"]), out
+    finally:
+        rx.stop()

@@ -164,6 +164,7 @@ class SchedulerSide:
                 r.next_ask = now + 0.01
                 if self._idle:  # nothing else runs: nap, or vLLM's loop spins a core that the prefill may need
                     time.sleep(IDLE_NAP_S)
+                    self._idle = False  # once a step: the other requests waiting for pushes ask without a nap
                 return None, False
             r.first_ask, r.gave_up = None, True  # (vLLM asks again while it finds no blocks: counted once)
             self.stats.recompute(Recompute.PUSH_TIMEOUT)
@@ -269,6 +270,7 @@ class SchedulerSide:
             t = time.perf_counter()
             self.asker.wait(IDLE_NAP_S)
             self._napped = time.perf_counter() - t
+            self._idle = False  # once a step (the answers to the others' questions have come meanwhile, or not)
             self._read_answers(time.monotonic())
         if r.lost:
             why, r.lost = r.lost, ""
@@ -369,14 +371,15 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)
+        self._idle = False  # a request admitted: this step runs something, so the ones after it never nap
         if not (r is not None and r.plan is not None and r.asynchronous and num_external_tokens):
             self._live.add(request.request_id)  # scheduled in this very step: a later request sees it running
         if r is None or r.plan is None:
             return
         if num_external_tokens == 0:
             r.plan = None
-        elif r.plan[2] - r.plan[1] != num_external_tokens:  # the scheduler trimmed the load's start (a partial
-            r.plan = (r.plan[0], r.plan[2] - num_external_tokens, r.plan[2])  # local block); keep its end
+        elif r.plan[2] - r.plan[1] != num_external_tokens:  # vLLM counts them from the start it gave us: a trim
+            r.plan = (r.plan[0], r.plan[1], r.plan[1] + min(num_external_tokens, r.plan[2] - r.plan[1]))  # cuts the end
         if r.asynchronous and r.plan is not None:  # not scheduled this step: it waits for the load
             r.async_blocks = [list(b) for b in blocks.get_block_ids()]
 
@@ -393,8 +396,8 @@ class SchedulerSide:
                                            asynchronous=True, claim=r.claimed is not None, prefix_key=r.prefix_key))
                 r.plan, r.planned_once, r.async_blocks = None, True, None
                 self._awaiting.add(rid)
-        for new in so.scheduled_new_reqs:  # loaded (or failed, then recomputed): it runs now
-            self._awaiting.discard(new.req_id)
+        self._awaiting.difference_update(so.num_scheduled_tokens)  # loaded (or failed, then recomputed): it runs now
+        # (a resumed one too, which vLLM's v1 model runner lists among the cached requests)
         if self._idle and self._awaiting and not meta.loads:
             # only asynchronous loads wait: each empty step polls them (get_finished), and vLLM's loop would run
             # such steps back to back, a core spinning while the layers arrive; nap, as for a push not yet begun
