@@ -131,39 +131,51 @@ from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
 from pdpush.layout import KVLayout
 
 sock, lay, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-settings = ConnectorSettings(receiver_socket=sock, push_wait_s=30)
+settings = ConnectorSettings(receiver_socket=sock, push_wait_s=60, query_timeout_s=30)
 side = scheduler.SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=False, consumer=True)
 reqs = [NS(request_id=f"w{i}", kv_transfer_params=kv_params.for_decode(f"none{i}"), prompt_token_ids=list(range(40)))
         for i in range(n)]
 for q in reqs:
     side.on_new_request(q)  # asked at once: the answers ("not here yet") come while we wait
 time.sleep(0.5)
-naps = []
-real_sleep = time.sleep
-scheduler.time.sleep = lambda s: (naps.append(s), real_sleep(s))[1]
-side.asker.wait = lambda s: naps.append(s)
+asked, slept = [], []  # per pass: the naps asked for, and the seconds they took (a wait ends at an answer)
+real_sleep, real_wait = time.sleep, side.asker.wait
+scheduler.time.sleep = lambda s: (asked.append(s), slept.append(s), real_sleep(s))[-1]
+
+
+def wait(s):
+    t = time.perf_counter()
+    real_wait(s)
+    asked.append(s)
+    slept.append(time.perf_counter() - t)
+
+
+side.asker.wait = wait
+idle = NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+          scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()))
 passes = []
-for _ in range(3):  # idle steps (the last scheduled nothing), each a pass over the waiting requests
-    side._idle = True
-    before = len(naps)
+for _ in range(12):  # idle steps, as vLLM runs them: the connector's metadata, then a pass over the waiting
+    side.build_connector_meta(idle)
+    asked.clear(), slept.clear()
     got = [side.get_num_new_matched_tokens(q, 0)[0] for q in reqs]
-    passes.append({"naps": len(naps) - before, "waiting": sum(g is None for g in got)})
-    for q in reqs:
-        side.reqs[q.request_id].next_ask = 0.0  # (asked again at the next pass)
-print(json.dumps({"passes": passes}))
+    passes.append({"asked": sum(asked), "slept": sum(slept), "waiting": sum(g is None for g in got)})
+print(json.dumps({"nap_s": scheduler.IDLE_NAP_S, "passes": passes}))
 """
 
 
 def test_an_idle_step_naps_once_however_many_requests_wait_for_their_pushes(tmp_path):
-    """On a step with nothing else to run, the scheduler naps (10 ms) rather than let vLLM's loop spin a core; it
-    used to nap once per request still waiting for its push to begin, 20 of them 200 ms a step, every step."""
+    """On a step with nothing else to run, the scheduler naps (10 ms) rather than let vLLM's loop spin a core: one
+    nap a step in all, whether it is spent waiting for an answer, after one, or on a request asked very recently.
+    It used to nap once per request still waiting for its push to begin: 20 of them made every step 200 ms."""
     rx = launch.start_receiver(tmp_path, pool_pages=16, **LAY)
     try:
         r = subprocess.run([str(VLLM_PY), "-c", _NAPS, rx.info["local_endpoint"].removeprefix("ipc://"),
                             json.dumps(LAY), "20"], capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
+        nap = out["nap_s"]
         assert all(p["waiting"] == 20 for p in out["passes"]), out  # none of their pushes has begun
-        assert all(p["naps"] == 1 for p in out["passes"]), out
+        assert all(p["asked"] <= 2 * nap + 1e-6 for p in out["passes"]), out  # not one per request
+        assert all(p["slept"] >= 0.9 * nap for p in out["passes"]), out  # and never none: the loop would spin
     finally:
         rx.stop()

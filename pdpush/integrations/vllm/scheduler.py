@@ -88,6 +88,7 @@ class SchedulerSide:
         self.asker = Asker(endpoints.receiver_socket or "", timeout_s=settings.query_timeout_s,
                            retry_s=settings.receiver_retry_s, max_inflight=MAX_QUERIES) if consumer else None
         self._idle = False  # the last step scheduled no tokens at all
+        self._nap_left = 0.0  # of this step's nap (IDLE_NAP_S where the last step ran nothing): see _nap
         self._napped = 0.0  # of the current _answer: seconds waited on an idle step
         self._live: set[str] = set()  # requests scheduled at least once and not finished: those a load could hold up
         self._awaiting: set[str] = set()  # asynchronous loads handed to the workers, not yet scheduled
@@ -162,9 +163,7 @@ class SchedulerSide:
                 r.first_ask = now
             if now - r.first_ask < self.settings.push_wait_s:
                 r.next_ask = now + 0.01
-                if self._idle:  # nothing else runs: nap, or vLLM's loop spins a core that the prefill may need
-                    time.sleep(IDLE_NAP_S)
-                    self._idle = False  # once a step: the other requests waiting for pushes ask without a nap
+                self._nap()
                 return None, False
             r.first_ask, r.gave_up = None, True  # (vLLM asks again while it finds no blocks: counted once)
             self.stats.recompute(Recompute.PUSH_TIMEOUT)
@@ -253,8 +252,9 @@ class SchedulerSide:
         if r.answer is not None and now - r.answer_at > ANSWER_FRESH_S:
             r.answer = None
         if r.answer is None and not r.asking and not r.lost:
-            if now < r.next_ask:
-                return None  # asked very recently; the scheduler loop spins faster than pushes arrive
+            if now < r.next_ask:  # asked very recently; the scheduler loop spins faster than pushes arrive
+                self._napped += self._nap()
+                return None
             if self.asker.down(now):  # it did not answer recently: do not ask now
                 self.stats.recompute(Recompute.RECEIVER_DOWN)
                 return 0
@@ -266,11 +266,12 @@ class SchedulerSide:
                 self._lost(e)
             if r.asking:
                 self.stats.match_queries += 1
-        if r.asking and self._idle:  # nothing else runs this step: wait for the answer instead of spinning
+        if r.asking and self._nap_left > 0:  # nothing else runs this step: wait for the answer instead of spinning
             t = time.perf_counter()
-            self.asker.wait(IDLE_NAP_S)
-            self._napped = time.perf_counter() - t
-            self._idle = False  # once a step (the answers to the others' questions have come meanwhile, or not)
+            self.asker.wait(self._nap_left)
+            waited = time.perf_counter() - t
+            self._napped += waited
+            self._nap_left = max(0.0, self._nap_left - waited)  # (the rest is napped if the push is not there)
             self._read_answers(time.monotonic())
         if r.lost:
             why, r.lost = r.lost, ""
@@ -280,6 +281,15 @@ class SchedulerSide:
             return 0
         reply, r.answer = r.answer, None
         return reply
+
+    def _nap(self) -> float:
+        """Sleep what is left of this step's nap: on a step with nothing else to run, a request still waiting for
+        its push would have vLLM's loop spin a core that the prefill may need. ``IDLE_NAP_S`` a step in all, however
+        many requests wait (each used to nap it: 20 of them made a step 200 ms). Returns the seconds slept."""
+        left, self._nap_left = self._nap_left, 0.0
+        if left > 0:
+            time.sleep(left)
+        return left
 
     def _withdraw_unread(self, request: Request, r: _Req | None) -> None:
         """A decode request that named a push ends without its load ever handed to a worker: aborted (its client
@@ -371,7 +381,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         r = self.reqs.get(request.request_id)
-        self._idle = False  # a request admitted: this step runs something, so the ones after it never nap
+        self._nap_left = 0.0  # a request admitted: this step runs something, so the ones after it never nap
         if not (r is not None and r.plan is not None and r.asynchronous and num_external_tokens):
             self._live.add(request.request_id)  # scheduled in this very step: a later request sees it running
         if r is None or r.plan is None:
@@ -389,6 +399,7 @@ class SchedulerSide:
         if self._to_withdraw or (self.asker is not None and self.asker.inflight):
             self._send_withdrawals(time.monotonic())  # (and the answers that came: the room they take is freed)
         self._idle = so.total_num_scheduled_tokens == 0
+        self._nap_left = IDLE_NAP_S if self._idle else 0.0  # the next step's, spent by the first request waiting
         self._live.update(so.num_scheduled_tokens)
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
             if r.async_blocks is not None and r.plan is not None:
@@ -402,6 +413,7 @@ class SchedulerSide:
             # only asynchronous loads wait: each empty step polls them (get_finished), and vLLM's loop would run
             # such steps back to back, a core spinning while the layers arrive; nap, as for a push not yet begun
             time.sleep(IDLE_NAP_S)
+            self._nap_left = 0.0  # (napped for the next step already)
             self.stats.load_async_naps += 1
         for new in so.scheduled_new_reqs:
             rid = new.req_id
