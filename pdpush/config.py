@@ -332,8 +332,9 @@ class RouterConfig(_Settings):
     """A prefill leg sent at once with its decode leg that is still unanswered this long after the decode's answer
     ended is cancelled: its engine drops the request (vLLM aborts what its client hung up on). The decode loaded
     the push or recomputed the prompt by then, so the leg would compute it for nobody; typically it was queued
-    past the decode's ``push_wait_s``. A push already begun is finished by its engine all the same (a request is
-    aborted between steps, and a push ends in the step that computes its prompt's last chunk)."""
+    past the decode's ``push_wait_s``. A push already begun goes on all the same: a request is aborted between
+    steps, a push is handed to the sender within the step that computes its prompt's last chunk, and the sender
+    commits it whatever happens to the request after. ``inf``: never."""
     local_prefill_max_tokens: int = Field(0, ge=0)
     """Conditional disaggregation: when the chosen decode instance's receiver holds all but at most
     this many prompt tokens, skip the prefill instance; the decode instance loads the held chunks

@@ -87,7 +87,6 @@ class SchedulerSide:
         # waits on the receiver while other requests run
         self.asker = Asker(endpoints.receiver_socket or "", timeout_s=settings.query_timeout_s,
                            retry_s=settings.receiver_retry_s, max_inflight=MAX_QUERIES) if consumer else None
-        self._idle = False  # the last step scheduled no tokens at all
         self._nap_left = 0.0  # of this step's nap (IDLE_NAP_S where the last step ran nothing): see _nap
         self._napped = 0.0  # of the current _answer: seconds waited on an idle step
         self._live: set[str] = set()  # requests scheduled at least once and not finished: those a load could hold up
@@ -398,8 +397,8 @@ class SchedulerSide:
         so = scheduler_output
         if self._to_withdraw or (self.asker is not None and self.asker.inflight):
             self._send_withdrawals(time.monotonic())  # (and the answers that came: the room they take is freed)
-        self._idle = so.total_num_scheduled_tokens == 0
-        self._nap_left = IDLE_NAP_S if self._idle else 0.0  # the next step's, spent by the first request waiting
+        idle = so.total_num_scheduled_tokens == 0
+        self._nap_left = IDLE_NAP_S if idle else 0.0  # the next step's, spent by the first request waiting
         self._live.update(so.num_scheduled_tokens)
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
             if r.async_blocks is not None and r.plan is not None:
@@ -409,7 +408,7 @@ class SchedulerSide:
                 self._awaiting.add(rid)
         self._awaiting.difference_update(so.num_scheduled_tokens)  # loaded (or failed, then recomputed): it runs now
         # (a resumed one too, which vLLM's v1 model runner lists among the cached requests)
-        if self._idle and self._awaiting and not meta.loads:
+        if idle and self._awaiting and not meta.loads:
             # only asynchronous loads wait: each empty step polls them (get_finished), and vLLM's loop would run
             # such steps back to back, a core spinning while the layers arrive; nap, as for a push not yet begun
             time.sleep(IDLE_NAP_S)
