@@ -457,7 +457,8 @@ class Withdraw(Msg):
     a reader's key too (sessions/receiver.py, "Withdrawn pushes"); answered ``Ok`` naming it, or ``Ok`` with no
     ``req_id`` where the push had begun (nothing withdrawn). A decode engine sends it too, on the local endpoint,
     for a push it will not read (its ``push_wait_s`` passed, or its request ended without loading it): one that
-    begins later is refused, and one already begun that nobody has open is dropped once committed."""
+    begins later is refused, and one already begun that nobody has open is dropped once committed; so is a claim
+    (``Claim``) it made and never loaded, whose held chunks are then unpinned."""
 
     type: Literal["withdraw"] = "withdraw"
     req_id: ReqId

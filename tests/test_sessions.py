@@ -646,6 +646,8 @@ _RX_MSG = st.one_of(
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
               st.none() | _RID),
     st.builds(lambda r: protocol.Withdraw(req_id=r), st.sampled_from(["d", "w"])),  # (a, b, c: never withdrawn)
+    st.builds(lambda r, ks: protocol.Claim(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
+              st.sampled_from(["d", "w"]), st.sampled_from([_KEYS[i:i + n] for i in range(0, 12, 3) for n in (1, 3)])),
 )
 
 
@@ -686,6 +688,49 @@ def test_receiver_session_fuzz(steps, verify):
             assert not (r.state in (ReqState.ALLOCATED, ReqState.STREAMING) and now >= r.expires_at_ms)
             assert not (r.state is ReqState.COMMITTED and r.readers == 0 and now >= r.committed_at_ms + 300)
 
+
+_CLAIM_IDS = st.sampled_from(["c1", "c2"])
+_CLAIM_STEP = st.one_of(
+    st.builds(lambda r, ks: protocol.Claim(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80), _CLAIM_IDS,
+              st.sampled_from([_KEYS[i:i + n] for i in range(0, 6, 3) for n in (1, 2, 3)])),
+    st.builds(lambda r: protocol.Open(req_id=r), _CLAIM_IDS),
+    st.builds(lambda r: protocol.Release(req_id=r), _CLAIM_IDS),
+    st.builds(lambda r: protocol.Withdraw(req_id=r), _CLAIM_IDS),
+    st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
+              st.sampled_from(["x", "y"]), st.lists(st.sampled_from(_KEYS[6:]), min_size=1, max_size=4)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from([DEC, b"reader"]), _CLAIM_STEP, st.integers(0, 60)), min_size=5,
+                max_size=40))
+def test_receiver_claims_fuzz(steps):
+    """Claims of held chunks, opened, released and withdrawn in random order, beside pushes that need pages: the
+    accounting whole (every pin counted), a claim withdrawn with no reader gone at once, one with a reader kept."""
+    rx = ReceiverSession(LAY, 8, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300),
+                         PoolInfo(1 << 30, 8, 1, b"k", 1 << 31, "127.0.0.1", 1, "rx-1"), new_token=lambda: b"t" * 32)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC), 0)
+    for rid, keys in (("p0", _KEYS[0:3]), ("p1", _KEYS[3:6])):  # held, nobody's: claimable
+        rx.on_control(b"s", protocol.AllocRequest(req_id=rid, chunk_keys=keys, last_chunk_tokens=16, lease_ms=80), 0)
+        rx.on_control(b"s", protocol.Commit(req_id=rid, layers=LAY.layers), 0)
+        rx.on_local(DEC, protocol.Open(req_id=rid), 0)
+        rx.on_local(DEC, protocol.Release(req_id=rid), 0)
+    assert rx.pool.chunks_cached == 6
+    now = 0
+    for ident, msg, dt in steps:
+        now += dt
+        if isinstance(msg, protocol.AllocRequest):
+            out = rx.on_control(b"s", msg, now)
+        else:
+            r = rx.reqs.get(msg.req_id)
+            read = r is not None and r.readers > 0
+            out = rx.on_local(ident, msg, now)
+            if isinstance(msg, protocol.Withdraw) and r is not None and r.claimed:
+                assert (msg.req_id in rx.reqs) == read  # no reader: dropped at once, its chunks unpinned
+        assert all(isinstance(a.msg, protocol.Msg) for a in out if isinstance(a, (ToSender, ToDecode)))
+        assert rx.counters.values["internal_errors"] == 0, [a for a in out if isinstance(a, Log)]
+        rx.on_tick(now)
+        rx.check()
 
 _TX_EVENT = st.one_of(
     st.builds(lambda r, n: ("ingress", begin(r, list(range(n)))), _RID, st.integers(1, 60)),
@@ -995,6 +1040,44 @@ def test_a_decode_that_stopped_waiting_withdraws_its_push_and_a_late_one_takes_n
     assert rx.counters.values["requests_given_up"] == 3
     rx.check()
 
+
+def test_a_claim_its_decode_never_loaded_is_withdrawn_and_unpins_its_chunks():
+    """A claim (conditional disaggregation) that its decode engine made and never loaded (its prompt found in its own
+    cache, say) is withdrawn like an unread push: dropped at once, its held chunks unpinned (evictable again) rather
+    than pinned for the claim's lease; a claim of it again is refused. One that a reader has open is kept."""
+    rx = receiver(pages=8)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
+    keys = chunk_keys(list(range(40)), LAY)  # 3 chunks
+    assert msgs(rx.on_control(b"s", protocol.AllocRequest(req_id="p", chunk_keys=keys, last_chunk_tokens=8,
+                                                          lease_ms=5000), 1), ToSender, protocol.AllocResponse)
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="p", layers=LAY.layers), 2), ToSender, protocol.CommitAck)
+    rx.on_local(DEC, protocol.Open(req_id="p"), 3)
+    assert msgs(rx.on_local(DEC, protocol.Release(req_id="p"), 4), ToDecode, protocol.Ok)
+    assert "p" not in rx.reqs and rx.pool.chunks_cached == 3
+
+    def claim(rid, now):
+        return msgs(rx.on_local(DEC, protocol.Claim(req_id=rid, chunk_keys=keys, last_chunk_tokens=8,
+                                                    lease_ms=30_000), now), ToDecode, protocol.ClaimOk)
+
+    def refs():
+        return sorted(e.refs for e in rx.pool._index.values())
+
+    assert claim("c", 5) == [protocol.ClaimOk(req_id="c", chunks=3)] and refs() == [1, 1, 1]
+    out = rx.on_local(DEC, protocol.Withdraw(req_id="c", reason="its request ended before loading it"), 6)
+    assert msgs(out, ToDecode, protocol.Ok) == [protocol.Ok(req_id=None)] and Count("withdrawn", 1, "decode_live") in out
+    assert "c" not in rx.reqs and refs() == [0, 0, 0] and rx.pool.chunks_cached == 3  # unpinned at once, still held
+    err = msgs(rx.on_local(DEC, protocol.Claim(req_id="c", chunk_keys=keys, last_chunk_tokens=8, lease_ms=100), 7),
+               ToDecode, protocol.Error)
+    assert err and err[0].code is ErrorCode.ABORTED
+    # a claim its decode has open (loading it) is that reader's until it releases it
+    assert claim("read", 8) == [protocol.ClaimOk(req_id="read", chunks=3)]
+    assert msgs(rx.on_local(b"reader", protocol.Open(req_id="read"), 8), ToDecode, protocol.OpenOk)
+    rx.on_local(DEC, protocol.Withdraw(req_id="read"), 9)
+    rx.on_tick(1000)
+    assert "read" in rx.reqs and refs() == [1, 1, 1]
+    assert rx.counters.values["requests_given_up"] == 1
+    rx.check()
 
 def test_only_the_connection_that_opened_a_request_can_release_it():
     """A Release from a connection with no open of the request is refused, typed, and changes nothing: it used to

@@ -1,5 +1,5 @@
 """The connector's scheduler side (vLLM importable: the engine venv) against a real receiver and sender: decode
-requests that end without loading the push they name withdraw it, however many end at once.
+requests that end without loading the push (or the claim) they name withdraw it, however many end at once.
 
 The engines' own tests (tests/test_fleet.py) show one such request, aborted in a real decode engine's queue; here
 many end in one step, more than the asker's 64 questions outstanding, as when many clients hang up together."""
@@ -178,4 +178,65 @@ def test_an_idle_step_naps_once_however_many_requests_wait_for_their_pushes(tmp_
         assert all(p["asked"] <= 2 * nap + 1e-6 for p in out["passes"]), out  # not one per request
         assert all(p["slept"] >= 0.9 * nap for p in out["passes"]), out  # and never none: the loop would spin
     finally:
+        rx.stop()
+
+
+_CLAIM = """
+import json, sys, time
+from types import SimpleNamespace as NS
+
+from pdpush import kv_params
+from pdpush.integrations.vllm.scheduler import SchedulerSide
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout
+
+sock, lay, ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+settings = ConnectorSettings(receiver_socket=sock)
+side = SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=False, consumer=True)
+req = NS(request_id="rc", kv_transfer_params=kv_params.for_decode("cl", claim=True), prompt_token_ids=ids)
+side.on_new_request(req)
+got = side.get_num_new_matched_tokens(req, 0)  # claimed; then no blocks free for it: it waits in the queue
+claimed = side.reqs["rc"].claimed
+side.request_finished(req)  # and its client hangs up there: it ends, its claim never loaded
+idle = NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+          scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()))
+deadline = time.monotonic() + 30
+while (side._to_withdraw or side.asker.inflight) and time.monotonic() < deadline:
+    side.build_connector_meta(idle)
+    time.sleep(0.002)
+print(json.dumps({"matched": got[0], "claimed": claimed, "left": len(side._to_withdraw) + len(side.asker.inflight),
+                  "push_unread": side.stats.totals()["push_unread"]}))
+"""
+
+
+def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(tmp_path):
+    """Conditional disaggregation: a decode request claims the chunks its receiver holds, waits in its engine's
+    queue for blocks, and is aborted there (its client hung up) without loading them. The claim is withdrawn when
+    the request ends, so the held chunks are unpinned at once rather than for the claim's lease (30 s); a claim of
+    that id again is refused."""
+    from pdpush.client import DecodeClient
+    from pdpush.errors import Aborted
+    from pdpush.layout import KVLayout
+
+    rx = launch.start_receiver(tmp_path, pool_pages=16, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        ids = list(range(7, 55))  # 48 tokens: three chunks, held once this push is committed
+        push(tx, rx, "held", ids)
+        sock = rx.info["local_endpoint"].removeprefix("ipc://")
+        r = subprocess.run([str(VLLM_PY), "-c", _CLAIM, sock, json.dumps(LAY), json.dumps(ids)], capture_output=True,
+                           text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out == {"matched": 47, "claimed": 3, "left": 0, "push_unread": 1}, out
+        after = rx_status(rx)
+        assert after["requests_claimed"] == 1 and after["requests_given_up"] == 1, after
+        dc = DecodeClient(sock, timeout_s=10)
+        try:
+            with pytest.raises(Aborted, match="withdrawn by its decode engine"):
+                dc.claim("cl", ids, KVLayout(**LAY))
+        finally:
+            dc.close()
+    finally:
+        tx.stop()
         rx.stop()

@@ -34,6 +34,8 @@ A decode engine that stopped waiting for its push (its ``push_wait_s`` passed, a
 request ended without loading it (aborted, say), withdraws it the same way on the local endpoint, so that a push that comes later takes no pages. A push of it already begun,
 that nobody has open, is dropped once committed (at once if it is) rather than kept ``committed_ttl_ms`` unread;
 its chunks stay in the index, unpinned, as any dropped request's do, and a push of it again is refused too. A
+claim it made and never loaded (its prompt found in its own cache, say) is dropped the same way, at once: its
+held chunks are unpinned rather than kept for the claim's lease. A
 local client can open and read any push already; what this adds is a veto over a push id it knows, as a router's.
 
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
@@ -707,7 +709,7 @@ class ReceiverSession:
         who = "its decode engine, which stopped waiting for it" if by_decode else "the router that placed it"
         why = f"withdrawn by {who}{': ' + msg.reason if msg.reason else ''}"
         if (r := self.reqs.get(rid)) is not None:
-            if by_decode and not r.readers and not r.claimed:
+            if by_decode and not r.readers:  # (a claim too: its held chunks unpinned now, not at its lease's end)
                 self.counters.count(out, "requests_given_up", metric="withdrawn", label="decode_live")
                 r.given_up = why  # a push of it again (a retried prefill leg) is refused once this one leaves
                 if r.state is ReqState.COMMITTED:

@@ -294,14 +294,17 @@ class SchedulerSide:
         """A decode request that named a push ends without its load ever handed to a worker: aborted (its client
         hung up, maybe while it queued here), or its prompt found in this engine's own cache. Nobody will read that
         push: withdrawn, so that it leaves the receiver's pool now (or is refused if it begins later), rather than
-        holding its pages unread for ``committed_ttl_ms``. A push that was loaded is released by its reader, one
-        given up is withdrawn already, and claimed chunks go with their claim."""
+        holding its pages unread for ``committed_ttl_ms``. A push that was loaded is released by its reader, and one
+        given up is withdrawn already. A claim made and never loaded is withdrawn too: its held chunks are unpinned
+        now rather than at the end of its lease; a claim never made (or of nothing held) pinned nothing."""
         kp = KvParams.parse(request.kv_transfer_params)
-        if not kp.pdpush_req_id or kp.pdpush_claim or (r is not None and (r.planned_once or r.gave_up or r.push_gone)):
+        if not kp.pdpush_req_id or (r is not None and (r.planned_once or r.gave_up or r.push_gone)):
+            return
+        if kp.pdpush_claim and not (r is not None and r.claimed):
             return
         self.stats.push_unread += 1
-        log.info("pdpush: request %s ended without loading push %s: withdrawing it", request.request_id,
-                 kp.pdpush_req_id)
+        log.info("pdpush: request %s ended without loading %s %s: withdrawing it", request.request_id,
+                 "its claim" if kp.pdpush_claim else "push", kp.pdpush_req_id)
         self._withdraw(str(kp.pdpush_req_id), time.monotonic(), "its request ended before loading it")
 
     def _withdraw(self, push_id: str, now: float, why: str = "") -> bool:
