@@ -458,11 +458,14 @@ class Withdraw(Msg):
     ``req_id`` where the push had begun (nothing withdrawn). A decode engine sends it too, on the local endpoint,
     for a push it will not read (its ``push_wait_s`` passed, or its request ended without loading it): one that
     begins later is refused, and one already begun that nobody has open is dropped once committed; so is a claim
-    (``Claim``) it made and never loaded, whose held chunks are then unpinned."""
+    (``Claim``) it made and never loaded, whose held chunks are then unpinned. ``unread``: a router whose client
+    hung up says so too (nobody will read the push), and a push of it already begun is treated as its decode's
+    withdrawal treats one."""
 
     type: Literal["withdraw"] = "withdraw"
     req_id: ReqId
     reason: Annotated[str, Field(max_length=1024)] = ""
+    unread: bool = False
 
 
 class Ok(Msg):

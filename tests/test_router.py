@@ -119,7 +119,8 @@ class Upstream(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: list  # (path, body) of each POST
     heard: list  # (path, its headers, lower-case names) of each POST
-    state: dict  # mode: ok | fail500 | slow | dead | drop | ask (state["ask"](body): its text) ; role
+    state: dict  # mode: ok | fail500 | slow (state["before"](body) first) | dead | drop | ask (state["ask"](body): its
+    # text) ; role
 
     def log_message(self, *a) -> None:
         pass
@@ -168,6 +169,8 @@ class Upstream(BaseHTTPRequestHandler):
         if self.path == "/tokenize":
             self._send(200, {"tokens": list(range(1, 1 + len(body.get("prompt", "")))), "count": 0})
             return
+        if mode == "slow" and "before" in self.state:
+            self.state["before"](body)  # (a prefill engine that hands its push over, then is slow to answer)
         if mode == "slow" and self._hung_up_within(self.state.get("sleep", 1.0)):
             self.state.setdefault("hung_up", []).append(body.get("kv_transfer_params"))
             return
@@ -355,6 +358,41 @@ def test_a_client_that_hangs_up_before_its_answer_cancels_its_legs(upstreams, st
     p.state.update(mode="ok")
     d.state.update(mode="ok")
     assert post(url, {"prompt": "abd", "max_tokens": 2}).status_code == 200  # it goes on
+
+
+def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstreams, start_router, tmp_path):
+    """One leg after the other, the client hangs up after the prefill engine handed its push over (its last step
+    ran) and before it answered: the decode leg is never sent, so no decode will read or withdraw that push. The
+    router tells the receiver (``Withdraw`` with ``unread``), which drops it at once instead of keeping it unread
+    for ``committed_ttl_ms`` (10 minutes by default)."""
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        pushed = []
+
+        def push_it(body):
+            pushed.append(body["kv_transfer_params"]["pdpush_push_id"])
+            push(tx, rx, pushed[-1], list(range(40)))
+
+        p_url, p, _ = upstreams("prefill", mode="slow", sleep=20.0, before=push_it)
+        d_url, d, _ = upstreams("decode")
+        r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=False,
+                         prefill_leg_linger_s=60)
+        url = r.info["url"]
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, {"prompt": "abc", "max_tokens": 2}, timeout=4.0)
+        until(lambda: p.state.get("hung_up"), 10, "the prefill leg hung up on")
+        assert pushed and rx_status(rx)["requests_committed"] == 1
+        until(lambda: rx_status(rx)["requests_given_up"] == 1, 10, "the unread push dropped")
+        st = rx_status(rx)
+        assert st["requests_inflight"] == 0 and st["pool_pages_free"] + st["chunks_cached"] == 32, st
+        assert not [b for path, b in d.seen if path == "/v1/completions"]  # never sent
+        assert httpx.get(url + "/health").json()["withdraw_sent"] == 1
+        assert 'pdpush_pushes_withdrawn_total{by="router_live"} 1.0' in httpx.get(
+            rx.info["metrics_endpoint"] + "/metrics").text
+    finally:
+        tx.stop()
+        rx.stop()
 
 
 @pytest.mark.parametrize("flag,env,mode", [("sequential", None, "sequential"), ("concurrent", "false", "concurrent"),

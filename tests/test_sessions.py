@@ -645,7 +645,8 @@ _RX_MSG = st.one_of(
     st.builds(lambda r: protocol.Release(req_id=r), _RID),
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
               st.none() | _RID),
-    st.builds(lambda r: protocol.Withdraw(req_id=r), st.sampled_from(["d", "w"])),  # (a, b, c: never withdrawn)
+    st.builds(lambda r, u: protocol.Withdraw(req_id=r, unread=u), st.sampled_from(["d", "w"]),
+              st.booleans()),  # (a, b, c: never withdrawn)
     st.builds(lambda r, ks: protocol.Claim(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
               st.sampled_from(["d", "w"]), st.sampled_from([_KEYS[i:i + n] for i in range(0, 12, 3) for n in (1, 3)])),
 )
@@ -695,7 +696,7 @@ _CLAIM_STEP = st.one_of(
               st.sampled_from([_KEYS[i:i + n] for i in range(0, 6, 3) for n in (1, 2, 3)])),
     st.builds(lambda r: protocol.Open(req_id=r), _CLAIM_IDS),
     st.builds(lambda r: protocol.Release(req_id=r), _CLAIM_IDS),
-    st.builds(lambda r: protocol.Withdraw(req_id=r), _CLAIM_IDS),
+    st.builds(lambda r, u: protocol.Withdraw(req_id=r, unread=u), _CLAIM_IDS, st.booleans()),
     st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
               st.sampled_from(["x", "y"]), st.lists(st.sampled_from(_KEYS[6:]), min_size=1, max_size=4)),
 )
@@ -980,6 +981,53 @@ def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begin
         rx.on_control(b"router", protocol.Withdraw(req_id=f"junk-{k}"), 3, "ROUTER-KEY")
     assert query("live").request_gone and not query("w").request_gone  # (the oldest withdrawal went first)
     assert len(rx.withdrawn) <= MAX_FINISHED
+    rx.check()
+
+
+def test_a_router_whose_client_hung_up_has_an_unread_push_dropped_but_never_one_being_read():
+    """``Withdraw`` with ``unread`` (the router's client hung up: nobody will read the push): a committed push that
+    nobody has open is dropped at once, a streaming one once committed, and a push of it again is refused; one that a
+    reader has open is kept, and so is a live push the router withdraws without ``unread``."""
+    rx = receiver(pages=16, reader_keys=frozenset({"ROUTER-KEY"}))
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
+
+    def alloc(rid, first):
+        keys = chunk_keys(list(range(first, first + 40)), LAY)
+        return rx.on_control(b"s", protocol.AllocRequest(req_id=rid, chunk_keys=keys, last_chunk_tokens=8,
+                                                         lease_ms=5000), 1)
+
+    def commit(rid, now=2):
+        assert msgs(rx.on_control(b"s", protocol.Commit(req_id=rid, layers=LAY.layers), now), ToSender,
+                    protocol.CommitAck)
+
+    def gone(rid, now=3):
+        return rx.on_control(b"router", protocol.Withdraw(req_id=rid, reason="its client hung up", unread=True), now,
+                             "ROUTER-KEY")
+
+    assert msgs(alloc("done", 0), ToSender, protocol.AllocResponse)
+    commit("done")
+    out = gone("done")
+    assert msgs(out, ToSender, protocol.Ok) == [protocol.Ok(req_id=None)]
+    assert Count("withdrawn", 1, "router_live") in out
+    assert "done" not in rx.reqs and rx.pool.chunks_cached == 3  # dropped at once; its chunks stay, unpinned
+    err = msgs(alloc("done", 0), ToSender, protocol.Error)
+    assert err and err[0].code is ErrorCode.ABORTED and "its client hung up" in err[0].message
+    assert msgs(alloc("streaming", 100), ToSender, protocol.AllocResponse)
+    gone("streaming")
+    assert "streaming" in rx.reqs  # its sender may still be putting: dropped once committed
+    commit("streaming", 4)
+    rx.on_tick(5)
+    assert "streaming" not in rx.reqs
+    for rid, first, unread in (("read", 200, True), ("plain", 300, False)):
+        assert msgs(alloc(rid, first), ToSender, protocol.AllocResponse)
+        commit(rid)
+        if unread:
+            assert msgs(rx.on_local(DEC, protocol.Open(req_id=rid), 3), ToDecode, protocol.OpenOk)
+        rx.on_control(b"router", protocol.Withdraw(req_id=rid, unread=unread), 3, "ROUTER-KEY")
+        rx.on_tick(6)
+        assert rid in rx.reqs
+    assert rx.counters.values["requests_given_up"] == 2
     rx.check()
 
 

@@ -501,6 +501,7 @@ class Router:
         self.metrics.requests.labels(path, "client_gone").inc()
         log.info("client of %s hung up before its answer: its legs were cancelled", route.push_id,
                  extra={"fields": {"event": "client_gone", "push_id": route.push_id}})
+        self._withdraw_unread(route)
         return error(499, "the client closed the request", "client_closed")
 
     async def _ids(self, path: str, body: dict) -> list[int] | None | Response:
@@ -678,6 +679,21 @@ class Router:
                                           "receiver": route.decode.receiver, "sent": sent}})
 
         self.watches.withdraw(route.decode, route.push_id, "the prefill leg failed", done)
+
+    def _withdraw_unread(self, route: Route_) -> None:
+        """A request whose client hung up: nobody will read its push. Its receiver is told so (``Withdraw`` with
+        ``unread``): a push already begun there that nobody has open is dropped once committed, one that begins later
+        is refused. Without it a prefill leg cancelled after its engine had handed the push over (its last step ran)
+        left the push committed and unread for ``committed_ttl_ms``: one after the other, its decode leg was never
+        sent, so no decode withdrew it. (A decode leg already sent withdraws it too, as its request ends there.)"""
+        if route.prefill is None:
+            return  # conditional: no push (the decode's own claim goes with its request)
+
+        def done(sent: bool) -> None:
+            self.counters["withdraw_sent" if sent else "withdraw_unsent"] += 1
+            self.metrics.withdrawals.labels("sent" if sent else "unsent").inc()
+
+        self.watches.withdraw(route.decode, route.push_id, "its client hung up", done, unread=True)
 
     def _withdrawn(self, d: Instance, push_id: str) -> None:
         """The receiver acknowledged a withdrawal (its ``Ok``)."""

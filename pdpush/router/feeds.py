@@ -50,15 +50,17 @@ class Feed:
         except zmq.ZMQError:
             pass  # not connected yet: the next keep-alive or re-subscription tries again
 
-    async def withdraw(self, push_id: str, reason: str) -> bool:
-        """Tell the receiver that push ``push_id`` will not come (``protocol.Withdraw``), on the feed's socket: its
-        ``Ok`` comes back on it (``on_withdrawn``), an ``Error`` is logged. False where it could not be queued (no
-        socket, or its queue full); a queued one is lost with the socket if the receiver is not reached before a
-        reconnection. Unacknowledged, the decode waits for the push as long as its ``push_wait_s``."""
+    async def withdraw(self, push_id: str, reason: str, unread: bool = False) -> bool:
+        """Tell the receiver that push ``push_id`` will not come (``protocol.Withdraw``), or, ``unread``, that nobody
+        will read it (its client hung up), on the feed's socket: its ``Ok`` comes back on it (``on_withdrawn``), an
+        ``Error`` is logged. False where it could not be queued (no socket, or its queue full); a queued one is lost
+        with the socket if the receiver is not reached before a reconnection. Unacknowledged, the decode waits for
+        the push as long as its ``push_wait_s``."""
         if self.sock is None:
             return False
         try:
-            await self.sock.send(protocol.encode(Withdraw(req_id=push_id, reason=reason[:1024])), flags=zmq.NOBLOCK)
+            msg = Withdraw(req_id=push_id, reason=reason[:1024], unread=unread)
+            await self.sock.send(protocol.encode(msg), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
         return True

@@ -69,15 +69,17 @@ class Watches:
             return
         self._tasks[id(inst)] = task
 
-    def withdraw(self, inst: Instance, push_id: str, reason: str, done: Callable[[bool], None]) -> None:
-        """Tell decode instance ``inst``'s receiver that push ``push_id`` will not come (feeds.py); ``done`` gets
-        whether it was sent (queued to the receiver: its acknowledgement comes to ``on_withdrawn``). Nothing is
-        sent where its feed is not running (a reload dropped it)."""
+    def withdraw(self, inst: Instance, push_id: str, reason: str, done: Callable[[bool], None],
+                 unread: bool = False) -> None:
+        """Tell decode instance ``inst``'s receiver that push ``push_id`` will not come, or, ``unread``, will not be
+        read (feeds.py); ``done`` gets whether it was sent (queued to the receiver: its acknowledgement comes to
+        ``on_withdrawn``). Nothing is sent where its feed is not running (a reload dropped it)."""
         feed = self._feeds.get(id(inst))
         if feed is None:
             done(False)
             return
-        task = asyncio.get_running_loop().create_task(feed.withdraw(push_id, reason), name=f"withdraw {push_id}")
+        task = asyncio.get_running_loop().create_task(feed.withdraw(push_id, reason, unread),
+                                                      name=f"withdraw {push_id}")
         self._sends.add(task)
 
         def sent(t: asyncio.Task) -> None:

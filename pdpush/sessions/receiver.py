@@ -28,15 +28,18 @@ later is refused, since its decode no longer waits for it. A live request is lef
 it. Any peer the control endpoint admits may withdraw, a reader's key too. That is a veto over a push id not
 begun: a router makes its push ids (random) and hands them to its own legs, and a reader learns no other's
 from the receiver (neither the index feed nor the status carries one), so in practice a router can only veto
-its own. It never touches pages or a live request.
+its own.
 
 A decode engine that stopped waiting for its push (its ``push_wait_s`` passed, and it recomputes), or whose
-request ended without loading it (aborted, say), withdraws it the same way on the local endpoint, so that a push that comes later takes no pages. A push of it already begun,
-that nobody has open, is dropped once committed (at once if it is) rather than kept ``committed_ttl_ms`` unread;
-its chunks stay in the index, unpinned, as any dropped request's do, and a push of it again is refused too. A
-claim it made and never loaded (its prompt found in its own cache, say) is dropped the same way, at once: its
-held chunks are unpinned rather than kept for the claim's lease. A
-local client can open and read any push already; what this adds is a veto over a push id it knows, as a router's.
+request ended without loading it (aborted, say), withdraws it the same way on the local endpoint, so that a
+push that comes later takes no pages. A push of it already begun, that nobody has open, is dropped once
+committed (at once if it is) rather than kept ``committed_ttl_ms`` unread; its chunks stay in the index,
+unpinned, as any dropped request's do, and a push of it again is refused too. A claim it made and never loaded
+(its prompt found in its own cache, say) is dropped the same way, at once: its held chunks are unpinned rather
+than kept for the claim's lease. A router whose client hung up sends ``Withdraw`` with ``unread`` (nobody will
+read the push: its decode leg may never have been sent), and a begun push is dropped the same way. A local
+client can open and read any push already, and a router only names its own push ids: what this adds is a veto
+over a push id it knows. A push that somebody has open is never touched.
 
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while
@@ -703,14 +706,16 @@ class ReceiverSession:
     def _withdraw(self, msg: Withdraw, out: list, by_decode: bool = False) -> bool:
         """The push ``msg.req_id`` will not come, or will not be read: a router's (``by_decode`` False) or its own
         decode engine's, which stopped waiting for it. Not live here: ended, refused if it begins, its parked opens
-        refused; True. Live here (begun): False, and it is left to its sender; where its decode gave it up and
-        nobody has it open, it is dropped once committed (at once if it is), not kept ``committed_ttl_ms`` unread."""
+        refused; True. Live here (begun): False, and it is left to its sender; where its decode gave it up (or its
+        router's client hung up: ``msg.unread``) and nobody has it open, it is dropped once committed (at once if it
+        is), not kept ``committed_ttl_ms`` unread."""
         rid = msg.req_id
         who = "its decode engine, which stopped waiting for it" if by_decode else "the router that placed it"
         why = f"withdrawn by {who}{': ' + msg.reason if msg.reason else ''}"
         if (r := self.reqs.get(rid)) is not None:
-            if by_decode and not r.readers:  # (a claim too: its held chunks unpinned now, not at its lease's end)
-                self.counters.count(out, "requests_given_up", metric="withdrawn", label="decode_live")
+            if (by_decode or msg.unread) and not r.readers:  # (a claim too: unpinned now, not at its lease's end)
+                self.counters.count(out, "requests_given_up", metric="withdrawn",
+                                    label="decode_live" if by_decode else "router_live")
                 r.given_up = why  # a push of it again (a retried prefill leg) is refused once this one leaves
                 if r.state is ReqState.COMMITTED:
                     self._drop(r, why)
