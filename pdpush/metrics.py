@@ -49,7 +49,8 @@ class Metrics:
             self.withdrawn = pc.Counter("pdpush_pushes_withdrawn", "Pushes withdrawn before they began, by the router "
                                         "that placed them or the decode that stopped waiting (refused if they begin "
                                         "later); decode_live: given up by their decode after they began (dropped "
-                                        "once committed); router_live: the same, their client gone", ["by"], registry=r)
+                                        "once committed), or claims it never loaded; router_live: the same, their "
+                                        "client gone", ["by"], registry=r)
             self.senders_fenced = pc.Counter("pdpush_senders_fenced", "Senders whose UCX endpoints the receiver "
                                              "closed because their writes to ended requests did not settle in time",
                                              registry=r)

@@ -458,14 +458,24 @@ class Withdraw(Msg):
     ``req_id`` where the push had begun (nothing withdrawn). A decode engine sends it too, on the local endpoint,
     for a push it will not read (its ``push_wait_s`` passed, or its request ended without loading it): one that
     begins later is refused, and one already begun that nobody has open is dropped once committed; so is a claim
-    (``Claim``) it made and never loaded, whose held chunks are then unpinned. ``unread``: a router whose client
-    hung up says so too (nobody will read the push), and a push of it already begun is treated as its decode's
-    withdrawal treats one."""
+    (``Claim``) it made and never loaded, whose held chunks are then unpinned."""
 
     type: Literal["withdraw"] = "withdraw"
     req_id: ReqId
     reason: Annotated[str, Field(max_length=1024)] = ""
-    unread: bool = False
+
+
+class Unread(Msg):
+    """A router whose client hung up, to the receiver of that request's decode leg: nobody will read push ``req_id``
+    (its decode leg may never have been sent, so no decode withdraws it). As ``Withdraw``, and a push of it already
+    begun that nobody has open is dropped once committed (at once if it is), as its decode's own ``Withdraw`` does;
+    one that ended here already is left as it is, uncounted. Never a claim's. Accepted where ``Withdraw`` is, on the
+    control endpoint; answered as ``Withdraw`` is. A message of its own, not a field of ``Withdraw``: a receiver
+    older than its router refuses it alone, and keeps taking the router's other withdrawals."""
+
+    type: Literal["unread"] = "unread"
+    req_id: ReqId
+    reason: Annotated[str, Field(max_length=1024)] = ""
 
 
 class Ok(Msg):
@@ -478,7 +488,7 @@ Message = Annotated[
         Hello, HelloAck, AllocRequest, AllocResponse, LayerDone, Commit, CommitAck, Abort, Error,
         StatusRequest, StatusReply, Begin, BeginOk, LayerReady, Wake, Bye, NeedStaging, StagingGranted, Finish, Done,
         Open, OpenOk, LayerAvailable, Committed, Release, Query, QueryReply, Ok, Claim, ClaimOk, IndexSubscribe, IndexSnapshot,
-        IndexEvent, Withdraw,
+        IndexEvent, Withdraw, Unread,
     ],
     Field(discriminator="type"),
 ]

@@ -3,8 +3,8 @@
 Endpoints:
   * ZMQ ROUTER (tcp, loopback by default) for senders: Hello, AllocRequest,
     LayerDone, Commit, Abort, Status; and for routers: IndexSubscribe, after
-    which the chunk-index events go out on it (index.py), and Withdraw (a push
-    that will not come: sessions/receiver.py).
+    which the chunk-index events go out on it (index.py), Withdraw (a push
+    that will not come: sessions/receiver.py) and Unread (one nobody will read).
   * UCX listener on the configured address: senders' endpoints; their
     one-sided puts land in the pool.
   * the lifelines (lifeline.py), a 0600 unix stream socket, for the local decode

@@ -39,7 +39,7 @@ SAMPLES = [
     P.Query(chunk_keys=[KEY], req_id="r"), P.QueryReply(held_prefix=1), P.Ok(req_id=None),
     P.Claim(req_id="c", chunk_keys=[KEY], last_chunk_tokens=3, lease_ms=10), P.ClaimOk(req_id="c", chunks=1),
     P.IndexSubscribe(), P.IndexSubscribe(snapshot=False), P.Withdraw(req_id="r", reason="the prefill leg failed"),
-    P.Withdraw(req_id="r", unread=True),
+    P.Unread(req_id="r", reason="its client hung up"),
     P.IndexSnapshot(epoch="e", seq=3, layout=SPEC, keys=[KEY], load=P.IndexLoad(pages_free=1, pages_total=2,
                                                                                   requests_inflight=0)),
     P.IndexEvent(epoch="e", seq=4, kind="evicted", keys=[KEY], load=P.IndexLoad(pages_free=1, pages_total=2,

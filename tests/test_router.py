@@ -363,7 +363,7 @@ def test_a_client_that_hangs_up_before_its_answer_cancels_its_legs(upstreams, st
 def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstreams, start_router, tmp_path):
     """One leg after the other, the client hangs up after the prefill engine handed its push over (its last step
     ran) and before it answered: the decode leg is never sent, so no decode will read or withdraw that push. The
-    router tells the receiver (``Withdraw`` with ``unread``), which drops it at once instead of keeping it unread
+    router tells the receiver (``Unread``), which drops it at once instead of keeping it unread
     for ``committed_ttl_ms`` (10 minutes by default)."""
     rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
@@ -387,7 +387,8 @@ def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstr
         st = rx_status(rx)
         assert st["requests_inflight"] == 0 and st["pool_pages_free"] + st["chunks_cached"] == 32, st
         assert not [b for path, b in d.seen if path == "/v1/completions"]  # never sent
-        assert httpx.get(url + "/health").json()["withdraw_sent"] == 1
+        health = httpx.get(url + "/health").json()
+        assert health["unread_sent"] == 1 and health["withdraw_sent"] == 0
         assert 'pdpush_pushes_withdrawn_total{by="router_live"} 1.0' in httpx.get(
             rx.info["metrics_endpoint"] + "/metrics").text
     finally:

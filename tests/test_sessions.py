@@ -645,8 +645,8 @@ _RX_MSG = st.one_of(
     st.builds(lambda r: protocol.Release(req_id=r), _RID),
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
               st.none() | _RID),
-    st.builds(lambda r, u: protocol.Withdraw(req_id=r, unread=u), st.sampled_from(["d", "w"]),
-              st.booleans()),  # (a, b, c: never withdrawn)
+    st.builds(lambda r, kind: kind(req_id=r), st.sampled_from(["d", "w"]),
+              st.sampled_from([protocol.Withdraw, protocol.Unread])),  # (a, b, c: never withdrawn)
     st.builds(lambda r, ks: protocol.Claim(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
               st.sampled_from(["d", "w"]), st.sampled_from([_KEYS[i:i + n] for i in range(0, 12, 3) for n in (1, 3)])),
 )
@@ -696,7 +696,8 @@ _CLAIM_STEP = st.one_of(
               st.sampled_from([_KEYS[i:i + n] for i in range(0, 6, 3) for n in (1, 2, 3)])),
     st.builds(lambda r: protocol.Open(req_id=r), _CLAIM_IDS),
     st.builds(lambda r: protocol.Release(req_id=r), _CLAIM_IDS),
-    st.builds(lambda r, u: protocol.Withdraw(req_id=r, unread=u), _CLAIM_IDS, st.booleans()),
+    st.builds(lambda r: protocol.Withdraw(req_id=r), _CLAIM_IDS),
+    st.builds(lambda r: protocol.Unread(req_id=r), _CLAIM_IDS),  # (a router's: on the control endpoint)
     st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),
               st.sampled_from(["x", "y"]), st.lists(st.sampled_from(_KEYS[6:]), min_size=1, max_size=4)),
 )
@@ -707,7 +708,8 @@ _CLAIM_STEP = st.one_of(
                 max_size=40))
 def test_receiver_claims_fuzz(steps):
     """Claims of held chunks, opened, released and withdrawn in random order, beside pushes that need pages: the
-    accounting whole (every pin counted), a claim withdrawn with no reader gone at once, one with a reader kept."""
+    accounting whole (every pin counted), a claim its decode withdraws with no reader gone at once, one with a reader
+    kept, and one a router says is unread kept too (a router never names a claim)."""
     rx = ReceiverSession(LAY, 8, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300),
                          PoolInfo(1 << 30, 8, 1, b"k", 1 << 31, "127.0.0.1", 1, "rx-1"), new_token=lambda: b"t" * 32)
     rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC), 0)
@@ -722,6 +724,10 @@ def test_receiver_claims_fuzz(steps):
         now += dt
         if isinstance(msg, protocol.AllocRequest):
             out = rx.on_control(b"s", msg, now)
+        elif isinstance(msg, protocol.Unread):
+            r = rx.reqs.get(msg.req_id)
+            out = rx.on_control(b"router", msg, now)
+            assert r is None or r.req_id in rx.reqs
         else:
             r = rx.reqs.get(msg.req_id)
             read = r is not None and r.readers > 0
@@ -985,9 +991,10 @@ def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begin
 
 
 def test_a_router_whose_client_hung_up_has_an_unread_push_dropped_but_never_one_being_read():
-    """``Withdraw`` with ``unread`` (the router's client hung up: nobody will read the push): a committed push that
-    nobody has open is dropped at once, a streaming one once committed, and a push of it again is refused; one that a
-    reader has open is kept, and so is a live push the router withdraws without ``unread``."""
+    """``Unread`` (the router's client hung up: nobody will read the push): a committed push that nobody has open is
+    dropped at once, a streaming one once committed (counted once, however many say so), and a push of it again is
+    refused; one that a reader has open is kept, and so is a live push the router only withdraws (``Withdraw``) and a
+    claim. One that ended already (read and released) is left uncounted and unremembered."""
     rx = receiver(pages=16, reader_keys=frozenset({"ROUTER-KEY"}))
     hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
     assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
@@ -1002,8 +1009,7 @@ def test_a_router_whose_client_hung_up_has_an_unread_push_dropped_but_never_one_
                     protocol.CommitAck)
 
     def gone(rid, now=3):
-        return rx.on_control(b"router", protocol.Withdraw(req_id=rid, reason="its client hung up", unread=True), now,
-                             "ROUTER-KEY")
+        return rx.on_control(b"router", protocol.Unread(req_id=rid, reason="its client hung up"), now, "ROUTER-KEY")
 
     assert msgs(alloc("done", 0), ToSender, protocol.AllocResponse)
     commit("done")
@@ -1015,19 +1021,34 @@ def test_a_router_whose_client_hung_up_has_an_unread_push_dropped_but_never_one_
     assert err and err[0].code is ErrorCode.ABORTED and "its client hung up" in err[0].message
     assert msgs(alloc("streaming", 100), ToSender, protocol.AllocResponse)
     gone("streaming")
+    out = rx.on_local(DEC, protocol.Withdraw(req_id="streaming"), 3)  # its decode says so too: counted once
+    assert not [a for a in out if isinstance(a, Count)]
     assert "streaming" in rx.reqs  # its sender may still be putting: dropped once committed
     commit("streaming", 4)
     rx.on_tick(5)
     assert "streaming" not in rx.reqs
-    for rid, first, unread in (("read", 200, True), ("plain", 300, False)):
+    assert rx.counters.values["requests_given_up"] == 2
+    for rid, first, kind in (("read", 200, protocol.Unread), ("plain", 300, protocol.Withdraw)):
         assert msgs(alloc(rid, first), ToSender, protocol.AllocResponse)
         commit(rid)
-        if unread:
+        if kind is protocol.Unread:
             assert msgs(rx.on_local(DEC, protocol.Open(req_id=rid), 3), ToDecode, protocol.OpenOk)
-        rx.on_control(b"router", protocol.Withdraw(req_id=rid, unread=unread), 3, "ROUTER-KEY")
+        rx.on_control(b"router", kind(req_id=rid), 3, "ROUTER-KEY")
         rx.on_tick(6)
         assert rid in rx.reqs
-    assert rx.counters.values["requests_given_up"] == 2
+    # read and released, then its client hangs up: nothing to drop, nothing counted, nothing remembered
+    assert msgs(rx.on_local(DEC, protocol.Release(req_id="read"), 7), ToDecode, protocol.Ok)
+    assert "read" not in rx.reqs
+    out = gone("read", 8)
+    assert msgs(out, ToSender, protocol.Ok) == [protocol.Ok(req_id=None)] and not [a for a in out if isinstance(a, Count)]
+    assert "read" not in rx.withdrawn
+    # a claim is its decode's: a router's Unread leaves it
+    keys = chunk_keys(list(range(200, 240)), LAY)
+    assert msgs(rx.on_local(DEC, protocol.Claim(req_id="cl", chunk_keys=keys, last_chunk_tokens=8, lease_ms=5000), 8),
+                ToDecode, protocol.ClaimOk)[0].chunks == 3
+    gone("cl", 9)
+    assert "cl" in rx.reqs
+    assert rx.counters.values["requests_given_up"] == 2 and rx.counters.values["requests_withdrawn"] == 0
     rx.check()
 
 

@@ -190,9 +190,21 @@ from pdpush.integrations.vllm.scheduler import SchedulerSide
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
 from pdpush.layout import KVLayout
 
-sock, lay, ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+sock, lay, ids, lost = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4] == "lost"
 settings = ConnectorSettings(receiver_socket=sock)
 side = SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=False, consumer=True)
+if lost:  # the receiver makes the claim, and its answer is lost on the way (a timeout here)
+    from pdpush.errors import TransportTimeout
+
+    link = side.receiver.get()
+    made = link.claim
+
+    def claim(*a, **k):
+        made(*a, **k)
+        raise TransportTimeout("the claim's answer did not come in time")
+
+    link.claim = claim
+    side.receiver.get = lambda: link
 req = NS(request_id="rc", kv_transfer_params=kv_params.for_decode("cl", claim=True), prompt_token_ids=ids)
 side.on_new_request(req)
 got = side.get_num_new_matched_tokens(req, 0)  # claimed; then no blocks free for it: it waits in the queue
@@ -209,11 +221,13 @@ print(json.dumps({"matched": got[0], "claimed": claimed, "left": len(side._to_wi
 """
 
 
-def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(tmp_path):
+@pytest.mark.parametrize("answer", ["came", "lost"])
+def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(tmp_path, answer):
     """Conditional disaggregation: a decode request claims the chunks its receiver holds, waits in its engine's
     queue for blocks, and is aborted there (its client hung up) without loading them. The claim is withdrawn when
     the request ends, so the held chunks are unpinned at once rather than for the claim's lease (30 s); a claim of
-    that id again is refused."""
+    that id again is refused. So is one whose answer was lost (the receiver made it; the connector computes the
+    prompt itself)."""
     from pdpush.client import DecodeClient
     from pdpush.errors import Aborted
     from pdpush.layout import KVLayout
@@ -224,11 +238,12 @@ def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(t
         ids = list(range(7, 55))  # 48 tokens: three chunks, held once this push is committed
         push(tx, rx, "held", ids)
         sock = rx.info["local_endpoint"].removeprefix("ipc://")
-        r = subprocess.run([str(VLLM_PY), "-c", _CLAIM, sock, json.dumps(LAY), json.dumps(ids)], capture_output=True,
-                           text=True, timeout=300, cwd=ROOT)
+        r = subprocess.run([str(VLLM_PY), "-c", _CLAIM, sock, json.dumps(LAY), json.dumps(ids), answer],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert out == {"matched": 47, "claimed": 3, "left": 0, "push_unread": 1}, out
+        want = {"matched": 47, "claimed": 3} if answer == "came" else {"matched": 0, "claimed": 0}
+        assert out == {**want, "left": 0, "push_unread": 1}, out
         after = rx_status(rx)
         assert after["requests_claimed"] == 1 and after["requests_given_up"] == 1, after
         dc = DecodeClient(sock, timeout_s=10)

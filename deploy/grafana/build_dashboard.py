@@ -112,8 +112,9 @@ def dashboard() -> dict:
     b.panel("Prefill legs sent at once: withdrawn, cancelled /s",
             [(rate("pdpush_router_withdrawals_total", "outcome"), "withdrawal {{outcome}}"),
              (rate("pdpush_router_prefill_legs_cancelled_total", "job"), "cancelled (still running after its decode)")],
-            "ops", desc="Withdrawn: the leg pushed nothing, and its decode was told not to wait. Cancelled: the leg was "
-            "still unanswered prefill_leg_linger_s after its decode's answer (its prefill instance is queued past the "
+            "ops", desc="Withdrawn: the leg pushed nothing, and its decode was told not to wait (unread_*: the client "
+            "hung up, and the receiver was told that nobody will read the push). Cancelled: the leg was still "
+            "unanswered prefill_leg_linger_s after its decode's answer (its prefill instance is queued past the "
             "decode's push_wait_s; consider concurrent_legs \"auto\").")
     b.row("vLLM connector (each engine's /metrics)")
     b.panel("Loads /s by path", [(rate("vllm:pdpush_loads_total", "path"), "{{path}}")], "ops",

@@ -112,7 +112,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
                          "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0, "withdraw_sent": 0,
-                         "withdrawn": 0, "withdraw_unsent": 0, "prefill_cancelled": 0}
+                         "withdrawn": 0, "withdraw_unsent": 0, "prefill_cancelled": 0, "unread_sent": 0,
+                         "unread_unsent": 0}
         self.estimates = costmodel.Estimates(cfg.prefill_tokens_per_s, cfg.push_gbps * 1e9,
                                              cfg.decode_wait_ms_per_request / 1000, cfg.local_tokens_per_s)
         self.caps = costmodel.Caps(cfg.max_inflight, cfg.max_imbalance)
@@ -681,17 +682,18 @@ class Router:
         self.watches.withdraw(route.decode, route.push_id, "the prefill leg failed", done)
 
     def _withdraw_unread(self, route: Route_) -> None:
-        """A request whose client hung up: nobody will read its push. Its receiver is told so (``Withdraw`` with
-        ``unread``): a push already begun there that nobody has open is dropped once committed, one that begins later
-        is refused. Without it a prefill leg cancelled after its engine had handed the push over (its last step ran)
-        left the push committed and unread for ``committed_ttl_ms``: one after the other, its decode leg was never
-        sent, so no decode withdrew it. (A decode leg already sent withdraws it too, as its request ends there.)"""
+        """A request whose client hung up: nobody will read its push. Its receiver is told so (``protocol.Unread``):
+        a push already begun there that nobody has open is dropped once committed, one that begins later is refused,
+        one read already is left as it is. Without it a prefill leg cancelled after its engine had handed the push
+        over (its last step ran) left the push committed and unread for ``committed_ttl_ms``: one after the other,
+        its decode leg was never sent, so no decode withdrew it. (A decode leg already sent withdraws it too, as its
+        request ends there; a push it has open is never dropped.)"""
         if route.prefill is None:
             return  # conditional: no push (the decode's own claim goes with its request)
 
         def done(sent: bool) -> None:
-            self.counters["withdraw_sent" if sent else "withdraw_unsent"] += 1
-            self.metrics.withdrawals.labels("sent" if sent else "unsent").inc()
+            self.counters["unread_sent" if sent else "unread_unsent"] += 1
+            self.metrics.withdrawals.labels("unread_sent" if sent else "unread_unsent").inc()
 
         self.watches.withdraw(route.decode, route.push_id, "its client hung up", done, unread=True)
 

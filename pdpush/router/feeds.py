@@ -14,7 +14,7 @@ import zmq
 from pdpush import control, protocol
 from pdpush.errors import PdpushError
 from pdpush.index import IndexView
-from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe, Withdraw
+from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe, Unread, Withdraw
 
 log = logging.getLogger("pdpush.router.feeds")
 
@@ -52,14 +52,14 @@ class Feed:
 
     async def withdraw(self, push_id: str, reason: str, unread: bool = False) -> bool:
         """Tell the receiver that push ``push_id`` will not come (``protocol.Withdraw``), or, ``unread``, that nobody
-        will read it (its client hung up), on the feed's socket: its ``Ok`` comes back on it (``on_withdrawn``), an
+        will read it (its client hung up: ``protocol.Unread``), on the feed's socket: its ``Ok`` comes back on it (``on_withdrawn``), an
         ``Error`` is logged. False where it could not be queued (no socket, or its queue full); a queued one is lost
         with the socket if the receiver is not reached before a reconnection. Unacknowledged, the decode waits for
         the push as long as its ``push_wait_s``."""
         if self.sock is None:
             return False
         try:
-            msg = Withdraw(req_id=push_id, reason=reason[:1024], unread=unread)
+            msg = (Unread if unread else Withdraw)(req_id=push_id, reason=reason[:1024])
             await self.sock.send(protocol.encode(msg), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return False

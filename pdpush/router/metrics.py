@@ -38,7 +38,9 @@ class Metrics:
                                        "cost_model: time to the decode answer's first bytes (a streamed answer's first "
                                        "token; a whole answer otherwise)", ["stream"], buckets=ttft, registry=r)
         self.withdrawals = Counter("pdpush_router_withdrawals", "Pushes told to their receiver as never coming (a "
-                                   "prefill leg sent beside its decode leg pushed nothing), by outcome: sent, acknowledged, unsent",
+                                   "prefill leg sent beside its decode leg pushed nothing), by outcome: sent, "
+                                   "acknowledged, unsent; or as never read (their client hung up): unread_sent, "
+                                   "unread_unsent",
                                    ["outcome"], registry=r)
         self.prefill_cancelled = Counter("pdpush_router_prefill_legs_cancelled", "Prefill legs sent at once, still "
                                          "unanswered prefill_leg_linger_s after their decode's answer: cancelled",

@@ -28,7 +28,7 @@ later is refused, since its decode no longer waits for it. A live request is lef
 it. Any peer the control endpoint admits may withdraw, a reader's key too. That is a veto over a push id not
 begun: a router makes its push ids (random) and hands them to its own legs, and a reader learns no other's
 from the receiver (neither the index feed nor the status carries one), so in practice a router can only veto
-its own.
+its own (``Unread`` below can also drop a begun one nobody has open).
 
 A decode engine that stopped waiting for its push (its ``push_wait_s`` passed, and it recomputes), or whose
 request ended without loading it (aborted, say), withdraws it the same way on the local endpoint, so that a
@@ -36,10 +36,11 @@ push that comes later takes no pages. A push of it already begun, that nobody ha
 committed (at once if it is) rather than kept ``committed_ttl_ms`` unread; its chunks stay in the index,
 unpinned, as any dropped request's do, and a push of it again is refused too. A claim it made and never loaded
 (its prompt found in its own cache, say) is dropped the same way, at once: its held chunks are unpinned rather
-than kept for the claim's lease. A router whose client hung up sends ``Withdraw`` with ``unread`` (nobody will
-read the push: its decode leg may never have been sent), and a begun push is dropped the same way. A local
-client can open and read any push already, and a router only names its own push ids: what this adds is a veto
-over a push id it knows. A push that somebody has open is never touched.
+than kept for the claim's lease. A router whose client hung up sends ``Unread`` (nobody will read the push: its
+decode leg may never have been sent): as ``Withdraw``, and a begun push (never a claim) is dropped the same
+way; one that ended here already is left uncounted. A local client can open and read any push already, and a
+router only names its own push ids: what ``Unread`` adds is a veto over a begun push whose id it knows, where
+``Withdraw`` is one over a push not begun. A push that somebody has open is never touched.
 
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while
@@ -105,6 +106,7 @@ from pdpush.protocol import (
     Release,
     ReqEvent,
     ReqState,
+    Unread,
     Withdraw,
 )
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
@@ -384,7 +386,7 @@ class ReceiverSession:
             out.extend(ToSender(i, m) for i, m in self.feed.subscribe(ident, msg.snapshot, keys,
                                                                       self._index_load(), now))
             return
-        if isinstance(msg, Withdraw):  # a router's (or a sender's): "Withdrawn pushes" above
+        if isinstance(msg, (Withdraw, Unread)):  # a router's (or a sender's): "Withdrawn pushes" above
             out.append(ToSender(ident, Ok(req_id=msg.req_id if self._withdraw(msg, out) else None)))
             return
         if peer and peer in self.limits.reader_keys:  # a router's key: never the pool's rkey, never a write
@@ -703,17 +705,22 @@ class ReceiverSession:
             self.state_pool.drop(r.req_id)
         self._forget(r.req_id, why)
 
-    def _withdraw(self, msg: Withdraw, out: list, by_decode: bool = False) -> bool:
-        """The push ``msg.req_id`` will not come, or will not be read: a router's (``by_decode`` False) or its own
-        decode engine's, which stopped waiting for it. Not live here: ended, refused if it begins, its parked opens
-        refused; True. Live here (begun): False, and it is left to its sender; where its decode gave it up (or its
-        router's client hung up: ``msg.unread``) and nobody has it open, it is dropped once committed (at once if it
-        is), not kept ``committed_ttl_ms`` unread."""
+    def _withdraw(self, msg: Withdraw | Unread, out: list, by_decode: bool = False) -> bool:
+        """The push ``msg.req_id`` will not come, or will not be read: a router's (``by_decode`` False; ``Unread``:
+        its client hung up) or its own decode engine's, which stopped waiting for it. Not live here: ended, refused
+        if it begins, its parked opens refused; True (an ``Unread`` of one that ended here already: nothing, False).
+        Live here (begun): False, and it is left to its sender; where its decode gave it up (a claim too), or its
+        router's client did (never a claim), and nobody has it open, it is dropped once committed (at once if it
+        is), not kept ``committed_ttl_ms`` unread. Given up once, it is counted once."""
         rid = msg.req_id
-        who = "its decode engine, which stopped waiting for it" if by_decode else "the router that placed it"
+        unread = isinstance(msg, Unread)
+        who = ("its decode engine, which stopped waiting for it" if by_decode else
+               "the router that placed it, whose client hung up" if unread else "the router that placed it")
         why = f"withdrawn by {who}{': ' + msg.reason if msg.reason else ''}"
         if (r := self.reqs.get(rid)) is not None:
-            if (by_decode or msg.unread) and not r.readers:  # (a claim too: unpinned now, not at its lease's end)
+            if r.given_up:
+                out.append(Log(logging.DEBUG, f"{why}, given up already", rid))
+            elif (by_decode or (unread and not r.claimed)) and not r.readers:  # (a claim: unpinned now, not later)
                 self.counters.count(out, "requests_given_up", metric="withdrawn",
                                     label="decode_live" if by_decode else "router_live")
                 r.given_up = why  # a push of it again (a retried prefill leg) is refused once this one leaves
@@ -726,6 +733,8 @@ class ReceiverSession:
             else:
                 out.append(Log(logging.DEBUG, f"{why}, after its push began: left to its sender", rid))
             return False
+        if unread and rid in self.finished:
+            return False  # read and released, or failed: its client's hang-up changes nothing, and is not counted
         if rid not in self.withdrawn:
             self.counters.count(out, "requests_withdrawn", metric="withdrawn", label="decode" if by_decode else "router")
             out.append(Log(logging.DEBUG, why, rid))  # (counted: a flood of them makes no flood of lines)

@@ -69,6 +69,7 @@ class _Req:
     lost: str = ""  # the receiver missed the deadline of the question about it
     query: Query | None = None  # the question about its push (its prompt's chunk keys: hashed once)
     claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
+    claim_unsure: bool = False  # the claim failed here (a timeout, say): the receiver may have made it all the same
     asynchronous: bool = False  # the load planned is asynchronous (loads_async)
     prefix_key: bytes = b""  # planned from the prefill's answer, not asked: the key the push's open must show
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
@@ -296,11 +297,12 @@ class SchedulerSide:
         push: withdrawn, so that it leaves the receiver's pool now (or is refused if it begins later), rather than
         holding its pages unread for ``committed_ttl_ms``. A push that was loaded is released by its reader, and one
         given up is withdrawn already. A claim made and never loaded is withdrawn too: its held chunks are unpinned
-        now rather than at the end of its lease; a claim never made (or of nothing held) pinned nothing."""
+        now rather than at the end of its lease (one whose answer was lost too, as the receiver may have made it); a
+        claim never made (or of nothing held) pinned nothing."""
         kp = KvParams.parse(request.kv_transfer_params)
         if not kp.pdpush_req_id or (r is not None and (r.planned_once or r.gave_up or r.push_gone)):
             return
-        if kp.pdpush_claim and not (r is not None and r.claimed):
+        if kp.pdpush_claim and not (r is not None and (r.claimed or r.claim_unsure)):
             return
         self.stats.push_unread += 1
         log.info("pdpush: request %s ended without loading %s %s: withdrawing it", request.request_id,
@@ -369,7 +371,7 @@ class SchedulerSide:
                 log.error("pdpush: claim of held chunks for %s failed; computing the prompt here: %s",
                           request.request_id, e)
                 self.receiver.reset()
-                r.claimed = 0
+                r.claimed, r.claim_unsure = 0, True
         end = min(want, r.claimed * self.layout.chunk_tokens)
         if end <= computed:
             if not r.claimed:
