@@ -991,10 +991,11 @@ def test_a_withdrawn_push_is_gone_at_once_for_its_decode_and_refused_if_it_begin
 
 
 def test_a_router_whose_client_hung_up_has_an_unread_push_dropped_but_never_one_being_read():
-    """``Unread`` (the router's client hung up: nobody will read the push): a committed push that nobody has open is
-    dropped at once, a streaming one once committed (counted once, however many say so), and a push of it again is
-    refused; one that a reader has open is kept, and so is a live push the router only withdraws (``Withdraw``) and a
-    claim. One that ended already (read and released) is left uncounted and unremembered."""
+    """``Unread`` (the router's client hung up before its decode leg went: nobody will read the push): a committed push
+    that nobody has open is dropped at once, a streaming one once committed (counted once, however many say so), and
+    a push of it again is refused, as is one not begun yet, or begun again after its first try failed (a retried
+    prefill leg); one that a reader has open is kept, and so is a live push the router only withdraws (``Withdraw``)
+    and a claim."""
     rx = receiver(pages=16, reader_keys=frozenset({"ROUTER-KEY"}))
     hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
     assert msgs(rx.on_control(b"s", hello, 0), ToSender, protocol.HelloAck)
@@ -1036,19 +1037,22 @@ def test_a_router_whose_client_hung_up_has_an_unread_push_dropped_but_never_one_
         rx.on_control(b"router", kind(req_id=rid), 3, "ROUTER-KEY")
         rx.on_tick(6)
         assert rid in rx.reqs
-    # read and released, then its client hangs up: nothing to drop, nothing counted, nothing remembered
-    assert msgs(rx.on_local(DEC, protocol.Release(req_id="read"), 7), ToDecode, protocol.Ok)
-    assert "read" not in rx.reqs
-    out = gone("read", 8)
-    assert msgs(out, ToSender, protocol.Ok) == [protocol.Ok(req_id=None)] and not [a for a in out if isinstance(a, Count)]
-    assert "read" not in rx.withdrawn
+    # not begun yet, or failed and about to be tried again: refused when it begins
+    assert msgs(gone("early", 7), ToSender, protocol.Ok) == [protocol.Ok(req_id="early")]
+    assert msgs(alloc("tried", 500), ToSender, protocol.AllocResponse)
+    assert msgs(rx.on_control(b"s", protocol.Abort(req_id="tried"), 7), ToSender, protocol.Ok)
+    gone("tried", 7)
+    for rid, first in (("early", 400), ("tried", 500)):
+        err = msgs(alloc(rid, first), ToSender, protocol.Error)
+        assert err and err[0].code is ErrorCode.ABORTED and "its client hung up" in err[0].message, err
+    assert rx.counters.values["requests_withdrawn"] == 2
     # a claim is its decode's: a router's Unread leaves it
     keys = chunk_keys(list(range(200, 240)), LAY)
     assert msgs(rx.on_local(DEC, protocol.Claim(req_id="cl", chunk_keys=keys, last_chunk_tokens=8, lease_ms=5000), 8),
                 ToDecode, protocol.ClaimOk)[0].chunks == 3
     gone("cl", 9)
     assert "cl" in rx.reqs
-    assert rx.counters.values["requests_given_up"] == 2 and rx.counters.values["requests_withdrawn"] == 0
+    assert rx.counters.values["requests_given_up"] == 2 and rx.counters.values["requests_withdrawn"] == 2
     rx.check()
 
 

@@ -190,16 +190,18 @@ from pdpush.integrations.vllm.scheduler import SchedulerSide
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
 from pdpush.layout import KVLayout
 
-sock, lay, ids, lost = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4] == "lost"
+sock, lay, ids, answer = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 settings = ConnectorSettings(receiver_socket=sock)
 side = SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=False, consumer=True)
-if lost:  # the receiver makes the claim, and its answer is lost on the way (a timeout here)
-    from pdpush.errors import TransportTimeout
+if answer != "came":  # lost: the receiver makes the claim, and its answer is lost on the way (a timeout here);
+    from pdpush.errors import ShuttingDown, TransportTimeout  # refused: the receiver makes none (it is draining)
 
     link = side.receiver.get()
     made = link.claim
 
     def claim(*a, **k):
+        if answer == "refused":
+            raise ShuttingDown("receiver is draining")
         made(*a, **k)
         raise TransportTimeout("the claim's answer did not come in time")
 
@@ -221,13 +223,13 @@ print(json.dumps({"matched": got[0], "claimed": claimed, "left": len(side._to_wi
 """
 
 
-@pytest.mark.parametrize("answer", ["came", "lost"])
+@pytest.mark.parametrize("answer", ["came", "lost", "refused"])
 def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(tmp_path, answer):
     """Conditional disaggregation: a decode request claims the chunks its receiver holds, waits in its engine's
     queue for blocks, and is aborted there (its client hung up) without loading them. The claim is withdrawn when
     the request ends, so the held chunks are unpinned at once rather than for the claim's lease (30 s); a claim of
     that id again is refused. So is one whose answer was lost (the receiver made it; the connector computes the
-    prompt itself)."""
+    prompt itself); one the receiver refused made nothing, and nothing is withdrawn."""
     from pdpush.client import DecodeClient
     from pdpush.errors import Aborted
     from pdpush.layout import KVLayout
@@ -243,8 +245,11 @@ def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(t
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
         want = {"matched": 47, "claimed": 3} if answer == "came" else {"matched": 0, "claimed": 0}
-        assert out == {**want, "left": 0, "push_unread": 1}, out
+        assert out == {**want, "left": 0, "push_unread": int(answer != "refused")}, out
         after = rx_status(rx)
+        if answer == "refused":
+            assert after["requests_claimed"] == 0 and after["requests_withdrawn"] == 0, after
+            return
         assert after["requests_claimed"] == 1 and after["requests_given_up"] == 1, after
         dc = DecodeClient(sock, timeout_s=10)
         try:

@@ -109,7 +109,7 @@ def dashboard() -> dict:
                                                     ("max by (receiver) (pdpush_router_index_chunks)", "chunks {{receiver}}")])
     b.panel("Upstream errors /s", [(rate("pdpush_router_upstream_errors_total", "exported_instance"),
                                     "{{exported_instance}}")], "ops")
-    b.panel("Prefill legs sent at once: withdrawn, cancelled /s",
+    b.panel("Pushes withdrawn (legs failed, clients gone), prefill legs cancelled /s",
             [(rate("pdpush_router_withdrawals_total", "outcome"), "withdrawal {{outcome}}"),
              (rate("pdpush_router_prefill_legs_cancelled_total", "job"), "cancelled (still running after its decode)")],
             "ops", desc="Withdrawn: the leg pushed nothing, and its decode was told not to wait (unread_*: the client "

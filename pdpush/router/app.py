@@ -90,6 +90,7 @@ class Route_:
     # a prefill leg that may have reached its engine and gone unanswered (a broken answer, a timeout): its push may
     # still come, so it is not withdrawn (a refused connection or an error status is sure)
     prefill_unsure: bool = False
+    decode_sent: bool = False  # its decode leg went (or is going) to its engine, whose connector withdraws the push
 
 
 class Router:
@@ -552,6 +553,7 @@ class Router:
                      prefill_task: asyncio.Task | None, mode: str, t0: float) -> Response:
         decode = route.decode
         decode.inflight += 1
+        route.decode_sent = True  # from here on, a client gone is its decode engine's to see (its connector withdraws)
         resp = None
         try:
             try:
@@ -682,13 +684,13 @@ class Router:
         self.watches.withdraw(route.decode, route.push_id, "the prefill leg failed", done)
 
     def _withdraw_unread(self, route: Route_) -> None:
-        """A request whose client hung up: nobody will read its push. Its receiver is told so (``protocol.Unread``):
-        a push already begun there that nobody has open is dropped once committed, one that begins later is refused,
-        one read already is left as it is. Without it a prefill leg cancelled after its engine had handed the push
-        over (its last step ran) left the push committed and unread for ``committed_ttl_ms``: one after the other,
-        its decode leg was never sent, so no decode withdrew it. (A decode leg already sent withdraws it too, as its
-        request ends there; a push it has open is never dropped.)"""
-        if route.prefill is None:
+        """A request whose client hung up before its decode leg was sent (one leg after the other, in the prefill
+        leg): nobody will read its push, and no decode will withdraw it. Its receiver is told so (``protocol.Unread``):
+        a push already begun there that nobody has open is dropped once committed, one that begins later (a retried
+        prefill leg) is refused. Without it a prefill leg cancelled after its engine had handed the push over (its
+        last step ran) left the push committed and unread for ``committed_ttl_ms``. A decode leg already sent is its
+        engine's to abort, and its connector withdraws a push it had not loaded."""
+        if route.prefill is None or route.decode_sent:
             return  # conditional: no push (the decode's own claim goes with its request)
 
         def done(sent: bool) -> None:

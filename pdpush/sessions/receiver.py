@@ -38,7 +38,7 @@ unpinned, as any dropped request's do, and a push of it again is refused too. A 
 (its prompt found in its own cache, say) is dropped the same way, at once: its held chunks are unpinned rather
 than kept for the claim's lease. A router whose client hung up sends ``Unread`` (nobody will read the push: its
 decode leg may never have been sent): as ``Withdraw``, and a begun push (never a claim) is dropped the same
-way; one that ended here already is left uncounted. A local client can open and read any push already, and a
+way. A local client can open and read any push already, and a
 router only names its own push ids: what ``Unread`` adds is a veto over a begun push whose id it knows, where
 ``Withdraw`` is one over a push not begun. A push that somebody has open is never touched.
 
@@ -708,8 +708,7 @@ class ReceiverSession:
     def _withdraw(self, msg: Withdraw | Unread, out: list, by_decode: bool = False) -> bool:
         """The push ``msg.req_id`` will not come, or will not be read: a router's (``by_decode`` False; ``Unread``:
         its client hung up) or its own decode engine's, which stopped waiting for it. Not live here: ended, refused
-        if it begins, its parked opens refused; True (an ``Unread`` of one that ended here already: nothing, False).
-        Live here (begun): False, and it is left to its sender; where its decode gave it up (a claim too), or its
+        if it begins, its parked opens refused; True. Live here (begun): False, and it is left to its sender; where its decode gave it up (a claim too), or its
         router's client did (never a claim), and nobody has it open, it is dropped once committed (at once if it
         is), not kept ``committed_ttl_ms`` unread. Given up once, it is counted once."""
         rid = msg.req_id
@@ -733,8 +732,6 @@ class ReceiverSession:
             else:
                 out.append(Log(logging.DEBUG, f"{why}, after its push began: left to its sender", rid))
             return False
-        if unread and rid in self.finished:
-            return False  # read and released, or failed: its client's hang-up changes nothing, and is not counted
         if rid not in self.withdrawn:
             self.counters.count(out, "requests_withdrawn", metric="withdrawn", label="decode" if by_decode else "router")
             out.append(Log(logging.DEBUG, why, rid))  # (counted: a flood of them makes no flood of lines)
