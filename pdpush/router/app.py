@@ -90,7 +90,9 @@ class Route_:
     # a prefill leg that may have reached its engine and gone unanswered (a broken answer, a timeout): its push may
     # still come, so it is not withdrawn (a refused connection or an error status is sure)
     prefill_unsure: bool = False
-    decode_sent: bool = False  # its decode leg went (or is going) to its engine, whose connector withdraws the push
+    # a decode leg naming the push went (or is going) to its engine, whose connector withdraws the push if its client
+    # hangs up; else the router tells the receiver itself (_withdraw_unread)
+    decode_sent: bool = False
 
 
 class Router:
@@ -553,7 +555,7 @@ class Router:
                      prefill_task: asyncio.Task | None, mode: str, t0: float) -> Response:
         decode = route.decode
         decode.inflight += 1
-        route.decode_sent = True  # from here on, a client gone is its decode engine's to see (its connector withdraws)
+        route.decode_sent = params is not None  # a decode that names the push: a client gone is its engine's to see
         resp = None
         try:
             try:
@@ -569,8 +571,9 @@ class Router:
                 decode.inflight -= 1
                 decode = other.decode
                 decode.inflight += 1
+                route.decode_sent = False  # (this one recomputes: it does not know the push)
                 resp = await self._open_decode(decode, path, legs.decode_body(body, None), headers)
-        except asyncio.CancelledError:  # its client hung up (_unless_gone): its decode withdraws the push
+        except asyncio.CancelledError:  # its client gone (_unless_gone): its decode withdraws the push, or the router
             decode.inflight -= 1
             self._settle_later(prefill_task, route)
             if prefill_task is not None:
@@ -586,7 +589,7 @@ class Router:
         if resp.status_code != 200:
             try:
                 data = await resp.aread()
-            except asyncio.CancelledError:  # its client hung up (_unless_gone): its decode withdraws the push
+            except asyncio.CancelledError:  # its client gone (_unless_gone): its decode withdraws the push
                 if prefill_task is not None:
                     prefill_task.cancel()
                 raise
@@ -632,7 +635,7 @@ class Router:
             self._unreachable(decode, e)
             self.metrics.requests.labels(path, "upstream_error").inc()
             return error(502, f"decode instance {decode.url} broke off its answer: {e}", "upstream_error")
-        except asyncio.CancelledError:  # its client hung up (_unless_gone): its decode withdraws the push
+        except asyncio.CancelledError:  # its client gone (_unless_gone): its decode withdraws the push, or the router
             if prefill_task is not None:
                 prefill_task.cancel()
             raise
@@ -684,14 +687,14 @@ class Router:
         self.watches.withdraw(route.decode, route.push_id, "the prefill leg failed", done)
 
     def _withdraw_unread(self, route: Route_) -> None:
-        """A request whose client hung up before its decode leg was sent (one leg after the other, in the prefill
-        leg): nobody will read its push, and no decode will withdraw it. Its receiver is told so (``protocol.Unread``):
+        """A request whose client hung up before a decode leg naming its push was sent (one leg after the other, in
+        the prefill leg; or its decode leg recomputes): nobody will read its push, and no decode will withdraw it. Its receiver is told so (``protocol.Unread``):
         a push already begun there that nobody has open is dropped once committed, one that begins later (a retried
         prefill leg) is refused. Without it a prefill leg cancelled after its engine had handed the push over (its
         last step ran) left the push committed and unread for ``committed_ttl_ms``. A decode leg already sent is its
         engine's to abort, and its connector withdraws a push it had not loaded."""
         if route.prefill is None or route.decode_sent:
-            return  # conditional: no push (the decode's own claim goes with its request)
+            return  # no push (conditional: the decode's own claim goes with its request), or its decode withdraws it
 
         def done(sent: bool) -> None:
             self.counters["unread_sent" if sent else "unread_unsent"] += 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdpush import kv_params
-from pdpush.errors import BrokenResourceError, PdpushError, TransportTimeout
+from pdpush.errors import Aborted, DuplicateRequest, PdpushError, RequestTooLarge, ShuttingDown, UnknownRequest
 from pdpush.integrations.vllm.asker import Asker, Lost
 from pdpush.integrations.vllm.metadata import LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
@@ -44,6 +44,9 @@ def loads_async(mode: str, committed: bool, running: int) -> bool:
         return mode == "async"
     return not committed and running > 0
 
+# the receiver's own refusals of a Claim, where it made none; any other failure (a timeout, a broken connection, an
+# answer that did not decode) may have lost the answer to a claim it made, which is then withdrawn at the request's end
+CLAIM_REFUSED = (Aborted, DuplicateRequest, RequestTooLarge, ShuttingDown, UnknownRequest)
 
 @dataclass
 class _Req:
@@ -69,7 +72,7 @@ class _Req:
     lost: str = ""  # the receiver missed the deadline of the question about it
     query: Query | None = None  # the question about its push (its prompt's chunk keys: hashed once)
     claimed: int | None = None  # chunks claimed from the receiver's index (conditional disaggregation)
-    claim_unsure: bool = False  # the claim's answer was lost (a timeout): the receiver may have made it all the same
+    claim_unsure: bool = False  # the claim failed but not by the receiver's refusal: it may have made it all the same
     asynchronous: bool = False  # the load planned is asynchronous (loads_async)
     prefix_key: bytes = b""  # planned from the prefill's answer, not asked: the key the push's open must show
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
@@ -371,7 +374,7 @@ class SchedulerSide:
                 log.error("pdpush: claim of held chunks for %s failed; computing the prompt here: %s",
                           request.request_id, e)
                 self.receiver.reset()
-                r.claimed, r.claim_unsure = 0, isinstance(e, (TransportTimeout, BrokenResourceError))
+                r.claimed, r.claim_unsure = 0, not isinstance(e, CLAIM_REFUSED)
         end = min(want, r.claimed * self.layout.chunk_tokens)
         if end <= computed:
             if not r.claimed:
