@@ -119,8 +119,8 @@ class Upstream(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: list  # (path, body) of each POST
     heard: list  # (path, its headers, lower-case names) of each POST
-    state: dict  # mode: ok | fail500 | slow (state["before"](body) first) | dead | drop | ask (state["ask"](body): its
-    # text) ; role
+    state: dict  # mode: ok | fail500 | slow | dead | drop | ask (state["ask"](body): its text) ; role ; before(body):
+    # called first, in any mode
 
     def log_message(self, *a) -> None:
         pass
@@ -169,8 +169,8 @@ class Upstream(BaseHTTPRequestHandler):
         if self.path == "/tokenize":
             self._send(200, {"tokens": list(range(1, 1 + len(body.get("prompt", "")))), "count": 0})
             return
-        if mode == "slow" and "before" in self.state:
-            self.state["before"](body)  # (a prefill engine that hands its push over, then is slow to answer)
+        if "before" in self.state:
+            self.state["before"](body)  # (a prefill engine that hands its push over, then is slow or dies)
         if mode == "slow" and self._hung_up_within(self.state.get("sleep", 1.0)):
             self.state.setdefault("hung_up", []).append(body.get("kv_transfer_params"))
             return
@@ -371,11 +371,14 @@ def test_a_client_that_hangs_up_before_its_answer_cancels_its_legs(upstreams, st
     assert post(url, {"prompt": "abd", "max_tokens": 2}).status_code == 200  # it goes on
 
 
-def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstreams, start_router, tmp_path):
+@pytest.mark.parametrize("prefill", ["slow", "drop"])
+def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstreams, start_router, tmp_path,
+                                                                             prefill):
     """One leg after the other, the client hangs up after the prefill engine handed its push over (its last step
-    ran) and before it answered: the decode leg is never sent, so no decode will read or withdraw that push. The
-    router tells the receiver (``Unread``), which drops it at once instead of keeping it unread
-    for ``committed_ttl_ms`` (10 minutes by default)."""
+    ran): before that engine answered (``slow``), so that no decode leg was sent, or after it died unanswered
+    (``drop``), so that the decode leg recomputes and names no push. Either way no decode will read or withdraw
+    that push. The router tells the receiver (``Unread``), which drops it at once instead of keeping it unread for
+    ``committed_ttl_ms`` (10 minutes by default)."""
     rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
     try:
@@ -385,19 +388,23 @@ def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstr
             pushed.append(body["kv_transfer_params"]["pdpush_push_id"])
             push(tx, rx, pushed[-1], list(range(40)))
 
-        p_url, p, _ = upstreams("prefill", mode="slow", sleep=20.0, before=push_it)
-        d_url, d, _ = upstreams("decode")
+        p_url, p, _ = upstreams("prefill", mode=prefill, sleep=20.0, before=push_it)
+        d_url, d, _ = upstreams("decode", **({"mode": "slow", "sleep": 20.0} if prefill == "drop" else {}))
         r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=False,
                          prefill_leg_linger_s=60)
         url = r.info["url"]
         with pytest.raises(httpx.ReadTimeout):
             post(url, {"prompt": "abc", "max_tokens": 2}, timeout=4.0)
-        until(lambda: p.state.get("hung_up"), 10, "the prefill leg hung up on")
+        until(lambda: (p if prefill == "slow" else d).state.get("hung_up"), 10, "the leg running hung up on")
         assert pushed and rx_status(rx)["requests_committed"] == 1
         until(lambda: rx_status(rx)["requests_given_up"] == 1, 10, "the unread push dropped")
         st = rx_status(rx)
         assert st["requests_inflight"] == 0 and st["pool_pages_free"] + st["chunks_cached"] == 32, st
-        assert not [b for path, b in d.seen if path == "/v1/completions"]  # never sent
+        sent = [b for path, b in d.seen if path == "/v1/completions"]
+        if prefill == "slow":
+            assert not sent  # never sent
+        else:  # it recomputes: it names no push
+            assert len(sent) == 1 and not (sent[0].get("kv_transfer_params") or {}).get("pdpush_req_id"), sent
         health = httpx.get(url + "/health").json()
         assert health["unread_sent"] == 1 and health["withdraw_sent"] == 0
         assert 'pdpush_pushes_withdrawn_total{by="router_live"} 1.0' in httpx.get(
