@@ -688,11 +688,12 @@ class Router:
 
     def _withdraw_unread(self, route: Route_) -> None:
         """A request whose client hung up before a decode leg naming its push was sent (one leg after the other, in
-        the prefill leg; or its decode leg recomputes): nobody will read its push, and no decode will withdraw it. Its receiver is told so (``protocol.Unread``):
-        a push already begun there that nobody has open is dropped once committed, one that begins later (a retried
-        prefill leg) is refused. Without it a prefill leg cancelled after its engine had handed the push over (its
-        last step ran) left the push committed and unread for ``committed_ttl_ms``. A decode leg already sent is its
-        engine's to abort, and its connector withdraws a push it had not loaded."""
+        the prefill leg; or its decode leg recomputes): nobody will read its push, and no decode will withdraw it.
+        Its receiver is told so (``protocol.Unread``): a push already begun there that nobody has open is dropped
+        once committed, one that begins later (a retried prefill leg) is refused. Without it a prefill leg cancelled
+        after its engine had handed the push over (its last step ran) left the push committed and unread for
+        ``committed_ttl_ms``. A decode leg already sent is its engine's to abort, and its connector withdraws a push
+        it had not loaded."""
         if route.prefill is None or route.decode_sent:
             return  # no push (conditional: the decode's own claim goes with its request), or its decode withdraws it
 

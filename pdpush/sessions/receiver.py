@@ -708,9 +708,10 @@ class ReceiverSession:
     def _withdraw(self, msg: Withdraw | Unread, out: list, by_decode: bool = False) -> bool:
         """The push ``msg.req_id`` will not come, or will not be read: a router's (``by_decode`` False; ``Unread``:
         its client hung up) or its own decode engine's, which stopped waiting for it. Not live here: ended, refused
-        if it begins, its parked opens refused; True. Live here (begun): False, and it is left to its sender; where its decode gave it up (a claim too), or its
-        router's client did (never a claim), and nobody has it open, it is dropped once committed (at once if it
-        is), not kept ``committed_ttl_ms`` unread. Given up once, it is counted once."""
+        if it begins, its parked opens refused; True. Live here (begun): False, and it is left to its sender; where
+        its decode gave it up (a claim too), or its router's client did (never a claim), and nobody has it open, it
+        is dropped once committed (at once if it is), not kept ``committed_ttl_ms`` unread. Given up once, it is
+        counted once."""
         rid = msg.req_id
         unread = isinstance(msg, Unread)
         who = ("its decode engine, which stopped waiting for it" if by_decode else
