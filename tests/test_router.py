@@ -414,6 +414,50 @@ def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstr
         rx.stop()
 
 
+def test_a_client_gone_while_its_decode_leg_recomputes_elsewhere_has_its_push_dropped(upstreams, start_router,
+                                                                                     tmp_path):
+    """The decode instance placed takes its leg and dies unanswered: the router retries the leg on another decode
+    instance, recomputing (that one does not know the push). The client hangs up during it: no decode will read or
+    withdraw the push on the first instance's receiver, so the router tells that receiver (``Unread``)."""
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        p_url, p, _ = upstreams("prefill")
+        a_url, a, _ = upstreams("decode", mode="drop")  # its health checks pass; its legs die unanswered
+        b_url, b, _ = upstreams("decode", mode="slow", sleep=20.0, healthy=False)  # not placed first
+        r = start_router([p_url], [{"url": a_url, "receiver": rx.info["control_endpoint"]},
+                                   {"url": b_url, "receiver": DEAD_RECEIVER}], concurrent_legs=False,
+                         prefill_leg_linger_s=60)
+        url = r.info["url"]
+
+        def decodes_healthy():
+            return [v["healthy"] for k, v in httpx.get(url + "/health").json()["instances"].items()
+                    if k.startswith("decode")]
+
+        until(lambda: decodes_healthy().count(False) == 1, 10, "the second decode instance out")
+        pushed = []
+
+        def push_then_readmit(body):  # placed on the first decode instance by now: the second may come back
+            pushed.append(body["kv_transfer_params"]["pdpush_push_id"])
+            push(tx, rx, pushed[-1], list(range(40)))
+            b.state["healthy"] = True
+            until(lambda: all(decodes_healthy()), 10, "the second decode instance back")
+
+        p.state["before"] = push_then_readmit
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, {"prompt": "abc", "max_tokens": 2}, timeout=6.0)
+        until(lambda: b.state.get("hung_up"), 10, "the retried decode leg hung up on")
+        assert [path for path, _ in a.seen] == ["/v1/completions"]
+        sent = [body for path, body in b.seen if path == "/v1/completions"]
+        assert len(sent) == 1 and not (sent[0].get("kv_transfer_params") or {}).get("pdpush_req_id"), sent
+        until(lambda: rx_status(rx)["requests_given_up"] == 1, 10, "the unread push dropped")
+        health = httpx.get(url + "/health").json()
+        assert health["decode_retries"] == 1 and health["unread_sent"] == 1, health
+    finally:
+        tx.stop()
+        rx.stop()
+
+
 @pytest.mark.parametrize("flag,env,mode", [("sequential", None, "sequential"), ("concurrent", "false", "concurrent"),
                                            ("auto", "false", "concurrent")])
 def test_the_command_line_names_each_legs_setting_and_wins_over_the_environment(upstreams, start_router, flag, env,
