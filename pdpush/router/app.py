@@ -573,7 +573,7 @@ class Router:
                 decode.inflight += 1
                 route.decode_sent = False  # (this one recomputes: it does not know the push)
                 resp = await self._open_decode(decode, path, legs.decode_body(body, None), headers)
-        except asyncio.CancelledError:  # its client gone (_unless_gone): its decode withdraws the push, or the router
+        except asyncio.CancelledError:  # its client gone (_unless_gone): its push is withdrawn (_withdraw_unread)
             decode.inflight -= 1
             self._settle_later(prefill_task, route)
             if prefill_task is not None:
@@ -589,7 +589,7 @@ class Router:
         if resp.status_code != 200:
             try:
                 data = await resp.aread()
-            except asyncio.CancelledError:  # its client gone (_unless_gone): its decode withdraws the push
+            except asyncio.CancelledError:  # its client gone (_unless_gone): its push is withdrawn (_withdraw_unread)
                 if prefill_task is not None:
                     prefill_task.cancel()
                 raise
@@ -635,7 +635,7 @@ class Router:
             self._unreachable(decode, e)
             self.metrics.requests.labels(path, "upstream_error").inc()
             return error(502, f"decode instance {decode.url} broke off its answer: {e}", "upstream_error")
-        except asyncio.CancelledError:  # its client gone (_unless_gone): its decode withdraws the push, or the router
+        except asyncio.CancelledError:  # its client gone (_unless_gone): its push is withdrawn (_withdraw_unread)
             if prefill_task is not None:
                 prefill_task.cancel()
             raise

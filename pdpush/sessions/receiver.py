@@ -37,10 +37,10 @@ committed (at once if it is) rather than kept ``committed_ttl_ms`` unread; its c
 unpinned, as any dropped request's do, and a push of it again is refused too. A claim it made and never loaded
 (its prompt found in its own cache, say) is dropped the same way, at once: its held chunks are unpinned rather
 than kept for the claim's lease. A router whose client hung up sends ``Unread`` (nobody will read the push: no
-decode leg naming it was sent): as ``Withdraw``, and a begun push (never a claim) is dropped the same
-way. A local client can open and read any push already, and a
-router only names its own push ids: what ``Unread`` adds is a veto over a begun push whose id it knows, where
-``Withdraw`` is one over a push not begun. A push that somebody has open is never touched.
+decode leg naming it was sent): as ``Withdraw``, and a begun push (never a claim) is dropped the same way. A
+local client can open and read any push already, and a router only names its own push ids: what ``Unread``
+adds is a veto over a begun push whose id it knows, where ``Withdraw`` is one over a push not begun. A push
+that somebody has open is never touched.
 
 Each request's whole life is one ``RxRequest`` here (state, lease, readers,
 watchers); the pool only says which pages it owns. Any ``PdpushError`` while

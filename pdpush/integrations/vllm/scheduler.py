@@ -48,6 +48,7 @@ def loads_async(mode: str, committed: bool, running: int) -> bool:
 # answer that did not decode) may have lost the answer to a claim it made, which is then withdrawn at the request's end
 CLAIM_REFUSED = (Aborted, DuplicateRequest, RequestTooLarge, ShuttingDown, UnknownRequest)
 
+
 @dataclass
 class _Req:
     """Everything the scheduler side knows of one request."""
