@@ -466,12 +466,13 @@ class Withdraw(Msg):
 
 
 class Unread(Msg):
-    """A router whose client hung up before a decode leg naming the push was sent, to the receiver of that decode:
-    nobody will read push ``req_id`` (no decode will withdraw it either). As ``Withdraw``, and a push of it already begun that nobody
-    has open is dropped once committed (at once if it is), as its decode's own ``Withdraw`` does. Never a claim's.
-    Accepted where ``Withdraw`` is, on the control endpoint (a reader's key too); answered as ``Withdraw`` is. A
-    message of its own, not a field of ``Withdraw``: a receiver older than its router refuses it alone, and keeps
-    taking the router's other withdrawals."""
+    """A router, to the receiver of the decode its request was placed on, once no decode engine will read push
+    ``req_id`` nor withdraw it: the client hung up before a decode leg naming it reached its engine, or that engine
+    refused or failed the leg (an error status, a broken connection; a leg recomputed elsewhere). As ``Withdraw``,
+    and a push of it already begun that nobody has open is dropped once committed (at once if it is), as its
+    decode's own ``Withdraw`` does. Never a claim's. Accepted where ``Withdraw`` is, on the control endpoint (a
+    reader's key too); answered as ``Withdraw`` is. A message of its own, not a field of ``Withdraw``: a receiver
+    older than its router refuses it alone, and keeps taking the router's other withdrawals."""
 
     type: Literal["unread"] = "unread"
     req_id: ReqId

@@ -458,6 +458,101 @@ def test_a_client_gone_while_its_decode_leg_recomputes_elsewhere_has_its_push_dr
         rx.stop()
 
 
+@pytest.mark.parametrize("prefill,decode,unread", [("ok", "fail500", True), ("ok", "drop", True), ("ok", "ok", False),
+                                                   ("fail500", "ok", False)])
+def test_a_push_that_no_decode_engine_took_is_dropped(upstreams, start_router, tmp_path, prefill, decode, unread):
+    """One leg after the other, the prefill engine pushes; then the decode instance answers the decode leg with an
+    error status (``fail500``), or takes it and dies unanswered (``drop``; there is no other decode instance to
+    recompute on). The client gets that error, and nobody will read the push or withdraw it: the router tells its
+    receiver (``Unread``), which drops it at once instead of keeping it unread for ``committed_ttl_ms``. A decode
+    that answered (``ok``) had the push to read; a prefill leg that failed with an error status pushed nothing:
+    neither is told."""
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        def push_it(body):
+            push(tx, rx, body["kv_transfer_params"]["pdpush_push_id"], list(range(40)))
+
+        p_url, _, _ = upstreams("prefill", mode=prefill, **({"before": push_it} if prefill == "ok" else {}))
+        d_url, _, _ = upstreams("decode", mode=decode)
+        r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=False)
+        url = r.info["url"]
+        until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["index_synced"], 10,
+              "the receiver's feed")
+        res = post(url, {"prompt": "abc", "max_tokens": 2}, timeout=20)
+        assert res.status_code == {"fail500": 500, "drop": 502, "ok": 200}[decode], res.text
+        if unread:
+            until(lambda: rx_status(rx)["requests_given_up"] == 1, 10, "the unread push dropped")
+            st = rx_status(rx)
+            assert st["requests_inflight"] == 0 and st["pool_pages_free"] + st["chunks_cached"] == 32, st
+        else:
+            time.sleep(0.5)
+            assert rx_status(rx)["requests_given_up"] == 0
+            assert rx_status(rx)["requests_committed"] == (prefill == "ok")  # (left to its decode: a stand-in here)
+        health = httpx.get(url + "/health").json()
+        assert health["unread_sent"] == unread and health["unread_unsent"] == 0 and health["withdraw_sent"] == 0
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_a_client_gone_while_its_decode_leg_waits_for_a_connection_has_its_push_dropped(upstreams, start_router,
+                                                                                        tmp_path):
+    """One leg after the other, the push commits, then the decode leg waits for its connection: the decode engine's
+    accept queue is full (its listener's backlog 0, one connection queued), so the router's SYN is dropped, as
+    under overload. The client hangs up meanwhile. The leg never reached the engine, so no decode will read or
+    withdraw the push: the router tells its receiver (``Unread``), where before it counted the leg as sent."""
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(0)
+    lsn.settimeout(0.05)
+    serving, conns = threading.Event(), []
+
+    def serve_health():  # each answer closes its connection: the router keeps none to reuse
+        while serving.is_set():
+            try:
+                c, _ = lsn.accept()
+            except OSError:
+                continue
+            with c:
+                c.recv(65536)
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+
+    serving.set()
+    health_thread = threading.Thread(target=serve_health, daemon=True)
+    health_thread.start()
+    try:
+        def push_it(body):
+            push(tx, rx, body["kv_transfer_params"]["pdpush_push_id"], list(range(40)))
+
+        p_url, _, _ = upstreams("prefill", before=push_it)
+        d_url = f"http://127.0.0.1:{lsn.getsockname()[1]}"
+        r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=False)
+        url = r.info["url"]
+        until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["index_synced"], 10,
+              "the receiver's feed")
+        serving.clear()
+        health_thread.join(5)
+        conns.append(socket.create_connection(lsn.getsockname(), timeout=2))  # the queue full
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, {"prompt": "abc", "max_tokens": 2}, timeout=2.5)
+        assert rx_status(rx)["requests_committed"] == 1
+        until(lambda: rx_status(rx)["requests_given_up"] == 1, 10, "the unread push dropped")
+        health = httpx.get(url + "/health").json()
+        assert health["unread_sent"] == 1, health
+        assert 'pdpush_router_requests_total{outcome="client_gone",route="/v1/completions"} 1.0' in httpx.get(
+            url + "/metrics").text
+    finally:
+        serving.clear()
+        for c in conns:
+            c.close()
+        lsn.close()
+        tx.stop()
+        rx.stop()
+
+
 @pytest.mark.parametrize("flag,env,mode", [("sequential", None, "sequential"), ("concurrent", "false", "concurrent"),
                                            ("auto", "false", "concurrent")])
 def test_the_command_line_names_each_legs_setting_and_wins_over_the_environment(upstreams, start_router, flag, env,

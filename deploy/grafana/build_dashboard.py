@@ -113,7 +113,8 @@ def dashboard() -> dict:
             [(rate("pdpush_router_withdrawals_total", "outcome"), "withdrawal {{outcome}}"),
              (rate("pdpush_router_prefill_legs_cancelled_total", "job"), "cancelled (still running after its decode)")],
             "ops", desc="Withdrawn: the leg pushed nothing, and its decode was told not to wait (unread_*: the client "
-            "hung up, and the receiver was told that nobody will read the push). Cancelled: the leg was still "
+            "hung up, or no decode engine took a leg naming the push, and the receiver was told that nobody will "
+            "read it). Cancelled: the leg was still "
             "unanswered prefill_leg_linger_s after its decode's answer (its prefill instance is queued past the "
             "decode's push_wait_s; consider concurrent_legs \"auto\").")
     b.row("vLLM connector (each engine's /metrics)")

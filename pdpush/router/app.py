@@ -90,9 +90,12 @@ class Route_:
     # a prefill leg that may have reached its engine and gone unanswered (a broken answer, a timeout): its push may
     # still come, so it is not withdrawn (a refused connection or an error status is sure)
     prefill_unsure: bool = False
-    # a decode leg naming the push went (or is going) to its engine, whose connector withdraws the push if its client
-    # hangs up; else the router tells the receiver itself (_withdraw_unread)
-    decode_sent: bool = False
+    # a decode leg naming the push reached its engine (its request's headers began to go out), which has not failed
+    # it: the push is that engine's to read, or its connector's to withdraw; else the router tells the receiver
+    # itself (_withdraw_unread)
+    decode_took: bool = False
+    # one leg after the other, every prefill try surely pushed nothing (refused, an error status, no connection)
+    unpushed: bool = False
 
 
 class Router:
@@ -414,8 +417,19 @@ class Router:
             self.counters["prefill_retries"] += 1
         return None
 
-    async def _open_decode(self, decode: Instance, path: str, body: dict, headers: dict) -> httpx.Response:
-        req = self.client.build_request("POST", decode.url + path, json=body, headers=headers)
+    async def _open_decode(self, decode: Instance, path: str, body: dict, headers: dict,
+                           naming: Route_ | None = None) -> httpx.Response:
+        """The decode leg, up to its answer's headers. ``naming``: the leg names that route's push, and
+        ``decode_took`` is set once its request's headers begin to go out. Before that (a wait for one of the
+        router's connections, a connection's set-up) its engine cannot have it."""
+        ext = {}
+        if naming is not None:
+            async def trace(event: str, info: dict) -> None:
+                if event.endswith(".send_request_headers.started"):  # (http11. or http2.)
+                    naming.decode_took = True
+
+            ext["trace"] = trace
+        req = self.client.build_request("POST", decode.url + path, json=body, headers=headers, extensions=ext)
         return await self.client.send(req, stream=True)
 
     # ---- HTTP ----
@@ -497,6 +511,8 @@ class Router:
             if not job.done():
                 job.cancel()
         if job.done() and not job.cancelled():
+            if job.exception() is None:
+                self._withdraw_unread(route, "no decode engine took a leg naming it")  # (failed, or recomputed)
             return job.result()
         with contextlib.suppress(asyncio.CancelledError):
             await job  # its cleanup (connections closed, counts undone)
@@ -505,7 +521,7 @@ class Router:
         self.metrics.requests.labels(path, "client_gone").inc()
         log.info("client of %s hung up before its answer: its legs were cancelled", route.push_id,
                  extra={"fields": {"event": "client_gone", "push_id": route.push_id}})
-        self._withdraw_unread(route)
+        self._withdraw_unread(route, "its client hung up")
         return error(499, "the client closed the request", "client_closed")
 
     async def _ids(self, path: str, body: dict) -> list[int] | None | Response:
@@ -543,9 +559,15 @@ class Router:
             params = kv_params.for_decode(route.push_id)
         else:
             params = await self._prefill(path, body, route, headers)
+            route.unpushed = params is None and not route.prefill_unsure
         if route.prefill is not None and prefill_task is None:
             self.counters["pushed" if params else "recomputed"] += 1
-        return await self._relay(path, body, route, params, headers, prefill_task, mode, t0)
+        try:
+            return await self._relay(path, body, route, params, headers, prefill_task, mode, t0)
+        except asyncio.CancelledError:  # its client gone (_unless_gone): a prefill leg beside it goes too
+            if prefill_task is not None:
+                prefill_task.cancel()
+            raise
 
     def _chunk_tokens(self) -> int:
         lay = self._layout()
@@ -555,12 +577,13 @@ class Router:
                      prefill_task: asyncio.Task | None, mode: str, t0: float) -> Response:
         decode = route.decode
         decode.inflight += 1
-        route.decode_sent = params is not None  # a decode that names the push: a client gone is its engine's to see
         resp = None
         try:
             try:
-                resp = await self._open_decode(decode, path, legs.decode_body(body, params), headers)
+                resp = await self._open_decode(decode, path, legs.decode_body(body, params), headers,
+                                               route if params is not None else None)
             except httpx.HTTPError as e:  # it could not be reached: another one, recomputing
+                route.decode_took = False  # (it failed the leg: it will not read the push)
                 self._unreachable(decode, e)
                 other = self.place(None, exclude=decode)
                 if isinstance(other, Response):
@@ -571,13 +594,10 @@ class Router:
                 decode.inflight -= 1
                 decode = other.decode
                 decode.inflight += 1
-                route.decode_sent = False  # (this one recomputes: it does not know the push)
                 resp = await self._open_decode(decode, path, legs.decode_body(body, None), headers)
-        except asyncio.CancelledError:  # its client gone (_unless_gone): its push is withdrawn (_withdraw_unread)
+        except asyncio.CancelledError:  # its client gone (_unless_gone; _serve cancels a prefill leg beside it)
             decode.inflight -= 1
             self._settle_later(prefill_task, route)
-            if prefill_task is not None:
-                prefill_task.cancel()
             raise
         except httpx.HTTPError as e:
             decode.inflight -= 1
@@ -587,12 +607,9 @@ class Router:
             return error(status, f"decode instance {decode.url}: {type(e).__name__}: {e}", "upstream_error",
                          {"X-Pdpush-Upstream": decode.url})
         if resp.status_code != 200:
+            route.decode_took = False  # its engine refused or failed the leg: it will not read the push
             try:
                 data = await resp.aread()
-            except asyncio.CancelledError:  # its client gone (_unless_gone): its push is withdrawn (_withdraw_unread)
-                if prefill_task is not None:
-                    prefill_task.cancel()
-                raise
             finally:
                 await resp.aclose()
                 decode.inflight -= 1
@@ -635,10 +652,6 @@ class Router:
             self._unreachable(decode, e)
             self.metrics.requests.labels(path, "upstream_error").inc()
             return error(502, f"decode instance {decode.url} broke off its answer: {e}", "upstream_error")
-        except asyncio.CancelledError:  # its client gone (_unless_gone): its push is withdrawn (_withdraw_unread)
-            if prefill_task is not None:
-                prefill_task.cancel()
-            raise
         finally:
             await resp.aclose()
             decode.inflight -= 1
@@ -686,22 +699,24 @@ class Router:
 
         self.watches.withdraw(route.decode, route.push_id, "the prefill leg failed", done)
 
-    def _withdraw_unread(self, route: Route_) -> None:
-        """A request whose client hung up before a decode leg naming its push was sent (one leg after the other, in
-        the prefill leg; or its decode leg recomputes): nobody will read its push, and no decode will withdraw it.
-        Its receiver is told so (``protocol.Unread``): a push already begun there that nobody has open is dropped
-        once committed, one that begins later (a retried prefill leg) is refused. Without it a prefill leg cancelled
-        after its engine had handed the push over (its last step ran) left the push committed and unread for
-        ``committed_ttl_ms``. A decode leg already sent is its engine's to abort, and its connector withdraws a push
-        it had not loaded."""
-        if route.prefill is None or route.decode_sent:
-            return  # no push (conditional: the decode's own claim goes with its request), or its decode withdraws it
+    def _withdraw_unread(self, route: Route_, why: str) -> None:
+        """A request ended (answered, or its client hung up) with no decode engine that took a leg naming its push
+        and did not fail it: nobody will read that push, and no decode will withdraw it. So when the client hung up
+        before that leg went out (one leg after the other, in the prefill leg; a wait for a connection to the
+        decode), when the decode engine refused or failed the leg (an error status, a broken connection), or when
+        the leg recomputed on another decode instance. Its receiver is told so (``protocol.Unread``): a push already
+        begun there that nobody has open is dropped once committed, one that begins later (a retried prefill leg, a
+        leg still running beside its decode) is refused. Without it the push, once its prefill engine had handed it
+        over, stayed committed and unread for ``committed_ttl_ms``. A decode leg its engine took is that engine's
+        to abort, and its connector withdraws a push it had not loaded."""
+        if route.prefill is None or route.decode_took or route.unpushed:
+            return  # no push (conditional: the decode's own claim goes with its request), its decode's, or none made
 
         def done(sent: bool) -> None:
             self.counters["unread_sent" if sent else "unread_unsent"] += 1
             self.metrics.withdrawals.labels("unread_sent" if sent else "unread_unsent").inc()
 
-        self.watches.withdraw(route.decode, route.push_id, "its client hung up", done, unread=True)
+        self.watches.withdraw(route.decode, route.push_id, why, done, unread=True)
 
     def _withdrawn(self, d: Instance, push_id: str) -> None:
         """The receiver acknowledged a withdrawal (its ``Ok``)."""
