@@ -28,6 +28,8 @@ def test_outcomes_and_the_retry_rule():
     assert legs.prefill_outcome(200) is legs.Outcome.PUSHED
     assert legs.prefill_outcome(400) is legs.prefill_outcome(422) is legs.Outcome.REFUSED
     assert legs.prefill_outcome(500) is legs.prefill_outcome(None) is legs.Outcome.FAILED
+    assert legs.gateway_status(502) and legs.gateway_status(504)  # a gateway's: the engine may have pushed
+    assert not any(legs.gateway_status(s) for s in (None, 200, 400, 500, 503))
 
     @dataclass
     class P:

@@ -119,8 +119,8 @@ class Upstream(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: list  # (path, body) of each POST
     heard: list  # (path, its headers, lower-case names) of each POST
-    state: dict  # mode: ok | fail500 | slow | dead | drop | ask (state["ask"](body): its text) ; role ; before(body):
-    # called first, in any mode
+    state: dict  # mode: ok | fail500 | gw504 (a gateway's timeout) | slow | dead | drop | ask (state["ask"](body): its
+    # text) ; role ; before(body): called first, in any mode
 
     def log_message(self, *a) -> None:
         pass
@@ -174,8 +174,8 @@ class Upstream(BaseHTTPRequestHandler):
         if mode == "slow" and self._hung_up_within(self.state.get("sleep", 1.0)):
             self.state.setdefault("hung_up", []).append(body.get("kv_transfer_params"))
             return
-        if mode == "fail500":
-            self._send(500, {"error": {"message": "boom"}})
+        if mode in ("fail500", "gw504"):
+            self._send(int(mode[-3:]), {"error": {"message": "boom"}})
             return
         if mode == "drop":  # it took the request and died before answering (its health checks still pass)
             self.close_connection = True
@@ -459,21 +459,22 @@ def test_a_client_gone_while_its_decode_leg_recomputes_elsewhere_has_its_push_dr
 
 
 @pytest.mark.parametrize("prefill,decode,unread", [("ok", "fail500", True), ("ok", "drop", True), ("ok", "ok", False),
-                                                   ("fail500", "ok", False)])
+                                                   ("fail500", "ok", False), ("gw504", "ok", True)])
 def test_a_push_that_no_decode_engine_took_is_dropped(upstreams, start_router, tmp_path, prefill, decode, unread):
     """One leg after the other, the prefill engine pushes; then the decode instance answers the decode leg with an
     error status (``fail500``), or takes it and dies unanswered (``drop``; there is no other decode instance to
     recompute on). The client gets that error, and nobody will read the push or withdraw it: the router tells its
     receiver (``Unread``), which drops it at once instead of keeping it unread for ``committed_ttl_ms``. A decode
-    that answered (``ok``) had the push to read; a prefill leg that failed with an error status pushed nothing:
-    neither is told."""
+    that answered (``ok``) had the push to read; a prefill leg that failed with an engine's error status pushed
+    nothing: neither is told. A gateway's 504 in front of a prefill engine that pushed (``gw504``) is not sure:
+    its decode recomputes, and the push is told unread."""
     rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
     try:
         def push_it(body):
             push(tx, rx, body["kv_transfer_params"]["pdpush_push_id"], list(range(40)))
 
-        p_url, _, _ = upstreams("prefill", mode=prefill, **({"before": push_it} if prefill == "ok" else {}))
+        p_url, _, _ = upstreams("prefill", mode=prefill, **({} if prefill == "fail500" else {"before": push_it}))
         d_url, _, _ = upstreams("decode", mode=decode)
         r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=False)
         url = r.info["url"]

@@ -87,8 +87,8 @@ class Route_:
     reason: str
     estimate: costmodel.Estimate | None = None  # cost_model: the prediction it was chosen by
     prefill_served: Instance | None = None  # the instance whose prefill leg pushed (another one after a retry)
-    # a prefill leg that may have reached its engine and gone unanswered (a broken answer, a timeout): its push may
-    # still come, so it is not withdrawn (a refused connection or an error status is sure)
+    # a prefill leg that may have reached its engine and gone unanswered (a broken answer, a timeout, a gateway's 502
+    # or 504): its push may still come, so it is not withdrawn (a refused connection or the engine's error is sure)
     prefill_unsure: bool = False
     # a decode leg naming the push reached its engine (its request's headers began to go out), which has not failed
     # it: the push is that engine's to read, or its connector's to withdraw; else the router tells the receiver
@@ -382,6 +382,7 @@ class Router:
             try:
                 r = await self.client.post(inst.url + path, json=leg, headers=headers)
                 status, why = r.status_code, r.text[:300]
+                route.prefill_unsure |= legs.gateway_status(status)
                 if legs.prefill_outcome(status) is legs.Outcome.PUSHED:
                     self.fleet.ok(inst)
                     route.prefill_served = inst

@@ -89,6 +89,12 @@ def prefill_outcome(status: int | None) -> Outcome:
     return Outcome.FAILED
 
 
+def gateway_status(status: int | None) -> bool:
+    """A 502 or 504: a gateway's answer (vLLM's server gives neither), whose engine may have taken the leg, and
+    pushed, before it broke or timed out. Unsure, as a broken answer is."""
+    return status in (502, 504)
+
+
 def next_prefill(prefills: Sequence[_Inst], tried: set[int], attempt: int) -> int | None:
     """After a failed attempt: the healthy prefill instance not tried yet with the fewest in flight, while
     attempts remain; None: the decode instance recomputes."""
