@@ -422,7 +422,9 @@ class Router:
                            naming: Route_ | None = None) -> httpx.Response:
         """The decode leg, up to its answer's headers. ``naming``: the leg names that route's push, and
         ``decode_took`` is set once its request's headers begin to go out. Before that (a wait for one of the
-        router's connections, a connection's set-up) its engine cannot have it."""
+        router's connections, a connection's set-up) its engine cannot have it. After it the engine may have it:
+        bytes in a socket that an engine has not accepted yet are not taken, and a client that hangs up then
+        leaves its push unread until ``committed_ttl_ms`` (no way to tell from here)."""
         ext = {}
         if naming is not None:
             async def trace(event: str, info: dict) -> None:
@@ -608,7 +610,8 @@ class Router:
             return error(status, f"decode instance {decode.url}: {type(e).__name__}: {e}", "upstream_error",
                          {"X-Pdpush-Upstream": decode.url})
         if resp.status_code != 200:
-            route.decode_took = False  # its engine refused or failed the leg: it will not read the push
+            # its engine refused or failed the leg: it will not read the push (a gateway's 502 or 504: it may)
+            route.decode_took &= legs.gateway_status(resp.status_code)
             try:
                 data = await resp.aread()
             finally:

@@ -52,7 +52,7 @@ class Feed:
 
     async def withdraw(self, push_id: str, reason: str, unread: bool = False) -> bool:
         """Tell the receiver that push ``push_id`` will not come (``protocol.Withdraw``), or, ``unread``, that nobody
-        will read it (its client hung up: ``protocol.Unread``), on the feed's socket: its ``Ok`` comes back on it
+        will read it (``protocol.Unread``: its client hung up, or no decode engine took a leg naming it), on the feed's socket: its ``Ok`` comes back on it
         (``on_withdrawn``), an ``Error`` is logged. False where it could not be queued (no socket, or its queue
         full); a queued one is lost with the socket if the receiver is not reached before a reconnection.
         Unacknowledged, the decode waits for the push as long as its ``push_wait_s``."""

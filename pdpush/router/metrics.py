@@ -39,9 +39,8 @@ class Metrics:
                                        "token; a whole answer otherwise)", ["stream"], buckets=ttft, registry=r)
         self.withdrawals = Counter("pdpush_router_withdrawals", "Pushes told to their receiver as never coming (a "
                                    "prefill leg sent beside its decode leg pushed nothing), by outcome: sent, "
-                                   "acknowledged, unsent; or as never read (their client hung up, or no decode engine took a leg "
-                                   "naming them): unread_sent, "
-                                   "unread_unsent",
+                                   "acknowledged, unsent; or as never read (their client hung up, or no decode "
+                                   "engine took a leg naming them): unread_sent, unread_unsent",
                                    ["outcome"], registry=r)
         self.prefill_cancelled = Counter("pdpush_router_prefill_legs_cancelled", "Prefill legs sent at once, still "
                                          "unanswered prefill_leg_linger_s after their decode's answer: cancelled",

@@ -36,8 +36,8 @@ push that comes later takes no pages. A push of it already begun, that nobody ha
 committed (at once if it is) rather than kept ``committed_ttl_ms`` unread; its chunks stay in the index,
 unpinned, as any dropped request's do, and a push of it again is refused too. A claim it made and never loaded
 (its prompt found in its own cache, say) is dropped the same way, at once: its held chunks are unpinned rather
-than kept for the claim's lease. A router whose client hung up sends ``Unread`` (nobody will read the push: no
-decode leg naming it was sent): as ``Withdraw``, and a begun push (never a claim) is dropped the same way. A
+than kept for the claim's lease. A router sends ``Unread`` once nobody will read the push (its client hung up
+before a decode leg naming it reached its engine, or that engine refused or failed the leg): as ``Withdraw``, and a begun push (never a claim) is dropped the same way. A
 local client can open and read any push already, and a router only names its own push ids: what ``Unread``
 adds is a veto over a begun push whose id it knows, where ``Withdraw`` is one over a push not begun. A push
 that somebody has open is never touched.
@@ -715,7 +715,7 @@ class ReceiverSession:
         rid = msg.req_id
         unread = isinstance(msg, Unread)
         who = ("its decode engine, which stopped waiting for it" if by_decode else
-               "the router that placed it, whose client hung up" if unread else "the router that placed it")
+               "the router that placed it, with no decode to read it" if unread else "the router that placed it")
         why = f"withdrawn by {who}{': ' + msg.reason if msg.reason else ''}"
         if (r := self.reqs.get(rid)) is not None:
             if r.given_up:
