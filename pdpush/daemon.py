@@ -1,4 +1,4 @@
-"""Daemon plumbing shared by both daemons: logging, signals, readiness, exit codes.
+"""Daemon plumbing shared by both daemons (and the router): logging, signals, readiness, exit codes, limits.
 
 ``run(server)`` = startup, main loop, drain, shutdown. The first SIGTERM/SIGINT
 drains; a second forces exit. Readiness is a ready-file (JSON, written
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pdpush import protocol
+from pdpush.doctor import OPEN_FILES_NEEDED, OPEN_FILES_WANTED
 from pdpush.protocol import Msg
 
 
@@ -99,6 +101,28 @@ def write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, p)
 
 
+def raise_open_files(log: logging.Logger, wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open files to ``wanted``, or to its hard limit where that is lower, as
+    servers do (Go's runtime does it for every program). A shell's or a container's soft limit is often 1,024
+    (containerd 2's default, with a hard limit far above): a daemon out of descriptors refuses engines (an accept
+    that fails pauses its listener), and a router takes its engines for unreachable and ejects them. Warns where
+    the hard limit keeps it below ``OPEN_FILES_NEEDED``. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    inf = resource.RLIM_INFINITY
+    target = wanted if hard == inf else min(wanted, hard)
+    if soft != inf and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:  # (a hard limit lowered under us; a sandbox that forbids it)
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, target, e)
+    if soft != inf and soft < OPEN_FILES_NEEDED:
+        log.warning("the open-files limit is %d (hard %s), below the %d that a busy daemon needs: raise it "
+                    "(LimitNOFILE=65536, ulimit -n, --ulimit nofile=65536)", soft,
+                    "unlimited" if hard == inf else hard, OPEN_FILES_NEEDED)
+    return -1 if soft == inf else soft
+
+
 def die_with_launcher(signals: dict) -> None:
     """Started by pdpush.launch (tests, bench, demo): drain when the launcher dies (Linux prctl)."""
     launcher = os.environ.get("PDPUSH_LAUNCHER_PID")
@@ -129,8 +153,10 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     die_with_launcher(signals)
+    open_files = raise_open_files(log)
     info = server.start()
     info["pid"] = os.getpid()
+    info["open_files_limit"] = open_files
     if ready_file:
         write_ready_file(ready_file, info)
     sd_notify("READY=1\nSTATUS=serving")
@@ -258,7 +284,7 @@ def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
     """Log which UCX the daemon runs (version, library, how chosen), what it can use, and what the host offers
     (memlock against the ``registered_bytes`` of its pool or staging, hugepages, CUDA); where it talks to other
     hosts (``exposed`` names the address that says so), warn once if none of that is RDMA."""
-    from pdpush.doctor import host_facts
+    from pdpush.doctor import host_facts  # (the module is loaded already: its name is looked up where it is used)
     from pdpush.transport.ucx_lib import no_rdma_warning
 
     info = transport.describe()
@@ -283,5 +309,5 @@ def ucx_stats(info: dict) -> dict:
     return {"ucx_version": info["version"], "ucx_library": info["library"], "ucx_source": info["source"],
             "ucx_available": " ".join(info["available"]), "ucx_rdma": info["rdma"],
             "memlock_bytes": host["memlock_bytes"], "memlock_needed_bytes": host["memlock_needed_bytes"],
-            "hugepages_free": host["hugepages"]["free"],
+            "hugepages_free": host["hugepages"]["free"], "open_files_limit": host["open_files"]["soft"],
             "cuda_transports": " ".join(host["cuda"]["ucx_transports"]), "gdrcopy": host["cuda"]["gdrcopy"]}

@@ -1,8 +1,8 @@
 """``pdpush doctor``: what this host's UCX can do for pdpush, and what stands in its way.
 
     {"ucx": {"version", "library", "source", "components", "transports", "devices", "resources"},
-     "rdma_capable", "rdma_devices", "memlock_bytes", "memlock_needed_bytes", "hugepages", "cuda", "warnings",
-     "notes"}
+     "rdma_capable", "rdma_devices", "memlock_bytes", "memlock_needed_bytes", "open_files", "hugepages", "cuda",
+     "warnings", "notes"}
 
 ``library`` is the absolute path of the one libucp in use (``transport/ucx_lib.py``). ``rdma_capable``: UCX
 has an RDMA transport with a device to drive now. The parsing and the judgement are pure functions
@@ -21,6 +21,10 @@ from pathlib import Path
 from pdpush.transport.ucx_lib import RDMA_COMPONENTS, RDMA_TRANSPORTS, parse_print_info
 
 CUDA_TRANSPORTS = {"cuda_copy", "cuda_ipc", "gdr_copy"}
+OPEN_FILES_WANTED = 65536  # the soft limit a daemon raises itself to where its hard limit allows (daemon.py; the units)
+# below this a daemon warns: 4,096 engines' lifelines (lifeline.MAX_LINES), or a router's 1,024 upstream connections
+# and its clients', with ZeroMQ's, UCX's and the pool's own descriptors beside them
+OPEN_FILES_NEEDED = 8192
 
 
 def judge(facts: dict) -> tuple[list[str], list[str]]:
@@ -44,12 +48,23 @@ def judge(facts: dict) -> tuple[list[str], list[str]]:
     if need and have != -1 and have < need:
         out.append(f"the locked-memory limit ({have} bytes) is below the {need} bytes to register: raise it "
                    "(LimitMEMLOCK=infinity, ulimit -l unlimited, --ulimit memlock=-1, or IPC_LOCK)")
+    hard = facts.get("open_files", {}).get("hard", -1)
+    if hard != -1 and hard < OPEN_FILES_NEEDED:
+        out.append(f"the open-files hard limit ({hard}) is below the {OPEN_FILES_NEEDED} that a busy daemon needs (a "
+                   "daemon raises its soft limit up to it): raise it (LimitNOFILE=65536, ulimit -Hn, --ulimit "
+                   "nofile=65536)")
     return out, notes
 
 
 def _memlock() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return -1 if soft == resource.RLIM_INFINITY else soft
+
+
+def _open_files() -> dict:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    inf = resource.RLIM_INFINITY
+    return {"soft": -1 if soft == inf else soft, "hard": -1 if hard == inf else hard}
 
 
 def _hugepages() -> dict:
@@ -71,13 +86,13 @@ def _hugepages() -> dict:
 
 
 def host_facts(ucx_transports: list[str], memlock_needed: int | None) -> dict:
-    """What the host offers beside UCX itself (no UCX call): RDMA devices, memlock, hugepages, CUDA."""
+    """What the host offers beside UCX itself (no UCX call): RDMA devices, memlock, open files, hugepages, CUDA."""
     try:
         rdma_devices = sorted(os.listdir("/sys/class/infiniband"))
     except OSError:
         rdma_devices = []
     return {"rdma_devices": rdma_devices, "memlock_bytes": _memlock(), "memlock_needed_bytes": memlock_needed,
-            "hugepages": _hugepages(),
+            "open_files": _open_files(), "hugepages": _hugepages(),
             "cuda": {"ucx_transports": sorted(set(ucx_transports) & CUDA_TRANSPORTS),
                      "libcuda": ctypes.util.find_library("cuda") is not None,
                      "gdrcopy": "gdr_copy" in ucx_transports or os.path.exists("/dev/gdrdrv")}}
@@ -116,6 +131,8 @@ def render(f: dict) -> str:
              f" (devices: {' '.join(f['rdma_devices']) or 'none'})",
              "memlock: " + ("unlimited" if f["memlock_bytes"] == -1 else f"{f['memlock_bytes']} bytes")
              + (f" (needs {f['memlock_needed_bytes']})" if f["memlock_needed_bytes"] else ""),
+             "open files: soft {soft}, hard {hard} (a daemon raises its soft limit to the hard one, up to {w})".format(
+                 w=OPEN_FILES_WANTED, **{k: "unlimited" if v == -1 else v for k, v in f["open_files"].items()}),
              "hugepages: {total} x {page_bytes} bytes, {free} free; transparent: {transparent}".format(**f["hugepages"]),
              f"CUDA: UCX transports {' '.join(f['cuda']['ucx_transports']) or 'none'}, "
              f"libcuda {'found' if f['cuda']['libcuda'] else 'not found'}, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 
 import numpy as np
@@ -66,3 +68,23 @@ def until(pred, timeout_s: float, what: str):
             return v
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def nofile_limits(pid: int) -> tuple[int, int]:
+    """(soft, hard) open-files limit of process ``pid``, from /proc (-1: unlimited)."""
+    for line in open(f"/proc/{pid}/limits"):
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return tuple(-1 if v == "unlimited" else int(v) for v in (soft, hard))
+    raise AssertionError("no open-files line")
+
+
+def low_nofile_prefix() -> tuple[list[str], int, int]:
+    """A command prefix that starts a daemon with a soft open-files limit of 1,024 (a shell's, or containerd 2's
+    default) under a hard one above it; that hard limit, and the soft limit the daemon should raise itself to."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if os.geteuid() == 0:
+        hard = max(hard, 8192)  # (root may raise it: CI runs as root)
+    return ["prlimit", f"--nofile=1024:{hard}", "--"], hard, min(hard, 65536)
+

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import socket
 import time
 
 import numpy as np
 import pytest
 
-from pdpush import lifeline, protocol
+from pdpush import launch, lifeline, protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.layout import KVLayout
-from tests.helpers import kv, push, read_back, rx_opts, sock, until
+from tests.helpers import kv, low_nofile_prefix, nofile_limits, push, read_back, rx_opts, sock, until
 
 MAX_FRAME = 1 << 20
 
@@ -271,3 +272,51 @@ def _read_some(s: socket.socket) -> bytearray:
         if len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "big"):
             return buf
     return buf
+
+
+def test_a_daemon_under_a_low_open_files_limit_raises_it_and_takes_more_than_1024_engines(tmp_path):
+    """Started with a soft limit of 1,024 open files, each daemon raises its own to its hard limit (up to 65,536),
+    as servers do, and keeps 1,100 engines' lifelines open at once. Before, its accepts failed past ~1,000
+    descriptors (EMFILE): it refused engines and paused its listener."""
+    prefix, hard, want = low_nofile_prefix()
+    n = min(1100, want - 300)
+    soft0, hard0 = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard0, hard0))  # this test's own n connections, and the daemons'
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    started, conns = [], []
+    try:
+        rx = launch.start_receiver(tmp_path, prefix=prefix, prefault=False, **rx_opts(layout))
+        started.append(rx)
+        tx = launch.start_sender(tmp_path, prefix=prefix, prefault=False, staging_bytes=64 << 20,
+                                 default_receiver=rx.info["control_endpoint"])
+        started.append(tx)
+        for d in (rx, tx):
+            assert nofile_limits(d.pid) == (want, hard)
+            assert d.info["open_files_limit"] == want and status(sock(d))["open_files_limit"] == want
+            path = str(lifeline.path_for(sock(d)))
+            for i in range(n):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conns.append(s)
+                s.connect(path)
+                s.sendall(lifeline.frame(f"engine-{i}".encode()))  # named: kept past the hello's deadline
+            until(lambda d=d: status(sock(d))["lifelines"] >= n, 20, f"{n} lifelines open at the {d.role}")
+            assert status(sock(d))["lifelines_refused"] == 0
+            for s in conns:
+                s.close()
+            conns.clear()
+        pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+        try:  # and they serve on
+            ids = list(range(40))
+            k, v = kv(layout, len(ids), seed=3)
+            push(pc, "many-lines", ids, k, v)
+            gk, gv = read_back(dc, "many-lines", layout, len(ids))
+            assert np.array_equal(gk, k) and np.array_equal(gv, v)
+        finally:
+            pc.close()
+            dc.close()
+    finally:
+        for s in conns:
+            s.close()
+        for d in reversed(started):
+            d.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft0, hard0))

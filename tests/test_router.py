@@ -26,7 +26,7 @@ from pdpush import launch
 from pdpush.client import PrefillClient
 from pdpush.layout import KVLayout
 from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill, plan_legs
-from tests.helpers import until
+from tests.helpers import low_nofile_prefix, nofile_limits, until
 
 W = Weights(load=1.0, pool=0.5, max_inflight=8, max_imbalance=2)
 
@@ -557,6 +557,16 @@ def test_a_client_gone_while_its_decode_leg_waits_for_a_connection_has_its_push_
         lsn.close()
         tx.stop()
         rx.stop()
+
+
+def test_the_router_raises_a_low_open_files_limit(start_router):
+    """Started with a soft limit of 1,024 open files (a shell's, or containerd 2's default), the router raises its
+    own to its hard limit (up to 65,536): its 1,024 connections to the engines alone would reach 1,024, and a
+    connection it cannot open takes an engine for unreachable and ejects it."""
+    prefix, hard, want = low_nofile_prefix()
+    r = start_router(["http://127.0.0.1:9"], [{"url": "http://127.0.0.1:9", "receiver": DEAD_RECEIVER}],
+                     prefix=prefix)
+    assert nofile_limits(r.pid) == (want, hard) and r.info["open_files_limit"] == want
 
 
 @pytest.mark.parametrize("flag,env,mode", [("sequential", None, "sequential"), ("concurrent", "false", "concurrent"),

@@ -84,6 +84,7 @@ def test_doctor_names_the_transports_and_says_there_is_no_rdma_device():
     ucx = facts["ucx"]
     assert os.path.isabs(ucx["library"]) and os.path.samefile(ucx["library"], ucx_lib.build().library)
     assert "tcp" in ucx["transports"] and ucx["version"] and isinstance(facts["memlock_bytes"], int)
+    assert facts["open_files"]["hard"] == -1 or facts["open_files"]["hard"] >= facts["open_files"]["soft"] > 0
     if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
         assert facts["rdma_capable"] is False
         assert any("no RDMA device" in n for n in facts["notes"]), facts
@@ -102,6 +103,10 @@ def test_doctor_judges_memlock_and_rdma_from_facts():
     assert any("locked-memory limit" in w for w in warnings) and any("tcp/eth0" in n for n in notes)
     warnings, _ = judge({**base, "rdma_devices": ["mlx5_0"], "memlock_bytes": -1})
     assert len(warnings) == 1 and "mlx5_0" in warnings[0] and "PDPUSH_UCX=system" in warnings[0]
+    warnings, _ = judge({**base, "memlock_bytes": -1, "open_files": {"soft": 1024, "hard": 4096}})
+    assert len(warnings) == 1 and "open-files hard limit (4096)" in warnings[0] and "LimitNOFILE" in warnings[0]
+    for hard in (-1, 524288):  # the soft limit alone is no matter: a daemon raises it to the hard one
+        assert judge({**base, "memlock_bytes": -1, "open_files": {"soft": 1024, "hard": hard}})[0] == []
 
 
 def test_each_peers_transport_is_a_metric_and_in_status(daemons):

@@ -846,9 +846,10 @@ def serve(cfg: RouterConfig) -> None:
 
     import uvicorn
 
-    from pdpush.daemon import die_with_launcher, write_ready_file
+    from pdpush.daemon import die_with_launcher, raise_open_files, write_ready_file
 
     die_with_launcher({"count": 0})  # started by pdpush.launch: SIGTERM when the launcher dies
+    open_files = raise_open_files(log)  # 1,024 connections to the engines, and the clients' beside them
     router = Router(cfg)
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -866,7 +867,7 @@ def serve(cfg: RouterConfig) -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
             info = {"role": "router", "url": f"http://{cfg.host}:{port}", "pid": os.getpid(),
-                    "push_id_prefix": router.prefix}
+                    "push_id_prefix": router.prefix, "open_files_limit": open_files}
             log.info("ready: %s", json.dumps(info))
             if cfg.ready_file:
                 write_ready_file(cfg.ready_file, info)
