@@ -88,3 +88,16 @@ def low_nofile_prefix() -> tuple[list[str], int, int]:
         hard = max(hard, 8192)  # (root may raise it: CI runs as root)
     return ["prlimit", f"--nofile=1024:{hard}", "--"], hard, min(hard, 65536)
 
+
+def round_trip(tx: launch.Daemon, rx: launch.Daemon, layout: KVLayout, req_id: str, ids: list[int],
+               seed: int = 3) -> None:
+    """Push ``ids``'s KV through ``tx`` to ``rx`` and read it back: byte for byte the same, or AssertionError."""
+    pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = kv(layout, len(ids), seed=seed)
+        push(pc, req_id, ids, k, v)
+        got_k, got_v = read_back(dc, req_id, layout, len(ids))
+        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+    finally:
+        pc.close()
+        dc.close()

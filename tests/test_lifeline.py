@@ -11,13 +11,12 @@ import resource
 import socket
 import time
 
-import numpy as np
 import pytest
 
 from pdpush import launch, lifeline, protocol
-from pdpush.client import DecodeClient, PrefillClient, status
+from pdpush.client import status
 from pdpush.layout import KVLayout
-from tests.helpers import kv, low_nofile_prefix, nofile_limits, push, read_back, rx_opts, sock, until
+from tests.helpers import low_nofile_prefix, nofile_limits, round_trip, rx_opts, sock, until
 
 MAX_FRAME = 1 << 20
 
@@ -172,17 +171,8 @@ def test_real_daemons_survive_garbage_on_their_lifelines_and_serve_the_next_engi
             finally:
                 s.close()
         until(lambda d=d: status(sock(d))["lifelines"] <= 1, 10, "the broken lifelines closed")
-    pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
-    try:
-        ids = list(range(40))
-        k, v = kv(layout, len(ids), seed=9)
-        push(pc, "after-garbage", ids, k, v)
-        gk, gv = read_back(dc, "after-garbage", layout, len(ids))
-        assert np.array_equal(gk, k) and np.array_equal(gv, v)
-        assert tx.alive() and rx.alive()
-    finally:
-        pc.close()
-        dc.close()
+    round_trip(tx, rx, layout, "after-garbage", list(range(40)), seed=9)
+    assert tx.alive() and rx.alive()
 
 
 def test_a_connection_closed_and_opened_again_is_gone_before_it_is_named_again(tmp_path):
@@ -304,16 +294,7 @@ def test_a_daemon_under_a_low_open_files_limit_raises_it_and_takes_more_than_102
             for s in conns:
                 s.close()
             conns.clear()
-        pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
-        try:  # and they serve on
-            ids = list(range(40))
-            k, v = kv(layout, len(ids), seed=3)
-            push(pc, "many-lines", ids, k, v)
-            gk, gv = read_back(dc, "many-lines", layout, len(ids))
-            assert np.array_equal(gk, k) and np.array_equal(gv, v)
-        finally:
-            pc.close()
-            dc.close()
+        round_trip(tx, rx, layout, "many-lines", list(range(40)))  # and they serve on
     finally:
         for s in conns:
             s.close()

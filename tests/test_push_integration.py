@@ -10,7 +10,7 @@ from pdpush import lifeline, protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import Aborted, ErrorCode, IncompatiblePeer, PdpushError
 from pdpush.layout import KVLayout, chunk_keys
-from tests.helpers import kv, push, read_back, rx_opts, sock
+from tests.helpers import kv, push, read_back, round_trip, rx_opts, sock
 
 LAYOUTS = [
     # (layout, prompt tokens): fp16 GQA with a partial last chunk; bf16 MHA-ish; fp32 with 1 KV head
@@ -169,15 +169,7 @@ def test_an_engine_of_another_local_protocol_is_refused_by_either_daemon_and_not
     assert status(sock(tx))["requests_total"] == 0 and status(sock(rx))["requests_inflight"] == 0
     for d, n, logged in ((tx, 2, 2), (rx, 4, 3)):  # each daemon's operator sees it too: counted, logged at 1, 2, 4
         assert status(sock(d))["local_protocol_refused"] == n and d.log().count("of another local protocol") == logged
-    pc, dc = PrefillClient(layout, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
-    try:
-        k, v = kv(layout, len(ids), seed=3)
-        push(pc, "skewed", ids, k, v)
-        got_k, got_v = read_back(dc, "skewed", layout, len(ids))
-        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
-    finally:
-        pc.close()
-        dc.close()
+    round_trip(tx, rx, layout, "skewed", ids)
 
 
 def test_a_request_cannot_begin_on_a_daemons_zeromq_socket_where_its_engine_could_die_unseen(daemons):
