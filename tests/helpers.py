@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 
@@ -81,11 +80,10 @@ def nofile_limits(pid: int) -> tuple[int, int]:
 
 def low_nofile_prefix() -> tuple[list[str], int, int]:
     """A command prefix that starts a daemon with a soft open-files limit of 1,024 (a shell's, or containerd 2's
-    default) under a hard one above it; that hard limit, and the soft limit the daemon should raise itself to."""
+    default) under this process's own hard limit (a container's root may not raise it: no CAP_SYS_RESOURCE); that
+    hard limit, and the soft limit the daemon should raise itself to."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     hard = 1 << 20 if hard == resource.RLIM_INFINITY else hard
-    if os.geteuid() == 0:
-        hard = max(hard, 8192)  # (root may raise it: CI runs as root)
     return ["prlimit", f"--nofile=1024:{hard}", "--"], hard, min(hard, 65536)
 
 

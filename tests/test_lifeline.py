@@ -269,7 +269,7 @@ def test_a_daemon_under_a_low_open_files_limit_raises_it_and_takes_more_than_102
     as servers do, and keeps 1,100 engines' lifelines open at once. Before, its accepts failed past ~1,000
     descriptors (EMFILE): it refused engines and paused its listener."""
     prefix, hard, want = low_nofile_prefix()
-    n = min(1100, want - 300)
+    n = min(1100, want - 300)  # (fewer under a hard limit this low: this process's own sockets count against it too)
     soft0, hard0 = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard0, hard0))  # this test's own n connections, and the daemons'
     layout = KVLayout(2, 2, 64, "float16", 16)
@@ -287,6 +287,7 @@ def test_a_daemon_under_a_low_open_files_limit_raises_it_and_takes_more_than_102
             for i in range(n):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conns.append(s)
+                s.settimeout(5)  # (a daemon that stopped accepting fails here, not at the suite's timeout)
                 s.connect(path)
                 s.sendall(lifeline.frame(f"engine-{i}".encode()))  # named: kept past the hello's deadline
             until(lambda d=d: status(sock(d))["lifelines"] >= n, 20, f"{n} lifelines open at the {d.role}")
