@@ -5,6 +5,7 @@ real daemons at the end."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import resource
@@ -287,8 +288,9 @@ def test_a_daemon_under_a_low_open_files_limit_raises_it_and_takes_more_than_102
             for i in range(n):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conns.append(s)
-                s.settimeout(5)  # (a daemon that stopped accepting fails here, not at the suite's timeout)
-                s.connect(path)
+                s.setblocking(False)  # (a daemon that stopped accepting fails here, not at the suite's timeout)
+                until(lambda s=s, p=path: s.connect_ex(p) in (0, errno.EISCONN), 10, "a connection (the backlog full)")
+                s.setblocking(True)
                 s.sendall(lifeline.frame(f"engine-{i}".encode()))  # named: kept past the hello's deadline
             until(lambda d=d: status(sock(d))["lifelines"] >= n, 20, f"{n} lifelines open at the {d.role}")
             assert status(sock(d))["lifelines_refused"] == 0
