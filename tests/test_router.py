@@ -371,6 +371,23 @@ def test_a_client_that_hangs_up_before_its_answer_cancels_its_legs(upstreams, st
     assert post(url, {"prompt": "abd", "max_tokens": 2}).status_code == 200  # it goes on
 
 
+def test_a_prefill_leg_beside_a_decode_leg_that_failed_is_cancelled_at_once(upstreams, start_router):
+    """Both legs at once; the decode instance answers its leg with an error. Nobody will read the push: the router
+    hangs up on the prefill leg at once (vLLM aborts what its client hung up on), not ``prefill_leg_linger_s``
+    later, which is for a leg whose decode may still be loading its push."""
+    p_url, p, _ = upstreams("prefill", mode="slow", sleep=20.0)
+    d_url, _, _ = upstreams("decode", mode="fail500")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs=True,
+                     prefill_leg_linger_s=60)
+    url = r.info["url"]
+    t = time.monotonic()
+    assert post(url, {"prompt": "abc", "max_tokens": 2}, timeout=20).status_code == 500
+    until(lambda: p.state.get("hung_up"), 10, "the prefill leg hung up on")
+    assert time.monotonic() - t < 15.0
+    health = httpx.get(url + "/health").json()
+    assert health["prefill_cancelled"] == 1 and health["pushed"] == 0 and health["recomputed"] == 0, health
+
+
 @pytest.mark.parametrize("prefill", ["slow", "drop"])
 def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstreams, start_router, tmp_path,
                                                                              prefill):

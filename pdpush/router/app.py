@@ -730,14 +730,17 @@ class Router:
     def _settle_later(self, task: asyncio.Task | None, route: Route_) -> None:
         """Count how a concurrent prefill leg went when it ends; the decode's answer, which has ended, does not wait
         for it. The task is kept referenced until then, and cancelled if it is still running
-        ``prefill_leg_linger_s`` later: nothing needs its push any more (config.py says why)."""
+        ``prefill_leg_linger_s`` later: nothing needs its push any more (config.py says why). At once where no
+        decode engine took the decode leg (it failed, or recomputed on another instance): nobody reads the push."""
         if task is None:
             return
         self._legs.add(task)
         timer, cancelled = None, []
+        linger = self.cfg.prefill_leg_linger_s if route.decode_took else 0.0
+        why = (f"unanswered {linger:.1f} s after its decode's answer ended (its prefill instance is likely queued)"
+               if route.decode_took else "no decode engine took its decode leg")
         if not task.done():
-            timer = asyncio.get_running_loop().call_later(self.cfg.prefill_leg_linger_s, self._cancel_leg, task,
-                                                          cancelled)
+            timer = asyncio.get_running_loop().call_later(linger, self._cancel_leg, task, cancelled)
 
         def done(t: asyncio.Task) -> None:
             self._legs.discard(t)
@@ -747,8 +750,7 @@ class Router:
                 if cancelled:  # by _cancel_leg, not the router stopping
                     self.counters["prefill_cancelled"] += 1
                     self.metrics.prefill_cancelled.inc()
-                    log.warning("prefill leg of %s cancelled: unanswered %.1f s after its decode's answer ended (its "
-                                "prefill instance is likely queued)", route.push_id, self.cfg.prefill_leg_linger_s,
+                    log.warning("prefill leg of %s cancelled: %s", route.push_id, why,
                                 extra={"fields": {"event": "prefill_cancelled", "push_id": route.push_id}})
                 return
             params = None

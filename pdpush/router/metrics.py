@@ -43,7 +43,8 @@ class Metrics:
                                    "engine took a leg naming them): unread_sent, unread_unsent",
                                    ["outcome"], registry=r)
         self.prefill_cancelled = Counter("pdpush_router_prefill_legs_cancelled", "Prefill legs sent at once, still "
-                                         "unanswered prefill_leg_linger_s after their decode's answer: cancelled",
+                                         "unanswered prefill_leg_linger_s after their decode's answer (at once where "
+                                         "no decode engine took the decode leg): cancelled",
                                          registry=r)
         self.slo_rejections = Counter("pdpush_router_slo_rejections", "Requests refused: predicted TTFT over the SLO",
                                       registry=r)
