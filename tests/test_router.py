@@ -388,6 +388,38 @@ def test_a_prefill_leg_beside_a_decode_leg_that_failed_is_cancelled_at_once(upst
     assert health["prefill_cancelled"] == 1 and health["pushed"] == 0 and health["recomputed"] == 0, health
 
 
+def test_a_prefill_leg_beside_a_decode_leg_retried_elsewhere_is_cancelled_before_that_answer(upstreams,
+                                                                                            start_router):
+    """Both legs at once; the decode instance placed takes its leg and dies unanswered, and the router retries the
+    leg on another decode instance, recomputing. The push named a receiver that nobody will read now: the prefill
+    leg is hung up on then, not when the retried answer (a whole stream, say) ends."""
+    p_url, p, _ = upstreams("prefill", mode="slow", sleep=20.0)
+    b_url, b, _ = upstreams("decode", mode="slow", sleep=5.0, healthy=False)  # answers after 5 s; not placed first
+    a_url, a, _ = upstreams("decode", mode="drop")  # its health checks pass; its legs die unanswered
+    r = start_router([p_url], [{"url": a_url, "receiver": DEAD_RECEIVER}, {"url": b_url, "receiver": DEAD_RECEIVER}],
+                     concurrent_legs=True, prefill_leg_linger_s=60)
+    url = r.info["url"]
+
+    def decodes_healthy():
+        return [v["healthy"] for k, v in httpx.get(url + "/health").json()["instances"].items()
+                if k.startswith("decode")]
+
+    until(lambda: decodes_healthy().count(False) == 1, 10, "the second decode instance out")
+
+    def readmit(body):  # placed on the first decode instance by now: the second may come back for the retry
+        b.state["healthy"] = True
+        until(lambda: all(decodes_healthy()), 10, "the second decode instance back")
+
+    a.state["before"] = readmit
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        answer = ex.submit(post, url, {"prompt": "abc", "max_tokens": 2}, timeout=30)
+        until(lambda: p.state.get("hung_up"), 10, "the prefill leg hung up on")
+        assert not answer.done()  # (the retried decode answers 5 s after its leg)
+        assert answer.result().status_code == 200
+    health = httpx.get(url + "/health").json()
+    assert health["decode_retries"] == 1 and health["prefill_cancelled"] == 1, health
+
+
 @pytest.mark.parametrize("prefill", ["slow", "drop"])
 def test_a_client_gone_while_only_its_prefill_leg_ran_has_its_push_dropped(upstreams, start_router, tmp_path,
                                                                              prefill):
@@ -516,12 +548,14 @@ def test_a_push_that_no_decode_engine_took_is_dropped(upstreams, start_router, t
         rx.stop()
 
 
+@pytest.mark.parametrize("legs", ["sequential", "concurrent"])
 def test_a_client_gone_while_its_decode_leg_waits_for_a_connection_has_its_push_dropped(upstreams, start_router,
-                                                                                        tmp_path):
-    """One leg after the other, the push commits, then the decode leg waits for its connection: the decode engine's
-    accept queue is full (its listener's backlog 0, one connection queued), so the router's SYN is dropped, as
-    under overload. The client hangs up meanwhile. The leg never reached the engine, so no decode will read or
-    withdraw the push: the router tells its receiver (``Unread``), where before it counted the leg as sent."""
+                                                                                        tmp_path, legs):
+    """The push commits, and the decode leg waits for its connection: the decode engine's accept queue is full (its
+    listener's backlog 0, one connection queued), so the router's SYN is dropped, as under overload. The client
+    hangs up meanwhile. The leg never reached the engine, so no decode will read or withdraw the push: the router
+    tells its receiver (``Unread``), where before it counted the leg as sent. At once, the prefill leg beside it
+    (which pushed, then runs on) is hung up on with its client, not counted as a leg cancelled by the router."""
     rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
     lsn = socket.socket()
@@ -547,9 +581,11 @@ def test_a_client_gone_while_its_decode_leg_waits_for_a_connection_has_its_push_
         def push_it(body):
             push(tx, rx, body["kv_transfer_params"]["pdpush_push_id"], list(range(40)))
 
-        p_url, _, _ = upstreams("prefill", before=push_it)
+        p_url, p, _ = upstreams("prefill", before=push_it, **({"mode": "slow", "sleep": 20.0} if legs == "concurrent"
+                                                                else {}))
         d_url = f"http://127.0.0.1:{lsn.getsockname()[1]}"
-        r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}], concurrent_legs=False)
+        r = start_router([p_url], [{"url": d_url, "receiver": rx.info["control_endpoint"]}],
+                         concurrent_legs=legs == "concurrent", prefill_leg_linger_s=60)
         url = r.info["url"]
         until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["index_synced"], 10,
               "the receiver's feed")
@@ -563,8 +599,10 @@ def test_a_client_gone_while_its_decode_leg_waits_for_a_connection_has_its_push_
             post(url, {"prompt": "abc", "max_tokens": 2}, timeout=2.5)
         assert rx_status(rx)["requests_committed"] == 1
         until(lambda: rx_status(rx)["requests_given_up"] == 1, 10, "the unread push dropped")
+        if legs == "concurrent":
+            until(lambda: p.state.get("hung_up"), 10, "the prefill leg hung up on")
         health = httpx.get(url + "/health").json()
-        assert health["unread_sent"] == 1, health
+        assert health["unread_sent"] == 1 and health["prefill_cancelled"] == 0, health
         assert 'pdpush_router_requests_total{outcome="client_gone",route="/v1/completions"} 1.0' in httpx.get(
             url + "/metrics").text
     finally:

@@ -587,6 +587,8 @@ class Router:
                                                route if params is not None else None)
             except httpx.HTTPError as e:  # it could not be reached: another one, recomputing
                 route.decode_took = False  # (it failed the leg: it will not read the push)
+                self._settle_later(prefill_task, route)  # nor will anyone else: a leg beside it is cancelled now
+                prefill_task = None
                 self._unreachable(decode, e)
                 other = self.place(None, exclude=decode)
                 if isinstance(other, Response):
@@ -685,7 +687,7 @@ class Router:
         connector's ``push_wait_s``. Its receiver is told that the push will not come (``protocol.Withdraw``),
         so the decode recomputes at once. A try that may have reached its engine unanswered leaves it waiting."""
         if task.cancelled() or (task.exception() is None and task.result()):
-            return  # (cancelled: the router stops)
+            return  # (cancelled: its client gone, nobody to read its push, or the router stops)
         if route.prefill_unsure or task.exception() is not None:  # (an error of the router's after a try was sent)
             log.warning("prefill leg of %s pushed nothing that the router knows of; not withdrawn (a try may have "
                         "reached its engine): the decode waits for it up to its push_wait_s", route.push_id)
@@ -764,7 +766,7 @@ class Router:
 
     @staticmethod
     def _cancel_leg(task: asyncio.Task, cancelled: list) -> None:
-        if not task.done():
+        if not task.done() and not task.cancelling():  # (cancelling: its client gone, _serve; not counted)
             cancelled.append(True)
             task.cancel()  # its connection closes; the engine aborts the request
 
