@@ -71,6 +71,44 @@ def test_many_decode_requests_ending_unread_in_one_step_withdraw_every_push(tmp_
         rx.stop()
 
 
+_DROPPED = """
+import json, sys
+from types import SimpleNamespace as NS
+
+from pdpush import kv_params
+from pdpush.integrations.vllm.scheduler import MAX_WITHDRAWALS, SchedulerSide
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout
+
+sock, extra, lay = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+settings = ConnectorSettings(receiver_socket=sock)
+side = SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=False, consumer=True)
+for i in range(MAX_WITHDRAWALS + extra):  # each ends unread while the receiver is down: its withdrawal waits
+    side.request_finished(NS(request_id=f"r{i}", kv_transfer_params=kv_params.for_decode(f"p{i}"),
+                             prompt_token_ids=list(range(16))))
+t = side.stats.totals()
+print(json.dumps({"waiting": len(side._to_withdraw), "max": MAX_WITHDRAWALS, "oldest": side._to_withdraw[0][0],
+                  "inflight": len(side.asker.inflight), "dropped": t["withdrawals_dropped"],
+                  "push_unread": t["push_unread"]}))
+"""
+
+
+def test_withdrawals_beyond_the_bound_while_the_receiver_is_down_are_dropped_and_counted(tmp_path):
+    """A decode engine whose receiver is down keeps its withdrawals waiting, up to MAX_WITHDRAWALS; beyond that the
+    oldest is dropped (its push waits out its TTL), counted in ``withdrawals_dropped`` and logged: never silently.
+    Nothing listens at the receiver's socket here (the first few go out all the same, into the socket's queue)."""
+    extra = 100
+    r = subprocess.run([str(VLLM_PY), "-c", _DROPPED, str(tmp_path / "no-receiver.sock"), str(extra), json.dumps(LAY)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    dropped = extra - out["inflight"]  # the oldest of those that waited
+    assert dropped > 8 and out["dropped"] == dropped and out["push_unread"] == out["max"] + extra, out
+    assert out["waiting"] == out["max"] and out["oldest"] == f"p{out['inflight'] + dropped}", out
+    logged = r.stderr.count("withdrawals waiting for the receiver, which is down")
+    assert logged == dropped.bit_length(), r.stderr[-3000:]  # at the 1st, 2nd, 4th, ...
+
+
 _RESUMED = """
 import json, sys, time
 from types import SimpleNamespace as NS

@@ -317,7 +317,15 @@ class SchedulerSide:
         """Tell the receiver that push ``push_id`` will not be read (``protocol.Withdraw``): one that comes later
         is refused instead of holding pages unread for ``committed_ttl_ms``. Sent without waiting, now or at a
         later step (``_send_withdrawals``); its answer, tagged apart from any request's, is dropped when read.
-        False: not sent yet."""
+        False: not sent yet. Beyond ``MAX_WITHDRAWALS`` waiting (its receiver down for long), the oldest is
+        dropped, counted (``withdrawals_dropped``) and logged at the 1st, 2nd, 4th, ... : that push waits out its
+        TTL."""
+        if len(self._to_withdraw) == self._to_withdraw.maxlen:
+            self.stats.withdrawals_dropped += 1
+            n = self.stats.totals()["withdrawals_dropped"]
+            if n & (n - 1) == 0:
+                log.warning("pdpush: %d withdrawals waiting for the receiver, which is down: the oldest dropped "
+                            "(%d so far; its push is kept until committed_ttl_ms)", len(self._to_withdraw), n)
         self._to_withdraw.append((push_id, why or f"push_wait_s ({self.settings.push_wait_s:g} s)"))
         return self._send_withdrawals(now)
 
