@@ -46,6 +46,14 @@ def test_outcomes_and_the_retry_rule():
     assert legs.next_prefill([P(True, 0), P(False, 0)], {0}, 0) is None
 
 
+def test_an_unread_is_owed_only_for_a_push_that_may_exist_and_that_no_decode_took():
+    assert legs.unread_owed(pushed_to=True, decode_took=False, unpushed=False)
+    assert not legs.unread_owed(pushed_to=False, decode_took=False, unpushed=False)  # conditional: a claim
+    assert not legs.unread_owed(pushed_to=True, decode_took=True, unpushed=False)  # its decode's to read
+    assert not legs.unread_owed(pushed_to=True, decode_took=False, unpushed=True)  # none made
+    assert legs.linger_s(1.5, decode_took=True) == 1.5 and legs.linger_s(1.5, decode_took=False) == 0.0
+
+
 def test_params_parse_leniently_and_keep_other_connectors_fields():
     p = KvParams.parse({"do_remote_decode": True, "pdpush_receiver": "tcp://r:1", "pdpush_push_id": "a b",
                         "remote_engine_id": "nixl-x"})

@@ -715,7 +715,7 @@ class Router:
         leg still running beside its decode) is refused. Without it the push, once its prefill engine had handed it
         over, stayed committed and unread for ``committed_ttl_ms``. A decode leg its engine took is that engine's
         to abort, and its connector withdraws a push it had not loaded."""
-        if route.prefill is None or route.decode_took or route.unpushed:
+        if not legs.unread_owed(route.prefill is not None, route.decode_took, route.unpushed):
             return  # no push (conditional: the decode's own claim goes with its request), its decode's, or none made
 
         def done(sent: bool) -> None:
@@ -738,7 +738,7 @@ class Router:
             return
         self._legs.add(task)
         timer, cancelled = None, []
-        linger = self.cfg.prefill_leg_linger_s if route.decode_took else 0.0
+        linger = legs.linger_s(self.cfg.prefill_leg_linger_s, route.decode_took)
         why = (f"unanswered {linger:.1f} s after its decode's answer ended (its prefill instance is likely queued)"
                if route.decode_took else "no decode engine took its decode leg")
         if not task.done():

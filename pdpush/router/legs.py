@@ -95,6 +95,21 @@ def gateway_status(status: int | None) -> bool:
     return status in (502, 504)
 
 
+def unread_owed(pushed_to: bool, decode_took: bool, unpushed: bool) -> bool:
+    """Whether a request that has ended owes its receiver an ``Unread``: a prefill leg pushed (``pushed_to``: not
+    conditional), no decode engine took a leg naming the push and kept it (``decode_took``: its request's first
+    byte went out, and no error status or broken connection came back), and the prefill leg may have pushed
+    (``unpushed``: every try surely pushed nothing)."""
+    return pushed_to and not decode_took and not unpushed
+
+
+def linger_s(setting_s: float, decode_took: bool) -> float:
+    """How long a prefill leg sent beside its decode leg may run on after that leg's answer ended: the setting
+    (``prefill_leg_linger_s``) where a decode engine took the decode leg and may still load the push; none where
+    none did, since nobody will read it."""
+    return setting_s if decode_took else 0.0
+
+
 def next_prefill(prefills: Sequence[_Inst], tried: set[int], attempt: int) -> int | None:
     """After a failed attempt: the healthy prefill instance not tried yet with the fewest in flight, while
     attempts remain; None: the decode instance recomputes."""
