@@ -24,7 +24,7 @@ from pdpush import launch
 from pdpush.client import status
 from pdpush.launch import die_with_parent
 from pdpush_tools.harness.ports import free_port, free_ports
-from pdpush_tools.harness.vllm_cluster import ROOT, Engine, require_vllm_python
+from pdpush_tools.harness.vllm_cluster import ROOT, Engine, engine_env, require_vllm_python
 
 BLOCK_SIZE, MAX_MODEL_LEN = 32, 512  # as pdpush_tools.harness.vllm_engine's (not imported: it sets vLLM's environment)
 
@@ -72,7 +72,7 @@ class Server:
             args += ["--kv-events-config", json.dumps(kv_events)]
         self._args = [*(["taskset", "-c", cpus] if cpus else []), str(require_vllm_python()), *args]
         self._env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                     **launch.QUIET_UCX, **(env or {})}
+                     **engine_env(), **(env or {})}
         self._start()
 
     def _start(self) -> None:

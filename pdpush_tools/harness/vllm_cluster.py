@@ -27,6 +27,18 @@ def require_vllm_python() -> Path:
     return VLLM_PY
 
 
+_RPC_DIR: list[Path] = []
+
+
+def engine_env() -> dict:
+    """What every engine this process starts runs with: quiet UCX, and vLLM's IPC sockets (``ipc://<uuid>``, which it
+    never unlinks) in a scratch directory that goes when this process exits, not in /tmp (a day of tests left
+    2,000 there)."""
+    if not _RPC_DIR:
+        _RPC_DIR.append(launch.scratch_dir("pdpush-vllm-ipc-"))
+    return {**QUIET_UCX, "VLLM_RPC_BASE_PATH": str(_RPC_DIR[0])}
+
+
 def build_model(out_dir: Path, size: str = "tiny", timeout_s: float = 600) -> Path:
     """A random-init model ``size`` (``vllm_engine.MODELS``, seeded: the same bytes every time) in ``out_dir``.
     With ``PDPUSH_MODEL_CACHE`` set (the tests' session sets it), each size is built once there and copied:
@@ -66,7 +78,7 @@ class Engine:
                                       str(model), "--role", role, "--extra", json.dumps(extra),
                                       "--llm-args", json.dumps(llm_args or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     cwd=ROOT, env={**os.environ, **QUIET_UCX, **tp_env, **(env or {})})
+                                     cwd=ROOT, env={**os.environ, **engine_env(), **tp_env, **(env or {})})
 
     def _read(self, timeout_s: float) -> dict:
         box: list[str] = []
