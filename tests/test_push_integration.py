@@ -124,6 +124,52 @@ def test_a_begin_not_waited_for_is_allocated_while_the_engine_computes_and_can_b
         dc.close()
 
 
+def test_the_clients_keep_no_mail_for_requests_that_ended(daemons):
+    """An engine's clients live as long as the engine: whatever they filed for a request (an answer read while
+    waiting for another's, the BeginOk a look at the socket found) goes when that request ends, done or refused.
+    They kept an empty mailbox for every request before: a few hundred bytes each, for ever."""
+    layout = KVLayout(4, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(layout))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(layout, sock(tx), timeout_s=30)
+    dc = DecodeClient(sock(rx), timeout_s=30)
+    try:
+        for i in range(3):  # as the vLLM worker pushes: begun ahead, its answer found by a look, layer by layer
+            ids = list(range(100 * i, 100 * i + 40))
+            pending = pc.begin_nowait(f"p{i}", ids)
+            while not pending.answered():
+                pass
+            h = pending.wait()
+            k, v = kv(layout, 40, seed=i)
+            for layer in range(layout.layers):
+                h.put_layer(layer, k[layer], v[layer])
+            h.finish(timeout_s=30)
+        # two loads on one connection, each answer read while waiting for the other's; one of them refused
+        gone, first = dc.open_nowait("nobody", exists=True), dc.open_nowait("p0")
+        req = first.wait()
+        with pytest.raises(PdpushError, match="nobody"):
+            gone.wait()
+        k2, _ = req.kv_bytes(0, wait=True, timeout_s=30)
+        assert np.array_equal(k2, kv(layout, 40, seed=0)[0][0].reshape(k2.shape))
+        req.release()
+        for i in (1, 2):
+            read_back(dc, f"p{i}", layout, 40)
+        s = _raw_dealer(rx.info["local_endpoint"])  # a begin refused: a push its decode withdrew
+        try:
+            assert _ask(s, protocol.encode(protocol.Withdraw(req_id="w"))) == protocol.Ok(req_id="w")
+        finally:
+            s.close(0)
+        refused = pc.begin_nowait("w", list(range(500, 540)))
+        while not refused.answered():
+            pass
+        with pytest.raises(Aborted, match="withdrawn"):
+            refused.wait()
+        assert pc._conn.mail == {} and dc._conn.mail == {}, (pc._conn.mail, dc._conn.mail)
+    finally:
+        pc.close()
+        dc.close()
+
+
 def _raw_dealer(endpoint: str) -> zmq.Socket:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

@@ -245,6 +245,8 @@ class Connection:
         box = self.mail.get(req_id)
         while box:
             msg = box.pop(0)
+            if not box:
+                del self.mail[req_id]  # an empty box kept for every request would grow without bound
             if grants or not isinstance(msg, StagingGranted):
                 return msg
         alive_check = time.monotonic() + 0.25

@@ -363,6 +363,9 @@ class PendingOpen:
         except IncompatiblePeer:  # (an answer of another local protocol, say): the receiver releases what it opened
             self.abandon()
             raise
+        except PdpushError:  # refused (unknown, released, aborted): nothing more will come for it
+            self.client._conn.end(self.req_id)
+            raise
         if not isinstance(reply, OpenOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to open")
         if self.life is not None and not self.life.alive():

@@ -340,9 +340,12 @@ class PushHandle:
             self._failed(box.pop(0))
 
     def _end(self) -> None:
+        """The request has ended here (done, failed or given up): its staging and its mailbox go (a long-lived
+        engine's connection kept an empty one for every request it had pushed)."""
         if self._base is not None:
             self._base = self._grants = None
             self.client._segments.drop(self._shmid)
+        self.client._conn.end(self.req_id)
 
     def finish(self, timeout_s: float | None = None) -> Done:
         """Finish; returns once every byte is in the receiver's pool: its readiness words flushed (completion on the
@@ -402,7 +405,6 @@ class PushHandle:
             return
         self._aborted = reason or "aborted"
         self._end()
-        self.client._conn.end(self.req_id)
         self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
 
 
@@ -439,6 +441,9 @@ class PendingBegin:
             raise_error(reply)
         except IncompatiblePeer:  # (an answer of another local protocol, say): the sender ends what it began
             self.abort("the engine could not take the sender's answer")
+            raise
+        except PdpushError:  # refused: nothing more will come for it
+            c._conn.end(self.req_id)
             raise
         if not isinstance(reply, BeginOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to begin")
