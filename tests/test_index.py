@@ -61,6 +61,25 @@ def test_a_subscriber_gets_a_snapshot_then_every_change_in_sequence():
     assert view.keys == set(rx.pool.indexed_keys())
 
 
+def test_a_push_that_commits_on_its_words_is_published_at_the_tick_that_sees_them():
+    """A push that completes on the data path commits at the receiver's next look at its words, a tick with no
+    message behind it: its chunks reach the subscribers then, not at whatever message the receiver gets next
+    (on an idle receiver, none: a router's view missed them, and routed a request sharing that prefix blind)."""
+    w = Wire(rx_words=True)
+    rx = w.rx[RX]
+    [snap] = subscribe(w)
+    view = IndexView()
+    view.on_snapshot(snap, w.now)
+    w.push("a", list(range(40)))
+    while w.posted:  # the data, then the readiness words, land
+        w.run(w.flushed(w.posted.pop(0)))
+    assert rx.reqs["a"].state is protocol.ReqState.ALLOCATED  # the receiver has not looked yet
+    events = feed_msgs(rx.on_tick(w.rx_now + 10))
+    assert rx.reqs["a"].state is protocol.ReqState.COMMITTED
+    assert [e.kind for e in events] == ["stored"] and all(view.on_event(e, w.now) for e in events)
+    assert view.keys == set(rx.pool.indexed_keys()) == set(chunk_keys(list(range(40)), LAY))
+
+
 def test_eviction_is_published_and_a_heartbeat_carries_seq_and_load():
     w = Wire()
     rx = w.rx[RX]

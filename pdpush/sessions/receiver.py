@@ -331,6 +331,7 @@ class ReceiverSession:
             out.append(Log(logging.WARNING, "fencing a sender: its writes to ended requests did not settle in time"))
             self._fence(ident, now, out)
             out.append(FenceSender(ident))
+        self._publish(now, out)  # what this tick committed (words) or dropped, not at the next message
         return out
 
     def _scan(self, now: int, out: list) -> None:
