@@ -561,6 +561,38 @@ def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_s
     assert "v2" not in w.tx.reqs
 
 
+def test_an_unexpected_exception_between_an_allocation_and_its_record_loses_no_page(monkeypatch):
+    """A bug after the pool allocated a request's pages (or pinned a claim's chunks) and before the session recorded
+    it: the pool's record goes too, so no page or pin is lost for the daemon's life and the id is not refused as a
+    duplicate after."""
+    from pdpush.sessions import receiver as rxmod
+
+    rx = ReceiverSession(LAY, 8, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300),
+                         PoolInfo(1 << 30, 8, 1, b"k", 1 << 31, "127.0.0.1", 1, "rx-1"), new_token=lambda: b"t" * 32)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC), 0)
+    keys = chunk_keys(list(range(48)), LAY)
+    alloc = protocol.AllocRequest(req_id="a", chunk_keys=keys, last_chunk_tokens=16, lease_ms=80)
+    with monkeypatch.context() as m:
+        m.setattr(rxmod, "runs", lambda pages: 1 / 0)
+        [err] = msgs(rx.on_control(b"s", alloc, 0), ToSender, protocol.Error)
+    assert err.code is ErrorCode.INTERNAL and "a" not in rx.reqs
+    rx.check()
+    rx.on_tick(60)  # out of quarantine
+    assert rx.pool.free_pages == 8
+    msgs(rx.on_control(b"s", alloc, 61), ToSender, protocol.AllocResponse)  # the same id again: not a duplicate
+    rx.on_control(b"s", protocol.Commit(req_id="a", layers=LAY.layers), 61)
+    rx.on_local(DEC, protocol.Open(req_id="a"), 61)
+    rx.on_local(DEC, protocol.Release(req_id="a"), 61)
+    claim = protocol.Claim(req_id="c", chunk_keys=keys, last_chunk_tokens=16, lease_ms=80)
+    with monkeypatch.context() as m:
+        m.setattr(rxmod, "RxRequest", lambda *a, **k: 1 / 0)
+        [err] = msgs(rx.on_local(DEC, claim, 62), ToDecode, protocol.Error)
+    assert err.code is ErrorCode.INTERNAL and "c" not in rx.reqs
+    rx.check()
+    assert rx.pool.chunks_cached == 3 and msgs(rx.on_local(DEC, claim, 63), ToDecode, protocol.ClaimOk)[0].chunks == 3
+    rx.check()
+
+
 def test_the_shell_grants_to_the_native_path_before_the_engine_sees_the_grant_table():
     """``PlanGrants`` in the sender shell: each block goes to the native path (which refuses a layer not granted),
     then its offset + 1 into that layer's word of the grant table, and no other word changes."""

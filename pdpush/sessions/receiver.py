@@ -292,9 +292,28 @@ class ReceiverSession:
                 except Exception as exc2:  # noqa: BLE001 - the failure path itself is broken: drop the request
                     out.append(internal_error("failing a request", exc2, rid)[1])
                     self.reqs.pop(rid, None)
+            if rid and rid not in self.reqs:
+                self._reclaim_orphan(rid, now, out)
             out.append(reply_cls(ident, protocol.error_reply(err, rid)))
         self._publish(now, out)
         return out
+
+    def _reclaim_orphan(self, rid: str, now: int, out: list) -> None:
+        """Pool records of ``rid`` with no request here: an internal error came between its allocation and its
+        request's record (``_alloc``, ``_claim``), or dropped the request. Without this their pages and pins were
+        lost for the daemon's life, and ``rid`` refused as a duplicate. Quarantined, as an abort's: a sender may
+        have been told them."""
+        for pool in (self.pool, self.state_pool):
+            rec = pool.requests.get(rid) if pool is not None else None
+            if rec is None:
+                continue
+            try:
+                if rec.indexed:
+                    pool.drop(rid)
+                else:
+                    pool.abort(rid, now)
+            except Exception as exc:  # noqa: BLE001 - the pool's accounting itself is broken: say so, go on
+                out.append(internal_error("reclaiming a request's pages", exc, rid)[1])
 
     def _index_load(self) -> IndexLoad:
         return IndexLoad(pages_free=self.pool.free_pages, pages_total=self.pool.num_pages,
