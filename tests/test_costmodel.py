@@ -139,6 +139,18 @@ def test_an_instance_measured_on_few_legs_is_drawn_towards_the_fleet():
     assert e.prefill_speed("b") == pytest.approx(100.0, rel=0.05)  # its own legs, many now, say it is slow
 
 
+def test_an_instance_forgotten_no_longer_weighs_in_the_fleets_mean():
+    """A prefill instance a reload dropped: an instance not measured yet is estimated at the fleet's mean of those
+    still listed, not dragged down by the one gone."""
+    e = cm.Estimates(prefill_tokens_per_s=1000.0, alpha=0.2)
+    e.observe_prefill("fast", 1000, 0.0, 0.5)
+    e.observe_prefill("gone", 1000, 0.0, 10.0)
+    assert e.prefill_speed("new") < 1000.0
+    e.forget("gone")
+    assert e.prefill_speed("new") == pytest.approx(2000.0) and "gone" not in e.samples
+    e.forget("never-seen")  # nothing learned there: nothing to do
+
+
 @given(speed=st.floats(100.0, 1e6), overhead=st.floats(0.0, 0.5),
        lengths=st.lists(st.integers(1, 20_000), min_size=3, max_size=20))
 def test_estimates_separate_a_legs_overhead_from_its_speed(speed, overhead, lengths):

@@ -126,6 +126,27 @@ def test_the_router_applies_the_plan_keeping_the_instances_state():
     assert r.last_reload.startswith("refused: decode: http://d1:8200 is listed twice")
 
 
+def test_a_dropped_instance_leaves_no_series_and_no_speed_behind():
+    """Once a dropped instance has nothing in flight, /metrics names it no more (counters included: a fleet that
+    churns through pod addresses grew a series per address for the router's life) and its learned speed goes."""
+    from prometheus_client import generate_latest
+
+    d1, d2 = ("http://d1:8200", "tcp://d1:5710"), ("http://d2:8200", "tcp://d2:5710")
+    r = Router(cfg([A, B], [d1, d2]))
+    m = r.metrics
+    for url in (A, B, d2[0]):
+        m.upstream_errors.labels(url).inc()
+        m.healthy.labels(url).set(1)
+    m.prefill_view_resyncs.labels(A, "gap").set(2)
+    m.index_resyncs.labels(d2[1]).inc()
+    r.estimates.observe_prefill(A, 1000, 0.0, 1.0)
+    r.take(cfg([B], [d1]))
+    text = generate_latest(m.registry).decode()
+    assert A not in text and d2[0] not in text and d2[1] not in text, text
+    assert f'pdpush_router_upstream_errors_total{{instance="{B}"}} 1.0' in text
+    assert A not in r.estimates.samples
+
+
 def test_config_reload_reads_the_file_again_with_the_same_overrides(tmp_path, monkeypatch):
     for k in [k for k in os.environ if k.startswith("PDPUSH_")]:
         monkeypatch.delenv(k)

@@ -219,19 +219,24 @@ class Router:
                             "not read", role, role.upper())
 
     def _reap(self) -> None:
-        """Forget the dropped instances whose requests in flight have ended (and their metrics' series)."""
+        """Forget the dropped instances whose requests in flight have ended: their metrics' series and the speeds
+        learned there (a URL no instance still has)."""
         for inst in self.fleet.reap():
             log.warning("dropped %s: no request in flight there any more", inst.name,
                         extra={"fields": {"event": "dropped", "instance": inst.url}})
             m, live = self.metrics, self.fleet.all() + self.fleet.retired
             series = []
             if not any(i.url == inst.url for i in live):
-                series += [(m.healthy, inst.url), (m.inflight, inst.url), (m.prefill_view_blocks, inst.url)]
+                series += [(m.healthy, inst.url), (m.inflight, inst.url), (m.prefill_view_blocks, inst.url),
+                           (m.upstream_errors, inst.url)]
+                m.prefill_view_resyncs.remove_by_labels({"instance": inst.url})
+                self.estimates.forget(inst.url)  # nor does its speed weigh in the fleet's mean any more
             if inst.role == "decode" and not any(i.receiver == inst.receiver for i in live if i.role == "decode"):
-                series += [(m.index_chunks, inst.receiver), (m.index_synced, inst.receiver)]
-            for gauge, label in series:
+                series += [(m.index_chunks, inst.receiver), (m.index_synced, inst.receiver),
+                           (m.index_resyncs, inst.receiver)]
+            for metric, label in series:
                 with contextlib.suppress(KeyError):  # never set (no scrape while it was listed)
-                    gauge.remove(label)
+                    metric.remove(label)
 
     # ---- health ----
     async def _health_loop(self) -> None:

@@ -194,6 +194,12 @@ class Estimates:
             overhead = w * own[1] + (1 - w) * overhead
         return 1.0 / per_token, overhead
 
+    def forget(self, name: str) -> None:
+        """An instance dropped from the fleet: what was learned there goes (its fit would otherwise weigh in the
+        fleet's mean, the estimate of every instance not measured yet, for the router's life)."""
+        for table in (self.prefill, self._fits, self.push, self.local, self.samples):
+            table.pop(name, None)
+
     def push_speed(self, name: str) -> float:
         return self.push.get(name, self.push_bytes_per_s)
 
