@@ -118,8 +118,13 @@ def dashboard() -> dict:
             "unanswered prefill_leg_linger_s after its decode's answer (its prefill instance is queued past the "
             "decode's push_wait_s; consider concurrent_legs \"auto\").")
     b.row("vLLM connector (each engine's /metrics)")
-    b.panel("Loads /s by path", [(rate("vllm:pdpush_loads_total", "path"), "{{path}}")], "ops",
-            desc="Decode loads completed: layerwise (in the forward), async (outside the batch), claim (already held).")
+    b.panel("Loads /s by path, pushes unread", [(rate("vllm:pdpush_loads_total", "path"), "{{path}}"),
+                                                (rate("vllm:pdpush_pushes_unread_total", "job"), "unread: withdrawn"),
+                                                (rate("vllm:pdpush_withdrawals_dropped_total", "job"),
+                                                 "unread: withdrawal dropped")], "ops",
+            desc="Decode loads completed: layerwise (in the forward), async (outside the batch), claim (already held). "
+            "Unread: pushes whose request ended here without loading them, withdrawn from the receiver's pool; a "
+            "dropped withdrawal (the receiver down long) leaves its push there until committed_ttl_ms.")
     b.panel("Failed loads and recomputes /s", [(rate("vllm:pdpush_load_failures_total", "reason"), "failed: {{reason}}"),
                                                (rate("vllm:pdpush_recomputes_total", "reason"), "recomputed: {{reason}}")],
             "ops", desc="Every one is a prompt the decode instance computed itself.")

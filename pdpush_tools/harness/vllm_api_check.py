@@ -102,6 +102,7 @@ def _check_stats(checked: list[str]) -> list[str]:
     other.load_bytes = 4096
     s = st.SchedulerStats()
     s.recompute(st.Recompute.PUSH_ENDED)
+    s.push_unread, s.withdrawals_dropped = 3, 2
     taken = [w.take(), other.take(), s.take()]
     if not all(isinstance(t, KVConnectorStats) for t in taken):
         return [f"take() did not give KVConnectorStats: {taken}"]
@@ -133,7 +134,9 @@ def _check_stats(checked: list[str]) -> list[str]:
             'vllm:pdpush_load_bytes_total{engine="0",model_name="m"} 8192.0',
             'vllm:pdpush_load_layers_total{engine="0",model_name="m"} 4.0',
             'vllm:pdpush_push_failures_total{engine="0",model_name="m",reason="sender_down"} 1.0',
-            'vllm:pdpush_load_wait_seconds_count{engine="0",model_name="m",path="async"} 1.0']
+            'vllm:pdpush_load_wait_seconds_count{engine="0",model_name="m",path="async"} 1.0',
+            'vllm:pdpush_pushes_unread_total{engine="0",model_name="m"} 3.0',
+            'vllm:pdpush_withdrawals_dropped_total{engine="0",model_name="m"} 2.0']
     problems += [f"not on the scrape: {ln}" for ln in want if ln not in text]
     checked.append("stats")
     return problems

@@ -104,6 +104,8 @@ SERIES: tuple[tuple[str, str], ...] = (
     ("vllm:pdpush_pushes_committed_total", "counter"),       # pushes the sender committed (prefill)
     ("vllm:pdpush_push_bytes_total", "counter"),             # bytes the sender moved for them (prefill)
     ("vllm:pdpush_scheduler_query_seconds_total", "counter"),  # the decode scheduler's time asking about pushes
+    ("vllm:pdpush_pushes_unread_total", "counter"),          # pushes (claims) its request ended without loading
+    ("vllm:pdpush_withdrawals_dropped_total", "counter"),    # withdrawals never sent (receiver down, too many)
 )
 SERIES_NAMES: tuple[str, ...] = tuple(name for name, _ in SERIES)
 
@@ -361,13 +363,20 @@ if KVConnectorPromMetrics is not None:
             self.push_bytes = counter("vllm:pdpush_push_bytes", "Bytes the pdpush sender moved for committed pushes.")
             self.query_s = counter("vllm:pdpush_scheduler_query_seconds", "Time the decode scheduler's thread spent "
                                    "asking the receiver whether pushes have begun (sent and read without waiting).")
+            self.unread = counter("vllm:pdpush_pushes_unread", "Pushes (and claims) named by a request that ended "
+                                  "here without loading them (aborted, or its prompt found in this engine's cache): "
+                                  "withdrawn, so that they leave the receiver's pool at once.")
+            self.withdrawals_dropped = counter(
+                "vllm:pdpush_withdrawals_dropped", "Withdrawals dropped unsent, beyond the 4,096 waiting while the "
+                "receiver was down: each of those pushes holds its pool pages until committed_ttl_ms.")
             self.wait = self._histogram_cls(
                 name="vllm:pdpush_load_wait_seconds", documentation="Per pdpush load, completed or failed: the "
                 "time the request waited for its KV (layerwise: the open and its layers' waits and copies in the "
                 "forward; async: from the open until loaded).", buckets=list(WAIT_BUCKETS), labelnames=ln + ["path"])
             self._plain = {"load_bytes": self.load_bytes, "load_layers": self.load_layers,
                            "load_tokens": self.load_tokens, "push_requests": self.pushes,
-                           "push_committed": self.committed, "push_bytes_sent": self.push_bytes}
+                           "push_committed": self.committed, "push_bytes_sent": self.push_bytes,
+                           "push_unread": self.unread, "withdrawals_dropped": self.withdrawals_dropped}
             for values in per_engine_labelvalues.values():  # zeros from the start, so that rate() has a base
                 for m in (*self._plain.values(), self.query_s):
                     m.labels(*values)
