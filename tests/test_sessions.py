@@ -593,6 +593,32 @@ def test_an_unexpected_exception_between_an_allocation_and_its_record_loses_no_p
     rx.check()
 
 
+@pytest.mark.parametrize("runs", [[(64, 3)], [(62, 3)], [(3, 2), (4, 1)]], ids=["past", "across", "twice"])
+def test_an_allocation_of_pages_outside_the_pool_fails_its_request_before_any_put(runs):
+    """The puts' remote addresses come from the receiver's page runs, and nothing below the session checks them: a
+    run past the pool's ``pool_pages`` (64 here), or one page twice, is the receiver's bug, and fails the request
+    with a typed error, the receiver told, before anything is planned or put."""
+    w = Wire()
+    rx = w.rx["tcp://rx-a:1"]
+    orig = rx.on_control
+
+    def liar(ident, msg, now, *a, **k):
+        return [ToSender(b.ident, b.msg.model_copy(update={"page_runs": runs}))
+                if isinstance(b, ToSender) and isinstance(b.msg, protocol.AllocResponse) else b
+                for b in orig(ident, msg, now, *a, **k)]
+
+    rx.on_control = liar
+    w.engine(begin("r", list(range(40))))  # 3 new pages
+    err = w.outcome("r")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.BAD_MESSAGE and "outside a pool of 64" in err.message
+    assert not w.handles and not w.posted and "r" not in w.tx.reqs
+    assert w.wire[-2:] == ["out:abort", "in:ok"] and "r" not in rx.reqs  # the receiver told: its pages back
+    rx.on_control = orig
+    w.push("ok", list(range(100, 140)))  # the next request is served
+    w.complete()
+    assert isinstance(w.outcome("ok"), protocol.Done)
+
+
 def test_the_shell_grants_to_the_native_path_before_the_engine_sees_the_grant_table():
     """``PlanGrants`` in the sender shell: each block goes to the native path (which refuses a layer not granted),
     then its offset + 1 into that layer's word of the grant table, and no other word changes."""

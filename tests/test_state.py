@@ -184,3 +184,27 @@ def test_a_state_slot_taken_by_an_allocation_that_then_fails_is_free_at_once():
         assert out[-1].msg.code.value == "too_large"
     assert rx.state_pool.free_pages == rx.state_pool.num_pages
     rx.check()
+
+
+def test_an_allocation_of_a_state_slot_outside_the_pool_fails_its_request_before_any_put():
+    """A state slot is a remote address too: one at or past the receiver's ``state_slots`` fails the request,
+    however few it says it has (none, here: a receiver that cannot hold state)."""
+    from pdpush import protocol
+    from pdpush.errors import ErrorCode
+    from pdpush.sessions.receiver import ToSender
+    from tests.test_sessions import Wire, begin
+
+    w = Wire(lay=LAY, shards=1)
+    rx = w.rx["tcp://rx-a:1"]
+    orig = rx.on_control
+
+    def liar(ident, msg, now, *a, **k):
+        fix = {protocol.AllocResponse: {"state_slot": 0}, protocol.HelloAck: {"state_slots": 0}}
+        return [ToSender(b.ident, b.msg.model_copy(update=fix[type(b.msg)]))
+                if isinstance(b, ToSender) and type(b.msg) in fix else b for b in orig(ident, msg, now, *a, **k)]
+
+    rx.on_control = liar
+    w.engine(begin("s", list(range(40)), lay=LAY))
+    err = w.outcome("s")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.BAD_MESSAGE and "state slot" in err.message
+    assert not w.handles and not w.posted and "s" not in rx.reqs

@@ -117,6 +117,16 @@ class SenderLimits:
     words: bool = True  # ask for completion on the data path (AllocRequest.completion "words"): no Commit
 
 
+
+def _pages_in(runs: list[tuple[int, int]], pool_pages: int) -> list[int]:
+    """The pages of an allocation's ``page_runs``, each in the receiver's pool (its HelloAck's ``pool_pages``) and
+    none twice: the puts' remote addresses are computed from them, and no layer below checks those (a receiver's
+    bug must fail its request, not send a put outside its pool)."""
+    pages = [p + i for p, n in runs for i in range(n)]
+    if any(p >= pool_pages for p in pages) or len(set(pages)) != len(pages):
+        raise ValueError(f"page runs {runs[:8]} outside a pool of {pool_pages} pages, or overlapping")
+    return pages
+
 class SenderSession:
     def __init__(self, limits: SenderLimits, staging: StagingInfo, default_receiver: str = "", *,
                  check_receiver: Callable[[str], None] | None = None) -> None:
@@ -564,7 +574,7 @@ class SenderSession:
         b = r.begin
         try:  # the items by layer group (plan.py): the receiver's held ones, and pages for the rest
             r.plan = RequestPlan(layout, tokens_of(layout, len(b.chunk_keys), b.last_chunk_tokens), r.held)
-            r.plan.set_pages([p + i for p, n in a.page_runs for i in range(n)])
+            r.plan.set_pages(_pages_in(a.page_runs, r.peer.ack.pool_pages))
         except ValueError as e:
             self._fail(r, RemoteProtocolError(f"receiver's allocation does not fit the request: {e}"), now, out,
                        tell_receiver=True)
@@ -578,7 +588,7 @@ class SenderSession:
                        tell_receiver=True)
             return
         r.state_slot = a.state_slot
-        if (a.state_slot >= 0) != bool(layout.state_layers) or a.state_slot >= r.peer.ack.state_slots > 0:
+        if (a.state_slot >= 0) != bool(layout.state_layers) or a.state_slot >= r.peer.ack.state_slots:
             self._fail(r, RemoteProtocolError(f"receiver's allocation has state slot {a.state_slot} for a layout "
                                               f"of {layout.state_layers} state layers"), now, out, tell_receiver=True)
             return
