@@ -506,12 +506,14 @@ class SenderSession:
         """Once every rank has finished and every layer landed: the Commit, or, where the request completes on
         the data path, done as soon as every layer's readiness words are in (the receiver commits on them). Its
         lease deadline (``deadline_ms``, 0.9 of the lease counted from our AllocRequest) ends before the
-        receiver's, so words in by then were in before the receiver could expire it."""
-        if not (r.finished() and len(r.layers_done) == r.layout.push_layers):
+        receiver's, so words in by then were in before the receiver could expire it. A Commit waits for the words
+        too: once committed, the receiver may hand the request's pages to another, and a readiness put of this one
+        landing there after that one's would hide it (its lease id, not the new one's)."""
+        if not (r.finished() and len(r.layers_done) == r.layout.push_layers) or r.words_in < r.words_want:
             return
         if not r.words:
             self._send_commit(r, now, out)
-        elif r.words_in >= r.words_want:
+        else:
             if now > r.deadline_ms:  # in whole, but late for our clock: the receiver says (a CommitAck, or why not)
                 self._send_commit(r, now, out)
             else:
