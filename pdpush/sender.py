@@ -533,6 +533,9 @@ class Sender:
         return control_endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
     def _drop_ep(self, endpoint: str) -> None:
+        # its aborted requests' puts may still land: never "settled" now (the receiver fences this sender instead),
+        # whatever a new endpoint under the same id says, which ``_connect`` may attach before ``_settle`` looks
+        self._unsettled = [u for u in self._unsettled if u[2] != endpoint]
         self._connecting.pop(endpoint, None)
         self._regions.pop(endpoint, None)
         ep = self.eps.pop(endpoint, None)

@@ -655,6 +655,22 @@ def test_the_shell_grants_to_the_native_path_before_the_engine_sees_the_grant_ta
     assert (staging[:8] == 7).all() and (staging[16:] == 7).all()  # no word outside the table
 
 
+def test_a_receivers_endpoint_dropped_takes_its_unsettled_aborts_with_it():
+    """The sender shell: an aborted request's puts in flight on an endpoint that is dropped (a reset, or a
+    reconnection, which attaches a new endpoint under the same id in the same pass) are never reported settled: the
+    new endpoint, empty, would say so while the old one's writes may still land."""
+    from pdpush import sender as shell
+
+    dropped: list = []
+    s = shell.Sender.__new__(shell.Sender)
+    s.pusher = types.SimpleNamespace(drop_endpoint=dropped.append)
+    s._connecting, s._regions, s._populated, s.eps = {}, {}, {}, {}
+    s._eids = {"tcp://a:1": 1, "tcp://b:1": 2}
+    s._unsettled = [(7, 1, "tcp://a:1", "r1"), (8, 2, "tcp://b:1", "r2"), (9, 1, "tcp://a:1", "r3")]
+    s._drop_ep("tcp://a:1")
+    assert s._unsettled == [(8, 2, "tcp://b:1", "r2")] and dropped == [1]
+
+
 def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_the_batch_goes(monkeypatch):
     """The sender shell (``Sender._apply``) with a real session and a native path whose grant raises: that
     grant's request fails, typed; the actions after it in the same batch (another engine's reply) still go."""
