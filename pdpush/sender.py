@@ -70,7 +70,8 @@ class Sender:
         self.session: SenderSession | None = None
         self.socks: dict[str, zmq.Socket] = {}  # receiver endpoint -> control DEALER
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
-        self._connecting: dict[str, tuple[object, float]] = {}  # receiver endpoint -> (endpoint wiring up, deadline)
+        # receiver endpoint -> (endpoint wiring up, deadline, its pool: address, bytes)
+        self._connecting: dict[str, tuple[object, float, tuple[int, int]]] = {}
         self._regions: dict[str, tuple[int, int]] = {}  # receiver endpoint -> its region (address, bytes), to populate
         self._populated: dict[str, int] = {}  # receiver endpoint -> bytes of its region mapped here (each its thread's)
         self.pusher = None  # the native per-layer path (pdpush_native.Pusher), once started
@@ -463,24 +464,25 @@ class Sender:
         nobody but its own requests, and those only until ``control_timeout_ms``)."""
         ack = a.ack
         self._drop_ep(a.endpoint)
+        try:  # the region this sender's puts write: the native path refuses any put outside it
+            pool = (ack.pool_base, PoolGeometry(ack.layout.kv_layout, ack.pool_pages, ack.pool_shards,
+                                                ack.state_slots).total_bytes)
+        except ValueError as e:  # (an ack the session refuses)
+            return self.session.on_connected(a.endpoint, IncompatiblePeer(f"receiver {a.endpoint}: {e}"), now_ms())
         try:
             ep = self.ucx.connect(self._ucx_host(a.endpoint, ack.ucx_host), ack.ucx_port)
             self.eps[a.endpoint] = ep
             ep.begin_wireup(ack.ucx_token, ack.rkey)  # the token binds the endpoint to this session
         except PdpushError as e:
             return self.session.on_connected(a.endpoint, e, now_ms())
-        self._connecting[a.endpoint] = (ep, time.monotonic() + self.cfg.control_timeout_ms / 1000)
-        if self.cfg.prefault:  # once wired up (_connects): the region this sender's puts write, where it is mapped here
-            try:
-                self._regions[a.endpoint] = (ack.pool_base, PoolGeometry(
-                    ack.layout.kv_layout, ack.pool_pages, ack.pool_shards, ack.state_slots).total_bytes)
-            except ValueError:
-                pass  # (an ack the session refuses: nothing to populate)
+        self._connecting[a.endpoint] = (ep, time.monotonic() + self.cfg.control_timeout_ms / 1000, pool)
+        if self.cfg.prefault:  # once wired up (_connects): populate that region, where it is mapped here
+            self._regions[a.endpoint] = pool
         return []
 
     def _connects(self) -> None:
         """Endpoints whose wire-up completed, failed or ran past its deadline: the session hears the outcome."""
-        for endpoint, (ep, deadline) in list(self._connecting.items()):
+        for endpoint, (ep, deadline, pool) in list(self._connecting.items()):
             try:
                 if not ep.wired_up():
                     if time.monotonic() < deadline:
@@ -489,7 +491,7 @@ class Sender:
                                            f"{self.cfg.control_timeout_ms} ms")
                 ep.on_close(lambda _e, endpoint=endpoint: self._apply(self.session.on_peer_lost(
                     endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
-                ep.attach(self.pusher, self._eid(endpoint))
+                ep.attach(self.pusher, self._eid(endpoint), pool)
                 if (region := self._regions.pop(endpoint, None)) is not None:
                     self._populated[endpoint] = 0  # (the thread only updates it: stats() may sum meanwhile)
                     ep.populate_peer(*region, lambda n, endpoint=endpoint: self._populated.__setitem__(endpoint, n))

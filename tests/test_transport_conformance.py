@@ -271,7 +271,7 @@ def test_the_native_path_posts_each_layer_handed_over_and_lands_it_in_order_with
     slots[:] = 0
     pu = _pusher(w, src)
     try:
-        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
         pu.add_ring(3, src.address + RING_AT, 16)
         _request(pu, src, p, 7)
         slots[0] = ring.encode(7, 0, 2)  # layers 0 and 1 from the ring, 2 and 3 by message
@@ -311,13 +311,46 @@ def test_the_native_path_posts_each_layer_handed_over_and_lands_it_in_order_with
         remote.close()
 
 
+def test_the_native_path_refuses_a_plan_that_would_put_outside_the_receivers_pool(world):
+    """The last line of defence under the session's checks: a layer, a rank's span or a readiness word whose put
+    would leave the pool the receiver registered (the endpoint's ``base`` and ``bytes``), or come from outside
+    staging, is refused when planned, before any put; nothing is posted and a plan inside it still goes."""
+    make, peer = world
+    w, src = make()
+    p, ep = peer(w)
+    dst, words = p.info["address"], [[(src.address + WORDS_AT, 0, 8)]]
+    pu = _pusher(w, src)
+    try:
+        with pytest.raises(ValueError, match="wraps"):
+            pu.add_endpoint(1, ep.handle, ep.rkey.handle, (1 << 64) - 8, 16)
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, dst, REGION)
+        for layers, ready in (([(0, dst + REGION, dst + READY_AT, LB)], words),  # a layer past the pool
+                              ([(0, dst - LB, dst + READY_AT, LB)], words),  # before it
+                              ([(0, dst, dst + REGION - 4, LB)], words),  # its readiness word across the end
+                              ([(0, dst, dst + READY_AT, LB)], [[(src.address + REGION, 0, 8)]])):  # from past staging
+            with pytest.raises(ValueError, match="outside the receiver's pool"):
+                pu.add_request(9, 1, layers, ready, 1)
+        with pytest.raises(ValueError, match="no receiver endpoint"):
+            pu.add_request(9, 2, [(0, dst, dst + READY_AT, LB)], words, 1)
+        pu.add_request(9, 1, [(0, dst + REGION - LB, dst + READY_AT, LB)], words, 1)  # the last LB of the pool
+        for span in ((0, 1, LB), (0, LB, 1), (0, (1 << 64) - 1, 2), (LB, 0, 1), (1, 0, LB)):  # a span past it
+            with pytest.raises(ValueError, match="outside its layer's block or the receiver's pool"):
+                pu.add_rank(9, 3, 0, 1, [[span]])
+        pu.add_rank(9, 3, 0, 1, [[(0, 0, LB)]])
+        with pytest.raises(ValueError, match="a grant outside"):
+            pu.grant(9, 0, (1 << 64) - 1)
+        assert pu.in_flight == 0 and not pu.pending()
+    finally:
+        pu.close()
+
+
 def test_the_native_path_lands_a_layer_once_every_tp_rank_s_share_is_in(world):
     make, peer = world
     w, src = make()
     p, ep = peer(w)
     pu = _pusher(w, src)
     try:
-        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
         _request(pu, src, p, 5, layers=2, tp=2, ranks=(3, 4))
         assert pu.hand(3, 5, 0, 2) == 0
         pu.post()
@@ -343,8 +376,8 @@ def test_the_native_path_times_a_stalled_receiver_out_and_holds_nothing_else(wor
     fast, fast_ep = peer(w, TCP)
     pu = _pusher(w, src, timeout_s=1.0)
     try:
-        pu.add_endpoint(1, slow_ep.handle, slow_ep.rkey.handle)
-        pu.add_endpoint(2, fast_ep.handle, fast_ep.rkey.handle)
+        pu.add_endpoint(1, slow_ep.handle, slow_ep.rkey.handle, slow.info["address"], REGION)
+        pu.add_endpoint(2, fast_ep.handle, fast_ep.rkey.handle, fast.info["address"], REGION)
         os.kill(slow.proc.pid, signal.SIGSTOP)
         _request(pu, src, slow, 1, layers=16)  # 1 MiB into a stopped peer over tcp
         _request(pu, src, fast, 2, eid=2)
@@ -415,7 +448,7 @@ def test_the_native_wait_runs_the_layers_and_returns_only_when_the_session_has_s
         return th
 
     try:
-        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
         pu.add_ring(3, src.address + RING_AT, 16)
         _request(pu, src, p, 7, layers=2)
         out, took = wait(0.3)
@@ -467,7 +500,7 @@ def test_the_native_path_reports_a_dead_receiver(world, env):
     p, ep = peer(w, env)
     pu = _pusher(w, src, timeout_s=5.0)
     try:
-        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
         p.proc.kill()
         p.proc.wait(10)
         deadline = time.monotonic() + 10
@@ -497,7 +530,7 @@ def test_the_native_path_drops_a_receiver_with_batches_in_flight(world):
     p, ep = peer(w, TCP)
     pu = _pusher(w, src)
     try:
-        pu.add_endpoint(1, ep.handle, ep.rkey.handle)
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
         os.kill(p.proc.pid, signal.SIGSTOP)
         _request(pu, src, p, 1, layers=16)
         assert pu.hand(3, 1, 0, 16) == 0

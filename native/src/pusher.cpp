@@ -107,7 +107,13 @@ struct Ep {
     std::vector<Op> ops;         // this pass's puts, posted together by post()
     std::vector<Share> shares;
     bool dead = false;
+    uint64_t base = 0, end = 0;  // the receiver's pool as its HelloAck gives it: every put lands inside
 };
+
+// [at + off, at + off + n) lies inside [lo, hi), computed without overflow.
+static bool inside(uint64_t lo, uint64_t hi, uint64_t at, uint64_t off, uint64_t n) {
+    return at >= lo && at <= hi && off <= hi - at && n <= hi - at - off;
+}
 
 class Pusher {
   public:
@@ -121,9 +127,13 @@ class Pusher {
     Pusher &operator=(const Pusher &) = delete;
 
     // ---- receivers ----
-    void add_endpoint(uint32_t eid, uintptr_t ep, uintptr_t rkey) {
+    // ``base``, ``bytes``: the receiver's pool (KV, readiness words, state), which no plan's put may leave.
+    void add_endpoint(uint32_t eid, uintptr_t ep, uintptr_t rkey, uint64_t base, uint64_t bytes) {
+        if (!bytes || base > UINT64_MAX - bytes) throw std::invalid_argument("a receiver's pool is empty or wraps");
         Ep e;
         e.batches = std::make_unique<Batches>(ep, rkey, max_put_);
+        e.base = base;
+        e.end = base + bytes;
         eps_[eid] = std::move(e);
     }
 
@@ -147,11 +157,16 @@ class Pusher {
     void add_request(uint32_t handle, uint32_t eid, const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>> &layers,
                      const std::vector<Spans> &ready, uint32_t tp) {
         if (!tp || layers.size() > (1u << 14)) throw std::invalid_argument("a plan needs tp > 0 and at most 2^14 layers");
+        const Ep &e = ep(eid);
         Req r;
         r.eid = eid;
         r.ready = ready;
         for (const auto &[group, dst, rdy, bytes] : layers) {
             if (group >= ready.size() || bytes > staging_bytes_) throw std::invalid_argument("a layer's group or block does not fit");
+            if (bytes && !inside(e.base, e.end, dst, 0, 1)) throw std::invalid_argument("a layer outside the receiver's pool");
+            for (const auto &[src, off, n] : ready[group])  // its readiness words: from staging, into the pool
+                if (!inside(e.base, e.end, rdy, off, n) || !inside(staging_, staging_ + staging_bytes_, src, 0, n))
+                    throw std::invalid_argument("a layer's readiness words outside the receiver's pool or staging");
             r.layers.push_back(Layer{group, dst, rdy, bytes, tp});
             r.words_left += !ready[group].empty();
         }
@@ -164,16 +179,21 @@ class Pusher {
         if (!(first < end && end <= r.layers.size()) || ranges.size() != r.ready.size())
             throw std::invalid_argument("a rank's stage or groups do not fit its request's plan");
         if (r.ranks.count(cid)) throw std::invalid_argument("a connection already pushes a rank of this request");
-        for (uint32_t l = first; l < end; ++l)  // every span stays inside its layer's block (if it moves)
-            for (const auto &[src, dst, n] : ranges[r.layers[l].group])
-                if (r.layers[l].bytes && src + n > r.layers[l].bytes)
-                    throw std::invalid_argument("a rank's span outside its layer's block");
+        const Ep &e = ep(r.eid);
+        for (uint32_t l = first; l < end; ++l) {  // every span inside its layer's block and the pool (if it moves)
+            const Layer &L = r.layers[l];
+            if (!L.bytes) continue;
+            for (const auto &[src, dst, n] : ranges[L.group])
+                if (n > L.bytes || src > L.bytes - n || !inside(e.base, e.end, L.dst, dst, n))
+                    throw std::invalid_argument("a rank's span outside its layer's block or the receiver's pool");
+        }
         r.ranks.insert_or_assign(cid, Rank{first, end, ranges, std::vector<uint8_t>(end - first)});
     }
 
     void grant(uint32_t handle, uint32_t layer, uint64_t offset) {
         Req &r = req(handle);
-        if (layer >= r.layers.size() || offset + r.layers[layer].bytes > staging_bytes_)
+        if (layer >= r.layers.size() || r.layers[layer].bytes > staging_bytes_ ||
+            offset > staging_bytes_ - r.layers[layer].bytes)
             throw std::invalid_argument("a grant outside its plan or staging");
         r.layers[layer].block = offset + 1;
     }
@@ -463,6 +483,12 @@ class Pusher {
         post();
     }
 
+    const Ep &ep(uint32_t eid) const {
+        auto it = eps_.find(eid);
+        if (it == eps_.end()) throw std::invalid_argument("no receiver endpoint " + std::to_string(eid));
+        return it->second;
+    }
+
     Req &req(uint32_t handle) {
         auto it = reqs_.find(handle);
         if (it == reqs_.end()) throw std::invalid_argument("no plan for request handle " + std::to_string(handle));
@@ -515,7 +541,8 @@ void register_pusher(nb::module_ &m) {
     nb::class_<Pusher>(m, "Pusher", "The sender's per-layer path: plans in, puts posted, landings out (pusher.cpp).")
         .def(nb::init<uintptr_t, uintptr_t, uint64_t, uint64_t, double>(), nb::arg("worker"), nb::arg("staging"),
              nb::arg("staging_bytes"), nb::arg("max_put"), nb::arg("timeout_s"))
-        .def("add_endpoint", &Pusher::add_endpoint, nb::arg("eid"), nb::arg("ep"), nb::arg("rkey"))
+        .def("add_endpoint", &Pusher::add_endpoint, nb::arg("eid"), nb::arg("ep"), nb::arg("rkey"), nb::arg("base"),
+             nb::arg("bytes"))
         .def("drop_endpoint", &Pusher::drop_endpoint, nb::arg("eid"))
         .def("add_ring", &Pusher::add_ring, nb::arg("cid"), nb::arg("address"), nb::arg("slots"))
         .def("drop_ring", &Pusher::drop_ring, nb::arg("cid"))

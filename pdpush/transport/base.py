@@ -66,8 +66,9 @@ class Endpoint(Protocol):
         """The peer's packed remote key, once its wire-up completed (puts need it)."""
         ...
 
-    def attach(self, pusher, eid: int) -> None:
-        """Join the native per-layer data plane (``Transport.pusher``) as its endpoint ``eid``."""
+    def attach(self, pusher, eid: int, pool: tuple[int, int]) -> None:
+        """Join the native per-layer data plane (``Transport.pusher``) as its endpoint ``eid``; ``pool``: the peer's
+        pool (address, bytes), which the native path refuses any put to leave."""
         ...
 
     def stream_send(self, payload: bytes, timeout_s: float) -> None:

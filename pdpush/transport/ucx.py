@@ -230,11 +230,12 @@ class Endpoint(_Closable):
             self._worker._retired_bufs.append(self._wireup[1])  # UCX may read it until the endpoint's close cancels
             self._wireup = None
 
-    def attach(self, pusher, eid: int) -> None:
-        """Join ``pusher`` (``UcxWorker.pusher``) as its endpoint ``eid``: its puts go here, with the peer's rkey."""
+    def attach(self, pusher, eid: int, pool: tuple[int, int]) -> None:
+        """Join ``pusher`` (``UcxWorker.pusher``) as its endpoint ``eid``: its puts go here, with the peer's rkey, each
+        inside ``pool`` (the peer's address and bytes: a plan that leaves it is refused)."""
         if self.handle is None or self.rkey is None:
             raise TransferError(f"endpoint {self.name} has no rkey")
-        pusher.add_endpoint(eid, self.handle, self.rkey.handle)
+        pusher.add_endpoint(eid, self.handle, self.rkey.handle, *pool)
 
     def stream_send(self, payload: bytes, timeout_s: float) -> None:
         """Send bytes on this endpoint's stream (used for the one-time session token)."""
