@@ -356,7 +356,9 @@ class RouterConfig(_Settings):
     max_body_bytes: int = Field(8 << 20, ge=1024)
     """Largest request body accepted (413 above it)."""
     upstream_timeout_s: float = Field(300.0, gt=0)
-    """Deadline for each upstream call (a whole answer, streamed or not)."""
+    """Longest wait for an upstream's next bytes: a leg's whole answer where it is not streamed (vLLM sends its
+    headers once done), between chunks where it is. A decode leg past it answers 504; it is not run again
+    elsewhere (its engine is still at it)."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Deadline to connect to an upstream."""
     health_interval_s: float = Field(1.0, gt=0)

@@ -11,15 +11,17 @@ from pdpush.router import legs
 
 
 def test_each_leg_carries_the_routers_params_and_never_the_clients():
-    body = {"prompt": "x", "max_tokens": 50, "max_completion_tokens": 50, "stream": True,
+    body = {"prompt": "x", "max_tokens": 50, "max_completion_tokens": 50, "stream": True, "min_tokens": 20,
             "stream_options": {"include_usage": True}, "n": 3, "kv_transfer_params": {"pdpush_push_id": "evil"}}
     pre = legs.prefill_body(body, "tcp://r:5710", "rt-1")
     assert pre["max_tokens"] == pre["max_completion_tokens"] == pre["n"] == 1 and pre["stream"] is False
+    assert pre["min_tokens"] == 1  # vLLM refuses min_tokens above max_tokens: the leg would push nothing
     assert "stream_options" not in pre and pre["kv_transfer_params"] == {
         "do_remote_decode": True, "pdpush_receiver": "tcp://r:5710", "pdpush_push_id": "rt-1"}
     dec = legs.decode_body(body, kv_params.for_decode("rt-1"))
     assert dec["kv_transfer_params"] == {"do_remote_prefill": True, "pdpush_req_id": "rt-1"}
-    assert dec["max_tokens"] == 50 and body["kv_transfer_params"] == {"pdpush_push_id": "evil"}  # not mutated
+    assert dec["max_tokens"] == 50 and dec["min_tokens"] == 20 and body["kv_transfer_params"] == {
+        "pdpush_push_id": "evil"}  # not mutated
     assert "kv_transfer_params" not in legs.decode_body(body, None)  # recompute: no params at all
     assert kv_params.for_decode("rt-2", claim=True)["pdpush_claim"] is True
 
@@ -95,3 +97,19 @@ def test_auto_legs_go_at_once_only_where_the_prefill_instance_has_nothing_in_fli
     assert at_once("auto", 0) and not at_once("auto", 1) and not at_once("auto", 5)
     assert at_once(True, 0) and at_once(True, 3)
     assert not at_once(False, 0) and not at_once(False, 2)
+
+
+def test_a_body_the_legs_could_not_send_on_is_refused_when_parsed():
+    """Strict JSON in, as the legs encode it out: a number out of range (1e400 parses as infinity), NaN or
+    Infinity, a lone surrogate, a body nested past MAX_BODY_DEPTH, or no object, raise ValueError (a 400)."""
+    import pytest
+
+    ok = b'{"prompt": "caf\\u00e9 \xc3\xa9", "temperature": 0.5, "messages": [{"content": [{"type": "text"}]}]}'
+    assert legs.parse_body(ok)["prompt"] == "caf\u00e9 \u00e9" and legs.parse_body(ok)["temperature"] == 0.5
+    deep = legs.MAX_BODY_DEPTH - 1
+    assert legs.parse_body(b'{"a": ' + b"[" * deep + b"]" * deep + b"}")
+    for bad in (b'{"temperature": NaN}', b'{"max_tokens": 1e400}', b'{"x": -Infinity}', b'{"prompt": "\\ud800"}',
+                b'{"a": ' + b"[" * (deep + 1) + b"]" * (deep + 1) + b"}", b"[" * 5000 + b"]" * 5000,
+                b'["not", "an", "object"]', b"\xff\xfe", b"{"):
+        with pytest.raises(ValueError):
+            legs.parse_body(bad)

@@ -746,6 +746,67 @@ def test_the_api_key_guards_the_front(upstreams, start_router, tmp_path):
     assert "authorization" not in d.heard[-1][1]  # the router's key is not passed on
 
 
+def test_bodies_the_legs_cannot_send_get_a_400_and_leave_no_count_behind(upstreams, start_router):
+    """Bodies json.loads takes but the legs cannot send on (NaN, 1e400, a lone surrogate, nesting past the cap) or
+    prompts the chunk keys cannot hold: a 400 each, and nothing stays counted in flight. Before, each such body
+    was a 500 that left its decode instance counted, and max_inflight of them made the router refuse everything."""
+    p_url, p, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], max_inflight=2)
+    url = r.info["url"]
+    bad = ['{"prompt": "a", "temperature": NaN}', '{"prompt": "a", "max_tokens": 1e400}',
+           '{"prompt": "\\ud800"}', '{"prompt": "a", "x": ' + "[" * 40 + "]" * 40 + "}",
+           '{"prompt": [1, 9223372036854775808]}', '{"prompt": [[1, 2], [-1]]}']
+    for body in bad * 2:
+        res = post(url, body)
+        assert res.status_code == 400 and "error" in res.json(), (body, res.status_code, res.text)
+    health = httpx.get(url + "/health").json()["instances"]
+    assert all(i["inflight"] == 0 for i in health.values()), health
+    ok = post(url, {"prompt": "a", "max_tokens": 2, "min_tokens": 2})
+    assert ok.status_code == 200 and ok.headers["x-pdpush-route"] in ("concurrent", "sequential")
+    until(lambda: any(path == "/v1/completions" for path, _ in p.seen), 10, "the prefill leg")
+    assert [b["min_tokens"] for path, b in p.seen if path == "/v1/completions"] == [1]  # vLLM takes it
+
+
+def test_one_leg_after_the_other_the_decode_instance_is_counted_while_the_prefill_leg_runs(upstreams,
+                                                                                        start_router):
+    """A request waiting for its prefill leg already counts on its decode instance: requests placed meanwhile
+    see it there (the load caps and the cost model's decode wait), as they would once its decode leg went."""
+    p_url, p, _ = upstreams("prefill", mode="slow", sleep=2.0)
+    d_url, d, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs=False)
+    url = r.info["url"]
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post, url, {"prompt": "a", "max_tokens": 2})
+        until(lambda: any(path == "/v1/completions" for path, _ in p.seen), 10, "the prefill leg")
+        health = httpx.get(url + "/health").json()["instances"]
+        assert health[f"decode:{d_url}"]["inflight"] == 1 and not d.seen, health  # counted, its leg not sent yet
+        assert fut.result().status_code == 200
+    health = httpx.get(url + "/health").json()["instances"]
+    assert health[f"decode:{d_url}"]["inflight"] == 0, health
+
+
+def test_a_decode_leg_past_its_upstream_timeout_answers_504_and_is_not_run_again(upstreams, start_router):
+    """An unstreamed answer comes whole or not at all: past upstream_timeout_s its engine is still generating it.
+    The client gets a 504; the leg is not sent to another decode instance (a second generation that would hit
+    the same deadline), and the slow instance is not counted failed."""
+    p_url, _, _ = upstreams("prefill")
+    slow_url, slow, _ = upstreams("decode", mode="slow", sleep=4.0)
+    other_url, other, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": slow_url, "receiver": DEAD_RECEIVER},
+                               {"url": other_url, "receiver": DEAD_RECEIVER}], upstream_timeout_s=1.0,
+                     policy="round_robin")
+    url = r.info["url"]
+    for _ in range(2):  # round robin: one of them goes to the slow instance
+        res = post(url, {"prompt": "a", "max_tokens": 2})
+        if res.status_code != 200:
+            break
+    assert res.status_code == 504 and res.headers["x-pdpush-upstream"] == slow_url, (res.status_code, res.text)
+    assert [path for path, _ in other.seen].count("/v1/completions") <= 1  # only its own request, if any
+    health = httpx.get(url + "/health").json()["instances"]
+    assert health[f"decode:{slow_url}"]["healthy"], health
+
+
 @pytest.fixture
 def fuzz_router(upstreams, tmp_path):
     p_url, _, _ = upstreams("prefill")

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import types
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -137,6 +138,7 @@ def test_a_dropped_instance_leaves_no_series_and_no_speed_behind():
     for url in (A, B, d2[0]):
         m.upstream_errors.labels(url).inc()
         m.healthy.labels(url).set(1)
+    r.fleet.prefill[0].cache = types.SimpleNamespace(resyncs={"gap": 2}, by_hash={})  # (its KV events' view)
     m.prefill_view_resyncs.labels(A, "gap").set(2)
     m.index_resyncs.labels(d2[1]).inc()
     r.estimates.observe_prefill(A, 1000, 0.0, 1.0)

@@ -229,19 +229,23 @@ class Router:
             if not any(i.url == inst.url for i in live):
                 series += [(m.healthy, inst.url), (m.inflight, inst.url), (m.prefill_view_blocks, inst.url),
                            (m.upstream_errors, inst.url)]
-                m.prefill_view_resyncs.remove_by_labels({"instance": inst.url})
+                for why in (inst.cache.resyncs if inst.cache is not None else ()):
+                    series.append((m.prefill_view_resyncs, (inst.url, why)))
                 self.estimates.forget(inst.url)  # nor does its speed weigh in the fleet's mean any more
             if inst.role == "decode" and not any(i.receiver == inst.receiver for i in live if i.role == "decode"):
                 series += [(m.index_chunks, inst.receiver), (m.index_synced, inst.receiver),
                            (m.index_resyncs, inst.receiver)]
             for metric, label in series:
                 with contextlib.suppress(KeyError):  # never set (no scrape while it was listed)
-                    metric.remove(label)
+                    metric.remove(*(label if isinstance(label, tuple) else (label,)))
 
     # ---- health ----
     async def _health_loop(self) -> None:
         while True:
-            self._reap()
+            try:
+                self._reap()
+            except Exception:  # noqa: BLE001 - the health checks go on whatever the bookkeeping's bug
+                log.exception("forgetting dropped instances")
             await asyncio.gather(*(self._check(i) for i in self.fleet.all()), return_exceptions=True)
             await asyncio.sleep(self.cfg.health_interval_s)
 
@@ -378,7 +382,13 @@ class Router:
         tried: list[Instance] = []  # instances, not indices: a reload may change the list between attempts
         inst = route.prefill
         work = route.estimate.computed_tokens if route.estimate else 0
-        leg = legs.prefill_body(body, route.decode.receiver, route.push_id)
+        try:
+            leg = legs.prefill_body(body, route.decode.receiver, route.push_id)
+        except Exception:
+            if taken is not None:  # its first try, counted by _serve: undone
+                inst.inflight -= 1
+                inst.pending_tokens = max(0.0, inst.pending_tokens - work)
+            raise
         for attempt in range(legs.PREFILL_ATTEMPTS):
             tried.append(inst)
             ahead, mark = taken if attempt == 0 and taken is not None else self._take(inst, work)
@@ -465,12 +475,9 @@ class Router:
         except ClientDisconnect:
             return error(400, "client disconnected")
         try:
-            body = json.loads(bytes(data))
-        except (ValueError, UnicodeDecodeError) as e:
-            return error(400, f"the body is not JSON: {e}")
-        if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
-        return body
+            return legs.parse_body(bytes(data))
+        except ValueError as e:  # (UnicodeDecodeError too)
+            return error(400, f"the body is not a JSON object the engines take: {e}")
 
     async def completions(self, request: Request) -> Response:
         path = request.url.path
@@ -540,8 +547,8 @@ class Router:
             return await self.tokens.ids(self.client, pre[0].url if pre else "", path, body)
         except PromptError as e:
             return error(400, f"the engine cannot tokenize this prompt: {e}")
-        except (httpx.HTTPError, KeyError, ValueError) as e:
-            log.warning("tokenizing for chunk keys failed (%s); routing by load only", e)
+        except Exception as e:  # noqa: BLE001 - an engine's or a chat template's failure: the engine answers it
+            log.warning("tokenizing for chunk keys failed (%s: %s); routing by load only", type(e).__name__, e)
             return None
 
     async def _serve(self, request: Request, path: str, body: dict, route: Route_, t0: float) -> Response:
@@ -556,26 +563,34 @@ class Router:
             "prompt_tokens": route.prompt_tokens, "hit_chunks": route.hit_chunks,
             "decode_inflight": route.decode.inflight}})
         prefill_task = None
-        if route.prefill is None:
-            self.counters["conditional"] += 1
-            params = kv_params.for_decode(route.push_id, claim=True)
-        elif together:
-            # counted now, not when the task first runs: a request placed before then must see this one's load
-            taken = self._take(route.prefill, route.estimate.computed_tokens if route.estimate else 0)
-            prefill_task = asyncio.create_task(self._prefill(path, body, route, headers, taken))
-            prefill_task.add_done_callback(lambda t, route=route: self._withdraw_if_unpushed(t, route))
-            params = kv_params.for_decode(route.push_id)
-        else:
-            params = await self._prefill(path, body, route, headers)
-            route.unpushed = params is None and not route.prefill_unsure
-        if route.prefill is not None and prefill_task is None:
-            self.counters["pushed" if params else "recomputed"] += 1
+        # the decode instance counted from placement, not from its leg: one after the other, requests placed while
+        # this one's prefill leg runs must see it there, or the load caps let a burst pile onto one instance
+        route.decode.inflight += 1
+        relaying = False
         try:
+            if route.prefill is None:
+                self.counters["conditional"] += 1
+                params = kv_params.for_decode(route.push_id, claim=True)
+            elif together:
+                # counted now, not when the task first runs: a request placed before then must see this one's load
+                taken = self._take(route.prefill, route.estimate.computed_tokens if route.estimate else 0)
+                prefill_task = asyncio.create_task(self._prefill(path, body, route, headers, taken))
+                prefill_task.add_done_callback(lambda t, route=route: self._withdraw_if_unpushed(t, route))
+                params = kv_params.for_decode(route.push_id)
+            else:
+                params = await self._prefill(path, body, route, headers)
+                route.unpushed = params is None and not route.prefill_unsure
+            if route.prefill is not None and prefill_task is None:
+                self.counters["pushed" if params else "recomputed"] += 1
+            relaying = True  # the relay's count from here: it undoes it on every way out
             return await self._relay(path, body, route, params, headers, prefill_task, mode, t0)
         except asyncio.CancelledError:  # its client gone (_unless_gone): a prefill leg beside it goes too
             if prefill_task is not None:
                 prefill_task.cancel()
             raise
+        finally:
+            if not relaying:
+                route.decode.inflight -= 1
 
     def _chunk_tokens(self) -> int:
         lay = self._layout()
@@ -583,14 +598,15 @@ class Router:
 
     async def _relay(self, path: str, body: dict, route: Route_, params: dict | None, headers: dict,
                      prefill_task: asyncio.Task | None, mode: str, t0: float) -> Response:
-        decode = route.decode
-        decode.inflight += 1
+        decode = route.decode  # (counted in flight by _serve)
         resp = None
         try:
             try:
                 resp = await self._open_decode(decode, path, legs.decode_body(body, params), headers,
                                                route if params is not None else None)
             except httpx.HTTPError as e:  # it could not be reached: another one, recomputing
+                if isinstance(e, httpx.ReadTimeout):  # its engine has the leg and is still at it: a 504, no second
+                    raise  # generation elsewhere, nor a failure counted against a healthy instance
                 route.decode_took = False  # (it failed the leg: it will not read the push)
                 self._settle_later(prefill_task, route)  # nor will anyone else: a leg beside it is cancelled now
                 prefill_task = None
@@ -616,6 +632,10 @@ class Router:
             status = 504 if isinstance(e, httpx.TimeoutException) else 502
             return error(status, f"decode instance {decode.url}: {type(e).__name__}: {e}", "upstream_error",
                          {"X-Pdpush-Upstream": decode.url})
+        except Exception:  # a bug of the router's: its counts are undone all the same (the client gets a 500)
+            decode.inflight -= 1
+            self._settle_later(prefill_task, route)
+            raise
         if resp.status_code != 200:
             # its engine refused or failed the leg: it will not read the push (a gateway's 502 or 504: it may)
             route.decode_took &= legs.gateway_status(resp.status_code)

@@ -16,6 +16,8 @@ means, and where a failed prefill leg is tried again. app.py moves the bytes.
 from __future__ import annotations
 
 import copy
+import json
+import math
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Protocol
@@ -58,6 +60,41 @@ def at_once(setting: bool | str, prefill_inflight: int) -> bool:
     return prefill_inflight == 0 if setting == "auto" else bool(setting)
 
 
+MAX_BODY_DEPTH = 32  # an OpenAI request nests a few levels (messages, content parts, tool schemas)
+
+
+def parse_body(data: bytes) -> dict:
+    """A client's request body, as the legs will send it on: a JSON object that encodes back to strict JSON (no
+    NaN or infinity, 1e400 included; no lone surrogate) and nests at most ``MAX_BODY_DEPTH`` levels. Anything
+    else raises ValueError (a 400): such a body made the legs' encoding fail after the router had counted them
+    in flight, and the counts stayed (16 such requests made a decode instance look saturated for good)."""
+    def finite(text: str) -> float:
+        x = float(text)
+        if not math.isfinite(x):
+            raise ValueError(f"number {text[:20]} out of range")
+        return x
+
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        body = json.loads(data, parse_float=finite, parse_constant=constant)
+        json.dumps(body, allow_nan=False, ensure_ascii=False).encode()
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_BODY_DEPTH} levels") from None
+    except UnicodeError as e:
+        raise ValueError(f"not UTF-8 (a lone surrogate?): {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    level = [body]
+    for _ in range(MAX_BODY_DEPTH):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return body
+    raise ValueError(f"nested deeper than {MAX_BODY_DEPTH} levels")
+
+
 def prefill_body(body: dict, receiver: str, push_id: str) -> dict:
     from pdpush.kv_params import for_prefill
 
@@ -65,6 +102,8 @@ def prefill_body(body: dict, receiver: str, push_id: str) -> dict:
     b["max_tokens"] = 1
     if "max_completion_tokens" in b:
         b["max_completion_tokens"] = 1
+    if isinstance(b.get("min_tokens"), int) and b["min_tokens"] > 1:
+        b["min_tokens"] = 1  # vLLM refuses min_tokens above max_tokens: the prefill leg would push nothing
     b["stream"] = False
     b.pop("stream_options", None)
     b["n"] = 1

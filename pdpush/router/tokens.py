@@ -36,10 +36,15 @@ def check_prompt(path: str, body: dict) -> None:
     else:
         p = body.get("prompt")
         if isinstance(p, str) or (isinstance(p, list) and p and (
-                all(isinstance(t, int) and not isinstance(t, bool) for t in p) or all(isinstance(t, str) for t in p)
-                or all(isinstance(t, list) for t in p))):
+                _token_ids(p) or all(isinstance(t, str) for t in p)
+                or all(isinstance(t, list) and _token_ids(t) for t in p))):
             return
-        raise PromptError("'prompt' must be a string, a list of token ids, or a list of them")
+        raise PromptError("'prompt' must be a string, a list of token ids (integers from 0 below 2**63), or a list "
+                          "of them")
+
+
+def _token_ids(p: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in p)
 
 
 _CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
