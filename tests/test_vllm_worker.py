@@ -165,6 +165,26 @@ w._settle(ld)
 out["receiver_down_after_skew"] = w._receiver_down_until > time.monotonic() + 20
 out["skew_load"] = [p.abandoned, ld.reason.value if ld.reason else None]
 out["skew_totals"] = w.stats.totals()
+
+# 6. asynchronous loads whose pushes have committed wait for the step budget behind each other as long as it takes:
+# the deadline bounds the wait for the push, not this engine's copy (past it, a burst failed and recomputed)
+w.settings = NS(async_layers_per_step=1, load_timeout_s=0.001)
+w.layout = NS(layers=3, state_layers=[])
+w._load_order, w._layer_of, w._async, w._loads = ["a", "b", "c"], {"a": 0, "b": 1, "c": 2}, [], []
+w._load_layer = lambda ld, name: setattr(ld, "layers_done", ld.layers_done + 1)
+waiting = load("waiting", asynchronous=True)
+waiting.req.landed = lambda layer: False  # its push not in yet: the deadline holds
+w._async.append(waiting)
+for name in ("first", "second"):
+    ld = load(name, asynchronous=True)
+    ld.req.committed, ld.req.landed, ld.deadline = True, (lambda layer: True), 0.0  # landed whole, deadline past
+    w._async.append(ld)
+waiting.deadline = time.monotonic() + 60
+steps = []
+while w._async and len(steps) < 10:
+    steps.append([sorted(x) for x in w.poll_async_loads()])
+    waiting.deadline = 0.0 if len(steps) == 6 else waiting.deadline
+out["budget_steps"] = steps
 print(json.dumps(out))
 """
 
@@ -190,3 +210,7 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     t = out["skew_totals"]
     assert t["push_failed:refused"] == 1 and t["push_failed:sender"] == 1, t
     assert out["skew_load"] == [0, "receiver"], out  # refused before anything was opened: nothing to give back
+    # one layer a step: "first" done at its third, "second" at its sixth, none timed out; the load whose push never
+    # came fails at its deadline
+    assert out["budget_steps"] == [[[], []], [[], []], [["first"], []], [[], []], [[], []], [["second"], []],
+                                   [[], ["waiting"]]], out["budget_steps"]
