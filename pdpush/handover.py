@@ -80,6 +80,11 @@ class HandOverQueue:
                 out.append(c.request)
         return out
 
+    def running(self, request: Hashable) -> Fence | None:
+        """A copy of ``request`` still writing staging (a fence not done), dropped ones included; None once none
+        is: only then may the sender be told that this engine has stopped writing that request's staging."""
+        return next((c.fence for c in self._q if c.request == request and not c.fence.query()), None)
+
     def drop(self, request: Hashable) -> int:
         """Never hand over ``request``'s copies. They stay queued (their fences and ``keep`` with
         them) until they complete, so that nothing they read is freed under them. Returns how many."""

@@ -101,6 +101,21 @@ def test_a_layer_copied_twice_at_once_is_refused():
         q.submit("a", 0, Fence(), now=0)
 
 
+def test_the_queue_names_a_copy_still_running_dropped_or_not():
+    """What an Abort must wait for: a request's copies still writing staging, dropped or not."""
+    q = HandOverQueue(timeout=10)
+    f0, f1, g = Fence(), Fence(), Fence()
+    for req, layer, f in (("a", 0, f0), ("a", 1, f1), ("b", 0, g)):
+        q.submit(req, layer, f, now=0)
+    assert q.running("a") is f0 and q.running("c") is None
+    f0.done.set()
+    assert q.running("a") is f1
+    q.drop("a")
+    assert q.running("a") is f1  # given up, and still writing
+    f1.done.set()
+    assert q.running("a") is None and q.running("b") is g
+
+
 # ---------------------------------------------------------------- D2HStager on the CPU
 
 torch = pytest.importorskip("torch")
@@ -439,3 +454,43 @@ def test_poll_mode_hands_queued_copies_over_before_waiting_for_staging(daemons):
         st_.close()
         pc.close()
         rc.close()
+
+
+@pytest.mark.parametrize("completes", [True, False], ids=["copies-end", "copies-stuck"])
+def test_an_abort_waits_for_the_copies_still_writing_its_staging(daemons, monkeypatch, completes):
+    """A request given up while its layers' copies are still queued on the side stream: its Abort tells the sender
+    that this engine has stopped writing its staging, and the sender grants those blocks to other requests at once,
+    where the late copies would land. So the Abort goes once those copies are done; copies that do not end within
+    QUIESCE_S send none, and the sender keeps the request (and its blocks) until its lease runs out."""
+    from pdpush.client import PrefillClient, status
+    from tests.helpers import rx_opts, sock, until
+
+    monkeypatch.setattr(dc, "QUIESCE_S", 0.5)
+    lay = KVLayout(layers=3, kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=8, model_id="default")
+    rx = daemons.receiver(**rx_opts(lay))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(lay, sock(tx), timeout_s=30)
+    st_, fences = _stager("poll", timeout_s=30)
+    try:
+        h = pc.begin("gone", list(range(1, 25)))
+        k = torch.zeros(24, 2, 16, dtype=torch.bfloat16)
+        st_.put_layer(h, 0, k, k)
+        st_.put_layer(h, 1, k, k)
+        st_.drop(h)  # as the connector's _fail_push does, then the abort
+        if completes:
+            threading.Timer(0.2, lambda: [f.done.set() for f in fences]).start()
+        t = time.monotonic()
+        h.abort("the forward failed")
+        waited = time.monotonic() - t
+        if completes:
+            assert 0.15 < waited < 5, waited
+            until(lambda: status(sock(tx))["requests_inflight"] == 0, 10, "the sender's abort")
+        else:
+            assert 0.4 < waited < 5, waited
+            time.sleep(0.3)
+            assert status(sock(tx))["requests_inflight"] == 1  # no Abort: kept until its lease runs out
+    finally:
+        for f in fences:
+            f.done.set()
+        st_.close()
+        pc.close()

@@ -56,6 +56,8 @@ class _Done:
         pass
 
 
+QUIESCE_S = 2.0  # how long a failed request's Abort waits for its copies still running (then none is sent)
+
 class D2HStager:
     """Layers from the device into the sender's staging, handed over as their copies complete."""
 
@@ -125,6 +127,7 @@ class D2HStager:
             comps = tuple(comps[0]())
         if handle not in self._index:
             self._index[handle] = new_only
+            handle.writers = lambda: self.quiesce(handle, min(self.timeout_s, QUIESCE_S))  # before its Abort
             if self.mode == "thread":
                 handle.client._conn.allow_posts()
         if self.mode != "thread" and not handle.granted(layer):
@@ -189,8 +192,25 @@ class D2HStager:
             else:
                 time.sleep(0.0002)
 
+    def quiesce(self, handle, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``handle``'s copies still writing its staging (dropped ones too): True once
+        none is. Its Abort tells the sender that this engine has stopped writing that staging, which the sender
+        then grants to other requests: a copy still queued on the side stream would write into theirs."""
+        deadline = self._clock() + timeout_s
+        while True:
+            with self._cv:
+                fence = self._queue.running(handle)
+            if fence is None:
+                return True
+            if self._clock() >= deadline:
+                return False
+            if self.cuda and hasattr(fence, "synchronize"):
+                fence.synchronize()
+            else:
+                time.sleep(0.0002)
+
     def drop(self, handle) -> None:
-        """Give ``handle`` up here: its copies are never handed over."""
+        """Give ``handle`` up here: its copies are never handed over (they still complete: ``quiesce``)."""
         with self._cv:
             self._queue.drop(handle)
             self._failed.pop(handle, None)
