@@ -185,6 +185,29 @@ while w._async and len(steps) < 10:
     steps.append([sorted(x) for x in w.poll_async_loads()])
     waiting.deadline = 0.0 if len(steps) == 6 else waiting.deadline
 out["budget_steps"] = steps
+
+# 7. a device load prefetches the layers that have landed PREFETCH_LAYERS ahead at most, not the whole request
+from pdpush.integrations.vllm import load as loadmod
+
+
+class Loader:
+    def start(self, req, layer, timeout_s=None):
+        return layer
+
+    def fence_of(self, ticket):
+        return Fence()
+
+    def ready(self, ticket):
+        raise RuntimeError("the test stops here")
+
+
+w.layout = NS(layers=40, state_layers=[])
+w._loader = Loader()
+ld = load("deep")
+ld.req.landed = lambda layer: True  # the whole push is in
+w._load_layer_staged(ld, 0, 0, None, 0)
+out["prefetched"] = sorted(ld.tickets)
+out["prefetch_layers"] = loadmod.PREFETCH_LAYERS
 print(json.dumps(out))
 """
 
@@ -214,3 +237,4 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     # came fails at its deadline
     assert out["budget_steps"] == [[[], []], [[], []], [["first"], []], [[], []], [[], []], [["second"], []],
                                    [[], ["waiting"]]], out["budget_steps"]
+    assert out["prefetched"] == list(range(1, 1 + out["prefetch_layers"])) and out["prefetch_layers"] <= 4, out

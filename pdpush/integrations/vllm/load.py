@@ -22,6 +22,10 @@ from pdpush.integrations.vllm.stats import LoadFailure, LoadRoute
 
 log = logging.getLogger("pdpush.vllm")
 
+# layers a device load copies ahead of the one it scatters: their buffers are device memory vLLM did not budget
+# (a 32k-token request of an 8B model is 4 GiB whole), held across steps by an asynchronous load
+PREFETCH_LAYERS = 2
+
 
 @dataclass
 class _Load:
@@ -365,12 +369,14 @@ class LoadPath:
         return done, failed
 
     def _load_layer_staged(self, ld: _Load, layer: int, vg: int, kv: torch.Tensor, n: int) -> None:
-        """A GPU cache: this layer's pages go up on a side stream (H2DLoader), with every later layer
-        that has already landed started behind it; the scatter on the compute stream waits on its event.
+        """A GPU cache: this layer's pages go up on a side stream (H2DLoader), with the next layers that have
+        already landed (``PREFETCH_LAYERS``) started behind it; the scatter on the compute stream waits on its event.
         (On a CPU cache with ``handover`` set, the same logic with copies done at once.)"""
         try:
             req, loader = ld.req, self._loader
-            for later in range(layer + 1, self.layout.layers):  # prefetch what has landed, in order
+            # prefetch what has landed, in order, PREFETCH_LAYERS ahead at most: each is a device buffer outside vLLM's
+            # memory budget, and an asynchronous load copies only a few layers a step
+            for later in range(layer + 1, min(self.layout.layers, layer + 1 + PREFETCH_LAYERS)):
                 if later in ld.tickets:
                     continue
                 if not req.landed(later):
