@@ -119,7 +119,7 @@ class Upstream(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: list  # (path, body) of each POST
     heard: list  # (path, its headers, lower-case names) of each POST
-    state: dict  # mode: ok | fail500 | gw504 (a gateway's timeout) | slow | dead | drop | ask (state["ask"](body): its
+    state: dict  # mode: ok | fail500 | gw504 (a gateway's timeout) | slow | dead | drop | cut | ask (state["ask"](body): its
     # text) ; role ; before(body): called first, in any mode
 
     def log_message(self, *a) -> None:
@@ -182,6 +182,16 @@ class Upstream(BaseHTTPRequestHandler):
             return
         if mode == "ask":  # a decode that asks its receiver about the push, as the connector does
             self._send(200, {"choices": [{"text": self.state["ask"](body)}]})
+            return
+        if mode == "cut" and body.get("stream"):  # a chunked stream broken off by a dying engine: no final chunk
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            part = f"data: {json.dumps({'i': 0})}\n\n".encode()
+            self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+            self.wfile.flush()
+            self.close_connection = True
             return
         if body.get("stream"):
             self.send_response(200)
@@ -805,6 +815,25 @@ def test_a_decode_leg_past_its_upstream_timeout_answers_504_and_is_not_run_again
     assert [path for path, _ in other.seen].count("/v1/completions") <= 1  # only its own request, if any
     health = httpx.get(url + "/health").json()["instances"]
     assert health[f"decode:{slow_url}"]["healthy"], health
+
+
+def test_a_stream_its_decode_breaks_off_is_broken_off_for_the_client_too(upstreams, start_router):
+    """The decode instance dies mid-stream: the client's stream must end as cut (no final chunk), not as a whole
+    answer that happens to be short; the instance is counted failed, and nothing stays in flight."""
+    p_url, _, _ = upstreams("prefill")
+    d_url, _, _ = upstreams("decode", mode="cut")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}])
+    url = r.info["url"]
+    got = b""
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, "stream": True},
+                          timeout=30) as res:
+            assert res.status_code == 200
+            for part in res.iter_raw():
+                got += part
+    assert got.startswith(b"data: ")  # what came before the cut was relayed
+    until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["inflight"] == 0, 10,
+          "the stream's count undone")
 
 
 @pytest.fixture

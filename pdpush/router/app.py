@@ -62,6 +62,11 @@ from pdpush.router.watch import Watches
 
 log = logging.getLogger("pdpush.router")
 
+
+class StreamCut(Exception):
+    """A streamed answer its decode instance broke off: raised out of the relay, so that the ASGI server breaks the
+    client's connection off too (no final chunk), rather than end the stream as if it were whole."""
+
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -665,10 +670,13 @@ class Router:
                             self._observed(route, t0, True)
                         yield part
                     self.metrics.requests.labels(path, "ok").inc()
-                except httpx.HTTPError as e:  # the decode instance died mid-stream: the stream ends unfinished
+                except httpx.HTTPError as e:  # the decode instance died mid-stream
                     self._unreachable(decode, e)
                     self.metrics.requests.labels(path, "upstream_error").inc()
                     log.error("decode %s broke the stream of %s: %s", decode.url, route.push_id, e)
+                    # the client's connection is broken off too, not ended as if the answer were whole: a client
+                    # (or a proxy) then sees the stream cut (an incomplete chunked body), not a shorter answer
+                    raise StreamCut(f"decode {decode.url} broke the stream of {route.push_id}") from e
                 finally:
                     await resp.aclose()
                     decode.inflight -= 1
