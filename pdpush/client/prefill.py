@@ -77,8 +77,9 @@ class PushHandle:
         self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
         self._bell = client._bell(ok.doorbell, ok.daemon_id) if self._ring is not None else None  # wakes it
         self._handle = ok.handle  # how its records name this request
-        # whether nothing else writes its staging any more (a device's copies: device_copy.D2HStager sets it)
-        self.writers: Callable[[], bool] | None = None
+        # how its Abort waits for writes into its staging still running elsewhere (a device's copies on a side
+        # stream: device_copy.D2HStager sets it): after_writes(fn) calls fn once they are done
+        self.after_writes: Callable[[Callable[[], None]], None] | None = None
         # the Finish goes as a record after the layers' records (ring.py FINISH), while no layer went by message
         self._ring_finish = ok.ring_finish and self._ring is not None
         self._daemon_id = ok.daemon_id  # the sender whose staging (and ring) this request writes
@@ -159,8 +160,7 @@ class PushHandle:
         """An asynchronous end of the request (its receiver died, its lease expired...): raise it, and tell
         the sender this engine has stopped writing its staging (which it keeps until then), once it has."""
         self._end()
-        if self._stopped_writing():
-            self.client._conn.post(Abort(req_id=self.req_id, reason="the prefill engine saw the request end"))
+        self._stopped(Abort(req_id=self.req_id, reason="the prefill engine saw the request end"))
         raise_error(msg)
         raise ProtocolError(f"unexpected {msg.type} for {self.req_id!r} while it was being pushed")
 
@@ -409,15 +409,21 @@ class PushHandle:
             return
         self._aborted = reason or "aborted"
         self._end()
-        if self._stopped_writing():
-            self.client._conn.send(Abort(req_id=self.req_id, reason=reason), self.client.timeout_s)
+        self._stopped(Abort(req_id=self.req_id, reason=reason), wait=True)
 
-    def _stopped_writing(self) -> bool:
-        """Whether nothing writes this request's staging any more: an Abort says so to the sender, which then
-        grants those blocks to other requests. A device's copies may still be queued on a side stream
-        (``writers``, set by integrations/device_copy.py's stager: it waits for them, a while); if they do not
-        end, no Abort goes, and the sender keeps the blocks until the request's lease runs out."""
-        return self.writers is None or self.writers()
+    def _stopped(self, msg: Abort, wait: bool = False) -> None:
+        """Tell the sender that this engine has stopped writing the request's staging (``msg``, an Abort): the
+        sender then grants those blocks to other requests. A device's copies into them may still be queued on a
+        side stream (``after_writes``): the Abort then goes once they are done, from the thread that sees them
+        end (copies that never end send none: the sender keeps the blocks until the request's lease runs out).
+        ``wait``: sent now, waiting up to the client's timeout, where nothing else writes."""
+        conn = self.client._conn
+        if self.after_writes is not None:
+            self.after_writes(lambda: conn.post(msg))
+        elif wait:
+            conn.send(msg, self.client.timeout_s)
+        else:
+            conn.post(msg)
 
 
 class PendingBegin:

@@ -56,7 +56,7 @@ class _Done:
         pass
 
 
-QUIESCE_S = 2.0  # how long a failed request's Abort waits for its copies still running (then none is sent)
+QUIESCE_S = 2.0  # poll and sync modes: how long a failed request's Abort waits for its copies (then none is sent)
 
 class D2HStager:
     """Layers from the device into the sender's staging, handed over as their copies complete."""
@@ -74,6 +74,7 @@ class D2HStager:
         self._queue = HandOverQueue(timeout_s)
         self._cv = threading.Condition()
         self._failed: dict[Hashable, PdpushError] = {}
+        self._after: dict[Hashable, list[Callable[[], None]]] = {}  # handle -> what waits for its copies to end
         self._index: dict[Hashable, bool] = {}  # handle -> its staging takes only new tokens
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         # (req_id, layer, clock) of recent hand-overs, for measurements
@@ -127,7 +128,7 @@ class D2HStager:
             comps = tuple(comps[0]())
         if handle not in self._index:
             self._index[handle] = new_only
-            handle.writers = lambda: self.quiesce(handle, min(self.timeout_s, QUIESCE_S))  # before its Abort
+            handle.after_writes = lambda fn, handle=handle: self.after_writes(handle, fn)  # its Abort waits
             if self.mode == "thread":
                 handle.client._conn.allow_posts()
         if self.mode != "thread" and not handle.granted(layer):
@@ -191,6 +192,21 @@ class D2HStager:
                 head.fence.synchronize()
             else:
                 time.sleep(0.0002)
+
+    def after_writes(self, handle, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (the request's Abort) once none of ``handle``'s copies still writes its staging, dropped ones
+        too: at once if none does. The Abort tells the sender that this engine has stopped writing that staging,
+        which the sender then grants to other requests: a copy still queued on the side stream would write into
+        theirs. Thread mode: the completion thread calls it when the last one ends, and the engine's thread goes on
+        meanwhile. Poll and sync modes: this thread waits for them, up to ``QUIESCE_S``; copies that have not ended
+        by then send no Abort (the sender keeps the blocks until the request's lease runs out)."""
+        with self._cv:
+            if self.mode == "thread" and self._queue.running(handle) is not None:
+                self._after.setdefault(handle, []).append(fn)
+                self._cv.notify_all()
+                return
+        if self.mode == "thread" or self.quiesce(handle, min(self.timeout_s, QUIESCE_S)):
+            fn()
 
     def quiesce(self, handle, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``handle``'s copies still writing its staging (dropped ones too): True once
@@ -266,7 +282,13 @@ class D2HStager:
                 self.handed_over.extend((handle.req_id, la, now) for la in layers)
             if ready:
                 self._cv.notify_all()
-            return len(ready)
+            due = [fn for h in [h for h in self._after if self._queue.running(h) is None] for fn in self._after.pop(h)]
+        for fn in due:  # (outside the lock: an Abort's post may take the connection's)
+            try:
+                fn()
+            except PdpushError as e:  # its engine's connection is gone: so is what it would have told
+                log.warning("pdpush: an abort after its copies ended: %s", e)
+        return len(ready)
 
     def _run(self) -> None:
         if self.cuda:
