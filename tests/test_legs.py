@@ -107,7 +107,8 @@ def test_a_body_the_legs_could_not_send_on_is_refused_when_parsed():
     ok = b'{"prompt": "caf\\u00e9 \xc3\xa9", "temperature": 0.5, "messages": [{"content": [{"type": "text"}]}]}'
     assert legs.parse_body(ok)["prompt"] == "caf\u00e9 \u00e9" and legs.parse_body(ok)["temperature"] == 0.5
     deep = legs.MAX_BODY_DEPTH - 1
-    assert legs.parse_body(b'{"a": ' + b"[" * deep + b"]" * deep + b"}")
+    deepest = legs.parse_body(b'{"prompt": "x", "a": ' + b"[" * deep + b"]" * deep + b"}")
+    assert legs.prefill_body(deepest, "tcp://r:5710", "rt-1") and legs.decode_body(deepest, None)  # (deepcopy)
     for bad in (b'{"temperature": NaN}', b'{"max_tokens": 1e400}', b'{"x": -Infinity}', b'{"prompt": "\\ud800"}',
                 b'{"a": ' + b"[" * (deep + 1) + b"]" * (deep + 1) + b"}", b"[" * 5000 + b"]" * 5000,
                 b'["not", "an", "object"]', b"\xff\xfe", b"{"):

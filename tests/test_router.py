@@ -765,7 +765,7 @@ def test_bodies_the_legs_cannot_send_get_a_400_and_leave_no_count_behind(upstrea
     r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], max_inflight=2)
     url = r.info["url"]
     bad = ['{"prompt": "a", "temperature": NaN}', '{"prompt": "a", "max_tokens": 1e400}',
-           '{"prompt": "\\ud800"}', '{"prompt": "a", "x": ' + "[" * 40 + "]" * 40 + "}",
+           '{"prompt": "\\ud800"}', '{"prompt": "a", "x": ' + "[" * 200 + "]" * 200 + "}",
            '{"prompt": [1, 9223372036854775808]}', '{"prompt": [[1, 2], [-1]]}']
     for body in bad * 2:
         res = post(url, body)

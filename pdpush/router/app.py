@@ -859,7 +859,8 @@ class Router:
             return error(405, f"{request.method} not allowed on {request.url.path}")
 
         async def crashed(request: Request, exc) -> Response:
-            log.exception("internal error on %s", request.url.path, exc_info=exc)
+            if not isinstance(exc, StreamCut):  # (logged by the relay: its decode's failure, not the router's)
+                log.exception("internal error on %s", request.url.path, exc_info=exc)
             return error(500, "internal error in the router", "internal_error")
 
         @contextlib.asynccontextmanager

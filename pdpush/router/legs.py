@@ -60,7 +60,7 @@ def at_once(setting: bool | str, prefill_inflight: int) -> bool:
     return prefill_inflight == 0 if setting == "auto" else bool(setting)
 
 
-MAX_BODY_DEPTH = 32  # an OpenAI request nests a few levels (messages, content parts, tool schemas)
+MAX_BODY_DEPTH = 128  # OpenAI requests nest a few levels, tools' JSON schemas a few dozen: deepcopy goes deeper
 
 
 def parse_body(data: bytes) -> dict:
