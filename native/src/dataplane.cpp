@@ -39,21 +39,28 @@ double put_loop(uintptr_t worker, uintptr_t ep, uintptr_t rkey, uint64_t src, ui
     nb::gil_scoped_release unlocked;
     ucp_request_param_t param{};
     std::deque<void *> flights;  // each pair's flush, or nullptr where it completed at once
+    struct FreeLeft {  // on a throw, the flushes still in flight are freed: UCX releases each once it completes
+        std::deque<void *> &left;
+        ~FreeLeft() {
+            for (void *r : left)
+                if (r != nullptr) ucp_request_free(r);
+        }
+    } free_left{flights};
     const auto t0 = std::chrono::steady_clock::now();
     const auto deadline = t0 + std::chrono::duration<double>(timeout_s);
     auto settle = [&](size_t keep) {
         while (flights.size() > keep) {
             void *r = flights.front();
+            ucs_status_t st = UCS_OK;
             if (r != nullptr) {
-                ucs_status_t st;
                 while ((st = ucp_request_check_status(r)) == UCS_INPROGRESS) {
                     ucp_worker_progress(w);
                     if (std::chrono::steady_clock::now() > deadline) throw UcpFailure("put_loop", UCS_ERR_TIMED_OUT);
                 }
                 ucp_request_free(r);
-                if (st != UCS_OK) throw UcpFailure("put_loop flush", st);
             }
             flights.pop_front();
+            if (st != UCS_OK) throw UcpFailure("put_loop flush", st);
         }
     };
     for (uint32_t i = 0; i < count; ++i) {
