@@ -494,8 +494,8 @@ class Router:
             return body
         try:
             check_prompt(path, body)
-            if "stream" in body and not isinstance(body["stream"], bool):
-                raise PromptError("'stream' must be a boolean")
+            if body.get("stream") is not None and not isinstance(body["stream"], bool):
+                raise PromptError("'stream' must be a boolean or null")  # (null: vLLM's default, not streamed)
         except PromptError as e:
             self.metrics.requests.labels(path, "bad_request").inc()
             return error(400, str(e))
