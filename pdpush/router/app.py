@@ -67,6 +67,15 @@ class StreamCut(Exception):
     """A streamed answer its decode instance broke off: raised out of the relay, so that the ASGI server breaks the
     client's connection off too (no final chunk), rather than end the stream as if it were whole."""
 
+
+def _not_a_cut(record: logging.LogRecord) -> bool:
+    """uvicorn's log filter: its "Exception in ASGI application" for a StreamCut (the relay logged the cut, once,
+    as the decode's failure) goes unlogged; the router's own errors still come with their traceback."""
+    exc = record.exc_info[1] if record.exc_info else None
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # (an anyio task group's wrapping)
+        exc = exc.exceptions[0]
+    return not isinstance(exc, StreamCut)
+
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -896,6 +905,7 @@ def serve(cfg: RouterConfig) -> None:
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(router.app(), log_level=cfg.log_level, access_log=False,
                                            timeout_graceful_shutdown=30, h11_max_incomplete_event_size=64 << 10))
+    logging.getLogger("uvicorn.error").addFilter(_not_a_cut)  # (after its Config, which sets its loggers up)
 
     async def main() -> None:
         # SIGHUP: the config file read again (its instance lists); set before anything is served
