@@ -169,12 +169,16 @@ class PagePool:
             self._nfree += len(pages)
 
     def _evict(self, need: int, protect: set[bytes]) -> None:
+        """Free ``need`` pages by evicting unpinned chunks, oldest first; or, where that many cannot go, none
+        (a request that would still not fit must not empty the prefix cache on its way to being refused)."""
         victims = []
         for k, e in self._index.items():
             if len(victims) >= need:
                 break
             if e.refs == 0 and k not in protect:
                 victims.append(k)
+        if len(victims) < need:
+            return
         for k in victims:
             self._give([self._index.pop(k).page])
         self.counters["chunks_evicted"] += len(victims)

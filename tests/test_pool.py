@@ -146,3 +146,22 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_a_request_that_would_not_fit_evicts_nothing():
+    """Eviction frees room only for a request it lets in: one that would still not fit is refused with the prefix
+    cache untouched (before, it emptied the cache on its way to the refusal, and each retry did it again)."""
+    p = PagePool(8)
+    for i in range(6):
+        p.allocate(f"c{i}", keys(10 + i, 1))
+        p.commit(f"c{i}")
+        p.drop(f"c{i}")
+    p.allocate("held", keys(20, 2))
+    assert p.chunks_cached == 6 and p.free_pages == 0
+    p.take_changes()
+    with pytest.raises(PoolExhausted):
+        p.allocate("big", keys(30, 7))  # 6 evictable + 0 free < 7
+    assert p.chunks_cached == 6 and p.counters["chunks_evicted"] == 0 and not p.take_changes()  # no "evicted"
+    assert sorted(p.allocate("fits", keys(40, 6)).new_pages) == list(range(6))  # all 6 evicted for one that fits
+    assert p.counters["chunks_evicted"] == 6
+    p.check()

@@ -1477,3 +1477,32 @@ def test_a_senders_data_plane_closing_fails_its_live_requests_at_once_and_fences
     assert "r" not in rx.reqs and rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
     assert rx.on_sender_lost(b"another", w.rx_now) == [] and rx.pool.quarantined_pages == 3
     rx.check()
+
+
+def test_a_retried_id_waits_while_its_earlier_attempts_writes_may_still_land():
+    """A router retries a push id on another prefill (another sender) while the first attempt's puts may still land
+    (its Abort unsettled). The retry must not share the id's fence record: before, the two attempts' pages merged
+    under the id, the second sender's settled Abort (or its fence) released the first's pages, and they went back
+    into use while the first sender, never fenced, could still write them. The retry is refused, typed and
+    retryable, until the first attempt settles; it then proceeds, and only its own sender settles it."""
+    rx = receiver(pages=8)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    keys = chunk_keys(list(range(48)), LAY)
+
+    def alloc(ident, now):
+        return rx.on_control(ident, protocol.AllocRequest(req_id="push-1", chunk_keys=keys, last_chunk_tokens=16,
+                                                          lease_ms=30_000), now)
+
+    for ident in (b"P1", b"P2"):
+        assert msgs(rx.on_control(ident, hello, 0), ToSender, protocol.HelloAck)
+    first = msgs(alloc(b"P1", 0), ToSender, protocol.AllocResponse)[0].page_runs
+    rx.on_control(b"P1", protocol.Abort(req_id="push-1", settled=False), 10)  # its puts may still land
+    assert rx.pool.unfenced_pages == 3
+    refused = msgs(alloc(b"P2", 20), ToSender, protocol.Error)
+    assert refused and refused[0].code is ErrorCode.POOL_EXHAUSTED and 0 < refused[0].retry_after_ms <= 1000
+    assert rx.on_control(b"P2", protocol.Abort(req_id="push-1", settled=True), 30) and rx.pool.unfenced_pages == 3
+    rx.on_control(b"P1", protocol.Abort(req_id="push-1", settled=True), 40)  # the first attempt's writes are done
+    assert rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
+    second = msgs(alloc(b"P2", 50), ToSender, protocol.AllocResponse)[0].page_runs
+    assert {p for p, n in first for p in range(p, p + n)}.isdisjoint({p for p, n in second for p in range(p, p + n)})
+    rx.check()

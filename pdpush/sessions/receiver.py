@@ -472,6 +472,10 @@ class ReceiverSession:
         if rid in self.reqs:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
         self._refuse_withdrawn(rid)
+        if (unfenced := self.unfenced.get(rid)) is not None:  # a retry of an id whose last try may still write:
+            raise PoolExhausted(  # one attempt at a time (its pages and its fence are the id's until it settles)
+                f"request {rid!r}: writes of its earlier attempt may still land; it may retry once that sender "
+                "settles or is fenced", req_id=rid, retry_after_ms=max(1, min(unfenced[1] - now, 1000)))
         self._look_at_words(now, out, at_most_each_ms=True)  # those that landed whole since: indexed, off the caps
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
