@@ -92,7 +92,7 @@ def receiver(
     daemon.setup_logging(cfg.log_level, cfg.log_format, "receiver")
     from pdpush.receiver import Receiver
 
-    _serve(Receiver(cfg), cfg)
+    _serve(lambda: Receiver(cfg), cfg)
 
 
 @sender_app.command()
@@ -120,20 +120,22 @@ def sender(
     daemon.setup_logging(cfg.log_level, cfg.log_format, "sender")
     from pdpush.sender import Sender
 
-    _serve(Sender(cfg), cfg)
+    _serve(lambda: Sender(cfg), cfg)
 
 
-def _serve(server, cfg) -> None:
+def _serve(make_server, cfg) -> None:
+    """Build the daemon and run it: a bad setting found there exits 2 (CONFIG), a start that fails on the host (a
+    port taken, a socket path too long, memory) exits 3 (STARTUP), each with one line saying why."""
     import logging
 
     from pdpush import daemon
 
     try:
-        code = daemon.run(server, cfg.ready_file, cfg.drain_timeout_s)
+        code = daemon.run(make_server(), cfg.ready_file, cfg.drain_timeout_s)
     except ConfigError as e:
         logging.getLogger("pdpush").error("%s", e)
         raise typer.Exit(int(daemon.ExitCode.CONFIG)) from None
-    except PdpushError as e:
+    except (PdpushError, OSError) as e:
         logging.getLogger("pdpush").error("start-up failed: %s", e)
         raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
     raise typer.Exit(code)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +68,19 @@ class _Settings(BaseSettings):
         if path is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+
+
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+
+
+def endpoint_error(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not a receiver's control endpoint (``tcp://host:port``), or None: checked where a config
+    or a request names one, so that a typo fails there, typed, rather than as a socket error in the daemon's loop."""
+    m = _ENDPOINT.fullmatch(endpoint)
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        return f"{endpoint!r} is not a receiver control endpoint tcp://host:port"
+    return None
 
 
 class _Base(_Settings):
@@ -234,7 +248,7 @@ class SenderConfig(_Base):
     half of it; docs/layout.md, "Staging: the layers in flight")."""
     default_receiver: str = "tcp://127.0.0.1:5710"
     """Receiver control endpoint used when a request names none."""
-    lease_ms: int = Field(30_000, ge=10)
+    lease_ms: int = Field(30_000, ge=10, le=3_600_000)
     """Lease asked for each request."""
     control_timeout_ms: int = Field(5_000, ge=10)
     """Deadline for each control reply (HelloAck, AllocResponse, CommitAck)."""
@@ -263,6 +277,9 @@ class SenderConfig(_Base):
     def _check_curve(self):
         if (self.receiver_public_key or self.receiver_keys) and not self.curve_secret_key_file:
             raise ValueError("curve_secret_key_file: receiver keys are set but this sender has no key pair")
+        for endpoint in [self.default_receiver, *self.receiver_keys]:
+            if (why := endpoint_error(endpoint)) is not None:
+                raise ValueError(f"{'default_receiver' if endpoint == self.default_receiver else 'receiver_keys'}: {why}")
         return self
 
     def ingress_socket_path(self) -> Path:

@@ -111,6 +111,12 @@ def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
     return sock, ep
 
 
+def close_local(sock: zmq.Socket, endpoint: str) -> None:
+    """Close a ``bind_local`` socket and remove its file (zmq leaves it behind; the next start would find it stale)."""
+    sock.close(0)
+    Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
 def _answers(path: Path) -> bool:
     """Whether a live process accepts connections on the unix socket ``path``."""
     import socket

@@ -154,19 +154,19 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     signal.signal(signal.SIGINT, on_signal)
     die_with_launcher(signals)
     open_files = raise_open_files(log)
-    info = server.start()
-    info["pid"] = os.getpid()
-    info["open_files_limit"] = open_files
-    if ready_file:
-        write_ready_file(ready_file, info)
-    sd_notify("READY=1\nSTATUS=serving")
-    log.info("ready: %s", json.dumps(info))
     watchdog_us = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
     last_wd = time.monotonic()
     code = ExitCode.OK
     drain_deadline: float | None = None
     loop_errors = 0
-    try:
+    try:  # (a start that fails part way closes what it opened: its sockets, its memory)
+        info = server.start()
+        info["pid"] = os.getpid()
+        info["open_files_limit"] = open_files
+        if ready_file:
+            write_ready_file(ready_file, info)
+        sd_notify("READY=1\nSTATUS=serving")
+        log.info("ready: %s", json.dumps(info))
         while True:
             try:
                 server.step(20)

@@ -128,10 +128,10 @@ class Receiver:
                 self._flush_senders()
             except Exception:  # noqa: BLE001 - closing goes on regardless
                 log.exception("sending the index farewell")
-        for s in ("router", "local"):
-            sock = getattr(self, s, None)
-            if sock is not None:
-                sock.close(0)
+        if getattr(self, "router", None) is not None:
+            self.router.close(0)
+        if getattr(self, "local", None) is not None:
+            control.close_local(self.local, self.local_endpoint)
         for ep in self.ucx_peers + [p[0] for p in self.ucx_pending]:
             ep.close()
         self.ucx_peers, self.ucx_pending = [], []

@@ -21,6 +21,7 @@ through pdpush.transport.ucx, when started.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import secrets
@@ -33,15 +34,16 @@ import xxhash
 import zmq
 
 from pdpush import control, lifeline, protocol, ring
-from pdpush.config import SenderConfig, is_loopback
+from pdpush.config import SenderConfig, endpoint_error, is_loopback
 from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
-from pdpush.errors import IncompatiblePeer, PdpushError, TransportTimeout
+from pdpush.errors import IncompatiblePeer, PdpushError, RemoteProtocolError, TransportTimeout
 from pdpush.layout import PoolGeometry, combine_digests
 from pdpush.protocol import Abort, Msg, StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
     CloseRing,
     Connect,
     FillWords,
+    ForgetPeer,
     Hand,
     OpenRing,
     PlanGrants,
@@ -75,8 +77,12 @@ class Sender:
         self._regions: dict[str, tuple[int, int]] = {}  # receiver endpoint -> its region (address, bytes), to populate
         self._populated: dict[str, int] = {}  # receiver endpoint -> bytes of its region mapped here (each its thread's)
         self.pusher = None  # the native per-layer path (pdpush_native.Pusher), once started
-        self._eids: dict[str, int] = {}  # receiver endpoint -> its id in the pusher (kept for the daemon's life)
+        self._eids: dict[str, int] = {}  # receiver endpoint -> its id in the pusher (until the session forgets it)
         self._eid_names: dict[int, str] = {}
+        self._next_eid = itertools.count(1)
+        self._unreachable: dict[str, str] = {}  # receiver endpoint -> why its socket could not be made (this pass)
+        self._receiver_keys: dict[str, bytes] = {}
+        self._default_key: bytes | None = None
         self.conns = _Connections()  # engine connections -> their ids in the pusher
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
         self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0,
@@ -93,6 +99,10 @@ class Sender:
             from pdpush import auth
 
             self.keys = auth.load_keypair(cfg.curve_secret_key_file)
+            # the receivers' public keys, read now: a missing or bad key file fails the start, not every request
+            self._receiver_keys = {e: auth.load_public_keys(k)[0] for e, k in cfg.receiver_keys.items()}
+            self._default_key = (auth.load_public_keys(cfg.receiver_public_key)[0] if cfg.receiver_public_key
+                                 else None)
 
     # ---- lifecycle ----
     def start(self) -> dict:
@@ -144,7 +154,7 @@ class Sender:
         for sock in self.socks.values():
             sock.close(0)
         if getattr(self, "ingress", None) is not None:
-            self.ingress.close(0)
+            control.close_local(self.ingress, self.ingress_endpoint)
         if getattr(self, "lifelines", None) is not None:
             self.lifelines.close()
         if self.doorbell is not None:
@@ -221,8 +231,17 @@ class Sender:
         for _ in range(4):  # a lost receiver's failures may have more for the others
             if not self.outbox:
                 return
-            for ep in self.outbox.flush(lambda e, frame: control.send_frame(self._sock(e), frame), endpoint):
-                self._apply(self.session.on_peer_lost(ep, f"receiver {ep} is not reachable", now_ms()))
+            for ep in self.outbox.flush(self._send_to, endpoint):
+                self._apply(self.session.on_peer_lost(ep, self._unreachable.pop(ep, f"receiver {ep} is not reachable"),
+                                                      now_ms()))
+
+    def _send_to(self, endpoint: str, frame: bytes) -> bool:
+        try:
+            sock = self._sock(endpoint)
+        except (PdpushError, zmq.ZMQError, OSError, ValueError) as e:  # its socket cannot be made: its requests fail
+            self._unreachable[endpoint] = f"receiver {endpoint}: {e}"
+            return False
+        return control.send_frame(sock, frame)
 
     def _lifelines(self) -> None:
         """Engine connections whose lifeline opened, what they sent, and which closed (their process died):
@@ -365,7 +384,7 @@ class Sender:
                 PlanRank: lambda a, _: self.pusher.add_rank(a.handle, self.conns.ref(a.ident, a.handle), a.first,
                                                             a.end, a.ranges),
                 Unplan: self._unplan, Connect: lambda a, todo: todo.extend(self._connect(a)),
-                FillWords: self._fill_words, ResetPeer: self._reset_peer, OpenRing: self._open_ring,
+                FillWords: self._fill_words, ResetPeer: self._reset_peer, ForgetPeer: self._forget_peer, OpenRing: self._open_ring,
                 CloseRing: self._close_ring}
 
     def _to_client(self, a: ToClient, _todo) -> None:
@@ -401,6 +420,11 @@ class Sender:
         self._flush_peers(a.endpoint)  # what was for the old connection goes on it
         self._reset(a.endpoint)
 
+    def _forget_peer(self, a: ForgetPeer, _todo) -> None:
+        self._reset(a.endpoint)
+        if (eid := self._eids.pop(a.endpoint, None)) is not None:
+            self._eid_names.pop(eid, None)
+
     def _open_ring(self, a: OpenRing, _todo) -> None:
         self.pusher.add_ring(self.conns.ref(a.ident), a.address, a.slots)
 
@@ -434,9 +458,14 @@ class Sender:
         self._unsettled = still
 
     def _check_receiver(self, endpoint: str) -> None:
-        if self.keys is not None and not (self.cfg.receiver_keys.get(endpoint) or self.cfg.receiver_public_key):
+        if (why := endpoint_error(endpoint)) is not None:  # (a request's typo: refused here, not a socket's error)
+            raise RemoteProtocolError(why)
+        if self.keys is not None and self._server_key(endpoint) is None:
             raise IncompatiblePeer(f"no CURVE public key configured for receiver {endpoint} (receiver_keys or "
                                    "receiver_public_key)")
+
+    def _server_key(self, endpoint: str) -> bytes | None:
+        return self._receiver_keys.get(endpoint, self._default_key)
 
     def _sock(self, endpoint: str) -> zmq.Socket:
         sock = self.socks.get(endpoint)
@@ -450,7 +479,7 @@ class Sender:
         if self.keys is not None:
             from pdpush import auth
 
-            server_key = auth.load_public_keys(self.cfg.receiver_keys.get(endpoint) or self.cfg.receiver_public_key)[0]
+            server_key = self._server_key(endpoint)
             keys = self.keys
 
             def configure(sock):
@@ -523,7 +552,7 @@ class Sender:
     def _eid(self, endpoint: str) -> int:
         eid = self._eids.get(endpoint)
         if eid is None:
-            eid = self._eids[endpoint] = len(self._eids) + 1
+            eid = self._eids[endpoint] = next(self._next_eid)
             self._eid_names[eid] = endpoint
         return eid
 

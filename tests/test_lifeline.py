@@ -176,6 +176,47 @@ def test_real_daemons_survive_garbage_on_their_lifelines_and_serve_the_next_engi
     assert tx.alive() and rx.alive()
 
 
+
+def test_begins_naming_receivers_that_cannot_be_used_are_refused_and_leave_nothing_behind(daemons):
+    """An engine's Begins name receivers that cannot be used: not an endpoint at all, or one nobody answers at. The
+    first are refused at once, typed; the second fail by their hello's deadline. Before, each malformed one raised
+    out of the daemon's loop pass (a traceback, and ~10 ms with nothing served: 1,000 froze the sender 10 s), and
+    the sender kept a record per receiver address it had ever been named, for good."""
+    layout = KVLayout(2, 2, 64, "float16", 16)
+    spec = protocol.LayoutSpec(**layout.to_dict())
+    rx = daemons.receiver(**rx_opts(layout))
+    tx = daemons.sender(rx, control_timeout_ms=300)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect(str(lifeline.path_for(sock(tx))))
+        s.sendall(lifeline.frame(b"engine-bad"))
+        bad = [f"bogus-{i}" for i in range(200)] + ["tcp://127.0.0.1:0", "tcp://:5710", "ipc:///tmp/x"]
+        unanswered = [f"tcp://127.0.0.1:{port}" for port in range(1, 21)]  # nothing listens there
+        s.sendall(b"".join(lifeline.frame(protocol.encode(protocol.Begin(
+            req_id=f"b{i}", receiver=r, layout=spec, chunk_keys=[bytes(16)], last_chunk_tokens=4)))
+            for i, r in enumerate(bad + unanswered)))
+        answers: list = []
+        buf = bytearray()
+        deadline = time.monotonic() + 20
+        while len(answers) < len(bad) + len(unanswered) and time.monotonic() < deadline:
+            buf += s.recv(1 << 16)
+            frames, ok = lifeline.split(buf, MAX_FRAME)
+            assert ok
+            answers += [protocol.decode_answer(f) for f in frames]
+        errors = {a.req_id: a for a in answers if isinstance(a, protocol.Error)}
+        assert len(errors) == len(bad) + len(unanswered), answers[:5]
+        assert all(errors[f"b{i}"].code is protocol.ErrorCode.BAD_MESSAGE for i in range(len(bad))), errors["b0"]
+        assert "tcp://host:port" in errors["b0"].message
+        assert all(errors[f"b{len(bad) + i}"].code is protocol.ErrorCode.TIMEOUT for i in range(len(unanswered)))
+    finally:
+        s.close()
+    until(lambda: status(sock(tx))["receivers_known"] == 0, 10, "the receivers nothing uses forgotten")
+    st = status(sock(tx))
+    assert st["loop_errors"] == 0 and st["action_errors"] == 0, st
+    round_trip(tx, rx, layout, "after-bad-receivers", list(range(40)), seed=3)
+    assert "Traceback" not in tx.log()
+
 def test_a_connection_closed_and_opened_again_is_gone_before_it_is_named_again(tmp_path):
     p = Pair(tmp_path)
     try:

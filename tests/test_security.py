@@ -7,6 +7,7 @@ import os
 import random
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,46 @@ def test_config_validation_of_auth(tmp_path, keys):
     cfg = C.load(C.ReceiverConfig, host="10.0.0.1", curve_secret_key_file=keys["receiver"][1],
                  allowed_senders=[keys["sender"][0]])
     assert cfg.host == "10.0.0.1"  # exposed, but authenticated: allowed
+
+
+def test_a_senders_receiver_settings_fail_its_start_not_each_request(tmp_path, keys):
+    """A receiver endpoint that is not one, a lease past the protocol's cap, or a receiver key file that is missing
+    or not a key: refused when the sender starts, typed. Before, each started cleanly, and then every request failed
+    as a hello or allocation timeout, with a traceback per request in the log, pointing at the network."""
+    for bad in ({"default_receiver": "127.0.0.1:5710"}, {"receiver_keys": {"tcp://rx": keys["receiver"][0]},
+                                                         "curve_secret_key_file": keys["sender"][1]},
+                {"lease_ms": 3_600_001}):
+        with pytest.raises(C.ConfigError, match="default_receiver|receiver_keys|lease_ms"):
+            C.load(C.SenderConfig, **bad)
+    (tmp_path / "not.key").write_text("not a certificate")
+    for key in (str(tmp_path / "missing.key"), str(tmp_path / "not.key")):
+        cfg = C.load(C.SenderConfig, curve_secret_key_file=keys["sender"][1], receiver_public_key=key)
+        from pdpush.sender import Sender
+
+        with pytest.raises(C.ConfigError, match="key"):
+            Sender(cfg)
+
+
+def test_a_start_that_fails_on_the_host_exits_3_with_one_line_and_leaves_no_socket(tmp_path, keys):
+    """The sender's metrics port is taken, or its receiver's key file is missing: exit 3 (start-up) or 2 (config),
+    with one line saying why and no traceback, and the sockets it had bound are gone. Before: a traceback and exit 1,
+    after the staging was allocated, with its engine sockets left on disk."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        for extra, code, why in ((["--bind", "127.0.0.1"], 3, "start-up failed"), ([], 2, "missing.key")):
+            f = tmp_path / f"s{code}.toml"
+            f.write_text(f"metrics_port = {taken.getsockname()[1] if code == 3 else 0}\n"
+                         f"ingress_socket = '{tmp_path}/s{code}.sock'\nstaging_bytes = {16 << 20}\nprefault = false\n"
+                         + (f"curve_secret_key_file = '{keys['sender'][1]}'\n"
+                            f"receiver_public_key = '{tmp_path}/missing.key'\n" if code == 2 else ""))
+            r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "sender", "--config", str(f), *extra],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == code and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert not list(tmp_path.glob(f"s{code}.sock*")), list(tmp_path.iterdir())
+    finally:
+        taken.close()
 
 
 def test_ucx_peer_without_a_valid_token_is_dropped(daemons):

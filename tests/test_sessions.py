@@ -1506,3 +1506,23 @@ def test_a_retried_id_waits_while_its_earlier_attempts_writes_may_still_land():
     second = msgs(alloc(b"P2", 50), ToSender, protocol.AllocResponse)[0].page_runs
     assert {p for p, n in first for p in range(p, p + n)}.isdisjoint({p for p, n in second for p in range(p, p + n)})
     rx.check()
+
+
+def test_a_connection_naming_anothers_handle_in_its_ring_learns_nothing_and_changes_nothing():
+    """Handles are small numbers a connection can guess. Ring records naming another connection's request (a layer,
+    a finish) are refused and counted: the request goes on, and the record's writer is never told its req_id.
+    Before, the answer was "unknown request '<the other's req_id>'": with it, a disagreeing Begin of that id ends
+    the request (as it must for a rank of it that disagrees)."""
+    w = Wire()
+    w.engine(begin("secret-id", list(range(40))))
+    handle = [m.handle for m in w.to_client if isinstance(m, protocol.BeginOk)][-1]
+    w.records(b"stranger", [(handle, 0, 1)])
+    w.records(b"stranger", [(handle, 0, 0)])
+    said = [m for ident, m in w.by_client if ident == b"stranger"]
+    assert not any("secret-id" in repr(m) for m in said), said
+    assert "secret-id" in w.tx.reqs and w.tx.counters.values["handovers_refused"] == 2
+    for layer in range(LAY.push_layers):
+        w.engine(protocol.LayerReady(req_id="secret-id", layers=[layer]))
+    w.complete()
+    w.engine(protocol.Finish(req_id="secret-id"))
+    assert [m for m in w.to_client if isinstance(m, protocol.Done) and m.req_id == "secret-id"]

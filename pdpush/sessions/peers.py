@@ -131,5 +131,18 @@ class PeerTable:
             p.state = SENDER_PEER.next(p.state, PeerEvent.FAIL, f"receiver {p.endpoint}")
         p.ack = None
 
+    def forget_idle(self, in_use: set[str]) -> list[str]:
+        """Forget the receivers that failed (DEAD) or never said hello (NEW), with no request waiting on them and
+        none of ``in_use`` (the endpoints live requests are on); their endpoints. The next request for one says
+        hello afresh, as it would have; a sender that sees receivers come and go at new addresses keeps none."""
+        gone = [e for e, p in self.peers.items()
+                if p.state in (PeerState.NEW, PeerState.DEAD) and not p.waiting and e not in in_use]
+        for e in gone:
+            del self.peers[e]
+        return gone
+
+    def known(self) -> int:
+        return len(self.peers)
+
     def connected(self) -> int:
         return sum(1 for p in self.peers.values() if p.state is PeerState.READY)

@@ -93,6 +93,7 @@ from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, 
     CloseRing,
     Connect,
     FillWords,
+    ForgetPeer,
     Hand,
     OpenRing,
     PlanGrants,
@@ -105,6 +106,8 @@ from pdpush.sessions.tx_actions import (  # noqa: F401 - the session's actions, 
     Unplan,
 )
 from pdpush.sessions.tx_request import TxRank, TxRequest  # noqa: F401 - importable from here
+
+PEER_SWEEP_MS = 1000  # how often on_tick forgets receivers that failed (or were never reached) and serve no request
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class SenderSession:
             "handovers_stale", "handovers_refused", "rings_refused", "finishes_ring")})
         self.grants = StagingGrants(staging, self.counters, limits.lease_ms)  # the staging, by request
         self.rings = HandoverRings(self.grants.meta, staging.address, limits.ring_slots, self.counters)
+        self._swept_ms = 0  # when on_tick last forgot the receivers nothing uses
 
     # ---- entry points ------------------------------------------------------------------
     def on_ingress(self, ident: bytes, msg: Msg, now: int) -> list:
@@ -196,8 +200,9 @@ class SenderSession:
                 continue
             self.counters.add("handovers_refused")
             k = r.ranks.get(r.rank_of(ident))
-            err = (UnknownRequest(f"unknown request {r.req_id!r}") if k is None or why == put_plan.NOT_YOURS
-                   else RemoteProtocolError(put_plan.refusal(why, r, k, first, n)))
+            if k is None or why == put_plan.NOT_YOURS:
+                continue  # another connection's request: counted, and never named to this one
+            err = RemoteProtocolError(put_plan.refusal(why, r, k, first, n))
             out.append(ToClient(ident, protocol.error_reply(err, r.req_id)))
         return out
 
@@ -213,6 +218,9 @@ class SenderSession:
                 self.counters.add("handovers_stale")
                 if (rid := self.grants.held_by_handle(handle, ident)) is not None:
                     self.grants.stopped(rid, ident, out)
+                continue
+            if r.rank_of(ident) is None:  # another connection's request: counted, and never named to this one
+                self.counters.add("handovers_refused")
                 continue
             self.counters.add("finishes_ring")
             out.extend(self.on_ingress(ident, Finish(req_id=r.req_id), now))
@@ -331,6 +339,9 @@ class SenderSession:
         self.grants.on_tick(now, out)
         for p, err in self.peers.expired(now):
             self._peer_failed(p, err, now, out)
+        if now - self._swept_ms >= PEER_SWEEP_MS:
+            self._swept_ms = now
+            out.extend(ForgetPeer(e) for e in self.peers.forget_idle({r.peer.endpoint for r in self.reqs.values()}))
         for r in list(self.reqs.values()):
             if (err := r.late_error(now - r.t0_ms, lim.control_timeout_ms)) is not None:
                 self._fail(r, err, now, out, tell_receiver=True)  # a stage's ranks did not all begin in time
@@ -674,5 +685,5 @@ class SenderSession:
     # ---- state -------------------------------------------------------------------------
     def stats(self) -> dict:
         return {"requests_inflight": len(self.reqs),
-                "receivers_connected": self.peers.connected(),
+                "receivers_connected": self.peers.connected(), "receivers_known": self.peers.known(),
                 **self.grants.stats(), **self.rings.stats(), "draining": self.draining, **self.counters.values}

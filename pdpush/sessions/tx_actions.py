@@ -98,6 +98,14 @@ class ResetPeer:
 
 
 @dataclass(frozen=True)
+class ForgetPeer:
+    """The session forgot this receiver (failed or never reached, and no request on it): whatever the shell keeps
+    for its endpoint goes too, so that a sender seeing receivers come and go at new addresses does not grow."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True)
 class OpenRing:
     """Take hand-over records (ring.py) from ``ident``'s ring of ``slots`` words at ``address``."""
 
