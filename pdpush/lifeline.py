@@ -15,8 +15,11 @@ after it is one protocol message (``protocol.encode``), at most the daemon's ``m
   process dies the kernel closes its end, and the other sees the hang-up at once, in whatever PID namespace each
   runs: the daemon fails that connection's requests, the engine fails its waits.
 * **Bounds.** A frame over the cap, or a first frame that is no identity, closes the lifeline (the engine sees
-  a daemon that went away). What the daemon has not yet written to an engine that does not read is capped at
-  ``MAX_QUEUED`` bytes: past it a message is dropped and counted, as ZeroMQ's high-water mark did.
+  a daemon that went away). So does an engine that does not read what the daemon writes it: past ``MAX_QUEUED``
+  bytes unread (its requests fail as at its death, and what they held comes back), and so does a frame begun and
+  not finished within ``FRAME_TIMEOUT_S``. Across all lifelines, what is queued either way is capped
+  (``MAX_QUEUED_ALL``): past it, the lifeline holding the most goes. A healthy engine's answers are never dropped
+  for another's sake.
 
 ``Lifelines`` is the daemon's side (one epoll fd for its poller); ``Lifeline`` the engine's. The daemon's local
 ZeroMQ socket still serves what is not an engine's connection (a decode scheduler's queries). Imports no zmq.
@@ -37,8 +40,9 @@ from pdpush.errors import IncompatiblePeer, UnexpectedMessage
 MAX_IDENT = 255
 MAX_LINES = 4096  # lifelines a daemon keeps at once; more are refused (closed at once)
 HELLO_TIMEOUT_S = 5.0  # a lifeline that has not named its connection by then is closed
-MAX_QUEUED = 16 << 20  # bytes a daemon keeps for one engine that is not reading them
-MAX_QUEUED_ALL = 256 << 20  # and for all of them together
+FRAME_TIMEOUT_S = 10.0  # and one whose frame, begun, is not whole by then (an engine writes each at once)
+MAX_QUEUED = 16 << 20  # bytes a daemon keeps for one engine that is not reading them: past it, the lifeline goes
+MAX_QUEUED_ALL = 256 << 20  # bytes queued either way (frames begun, answers unread) for all of them together
 NAMED, FRAME, GONE = "named", "frame", "gone"  # what ``Lifelines.service`` reports, in order
 _READ = 1 << 18  # bytes one recv takes
 _READ_PER_LOOK = 4 << 20  # bytes one look reads from one lifeline: one busy engine does not hold up the others
@@ -116,13 +120,15 @@ class Event(NamedTuple):
 class _Line:
     """One engine connection's lifeline, at the daemon."""
 
-    __slots__ = ("sock", "ident", "rbuf", "wbuf", "deadline", "writing")
+    __slots__ = ("sock", "ident", "rbuf", "wbuf", "deadline", "writing", "partial_since", "doomed")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock, self.deadline = sock, deadline
         self.ident = b""  # named by its first frame
         self.rbuf, self.wbuf = bytearray(), bytearray()
         self.writing = False  # registered for EPOLLOUT: wbuf waits for room
+        self.partial_since = 0.0  # when rbuf began to hold the start of a frame (0: it holds none)
+        self.doomed = False  # closed at the next look: its engine does not read, or it holds the most
 
 
 class Lifelines:
@@ -149,8 +155,10 @@ class Lifelines:
         self._named: dict[bytes, _Line] = {}  # identity -> its lifeline (the latest, where it opened more)
         self._count: dict[bytes, int] = {}  # identity -> its lifelines open
         self._queued = 0  # bytes in every line's wbuf
+        self._buffered = 0  # bytes in every line's rbuf (frames begun)
         self.refused = 0
         self.bad_frames = 0
+        self.dropped_for_bounds = 0  # lifelines closed for what they left queued (unread answers, frames begun)
 
     def fileno(self) -> int:
         """Readable when a lifeline connects, sends, closes, or has room again for what waits to be written."""
@@ -182,8 +190,10 @@ class Lifelines:
                 if ev & select.EPOLLOUT:
                     self._write(line)
                 if ev & ~select.EPOLLOUT:
-                    self._take(line, out)
-        for line in [ln for ln in self._lines.values() if not ln.ident and now > ln.deadline]:
+                    self._take(line, out, now)
+        for line in [ln for ln in self._lines.values() if ln.doomed or (not ln.ident and now > ln.deadline) or (
+                ln.partial_since and now - ln.partial_since > FRAME_TIMEOUT_S)]:
+            self.dropped_for_bounds += line.doomed or bool(line.ident)
             self._drop(line, out)
         return out
 
@@ -193,13 +203,25 @@ class Lifelines:
         line = self._named.get(ident)
         size = 4 + len(payload)
         room = max(MAX_QUEUED, self.max_frame + 4)  # any one answer fits an engine that reads
-        if line is None or len(line.wbuf) + size > room or self._queued + size > max(MAX_QUEUED_ALL, room):
+        if line is None or line.doomed:
             return False
+        if len(line.wbuf) + size > room:  # its engine does not read: it goes, as if it died (its requests fail)
+            line.doomed = True
+            return False
+        if self._queued + self._buffered + size > max(MAX_QUEUED_ALL, room):
+            self._doom_biggest()
+            if line.doomed:
+                return False
         line.wbuf += frame(payload)
         self._queued += size
         if not line.writing:
             self._write(line)
         return True
+
+    def _doom_biggest(self) -> None:
+        """Queued bytes past ``MAX_QUEUED_ALL``: the lifeline that holds the most (unread, or begun) goes."""
+        big = max(self._lines.values(), key=lambda ln: (not ln.doomed) * (len(ln.wbuf) + len(ln.rbuf)))
+        big.doomed = True
 
     def _accept(self, now: float) -> None:
         while True:
@@ -221,20 +243,32 @@ class Lifelines:
             self._lines[conn.fileno()] = _Line(conn, now + HELLO_TIMEOUT_S)
             self._epoll.register(conn.fileno(), _IN)
 
-    def _take(self, line: _Line, out: list[Event]) -> None:
+    def _take(self, line: _Line, out: list[Event], now: float) -> None:
         """Read what ``line`` has: its name, if this is its first frame, then its frames; reap it at its end, or at
         a frame that breaks the framing (after the frames before it)."""
+        if line.doomed:
+            return
+        before = len(line.rbuf)
         open_ = _read(line.sock, line.rbuf, _READ_PER_LOOK)
-        sound = True
+        sound, took = True, False
         if not line.ident:
             hello, sound = split(line.rbuf, MAX_IDENT, limit=1)
+            took = bool(hello)
             if hello and not hello[0]:
                 sound = False  # an empty identity
             elif hello:
                 self._name(line, hello[0], out)
         if line.ident and sound:
             frames, sound = split(line.rbuf, self.max_frame)
+            took = took or bool(frames)
             out.extend(Event(FRAME, line.ident, f) for f in frames)
+        self._buffered += len(line.rbuf) - before
+        if not line.rbuf:
+            line.partial_since = 0.0
+        elif took or not line.partial_since:  # a frame begun now: its own FRAME_TIMEOUT_S to be whole
+            line.partial_since = now
+        if self._queued + self._buffered > max(MAX_QUEUED_ALL, 2 * self.max_frame):
+            self._doom_biggest()
         if not sound:
             self.bad_frames += 1
         if not (open_ and sound):
@@ -270,6 +304,7 @@ class Lifelines:
         self._epoll.unregister(fd)
         del self._lines[fd]
         self._queued -= len(line.wbuf)
+        self._buffered -= len(line.rbuf)
         line.sock.close()
         ident = line.ident
         if not ident:
@@ -288,7 +323,8 @@ class Lifelines:
 
     def stats(self) -> dict:
         return {"lifelines": len(self._lines), "lifelines_refused": self.refused,
-                "lifeline_bad_frames": self.bad_frames, "lifeline_queued_bytes": self._queued}
+                "lifeline_bad_frames": self.bad_frames, "lifeline_queued_bytes": self._queued,
+                "lifeline_buffered_bytes": self._buffered, "lifelines_dropped_for_bounds": self.dropped_for_bounds}
 
     def close(self) -> None:
         for line in self._lines.values():

@@ -101,16 +101,55 @@ def test_the_daemon_answers_in_order_whatever_the_engine_has_room_for(tmp_path):
         p.close()
 
 
-def test_an_engine_that_does_not_read_costs_the_daemon_a_bounded_queue(tmp_path, monkeypatch):
+def test_an_engine_that_does_not_read_costs_the_daemon_a_bounded_queue_and_its_lifeline(tmp_path, monkeypatch):
+    """An engine that does not read: the socket's buffers, then its queue, then its lifeline is closed, as if it had
+    died (its requests fail; what they held comes back). Before, the daemon dropped its answers past the queue and
+    kept it; and past the cap for every engine together, a few such engines had every healthy engine's answers
+    dropped."""
     monkeypatch.setattr(lifeline, "MAX_QUEUED", 4 * MAX_FRAME)
     p = Pair(tmp_path)
+    healthy = lifeline.Lifeline.connect(p.path, b"engine-2", MAX_FRAME)
     try:
-        p.look(lambda: p.named)
+        p.look(lambda: len(p.named) == 2)
         sent = sum(p.daemon.send(b"engine-1", b"x" * (MAX_FRAME // 2)) for _ in range(64))
         assert 0 < sent < 64  # the socket's buffers, then the queue, then refused (the shell counts it)
         assert p.daemon.stats()["lifeline_queued_bytes"] <= 4 * MAX_FRAME
-        assert p.engine.alive()
+        p.look(lambda: p.gone)
+        assert p.gone == [b"engine-1"] and p.daemon.stats()["lifelines_dropped_for_bounds"] == 1
+        assert p.daemon.stats()["lifeline_queued_bytes"] == 0
+        assert p.daemon.send(b"engine-2", b"answer")  # the others are answered
     finally:
+        healthy.close()
+        p.close()
+
+
+def test_frames_begun_and_never_finished_cost_the_daemon_a_bounded_buffer(tmp_path, monkeypatch):
+    """Lifelines that each send most of a large frame and stop: past the cap on what all of them hold, the one
+    holding the most goes; and a frame not whole within FRAME_TIMEOUT_S closes its lifeline. Before, 4,096 of
+    them could hold 4,096 x max_frame_bytes (48 grew a sender by 385 MB)."""
+    monkeypatch.setattr(lifeline, "MAX_QUEUED_ALL", 3 * MAX_FRAME)
+    p = Pair(tmp_path)
+    others = []
+    try:
+        for i in range(4):
+            e = lifeline.Lifeline.connect(p.path, f"half-{i}".encode(), MAX_FRAME)
+            others.append(e)
+            data = memoryview(lifeline.frame(b"y" * MAX_FRAME)[:-1])  # all but its last byte
+            deadline = time.monotonic() + 5
+            while data and time.monotonic() < deadline:
+                data = data[e.write(data):]
+                p.service()
+        p.look(lambda: len(p.gone) >= 2)
+        st = p.daemon.stats()
+        assert st["lifeline_buffered_bytes"] <= 3 * MAX_FRAME and st["lifelines_dropped_for_bounds"] >= 2, st
+        monkeypatch.setattr(lifeline, "FRAME_TIMEOUT_S", 0.2)
+        p.look(lambda: len(p.gone) == 4)
+        assert sorted(p.gone) == [f"half-{i}".encode() for i in range(4)] and not p.daemon.stats()[
+            "lifeline_buffered_bytes"]
+        assert p.engine.alive() and b"engine-1" not in p.gone  # the engine that sent nothing stays
+    finally:
+        for e in others:
+            e.close()
         p.close()
 
 
