@@ -113,8 +113,12 @@ def test_sd_notify_ready_stopping_watchdog(tmp_path):
 def test_systemd_units(tmp_path, unit):
     text = (ROOT / "configs/systemd" / unit).read_text()
     for needle in ("Type=notify", "LimitMEMLOCK=infinity", "NoNewPrivileges=yes", "ProtectSystem=strict",
-                   "PrivateTmp=yes", "User=pdpush"):
+                   "PrivateTmp=yes", "User=pdpush",
+                   "RuntimeDirectoryPreserve=yes",  # the two units share /run/pdpush: one stopping keeps the other's
+                   "RestartPreventExitStatus=2"):  # a bad config is not restarted every 2 s
         assert needle in text, needle
+    if "receiver" in unit:  # READY=1 after the pool's prefault: longer than systemd's default 90 s on a big pool
+        assert re.search(r"TimeoutStartSec=\d+min", text)
     stop = int(re.search(r"TimeoutStopSec=(\d+)", text).group(1))
     role = "receiver" if "receiver" in unit else "sender"
     cfg = C.load(C.ReceiverConfig if role == "receiver" else C.SenderConfig, ROOT / f"configs/{role}.toml")

@@ -96,6 +96,7 @@ def test_compose_models_two_hosts(tmp_path):
     svc = compose["services"]
     sides = {"decode": ("receiver", "decode-check"), "prefill": ("sender", "prefill-check")}
     assert set(svc) == {"keys", *sides["decode"], *sides["prefill"]}
+    assert svc["receiver"]["restart"] == svc["sender"]["restart"] == "unless-stopped"  # a crashed daemon comes back
 
     def mounts(name: str) -> dict[str, str]:  # path in the container -> volume or host folder
         return {v.split(":")[1]: v.split(":")[0] for v in svc[name].get("volumes", [])}
