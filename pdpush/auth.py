@@ -10,11 +10,13 @@ Imports zmq only.
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 
 from pdpush.errors import ConfigError
 
@@ -25,35 +27,59 @@ class KeyPair:
     secret: bytes
 
 
-def keygen(directory: Path, name: str) -> tuple[Path, Path]:
+def keygen(directory: Path, name: str, force: bool = False) -> tuple[Path, Path]:
+    """``directory/name.key`` and ``name.key_secret`` (0600 from the start). An existing pair is kept unless
+    ``force``: its public key is on the peers' allowlists, and a new one would lock this daemon out of them."""
     directory.mkdir(parents=True, exist_ok=True)
-    pub, sec = zmq.auth.create_certificates(directory, name)
+    have = [f for f in (directory / f"{name}.key", directory / f"{name}.key_secret") if f.exists()]
+    if have and not force:
+        raise ConfigError(f"{have[0]} exists: --force replaces the pair (then give its peers the new public key)")
+    old = os.umask(0o077)
+    try:
+        pub, sec = zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(old)
     os.chmod(sec, 0o600)
     return Path(pub), Path(sec)
 
 
 def load_keypair(path: str) -> KeyPair:
     try:
+        mode = os.stat(path).st_mode
         pub, sec = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read CURVE secret key file {path}: {e}") from None
     if sec is None:
         raise ConfigError(f"{path} holds no secret key (use the .key_secret file from `pdpush keygen`)")
+    if mode & 0o077:
+        raise ConfigError(f"CURVE secret key file {path} may be read by other users (mode {mode & 0o777:o}): "
+                          "chmod 600 it (in Kubernetes, the secret volume's defaultMode 0400)")
     return KeyPair(pub, sec)
 
 
+def _certificate(path: Path) -> bytes:
+    try:
+        return zmq.auth.load_certificate(str(path))[0]
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read public key file {path}: {e}") from None
+
+
 def load_public_keys(spec: str) -> list[bytes]:
-    """A Z85 public key, a certificate file, or a directory of ``*.key`` certificates."""
+    """A Z85 public key, a certificate file, or a directory of ``*.key`` certificates (at least one)."""
     p = Path(spec)
     if p.is_dir():
-        return [zmq.auth.load_certificate(str(f))[0] for f in sorted(p.glob("*.key"))]
+        keys = [_certificate(f) for f in sorted(p.glob("*.key"))]
+        if not keys:  # an allowlist that admits no one: every peer refused, silently
+            raise ConfigError(f"no public key (*.key) in directory {p}")
+        return keys
     if p.is_file():
-        try:
-            return [zmq.auth.load_certificate(str(p))[0]]
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read public key file {p}: {e}") from None
+        return [_certificate(p)]
     if len(spec) == 40:
-        return [spec.encode()]
+        try:
+            if len(zmq.utils.z85.decode(spec)) == 32:
+                return [spec.encode()]
+        except (ValueError, KeyError, IndexError, struct.error):
+            pass
     raise ConfigError(f"{spec!r} is neither a 40-character Z85 public key, a key file nor a directory")
 
 

@@ -249,11 +249,15 @@ def layout(
 def keygen(
     name: str = typer.Argument(..., help="Key name, e.g. receiver or sender-a."),
     directory: Path = typer.Option(Path("keys"), "--dir", help="Where to write NAME.key and NAME.key_secret."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing pair (its peers need the new public key)."),
 ) -> None:
     """Write a CURVE key pair: NAME.key (public, share it) and NAME.key_secret (mode 0600, keep it)."""
     from pdpush import auth
 
-    pub, sec = auth.keygen(directory, name)
+    try:
+        pub, sec = auth.keygen(directory, name, force)
+    except ConfigError as e:
+        _fail_config(e)
     public = auth.load_public_keys(str(pub))[0].decode()
     typer.echo(f"public key:  {pub}\nsecret key:  {sec}\nZ85 public:  {public}")
 

@@ -67,6 +67,12 @@ class Receiver:
         from pdpush.transport.auto import open_transport
 
         cfg = self.cfg
+        if cfg.curve_secret_key_file:  # the keys first: a bad key file fails the start before a big pool's prefault
+            from pdpush import auth
+
+            keys = auth.load_keypair(cfg.curve_secret_key_file)
+            allowed = [k for spec in cfg.allowed_senders for k in auth.load_public_keys(spec)]
+            readers = [k for spec in cfg.allowed_readers for k in auth.load_public_keys(spec) if k not in allowed]
         self.ucx = open_transport(dict(cfg.ucx_env))
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(cfg.host) else f"host {cfg.host}", cfg.pool_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
@@ -80,9 +86,6 @@ class Receiver:
         if cfg.curve_secret_key_file:
             from pdpush import auth
 
-            keys = auth.load_keypair(cfg.curve_secret_key_file)
-            allowed = [k for spec in cfg.allowed_senders for k in auth.load_public_keys(spec)]
-            readers = [k for spec in cfg.allowed_readers for k in auth.load_public_keys(spec) if k not in allowed]
             self.auth = auth.Authenticator(allowed + readers)
             self.reader_keys = frozenset(k.decode() for k in readers)  # as the frames' User-Id names them (Z85)
 

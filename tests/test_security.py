@@ -149,6 +149,35 @@ def test_a_senders_receiver_settings_fail_its_start_not_each_request(tmp_path, k
             Sender(cfg)
 
 
+def test_key_files_that_would_let_in_no_one_or_anyone_are_refused(tmp_path, keys):
+    """An allowlist directory with no key (every sender refused, silently), a secret key others may read, a 40-character
+    string that is no Z85 key: each a ConfigError, which the receiver meets before it allocates its pool. And keygen
+    keeps an existing pair unless --force: a new one locks the daemon out of its peers' allowlists."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(C.ConfigError, match="no public key"):
+        auth.load_public_keys(str(empty))
+    with pytest.raises(C.ConfigError, match="Z85"):
+        auth.load_public_keys("~" * 40)
+    with pytest.raises(C.ConfigError, match="Z85"):
+        auth.load_public_keys("#" * 40)
+    loose = tmp_path / "loose.key_secret"
+    shutil.copy(keys["receiver"][1], loose)
+    os.chmod(loose, 0o644)
+    with pytest.raises(C.ConfigError, match="chmod 600"):
+        auth.load_keypair(str(loose))
+    d = Path(keys["receiver"][0]).parent
+    with pytest.raises(C.ConfigError, match="--force"):
+        auth.keygen(d, "receiver")
+    assert auth.load_public_keys(keys["receiver"][0]) != auth.load_public_keys(str(auth.keygen(d, "receiver", True)[0]))
+    f = tmp_path / "r.toml"
+    f.write_text(f"curve_secret_key_file = '{keys['receiver'][1]}'\nallowed_senders = ['{empty}']\n"
+                 f"local_socket = '{tmp_path}/r.sock'\ncontrol_port = 0\nucx_port = 0\nmetrics_port = 0\n")
+    r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no public key" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_a_start_that_fails_on_the_host_exits_3_with_one_line_and_leaves_no_socket(tmp_path, keys):
     """The sender's metrics port is taken, or its receiver's key file is missing: exit 3 (start-up) or 2 (config),
     with one line saying why and no traceback, and the sockets it had bound are gone. Before: a traceback and exit 1,
