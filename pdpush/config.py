@@ -166,7 +166,8 @@ class ReceiverConfig(_Base):
     max_chunks_per_request: int = Field(65536, ge=1)
     """Cap on chunk keys in one AllocRequest."""
     verify_checksums: bool = False
-    """Verify per-layer xxhash checksums sent in LayerDone (costs a pass over the bytes)."""
+    """Verify per-layer xxhash checksums sent in LayerDone (costs a pass over the bytes). A push whose layers come
+    without them (its sender's ``checksums = false``) fails, typed (checksum_mismatch), and is never indexed."""
     max_leases_per_sender: int = Field(1024, ge=1)
     """Cap on uncommitted allocations one sender may hold: per CURVE key where authentication is on (whatever
     connections it opens), else per connection."""

@@ -432,7 +432,10 @@ def test_a_reader_waiting_on_the_receiver_hears_of_every_layer_at_the_commit_or_
         heard = [m for m in w.to_decoder if isinstance(m, protocol.LayerAvailable)]
         assert sorted(la for m in heard for la in m.layers) == ([la for _, la in landed] if checksums else [])
         w.engine(protocol.Finish(req_id="r"))
-        w.complete()
+        while w.posted:  # (with checksums on, each layer's comes with it: a receiver that verifies needs them all)
+            landed = w.pusher.land(w.posted.pop(0), w.now)
+            w.run(w.tx.on_landed(landed, w.now, [9] * len(landed) if checksums else None, w.pusher.take_words()))
+        w.settle()
         assert isinstance(w.outcome("r"), protocol.Done)
         heard = [m for m in w.to_decoder if isinstance(m, protocol.LayerAvailable)]
         assert sorted(la for m in heard for la in m.layers) == list(range(LAY.layers))  # each layer once
@@ -1526,3 +1529,30 @@ def test_a_connection_naming_anothers_handle_in_its_ring_learns_nothing_and_chan
     w.complete()
     w.engine(protocol.Finish(req_id="secret-id"))
     assert [m for m in w.to_client if isinstance(m, protocol.Done) and m.req_id == "secret-id"]
+
+
+def test_a_receiver_that_verifies_checksums_refuses_layers_and_commits_it_could_not_verify():
+    """verify_checksums: readers are told a layer is there only once its checksum matched (OpenOk's ready_in_pool is
+    False). A LayerDone without checksums, or a Commit with a layer that moved bytes and was never verified (its
+    sender sends no checksums), fails the request, typed, and nothing is indexed. Before, both went through: the
+    layers were announced and the chunks indexed for other requests, unverified."""
+    tokens = (bytes([i]) * 32 for i in itertools.count(1))
+    info = PoolInfo(1 << 30, 8, 7, b"rkey", (1 << 30) + LAY.kv_bytes(8), "127.0.0.1", 9, "rx-42", 1)
+    calls: list = []
+    rx = ReceiverSession(LAY, 8, ReceiverLimits(verify_checksums=True), info, new_token=lambda: next(tokens),
+                         layer_checksum=lambda ranges: calls.append(ranges) or 7)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"P", hello, 0), ToSender, protocol.HelloAck)
+    keys = chunk_keys(list(range(32)), LAY)
+    for rid, first in (("no-sums", protocol.LayerDone(req_id="no-sums", layers=[0, 1])),
+                       ("commit-only", protocol.Commit(req_id="commit-only", layers=LAY.push_layers))):
+        assert msgs(rx.on_control(b"P", protocol.AllocRequest(req_id=rid, chunk_keys=keys, last_chunk_tokens=16,
+                                                              lease_ms=1000), 0), ToSender, protocol.AllocResponse)
+        assert msgs(rx.on_local(DEC, protocol.Open(req_id=rid), 0), ToDecode, protocol.OpenOk)
+        out = rx.on_control(b"P", first, 1)
+        assert not msgs(out, ToDecode, protocol.LayerAvailable), out
+        err = msgs(out, ToSender, protocol.Error)
+        assert err and err[0].code is ErrorCode.CHECKSUM_MISMATCH and "checksums = true" in err[0].message, out
+        assert rid not in rx.reqs and rx.pool.chunks_cached == 0
+    assert not calls
+    rx.check()

@@ -189,6 +189,7 @@ class RxRequest:
     committed_at_ms: int = 0
     readers: int = 0  # opens not yet released
     layers_done: set[int] = field(default_factory=set)
+    verified: set[int] = field(default_factory=set)  # layers whose checksum matched (verify_checksums)
     watchers: set[bytes] = field(default_factory=set)
     opens: dict[bytes, int] = field(default_factory=dict)  # decode connection -> its opens not released
     new_runs: list[tuple[int, int, int]] = field(default_factory=list)
@@ -561,7 +562,9 @@ class ReceiverSession:
         if msg.checksums is not None and len(msg.checksums) != len(msg.layers):
             raise RemoteProtocolError(f"{len(msg.checksums)} checksums for {len(msg.layers)} layers")
         r.state = protocol.transition(r.state, ReqEvent.LAYER_DONE, r.req_id)
-        if msg.checksums is not None and self.limits.verify_checksums and self._layer_checksum is not None:
+        if msg.checksums is None:
+            self._refuse_unverified(r, msg.layers, "layer_done", now, out)
+        elif self.limits.verify_checksums and self._layer_checksum is not None:
             shares: dict[int, StagingShares] = {}  # by layer group
             for layer, want in zip(msg.layers, msg.checksums, strict=True):
                 if self.layout.is_state(layer):  # a state layer: each rank's units of its page in the slot
@@ -580,8 +583,23 @@ class ReceiverSession:
                     self._fail(r, err, now, out)
                     out.append(ToSender(ident, protocol.error_reply(err)))
                     return
+                r.verified.add(layer)
         self._arrived(r, msg.layers, out)
         # LayerDone is not acknowledged: the Commit ack covers it
+
+    def _refuse_unverified(self, r: RxRequest, layers, what: str, now: int, out: list) -> None:
+        """Where this receiver verifies checksums, a request's ``layers`` that move bytes must have been verified
+        before readers hear of them (``what``: a LayerDone without checksums, or the Commit): else it fails,
+        typed (its sender sends none), and is never indexed."""
+        if not (self.limits.verify_checksums and self._layer_checksum is not None):
+            return
+        unverified = [la for la in layers if r.plan.layer_bytes(la) and la not in r.verified]
+        if unverified:
+            err = ChecksumMismatch(f"{what} of {r.req_id!r} with layer {unverified[0]} (of {len(unverified)}) not "
+                                   "verified: this receiver verifies checksums, and its sender sent none for it (set "
+                                   "checksums = true on the sender)", req_id=r.req_id)
+            self._fail(r, err, now, out)
+            raise err
 
     def _arrived(self, r: RxRequest, layers, out: list) -> None:
         """``layers`` of ``r`` are in the pool: count them, and tell its watchers those they had not heard of."""
@@ -608,6 +626,7 @@ class ReceiverSession:
         if (r.new_runs or r.state_slot >= 0) and msg.layers != self.layout.push_layers:
             raise UnexpectedMessage(f"commit of {r.req_id!r} after {msg.layers} of {self.layout.push_layers} "
                                     "layers", req_id=r.req_id)
+        self._refuse_unverified(r, range(self.layout.push_layers), "commit", now, out)
         n = self._complete(r, ReqEvent.COMMIT, now, out)
         out.append(ToSender(ident, CommitAck(req_id=r.req_id, chunks_committed=n)))
 
