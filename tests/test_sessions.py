@@ -1556,3 +1556,31 @@ def test_a_receiver_that_verifies_checksums_refuses_layers_and_commits_it_could_
         assert rid not in rx.reqs and rx.pool.chunks_cached == 0
     assert not calls
     rx.check()
+
+
+def test_one_decode_connection_cannot_fill_the_parked_opens_for_every_other(monkeypatch):
+    """Opens of pushes that have not begun wait (parked) for them, up to a cap per decode connection: one that opens
+    ids that never come, then dies, leaves the others room. Before, the cap was only global, and given-up marks
+    of a dead connection filled it: every other engine's open was refused for two minutes."""
+    from pdpush.sessions import receiver as rxmod
+
+    monkeypatch.setattr(rxmod, "PARKED_PER_READER", 8)
+    monkeypatch.setattr(rxmod, "PARKED_ALL", 12)
+    rx = receiver(pages=16)
+    for i in range(8):
+        assert not msgs(rx.on_local(b"junk", protocol.Open(req_id=f"junk-{i}"), 0), ToDecode, protocol.Error)
+    err = msgs(rx.on_local(b"junk", protocol.Open(req_id="junk-8"), 0), ToDecode, protocol.Error)
+    assert err and err[0].code is ErrorCode.TOO_LARGE
+    rx.check()
+    for i in range(4):  # another connection still parks, up to the global cap
+        assert not msgs(rx.on_local(DEC, protocol.Open(req_id=f"real-{i}"), 0), ToDecode, protocol.Error)
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="real-4"), 0), ToDecode, protocol.Error)
+    rx.on_reader_gone(b"junk", 1)  # its opens are given up: they no longer count
+    for i in range(4, 12):
+        who = DEC if i < 8 else b"dec2"
+        assert not msgs(rx.on_local(who, protocol.Open(req_id=f"real-{i}"), 1), ToDecode, protocol.Error)
+    assert msgs(rx.on_local(b"dec2", protocol.Open(req_id="real-12"), 1), ToDecode, protocol.Error)  # all 12 live
+    rx.check()
+    rx.on_tick(rxmod.PARKED_OPEN_MS + 2)  # and all of them expire
+    assert not rx.parked and not rx._parked_by
+    rx.check()

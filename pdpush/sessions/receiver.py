@@ -112,6 +112,8 @@ from pdpush.protocol import (
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
 
 PARKED_OPEN_MS = 120_000
+PARKED_PER_READER = 4096  # opens one decode connection may have waiting for pushes not yet begun
+PARKED_ALL = 65536  # and every connection together (the requests parked on, given-up marks too: 4x)
 MAX_TOKENS = 4096
 MAX_SESSIONS = 4096  # sender connections remembered as having said Hello (the least recently heard go first)
 MAX_FINISHED = 4096
@@ -241,6 +243,7 @@ class ReceiverSession:
         # up (released, or its connection died) stays as a mark until then: the request arrives with that reader's
         # release already counted, so a TP rank that gave up does not keep the others' request to its TTL.
         self.parked: dict[str, list[tuple[bytes, int, int, bool]]] = {}
+        self._parked_by: dict[bytes, int] = {}  # decode connection -> its parked opens not given up
         self.finished: OrderedDict[str, str] = OrderedDict()  # recently ended req_id -> why (bounded)
         self.withdrawn: OrderedDict[str, str] = OrderedDict()  # push ids withdrawn (a router, a decode) -> why: refused (bounded)
         # recently dropped committed requests: req_id -> (their sender, chunks committed) (bounded): a late Commit
@@ -374,6 +377,7 @@ class ReceiverSession:
             elif r.state is ReqState.COMMITTED and r.readers == 0:
                 self._due(r.committed_at_ms + self._ttl(r))
         for rid, waiters in list(self.parked.items()):
+            self._unparked([w for w in waiters if now - w[1] >= PARKED_OPEN_MS])
             waiters[:] = [w for w in waiters if now - w[1] < PARKED_OPEN_MS]
             if not waiters:
                 del self.parked[rid]
@@ -523,7 +527,7 @@ class ReceiverSession:
         self.counters.add("requests_total")
         out.append(Count("chunks_hit", len(alloc.held_idx)))
         out.append(Log(logging.DEBUG, f"alloc {len(msg.chunk_keys)} chunks, {len(alloc.held_idx)} held", rid))
-        for dident, _, tp, given_up in self.parked.pop(rid, []):
+        for dident, _, tp, given_up in self._unparked(self.parked.pop(rid, [])):
             r.decode_ranks = max(r.decode_ranks, tp)
             if given_up:
                 r.releases += 1
@@ -780,7 +784,7 @@ class ReceiverSession:
             self.counters.count(out, "requests_withdrawn", metric="withdrawn", label="decode" if by_decode else "router")
             out.append(Log(logging.DEBUG, why, rid))  # (counted: a flood of them makes no flood of lines)
         _keep_recent(self.withdrawn, rid, why, MAX_FINISHED)
-        for dident, _, _, given_up in self.parked.pop(rid, []):
+        for dident, _, _, given_up in self._unparked(self.parked.pop(rid, [])):
             if not given_up:
                 out.append(ToDecode(dident, protocol.error_reply(UnknownRequest(f"request {rid!r} is gone: {why}",
                                                                                 req_id=rid), rid)))
@@ -815,14 +819,17 @@ class ReceiverSession:
             else:
                 waiters = self.parked.setdefault(msg.req_id, [])
                 mine = next((i for i, w in enumerate(waiters) if w[0] == ident and w[3]), None)
+                if (mine is None and len(waiters) >= 16) or self._parked_by.get(ident, 0) >= PARKED_PER_READER or (
+                        sum(self._parked_by.values()) >= PARKED_ALL or len(self.parked) > 4 * PARKED_ALL):
+                    # (one connection cannot fill them all; given-up marks, kept to count releases, count apart)
+                    if not waiters:
+                        del self.parked[msg.req_id]
+                    raise RequestTooLarge("too many parked opens")
+                self._parked_by[ident] = self._parked_by.get(ident, 0) + 1
                 if mine is not None:  # it gave one up before: that one is live again (its release is not counted)
                     waiters[mine] = (ident, now, msg.tp_size, False)
                     self._due(now + PARKED_OPEN_MS)
                     return
-                if len(waiters) >= 16 or len(self.parked) > 65536:
-                    if not waiters:
-                        del self.parked[msg.req_id]
-                    raise RequestTooLarge("too many parked opens")
                 waiters.append((ident, now, msg.tp_size, False))  # answered when the AllocRequest arrives
                 self._due(now + PARKED_OPEN_MS)
         elif isinstance(msg, Release):
@@ -888,8 +895,20 @@ class ReceiverSession:
             if n == 0:
                 break
             if who == ident and not given_up:
+                self._unparked([ws[i]])
                 ws[i] = (who, since, tp, True)
                 n = None if n is None else n - 1
+
+    def _unparked(self, waiters: list) -> list:
+        """``waiters`` (parked opens) leave the parked: their connections' counts of live ones go down."""
+        for who, _, _, given_up in waiters:
+            if not given_up:
+                left = self._parked_by[who] - 1
+                if left:
+                    self._parked_by[who] = left
+                else:
+                    del self._parked_by[who]
+        return waiters
 
     def _claim(self, msg: Claim, now: int, out: list) -> ClaimOk:
         """A committed request made of the held leading chunks: opened and released like a pushed one."""
@@ -993,6 +1012,12 @@ class ReceiverSession:
             assert set(self.state_pool.requests) == {r.req_id for r in self.reqs.values() if r.state_slot >= 0}
         assert set(self.pool.requests) == set(self.reqs), "pool and session disagree on requests"
         assert not any(rid in self.reqs for rid in self.withdrawn), "a withdrawn push is live"
+        live: dict[bytes, int] = {}
+        for ws in self.parked.values():
+            for who, _, _, given_up in ws:
+                if not given_up:
+                    live[who] = live.get(who, 0) + 1
+        assert live == self._parked_by, f"parked opens {live} counted as {self._parked_by}"
         for r in self.reqs.values():
             assert r.alloc is self.pool.requests[r.req_id]
             assert (r.state is ReqState.COMMITTED) == r.alloc.indexed
