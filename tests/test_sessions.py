@@ -1584,3 +1584,24 @@ def test_one_decode_connection_cannot_fill_the_parked_opens_for_every_other(monk
     rx.on_tick(rxmod.PARKED_OPEN_MS + 2)  # and all of them expire
     assert not rx.parked and not rx._parked_by
     rx.check()
+
+
+def test_a_live_request_whose_failure_path_breaks_still_gets_its_sender_fenced_before_its_pages_are_reused(
+        monkeypatch):
+    """An internal error in a live request's handler, and its failure path breaking too: the request is dropped and
+    its pages reclaimed, but its sender may still be writing them. They wait, unfenced, and the sender is fenced at
+    the next tick, as at an expired lease. Before, they went to the plain quarantine, and came back into use after
+    it while that sender, never fenced, could still write them."""
+    rx = receiver(pages=8, lease_ms=30_000, quarantine_ms=50)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC), 0)
+    alloc = protocol.AllocRequest(req_id="a", chunk_keys=chunk_keys(list(range(48)), LAY), last_chunk_tokens=16,
+                                  lease_ms=30_000)
+    assert msgs(rx.on_control(b"s", alloc, 0), ToSender, protocol.AllocResponse)
+    monkeypatch.setattr(rx, "_layer_done", lambda *a: 1 / 0)
+    monkeypatch.setattr(rx, "_fail", lambda *a, **k: 1 / 0)
+    [err] = msgs(rx.on_control(b"s", protocol.LayerDone(req_id="a", layers=[0]), 1), ToSender, protocol.Error)
+    assert err.code is ErrorCode.INTERNAL and "a" not in rx.reqs
+    assert rx.pool.unfenced_pages == 3 and rx.pool.quarantined_pages == 0
+    assert FenceSender(b"s") in rx.on_tick(2)
+    assert rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
+    rx.check()

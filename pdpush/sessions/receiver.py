@@ -290,23 +290,27 @@ class ReceiverSession:
             self.counters.add("internal_errors")
             out.append(line)
             r = self.reqs.get(rid) if rid else None
+            writer = b""  # a live request's sender, whose writes to its pages may still be in flight
             if r is not None and r.state in _LIVE:
                 try:
                     self._fail(r, err, now, out)
                 except Exception as exc2:  # noqa: BLE001 - the failure path itself is broken: drop the request
                     out.append(internal_error("failing a request", exc2, rid)[1])
                     self.reqs.pop(rid, None)
+                    writer = r.sender
             if rid and rid not in self.reqs:
-                self._reclaim_orphan(rid, now, out)
+                self._reclaim_orphan(rid, now, out, writer)
             out.append(reply_cls(ident, protocol.error_reply(err, rid)))
         self._publish(now, out)
         return out
 
-    def _reclaim_orphan(self, rid: str, now: int, out: list) -> None:
+    def _reclaim_orphan(self, rid: str, now: int, out: list, writer: bytes = b"") -> None:
         """Pool records of ``rid`` with no request here: an internal error came between its allocation and its
         request's record (``_alloc``, ``_claim``), or dropped the request. Without this their pages and pins were
         lost for the daemon's life, and ``rid`` refused as a duplicate. Quarantined, as an abort's: a sender may
-        have been told them."""
+        have been told them. ``writer``: the live request's sender, whose writes may still land: its pages wait,
+        unfenced, and it is fenced at once (as at an expired lease), not after a quarantine's worth of time."""
+        fenced = not writer
         for pool in (self.pool, self.state_pool):
             rec = pool.requests.get(rid) if pool is not None else None
             if rec is None:
@@ -315,9 +319,12 @@ class ReceiverSession:
                 if rec.indexed:
                     pool.drop(rid)
                 else:
-                    pool.abort(rid, now)
+                    pool.abort(rid, now, fenced=fenced)
             except Exception as exc:  # noqa: BLE001 - the pool's accounting itself is broken: say so, go on
                 out.append(internal_error("reclaiming a request's pages", exc, rid)[1])
+        if not fenced:
+            self.unfenced[rid] = (writer, now)
+            self._due(now)
 
     def _index_load(self) -> IndexLoad:
         return IndexLoad(pages_free=self.pool.free_pages, pages_total=self.pool.num_pages,
