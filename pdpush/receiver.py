@@ -41,6 +41,7 @@ from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, Rece
 log = logging.getLogger("pdpush.receiver")
 
 TOKEN_BYTES = 32
+MAX_UCX_PENDING = 256  # UCX endpoints waiting for their token (a sender opens one per receiver): more are closed at once
 
 
 class Receiver:
@@ -51,6 +52,7 @@ class Receiver:
         self.ucx_peers: list = []  # endpoints that presented a valid session token
         self.sender_eps: dict[bytes, list] = {}  # sender session (control identity) -> its UCX endpoints
         self.ucx_pending: list = []  # (endpoint, stream request, buffer, deadline) awaiting their token
+        self._ucx_over: list = []  # endpoints accepted past MAX_UCX_PENDING: closed at the next pass
         self.auth = None
         self.reader_keys: frozenset[str] = frozenset()
         self.shell_counters = {"ucx_peers_rejected": 0, "loop_errors": 0, "senders_fenced": 0, "control_dropped": 0,
@@ -172,7 +174,7 @@ class Receiver:
         if self.local in events:
             for frames in control.recv_ready(self.local, copy=False):
                 self._on_frames(frames, local=True)
-        if self.ucx_pending:
+        if self.ucx_pending or self._ucx_over:
             self._check_ucx_peers()
         t = now_ms()
         due = t - self._last_tick >= 10
@@ -263,12 +265,16 @@ class Receiver:
     # ---- UCX ----
     def _on_ucx_peer(self, ep) -> None:
         """A new UCX peer must send a one-time token from a HelloAck on its stream, or be dropped."""
+        if len(self.ucx_pending) >= MAX_UCX_PENDING:  # the UCX port takes connections from anyone who can reach it
+            self._ucx_over.append(ep)
+            return
         req, buf = ep.post_stream_recv(TOKEN_BYTES)
         self.ucx_pending.append((ep, req, buf, time.monotonic() + self.cfg.ucx_token_timeout_ms / 1000))
 
     def _check_ucx_peers(self) -> None:
         now = time.monotonic()
-        still, rejected = [], []
+        still, rejected = [], [(ep, f"over {MAX_UCX_PENDING} waiting for their token") for ep in self._ucx_over]
+        self._ucx_over = []
         for ep, req, buf, deadline in self.ucx_pending:
             if req.completed:
                 ident = self.session.accept_ucx_token(buf.tobytes()) if ep.request_ok(req) else None
@@ -285,9 +291,10 @@ class Receiver:
         # drop every reference to the pending receives first: a live request keeps its endpoint open
         self.ucx_pending = still
         del req, buf
-        for ep, why in rejected:
-            log.warning("dropping UCX peer: %s", why)
-            self.shell_counters["ucx_peers_rejected"] += 1
+        for ep, why in rejected:  # (logged at the 1st, 2nd, 4th, ...: a flood of connects makes no flood of lines)
+            n = self.shell_counters["ucx_peers_rejected"] = self.shell_counters["ucx_peers_rejected"] + 1
+            if n & (n - 1) == 0:
+                log.warning("dropping UCX peer: %s (%d dropped so far)", why, n)
             ep.close()
 
     def _ucx_peer_closed(self, ident: bytes, ep) -> None:

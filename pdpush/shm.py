@@ -38,7 +38,10 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mincore.restype = ctypes.c_int
+_MADV_POPULATE_READ = 22  # Linux 5.14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
+_SHM_RDONLY = 0o10000
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA 11.1)
 _PAGE = 4096
 
 
@@ -58,10 +61,13 @@ def shmid_of(address: int) -> int:
 
 
 class Attached:
-    """A SysV segment attached in this process, exposed as a numpy uint8 array."""
+    """A SysV segment attached in this process, exposed as a numpy uint8 array; ``readonly``: attached so that
+    this process cannot write it (a decode engine's view of a receiver's pool: the receiver commits requests on
+    readiness words in it, and readers of every request share its chunks)."""
 
-    def __init__(self, shmid: int, nbytes: int) -> None:
-        addr = _libc.shmat(shmid, None, 0)
+    def __init__(self, shmid: int, nbytes: int, readonly: bool = False) -> None:
+        self.readonly = readonly
+        addr = _libc.shmat(shmid, None, _SHM_RDONLY if readonly else 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             err = ctypes.get_errno()
             raise ResourceError(f"shmat({shmid}) failed: errno {err}; is the owning daemon alive "
@@ -78,7 +84,7 @@ class Attached:
         so this process's first touch of each page (an engine's copy into staging, or out of the pool) does not
         fault it in. ``close`` stops it first."""
         if self._populating is None and self.address:
-            self._populating = Populating(self.address, self.nbytes)
+            self._populating = Populating(self.address, self.nbytes, write=not self.readonly)
 
     def populated(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``populate_async`` to be done; whether it is (or never began)."""
@@ -87,7 +93,7 @@ class Attached:
     def pin(self) -> bool:
         """Page-lock this mapping for CUDA copies in this process (``pin_if_cuda``); True if it is."""
         if self.address and not self.pinned:
-            self.pinned = pin_if_cuda(self.address, self.nbytes)
+            self.pinned = pin_if_cuda(self.address, self.nbytes, self.readonly)
         return self.pinned
 
     def close(self) -> None:
@@ -152,7 +158,7 @@ def mapping_end(address: int) -> int | None:
 
 
 def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 << 20,
-             resident_only: bool = True) -> int:
+             resident_only: bool = True, write: bool = True) -> int:
     """Map the pages of ``[address, address + nbytes)`` writable in this process's page tables, without
     reading or writing a byte (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14 and later). For a region another
     process owns and this one writes into (the sender's mapping of a receiver's pool): otherwise each 4 KiB
@@ -176,7 +182,7 @@ def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 
             log.info("cannot tell which pages at %#x are in memory: %s", at, os.strerror(ctypes.get_errno()))
             break
         if not resident_only or (np.frombuffer(vec, np.uint8, count=-(-n // _PAGE)) & 1).all():
-            if _libc.madvise(at, n, _MADV_POPULATE_WRITE) != 0:
+            if _libc.madvise(at, n, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ) != 0:
                 log.info("cannot populate %d bytes at %#x: %s", n, at, os.strerror(ctypes.get_errno()))
                 break
             done += n
@@ -186,24 +192,24 @@ def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 
     return done
 
 
-def populate_quietly(address: int, nbytes: int, stop=None, progress=None) -> int:
+def populate_quietly(address: int, nbytes: int, stop=None, progress=None, write: bool = True) -> int:
     """``populate`` from a thread of its own at the lowest priority (nice 19, this thread only), so that the
     process's own work (an engine's forward, a daemon's loop) goes first."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError:
         pass
-    return populate(address, nbytes, stop, progress)
+    return populate(address, nbytes, stop, progress, write=write)
 
 
 class Populating:
     """``populate_quietly`` on a thread of its own. ``stop()`` ends it before its next piece and waits for it:
     call it before the mapping goes."""
 
-    def __init__(self, address: int, nbytes: int, progress=None) -> None:
+    def __init__(self, address: int, nbytes: int, progress=None, write: bool = True) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=populate_quietly, args=(address, nbytes, self._stop.is_set, progress),
-                                        name="pdpush-populate", daemon=True)
+        self._thread = threading.Thread(target=populate_quietly, args=(address, nbytes, self._stop.is_set, progress,
+                                                                       write), name="pdpush-populate", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -216,9 +222,10 @@ class Populating:
         return not self._thread.is_alive()
 
 
-def pin_if_cuda(address: int, nbytes: int) -> bool:
-    """Page-lock a host mapping for this process's CUDA copies (``cudaHostRegister``) where CUDA
-    exists; False otherwise. Pinning is per process: the engine that copies pins its own mapping."""
+def pin_if_cuda(address: int, nbytes: int, readonly: bool = False) -> bool:
+    """Page-lock a host mapping for this process's CUDA copies (``cudaHostRegister``; ``readonly``: a mapping this
+    process cannot write, registered read-only) where CUDA exists; False otherwise. Pinning is per process: the
+    engine that copies pins its own mapping."""
     import os
 
     if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA driver: do not pay for importing torch (~1 s)
@@ -229,7 +236,7 @@ def pin_if_cuda(address: int, nbytes: int) -> bool:
         return False
     if not torch.cuda.is_available():
         return False
-    rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_READ_ONLY if readonly else 0)
     if int(rc) != 0:
         log.warning("cudaHostRegister of %d bytes failed (%s); using pageable memory", nbytes, rc)
         return False

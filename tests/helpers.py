@@ -10,6 +10,7 @@ import numpy as np
 from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
+from pdpush_tools.harness.stray_write import writable_pool  # noqa: F401 - the tests' negative controls use it
 
 
 def kv(layout: KVLayout, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ from pdpush import lifeline, protocol
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import Aborted, ErrorCode, IncompatiblePeer, PdpushError
 from pdpush.layout import KVLayout, chunk_keys
-from tests.helpers import kv, push, read_back, round_trip, rx_opts, sock
+from tests.helpers import kv, push, read_back, round_trip, rx_opts, sock, writable_pool
 
 LAYOUTS = [
     # (layout, prompt tokens): fp16 GQA with a partial last chunk; bf16 MHA-ish; fp32 with 1 KV head
@@ -494,9 +494,11 @@ def test_layer_readiness_travels_in_the_data_plane(daemons):
         assert np.array_equal(k2, k) and np.array_equal(v2, v)
         assert all(np.array_equal(g, np.concatenate([r.view(np.uint8) for r in req.layer_runs(la)]).ravel())
                    for la, g in enumerate(got))
-        # a word from another lease never reads as ready
-        req._words[0, req._new_pages[0]] = req.lease_id + 1
-        assert not req._landed(0)
+        # a word from another lease never reads as ready (written through a mapping of the pool that may write, as
+        # a sender's puts are: the decode engine's own is read-only)
+        with writable_pool(dc) as writable:
+            writable(req._words)[0, req._new_pages[0]] = req.lease_id + 1
+            assert not req._landed(0)
         req.release()
     finally:
         pc.close()

@@ -23,7 +23,7 @@ from pdpush import config as C
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError, TransferError
 from pdpush.layout import KVLayout, chunk_keys
-from tests.helpers import kv, push, read_back, rx_opts, sock
+from tests.helpers import kv, push, read_back, rx_opts, sock, until
 
 LAY = KVLayout(2, 2, 64, "float16", 16)
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,36 @@ def test_authenticated_pair_works(daemons, keys):
         k2, v2 = read_back(dc, "authed", LAY, 50)
         assert np.array_equal(k2, k) and np.array_equal(v2, v)
         assert status(sock(rx))["ucx_peers"] == 1
+    finally:
+        pc.close()
+        dc.close()
+
+
+def test_a_decode_engine_maps_the_pool_read_only_and_the_prefill_engine_its_staging_read_write(daemons):
+    """A decode engine reads the receiver's pool and never writes it: the receiver commits a push on the readiness
+    words in the pool, and every reader shares its chunks. So its mapping is read-only (a write faults in that
+    engine), and an engine cannot forge the words of another request, nor change committed KV. Before, it was
+    mapped read-write. The prefill engine's mapping of its staging is still writable: it writes layers there."""
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+
+    def perms(address: int) -> str:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.split()[1]
+        raise AssertionError(f"{address:#x} not mapped")
+
+    try:
+        k, v = kv(LAY, 50, 2)
+        push(pc, "ro", list(range(50)), k, v)
+        k2, v2 = read_back(dc, "ro", LAY, 50)
+        assert np.array_equal(k2, k) and np.array_equal(v2, v)
+        (pool,) = dc._segments._segs.values()
+        (staging,) = pc._segments._segs.values()
+        assert perms(pool.address) == "r--s" and perms(staging.address) == "rw-s"
     finally:
         pc.close()
         dc.close()
@@ -229,6 +259,44 @@ def test_ucx_peer_without_a_valid_token_is_dropped(daemons):
         k, v = kv(LAY, 20, 2)
         push(pc, "legit", list(range(20)), k, v)
         assert status(sock(rx))["ucx_peers"] == 1
+    finally:
+        pc.close()
+
+
+def test_a_flood_of_ucx_connects_costs_the_receiver_a_bounded_number_of_endpoints(daemons):
+    """The UCX port needs no key: anyone who reaches it can connect. Endpoints waiting for their token are capped
+    (MAX_UCX_PENDING); past it, a connect is closed at once, and the drops are logged at the 1st, 2nd, 4th, ...
+    Before, 400 connects held 400 endpoints (828 fds) until their token deadline, with a log line each."""
+    from pdpush.receiver import MAX_UCX_PENDING
+    from pdpush.transport.ucx import UcxWorker
+
+    rx = daemons.receiver(**rx_opts(LAY), ucx_token_timeout_ms=8000)
+    w = UcxWorker()
+    eps = []
+    try:
+        n = MAX_UCX_PENDING + 44
+        for _ in range(n):
+            eps.append(w.connect("127.0.0.1", rx.info["ucx_port"]))
+            w.progress()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # polling our own UCX worker and the receiver's status; bounded
+            w.progress()
+            st_ = status(sock(rx))
+            if st_["ucx_peers_pending"] + st_["ucx_peers_rejected"] >= n:
+                break
+            time.sleep(0.01)
+        assert st_["ucx_peers_pending"] == MAX_UCX_PENDING and st_["ucx_peers_rejected"] == 44, st_
+        assert rx.log().count("dropping UCX peer") <= 7  # 1, 2, 4, ..., 32
+    finally:
+        for e in eps:
+            e.close()
+        w.close()
+    until(lambda: status(sock(rx))["ucx_peers_pending"] == 0, 30, "the token-less endpoints dropped")
+    tx = daemons.sender(rx)  # and a real sender gets in
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    try:
+        k, v = kv(LAY, 20, 2)
+        push(pc, "after-flood", list(range(20)), k, v)
     finally:
         pc.close()
 

@@ -13,7 +13,7 @@ import pytest
 from pdpush.client import DecodeClient, status
 from pdpush.layout import KVLayout
 from pdpush_tools.bench.tp import Ranks, read_ranks, source
-from tests.helpers import rx_opts, sock, until
+from tests.helpers import rx_opts, sock, until, writable_pool
 
 LAY = KVLayout(3, 4, 16, "float16", 16)  # 4 KV heads: TP 1, 2 and 4 all hold whole heads
 
@@ -78,7 +78,8 @@ def test_a_corrupted_share_of_one_rank_is_caught_on_the_decode_side(daemons):
         assert not [o["error"] for o in ranks.results() if o["error"]]
         with dc.open("tp-c", tp_rank=1, tp_size=2) as held:  # holds it while we corrupt rank 1's heads
             held.wait_committed()
-            held.layer_runs(1)[0].view(np.uint8)[0, 0, 0, 0, 0] ^= 0xFF
+            with writable_pool(dc) as writable:
+                writable(held.layer_runs(1)[0].view(np.uint8))[0, 0, 0, 0, 0] ^= 0xFF
             assert read_ranks(dc, "tp-c", source(LAY, spec), LAY, 1) is False
             assert read_ranks(dc, "tp-c", source(LAY, spec), LAY, 2) is False
     finally:

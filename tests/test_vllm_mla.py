@@ -24,6 +24,7 @@ import pytest
 from pdpush.client import DecodeClient
 from pdpush.layout import KVLayout
 from pdpush_tools.harness.vllm_cluster import Fleet, build_model
+from tests.helpers import writable_pool
 from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, loaded, prompt_pair
 
 LAYOUT = dict(layers=1, kv_heads=1, head_dim=576, dtype="float32", chunk_tokens=48, model_id="tiny-mla", kind="mla")
@@ -81,10 +82,12 @@ def test_corrupting_one_ranks_share_of_an_mla_page_changes_the_decode_tokens(fle
         held = dc.open(params["pdpush_req_id"])  # held open while corrupted
         held.wait_committed()
         pool, g = held.pool_bytes(LAY.layers - 1), held.geometry
-        for layer in range(LAY.layers):
-            for page in held.pages:
-                off = g.offset(layer, 1, page)
-                pool[off:off + g.shard_bytes] ^= 0x40  # sign/exponent bits of every fp32 in rank 1's share
+        with writable_pool(dc) as writable:
+            pool = writable(pool)
+            for layer in range(LAY.layers):
+                for page in held.pages:
+                    off = g.offset(layer, 1, page)
+                    pool[off:off + g.shard_bytes] ^= 0x40  # sign/exponent bits of every fp32 in rank 1's share
         d0 = fleet.engines["d1s"].stats()
         out, d1 = fleet.engines["d1s"].generate(OTHER, NEW_TOKENS, params)
         held.release()

@@ -28,7 +28,7 @@ from pdpush.client import DecodeClient, status
 from pdpush.layout import KVLayout
 from pdpush.model_layout import layout_of
 from pdpush_tools.harness.vllm_cluster import Engine
-from tests.helpers import until
+from tests.helpers import until, writable_pool
 from tests.vllm_pairs import colocated_refs, disaggregated, fleet_of, loaded
 
 NEW_TOKENS = 8
@@ -124,7 +124,8 @@ def test_corrupting_one_layer_s_ssm_state_in_the_pool_changes_the_decode_tokens(
         units = held.state_bytes()  # [state layers, units, unit bytes], zero-copy in the pool
         ssm = next(s for s in NH_LAY.state if s.tensor == "ssm")
         off = sum(s.unit_bytes(NH_LAY.state_units) for s in NH_LAY.state[:NH_LAY.state.index(ssm)])
-        units[0, :, off:off + ssm.unit_bytes(NH_LAY.state_units)] ^= 0x40  # every fp32 of its SSM state
+        with writable_pool(dc) as writable:
+            writable(units)[0, :, off:off + ssm.unit_bytes(NH_LAY.state_units)] ^= 0x40  # every fp32 of its SSM state
         d0 = nh.engines["d1"].stats()
         out, d1 = nh.engines["d1"].generate(NH_PROMPTS["corrupt"], NEW_TOKENS, params)
         held.release()

@@ -18,7 +18,7 @@ import pytest
 
 from pdpush.client import DecodeClient, status
 from pdpush.layout import KVLayout
-from tests.helpers import until
+from tests.helpers import until, writable_pool
 from tests.vllm_pairs import colocated_refs, disaggregated, fleet_of, loaded
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=32, model_id="tiny-gemma3",
@@ -101,9 +101,11 @@ def _corrupted_decode(f, key: str, pick) -> list[int]:
         held = dc.open(params["pdpush_req_id"])
         held.wait_committed()
         pool, g = held.pool_bytes(LAY.layers - 1), held.geometry
-        for layer, page in pick(held):
-            off = g.offset(layer, 0, page)
-            pool[off:off + g.shard_bytes] ^= 0x40  # sign/exponent bits of every fp32 of the page
+        with writable_pool(dc) as writable:
+            pool = writable(pool)
+            for layer, page in pick(held):
+                off = g.offset(layer, 0, page)
+                pool[off:off + g.shard_bytes] ^= 0x40  # sign/exponent bits of every fp32 of the page
         d0 = f.engines["d1"].stats()
         out, d1 = f.engines["d1"].generate(PROMPTS[key], NEW_TOKENS, params)
         held.release()

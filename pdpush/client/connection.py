@@ -349,10 +349,11 @@ class Attachments:
     as nothing uses it, so a dead daemon's memory is not kept alive by its clients.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, readonly: bool = False) -> None:
         self._segs: dict[int, Attached] = {}
         self._users: dict[int, int] = {}
         self.pin = False  # page-lock each segment for this process's CUDA copies (Attached.pin)
+        self.readonly = readonly  # attach each so that this process cannot write it (a decode engine's, the pool)
 
     def pin_all(self) -> None:
         """Pin every segment, now and from now on (a no-op where CUDA is not available)."""
@@ -366,7 +367,7 @@ class Attachments:
             for old in [i for i in self._segs if not self._users.get(i)]:
                 self._segs.pop(old).close()
                 self._users.pop(old, None)
-            a = self._segs[shmid] = Attached(shmid, nbytes)
+            a = self._segs[shmid] = Attached(shmid, nbytes, self.readonly)
             if self.pin:
                 a.pin()
             a.populate_async()  # the daemon's pages mapped here ahead of this engine's first copies

@@ -383,7 +383,7 @@ class DecodeClient:
         self.timeout_s = timeout_s
         self.wait = wait
         self._conn = Connection(receiver_socket)
-        self._segments = Attachments()
+        self._segments = Attachments(readonly=True)  # the pool: read here, never written (its words commit)
         if pin_cuda:  # the pool is page-locked in this process, for asynchronous host-to-device copies
             self._segments.pin_all()
 

@@ -62,6 +62,7 @@ def main() -> None:
     from pdpush.client import DecodeClient, PrefillClient
     from pdpush.integrations import transformers as tf
     from pdpush.integrations.device_copy import D2HStager
+    from pdpush_tools.harness.stray_write import writable_pool
 
     spec = tf.ModelSpec(**json.loads(a.spec))
     model = tf.build_model(spec, a.device)
@@ -113,7 +114,8 @@ def main() -> None:
                 job = jobs[cmd["req_id"]]
                 job.thread.join(a.timeout)
                 run = job.req.layer_runs(cmd["layer"], wait=False)[0]
-                run.view("uint8")[0, 0, :4] ^= 0xFF
+                with writable_pool(client) as writable:  # (this engine's own mapping of the pool is read-only)
+                    writable(run.view("uint8"))[0, 0, :4] ^= 0xFF
                 job.cache = tf.cache_from_pool(model, job.req)
                 _reply({"ok": True})
             else:
