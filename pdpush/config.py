@@ -74,6 +74,13 @@ class _Settings(BaseSettings):
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 
 
+def socket_path_error(path: Path) -> str | None:
+    """Why a daemon's local socket ``path`` cannot be bound, or None: with its lifeline's ``.life`` beside it, the
+    longest path a unix socket takes is 107 bytes."""
+    n = len(os.fsencode(f"{path}.life"))
+    return f"{path} is {n} bytes with its '.life' lifeline: a unix socket's path holds 107" if n > 107 else None
+
+
 def endpoint_error(endpoint: str) -> str | None:
     """Why ``endpoint`` is not a receiver's control endpoint (``tcp://host:port``), or None: checked where a config
     or a request names one, so that a typo fails there, typed, rather than as a socket error in the daemon's loop."""
@@ -224,6 +231,16 @@ class ReceiverConfig(_Base):
             raise ValueError(f"pool_shards: {e}") from None
         if self.pool_bytes > (1 << 40):
             raise ValueError(f"pool_pages: pool would be {self.pool_bytes} bytes (> 1 TiB)")
+        from pydantic import ValidationError as Invalid
+
+        from pdpush.protocol import LayoutSpec
+
+        try:  # the layout as the HelloAck carries it: one the protocol cannot carry fails here, not at start
+            LayoutSpec(**self.layout.to_dict())
+        except Invalid as e:
+            raise ValueError(f"the layout is outside what the protocol carries: {e}") from None
+        if (why := socket_path_error(self.local_socket_path())) is not None:
+            raise ValueError(f"local_socket: {why}")
         return self
 
     @model_validator(mode="after")
@@ -285,6 +302,12 @@ class SenderConfig(_Base):
 
     def ingress_socket_path(self) -> Path:
         return Path(self.ingress_socket) if self.ingress_socket else default_sender_socket(self.metrics_port)
+
+    @model_validator(mode="after")
+    def _check_socket(self):
+        if (why := socket_path_error(self.ingress_socket_path())) is not None:
+            raise ValueError(f"ingress_socket: {why}")
+        return self
 
 
 class DecodeInstance(BaseModel):

@@ -226,3 +226,17 @@ def test_layout_appended_to_the_shipped_receiver_config_starts_a_receiver_for_th
         assert rx.info["fingerprint"] == want.fingerprint()
     finally:
         rx.stop()
+
+
+def test_a_layout_the_protocol_cannot_carry_or_a_socket_path_too_long_fails_at_load():
+    """Each started, then failed after the pool was allocated, with a traceback: a layout with more layers than a
+    HelloAck carries, and a local socket whose lifeline path is past the 107 bytes a unix socket takes."""
+    from pdpush import config as C
+
+    with pytest.raises(C.ConfigError, match="outside what the protocol carries"):
+        C.load(C.ReceiverConfig, layers=5000)
+    long = "/tmp/" + "x" * 100 + ".sock"
+    with pytest.raises(C.ConfigError, match="107"):
+        C.load(C.ReceiverConfig, local_socket=long)
+    with pytest.raises(C.ConfigError, match="107"):
+        C.load(C.SenderConfig, ingress_socket=long)
