@@ -1605,3 +1605,34 @@ def test_a_live_request_whose_failure_path_breaks_still_gets_its_sender_fenced_b
     assert FenceSender(b"s") in rx.on_tick(2)
     assert rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
     rx.check()
+
+
+def test_a_senders_pushes_that_nobody_reads_are_capped(monkeypatch):
+    """Pushes whose chunks are all held already take no page and no lease: a sender could commit any number, each
+    kept (committed_ttl_ms, 10 min) with its keys and pins. Past MAX_UNREAD_PER_SENDER committed and unopened, the
+    oldest goes; one being read never does, and another sender's are not touched."""
+    from pdpush.sessions import receiver as rxmod
+
+    monkeypatch.setattr(rxmod, "MAX_UNREAD_PER_SENDER", 4)
+    rx = receiver(pages=16)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    keys = chunk_keys(list(range(32)), LAY)
+    for ident in (b"a", b"b"):
+        rx.on_control(ident, hello, 0)
+
+    def push(ident, rid, now):
+        assert msgs(rx.on_control(ident, protocol.AllocRequest(req_id=rid, chunk_keys=keys, last_chunk_tokens=16,
+                                                               lease_ms=1000), now), ToSender, protocol.AllocResponse)
+        assert msgs(rx.on_control(ident, protocol.Commit(req_id=rid, layers=LAY.layers), now), ToSender,
+                    protocol.CommitAck)
+
+    push(b"b", "b-0", 0)
+    push(b"a", "a-0", 1)
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="a-0"), 1), ToDecode, protocol.OpenOk)  # read: stays
+    for i in range(1, 10):
+        push(b"a", f"a-{i}", 1 + i)
+    unread = sorted(r for r in rx.reqs if r.startswith("a-") and not rx.reqs[r].readers)
+    assert unread == ["a-6", "a-7", "a-8", "a-9"] and "a-0" in rx.reqs and "b-0" in rx.reqs
+    assert rx.counters.values["requests_unread_dropped"] == 5
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="a-1"), 20), ToDecode, protocol.Error)  # gone, said so
+    rx.check()

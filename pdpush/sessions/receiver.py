@@ -112,6 +112,7 @@ from pdpush.protocol import (
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
 
 PARKED_OPEN_MS = 120_000
+MAX_UNREAD_PER_SENDER = 4096  # pushes of one sender committed and not opened, kept (committed_ttl_ms) at most
 PARKED_PER_READER = 4096  # opens one decode connection may have waiting for pushes not yet begun
 PARKED_ALL = 65536  # and every connection together (the requests parked on, given-up marks too: 4x)
 MAX_TOKENS = 4096
@@ -259,7 +260,7 @@ class ReceiverSession:
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
             "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words",
-            "requests_withdrawn", "requests_given_up")})
+            "requests_withdrawn", "requests_given_up", "requests_unread_dropped")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
@@ -491,7 +492,7 @@ class ReceiverSession:
         self._look_at_words(now, out, at_most_each_ms=True)  # those that landed whole since: indexed, off the caps
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
-        self._check_sender_caps(principal, msg, len(keys))
+        self._check_sender_caps(principal, msg, len(keys), out)
         try:
             check_prefill_tp(self.layout, msg.tp_size, self.geometry.shards)
             self.layout.check_state_tp(msg.tp_size)
@@ -544,10 +545,21 @@ class ReceiverSession:
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
                              lease_ms=lease, state_slot=r.state_slot, completion="words" if r.words else "commit")
 
-    def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int) -> None:
+    def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int, out: list) -> None:
         """The per-sender caps, counted by key where CURVE is on (however many connections the key opens), else by
-        connection (loopback without authentication: one local sender process per connection)."""
-        mine = [r for r in self.reqs.values() if r.principal == principal and r.state in _LIVE]
+        connection (loopback without authentication: one local sender process per connection). And its pushes
+        committed and unread: past ``MAX_UNREAD_PER_SENDER``, the oldest goes (a decode that opens it later is told
+        it is gone, and recomputes), so that a sender whose pushes nobody reads cannot grow this receiver."""
+        ours = [r for r in self.reqs.values() if r.principal == principal]
+        unread = [r for r in ours if r.state is ReqState.COMMITTED and not r.readers]
+        if len(unread) >= MAX_UNREAD_PER_SENDER:
+            for r in sorted(unread, key=lambda r: r.committed_at_ms)[:len(unread) - MAX_UNREAD_PER_SENDER + 1]:
+                self._drop(r, f"committed and unread, the oldest of its sender's past {MAX_UNREAD_PER_SENDER}")
+                self.counters.add("requests_unread_dropped")
+                if (n := self.counters.values["requests_unread_dropped"]) & (n - 1) == 0:  # 1st, 2nd, 4th, ...
+                    out.append(Log(logging.WARNING, f"a sender's pushes go unread: {MAX_UNREAD_PER_SENDER} committed "
+                                                    f"and never opened; the oldest dropped ({n} so far)"))
+        mine = [r for r in ours if r.state in _LIVE]
         if len(mine) >= self.limits.max_leases_per_sender:
             raise PoolExhausted(f"sender holds {len(mine)} leases (max_leases_per_sender)", req_id=msg.req_id)
         cap = self.limits.max_inflight_bytes_per_sender
