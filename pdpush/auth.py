@@ -40,6 +40,7 @@ def keygen(directory: Path, name: str, force: bool = False) -> tuple[Path, Path]
     finally:
         os.umask(old)
     os.chmod(sec, 0o600)
+    os.chmod(pub, 0o644)  # (the public one is to share: the daemons' user reads it where root made it)
     return Path(pub), Path(sec)
 
 
@@ -51,9 +52,9 @@ def load_keypair(path: str) -> KeyPair:
         raise ConfigError(f"cannot read CURVE secret key file {path}: {e}") from None
     if sec is None:
         raise ConfigError(f"{path} holds no secret key (use the .key_secret file from `pdpush keygen`)")
-    if mode & 0o077:
-        raise ConfigError(f"CURVE secret key file {path} may be read by other users (mode {mode & 0o777:o}): "
-                          "chmod 600 it (in Kubernetes, the secret volume's defaultMode 0400)")
+    if mode & 0o027:  # (group read stays allowed: a Kubernetes secret volume with fsGroup is 0440)
+        raise ConfigError(f"CURVE secret key file {path} may be read or written by other users (mode "
+                          f"{mode & 0o777:o}): chmod 600 it")
     return KeyPair(pub, sec)
 
 

@@ -16,10 +16,9 @@ after it is one protocol message (``protocol.encode``), at most the daemon's ``m
   runs: the daemon fails that connection's requests, the engine fails its waits.
 * **Bounds.** A frame over the cap, or a first frame that is no identity, closes the lifeline (the engine sees
   a daemon that went away). So does an engine that does not read what the daemon writes it: past ``MAX_QUEUED``
-  bytes unread (its requests fail as at its death, and what they held comes back), and so does a frame begun and
-  not finished within ``FRAME_TIMEOUT_S``. Across all lifelines, what is queued either way is capped
-  (``MAX_QUEUED_ALL``): past it, the lifeline holding the most goes. A healthy engine's answers are never dropped
-  for another's sake.
+  bytes unread (its requests fail as at its death, and what they held comes back). Across all lifelines, what is
+  queued either way (answers unread, frames begun) is capped (``MAX_QUEUED_ALL``): past it, the lifeline holding
+  the most goes. A healthy engine's answers are never dropped for another's sake.
 
 ``Lifelines`` is the daemon's side (one epoll fd for its poller); ``Lifeline`` the engine's. The daemon's local
 ZeroMQ socket still serves what is not an engine's connection (a decode scheduler's queries). Imports no zmq.
@@ -40,7 +39,6 @@ from pdpush.errors import IncompatiblePeer, UnexpectedMessage
 MAX_IDENT = 255
 MAX_LINES = 4096  # lifelines a daemon keeps at once; more are refused (closed at once)
 HELLO_TIMEOUT_S = 5.0  # a lifeline that has not named its connection by then is closed
-FRAME_TIMEOUT_S = 10.0  # and one whose frame, begun, is not whole by then (an engine writes each at once)
 MAX_QUEUED = 16 << 20  # bytes a daemon keeps for one engine that is not reading them: past it, the lifeline goes
 MAX_QUEUED_ALL = 256 << 20  # bytes queued either way (frames begun, answers unread) for all of them together
 NAMED, FRAME, GONE = "named", "frame", "gone"  # what ``Lifelines.service`` reports, in order
@@ -120,14 +118,13 @@ class Event(NamedTuple):
 class _Line:
     """One engine connection's lifeline, at the daemon."""
 
-    __slots__ = ("sock", "ident", "rbuf", "wbuf", "deadline", "writing", "partial_since", "doomed")
+    __slots__ = ("sock", "ident", "rbuf", "wbuf", "deadline", "writing", "doomed")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock, self.deadline = sock, deadline
         self.ident = b""  # named by its first frame
         self.rbuf, self.wbuf = bytearray(), bytearray()
         self.writing = False  # registered for EPOLLOUT: wbuf waits for room
-        self.partial_since = 0.0  # when rbuf began to hold the start of a frame (0: it holds none)
         self.doomed = False  # closed at the next look: its engine does not read, or it holds the most
 
 
@@ -190,10 +187,9 @@ class Lifelines:
                 if ev & select.EPOLLOUT:
                     self._write(line)
                 if ev & ~select.EPOLLOUT:
-                    self._take(line, out, now)
-        for line in [ln for ln in self._lines.values() if ln.doomed or (not ln.ident and now > ln.deadline) or (
-                ln.partial_since and now - ln.partial_since > FRAME_TIMEOUT_S)]:
-            self.dropped_for_bounds += line.doomed or bool(line.ident)
+                    self._take(line, out)
+        for line in [ln for ln in self._lines.values() if ln.doomed or (not ln.ident and now > ln.deadline)]:
+            self.dropped_for_bounds += line.doomed
             self._drop(line, out)
         return out
 
@@ -206,7 +202,7 @@ class Lifelines:
         if line is None or line.doomed:
             return False
         if len(line.wbuf) + size > room:  # its engine does not read: it goes, as if it died (its requests fail)
-            line.doomed = True
+            self._doom(line)
             return False
         if self._queued + self._buffered + size > max(MAX_QUEUED_ALL, room):
             self._doom_biggest()
@@ -218,10 +214,19 @@ class Lifelines:
             self._write(line)
         return True
 
+    def _doom(self, line: _Line) -> None:
+        """``line`` goes at the next look; what it holds stops counting now (its engine hears nothing more)."""
+        line.doomed = True
+        self._queued -= len(line.wbuf)
+        self._buffered -= len(line.rbuf)
+        line.wbuf.clear()
+        line.rbuf.clear()
+
     def _doom_biggest(self) -> None:
         """Queued bytes past ``MAX_QUEUED_ALL``: the lifeline that holds the most (unread, or begun) goes."""
-        big = max(self._lines.values(), key=lambda ln: (not ln.doomed) * (len(ln.wbuf) + len(ln.rbuf)))
-        big.doomed = True
+        held = [ln for ln in self._lines.values() if not ln.doomed and (ln.wbuf or ln.rbuf)]
+        if held:
+            self._doom(max(held, key=lambda ln: len(ln.wbuf) + len(ln.rbuf)))
 
     def _accept(self, now: float) -> None:
         while True:
@@ -243,30 +248,24 @@ class Lifelines:
             self._lines[conn.fileno()] = _Line(conn, now + HELLO_TIMEOUT_S)
             self._epoll.register(conn.fileno(), _IN)
 
-    def _take(self, line: _Line, out: list[Event], now: float) -> None:
+    def _take(self, line: _Line, out: list[Event]) -> None:
         """Read what ``line`` has: its name, if this is its first frame, then its frames; reap it at its end, or at
         a frame that breaks the framing (after the frames before it)."""
         if line.doomed:
             return
         before = len(line.rbuf)
         open_ = _read(line.sock, line.rbuf, _READ_PER_LOOK)
-        sound, took = True, False
+        sound = True
         if not line.ident:
             hello, sound = split(line.rbuf, MAX_IDENT, limit=1)
-            took = bool(hello)
             if hello and not hello[0]:
                 sound = False  # an empty identity
             elif hello:
                 self._name(line, hello[0], out)
         if line.ident and sound:
             frames, sound = split(line.rbuf, self.max_frame)
-            took = took or bool(frames)
             out.extend(Event(FRAME, line.ident, f) for f in frames)
         self._buffered += len(line.rbuf) - before
-        if not line.rbuf:
-            line.partial_since = 0.0
-        elif took or not line.partial_since:  # a frame begun now: its own FRAME_TIMEOUT_S to be whole
-            line.partial_since = now
         if self._queued + self._buffered > max(MAX_QUEUED_ALL, 2 * self.max_frame):
             self._doom_biggest()
         if not sound:

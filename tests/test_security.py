@@ -193,13 +193,19 @@ def test_key_files_that_would_let_in_no_one_or_anyone_are_refused(tmp_path, keys
         auth.load_public_keys("#" * 40)
     loose = tmp_path / "loose.key_secret"
     shutil.copy(keys["receiver"][1], loose)
-    os.chmod(loose, 0o644)
-    with pytest.raises(C.ConfigError, match="chmod 600"):
-        auth.load_keypair(str(loose))
+    for mode in (0o644, 0o460):  # world-readable; group-writable
+        os.chmod(loose, mode)
+        with pytest.raises(C.ConfigError, match="chmod 600"):
+            auth.load_keypair(str(loose))
+    os.chmod(loose, 0o440)  # a Kubernetes secret volume with fsGroup (defaultMode 0400 plus group read): taken
+    assert auth.load_keypair(str(loose)).secret
     d = Path(keys["receiver"][0]).parent
     with pytest.raises(C.ConfigError, match="--force"):
         auth.keygen(d, "receiver")
-    assert auth.load_public_keys(keys["receiver"][0]) != auth.load_public_keys(str(auth.keygen(d, "receiver", True)[0]))
+    before = auth.load_public_keys(keys["receiver"][0])
+    pub, sec = auth.keygen(d, "receiver", True)
+    assert auth.load_public_keys(str(pub)) != before
+    assert (os.stat(pub).st_mode & 0o777, os.stat(sec).st_mode & 0o777) == (0o644, 0o600)
     f = tmp_path / "r.toml"
     f.write_text(f"curve_secret_key_file = '{keys['receiver'][1]}'\nallowed_senders = ['{empty}']\n"
                  f"local_socket = '{tmp_path}/r.sock'\ncontrol_port = 0\nucx_port = 0\nmetrics_port = 0\n")

@@ -112,7 +112,7 @@ from pdpush.protocol import (
 from pdpush.sessions import Count, Counters, Log, Observe, internal_error
 
 PARKED_OPEN_MS = 120_000
-MAX_UNREAD_PER_SENDER = 4096  # pushes of one sender committed and not opened, kept (committed_ttl_ms) at most
+MAX_UNREAD_PER_SENDER = 4096  # pushes of one sender that took no page, committed and not opened, kept at most
 PARKED_PER_READER = 4096  # opens one decode connection may have waiting for pushes not yet begun
 PARKED_ALL = 65536  # and every connection together (the requests parked on, given-up marks too: 4x)
 MAX_TOKENS = 4096
@@ -485,10 +485,10 @@ class ReceiverSession:
         if rid in self.reqs:
             raise DuplicateRequest(f"request {rid!r} already exists", req_id=rid)
         self._refuse_withdrawn(rid)
-        if (unfenced := self.unfenced.get(rid)) is not None:  # a retry of an id whose last try may still write:
-            raise PoolExhausted(  # one attempt at a time (its pages and its fence are the id's until it settles)
-                f"request {rid!r}: writes of its earlier attempt may still land; it may retry once that sender "
-                "settles or is fenced", req_id=rid, retry_after_ms=max(1, min(unfenced[1] - now, 1000)))
+        if rid in self.unfenced:  # a retry of an id whose last try may still write: one attempt at a time (its
+            # pages and its fence are the id's until that settles: a settled Abort, or its endpoint closing, in ms)
+            raise PoolExhausted(f"request {rid!r}: writes of its earlier attempt may still land; it may retry once "
+                                "that sender settles or is fenced", req_id=rid, retry_after_ms=self.pool.retry_after_ms)
         self._look_at_words(now, out, at_most_each_ms=True)  # those that landed whole since: indexed, off the caps
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
@@ -547,11 +547,13 @@ class ReceiverSession:
 
     def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int, out: list) -> None:
         """The per-sender caps, counted by key where CURVE is on (however many connections the key opens), else by
-        connection (loopback without authentication: one local sender process per connection). And its pushes
-        committed and unread: past ``MAX_UNREAD_PER_SENDER``, the oldest goes (a decode that opens it later is told
-        it is gone, and recomputes), so that a sender whose pushes nobody reads cannot grow this receiver."""
+        connection (loopback without authentication: one local sender process per connection). And its pushes that
+        took no page (every chunk held already), committed and unread: past ``MAX_UNREAD_PER_SENDER``, the oldest
+        goes (a decode that opens it later is told it is gone, and recomputes), so that a sender whose pushes nobody
+        reads cannot grow this receiver past what its pool bounds."""
         ours = [r for r in self.reqs.values() if r.principal == principal]
-        unread = [r for r in ours if r.state is ReqState.COMMITTED and not r.readers]
+        # (those that took pages are bounded by the pool: their chunks stay pinned until read or their TTL)
+        unread = [r for r in ours if r.state is ReqState.COMMITTED and not r.readers and not r.alloc.new_idx]
         if len(unread) >= MAX_UNREAD_PER_SENDER:
             for r in sorted(unread, key=lambda r: r.committed_at_ms)[:len(unread) - MAX_UNREAD_PER_SENDER + 1]:
                 self._drop(r, f"committed and unread, the oldest of its sender's past {MAX_UNREAD_PER_SENDER}")
