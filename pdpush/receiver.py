@@ -308,6 +308,7 @@ class Receiver:
         if not eps:
             self.sender_eps.pop(ident, None)
             self._apply(self.session.on_sender_lost(ident, now_ms()))
+        ep.close()  # (a failed endpoint still holds its UCX handle until closed: one a sender's reconnect, for good)
 
     def _fence(self, ident: bytes) -> None:
         """Close every UCX endpoint of a sender session (force: its in-flight operations are canceled, and
@@ -357,6 +358,7 @@ class Receiver:
     def stats(self) -> dict:
         return {"role": "receiver", "control_endpoint": self.control_endpoint, **self.session.stats(),
                 "ucx_peers": len(self.ucx_peers), "ucx_peers_pending": len(self.ucx_pending),
+                "ucx_endpoints": self.ucx.endpoints(),
                 **self.lifelines.stats(), "ucx_transports": json.dumps(self.transports()), **ucx_stats(self.ucx_info),
                 "auth": "curve" if self.auth else "none", "metrics_endpoint": self.metrics.endpoint,
                 **self.shell_counters, **self.wire.stats()}

@@ -526,3 +526,17 @@ def test_replies_a_peer_does_not_read_are_counted_not_silently_dropped_and_other
         assert np.array_equal(gk, k) and np.array_equal(gv, v)
     finally:
         deaf.close(0)
+
+
+def test_a_receiver_closes_the_endpoints_of_senders_that_went(daemons):
+    """Senders come and go (a restart, a kill, a fence): the receiver's UCX endpoints for them go too. Before, a failed
+    endpoint was forgotten but never closed, and kept its UCX handle for the daemon's life: one per sender restart."""
+    from tests.helpers import round_trip
+
+    rx = daemons.receiver(**rx_opts(LAY))
+    for i in range(4):
+        tx = daemons.sender(rx)
+        round_trip(tx, rx, LAY, f"went-{i}", list(range(i * 100, i * 100 + 20)), seed=i)  # (new chunks each)
+        assert status(sock(rx))["ucx_endpoints"] == 1
+        tx.kill() if i % 2 else tx.stop()
+        until(lambda: status(sock(rx))["ucx_endpoints"] == 0, 20, f"sender {i}'s endpoint closed")

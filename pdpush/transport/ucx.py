@@ -457,6 +457,9 @@ class UcxWorker:
 
         return Pusher(self.worker.handle, address, length, MAX_PUT_BYTES, timeout_s)
 
+    def endpoints(self) -> int:
+        return len(self._by_handle)
+
     @property
     def closed_fd(self) -> int:
         """Readable while an endpoint has closed and ``dispatch_closed`` has not run its callbacks."""
