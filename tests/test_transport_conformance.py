@@ -311,6 +311,30 @@ def test_the_native_path_posts_each_layer_handed_over_and_lands_it_in_order_with
         remote.close()
 
 
+@pytest.mark.parametrize("env", [{}, TCP], ids=["default", "tcp"])
+def test_a_receiver_claiming_a_pool_larger_than_its_rkey_maps_here_is_refused(world, env):
+    """Over a shared-memory lane a put is this process's own copy to the peer's mapped base + offset, with no range
+    check in UCX: a receiver whose HelloAck claims more pool than it registered would have the sender write past
+    that mapping (at 1 TiB past it, the sender died of SIGSEGV). The endpoint refuses such a pool when it joins the
+    pusher. Over tcp nothing is mapped here: the receiver's own side bounds it."""
+    from pdpush.errors import TransferError
+
+    make, peer = world
+    w, src = make(env)
+    p, ep = peer(w, env)
+    dst = p.info["address"]
+    pu = _pusher(w, src)
+    try:
+        if ep.rkey.local_address(dst) is not None:
+            with pytest.raises(TransferError, match="larger than the region its rkey maps here"):
+                ep.attach(pu, 1, (dst, 1 << 40))
+        else:
+            assert env == TCP
+        ep.attach(pu, 1, (dst, REGION))  # what it registered: taken
+    finally:
+        pu.close()
+
+
 def test_the_native_path_refuses_a_plan_that_would_put_outside_the_receivers_pool(world):
     """The last line of defence under the session's checks: a layer, a rank's span or a readiness word whose put
     would leave the pool the receiver registered (the endpoint's ``base`` and ``bytes``), or come from outside

@@ -235,7 +235,16 @@ class Endpoint(_Closable):
         inside ``pool`` (the peer's address and bytes: a plan that leaves it is refused)."""
         if self.handle is None or self.rkey is None:
             raise TransferError(f"endpoint {self.name} has no rkey")
-        pusher.add_endpoint(eid, self.handle, self.rkey.handle, *pool)
+        base, nbytes = pool
+        local = self.rkey.local_address(base)
+        if local is not None:  # a shared-memory lane: a put is this process's copy to local + offset, unchecked
+            from pdpush import shm
+
+            end = shm.mapping_end(local)
+            if end is None or local + nbytes > end:
+                raise TransferError(f"endpoint {self.name}: the receiver's pool ({nbytes} bytes from {base:#x}) is "
+                                    f"larger than the region its rkey maps here ({(end or local) - local} bytes)")
+        pusher.add_endpoint(eid, self.handle, self.rkey.handle, base, nbytes)
 
     def stream_send(self, payload: bytes, timeout_s: float) -> None:
         """Send bytes on this endpoint's stream (used for the one-time session token)."""
