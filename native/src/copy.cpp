@@ -229,9 +229,13 @@ bool stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
     if (h0 > heads || H > heads - h0)
         throw std::invalid_argument("stage_pages: heads " + std::to_string(h0) + ".." + std::to_string(h0 + H) +
                                     " of " + std::to_string(heads));
-    const size_t page = hu * C * T * rb;  // one unit of one page
-    if (dst.shape(0) % (units * page)) throw std::invalid_argument("stage_pages: the share is not whole pages");
-    const size_t n = dst.shape(0) / (units * page);
+    size_t page, pages_unit;  // one unit of one page; all units of one page (checked: a wrap would pass the checks)
+    if (__builtin_mul_overflow(hu, C, &page) || __builtin_mul_overflow(page, T, &page) ||
+        __builtin_mul_overflow(page, rb, &page) || __builtin_mul_overflow(units, page, &pages_unit) ||
+        pages_unit > dst.shape(0))
+        throw std::invalid_argument("stage_pages: a page larger than the share");
+    if (dst.shape(0) % pages_unit) throw std::invalid_argument("stage_pages: the share is not whole pages");
+    const size_t n = dst.shape(0) / pages_unit;
     const size_t S = segs.shape(0);
     if (S && segs.shape(1) != 3) throw std::invalid_argument("stage_pages: segments are (j0, s0, m)");
     const int64_t *sg = segs.data();
@@ -239,7 +243,7 @@ bool stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
         const int64_t j0 = sg[3 * k], s0 = sg[3 * k + 1], m = sg[3 * k + 2];
         if (j0 < 0 || s0 < 0 || m < 0 || static_cast<uint64_t>(s0) > tokens ||
             static_cast<uint64_t>(m) > tokens - static_cast<uint64_t>(s0) || static_cast<uint64_t>(j0) > n ||
-            static_cast<uint64_t>(m + static_cast<int64_t>(T) - 1) / T > n - static_cast<uint64_t>(j0))
+            static_cast<uint64_t>(m) / T + (static_cast<uint64_t>(m) % T != 0) > n - static_cast<uint64_t>(j0))
             throw std::out_of_range("stage_pages: segment " + std::to_string(k) + " reaches outside the source or the share");
     }
     std::vector<const uint8_t *> base(C);
