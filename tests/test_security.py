@@ -23,7 +23,7 @@ from pdpush import config as C
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import PdpushError, TransferError
 from pdpush.layout import KVLayout, chunk_keys
-from tests.helpers import kv, push, read_back, rx_opts, sock, until
+from tests.helpers import kv, push, read_back, round_trip, rx_opts, sock, until
 
 LAY = KVLayout(2, 2, 64, "float16", 16)
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,13 +298,7 @@ def test_a_flood_of_ucx_connects_costs_the_receiver_a_bounded_number_of_endpoint
             e.close()
         w.close()
     until(lambda: status(sock(rx))["ucx_peers_pending"] == 0, 30, "the token-less endpoints dropped")
-    tx = daemons.sender(rx)  # and a real sender gets in
-    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
-    try:
-        k, v = kv(LAY, 20, 2)
-        push(pc, "after-flood", list(range(20)), k, v)
-    finally:
-        pc.close()
+    round_trip(daemons.sender(rx), rx, LAY, "after-flood", list(range(20)))  # and a real sender gets in
 
 
 def test_per_sender_caps(daemons):
