@@ -231,9 +231,8 @@ bool stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
                                     " of " + std::to_string(heads));
     size_t page, pages_unit;  // one unit of one page; all units of one page (checked: a wrap would pass the checks)
     if (__builtin_mul_overflow(hu, C, &page) || __builtin_mul_overflow(page, T, &page) ||
-        __builtin_mul_overflow(page, rb, &page) || __builtin_mul_overflow(units, page, &pages_unit) ||
-        pages_unit > dst.shape(0))
-        throw std::invalid_argument("stage_pages: a page larger than the share");
+        __builtin_mul_overflow(page, rb, &page) || __builtin_mul_overflow(units, page, &pages_unit))
+        throw std::invalid_argument("stage_pages: a page size past 2**64 bytes");
     if (dst.shape(0) % pages_unit) throw std::invalid_argument("stage_pages: the share is not whole pages");
     const size_t n = dst.shape(0) / pages_unit;
     const size_t S = segs.shape(0);
