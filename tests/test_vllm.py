@@ -21,6 +21,7 @@ from pdpush import kv_params
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.errors import Aborted
 from pdpush.layout import KVLayout
+from pdpush_tools.harness.stray_write import writable_pool
 from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY, Engine, build_model, push_timeline
 from pdpush_tools.harness.vllm_cluster import cluster as vllm_cluster
 
@@ -202,9 +203,10 @@ def test_decode_uses_the_pushed_kv(cluster):
     try:
         held = dc.open(params["pdpush_req_id"])  # our open keeps the request while we corrupt it
         held.wait_committed()
-        for layer in range(LAYOUT["layers"]):
-            for run in held.layer_runs(layer):
-                run.view(np.float32)[...] *= -1.0  # K and V of every token, every head (row bytes of fp32)
+        with writable_pool(dc) as writable:  # (a decode client's own mapping of the pool is read-only)
+            for layer in range(LAYOUT["layers"]):
+                for run in held.layer_runs(layer):
+                    writable(run.view(np.float32))[...] *= -1.0  # K and V of every token, every head (fp32 rows)
         out, stats = cluster["decode"].generate(prompt, NEW_TOKENS, params)
         held.release()
     finally:

@@ -21,7 +21,7 @@ from pdpush.client import DecodeClient, status
 from pdpush.layout import KVLayout
 from pdpush_tools.bench.tp import Ranks
 from pdpush_tools.harness.vllm_cluster import ROOT, VLLM_PY, Fleet
-from tests.helpers import until
+from tests.helpers import until, writable_pool
 from tests.vllm_pairs import check_pair, colocated_refs, fleet_of, loaded, prompt_pair
 
 LAYOUT = dict(layers=4, kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=48, model_id="tiny-vllm")
@@ -68,9 +68,10 @@ def test_corrupting_one_ranks_share_changes_the_decode_tokens(fleet):
     try:
         held = dc.open(params["pdpush_req_id"], tp_rank=1, tp_size=2)  # held open while corrupted
         held.wait_committed()
-        for layer in range(LAY.layers):
-            for run in held.layer_runs(layer):
-                run.view(np.float32)[...] *= -1.0  # K and V of every token of head 1 only (row bytes of fp32)
+        with writable_pool(dc) as writable:  # (a decode client's own mapping of the pool is read-only)
+            for layer in range(LAY.layers):
+                for run in held.layer_runs(layer):
+                    writable(run.view(np.float32))[...] *= -1.0  # K and V of every token of head 1 only (fp32 rows)
         d0 = fleet.engines["d1"].stats()
         out, d1 = fleet.engines["d1"].generate(OTHER, NEW_TOKENS, params)
         held.release()
