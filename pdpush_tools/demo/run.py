@@ -41,7 +41,9 @@ class Worker:
     def read(self, timeout_s: float = 120.0) -> dict:
         import select
 
-        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+        p = select.poll()  # (poll, not select: fine past 1,024 open fds)
+        p.register(self.proc.stdout, select.POLLIN)
+        if not p.poll(timeout_s * 1000):
             raise TransportTimeout(f"{self.role} engine did not answer in {timeout_s}s:\n{self.log()}")
         line = self.proc.stdout.readline()
         if not line:

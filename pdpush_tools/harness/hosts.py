@@ -345,7 +345,9 @@ class Host:
 
 def _readline(stream: Any, timeout_s: float, what: str) -> str:
     """One line from a pipe of ours, with a deadline."""
-    if not select.select([stream], [], [], timeout_s)[0]:
+    p = select.poll()  # (poll, not select: a process with more than 1,024 fds open has them numbered past select's)
+    p.register(stream, select.POLLIN)
+    if not p.poll(timeout_s * 1000):
         raise HostsError(f"{what}: nothing within {timeout_s}s")
     line = stream.readline()
     if not line:
