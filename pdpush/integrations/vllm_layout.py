@@ -166,6 +166,9 @@ class PagedKV:
         flat[vo] = v
 
 
+MAX_BLOCK_ID = 1 << 31  # vLLM's block tables are int32
+
+
 class SlotMap:
     """Where some tokens of a request live in vLLM's paged cache and in pdpush pages.
 
@@ -181,7 +184,13 @@ class SlotMap:
         if len(t) and int(t.max()) >= len(block_ids) * block_size:
             raise ValueError(f"token {int(t.max())} does not fit in {len(block_ids)} blocks of {block_size}")
         blk = t // block_size
-        self._slots = np.asarray(block_ids, dtype=np.int64)[blk] * block_size + t % block_size
+        ids = np.asarray(block_ids, dtype=np.int64)[blk]
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= MAX_BLOCK_ID):
+            # a negative id would index from the cache's end (torch) or skip its rows (the native copy), and one
+            # past 2**31 can wrap its byte offset back into the cache: either is a silent wrong copy
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"block id {bad} is not a block of a paged cache")
+        self._slots = ids * block_size + t % block_size
         self.slots = torch.from_numpy(self._slots)  # flat slot of each token
         self.chunk_idx = torch.from_numpy(t // chunk_tokens)
         self.chunk_rows = torch.from_numpy(t % chunk_tokens)
