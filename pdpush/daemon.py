@@ -196,6 +196,7 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
                 if time.monotonic() > drain_deadline:
                     log.warning("drain timeout: aborting in-flight work")
                     server.abort_all("drain timeout")
+                    code = ExitCode.FAILURE  # (work was lost: a supervisor should see it, as for a forced exit)
                     break
     finally:
         server.close()

@@ -232,6 +232,16 @@ def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
         until(lambda: status(sock(rx))["leases_active"] == 0, 10, "abort of the stuck lease")
     finally:
         pc2.close()
+    # one signal, and work still in flight at the drain's deadline: aborted, and the exit says so
+    tx3 = daemons.sender(rx, drain_timeout_s=0.5)
+    pc3 = PrefillClient(LAY, sock(tx3), timeout_s=10)
+    try:
+        pc3.begin("outlives-the-drain", list(range(300, 340)))
+        tx3.proc.send_signal(signal.SIGTERM)
+        assert tx3.proc.wait(10) == 1
+        until(lambda: status(sock(rx))["leases_active"] == 0, 10, "abort of the drained-out lease")
+    finally:
+        pc3.close()
 
 
 @pytest.mark.slow
