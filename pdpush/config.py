@@ -81,6 +81,14 @@ def socket_path_error(path: Path) -> str | None:
     return f"{path} is {n} bytes with its '.life' lifeline: a unix socket's path holds 107" if n > 107 else None
 
 
+def endpoint_host_port(endpoint: str) -> tuple[str, int]:
+    """The host (brackets stripped) and port of a receiver's control endpoint that ``endpoint_error`` accepts."""
+    m = _ENDPOINT.fullmatch(endpoint)
+    if m is None:
+        raise ValueError(f"{endpoint!r} is not a receiver control endpoint tcp://host:port")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
 def endpoint_error(endpoint: str) -> str | None:
     """Why ``endpoint`` is not a receiver's control endpoint (``tcp://host:port``), or None: checked where a config
     or a request names one, so that a typo fails there, typed, rather than as a socket error in the daemon's loop."""

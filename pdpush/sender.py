@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import secrets
+import socket
 import time
 from collections import deque
 from urllib.parse import urlsplit
@@ -34,9 +35,9 @@ import xxhash
 import zmq
 
 from pdpush import control, lifeline, protocol, ring
-from pdpush.config import SenderConfig, endpoint_error, is_loopback
+from pdpush.config import SenderConfig, endpoint_error, endpoint_host_port, is_loopback
 from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
-from pdpush.errors import IncompatiblePeer, PdpushError, RemoteProtocolError, TransportTimeout
+from pdpush.errors import ConnectError, IncompatiblePeer, PdpushError, RemoteProtocolError, TransportTimeout
 from pdpush.layout import PoolGeometry, combine_digests
 from pdpush.protocol import Abort, Msg, StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
@@ -59,6 +60,7 @@ from pdpush.sessions.sender import (
 )
 from pdpush.sessions.tx_actions import action_owner
 from pdpush.shm import array_at
+from pdpush.transport import resolve
 
 log = logging.getLogger("pdpush.sender")
 
@@ -66,14 +68,27 @@ log = logging.getLogger("pdpush.sender")
 SPIN_S = 0.002  # how long the native wait spins on UCX progress after a post or a completion
 
 
+class _Wiring:
+    """The data plane to a receiver being set up, by ``deadline``: its UCX host's ``lookup``, then ``ep`` wiring up."""
+
+    __slots__ = ("ack", "pool", "deadline", "lookup", "ep")
+
+    def __init__(self, ack, pool: tuple[int, int], deadline: float, lookup: resolve.Lookup) -> None:
+        self.ack, self.pool, self.deadline, self.lookup = ack, pool, deadline, lookup  # pool: (address, bytes)
+        self.ep = None
+
+
 class Sender:
     def __init__(self, cfg: SenderConfig) -> None:
         self.cfg = cfg
         self.session: SenderSession | None = None
         self.socks: dict[str, zmq.Socket] = {}  # receiver endpoint -> control DEALER
+        # a receiver named by a host name: the address its DEALER connects to, resolved off the loop (``_named``;
+        # libzmq resolves a name on its I/O thread, which every socket shares: a slow DNS answer held them all)
+        self._addrs: dict[str, str] = {}  # receiver endpoint -> its address, until the receiver fails
+        self._naming: dict[str, tuple[resolve.Lookup, float, list[bytes]]] = {}  # -> lookup, deadline, frames held
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
-        # receiver endpoint -> (endpoint wiring up, deadline, its pool: address, bytes)
-        self._connecting: dict[str, tuple[object, float, tuple[int, int]]] = {}
+        self._connecting: dict[str, _Wiring] = {}  # receiver endpoint -> its data plane being set up
         self._regions: dict[str, tuple[int, int]] = {}  # receiver endpoint -> its region (address, bytes), to populate
         self._populated: dict[str, int] = {}  # receiver endpoint -> bytes of its region mapped here (each its thread's)
         self.pusher = None  # the native per-layer path (pdpush_native.Pusher), once started
@@ -189,8 +204,8 @@ class Sender:
         posts their puts and reaps their completions by itself; it returns when a socket or a lifeline has
         something, a request has all it needs from this side, a receiver failed, a record was refused, or
         ``timeout_ms`` passed."""
-        if self._connecting:
-            timeout_ms = min(timeout_ms, 1)  # wire-ups complete on progress: look every millisecond meanwhile
+        if self._connecting or self._naming:
+            timeout_ms = min(timeout_ms, 1)  # wire-ups complete on progress, lookups on threads: look every ms
         self._flush_peers()  # nothing for a receiver waits on the wait
         fds, socks = self._watched()
         if any(control.readable(s) for s in socks):  # (a zmq socket's fd tells only of what comes after a look)
@@ -241,7 +256,32 @@ class Sender:
         except (PdpushError, zmq.ZMQError, OSError, ValueError) as e:  # its socket cannot be made: its requests fail
             self._unreachable[endpoint] = f"receiver {endpoint}: {e}"
             return False
+        if sock is None:  # its host name is resolving: the frame waits for its socket (``_named``)
+            self._naming[endpoint][2].append(frame)
+            return True
         return control.send_frame(sock, frame)
+
+    def _named(self) -> None:
+        """Receivers whose host names have resolved: their sockets, and the frames that waited for them, in order; or
+        their requests fail (the name does not resolve, or not within ``control_timeout_ms``)."""
+        for endpoint, (look, deadline, held) in list(self._naming.items()):
+            if not look.done and time.monotonic() < deadline:
+                continue
+            del self._naming[endpoint]
+            why = None
+            if look.address is not None:
+                self._addrs[endpoint] = look.address
+                try:
+                    sock = self._sock(endpoint)
+                    if not all(control.send_frame(sock, frame) for frame in held):
+                        why = f"receiver {endpoint} is not reachable"
+                except (PdpushError, zmq.ZMQError, OSError, ValueError) as e:
+                    why = f"receiver {endpoint}: {e}"
+            else:
+                why = f"receiver {endpoint}: cannot resolve {look.host!r}: " + (
+                    look.error or f"no answer within {self.cfg.control_timeout_ms} ms")
+            if why is not None:
+                self._apply(self.session.on_peer_lost(endpoint, why, now_ms()))
 
     def _lifelines(self) -> None:
         """Engine connections whose lifeline opened, what they sent, and which closed (their process died):
@@ -267,6 +307,8 @@ class Sender:
         receiver die, and spun on its fd), then what the native path completed: layers landed (one
         notice per request) and receivers whose puts failed."""
         self.ucx.progress()
+        if self._naming:
+            self._named()
         if self._connecting:
             self._connects()
         landed, failed = self.pusher.poll()
@@ -467,14 +509,29 @@ class Sender:
     def _server_key(self, endpoint: str) -> bytes | None:
         return self._receiver_keys.get(endpoint, self._default_key)
 
-    def _sock(self, endpoint: str) -> zmq.Socket:
+    def _sock(self, endpoint: str) -> zmq.Socket | None:
+        """The receiver's control socket; None while its host name resolves (a lookup started here, if none is)."""
         sock = self.socks.get(endpoint)
         if sock is None:
-            sock = self.socks[endpoint] = self._dealer(endpoint)
+            if endpoint in self._naming:
+                return None
+            host, port = endpoint_host_port(endpoint)
+            address = self._addrs.get(endpoint)
+            if address is None:
+                look = resolve.lookup(host, socket.AF_INET)  # (libzmq's sockets here are IPv4 unless bracketed)
+                if not look.done:
+                    self._naming[endpoint] = (look, time.monotonic() + self.cfg.control_timeout_ms / 1000, [])
+                    return None
+                if look.address is None:
+                    raise ConnectError(f"cannot resolve {host!r}: {look.error}")
+                address = self._addrs[endpoint] = look.address
+            sock = self.socks[endpoint] = self._dealer(
+                endpoint, f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}")
             self._watch_dirty = True
         return sock
 
-    def _dealer(self, endpoint: str) -> zmq.Socket:
+    def _dealer(self, endpoint: str, address: str) -> zmq.Socket:
+        """A DEALER to receiver ``endpoint``, connected to ``address`` (``tcp://<its address>:<port>``)."""
         configure = None
         if self.keys is not None:
             from pdpush import auth
@@ -485,7 +542,7 @@ class Sender:
             def configure(sock):
                 auth.make_client(sock, keys, server_key)
 
-        return control.dealer(endpoint, self.cfg.max_frame_bytes, configure)
+        return control.dealer(address, self.cfg.max_frame_bytes, configure)
 
     def _connect(self, a: Connect) -> list:
         """Start the data plane to a receiver and return at once: the loop finishes it (``_connects``) while it
@@ -498,26 +555,43 @@ class Sender:
                                                 ack.state_slots).total_bytes)
         except ValueError as e:  # (an ack the session refuses)
             return self.session.on_connected(a.endpoint, IncompatiblePeer(f"receiver {a.endpoint}: {e}"), now_ms())
-        try:
-            ep = self.ucx.connect(self._ucx_host(a.endpoint, ack.ucx_host), ack.ucx_port)
-            self.eps[a.endpoint] = ep
-            ep.begin_wireup(ack.ucx_token, ack.rkey)  # the token binds the endpoint to this session
-        except PdpushError as e:
-            return self.session.on_connected(a.endpoint, e, now_ms())
-        self._connecting[a.endpoint] = (ep, time.monotonic() + self.cfg.control_timeout_ms / 1000, pool)
+        # a host name resolves on a thread (resolve.py): the endpoint is made once it has (``_connects``)
+        w = _Wiring(ack, pool, time.monotonic() + self.cfg.control_timeout_ms / 1000,
+                    resolve.lookup(self._ucx_host(a.endpoint, ack.ucx_host, self._addrs.get(a.endpoint))))
+        if w.lookup.done:
+            try:
+                self._dial(a.endpoint, w)
+            except PdpushError as e:
+                return self.session.on_connected(a.endpoint, e, now_ms())
+        self._connecting[a.endpoint] = w
         if self.cfg.prefault:  # once wired up (_connects): populate that region, where it is mapped here
             self._regions[a.endpoint] = pool
         return []
 
+    def _dial(self, endpoint: str, w: _Wiring) -> None:
+        """The receiver's UCX host is resolved: its endpoint, wiring up (or a typed error)."""
+        if w.lookup.error is not None:
+            raise ConnectError(f"cannot resolve {w.lookup.host!r}, receiver {endpoint}'s UCX host: {w.lookup.error}")
+        ep = self.ucx.connect(w.lookup.address, w.ack.ucx_port)
+        self.eps[endpoint] = ep
+        ep.begin_wireup(w.ack.ucx_token, w.ack.rkey)  # the token binds the endpoint to this session
+        w.ep = ep
+
     def _connects(self) -> None:
-        """Endpoints whose wire-up completed, failed or ran past its deadline: the session hears the outcome."""
-        for endpoint, (ep, deadline, pool) in list(self._connecting.items()):
+        """Host names resolved (their endpoints made now), and endpoints whose wire-up completed, failed or ran
+        past its deadline: the session hears the outcome."""
+        for endpoint, w in list(self._connecting.items()):
+            ep, pool = w.ep, w.pool
             try:
-                if not ep.wired_up():
-                    if time.monotonic() < deadline:
+                if ep is None and w.lookup.done:
+                    self._dial(endpoint, w)
+                    continue
+                if ep is None or not ep.wired_up():
+                    if time.monotonic() < w.deadline:
                         continue
                     raise TransportTimeout(f"UCX connection to {endpoint} did not complete within "
-                                           f"{self.cfg.control_timeout_ms} ms")
+                                           f"{self.cfg.control_timeout_ms} ms" + (
+                                               "" if ep else f": resolving {w.lookup.host!r} took all of it"))
                 ep.on_close(lambda _e, endpoint=endpoint: self._apply(self.session.on_peer_lost(
                     endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
                 ep.attach(self.pusher, self._eid(endpoint), pool)
@@ -526,7 +600,8 @@ class Sender:
                     ep.populate_peer(*region, lambda n, endpoint=endpoint: self._populated.__setitem__(endpoint, n))
                 err = None
             except PdpushError as e:
-                ep.cancel_wireup()
+                if ep is not None:
+                    ep.cancel_wireup()
                 err = e
             del self._connecting[endpoint]
             self._apply(self.session.on_connected(endpoint, err, now_ms()))
@@ -557,11 +632,12 @@ class Sender:
         return eid
 
     @staticmethod
-    def _ucx_host(control_endpoint: str, advertised: str) -> str:
-        """Connect UCX to the host we reached the control plane on, unless it advertises a specific one."""
+    def _ucx_host(control_endpoint: str, advertised: str, reached: str | None = None) -> str:
+        """Connect UCX to the host we reached the control plane on (``reached``: the address its name resolved
+        to), unless it advertises a specific one."""
         if advertised not in ("0.0.0.0", "::", ""):
             return advertised
-        return control_endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        return reached or endpoint_host_port(control_endpoint)[0]
 
     def _drop_ep(self, endpoint: str) -> None:
         # its aborted requests' puts may still land: never "settled" now (the receiver fences this sender instead),
@@ -577,8 +653,11 @@ class Sender:
         self._populated.pop(endpoint, None)  # (its thread stopped in the close)
 
     def _reset(self, endpoint: str) -> None:
-        """A failed receiver: drop its data plane, and its socket (it may hold frames queued for a dead peer)."""
+        """A failed receiver: drop its data plane, and its socket (it may hold frames queued for a dead peer), and
+        the address its name had (a receiver restarted elsewhere under the same name is looked up anew)."""
         self._drop_ep(endpoint)
+        self._addrs.pop(endpoint, None)
+        self._naming.pop(endpoint, None)
         sock = self.socks.pop(endpoint, None)
         if sock is not None:
             sock.close(0)

@@ -1,7 +1,8 @@
 """An engine process for the hosts harness (tests/test_two_hosts.py): it runs inside a host, beside its daemon.
 
     python -m tests.host_engine prefill --sock S --req R --ids 0:48 [--gap-ms 50] [--die-after N] [--hang]
-        [--go-file F] [--tp-rank R --tp-size N]
+        [--go-file F] [--tp-rank R --tp-size N] [--receiver tcp://host:port]
+    python -m tests.host_engine stream --sock S --req R --ids 0:48 --seconds 5 [--receiver tcp://host:port]
     python -m tests.host_engine decode --sock S --req R --ids 0:48 [--expect-failure] [--tp-rank R --tp-size N]
 
     python -m tests.host_engine serve-prefill --sock S --port P
@@ -71,7 +72,8 @@ def prefill(a: argparse.Namespace) -> int:
     pc = PrefillClient(LAY, a.sock, timeout_s=a.timeout)
     t0 = time.monotonic()
     try:
-        h = pc.begin(a.req, ids, tp_rank=a.tp_rank, tp_size=a.tp_size)  # a TP rank puts its heads of them
+        h = pc.begin(a.req, ids, a.receiver or None, tp_rank=a.tp_rank,  # a TP rank puts its heads of them
+                     tp_size=a.tp_size)
         if a.go_file:  # the test does something (holds the link, say) before the layers are handed over
             say(begun=True)
             deadline = time.monotonic() + a.timeout
@@ -95,6 +97,37 @@ def prefill(a: argparse.Namespace) -> int:
         return 0
     except Exception as e:  # noqa: BLE001 - reported to the test
         say(error=type(e).__name__, message=str(e), seconds=time.monotonic() - t0)
+        return 1
+    finally:
+        pc.close()
+
+
+def stream(a: argparse.Namespace) -> int:
+    """Requests ``<req>-0``, ``<req>-1``... of the same tokens, one after the other, for ``--seconds``: after the
+    first, every chunk is held already, so each is the sender's and receiver's round trips alone. Says
+    ``streaming`` after the first, then the count and the slowest (a stalled daemon shows there)."""
+    from pdpush.client import PrefillClient
+
+    ids = parse_ids(a.ids)
+    k, v = token_kv(LAY, ids)
+    pc = PrefillClient(LAY, a.sock, timeout_s=a.timeout)
+    took: list[float] = []
+    try:
+        end = None
+        while end is None or time.monotonic() < end:
+            t0 = time.monotonic()
+            h = pc.begin(f"{a.req}-{len(took)}", ids, a.receiver or None)
+            for layer in range(LAY.layers):
+                h.put_layer(layer, k[layer], v[layer])
+            h.finish(timeout_s=a.timeout)
+            took.append(time.monotonic() - t0)
+            if end is None:
+                say(streaming=True)
+                end = time.monotonic() + a.seconds
+        say(requests=len(took), slowest_s=max(took[1:]), median_s=sorted(took)[len(took) // 2])
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        say(error=type(e).__name__, message=str(e), requests=len(took))
         return 1
     finally:
         pc.close()
@@ -218,7 +251,9 @@ def client(a: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["prefill", "decode", "serve-prefill", "serve-decode", "client"])
+    p.add_argument("role", choices=["prefill", "stream", "decode", "serve-prefill", "serve-decode", "client"])
+    p.add_argument("--receiver", default="", help="the receiver's control endpoint (the sender's default if none)")
+    p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--sock", default="")
     p.add_argument("--req", default="")
     p.add_argument("--ids", default="")
@@ -237,7 +272,7 @@ def main() -> int:
     a = p.parse_args()
     if a.role.startswith("serve-"):
         return serve(a)
-    return {"prefill": prefill, "decode": decode, "client": client}[a.role](a)
+    return {"prefill": prefill, "stream": stream, "decode": decode, "client": client}[a.role](a)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ namespace and no ``ip netns`` name is used: every namespace lives exactly as lon
 here, which ask for SIGKILL when the thread that started them dies (``PR_SET_PDEATHSIG``), so even a
 SIGKILLed test leaves nothing behind; make the hosts from a thread that outlives them (the main one).
 
-Not separate: the filesystem (a unix socket bound to a path is reachable from every host, so give each host
+Not separate: the filesystem but /etc/hosts and /etc/resolv.conf (a unix socket bound to a path is reachable from every host, so give each host
 its own paths, e.g. under ``Host.dir``; abstract ones are per host), CLOCK_REALTIME (no namespace has it: the
 hosts' wall clocks agree, like NTP-synced machines), the CPUs, memory and cgroups, users.
 
@@ -16,7 +16,8 @@ hosts' wall clocks agree, like NTP-synced machines), the CPUs, memory and cgroup
         hosts["b"].run([sys.executable, "client.py", hosts["a"].addr], timeout=30)
 
 Each host is an init process (``unshare ... python -m pdpush_tools.harness.hosts --init NAME``, PID 1 of its
-namespace: sets the hostname, mounts /dev/shm and /sys, brings ``lo`` up, reaps orphans); commands enter it
+namespace: sets the hostname, mounts /dev/shm and /sys, gives the host its own /etc/hosts and /etc/resolv.conf
+(``Host.etc``), brings ``lo`` up, reaps orphans); commands enter it
 through ``python -m pdpush_tools.harness.enter <init_pid> -- cmd`` (``Host.prefix()``).
 
 The links, and how faithful each impairment is:
@@ -66,6 +67,7 @@ from pdpush_tools.harness.enter import INIT_SOCKET
 
 NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,31}")
 CMD_TIMEOUT_S = 10.0  # one ip/tc command, one relay command
+ETC_OWN = ("hosts", "resolv.conf")  # files of /etc each host has its own copy of (Host.etc)
 
 
 class HostsError(RuntimeError):
@@ -194,6 +196,16 @@ class Host:
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
         return subprocess.run([*self.prefix(), *argv], timeout=timeout, **kw)
+
+    def etc(self, name: str) -> Path:
+        """The file this host reads as ``/etc/<name>`` (``hosts`` or ``resolv.conf``), a copy of the machine's
+        at the start: write it in place (``write_text``) to change this host's name lookups alone."""
+        if name not in ETC_OWN:
+            raise HostsError(f"/etc/{name} is the machine's, shared by every host; a host has its own {ETC_OWN}")
+        path = self.dir / f".etc-{name}"
+        if not path.exists():
+            raise HostsError(f"this machine has no /etc/{name}, so host {self.name} has none of its own")
+        return path
 
     def pids(self) -> list[int]:
         """Every live process of this host (its PID namespace), as root-namespace pids, the init included.
@@ -566,6 +578,12 @@ def init_main(hostname: str, hdir: Path) -> int:
         if os.path.exists(target):
             source = hdir / f".{os.path.basename(target)}"
             source.write_text(text)
+            _mount(str(source), target, None, MS_BIND)
+    for name in ETC_OWN:  # the host's own name lookups: a copy of the machine's, written by Host.etc
+        target = f"/etc/{name}"
+        if os.path.exists(target):
+            source = hdir / f".etc-{name}"
+            source.write_bytes(Path(target).read_bytes())
             _mount(str(source), target, None, MS_BIND)
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
     cgroup = os.open("/sys/fs/cgroup", os.O_PATH) if os.path.isdir("/sys/fs/cgroup") else None
