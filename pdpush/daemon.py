@@ -161,6 +161,10 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     loop_errors = 0
     try:  # (a start that fails part way closes what it opened: its sockets, its memory)
         info = server.start()
+        # (after the start: UCX takes SIGHUP for its own debug handler, UCX_DEBUG_SIGNO, and swallowed it. The router
+        # reloads on SIGHUP; a daemon's pool, staging and peers are made at start-up only, and it says so)
+        signal.signal(signal.SIGHUP, lambda _s, _f: log.warning(
+            "SIGHUP ignored: the daemon reads its config at start-up only; restart it to change it (SIGTERM drains)"))
         info["pid"] = os.getpid()
         info["open_files_limit"] = open_files
         if ready_file:

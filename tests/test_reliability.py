@@ -209,6 +209,9 @@ def test_sigterm_drains_in_flight_work_then_second_signal_forces(daemons):
     try:
         h = pc.begin("inflight", list(range(40)))
         h.put_layer(0, k[0], v[0])
+        tx.proc.send_signal(signal.SIGHUP)  # no reload for a daemon: it says so, and serves on (no drain)
+        until(lambda: "SIGHUP ignored" in tx.log(), 10, "the sender to log the SIGHUP")
+        assert tx.proc.poll() is None and not status(sock(tx))["draining"]
         tx.proc.send_signal(signal.SIGTERM)
         until(lambda: status(sock(tx))["draining"], 10, "the sender to start draining")
         with pytest.raises(PdpushError) as e:  # draining: no new work
