@@ -274,6 +274,10 @@ class SenderConfig(_Base):
     half of it; docs/layout.md, "Staging: the layers in flight")."""
     default_receiver: str = "tcp://127.0.0.1:5710"
     """Receiver control endpoint used when a request names none."""
+    name_recheck_ms: int = Field(30_000, ge=100)
+    """How often a receiver named by a host name (``tcp://decode-0.decode:5710``) has its name looked up again:
+    where it no longer resolves to the address the sender reached, the receiver moved, and its requests start
+    afresh there (docs/operations.md, "Receivers named by host names")."""
     lease_ms: int = Field(30_000, ge=10, le=3_600_000)
     """Lease asked for each request."""
     control_timeout_ms: int = Field(5_000, ge=10)

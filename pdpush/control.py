@@ -136,6 +136,8 @@ def _connect(sock: zmq.Socket, endpoint: str, max_frame: int, hwm: int,
     if configure is not None:  # CURVE client options must be set before connect
         configure(sock)
     sock.setsockopt(zmq.SNDHWM, hwm)
+    if "://[" in endpoint:  # an IPv6 address: libzmq refuses to reach one unless told (a bracketed one got nothing)
+        sock.setsockopt(zmq.IPV6, 1)
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:

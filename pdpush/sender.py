@@ -25,7 +25,6 @@ import itertools
 import json
 import logging
 import secrets
-import socket
 import time
 from collections import deque
 from urllib.parse import urlsplit
@@ -87,6 +86,8 @@ class Sender:
         # libzmq resolves a name on its I/O thread, which every socket shares: a slow DNS answer held them all)
         self._addrs: dict[str, str] = {}  # receiver endpoint -> its address, until the receiver fails
         self._naming: dict[str, tuple[resolve.Lookup, float, list[bytes]]] = {}  # -> lookup, deadline, frames held
+        self._named_at: dict[str, float] = {}  # a named receiver -> when its address was last confirmed (monotonic)
+        self._renaming: dict[str, resolve.Lookup] = {}  # a named receiver -> its name's look again (``_recheck_names``)
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
         self._connecting: dict[str, _Wiring] = {}  # receiver endpoint -> its data plane being set up
         self._regions: dict[str, tuple[int, int]] = {}  # receiver endpoint -> its region (address, bytes), to populate
@@ -101,7 +102,7 @@ class Sender:
         self.conns = _Connections()  # engine connections -> their ids in the pusher
         self._unsettled: list[tuple[int, int, str, str]] = []  # aborted requests' puts in flight (_settled)
         self.shell_counters = {"loop_errors": 0, "action_errors": 0, "doorbell_rings": 0, "ingress_dropped": 0,
-                               "local_protocol_refused": 0}
+                               "local_protocol_refused": 0, "receivers_moved": 0}
         self.wire = WireCount()  # control messages to and from receivers
         self.outbox = Outbox(self.wire)  # what a loop pass has for each receiver: one frame each, at its end
         self._watch_dirty = True  # the fds and sockets the native wait watches for the loop (_watched)
@@ -238,6 +239,8 @@ class Sender:
         if time.monotonic() - self._last_refresh > 0.1:  # gauges ~10 times a second
             self._last_refresh = time.monotonic()
             self._lifelines()  # a lifeline's hello that never came is closed by its deadline
+            if self._named_at:
+                self._recheck_names()
             self.metrics.refresh(self.stats())
         self._flush_peers()
 
@@ -267,10 +270,12 @@ class Sender:
         for endpoint, (look, deadline, held) in list(self._naming.items()):
             if not look.done and time.monotonic() < deadline:
                 continue
+            if self._naming.get(endpoint, (None,))[0] is not look:
+                continue  # (reset by an action of an earlier one in this pass)
             del self._naming[endpoint]
             why = None
             if look.address is not None:
-                self._addrs[endpoint] = look.address
+                self._addrs[endpoint], self._named_at[endpoint] = look.address, time.monotonic()
                 try:
                     sock = self._sock(endpoint)
                     if not all(control.send_frame(sock, frame) for frame in held):
@@ -282,6 +287,31 @@ class Sender:
                     look.error or f"no answer within {self.cfg.control_timeout_ms} ms")
             if why is not None:
                 self._apply(self.session.on_peer_lost(endpoint, why, now_ms()))
+
+    def _recheck_names(self) -> None:
+        """Each named receiver's name, looked up again every ``name_recheck_ms`` on a thread: one that no longer
+        resolves to the address its socket reached (the receiver moved: a pod rescheduled) fails that receiver, and
+        the next request reaches the new one. libzmq looked the name up again at each reconnect; a connection to a
+        host gone silent never reconnects. A lookup that fails keeps the address."""
+        now = time.monotonic()
+        for endpoint, look in list(self._renaming.items()):
+            if not look.done or self._renaming.get(endpoint) is not look:
+                continue
+            del self._renaming[endpoint]
+            old = self._addrs.get(endpoint)
+            if old is None or endpoint not in self._named_at:
+                continue  # reset meanwhile
+            self._named_at[endpoint] = now
+            if look.addresses and old not in look.addresses:
+                self.shell_counters["receivers_moved"] += 1
+                log.warning("receiver %s: %r now resolves to %s, not %s: connecting there", endpoint, look.host,
+                            look.address, old)
+                self._apply(self.session.on_peer_lost(endpoint, f"receiver {endpoint}: {look.host!r} now resolves "
+                                                      f"to {look.address}, not {old}", now_ms()))
+                self._reset(endpoint)  # (where no request was in flight, the session had nothing to fail)
+        for endpoint, at in list(self._named_at.items()):
+            if now - at > self.cfg.name_recheck_ms / 1000 and endpoint not in self._renaming:
+                self._renaming[endpoint] = resolve.lookup(endpoint_host_port(endpoint)[0])
 
     def _lifelines(self) -> None:
         """Engine connections whose lifeline opened, what they sent, and which closed (their process died):
@@ -518,13 +548,15 @@ class Sender:
             host, port = endpoint_host_port(endpoint)
             address = self._addrs.get(endpoint)
             if address is None:
-                look = resolve.lookup(host, socket.AF_INET)  # (libzmq's sockets here are IPv4 unless bracketed)
+                look = resolve.lookup(host)
                 if not look.done:
                     self._naming[endpoint] = (look, time.monotonic() + self.cfg.control_timeout_ms / 1000, [])
                     return None
                 if look.address is None:
                     raise ConnectError(f"cannot resolve {host!r}: {look.error}")
                 address = self._addrs[endpoint] = look.address
+                if not resolve.is_address(host):
+                    self._named_at[endpoint] = time.monotonic()
             sock = self.socks[endpoint] = self._dealer(
                 endpoint, f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}")
             self._watch_dirty = True
@@ -570,7 +602,7 @@ class Sender:
 
     def _dial(self, endpoint: str, w: _Wiring) -> None:
         """The receiver's UCX host is resolved: its endpoint, wiring up (or a typed error)."""
-        if w.lookup.error is not None:
+        if w.lookup.address is None:
             raise ConnectError(f"cannot resolve {w.lookup.host!r}, receiver {endpoint}'s UCX host: {w.lookup.error}")
         ep = self.ucx.connect(w.lookup.address, w.ack.ucx_port)
         self.eps[endpoint] = ep
@@ -583,7 +615,7 @@ class Sender:
         for endpoint, w in list(self._connecting.items()):
             ep, pool = w.ep, w.pool
             try:
-                if ep is None and w.lookup.done:
+                if ep is None and w.lookup.done and time.monotonic() < w.deadline:
                     self._dial(endpoint, w)
                     continue
                 if ep is None or not ep.wired_up():
@@ -656,8 +688,8 @@ class Sender:
         """A failed receiver: drop its data plane, and its socket (it may hold frames queued for a dead peer), and
         the address its name had (a receiver restarted elsewhere under the same name is looked up anew)."""
         self._drop_ep(endpoint)
-        self._addrs.pop(endpoint, None)
-        self._naming.pop(endpoint, None)
+        for named in (self._addrs, self._naming, self._named_at, self._renaming):
+            named.pop(endpoint, None)
         sock = self.socks.pop(endpoint, None)
         if sock is not None:
             sock.close(0)

@@ -242,3 +242,26 @@ def test_scratch_directories_go_at_exit_unless_a_failure_needs_their_logs(tmp_pa
             assert (d / "sender.log").exists() and f"kept {d}" in p.stderr, p.stderr
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_receiver_on_ipv6_loopback_is_reached_byte_for_byte(daemons):
+    """A receiver bound to an IPv6 address, named by it (``tcp://[::1]:port``): the sender's control socket must
+    be told IPv6 (libzmq otherwise sent it nothing, and every request waited out its deadline). UCX's tcp lanes
+    take an IPv4 address unless ``UCX_TCP_AF_PRIO`` puts inet6 first, on both daemons (docs/operations.md)."""
+    from pdpush.client import DecodeClient
+    from tests.helpers import read_back
+
+    lay = KVLayout(4, 2, 16, "float16", 8)
+    v6 = {"UCX_TCP_AF_PRIO": "inet6,inet"}
+    rx = daemons.receiver(**rx_opts(lay), host="::1", env=v6)
+    assert rx.info["control_endpoint"].startswith("tcp://[::1]:")
+    tx = daemons.sender(rx, control_timeout_ms=3000, env=v6)
+    pc, dc = PrefillClient(lay, sock(tx), timeout_s=10), DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = kv(lay, 24, seed=5)
+        push(pc, "v6", list(range(24)), k, v)
+        gk, gv = read_back(dc, "v6", lay, 24)
+        assert (gk == k).all() and (gv == v).all()
+    finally:
+        pc.close()
+        dc.close()

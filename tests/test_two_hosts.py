@@ -314,50 +314,72 @@ def _typed() -> set[str]:
 TYPED = _typed()
 
 
-def test_a_receiver_whose_host_name_resolves_slowly_holds_up_no_other_receivers_requests(tmp_path):
+def test_a_receiver_named_by_a_slow_host_name_holds_up_nobody_and_is_followed_when_it_moves(tmp_path):
     """A receiver bound to every address is named by a host name, as in Kubernetes (a pod's DNS name), and its
-    name takes 2 s to resolve on the prefill host (a DNS server on the decode host answers it late). Meanwhile an
-    engine streams requests to another receiver through the same sender: none waits on that lookup, and the named
-    receiver's push still lands byte for byte. (libzmq resolved the name on the I/O thread every socket shares,
-    then the sender's loop resolved it again for UCX: each stalled every engine and receiver 2 s.)"""
+    name takes 2 s to resolve on the prefill host (a DNS server on host d answers it late). Meanwhile an engine
+    streams requests to another receiver through the same sender: none waits on a lookup, and the named receiver's
+    push lands byte for byte. (libzmq resolved the name on the I/O thread every socket shares, then the sender's
+    loop resolved it again for UCX: each stalled every engine and receiver 2 s.) Then the name moves to a receiver
+    on host e, the old one still up: the sender sees it at its next look (``name_recheck_ms``) and pushes there."""
     delay_s = 2.0
-    with Hosts.make(tmp_path, ["p", "d"]) as hosts:
-        pair = Pair(hosts, tx={"control_timeout_ms": 10_000})
-        p, d = pair.p, pair.d
-        named_sock = str(d.dir / "named.sock")
-        dns = named = st = None
+    with Hosts.make(tmp_path, ["p", "d", "e"]) as hosts:
+        pair = Pair(hosts, tx={"control_timeout_ms": 10_000, "name_recheck_ms": 1000})
+        p, d, e = pair.p, pair.d, hosts["e"]
+        names = tmp_path / "names.json"
+
+        def point(addr: str) -> None:
+            (tmp_path / "names.tmp").write_text(json.dumps({"rx-slow": addr}))
+            os.replace(tmp_path / "names.tmp", names)  # (the server reads it at each query: never half of it)
+
+        point(d.addr)
+        dns = st = None
+        named = []
         try:
-            dns = d.popen([sys.executable, "-m", "pdpush_tools.harness.dns", "--bind", d.addr, "--name",
-                           f"rx-slow={d.addr}", "--delay-s", str(delay_s)], stdout=subprocess.PIPE, text=True)
+            dns = d.popen([sys.executable, "-m", "pdpush_tools.harness.dns", "--bind", d.addr, "--names", str(names),
+                           "--delay-s", str(delay_s)], stdout=subprocess.PIPE, text=True)
             assert dns.stdout.readline().strip() == "ready"
             p.etc("resolv.conf").write_text(f"nameserver {d.addr}\noptions timeout:10 attempts:1\n")
-            named = launch.start_receiver(d.dir, prefix=d.prefix(), host="0.0.0.0", insecure=True,
-                                          local_socket=named_sock, prefault=False,
-                                          **{**rx_opts(LAY, pool_pages=64), "control_port": 5720, "ucx_port": 5721})
-            st = engine(p, "stream", "--sock", pair.tx_sock, "--req", "s", "--ids", "0:32", "--seconds", "8")
+            for host in (d, e):
+                named.append(launch.start_receiver(
+                    host.dir, prefix=host.prefix(), host="0.0.0.0", insecure=True, local_socket=str(host.dir / "named.sock"),
+                    prefault=False, **{**rx_opts(LAY, pool_pages=64), "control_port": 5720, "ucx_port": 5721}))
+            st = engine(p, "stream", "--sock", pair.tx_sock, "--req", "s", "--ids", "0:32", "--seconds", "15")
             assert next_line(st) == {"streaming": True}
-            got = lines(engine(p, "prefill", "--sock", pair.tx_sock, "--req", "n", "--ids", "0:64",
-                               "--receiver", "tcp://rx-slow:5720"))[-1]
-            assert got.get("layers") == LAY.layers, got
+
+            def push_to_the_name(req: str, ids: str, reader) -> dict:
+                got = lines(engine(p, "prefill", "--sock", pair.tx_sock, "--req", req, "--ids", ids,
+                                   "--receiver", "tcp://rx-slow:5720"))[-1]
+                assert got.get("layers") == LAY.layers, got
+                read = lines(engine(reader, "decode", "--sock", str(reader.dir / "named.sock"), "--req", req,
+                                    "--ids", ids))[-1]
+                k, v = token_kv(LAY, parse_ids(ids))
+                assert read.get("k") == digest(k) and read["v"] == digest(v), read
+                return got
+
+            got = push_to_the_name("n", "0:64", d)
             assert got["seconds"] >= delay_s * 0.9, got  # one lookup: the data plane takes the control plane's address
-            read = lines(engine(d, "decode", "--sock", named_sock, "--req", "n", "--ids", "0:64"))[-1]
-            k, v = token_kv(LAY, parse_ids("0:64"))
-            assert read.get("k") == digest(k) and read["v"] == digest(v), read
             # a name the DNS server does not know: the request fails, typed, with the lookup's reason, at once
             bad = lines(engine(p, "prefill", "--sock", pair.tx_sock, "--req", "x", "--ids", "0:64",
                                "--receiver", "tcp://rx-none:5720"))[-1]
             assert bad.get("error") and "cannot resolve 'rx-none'" in bad["message"] and bad["seconds"] < 5, bad
+            # the name moves to host e (the receiver on d still serves its old address)
+            t0 = time.monotonic()
+            point(e.addr)
+            until(lambda: status(pair.tx_sock)["receivers_moved"] >= 1, 20, "the sender to see the name move")
+            moved_s = time.monotonic() - t0
+            push_to_the_name("m", "1000:1064", e)
             streamed = lines(st)[-1]
             print(f"named receiver's push: {got['seconds']:.2f} s; the other receiver's meanwhile: "
                   f"{streamed['requests']} requests, slowest {streamed['slowest_s'] * 1000:.0f} ms, "
-                  f"median {streamed['median_s'] * 1000:.1f} ms; an unknown name: {bad['error']}: {bad['message']}")
+                  f"median {streamed['median_s'] * 1000:.1f} ms; an unknown name: {bad['error']}: {bad['message']}; "
+                  f"the move seen after {moved_s:.1f} s")
             assert "error" not in streamed and streamed["slowest_s"] < delay_s / 2, streamed
         finally:
             for proc, host in ((st, p), (dns, d)):
                 if proc is not None:
                     stop(proc, host)
-            if named is not None:
-                named.stop()
+            for rx in named:
+                rx.stop()
             pair.stop()
 
 

@@ -1,8 +1,9 @@
 """Host names resolved off a daemon's loop. ``getaddrinfo`` blocks for as long as the DNS server takes (seconds
 where one is slow or gone, as in a cluster whose DNS is under load), and the sender's loop serves every engine
 and receiver: resolving a receiver's name there stalled them all. A lookup here runs on a thread of its own and
-is looked at, without waiting, on each pass. Each connection resolves its name anew: a receiver restarted
-elsewhere under the same name (a Kubernetes pod) is found at its new address.
+is looked at, without waiting, on each pass. Callers that want the same name while it resolves share one
+lookup; nothing is cached after it: each asks the DNS again (a receiver restarted elsewhere under its name, a
+Kubernetes pod, is found at its new address).
 
 An address (IPv4 or IPv6) needs no lookup, and gets no thread.
 """
@@ -12,23 +13,31 @@ from __future__ import annotations
 import socket
 import threading
 
-MAX_PENDING = 16  # lookups running at once; past it, a lookup fails at once (a DNS server that never answers
-                  # must not cost a thread per receiver named)
+MAX_PENDING = 64  # names resolving at once; past it, a lookup fails at once (a DNS server that never answers
+                  # must not cost a thread per request)
 
 _lock = threading.Lock()
-_pending = 0
+_inflight: dict[tuple[str, int], Lookup] = {}
 
 
 class Lookup:
-    """One host name's lookup: ``done``, then ``address`` (its first address, as a string) or ``error``."""
+    """One host name's lookup: ``done``, then ``addresses`` (IPv4 first; ``address`` the first) or ``error``."""
 
-    __slots__ = ("host", "address", "error", "done")
+    __slots__ = ("host", "addresses", "error", "done")
 
     def __init__(self, host: str) -> None:
         self.host = host
-        self.address: str | None = None
+        self.addresses: list[str] = []
         self.error: str | None = None
         self.done = False
+
+    @property
+    def address(self) -> str | None:
+        return self.addresses[0] if self.addresses else None
+
+    def _end(self, addresses: list[str], error: str | None) -> None:
+        self.addresses, self.error = addresses, error
+        self.done = True  # (last: callers read addresses or error once they see done)
 
 
 def is_address(host: str) -> bool:
@@ -42,29 +51,47 @@ def is_address(host: str) -> bool:
 
 
 def lookup(host: str, family: int = socket.AF_UNSPEC) -> Lookup:
-    """Start resolving ``host`` (to an address of ``family``); the result is ``done`` at once for an address, else
-    once its thread ends."""
-    global _pending
-    out = Lookup(host)
+    """Start resolving ``host`` (to addresses of ``family``), or join the lookup of it already running; the result is
+    ``done`` at once for an address, else once its thread ends."""
     if is_address(host):
-        out.address, out.done = host, True
+        out = Lookup(host)
+        out._end([host], None)
         return out
+    key = (host, family)
     with _lock:
-        if _pending >= MAX_PENDING:
-            out.error, out.done = f"{MAX_PENDING} host names are being resolved already", True
+        out = _inflight.get(key)
+        if out is not None:
             return out
-        _pending += 1
-    threading.Thread(target=_resolve, args=(out, family), name="pdpush-resolve", daemon=True).start()
+        out = Lookup(host)
+        if len(_inflight) >= MAX_PENDING:
+            out._end([], f"{MAX_PENDING} host names are being resolved already")
+            return out
+        _inflight[key] = out
+    try:
+        threading.Thread(target=_resolve, args=(out, key), name="pdpush-resolve", daemon=True).start()
+    except RuntimeError as e:  # no thread to be had (a container's pids limit)
+        _finish(out, key, [], f"no thread to resolve it: {e}")
     return out
 
 
-def _resolve(out: Lookup, family: int) -> None:
-    global _pending
+def _resolve(out: Lookup, key: tuple[str, int]) -> None:
+    addresses: list[str] = []
+    error = None
     try:
-        out.address = socket.getaddrinfo(out.host, None, family, socket.SOCK_STREAM)[0][4][0]
-    except (OSError, UnicodeError) as e:
-        out.error = str(e) or type(e).__name__
-    finally:
-        with _lock:
-            _pending -= 1
-        out.done = True  # (last: the loop reads address or error once it sees done)
+        infos = socket.getaddrinfo(out.host, None, key[1], socket.SOCK_STREAM)
+        # IPv4 first (stable): a receiver bound to 0.0.0.0 listens on IPv4 only, whatever the name has besides
+        for *_, sockaddr in sorted(infos, key=lambda info: info[0] != socket.AF_INET):
+            if sockaddr[0] not in addresses:
+                addresses.append(sockaddr[0])
+        if not addresses:
+            error = "no address"
+    except Exception as e:  # noqa: BLE001 - whatever it is, the caller hears it as this name's failure
+        error = str(e) or type(e).__name__
+    _finish(out, key, addresses, error)
+
+
+def _finish(out: Lookup, key: tuple[str, int], addresses: list[str], error: str | None) -> None:
+    with _lock:
+        if _inflight.get(key) is out:
+            del _inflight[key]
+    out._end(addresses, error)

@@ -1,9 +1,10 @@
 """A DNS server for the hosts harness: it answers A queries for the names it is given, each after a delay, and
 every other query at once (no record, or NXDOMAIN for a name it does not know). A host whose /etc/resolv.conf
 names it (``Host.etc("resolv.conf")``) resolves those names slowly, as from a DNS server under load or across a
-congested link; nothing else on the machine sees it.
+congested link; nothing else on the machine sees it. The names are read from a JSON file (``{"name": "IPv4"}``)
+at each query: rewrite it to move a name.
 
-    python -m pdpush_tools.harness.dns --bind 10.213.7.2 --name rx-slow=10.213.7.2 --delay-s 2
+    python -m pdpush_tools.harness.dns --bind 10.213.7.2 --names names.json --delay-s 2
 
 Prints ``ready`` once it listens, then one JSON line per query answered.
 """
@@ -50,10 +51,9 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--bind", required=True)
     p.add_argument("--port", type=int, default=53)
-    p.add_argument("--name", action="append", default=[], help="NAME=IPv4, answered after the delay")
-    p.add_argument("--delay-s", type=float, default=0.0)
+    p.add_argument("--names", required=True, help="a JSON file {name: IPv4}, read at each query")
+    p.add_argument("--delay-s", type=float, default=0.0, help="how late the names' A queries are answered")
     a = p.parse_args()
-    names = dict(n.lower().split("=", 1) for n in a.name)
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind((a.bind, a.port))
     lock = threading.Lock()
@@ -61,8 +61,10 @@ def main() -> int:
 
     def reply(packet: bytes, peer: tuple) -> None:
         try:
+            with open(a.names) as f:
+                names = {k.lower(): v for k, v in json.load(f).items()}
             response, name, qtype = answer(packet, names)
-        except (IndexError, struct.error):
+        except (IndexError, struct.error, OSError, ValueError):
             return  # not a query this server reads
         if name.rstrip(".") in names:
             time.sleep(a.delay_s)
