@@ -238,3 +238,139 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     assert out["budget_steps"] == [[[], []], [[], []], [["first"], []], [[], []], [[], []], [["second"], []],
                                    [[], ["waiting"]]], out["budget_steps"]
     assert out["prefetched"] == list(range(1, 1 + out["prefetch_layers"])) and out["prefetch_layers"] <= 4, out
+
+
+_PUSH_SCRIPT = """
+import json
+from types import SimpleNamespace as NS
+
+from pdpush.errors import BrokenResourceError, TransportTimeout
+from pdpush.integrations.vllm.metadata import PushSpec
+from pdpush.integrations.vllm.stats import WorkerStats
+from pdpush.integrations.vllm.worker import WorkerSide
+
+
+def worker(stager=None):
+    w = WorkerSide.__new__(WorkerSide)
+    w.layout = NS(chunk_tokens=16, state_layers=0)
+    w.settings = NS(sender_retry_s=5.0, timeout_s=10.0)
+    w.stats = WorkerStats()
+    w._pending, w._step_layers, w._pushes, w._finishing, w._retired = [], [], [], [], []
+    w._sender_down_until, w._stager, w._pgroup, w._state_before = 0.0, stager, [0], {}
+    w._layer_of, w._vgroup_of, w.stage = {"l0": 0, "l1": 1}, {"l0": 0, "l1": 0}, range(2)
+    w._storages = NS(get=lambda name, kv: (None, ("geo",)))
+    w._gather_rows = lambda *a: None
+    w._paged = NS(slots_per_block=lambda kv: 16, gather=lambda kv, b, o: ())
+    return w
+
+
+class Client:  # the engine's connection to its sender: close() unmaps the staging in the real one
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class Handle:
+    def __init__(self, client, n_new=1, finish_error=None):
+        self.client, self.req_id, self.plan = client, "p-A", NS(n_new=n_new, groups=[])
+        self.finish_error, self.staged_after_close, self.aborted = finish_error, [], False
+
+    def stage_layer(self, layer, *comps, new_only=False):
+        if self.client.closed:
+            self.staged_after_close.append(layer)
+
+    def layer_ready(self, layer):
+        pass
+
+    def finish_nowait(self):
+        if self.finish_error:
+            raise self.finish_error
+
+    def abort(self, why=""):
+        self.aborted = True
+
+
+class Pending:  # a Begin sent: its answer (or its failure) at the next layer
+    def __init__(self, client, handle=None, error=None):
+        self.client, self.handle, self.error = client, handle, error
+
+    def answered(self):
+        return True
+
+    def wait(self):
+        if self.error:
+            raise self.error
+        return self.handle
+
+
+class Stager:  # a side stream's copies: still writing the staging until the test says
+    def __init__(self):
+        self.running, self.dropped = True, []
+
+    def drop(self, handle):
+        self.dropped.append(handle.req_id)
+
+    def quiesce(self, handle, timeout_s):
+        return not self.running
+
+
+def push(w, client, name):
+    h = Handle(client)
+    spec = PushSpec(name, "p-" + name, list(range(32)), [[1, 2]], "")
+    p = NS(spec=spec, handle=h, src=[NS(tokens=32, addresses=lambda n: (None, None))], layers_sent=1, rows={},
+           dev_addr={}, states_sent=0)
+    w._pushes.append(p)
+    return h
+
+
+out = {}
+# 1. B's Begin times out at layer 1 while A (begun at layer 0) still stages: A fails with the connection, before it
+# closes, and nothing is staged into the closed connection's staging
+w = worker()
+w._prefill = client = Client()
+a = push(w, client, "A")
+w._pending = [(PushSpec("B", "p-B", list(range(32)), [[3, 4]], ""), Pending(client, error=TransportTimeout("late")))]
+w.save_kv_layer("l1", None, None)
+out["cpu"] = {"closed": client.closed, "staged_after_close": a.staged_after_close, "pushes": len(w._pushes),
+              "totals": w.stats.totals()}
+
+# 2. the same with a device copy still writing A's staging: the connection stays open until it ends
+w = worker(Stager())
+w._prefill = client = Client()
+a = push(w, client, "A")
+w._pending = [(PushSpec("B", "p-B", list(range(32)), [[3, 4]], ""), Pending(client, error=TransportTimeout("late")))]
+w.save_kv_layer("l1", None, None)
+out["device"] = {"closed_while_copying": client.closed, "dropped": w._stager.dropped}
+w._stager.running = False
+w._reap_finishing()
+out["device"]["closed_after"] = client.closed
+
+# 3. a Begin answered "every chunk held", its sender gone before the finish: counted, never out of the forward
+w = worker()
+w._prefill = client = Client()
+h = Handle(client, n_new=0, finish_error=BrokenResourceError("the sender it began on died"))
+w._pending = [(PushSpec("C", "p-C", list(range(32)), [[5, 6]], ""), Pending(client, handle=h))]
+try:
+    w.save_kv_layer("l0", None, None)
+    out["escaped"] = None
+except Exception as e:
+    out["escaped"] = type(e).__name__
+out["held_totals"] = w.stats.totals()
+print(json.dumps(out))
+"""
+
+
+def test_a_connection_given_up_mid_step_fails_its_pushes_first_and_closes_once_no_copy_writes_its_staging():
+    """The prefill side: one Begin of a step times out (the sender died or hung) while another push of the step is
+    staging. Closing the connection unmaps its staging: that push used to stage into it next (a fault in the
+    engine). And a sender gone between a Begin's answer and its finish raised out of vLLM's forward."""
+    r = subprocess.run([str(VLLM_PY), "-c", _PUSH_SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    cpu = out["cpu"]
+    assert cpu["closed"] and cpu["staged_after_close"] == [] and cpu["pushes"] == 0, cpu
+    assert cpu["totals"]["push_failed:sender"] == 2, cpu  # B's Begin, and A with the connection
+    assert out["device"] == {"closed_while_copying": False, "dropped": ["p-A"], "closed_after": True}, out
+    assert out["escaped"] is None and out["held_totals"]["push_failed:commit"] == 1, out

@@ -99,10 +99,43 @@ class PushPath:
             log.error("pdpush: cannot push %s (%s), and not trying for %.0f s: %s", spec.req_id, spec.push_id,
                       self.settings.sender_retry_s, e)
             self._sender_down_until = time.monotonic() + self.settings.sender_retry_s
-            if self._prefill is not None:  # a fresh connection: a late reply must not answer another begin
-                self._prefill.close()
-                self._prefill = None
+            self._drop_sender(f"the connection to the sender is given up ({type(e).__name__}: {e})")
         return None
+
+    def _drop_sender(self, why: str) -> None:
+        """Close the connection to the sender (a fresh one next time: a late reply must not answer another begin).
+        Its pushes still staging fail first: they cannot complete (the sender fails a closed connection's
+        requests), and one staged after the close would touch its detached staging (the engine faulted). Where a
+        device copy may still write that staging, the connection stays open until its copies end (``_retired``):
+        the sender must not grant those blocks to another engine meanwhile."""
+        client, self._prefill = self._prefill, None
+        if client is None:
+            return
+        handles = []
+        for p in list(self._pushes):
+            if p.handle.client is client:
+                self._pushes.remove(p)
+                self.stats.push_fail(PushFailure.SENDER)
+                log.error("pdpush: push of %s (%s) failed: %s", p.spec.req_id, p.spec.push_id, why)
+                if self._stager is not None:
+                    self._stager.drop(p.handle)
+                    handles.append(p.handle)
+        for h in [h for h in self._finishing if h.client is client]:
+            self._finishing.remove(h)
+            self.stats.push_fail(PushFailure.COMMIT)
+            log.error("pdpush: commit of %s failed: %s", h.req_id, why)
+        self._retired.append((client, handles))
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Close the connections given up whose device copies have ended (``_drop_sender``)."""
+        for client, handles in list(self._retired):
+            if all(self._stager.quiesce(h, 0.0) for h in handles):
+                self._retired.remove((client, handles))
+                try:
+                    client.close()
+                except PdpushError as e:
+                    log.warning("pdpush: closing the connection to the sender: %s", e)
 
     def _start_push(self, spec: PushSpec, handle: PushHandle) -> _Push | None:
         """The push's state (its sources in vLLM's cache), once its Begin was answered; None where it has nothing
@@ -111,7 +144,12 @@ class PushPath:
         T = lay.chunk_tokens
         n = len(spec.token_ids)
         if not handle.plan.n_new and not lay.state_layers:  # the receiver holds every item: nothing to move
-            handle.finish_nowait()
+            try:
+                handle.finish_nowait()
+            except _REQUEST_ERRORS as e:  # (the sender died since its answer: never out of vLLM's forward)
+                self.stats.push_fail(PushFailure.COMMIT)
+                log.error("pdpush: commit of %s (%s) failed: %s", spec.req_id, spec.push_id, e)
+                return None
             self._finishing.append(handle)
             self.stats.push_requests += 1
             return None
@@ -128,7 +166,10 @@ class PushPath:
         except (ValueError, IndexError) as e:  # vLLM's blocks do not cover the prompt: a bug, loud but not fatal
             log.exception("pdpush: push of %s (%s): %s", spec.req_id, spec.push_id, e)
             self.stats.push_fail(PushFailure.BLOCKS)
-            handle.abort(str(e)[:200])
+            try:
+                handle.abort(str(e)[:200])
+            except PdpushError:
+                pass  # (the sender gone too: it ends the request with the connection)
             return None
         push = _Push(spec, handle, src)
         self._pushes.append(push)
@@ -146,7 +187,8 @@ class PushPath:
             return
         t0 = time.perf_counter()
         for p in list(self._pushes):
-            self._save_layer(p, layer_name, kv_layer)
+            if p in self._pushes:  # (not failed by an earlier one's layer: with its connection, say)
+                self._save_layer(p, layer_name, kv_layer)
         self.stats.push_stage_us += int((time.perf_counter() - t0) * 1e6)
 
     def _save_layer(self, p: _Push, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -255,6 +297,8 @@ class PushPath:
             self._pushes.remove(p)
 
     def _reap_finishing(self, wait_s: float = 0.0) -> None:
+        if self._retired:
+            self._close_retired()
         deadline = time.monotonic() + wait_s
         for h in list(self._finishing):
             try:

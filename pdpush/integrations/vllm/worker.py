@@ -75,6 +75,7 @@ class WorkerSide(PushPath, LoadPath):
         self.stats = WorkerStats()  # what vLLM reports (stats.py); requests are counted by the lead rank alone
         self.stats.lead = self.tp_rank == 0 and self.pp_rank == 0
         self._prefill: PrefillClient | None = None
+        self._retired: list = []  # connections to the sender given up, open until their device copies end (push.py)
         # a GPU cache: copies on side streams (device_copy.py), set up in register_kv_caches
         self._stager: D2HStager | None = None
         self._loader: H2DLoader | None = None
@@ -289,5 +290,8 @@ class WorkerSide(PushPath, LoadPath):
         if self._prefill is not None:
             self._prefill.close()
             self._prefill = None
+        for client, _ in self._retired:  # (the stager is closed: its copies have ended or never will)
+            client.close()
+        self._retired.clear()
         self._holds.drain(_release_failed)
         self.receiver.reset()
