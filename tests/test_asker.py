@@ -177,3 +177,17 @@ def test_a_receiver_of_another_local_protocol_loses_the_questions_and_is_not_ask
     with pytest.raises(Lost, match="local") as e:
         _until_answers(a, 1)
     assert e.value.tags == ["x"] and a.down(time.monotonic())
+
+
+def test_a_send_that_fails_loses_every_question_in_flight_with_it(answerer):
+    """A send that fails (not a full queue) closes the socket, and the questions in flight go with it: each must
+    be named in the Lost, or its asker waits for an answer that never comes (a request held at every step)."""
+    a, path = answerer
+    a.answering = False
+    asker = Asker(path, timeout_s=5.0, retry_s=1.0, max_inflight=8)
+    now = time.monotonic()
+    assert asker.ask(_q(1), "X", now)
+    asker.sock.close(0)  # the socket fails under the next send
+    with pytest.raises(Lost) as e:
+        asker.ask(_q(1), "Y", now)
+    assert e.value.tags == ["X", "Y"] and not asker.inflight and asker.down(now)

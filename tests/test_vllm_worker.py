@@ -208,6 +208,31 @@ ld.req.landed = lambda layer: True  # the whole push is in
 w._load_layer_staged(ld, 0, 0, None, 0)
 out["prefetched"] = sorted(ld.tickets)
 out["prefetch_layers"] = loadmod.PREFETCH_LAYERS
+
+# 8. a receiver that cannot be reached (no socket, or one not reading): the first open waits out its send's deadline,
+# and the loads after it are not sent for receiver_retry_s (each waited its deadline before the forward, every step)
+from pdpush.errors import TransportTimeout as _Late
+from pdpush.integrations.vllm.metadata import LoadSpec
+from pdpush.layout import KVLayout
+
+
+class NoReceiver:
+    opens = 0
+
+    def open_nowait(self, *a, **k):
+        NoReceiver.opens += 1
+        raise _Late("the open could not be sent within its deadline")
+
+
+w.layout = KVLayout(2, 1, 64, "float32", 16, "m")
+w.settings = NS(load_timeout_s=10.0, query_timeout_s=0.5, receiver_retry_s=30.0)
+w.block_size, w.tp_rank, w.tp_size, w._pgroup = 16, 0, 1, [0]
+w._loads, w._async, w._receiver_down_until = [], [], 0.0
+w.receiver = NS(get=lambda: NoReceiver())
+for i, key in enumerate((b"k" * 16, b"", b"k" * 16, b"")):  # planned from an answer, or asked about
+    w._open_load(LoadSpec(f"r{i}", f"p{i}", [[1, 2, 3]], 0, 32, 40, prefix_key=key))
+out["unreachable"] = {"opens": NoReceiver.opens, "failed": sum(ld.failed is not None for ld in w._loads),
+                      "down": w._receiver_down_until > time.monotonic() + 20}
 print(json.dumps(out))
 """
 
@@ -238,6 +263,7 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     assert out["budget_steps"] == [[[], []], [[], []], [["first"], []], [[], []], [[], []], [["second"], []],
                                    [[], ["waiting"]]], out["budget_steps"]
     assert out["prefetched"] == list(range(1, 1 + out["prefetch_layers"])) and out["prefetch_layers"] <= 4, out
+    assert out["unreachable"] == {"opens": 1, "failed": 4, "down": True}, out
 
 
 _PUSH_SCRIPT = """
@@ -358,6 +384,30 @@ try:
 except Exception as e:
     out["escaped"] = type(e).__name__
 out["held_totals"] = w.stats.totals()
+
+# 4. the decode scheduler's claims (a blocking round trip each): one the receiver does not answer stops the others
+# for receiver_retry_s (a burst of them stalled every step by query_timeout_s each)
+from pdpush.integrations.vllm.asker import Asker
+from pdpush.integrations.vllm.scheduler import SchedulerSide, _Req
+from pdpush.integrations.vllm.stats import SchedulerStats
+from pdpush.layout import KVLayout
+
+
+class Silent:
+    claims = 0
+
+    def claim(self, *a, **k):
+        Silent.claims += 1
+        raise TransportTimeout("no answer within 0.5 s")
+
+
+s = SchedulerSide.__new__(SchedulerSide)
+s.settings = NS(query_timeout_s=0.5, receiver_retry_s=30.0)
+s.layout, s.load_async, s.stats = KVLayout(2, 1, 64, "float32", 16, "m"), False, SchedulerStats()
+s.receiver = NS(get=lambda: Silent(), reset=lambda: None)
+s.asker = Asker("ipc:///nonexistent/rx.sock", timeout_s=0.5, retry_s=30.0, max_inflight=8)
+got = [s._claim(NS(request_id=f"c{i}"), _Req(), f"p-c{i}", list(range(64)), 64, 0) for i in range(3)]
+out["claims"] = {"sent": Silent.claims, "got": got, "totals": s.stats.totals()}
 print(json.dumps(out))
 """
 
@@ -374,3 +424,6 @@ def test_a_connection_given_up_mid_step_fails_its_pushes_first_and_closes_once_n
     assert cpu["totals"]["push_failed:sender"] == 2, cpu  # B's Begin, and A with the connection
     assert out["device"] == {"closed_while_copying": False, "dropped": ["p-A"], "closed_after": True}, out
     assert out["escaped"] is None and out["held_totals"]["push_failed:commit"] == 1, out
+    claims = out["claims"]
+    assert claims["sent"] == 1 and claims["got"] == [[0, False]] * 3, claims
+    assert claims["totals"].get("recomputed:receiver_down") == 2, claims

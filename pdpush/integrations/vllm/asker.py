@@ -59,9 +59,10 @@ class Asker:
             self.sock.send(protocol.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             return False
-        except zmq.ZMQError as e:
+        except zmq.ZMQError as e:  # the questions in flight go with the socket: their askers hear it too
+            tags = [t for t, _ in self.inflight] + [tag]
             self._fail(now)
-            raise Lost(f"{type(e).__name__}: {e}", [tag]) from None
+            raise Lost(f"{type(e).__name__}: {e}", tags) from None
         self.inflight.append((tag, now))
         return True
 

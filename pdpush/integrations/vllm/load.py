@@ -14,7 +14,14 @@ import torch
 
 from pdpush import kvcodec, protocol
 from pdpush.client import DecodeRequest, PendingOpen
-from pdpush.errors import BrokenResourceError, ConnectError, PdpushError, RequestFailed, TransportTimeout
+from pdpush.errors import (
+    BrokenResourceError,
+    ConnectError,
+    PdpushError,
+    RequestFailed,
+    TransportError,
+    TransportTimeout,
+)
 from pdpush.integrations import vllm_layout as vl
 from pdpush.integrations.vllm.metadata import REQUEST_ERRORS as _REQUEST_ERRORS
 from pdpush.integrations.vllm.metadata import LoadSpec
@@ -121,16 +128,22 @@ class LoadPath:
         (self._async if spec.asynchronous else self._loads).append(load_)
         # Planned from the prefill's answer (no question asked): the push is on the receiver already, or it never
         # began there (refused at once: ``exists``). Its open waits as long as a question would have (query_timeout_s);
-        # one that missed it says the receiver is not answering: such loads are not tried for receiver_retry_s.
+        # one that missed it says the receiver is not answering: such loads are not tried for receiver_retry_s. An
+        # open that cannot even be sent (no receiver, or one not reading) says so too, for every load: each waited out
+        # its send's deadline before the forward, every step, for as long as the receiver was down.
         s = self.settings
         wait = min(s.load_timeout_s, s.query_timeout_s) if spec.prefix_key else s.load_timeout_s
-        try:
-            if spec.prefix_key and time.monotonic() < self._receiver_down_until:
-                raise ConnectError("the receiver missed an open's deadline lately: not asked for receiver_retry_s")
-            load_.pending = self.receiver.get().open_nowait(spec.push_id, timeout_s=wait, tp_rank=self.tp_rank,
-                                                            tp_size=self.tp_size, exists=bool(spec.prefix_key))
-        except _REQUEST_ERRORS as e:
-            load_.fail_on(e, "open")
+        if time.monotonic() < self._receiver_down_until:
+            load_.fail_on(ConnectError("the receiver missed an open's deadline lately: not asked for "
+                                       "receiver_retry_s"), "open")
+        else:
+            try:
+                load_.pending = self.receiver.get().open_nowait(spec.push_id, timeout_s=wait, tp_rank=self.tp_rank,
+                                                                tp_size=self.tp_size, exists=bool(spec.prefix_key))
+            except _REQUEST_ERRORS as e:
+                load_.fail_on(e, "open")
+                if isinstance(e, (TransportError, BrokenResourceError)) or protocol.local_mismatch(e):
+                    self._receiver_down_until = time.monotonic() + s.receiver_retry_s
         try:
             # a layerwise load takes the answer at its first layer (wait_for_layer_load), its round trip under the
             # compute before it; a state goes in before the forward (Mamba layers have no load hook), and an

@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdpush import kv_params
-from pdpush.errors import Aborted, DuplicateRequest, PdpushError, RequestTooLarge, ShuttingDown, UnknownRequest
+from pdpush.errors import (
+    Aborted,
+    BrokenResourceError,
+    DuplicateRequest,
+    PdpushError,
+    RequestTooLarge,
+    ShuttingDown,
+    TransportError,
+    UnknownRequest,
+)
 from pdpush.integrations.vllm.asker import Asker, Lost
 from pdpush.integrations.vllm.metadata import LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
@@ -376,6 +385,10 @@ class SchedulerSide:
         """Conditional disaggregation: no push; load the prompt's chunks this node's receiver already
         holds (a request made of them under ``push_id``), and compute the rest here."""
         if r.claimed is None:
+            if self.asker is not None and self.asker.down(time.monotonic()):  # (a claim is a blocking round trip)
+                self.stats.recompute(Recompute.RECEIVER_DOWN)
+                r.claimed = 0
+                return 0, False
             self.stats.match_queries += 1
             try:
                 r.claimed = self.receiver.get().claim(push_id, prompt, self.layout, timeout_s=self.settings.query_timeout_s)
@@ -384,6 +397,9 @@ class SchedulerSide:
                           request.request_id, e)
                 self.receiver.reset()
                 r.claimed, r.claim_unsure = 0, not isinstance(e, CLAIM_REFUSED)
+                if isinstance(e, (TransportError, BrokenResourceError)) and self.asker is not None:
+                    # no answer, or no receiver: none asked for receiver_retry_s (a claim stalls a step)
+                    self.asker.down_until = time.monotonic() + self.settings.receiver_retry_s
         end = min(want, r.claimed * self.layout.chunk_tokens)
         if end <= computed:
             if not r.claimed:
