@@ -40,8 +40,9 @@ PROTOCOL_VERSION = 6  # 4: leases travel as durations (AllocResponse.lease_ms), 
 # (``_validate``, before the message's fields are read: a newer one may have more). Engines and daemons often come
 # from separate images. 0: a pdpush from before it was numbered; 2: a decode scheduler's Query and its answer carry it
 # too (a Query may come before any Open); 3: an engine's connection sends and receives its messages on its lifeline,
-# a stream (lifeline.py), not the daemon's ZeroMQ socket
-LOCAL_PROTOCOL_VERSION = 3
+# a stream (lifeline.py), not the daemon's ZeroMQ socket; 4: a Release may ask for no answer (``Release.answer``: an
+# engine's step releases without waiting)
+LOCAL_PROTOCOL_VERSION = 4
 Completion = Literal["commit", "words"]
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_BATCH = 256  # messages in one frame between the daemons (``encode_batch``)
@@ -369,6 +370,7 @@ class Committed(Msg):
 class Release(Msg):
     type: Literal["release"] = "release"
     req_id: ReqId
+    answer: bool = True  # False: nobody waits for the answer, so none goes (a late one would answer a later open)
 
 
 class Query(Msg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -553,3 +554,33 @@ def test_a_receiver_closes_the_endpoints_of_senders_that_went(daemons):
         assert status(sock(rx))["ucx_endpoints"] == 1
         tx.kill() if i % 2 else tx.stop()
         until(lambda: status(sock(rx))["ucx_endpoints"] == 0, 20, f"sender {i}'s endpoint closed")
+
+
+def test_a_release_without_waiting_returns_while_the_receiver_is_stopped_and_still_lands(daemons):
+    """The vLLM connector releases each loaded request in its engine's step: a receiver alive but not reading
+    (SIGSTOP here) held that step up to the client's timeout per request. ``release(wait=False)`` returns at once,
+    and the Release is read once the receiver runs: the request is gone, its pages given back."""
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    k, v = kv(LAY, 40, 11)
+    try:
+        push(pc, "nowait", list(range(40)), k, v)
+    finally:
+        pc.close()
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    try:
+        req = dc.open("nowait")
+        req.wait_committed()
+        os.kill(rx.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            req.release(wait=False)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(rx.pid, signal.SIGCONT)
+        assert took < 5, took  # (the waiting release would wait out the client's 10 s)
+        with pytest.raises(PdpushError, match="is gone: committed and released"):
+            dc.open("nowait")
+    finally:
+        dc.close()

@@ -41,7 +41,7 @@ class Req:  # an opened request: what matters is when it is released
     def __init__(self, name):
         self.req_id, self.released, self.committed = name, 0, False
 
-    def release(self):
+    def release(self, wait=True):
         self.released += 1
 
     def poll_committed(self):

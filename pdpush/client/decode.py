@@ -303,15 +303,21 @@ class DecodeRequest:
         return self._pool.array[off:off + lay.state_slot_bytes].reshape(
             lay.state_layers, lay.state_units, lay.state_unit_bytes)[:, self.tp_rank * k:(self.tp_rank + 1) * k]
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
+        """Give the request's pages back to the receiver (views handed out must not be used after this).
+        ``wait=False``: the Release goes without waiting for the receiver's answer (an engine's step must not
+        wait on a receiver that is alive but not reading; one that has died is seen by the connection)."""
         if not self._released:
             self._released = True
-            self.client._segments.drop(self._shmid)  # views handed out must not be used after this
+            self.client._segments.drop(self._shmid)
             if self.broken is not None:
                 self.client._conn.end(self.req_id)
                 return
             try:
-                self.client._conn.call(Release(req_id=self.req_id), self.req_id, self.client.timeout_s)
+                if wait:
+                    self.client._conn.call(Release(req_id=self.req_id), self.req_id, self.client.timeout_s)
+                else:
+                    self.client._conn.post(Release(req_id=self.req_id, answer=False))
             finally:
                 self.client._conn.end(self.req_id)
 

@@ -413,6 +413,6 @@ class CopyHolds:
     @staticmethod
     def _release(req, on_error) -> None:
         try:
-            req.release()
+            req.release(wait=False)  # (in the engine's step: a receiver that does not read must not hold it)
         except PdpushError as e:
             on_error(req, e)

@@ -285,7 +285,8 @@ class ReceiverSession:
             if isinstance(e, ProtocolError):
                 self.counters.add("bad_messages")
             out.append(Log(logging.INFO, f"error reply to {msg.type}: {e.code.value}: {e}", e.req_id or rid))
-            out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid)))
+            if getattr(msg, "answer", True):  # (a Release sent without waiting: nobody would read it)
+                out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid)))
         except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
             err, line = internal_error(msg.type, exc, rid)
             self.counters.add("internal_errors")
@@ -866,7 +867,8 @@ class ReceiverSession:
                 self._release(r, ident, 1)
             else:  # an open given up before its push began (PendingOpen.abandon): it is never answered
                 self._unpark(msg.req_id, ident, 1)
-            out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
+            if msg.answer:
+                out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
             out.append(ToDecode(ident, self._claim(msg, now, out)))
         elif isinstance(msg, Withdraw):  # the decode engine stopped waiting for this push: "Withdrawn pushes" above
