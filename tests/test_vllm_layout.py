@@ -101,6 +101,8 @@ def test_bad_geometry_is_a_clear_error():
         vl.PagedKV("FLASH_ATTN", 64).check(torch.zeros(2, 1, 16, 64))
     with pytest.raises(ValueError, match="does not fit"):
         vl.SlotMap([0], 16, torch.arange(0, 17), chunk_tokens=8)
+    with pytest.raises(ValueError, match="is not a block"):
+        vl.SlotMap([5, 1 << 64], 16, torch.arange(16, 20), chunk_tokens=8)
     for bad in (-1, 1 << 31, 1 << 51):  # the token's own block; another's may be anything (never read)
         with pytest.raises(ValueError, match=f"block id {bad} is not"):
             vl.SlotMap([5, bad], 16, torch.arange(16, 20), chunk_tokens=8)

@@ -184,7 +184,10 @@ class SlotMap:
         if len(t) and int(t.max()) >= len(block_ids) * block_size:
             raise ValueError(f"token {int(t.max())} does not fit in {len(block_ids)} blocks of {block_size}")
         blk = t // block_size
-        ids = np.asarray(block_ids, dtype=np.int64)[blk]
+        try:
+            ids = np.asarray(block_ids, dtype=np.int64)[blk]
+        except OverflowError:
+            raise ValueError(f"a block id of {block_ids} is not a block of a paged cache") from None
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= MAX_BLOCK_ID):
             # a negative id would index from the cache's end (torch) or skip its rows (the native copy), and one
             # past 2**31 can wrap its byte offset back into the cache: either is a silent wrong copy

@@ -206,6 +206,8 @@ class WorkerSide(PushPath, LoadPath):
 
     def _state_views(self, name: str, block: int) -> dict[str, torch.Tensor]:
         """State layer ``name``'s tensors in block ``block`` (views of its page: conv first, then SSM)."""
+        if not 0 <= block < len(self._kv_caches[name]):  # (a negative one would index from the end: another's)
+            raise ValueError(f"{name}: block {block} is not a block of its cache")
         page = self._kv_caches[name][block]
         if not page.is_contiguous():
             raise ValueError(f"{name}: block {block} is not one contiguous page")
