@@ -20,7 +20,7 @@ and never reads a clock; the shell passes ``now`` in whatever unit it likes, con
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,7 +83,11 @@ class HandOverQueue:
     def running(self, request: Hashable) -> Fence | None:
         """A copy of ``request`` still writing staging (a fence not done), dropped ones included; None once none
         is: only then may the sender be told that this engine has stopped writing that request's staging."""
-        return next((c.fence for c in self._q if c.request == request and not c.fence.query()), None)
+        return self.running_of(lambda r: r == request)
+
+    def running_of(self, match: Callable[[Hashable], bool]) -> Fence | None:
+        """``running`` for any request that ``match`` picks (those of one connection, say)."""
+        return next((c.fence for c in self._q if match(c.request) and not c.fence.query()), None)
 
     def drop(self, request: Hashable) -> int:
         """Never hand over ``request``'s copies. They stay queued (their fences and ``keep`` with

@@ -542,6 +542,26 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert reply[0].request_gone and not reply[0].request_committed
 
 
+def test_a_release_sent_without_waiting_is_never_answered_and_a_strangers_changes_nothing():
+    """``Release(answer=False)`` (an engine's step releases without waiting): no Ok, and no error either, for it, a
+    stranger's or an unknown one; a late answer would be taken as the answer to a later open of the same id."""
+    rx = receiver()
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    rx.on_control(b"s", hello, 0)
+    alloc = protocol.AllocRequest(req_id="a", chunk_keys=chunk_keys(list(range(40)), LAY), last_chunk_tokens=8,
+                                  lease_ms=5000)
+    rx.on_control(b"s", alloc, 0)
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 1), ToDecode, protocol.OpenOk)
+    stranger = rx.on_local(DEC + b"x", protocol.Release(req_id="a", answer=False), 2)
+    assert of(stranger, ToDecode) == [] and rx.counters.values["releases_refused"] == 1
+    assert rx.reqs["a"].opens == {DEC: 1}  # the reader's open, and its pages, stay
+    assert of(rx.on_local(DEC, protocol.Release(req_id="nobody", answer=False), 3), ToDecode) == []
+    assert of(rx.on_local(DEC, protocol.Release(req_id="a", answer=False), 4), ToDecode) == []
+    assert not rx.reqs["a"].opens
+    assert msgs(rx.on_local(DEC, protocol.Release(req_id="nobody"), 5), ToDecode, protocol.Ok)  # answered as ever
+    rx.check()
+
+
 def test_an_unexpected_exception_fails_that_request_only_and_the_session_keeps_serving(monkeypatch):
     w = Wire()
     rx = w.rx["tcp://rx-a:1"]
@@ -728,7 +748,7 @@ _RX_MSG = st.one_of(
     st.builds(lambda r, n: protocol.Commit(req_id=r, layers=n), _RID, st.sampled_from([0, LAY.layers - 1, LAY.layers])),
     st.builds(lambda r: protocol.Abort(req_id=r), _RID),
     st.builds(lambda r: protocol.Open(req_id=r), _RID),
-    st.builds(lambda r: protocol.Release(req_id=r), _RID),
+    st.builds(lambda r, a: protocol.Release(req_id=r, answer=a), _RID, st.booleans()),
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
               st.none() | _RID),
     st.builds(lambda r, kind: kind(req_id=r), st.sampled_from(["d", "w"]),
@@ -781,7 +801,7 @@ _CLAIM_STEP = st.one_of(
     st.builds(lambda r, ks: protocol.Claim(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80), _CLAIM_IDS,
               st.sampled_from([_KEYS[i:i + n] for i in range(0, 6, 3) for n in (1, 2, 3)])),
     st.builds(lambda r: protocol.Open(req_id=r), _CLAIM_IDS),
-    st.builds(lambda r: protocol.Release(req_id=r), _CLAIM_IDS),
+    st.builds(lambda r, a: protocol.Release(req_id=r, answer=a), _CLAIM_IDS, st.booleans()),
     st.builds(lambda r: protocol.Withdraw(req_id=r), _CLAIM_IDS),
     st.builds(lambda r: protocol.Unread(req_id=r), _CLAIM_IDS),  # (a router's: on the control endpoint)
     st.builds(lambda r, ks: protocol.AllocRequest(req_id=r, chunk_keys=ks, last_chunk_tokens=16, lease_ms=80),

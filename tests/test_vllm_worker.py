@@ -59,6 +59,9 @@ class Link:  # the receiver link: reset() closes the client, which unmaps the po
     def reset(self):
         Link.resets += 1
 
+    def flush(self):
+        pass
+
 
 def load(name, failed=None, asynchronous=False):
     spec = NS(req_id=name, push_id="p-" + name, start=0, end=16, asynchronous=asynchronous, claim=False, prefix_key=b"")
@@ -331,15 +334,15 @@ class Pending:  # a Begin sent: its answer (or its failure) at the next layer
         return self.handle
 
 
-class Stager:  # a side stream's copies: still writing the staging until the test says
+class Stager:  # a side stream's copies: each handle's still writing its staging until the test says
     def __init__(self):
-        self.running, self.dropped = True, []
+        self.writing, self.dropped = set(), []
 
     def drop(self, handle):
         self.dropped.append(handle.req_id)
 
-    def quiesce(self, handle, timeout_s):
-        return not self.running
+    def quiesce_where(self, match, timeout_s):
+        return not any(match(h) for h in self.writing)
 
 
 def push(w, client, name):
@@ -362,14 +365,19 @@ w.save_kv_layer("l1", None, None)
 out["cpu"] = {"closed": client.closed, "staged_after_close": a.staged_after_close, "pushes": len(w._pushes),
               "totals": w.stats.totals()}
 
-# 2. the same with a device copy still writing A's staging: the connection stays open until it ends
+# 2. the same with device copies still writing staging: A's, and E's (a push failed before, its copy still running):
+# the connection stays open until both end
 w = worker(Stager())
 w._prefill = client = Client()
-a = push(w, client, "A")
+a, e = push(w, client, "A"), Handle(client)
+w._stager.writing = {a, e}
 w._pending = [(PushSpec("B", "p-B", list(range(32)), [[3, 4]], ""), Pending(client, error=TransportTimeout("late")))]
 w.save_kv_layer("l1", None, None)
 out["device"] = {"closed_while_copying": client.closed, "dropped": w._stager.dropped}
-w._stager.running = False
+w._stager.writing.discard(a)
+w._reap_finishing()
+out["device"]["closed_while_the_earlier_copies"] = client.closed
+w._stager.writing.clear()
 w._reap_finishing()
 out["device"]["closed_after"] = client.closed
 
@@ -422,8 +430,9 @@ def test_a_connection_given_up_mid_step_fails_its_pushes_first_and_closes_once_n
     cpu = out["cpu"]
     assert cpu["closed"] and cpu["staged_after_close"] == [] and cpu["pushes"] == 0, cpu
     assert cpu["totals"]["push_failed:sender"] == 2, cpu  # B's Begin, and A with the connection
-    assert out["device"] == {"closed_while_copying": False, "dropped": ["p-A"], "closed_after": True}, out
-    assert out["escaped"] is None and out["held_totals"]["push_failed:commit"] == 1, out
+    assert out["device"] == {"closed_while_copying": False, "dropped": ["p-A"],
+                             "closed_while_the_earlier_copies": False, "closed_after": True}, out
+    assert out["escaped"] is None and out["held_totals"]["push_failed:sender"] == 1, out  # and the sender let go
     claims = out["claims"]
     assert claims["sent"] == 1 and claims["got"] == [[0, False]] * 3, claims
     assert claims["totals"].get("recomputed:receiver_down") == 2, claims

@@ -111,6 +111,10 @@ class Connection:
             self._outbox.append([frame, self._numbered])
         self._flush_if_free()
 
+    def flush(self) -> None:
+        """Write what posts left queued (the socket was full then), as far as it takes it now, without waiting."""
+        self._flush_if_free()
+
     def _flush_if_free(self) -> None:
         if self._outbox and self.lock.acquire(blocking=False):
             try:

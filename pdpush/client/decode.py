@@ -358,10 +358,8 @@ class PendingOpen:
         releases what it opened (Release after Open, in order on one connection; an error reply is dropped)."""
         conn = self.client._conn
         conn.end(self.req_id)
-        try:
-            conn.send(Release(req_id=self.req_id), self.client.timeout_s)
-        except PdpushError:  # no receiver to tell: its lifeline ends what this connection opened
-            pass
+        # without waiting (an engine's step gives loads up), and unanswered: a late answer would answer a later open
+        conn.post(Release(req_id=self.req_id, answer=False))  # (no receiver: its lifeline ends what this opened)
 
     def _request(self, reply: Msg) -> DecodeRequest:
         try:
@@ -444,6 +442,11 @@ class DecodeClient:
         if not isinstance(reply, ClaimOk):
             raise ProtocolError(f"unexpected {reply.type} in reply to claim")
         return reply.chunks
+
+    def flush(self) -> None:
+        """Write what was sent without waiting (``release(wait=False)``) and the socket could not take then: call it
+        now and then (an engine's step), or those wait for this connection's next message."""
+        self._conn.flush()
 
     def close(self) -> None:
         self._segments.close()

@@ -212,10 +212,15 @@ class D2HStager:
         """Wait up to ``timeout_s`` for ``handle``'s copies still writing its staging (dropped ones too): True once
         none is. Its Abort tells the sender that this engine has stopped writing that staging, which the sender
         then grants to other requests: a copy still queued on the side stream would write into theirs."""
+        return self.quiesce_where(lambda h: h == handle, timeout_s)
+
+    def quiesce_where(self, match: Callable[[Any], bool], timeout_s: float) -> bool:
+        """``quiesce`` for the copies of every request ``match`` picks (one connection's, before it closes: closing
+        it unmaps the staging they write)."""
         deadline = self._clock() + timeout_s
         while True:
             with self._cv:
-                fence = self._queue.running(handle)
+                fence = self._queue.running_of(match)
             if fence is None:
                 return True
             if self._clock() >= deadline:

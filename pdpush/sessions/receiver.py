@@ -289,6 +289,7 @@ class ReceiverSession:
                 out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid)))
         except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
             err, line = internal_error(msg.type, exc, rid)
+            answer = getattr(msg, "answer", True)  # (a Release sent without waiting: nobody would read the reply)
             self.counters.add("internal_errors")
             out.append(line)
             r = self.reqs.get(rid) if rid else None
@@ -302,7 +303,8 @@ class ReceiverSession:
                     writer = r.sender
             if rid and rid not in self.reqs:
                 self._reclaim_orphan(rid, now, out, writer)
-            out.append(reply_cls(ident, protocol.error_reply(err, rid)))
+            if answer:
+                out.append(reply_cls(ident, protocol.error_reply(err, rid)))
         self._publish(now, out)
         return out
 

@@ -340,6 +340,7 @@ class LoadPath:
         (vLLM recomputes it from its first token); one committed waits for the budget as long as it takes (a burst
         of loads used to time out behind each other, their KV all there). Returns (loaded, failed) vLLM ids."""
         self._holds.poll(_release_failed)  # loads whose copies to the device have completed since
+        self.receiver.flush()  # (releases and give-ups sent without waiting, where the socket was full)
         done: set[str] = set()
         failed: set[str] = set()
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from pdpush.integrations.vllm.stats import PushFailure
 log = logging.getLogger("pdpush.vllm")
 
 
-@dataclass
+@dataclass(eq=False)  # (found in lists by identity: two pushes are never "equal")
 class _Push:
     spec: PushSpec
     handle: PushHandle
@@ -111,7 +111,6 @@ class PushPath:
         client, self._prefill = self._prefill, None
         if client is None:
             return
-        handles = []
         for p in list(self._pushes):
             if p.handle.client is client:
                 self._pushes.remove(p)
@@ -119,22 +118,22 @@ class PushPath:
                 log.error("pdpush: push of %s (%s) failed: %s", p.spec.req_id, p.spec.push_id, why)
                 if self._stager is not None:
                     self._stager.drop(p.handle)
-                    handles.append(p.handle)
         for h in [h for h in self._finishing if h.client is client]:
             self._finishing.remove(h)
             self.stats.push_fail(PushFailure.COMMIT)
             log.error("pdpush: commit of %s failed: %s", h.req_id, why)
-        self._retired.append((client, handles))
+        self._retired.append(client)
         self._close_retired()
 
-    def _close_retired(self) -> None:
-        """Close the connections given up whose device copies have ended (``_drop_sender``)."""
-        for client, handles in list(self._retired):
-            if all(self._stager.quiesce(h, 0.0) for h in handles):
-                self._retired.remove((client, handles))
+    def _close_retired(self, wait_s: float = 0.0) -> None:
+        """Close the connections given up (``_drop_sender``) once no device copy writes their staging: those of the
+        pushes failed with them, and of any failed before (dropped, their copies still run)."""
+        for client in list(self._retired):
+            if self._stager is None or self._stager.quiesce_where(lambda h, c=client: h.client is c, wait_s):
+                self._retired.remove(client)
                 try:
                     client.close()
-                except PdpushError as e:
+                except (PdpushError, OSError) as e:
                     log.warning("pdpush: closing the connection to the sender: %s", e)
 
     def _start_push(self, spec: PushSpec, handle: PushHandle) -> _Push | None:
@@ -144,11 +143,8 @@ class PushPath:
         T = lay.chunk_tokens
         n = len(spec.token_ids)
         if not handle.plan.n_new and not lay.state_layers:  # the receiver holds every item: nothing to move
-            try:
-                handle.finish_nowait()
-            except _REQUEST_ERRORS as e:  # (the sender died since its answer: never out of vLLM's forward)
-                self.stats.push_fail(PushFailure.COMMIT)
-                log.error("pdpush: commit of %s (%s) failed: %s", spec.req_id, spec.push_id, e)
+            # (the sender may have died since its answer: counted as any Begin's failure, never out of the forward)
+            if not self._asked(spec, lambda: handle.finish_nowait() or True):
                 return None
             self._finishing.append(handle)
             self.stats.push_requests += 1

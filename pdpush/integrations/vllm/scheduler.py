@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdpush import kv_params
+from pdpush import kv_params, protocol
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
@@ -397,7 +397,8 @@ class SchedulerSide:
                           request.request_id, e)
                 self.receiver.reset()
                 r.claimed, r.claim_unsure = 0, not isinstance(e, CLAIM_REFUSED)
-                if isinstance(e, (TransportError, BrokenResourceError)) and self.asker is not None:
+                if (isinstance(e, (TransportError, BrokenResourceError)) or protocol.local_mismatch(e)) \
+                        and self.asker is not None:
                     # no answer, or no receiver: none asked for receiver_retry_s (a claim stalls a step)
                     self.asker.down_until = time.monotonic() + self.settings.receiver_retry_s
         end = min(want, r.claimed * self.layout.chunk_tokens)

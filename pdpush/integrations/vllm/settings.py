@@ -128,6 +128,11 @@ class ReceiverLink:
             self._client._segments.pin_all()
         return self._client
 
+    def flush(self) -> None:
+        """Releases sent without waiting that the socket could not take then (``DecodeClient.flush``)."""
+        if self._client is not None:
+            self._client.flush()
+
     def reset(self) -> None:
         if self._client is not None:
             self._client.close()

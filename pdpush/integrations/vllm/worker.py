@@ -106,7 +106,7 @@ class WorkerSide(PushPath, LoadPath):
         self._async: list[_Load] = []  # asynchronous loads waiting for their push's commit (get_finished)
         self._load_errors: set[int] = set()
         self._sender_down_until = 0.0
-        self._receiver_down_until = 0.0  # loads planned from the prefill's answer fail at once until then (load.py)
+        self._receiver_down_until = 0.0  # loads fail at once until then: the receiver could not be reached (load.py)
         # connect at start-up: a wrong path or config fails here, with its name, not on a request
         # (ZMQ connects lazily: the daemons may start after the engine)
         if producer:
@@ -292,8 +292,10 @@ class WorkerSide(PushPath, LoadPath):
         if self._prefill is not None:
             self._prefill.close()
             self._prefill = None
-        for client, _ in self._retired:  # (the stager is closed: its copies have ended or never will)
-            client.close()
-        self._retired.clear()
+        if self._retired:  # connections given up: closed once their device copies end, or at the timeout
+            self._close_retired(self.settings.timeout_s)
+            if self._retired:
+                log.error("pdpush: %d connection(s) to the sender left open at shutdown: a device copy still "
+                          "writes their staging", len(self._retired))
         self._holds.drain(_release_failed)
         self.receiver.reset()
