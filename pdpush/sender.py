@@ -65,6 +65,7 @@ log = logging.getLogger("pdpush.sender")
 
 
 SPIN_S = 0.002  # how long the native wait spins on UCX progress after a post or a completion
+_SOCKET_ERRORS = (PdpushError, zmq.ZMQError, OSError, ValueError)  # a receiver's control socket cannot be made
 
 
 class _Wiring:
@@ -256,7 +257,7 @@ class Sender:
     def _send_to(self, endpoint: str, frame: bytes) -> bool:
         try:
             sock = self._sock(endpoint)
-        except (PdpushError, zmq.ZMQError, OSError, ValueError) as e:  # its socket cannot be made: its requests fail
+        except _SOCKET_ERRORS as e:  # its socket cannot be made: its requests fail
             self._unreachable[endpoint] = f"receiver {endpoint}: {e}"
             return False
         if sock is None:  # its host name is resolving: the frame waits for its socket (``_named``)
@@ -275,12 +276,12 @@ class Sender:
             del self._naming[endpoint]
             why = None
             if look.address is not None:
-                self._addrs[endpoint], self._named_at[endpoint] = look.address, time.monotonic()
+                self._resolved(endpoint, look)
                 try:
                     sock = self._sock(endpoint)
                     if not all(control.send_frame(sock, frame) for frame in held):
                         why = f"receiver {endpoint} is not reachable"
-                except (PdpushError, zmq.ZMQError, OSError, ValueError) as e:
+                except _SOCKET_ERRORS as e:
                     why = f"receiver {endpoint}: {e}"
             else:
                 why = f"receiver {endpoint}: cannot resolve {look.host!r}: " + (
@@ -554,13 +555,19 @@ class Sender:
                     return None
                 if look.address is None:
                     raise ConnectError(f"cannot resolve {host!r}: {look.error}")
-                address = self._addrs[endpoint] = look.address
-                if not resolve.is_address(host):
-                    self._named_at[endpoint] = time.monotonic()
+                address = self._resolved(endpoint, look)
             sock = self.socks[endpoint] = self._dealer(
                 endpoint, f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}")
             self._watch_dirty = True
         return sock
+
+    def _resolved(self, endpoint: str, look: resolve.Lookup) -> str:
+        """The address receiver ``endpoint`` is reached at, from now until it fails; a name's is checked again
+        (``_recheck_names``)."""
+        self._addrs[endpoint] = look.address
+        if not resolve.is_address(look.host):
+            self._named_at[endpoint] = time.monotonic()
+        return look.address
 
     def _dealer(self, endpoint: str, address: str) -> zmq.Socket:
         """A DEALER to receiver ``endpoint``, connected to ``address`` (``tcp://<its address>:<port>``)."""

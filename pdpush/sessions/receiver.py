@@ -279,17 +279,17 @@ class ReceiverSession:
     def _guarded(self, ident: bytes, msg: Msg, now: int, handler, reply_cls) -> list:
         out: list = []
         rid = getattr(msg, "req_id", None)
+        answer = getattr(msg, "answer", True)  # (a Release sent without waiting: nobody would read an error reply)
         try:
             handler(ident, msg, now, out)
         except PdpushError as e:
             if isinstance(e, ProtocolError):
                 self.counters.add("bad_messages")
             out.append(Log(logging.INFO, f"error reply to {msg.type}: {e.code.value}: {e}", e.req_id or rid))
-            if getattr(msg, "answer", True):  # (a Release sent without waiting: nobody would read it)
+            if answer:
                 out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid)))
         except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
             err, line = internal_error(msg.type, exc, rid)
-            answer = getattr(msg, "answer", True)  # (a Release sent without waiting: nobody would read the reply)
             self.counters.add("internal_errors")
             out.append(line)
             r = self.reqs.get(rid) if rid else None

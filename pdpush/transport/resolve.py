@@ -17,7 +17,7 @@ MAX_PENDING = 64  # names resolving at once; past it, a lookup fails at once (a 
                   # must not cost a thread per request)
 
 _lock = threading.Lock()
-_inflight: dict[tuple[str, int], Lookup] = {}
+_inflight: dict[str, Lookup] = {}  # host -> its lookup running
 
 
 class Lookup:
@@ -50,35 +50,34 @@ def is_address(host: str) -> bool:
     return False
 
 
-def lookup(host: str, family: int = socket.AF_UNSPEC) -> Lookup:
-    """Start resolving ``host`` (to addresses of ``family``), or join the lookup of it already running; the result is
-    ``done`` at once for an address, else once its thread ends."""
+def lookup(host: str) -> Lookup:
+    """Start resolving ``host``, or join the lookup of it already running; the result is ``done`` at once for an
+    address, else once its thread ends."""
     if is_address(host):
         out = Lookup(host)
         out._end([host], None)
         return out
-    key = (host, family)
     with _lock:
-        out = _inflight.get(key)
+        out = _inflight.get(host)
         if out is not None:
             return out
         out = Lookup(host)
         if len(_inflight) >= MAX_PENDING:
             out._end([], f"{MAX_PENDING} host names are being resolved already")
             return out
-        _inflight[key] = out
+        _inflight[host] = out
     try:
-        threading.Thread(target=_resolve, args=(out, key), name="pdpush-resolve", daemon=True).start()
+        threading.Thread(target=_resolve, args=(out,), name="pdpush-resolve", daemon=True).start()
     except RuntimeError as e:  # no thread to be had (a container's pids limit)
-        _finish(out, key, [], f"no thread to resolve it: {e}")
+        _finish(out, [], f"no thread to resolve it: {e}")
     return out
 
 
-def _resolve(out: Lookup, key: tuple[str, int]) -> None:
+def _resolve(out: Lookup) -> None:
     addresses: list[str] = []
     error = None
     try:
-        infos = socket.getaddrinfo(out.host, None, key[1], socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(out.host, None, type=socket.SOCK_STREAM)
         # IPv4 first (stable): a receiver bound to 0.0.0.0 listens on IPv4 only, whatever the name has besides
         for *_, sockaddr in sorted(infos, key=lambda info: info[0] != socket.AF_INET):
             if sockaddr[0] not in addresses:
@@ -87,11 +86,11 @@ def _resolve(out: Lookup, key: tuple[str, int]) -> None:
             error = "no address"
     except Exception as e:  # noqa: BLE001 - whatever it is, the caller hears it as this name's failure
         error = str(e) or type(e).__name__
-    _finish(out, key, addresses, error)
+    _finish(out, addresses, error)
 
 
-def _finish(out: Lookup, key: tuple[str, int], addresses: list[str], error: str | None) -> None:
+def _finish(out: Lookup, addresses: list[str], error: str | None) -> None:
     with _lock:
-        if _inflight.get(key) is out:
-            del _inflight[key]
+        if _inflight.get(out.host) is out:
+            del _inflight[out.host]
     out._end(addresses, error)
