@@ -420,6 +420,9 @@ class RouterConfig(_Settings):
     """Failed checks in a row that eject an instance (a refused connection ejects at once)."""
     index_silence_s: float = Field(3.5, gt=0)
     """A receiver feed unheard for this long is distrusted (and re-subscribed)."""
+    name_recheck_s: float = Field(30.0, gt=0)
+    """A receiver or KV-events publisher named by a host name is reached at the address the name gave; the name is
+    looked up again this often, and one that moved (a pod rescheduled) is followed to its new address."""
     api_key_file: str | None = None
     """If set, clients must send ``Authorization: Bearer <the file's content>``."""
     push_id_prefix: str = ""

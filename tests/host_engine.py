@@ -249,9 +249,49 @@ def client(a: argparse.Namespace) -> int:
     return 0
 
 
+def metrics(a: argparse.Namespace) -> int:
+    """The router's ``/metrics`` at ``--url``, every ``--gap-ms`` for ``--seconds``: one line each, the router's own
+    samples as {"name{labels}": value}."""
+    import urllib.request
+
+    end = time.monotonic() + a.seconds
+    while True:
+        with urllib.request.urlopen(a.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        say(t=time.monotonic(), samples={k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
+                                         if k.startswith("pdpush_router_")})
+        if time.monotonic() >= end:
+            return 0
+        time.sleep(a.gap_ms / 1000)
+
+
+def publish(a: argparse.Namespace) -> int:
+    """vLLM's KV events as its ``ZmqEventPublisher`` frames them (topic, sequence, msgpack batch), on a PUB socket at
+    ``--bind``:``--port``: one batch every ``--gap-ms``, each storing a prompt's first block of 16 tokens (hashes
+    1, 2, ...; the next prompt each time: a subscriber that joins late follows from there)."""
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock.bind(f"tcp://{a.bind}:{a.port}")
+    say(publishing=a.port)
+    seq = 0
+    end = time.monotonic() + a.seconds
+    while time.monotonic() < end:
+        seq += 1
+        event = {"type": "BlockStored", "block_hashes": [seq], "parent_block_hash": None,
+                 "token_ids": list(range(16 * (seq - 1), 16 * seq)), "block_size": 16, "lora_id": None,
+                 "medium": "GPU"}
+        sock.send_multipart([b"kv", seq.to_bytes(8, "big", signed=True), msgpack.packb([time.time(), [event], 0])])
+        time.sleep(a.gap_ms / 1000)
+    sock.close(0)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["prefill", "stream", "decode", "serve-prefill", "serve-decode", "client"])
+    p.add_argument("role", choices=["prefill", "stream", "decode", "serve-prefill", "serve-decode", "client",
+                                    "metrics", "publish"])
     p.add_argument("--receiver", default="", help="the receiver's control endpoint (the sender's default if none)")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--sock", default="")
@@ -272,7 +312,8 @@ def main() -> int:
     a = p.parse_args()
     if a.role.startswith("serve-"):
         return serve(a)
-    return {"prefill": prefill, "stream": stream, "decode": decode, "client": client}[a.role](a)
+    return {"prefill": prefill, "stream": stream, "decode": decode, "client": client, "metrics": metrics,
+            "publish": publish}[a.role](a)
 
 
 if __name__ == "__main__":

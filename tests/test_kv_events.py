@@ -267,3 +267,71 @@ def test_a_real_vllm_engines_events_give_the_router_its_prefix_cache(tmp_path, e
         if sub is not None:
             sub.close()
         eng.stop()
+
+
+def test_a_publisher_named_by_a_host_name_is_followed_to_its_new_address(monkeypatch):
+    """A prefill engine's events named by a host name (a Kubernetes pod's): subscribed at the address the name
+    gives, looked up on a thread; when the name moves (the engine rescheduled, the old one still publishing), the
+    subscription follows within ``recheck_s`` and the view, cleared (``moved``), holds the new engine's blocks
+    alone. The resolver is a stand-in (Python's getaddrinfo, which pdpush's lookups use); the sockets are real."""
+    import socket
+    import time
+
+    import zmq
+
+    from pdpush.router.fleet import Instance
+    from pdpush.router.watch import Watches
+
+    (port,) = free_ports(1)
+    answer = {"addr": "127.0.0.1"}
+    real = socket.getaddrinfo
+
+    def fake(host, *a, **kw):
+        if host == "pf-0.prefill":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answer["addr"], 0))]
+        return real(host, *a, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    ctx = zmq.Context()
+    pubs = {}
+    for addr in ("127.0.0.1", "127.0.0.2"):
+        pubs[addr] = ctx.socket(zmq.PUB)
+        pubs[addr].setsockopt(zmq.LINGER, 0)
+        pubs[addr].bind(f"tcp://{addr}:{port}")
+    inst = Instance("prefill", "http://pf-0.prefill:8000", cache=ec.EngineCacheView())
+    stop = threading.Event()
+    seqs = {"127.0.0.1": 0, "127.0.0.2": 0}
+
+    def publish():  # each engine stores its own blocks: hashes 1000+ on the first, 2000+ on the second
+        while not stop.is_set():
+            for addr, base in (("127.0.0.1", 1000), ("127.0.0.2", 2000)):
+                seqs[addr] += 1
+                n = seqs[addr]
+                batch = [time.time(), [{"type": "BlockStored", "block_hashes": [base + n], "parent_block_hash": None,
+                                        "token_ids": [base + n] * BS, "block_size": BS, "medium": "GPU"}], 0]
+                pubs[addr].send_multipart([b"", n.to_bytes(8, "big", signed=True), msgpack.packb(batch)])
+            time.sleep(0.02)
+
+    loop = asyncio.new_event_loop()
+    pub = threading.Thread(target=publish, daemon=True)
+    pub.start()
+    try:
+        task = loop.create_task(Watches._follow(inst, Source(f"tcp://pf-0.prefill:{port}"), 0.2))
+
+        def hashes() -> set:
+            loop.run_until_complete(asyncio.sleep(0.05))
+            return {h // 1000 for h in inst.cache.by_hash}
+
+        until(lambda: hashes() == {1}, 10, "the first engine's blocks")
+        answer["addr"] = "127.0.0.2"
+        until(lambda: hashes() == {2}, 10, "the view following the name to the second engine, and it alone")
+        assert inst.cache.resyncs.get("moved") == 1, inst.cache.resyncs
+        task.cancel()
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+    finally:
+        stop.set()
+        pub.join(5)
+        loop.close()
+        for s in pubs.values():
+            s.close(0)
+        ctx.term()

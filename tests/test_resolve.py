@@ -80,3 +80,70 @@ def test_a_lookup_that_gets_no_thread_fails_and_gives_its_place_back(gated, monk
     look = resolve.lookup("rx-no-thread")
     assert look.done and look.address is None and "no thread" in look.error
     assert not resolve._inflight
+
+
+def test_endpoints_are_split_and_rewritten_to_an_address():
+    assert resolve.tcp_host_port("tcp://rx-0.decode:5710") == ("rx-0.decode", "5710")
+    assert resolve.tcp_host_port("tcp://[fd00::7]:5557") == ("fd00::7", "5557")
+    assert resolve.tcp_host_port("ipc:///run/pdpush/rx.sock") is None
+    assert resolve.tcp_host_port("tcp://nohost") is None
+    assert resolve.at_address("tcp://rx-0:5710", "10.9.8.7") == "tcp://10.9.8.7:5710"
+    assert resolve.at_address("tcp://rx-0:5710", "fd00::7") == "tcp://[fd00::7]:5710"
+
+
+def test_a_followed_name_is_looked_up_again_each_recheck_and_a_move_is_told_once(gated):
+    gate, calls, answers = gated
+    gate.set()
+    answers["rx-0"] = [(socket.AF_INET, "10.0.0.1")]
+    f = resolve.Followed("rx-0", recheck_s=10.0)
+    assert f.moved(100.0) is None and calls == []  # nothing reached yet: nothing to look at
+    f.reached("10.0.0.1", 0.0)
+    assert f.moved(9.9) is None and calls == []  # not due
+    assert f.moved(10.0) is None and calls == ["rx-0"]  # due: a lookup starts, and the caller goes on
+    _wait(f._look)
+    assert f.moved(10.5) is None  # the same address: confirmed at 10.5
+    assert f.moved(20.0) is None and calls == ["rx-0"]
+    answers["rx-0"] = [(socket.AF_INET, "10.0.0.2"), (socket.AF_INET6, "fd00::2")]
+    assert f.moved(20.5) is None and calls == ["rx-0", "rx-0"]
+    _wait(f._look)
+    assert f.moved(21.0) == "10.0.0.2"  # moved: the new address
+    assert f.moved(21.1) is None  # told once; the caller connects there and says so with reached()
+    f.reached("10.0.0.2", 22.0)
+    del answers["rx-0"]  # the DNS forgets the name (a server failing): the address is kept
+    assert f.moved(32.0) is None
+    _wait(f._look)
+    assert f.moved(32.5) is None and f.address == "10.0.0.2"
+
+
+def test_a_followed_address_is_never_looked_up(gated):
+    gate, calls, _ = gated
+    f = resolve.Followed("10.0.0.1", recheck_s=0.1)
+    f.reached("10.0.0.1", 0.0)
+    assert f.moved(100.0) is None and calls == []
+
+
+def test_settled_waits_for_a_lookup_on_the_loop_with_a_deadline(gated):
+    import asyncio
+
+    gate, _, answers = gated
+    answers["rx-0"] = [(socket.AF_INET, "10.0.0.1")]
+
+    async def main():
+        look = resolve.lookup("rx-0")
+        t0 = time.monotonic()
+        assert not (await resolve.settled(look, 0.05)).done and time.monotonic() - t0 < 1.0  # the deadline
+        ticks = 0
+
+        async def tick():  # the loop serves others while it waits
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        t = asyncio.create_task(tick())
+        asyncio.get_running_loop().call_later(0.1, gate.set)
+        got = await resolve.settled(look, 5.0)
+        t.cancel()
+        assert got.address == "10.0.0.1" and ticks >= 5
+
+    asyncio.run(main())

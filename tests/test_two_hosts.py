@@ -527,6 +527,117 @@ def test_two_prefill_hosts_and_two_decode_hosts_behind_the_router_on_a_third(tmp
                 d.stop()
 
 
+def test_the_router_follows_named_receivers_and_publishers_without_a_slow_name_stalling_the_rest(tmp_path):
+    """The router on host r names a decode receiver and a prefill engine's KV events by host names that take 3 s
+    to resolve, at an address where nothing listens yet (host g): libzmq looked each up on the I/O thread every
+    router socket shares, at every reconnect, so the feed of the receiver on host d, named by its address, went
+    silent and was dropped. Now: that feed stays synced, the prefill engine's KV events (named ``pf``, answered at
+    once) fill its view, and requests route. A DNS server failing (SERVFAIL) ejects ``pf`` softly and keeps its
+    view (it ejected it as gone, and cleared the view). A receiver started at the slow name's address is found;
+    when the name moves to another receiver, the old one still up, the router follows it there."""
+    names = ["r", "p", "d", "g"]
+    slow = 3.0
+    with Hosts.make(tmp_path, names) as hosts:
+        r, p, d, g = (hosts[n] for n in names)
+        table = tmp_path / "names.json"
+
+        def point(**entries) -> None:
+            (tmp_path / "names.tmp").write_text(json.dumps(entries))
+            os.replace(tmp_path / "names.tmp", table)
+
+        point(pf=p.addr, **{"rx-ghost": {"a": g.addr, "delay_s": slow}, "ev-ghost": {"a": g.addr, "delay_s": slow}})
+        procs: list = []
+        daemons: list = []
+
+        def metrics(seconds: float = 0.0) -> list[dict]:
+            return [x["samples"] for x in lines(engine(r, "metrics", "--url", router.info["url"], "--seconds",
+                                                       str(seconds), "--gap-ms", "250"), seconds + 30)]
+
+        def receiver(host, port: int) -> launch.Daemon:
+            daemons.append(launch.start_receiver(
+                host.dir, prefix=host.prefix(), host=host.addr, insecure=True, prefault=False,
+                local_socket=str(host.dir / f"rx{port}.sock"),
+                **{**rx_opts(LAY, pool_pages=64), "control_port": port, "ucx_port": port + 1}))
+            return daemons[-1]
+
+        try:
+            dns = r.popen([sys.executable, "-m", "pdpush_tools.harness.dns", "--bind", r.addr, "--names", str(table)],
+                          stdout=subprocess.PIPE, text=True)
+            procs.append((dns, r))
+            assert dns.stdout.readline().strip() == "ready"
+            r.etc("resolv.conf").write_text(f"nameserver {r.addr}\noptions timeout:10 attempts:1\n")
+            rx = receiver(d, 5710)
+            daemons.append(launch.start_sender(p.dir, prefix=p.prefix(), ingress_socket=str(p.dir / "tx.sock"),
+                                               default_receiver=rx.info["control_endpoint"], staging_bytes=16 << 20,
+                                               prefault=False))
+            for host, role, sock in ((p, "serve-prefill", "tx.sock"), (d, "serve-decode", "rx5710.sock")):
+                procs.append((engine(host, role, "--sock", str(host.dir / sock), "--port", "8100"), host))
+                assert next_line(procs[-1][0]) == {"serving": 8100}
+            procs.append((engine(p, "publish", "--bind", p.addr, "--port", "5557", "--seconds", "600",
+                                 "--gap-ms", "500"), p))
+            assert next_line(procs[-1][0]) == {"publishing": 5557}
+            pf, ghost_pf, dd, ghost_d = "http://pf:8100", f"http://{g.addr}:8101", f"http://{d.addr}:8100", \
+                f"http://{g.addr}:8100"
+            d_rx, ghost_rx = rx.info["control_endpoint"], "tcp://rx-ghost:5790"
+            router = launch.start_router(
+                r.dir, prefix=r.prefix(), prefill=[pf, ghost_pf],
+                decode=[{"url": dd, "receiver": d_rx}, {"url": ghost_d, "receiver": ghost_rx}],
+                kv_events={pf: {"endpoint": "tcp://pf:5557"}, ghost_pf: {"endpoint": "tcp://ev-ghost:5557"}},
+                health_interval_s=0.2, index_silence_s=2.0, name_recheck_s=1.0)
+            daemons.append(router)
+
+            def synced(m: dict, receiver: str) -> bool:
+                return m.get(f'pdpush_router_index_synced{{receiver="{receiver}"}}') == 1.0
+
+            until(lambda: synced(metrics()[-1], d_rx), 20, "the router following the receiver on host d")
+            watched = metrics(10.0)  # while both slow names' sockets find nobody, again and again
+            blocks = f'pdpush_router_prefill_view_blocks{{instance="{pf}"}}'
+            unsynced = sum(not synced(m, d_rx) for m in watched)
+            print(f"over 10 s: the receiver's feed unsynced in {unsynced} of {len(watched)} looks; "
+                  f"the engine's view {watched[0].get(blocks)} -> {watched[-1].get(blocks)} blocks")
+            assert unsynced == 0, [m.get(f'pdpush_router_index_synced{{receiver="{d_rx}"}}') for m in watched]
+            assert not watched[-1].get(f'pdpush_router_index_resyncs_total{{receiver="{d_rx}"}}'), watched[-1]
+            assert watched[-1].get(blocks, 0) >= watched[0].get(blocks, 0) + 10, "the KV events did not follow"
+            got = lines(engine(r, "client", "--url", router.info["url"], "--prompts", "0:64", "5000:5064"), 60)
+            assert [(x["text"], x["decode"], x["prefill"]) for x in got] == [("intact", dd, pf)] * 2, got
+
+            # the DNS server fails pf's lookups, and pf's HTTP server restarts (its kept-alive connection goes, and
+            # the router must look the name up): pf is ejected softly; what its events said is kept
+            point(pf={"servfail": True}, **{"rx-ghost": {"a": g.addr, "delay_s": slow},
+                                            "ev-ghost": {"a": g.addr, "delay_s": slow}})
+            server = procs.pop(1)
+            stop(*server)
+            healthy = f'pdpush_router_instance_healthy{{instance="{pf}"}}'
+            until(lambda: metrics()[-1].get(healthy) == 0.0, 20, "pf ejected while its name does not resolve")
+            m = metrics()[-1]
+
+            def cleared(m: dict) -> dict:
+                return {k: v for k, v in m.items() if k.startswith("pdpush_router_prefill_view_resyncs") and pf in k}
+            assert m.get(blocks, 0) > 0 and cleared(m) == cleared(watched[-1]), (m.get(blocks), cleared(m))
+            procs.append((engine(p, "serve-prefill", "--sock", str(p.dir / "tx.sock"), "--port", "8100"), p))
+            assert next_line(procs[-1][0]) == {"serving": 8100}
+            point(pf=p.addr, **{"rx-ghost": {"a": g.addr, "delay_s": slow}, "ev-ghost": {"a": g.addr, "delay_s": slow}})
+            until(lambda: metrics()[-1].get(healthy) == 1.0, 20, "pf re-admitted once its name resolves again")
+
+            # a receiver where the slow name points is found; then the name moves, the old receiver still up
+            receiver(g, 5790)
+            until(lambda: synced(metrics()[-1], ghost_rx), 30, "the router finding the receiver at the slow name")
+            receiver(d, 5790)
+            t0 = time.monotonic()
+            point(pf=p.addr, **{"rx-ghost": {"a": d.addr, "delay_s": slow}, "ev-ghost": {"a": g.addr, "delay_s": slow}})
+            until(lambda: status(str(d.dir / "rx5790.sock"))["index_subscribers"] >= 1, 30,
+                  "the router following the name to its new receiver")
+            moved_s = time.monotonic() - t0
+            until(lambda: synced(metrics()[-1], ghost_rx), 20, "the moved receiver's feed synced")
+            print(f"the name's move followed after {moved_s:.1f} s; the old receiver had "
+                  f"{status(str(g.dir / 'rx5790.sock'))['index_subscribers']} subscribers")
+        finally:
+            for proc, host in procs:
+                stop(proc, host)
+            for dmn in reversed(daemons):
+                dmn.stop()
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_vllm_prefill_and_decode_each_on_its_own_host_give_the_colocated_tokens(tmp_path):

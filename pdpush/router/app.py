@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -77,6 +78,26 @@ def _not_a_cut(record: logging.LogRecord) -> bool:
     return not isinstance(exc, StreamCut)
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _gone(e: Exception) -> bool:
+    """Whether an upstream call's failure says the engine is gone: nothing listens at its address, or the DNS says
+    its name does not exist. A name the DNS did not answer (a server down or slow: EAI_AGAIN, SERVFAIL) says nothing
+    of the engine, which may be serving on: its instance fails softly (``eject_after`` checks in a row) and keeps
+    its cache view."""
+    if not isinstance(e, httpx.ConnectError):
+        return False
+    x: BaseException | None = e
+    for _ in range(8):  # httpx wraps httpcore's error, which wraps the OSError
+        if x is None:
+            break
+        if isinstance(x, socket.gaierror):
+            return x.errno in _NO_SUCH_NAME
+        x = x.__cause__ or x.__context__
+    return True
+
+
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
@@ -126,7 +147,7 @@ class Router:
         self._last_decode = self._last_prefill = -1
         self._tasks: list[asyncio.Task] = []
         self._legs: set[asyncio.Task] = set()  # concurrent prefill legs still running
-        self.watches = Watches(cfg.index_silence_s, self._feed_changed, self._withdrawn)
+        self.watches = Watches(cfg.index_silence_s, self._feed_changed, self._withdrawn, cfg.name_recheck_s)
         self._started = False
         self.last_reload = ""  # what the last SIGHUP did (counted by outcome in /metrics)
         self.client: httpx.AsyncClient | None = None
@@ -278,18 +299,18 @@ class Router:
                                                                            "why": why}})
 
     def _maybe_gone(self, inst: Instance, e: Exception) -> None:
-        """Nothing listens where a prefill engine was: it stopped, and whatever comes back there starts with
-        an empty cache. Its view is cleared now (counted, ``unreachable``), not when the new engine's first
+        """Nothing listens where a prefill engine was (``_gone``): it stopped, and whatever comes back there starts
+        with an empty cache. Its view is cleared now (counted, ``unreachable``), not when the new engine's first
         event batch shows its sequence began again: until then placement would claim hits on blocks that
         are gone (a conversation's next turn sent back to an engine that lost its history)."""
-        if isinstance(e, httpx.ConnectError) and inst.cache is not None and inst.cache.by_hash:
+        if _gone(e) and inst.cache is not None and inst.cache.by_hash:
             log.warning("%s is unreachable: its cache view is cleared", inst.name)
             inst.cache.clear("unreachable")
 
     def _unreachable(self, inst: Instance, e: Exception) -> None:
         self.metrics.upstream_errors.labels(inst.url).inc()
         self._maybe_gone(inst, e)
-        hard = isinstance(e, httpx.ConnectError)
+        hard = _gone(e)
         if self.fleet.failed(inst, f"{type(e).__name__}: {e}", hard=hard):
             log.warning("ejected %s: %s", inst.name, e, extra={"fields": {"event": "eject", "instance": inst.url,
                                                                          "why": str(e)}})

@@ -1,6 +1,12 @@
 """The router's subscription to one receiver's chunk-index feed (index.py), on asyncio.
 
 All decisions (gaps, epochs, when to ask for a snapshot) are ``IndexView``'s; this moves frames.
+
+A receiver named by a host name (a Kubernetes pod's) is reached by address: its name resolves on a thread
+(transport/resolve.py), never on the I/O thread that every zmq socket of the router shares. libzmq resolves a
+connect's name there, again at each reconnect; one name slow to answer stalled every feed and subscription, and
+their views were dropped as silent. The name is looked up again at each new socket, and every ``recheck_s``
+(``resolve.Followed``): a receiver that moved is followed.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ from pdpush import control, protocol
 from pdpush.errors import PdpushError
 from pdpush.index import IndexView
 from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe, Unread, Withdraw
+from pdpush.transport import resolve
 
 log = logging.getLogger("pdpush.router.feeds")
 
 MAX_FRAME = 96 << 20  # a snapshot of a million-page pool is 16 MiB of keys
 KEEPALIVE_S = 3.0
+RESOLVE_TIMEOUT_S = 10.0  # a name's lookup, at most (then the feed tries again, RETRY_S on)
+RETRY_S = 1.0
 
 
 def now_ms() -> int:
@@ -31,18 +40,39 @@ class Feed:
     a new epoch or silence; a fresh socket after silence (the receiver may have restarted)."""
 
     def __init__(self, endpoint: str, view: IndexView, silence_s: float, configure=None, on_change=None,
-                 on_withdrawn=None) -> None:
+                 on_withdrawn=None, recheck_s: float = 30.0) -> None:
         self.endpoint, self.view, self.silence_ms = endpoint, view, int(silence_s * 1000)
         self._configure = configure
         self._on_change = on_change or (lambda kind: None)
         self._on_withdrawn = on_withdrawn or (lambda push_id: None)  # the receiver's Ok to a withdrawal
         self.sock = None
+        self.connected_ms = 0
+        hp = resolve.tcp_host_port(endpoint)
+        self._name = resolve.Followed(hp[0], recheck_s) if hp and not resolve.is_address(hp[0]) else None
+        self._unresolved: str | None = None  # the last lookup failure logged
+        self._moved_to: str | None = None  # the address a look just found the name moved to: connected to next
 
-    def _connect(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-        self.sock = control.async_dealer(self.endpoint, MAX_FRAME, self._configure)
+    async def _connect(self) -> bool:
+        """A fresh socket to the receiver, by address where it is named; False where its name did not resolve
+        (logged once per reason), the feed then without a socket until the next try."""
+        self.close()
+        target = self.endpoint
+        if self._name is not None:
+            address, self._moved_to = self._moved_to, None
+            if address is None:
+                look = await resolve.settled(resolve.lookup(self._name.host), RESOLVE_TIMEOUT_S)
+                if look.address is None:
+                    why = look.error or f"no answer within {RESOLVE_TIMEOUT_S:.0f} s"
+                    if why != self._unresolved:
+                        log.warning("index feed of %s: cannot resolve %r: %s", self.endpoint, self._name.host, why)
+                    self._unresolved = why
+                    return False
+                self._unresolved, address = None, look.address
+            self._name.reached(address, time.monotonic())
+            target = resolve.at_address(self.endpoint, address)
+        self.sock = control.async_dealer(target, MAX_FRAME, self._configure)
         self.connected_ms = now_ms()
+        return True
 
     async def _send(self, snapshot: bool) -> None:
         try:
@@ -66,37 +96,51 @@ class Feed:
         return True
 
     async def run(self) -> None:
-        self._connect()
-        self.view.asked_ms = now_ms()
-        await self._send(True)
-        last_keepalive = time.monotonic()
+        last_keepalive = 0.0
         while True:
             try:
+                if self.sock is None:
+                    if not await self._connect():
+                        await asyncio.sleep(RETRY_S)
+                        continue
+                    self.view.asked_ms = now_ms()  # a fresh socket subscribes at once
+                    await self._send(True)
+                    last_keepalive = time.monotonic()
                 if await self.sock.poll(250, zmq.POLLIN):
                     self._on_frame(await self.sock.recv_multipart())
                 t = now_ms()
+                moved = self._name.moved(time.monotonic()) if self._name is not None else None
                 if self.view.synced and self.view.silent(t, self.silence_ms):
                     log.warning("index feed of %s silent for %.1f s: distrusted until a snapshot", self.endpoint,
                                 self.silence_ms / 1000)
-                    self.view.lose()
-                    self._on_change("silent")
-                    self._connect()
-                    self.view.asked_ms = -(1 << 62)
+                    self._lose("silent")
                 elif not self.view.synced and t - self.connected_ms >= self.silence_ms and \
                         self.view.silent(t, self.silence_ms):
-                    self._connect()  # never answered: a fresh socket (a restarted receiver, a new address)
-                if self.view.want_snapshot(t):
+                    self.close()  # never answered: a fresh socket (a restarted receiver, a new address)
+                elif moved is not None:
+                    log.warning("index feed of %s: %r now resolves to %s, not %s: following it there", self.endpoint,
+                                self._name.host, moved, self._name.address)
+                    self._lose("moved")
+                    self._moved_to = moved
+                elif self.view.want_snapshot(t):
                     await self._send(True)
                     last_keepalive = time.monotonic()
                 elif time.monotonic() - last_keepalive >= KEEPALIVE_S:
                     await self._send(False)
                     last_keepalive = time.monotonic()
             except asyncio.CancelledError:
-                self.sock.close(0)
+                self.close()
                 raise
             except Exception:  # noqa: BLE001 - a bad frame or a socket error must not end the feed
                 log.exception("index feed of %s", self.endpoint)
                 await asyncio.sleep(0.5)
+
+    def _lose(self, why: str) -> None:
+        """What the view held is no longer known: dropped until a snapshot from a fresh socket."""
+        if self.view.synced:
+            self.view.lose()
+            self._on_change(why)
+        self.close()
 
     def _on_frame(self, frames: list[bytes]) -> None:
         try:  # what one pass of the receiver's loop had for us: one message or a batch (daemon.Outbox)
@@ -129,3 +173,4 @@ class Feed:
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close(0)
+            self.sock = None

@@ -10,12 +10,18 @@ is -1: several replies to one request, so the router asks from a DEALER (a REQ s
 first). ``decode_batch`` reads a batch, checking every field it uses; ``EngineEvents`` subscribes, asks
 the replay socket for everything it still holds (so an idle engine's cache is known at once), fills a
 gap from it with a deadline, and hands batches to the view.
+
+Named endpoints are reached by address, resolved on a thread (transport/resolve.py), as the receiver feeds are
+(feeds.py says why). A subscription is a silent socket, so libzmq's heartbeats tell a connection whose engine is
+gone, and the name is looked up again every ``recheck_s``: an engine that came back at another address is
+subscribed to there (``Moved``), its view cleared.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import msgpack
@@ -23,12 +29,15 @@ import zmq
 import zmq.asyncio
 
 from pdpush.router.engine_cache import Cleared, EngineCacheView, Event, Removed, Stored
+from pdpush.transport import resolve
 
 log = logging.getLogger("pdpush.router.kv_events")
 
 MAX_BATCH_BYTES = 64 << 20
 REPLAY_TIMEOUT_S = 2.0
 END_SEQ = -1
+RESOLVE_TIMEOUT_S = 10.0
+HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 1000, 3000  # a connection unanswered this long is dropped, and made again
 
 # each event type's fields in vLLM's order (distributed/kv_events.py), for the array form
 _STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -38,6 +47,18 @@ _REMOVED = ("block_hashes", "medium", "group_idx")
 
 class BadBatch(ValueError):
     """A frame that is not a KV event batch."""
+
+
+class Unresolved(ConnectionError):
+    """The publisher's host name did not resolve: nothing was subscribed."""
+
+
+class Moved(ConnectionError):
+    """The publisher's host name now gives another address (``address``) than the one subscribed to."""
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
 
 
 def _fields(e, names: tuple[str, ...]) -> dict:
@@ -114,7 +135,8 @@ class EngineEvents:
     """Keeps ``view`` following one engine's events: subscribe, fill gaps from the replay buffer, and
     count what could not be read (``bad_batches``)."""
 
-    def __init__(self, source: Source, view: EngineCacheView, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, source: Source, view: EngineCacheView, ctx: zmq.asyncio.Context | None = None,
+                 recheck_s: float = 30.0, address: str | None = None) -> None:
         self.source, self.view = source, view
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sub: zmq.asyncio.Socket | None = None
@@ -122,26 +144,58 @@ class EngineEvents:
         self.replays = 0
         self._dup: tuple[int, int] | None = None  # the last replay's batches: live copies of them are dropped
         self._live_last: int | None = None  # the last live batch's number: one not above it is a restart
+        hp = resolve.tcp_host_port(source.endpoint)
+        self._name = resolve.Followed(hp[0], recheck_s) if hp and not resolve.is_address(hp[0]) else None
+        self._address = address  # where the name was just seen to have moved (``Moved``): no lookup for it again
 
-    def _open(self) -> None:
+    async def _at(self, endpoint: str, timeout_s: float, followed: resolve.Followed | None = None) -> str:
+        """``endpoint`` by address (``Unresolved`` where its name does not resolve within ``timeout_s``)."""
+        hp = resolve.tcp_host_port(endpoint)
+        if hp is None or resolve.is_address(hp[0]):
+            return endpoint
+        look = await resolve.settled(resolve.lookup(hp[0]), timeout_s)
+        if look.address is None:
+            raise Unresolved(f"cannot resolve {hp[0]!r}: {look.error or f'no answer within {timeout_s:.1f} s'}")
+        if followed is not None:
+            followed.reached(look.address, time.monotonic())
+        return resolve.at_address(endpoint, look.address)
+
+    @staticmethod
+    def _connect(sock: zmq.asyncio.Socket, target: str) -> None:
+        if "://[" in target:  # an IPv6 address: libzmq reaches one only when told
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(target)
+
+    async def _open(self) -> None:
+        if self._name is not None and self._address is not None:
+            self._name.reached(self._address, time.monotonic())
+            target = resolve.at_address(self.source.endpoint, self._address)
+        else:
+            target = await self._at(self.source.endpoint, RESOLVE_TIMEOUT_S, self._name)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
         self.sub.setsockopt(zmq.RCVHWM, 100_000)
+        self.sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        self.sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
-        self.sub.connect(self.source.endpoint)
+        self._connect(self.sub, target)
 
     async def run(self) -> None:
-        self._open()
+        await self._open()
         if self.source.replay_endpoint:  # what the engine holds now, before it publishes again: an idle
             self.replays += 1            # engine's cache is seen at once, not after its next batch
             first, upto = await self._replay(0)
             if first is not None:
                 self._dup = (first, upto)
         while True:
-            frames = await self.sub.recv_multipart()
-            await self._maybe_replay(frames)
-            self._on_frames(frames)
+            if await self.sub.poll(1000, zmq.POLLIN):
+                frames = await self.sub.recv_multipart()
+                await self._maybe_replay(frames)
+                self._on_frames(frames)
+            moved = self._name.moved(time.monotonic()) if self._name is not None else None
+            if moved is not None:
+                raise Moved(f"{self._name.host!r} now resolves to {moved}, not {self._name.address}", moved)
 
     async def _maybe_replay(self, frames: list[bytes]) -> None:
         """Fill the gap before a live batch from the replay buffer."""
@@ -170,15 +224,20 @@ class EngineEvents:
     async def _replay(self, start: int) -> tuple[int | None, int]:
         """Ask the replay buffer for the batches from ``start`` and apply them: the first and the last one's
         numbers (None: none came, within the deadline)."""
-        req = self.ctx.socket(zmq.DEALER)  # a REQ socket would take the first reply only
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPLAY_TIMEOUT_S
         first, upto = None, -1
+        try:
+            target = await self._at(self.source.replay_endpoint, REPLAY_TIMEOUT_S)
+        except Unresolved as e:
+            log.warning("replay from %s failed: %s", self.source.replay_endpoint, e)
+            return first, upto
+        req = self.ctx.socket(zmq.DEALER)  # a REQ socket would take the first reply only
         try:
             req.setsockopt(zmq.LINGER, 0)
             req.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
-            req.connect(self.source.replay_endpoint)
+            self._connect(req, target)
             await req.send_multipart([b"", start.to_bytes(8, "big", signed=True)])  # as a REQ would frame it
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + REPLAY_TIMEOUT_S
             while True:
                 left = deadline - loop.time()
                 if left <= 0 or not await req.poll(int(left * 1000), zmq.POLLIN):

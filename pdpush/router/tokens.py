@@ -77,9 +77,14 @@ class LocalTokens:
     name = "local"
 
     def __init__(self, path: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from transformers import AutoTokenizer  # only where configured: a heavy import
 
         self.tok = AutoTokenizer.from_pretrained(path)
+        # threads of its own: the loop's default executor also resolves upstream host names (httpx), and a slow
+        # DNS server must not queue tokenizing, and so every routing decision, behind its lookups
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="pdpush-tokens")
 
     def _ids(self, path: str, body: dict) -> list[int] | None:
         given = prompt_ids_given(path, body)
@@ -98,6 +103,6 @@ class LocalTokens:
 
     async def ids(self, client: httpx.AsyncClient, base_url: str, path: str, body: dict) -> list[int] | None:
         try:
-            return await asyncio.to_thread(self._ids, path, body)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._ids, path, body)
         except (ValueError, TypeError, KeyError) as e:
             raise PromptError(f"cannot tokenize the prompt: {e}") from None

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pdpush.errors import ConfigError
 from pdpush.router.feeds import Feed
 from pdpush.router.fleet import Instance
-from pdpush.router.kv_events import EngineEvents, Source
+from pdpush.router.kv_events import EngineEvents, Moved, Source, Unresolved
 from pdpush.router.reload import DecodeKey, PrefillKey
 
 log = logging.getLogger("pdpush.router")
@@ -22,8 +22,10 @@ log = logging.getLogger("pdpush.router")
 
 class Watches:
     def __init__(self, silence_s: float, on_feed: Callable[[Instance, str], None],
-                 on_withdrawn: Callable[[Instance, str], None] = lambda d, push_id: None) -> None:
+                 on_withdrawn: Callable[[Instance, str], None] = lambda d, push_id: None,
+                 recheck_s: float = 30.0) -> None:
         self.silence_s = silence_s
+        self.recheck_s = recheck_s  # a named receiver's or publisher's name, looked up again this often
         self._on_feed = on_feed
         self._on_withdrawn = on_withdrawn  # a receiver acknowledged a withdrawal (feeds.py)
         self._tasks: dict[int, asyncio.Task] = {}  # by id(instance), while it is listed
@@ -59,12 +61,14 @@ class Watches:
         if isinstance(key, DecodeKey):
             feed = Feed(key.receiver, inst.index, self.silence_s, configure,
                         on_change=lambda kind, d=inst: self._on_feed(d, kind),
-                        on_withdrawn=lambda push_id, d=inst: self._on_withdrawn(d, push_id))
+                        on_withdrawn=lambda push_id, d=inst: self._on_withdrawn(d, push_id),
+                        recheck_s=self.recheck_s)
             task = asyncio.create_task(feed.run(), name=f"feed {key.receiver}")
             task.add_done_callback(lambda t, feed=feed: feed.close())  # the socket closes once the task has ended
             self._feeds[id(inst)] = feed
         elif key.events is not None:
-            task = asyncio.create_task(self._follow(inst, Source(*key.events)), name=f"kv events {inst.url}")
+            task = asyncio.create_task(self._follow(inst, Source(*key.events), self.recheck_s),
+                                       name=f"kv events {inst.url}")
         else:
             return
         self._tasks[id(inst)] = task
@@ -111,17 +115,30 @@ class Watches:
         self._feeds.clear()
 
     @staticmethod
-    async def _follow(p: Instance, source: Source) -> None:
+    async def _follow(p: Instance, source: Source, recheck_s: float) -> None:
         """Follow a prefill engine's KV events while it is listed; a broken subscription starts again."""
+        unresolved = None  # the last lookup failure logged
+        moved_to = None  # the address its name was just seen to have moved to
         while True:
-            ev = EngineEvents(source, p.cache)
+            ev = EngineEvents(source, p.cache, recheck_s=recheck_s, address=moved_to)
+            moved_to = None
             try:
                 await ev.run()
             except asyncio.CancelledError:
                 raise
+            except Unresolved as e:  # nothing was subscribed: nothing to clear; logged once per reason
+                if str(e) != unresolved:
+                    log.warning("KV events of %s: %s; trying again", p.url, e)
+                unresolved = str(e)
+                await asyncio.sleep(1.0)
+            except Moved as e:
+                log.warning("KV events of %s: %s: subscribing there", p.url, e)
+                p.cache.clear("moved")
+                unresolved, moved_to = None, e.address
             except Exception as e:  # noqa: BLE001 - a subscription's failure must not end the router
                 log.warning("KV events of %s: %s; subscribing again", p.url, e)
                 p.cache.clear("subscription_failed")
+                unresolved = None
                 await asyncio.sleep(1.0)
             finally:
                 ev.close()

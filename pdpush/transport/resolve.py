@@ -94,3 +94,68 @@ def _finish(out: Lookup, addresses: list[str], error: str | None) -> None:
         if _inflight.get(out.host) is out:
             del _inflight[out.host]
     out._end(addresses, error)
+
+
+def tcp_host_port(endpoint: str) -> tuple[str, str] | None:
+    """The host (brackets stripped) and port of a ``tcp://host:port`` zmq endpoint; None for another kind (``ipc://``,
+    ``inproc://``), which names no host."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host:
+        return None
+    return host.strip("[]"), port
+
+
+def at_address(endpoint: str, address: str) -> str:
+    """``endpoint`` (``tcp://host:port``) with its host replaced by ``address`` (an IPv6 one in brackets)."""
+    _, port = tcp_host_port(endpoint)
+    return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
+
+
+async def settled(look: Lookup, timeout_s: float) -> Lookup:
+    """``look``, once done or ``timeout_s`` has passed (then maybe not done), for asyncio code: the lookup runs on its
+    thread; this only looks at it, a few ms apart."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + timeout_s, 0.001
+    while not look.done and loop.time() < deadline:
+        await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+        pause = min(pause * 2, 0.02)
+    return look
+
+
+class Followed:
+    """Where one connection to a host name went, and whether the name still gives it: a peer named by a host name
+    (a Kubernetes pod) can move while the address reached still answers (the old pod not yet gone), or go silent
+    there for good, and a connection by address would never see it. ``reached`` records the address connected to;
+    ``moved``, asked now and then without waiting, looks the name up again every ``recheck_s`` on a thread and
+    answers the new address once a finished lookup no longer lists the one reached. A lookup that fails keeps it
+    (a DNS server down is not a peer gone). Clock-free: callers pass ``now`` (seconds, monotonic)."""
+
+    __slots__ = ("host", "recheck_s", "address", "_at", "_look")
+
+    def __init__(self, host: str, recheck_s: float) -> None:
+        self.host, self.recheck_s = host, recheck_s
+        self.address: str | None = None
+        self._at = 0.0  # when ``address`` was last confirmed
+        self._look: Lookup | None = None
+
+    def reached(self, address: str, now: float) -> None:
+        self.address, self._at, self._look = address, now, None
+
+    def moved(self, now: float) -> str | None:
+        if self.address is None or is_address(self.host):
+            return None
+        look = self._look
+        if look is None:
+            if now - self._at >= self.recheck_s:
+                self._look = lookup(self.host)
+            return None
+        if not look.done:
+            return None
+        self._look, self._at = None, now
+        if look.addresses and self.address not in look.addresses:
+            return look.address
+        return None
