@@ -87,8 +87,7 @@ class Sender:
         # libzmq resolves a name on its I/O thread, which every socket shares: a slow DNS answer held them all)
         self._addrs: dict[str, str] = {}  # receiver endpoint -> its address, until the receiver fails
         self._naming: dict[str, tuple[resolve.Lookup, float, list[bytes]]] = {}  # -> lookup, deadline, frames held
-        self._named_at: dict[str, float] = {}  # a named receiver -> when its address was last confirmed (monotonic)
-        self._renaming: dict[str, resolve.Lookup] = {}  # a named receiver -> its name's look again (``_recheck_names``)
+        self._followed: dict[str, resolve.Followed] = {}  # a named receiver -> its name, looked at again now and then
         self.eps: dict[str, object] = {}  # receiver endpoint -> UCX endpoint
         self._connecting: dict[str, _Wiring] = {}  # receiver endpoint -> its data plane being set up
         self._regions: dict[str, tuple[int, int]] = {}  # receiver endpoint -> its region (address, bytes), to populate
@@ -240,7 +239,7 @@ class Sender:
         if time.monotonic() - self._last_refresh > 0.1:  # gauges ~10 times a second
             self._last_refresh = time.monotonic()
             self._lifelines()  # a lifeline's hello that never came is closed by its deadline
-            if self._named_at:
+            if self._followed:
                 self._recheck_names()
             self.metrics.refresh(self.stats())
         self._flush_peers()
@@ -290,29 +289,21 @@ class Sender:
                 self._apply(self.session.on_peer_lost(endpoint, why, now_ms()))
 
     def _recheck_names(self) -> None:
-        """Each named receiver's name, looked up again every ``name_recheck_ms`` on a thread: one that no longer
-        resolves to the address its socket reached (the receiver moved: a pod rescheduled) fails that receiver, and
-        the next request reaches the new one. libzmq looked the name up again at each reconnect; a connection to a
-        host gone silent never reconnects. A lookup that fails keeps the address."""
+        """Each named receiver's name, looked up again every ``name_recheck_ms`` on a thread (``resolve.Followed``):
+        one that no longer resolves to the address its socket reached (the receiver moved: a pod rescheduled) fails
+        that receiver, and the next request reaches the new one. libzmq looked the name up again at each reconnect;
+        a connection to a host gone silent never reconnects. A lookup that fails keeps the address."""
         now = time.monotonic()
-        for endpoint, look in list(self._renaming.items()):
-            if not look.done or self._renaming.get(endpoint) is not look:
+        for endpoint, name in list(self._followed.items()):
+            moved = name.moved(now)
+            if moved is None:
                 continue
-            del self._renaming[endpoint]
-            old = self._addrs.get(endpoint)
-            if old is None or endpoint not in self._named_at:
-                continue  # reset meanwhile
-            self._named_at[endpoint] = now
-            if look.addresses and old not in look.addresses:
-                self.shell_counters["receivers_moved"] += 1
-                log.warning("receiver %s: %r now resolves to %s, not %s: connecting there", endpoint, look.host,
-                            look.address, old)
-                self._apply(self.session.on_peer_lost(endpoint, f"receiver {endpoint}: {look.host!r} now resolves "
-                                                      f"to {look.address}, not {old}", now_ms()))
-                self._reset(endpoint)  # (where no request was in flight, the session had nothing to fail)
-        for endpoint, at in list(self._named_at.items()):
-            if now - at > self.cfg.name_recheck_ms / 1000 and endpoint not in self._renaming:
-                self._renaming[endpoint] = resolve.lookup(endpoint_host_port(endpoint)[0])
+            self.shell_counters["receivers_moved"] += 1
+            log.warning("receiver %s: %r now resolves to %s, not %s: connecting there", endpoint, name.host, moved,
+                        name.address)
+            self._apply(self.session.on_peer_lost(endpoint, f"receiver {endpoint}: {name.host!r} now resolves "
+                                                  f"to {moved}, not {name.address}", now_ms()))
+            self._reset(endpoint)  # (where no request was in flight, the session had nothing to fail)
 
     def _lifelines(self) -> None:
         """Engine connections whose lifeline opened, what they sent, and which closed (their process died):
@@ -566,7 +557,8 @@ class Sender:
         (``_recheck_names``)."""
         self._addrs[endpoint] = look.address
         if not resolve.is_address(look.host):
-            self._named_at[endpoint] = time.monotonic()
+            self._followed[endpoint] = resolve.Followed(look.host, self.cfg.name_recheck_ms / 1000)
+            self._followed[endpoint].reached(look.address, time.monotonic())
         return look.address
 
     def _dealer(self, endpoint: str, address: str) -> zmq.Socket:
@@ -695,7 +687,7 @@ class Sender:
         """A failed receiver: drop its data plane, and its socket (it may hold frames queued for a dead peer), and
         the address its name had (a receiver restarted elsewhere under the same name is looked up anew)."""
         self._drop_ep(endpoint)
-        for named in (self._addrs, self._naming, self._named_at, self._renaming):
+        for named in (self._addrs, self._naming, self._followed):
             named.pop(endpoint, None)
         sock = self.socks.pop(endpoint, None)
         if sock is not None:
