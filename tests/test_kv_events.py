@@ -315,8 +315,8 @@ def test_a_publisher_named_by_a_host_name_is_followed_to_its_new_address(monkeyp
     loop = asyncio.new_event_loop()
     pub = threading.Thread(target=publish, daemon=True)
     pub.start()
+    task = loop.create_task(Watches._follow(inst, Source(f"tcp://pf-0.prefill:{port}"), 0.2))
     try:
-        task = loop.create_task(Watches._follow(inst, Source(f"tcp://pf-0.prefill:{port}"), 0.2))
 
         def hashes() -> set:
             loop.run_until_complete(asyncio.sleep(0.05))
@@ -326,9 +326,9 @@ def test_a_publisher_named_by_a_host_name_is_followed_to_its_new_address(monkeyp
         answer["addr"] = "127.0.0.2"
         until(lambda: hashes() == {2}, 10, "the view following the name to the second engine, and it alone")
         assert inst.cache.resyncs.get("moved") == 1, inst.cache.resyncs
-        task.cancel()
-        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
     finally:
+        task.cancel()  # (its sockets close as it ends)
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         stop.set()
         pub.join(5)
         loop.close()

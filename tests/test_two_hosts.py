@@ -57,6 +57,20 @@ def next_line(p: subprocess.Popen, timeout_s: float = 60) -> dict:
     return json.loads(line)
 
 
+def dns_server(host, names: Path, delay_s: float = 0.0) -> subprocess.Popen:
+    """The harness's DNS server (pdpush_tools/harness/dns.py) on ``host``, answering ``names`` (a JSON file), once
+    it listens. Its line per query is read away on a thread: a pipe left full would stop its answers."""
+    dns = host.popen([sys.executable, "-m", "pdpush_tools.harness.dns", "--bind", host.addr, "--names", str(names),
+                      "--delay-s", str(delay_s)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert dns.stdout.readline().strip() == "ready"
+    except BaseException:
+        stop(dns, host)
+        raise
+    threading.Thread(target=dns.stdout.read, daemon=True).start()
+    return dns
+
+
 def stop(p: subprocess.Popen, host) -> None:
     if p.poll() is None:
         host.kill(p)
@@ -335,9 +349,7 @@ def test_a_receiver_named_by_a_slow_host_name_holds_up_nobody_and_is_followed_wh
         dns = st = None
         named = []
         try:
-            dns = d.popen([sys.executable, "-m", "pdpush_tools.harness.dns", "--bind", d.addr, "--names", str(names),
-                           "--delay-s", str(delay_s)], stdout=subprocess.PIPE, text=True)
-            assert dns.stdout.readline().strip() == "ready"
+            dns = dns_server(d, names, delay_s)
             p.etc("resolv.conf").write_text(f"nameserver {d.addr}\noptions timeout:10 attempts:1\n")
             for host in (d, e):
                 named.append(launch.start_receiver(
@@ -561,10 +573,7 @@ def test_the_router_follows_named_receivers_and_publishers_without_a_slow_name_s
             return daemons[-1]
 
         try:
-            dns = r.popen([sys.executable, "-m", "pdpush_tools.harness.dns", "--bind", r.addr, "--names", str(table)],
-                          stdout=subprocess.PIPE, text=True)
-            procs.append((dns, r))
-            assert dns.stdout.readline().strip() == "ready"
+            procs.append((dns_server(r, table), r))
             r.etc("resolv.conf").write_text(f"nameserver {r.addr}\noptions timeout:10 attempts:1\n")
             rx = receiver(d, 5710)
             daemons.append(launch.start_sender(p.dir, prefix=p.prefix(), ingress_socket=str(p.dir / "tx.sock"),

@@ -18,7 +18,7 @@ import time
 import zmq
 
 from pdpush import control, protocol
-from pdpush.errors import PdpushError
+from pdpush.errors import ConnectError, PdpushError
 from pdpush.index import IndexView
 from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe, Unread, Withdraw
 from pdpush.transport import resolve
@@ -49,30 +49,41 @@ class Feed:
         self.connected_ms = 0
         hp = resolve.tcp_host_port(endpoint)
         self._name = resolve.Followed(hp[0], recheck_s) if hp and not resolve.is_address(hp[0]) else None
-        self._unresolved: str | None = None  # the last lookup failure logged
+        self._renew = False  # the socket is to be replaced (silent, or its receiver moved)
+        self._failed: str | None = None  # why the last new socket could not be made (logged once)
         self._moved_to: str | None = None  # the address a look just found the name moved to: connected to next
 
     async def _connect(self) -> bool:
-        """A fresh socket to the receiver, by address where it is named; False where its name did not resolve
-        (logged once per reason), the feed then without a socket until the next try."""
-        self.close()
+        """A fresh socket to the receiver, by address where it is named, in place of the last one; False where its
+        name did not resolve or the socket could not be made (logged once per reason): the last socket, if any, is
+        kept meanwhile (withdrawals still queue on it) and the next try makes a new one."""
         target = self.endpoint
+        address = None
         if self._name is not None:
             address, self._moved_to = self._moved_to, None
             if address is None:
                 look = await resolve.settled(resolve.lookup(self._name.host), RESOLVE_TIMEOUT_S)
                 if look.address is None:
-                    why = look.error or f"no answer within {RESOLVE_TIMEOUT_S:.0f} s"
-                    if why != self._unresolved:
-                        log.warning("index feed of %s: cannot resolve %r: %s", self.endpoint, self._name.host, why)
-                    self._unresolved = why
-                    return False
-                self._unresolved, address = None, look.address
-            self._name.reached(address, time.monotonic())
+                    return self._failing(f"cannot resolve {self._name.host!r}: "
+                                         f"{look.error or f'no answer within {RESOLVE_TIMEOUT_S:.0f} s'}")
+                address = look.address
             target = resolve.at_address(self.endpoint, address)
-        self.sock = control.async_dealer(target, MAX_FRAME, self._configure)
+        try:
+            sock = control.async_dealer(target, MAX_FRAME, self._configure)
+        except ConnectError as e:
+            return self._failing(str(e))
+        self.close()
+        self.sock, self._renew, self._failed = sock, False, None
+        if address is not None:
+            self._name.reached(address, time.monotonic())
         self.connected_ms = now_ms()
         return True
+
+    def _failing(self, why: str) -> bool:
+        if why != self._failed:
+            log.warning("index feed of %s: %s", self.endpoint, why)
+        self._failed = why
+        return False
 
     async def _send(self, snapshot: bool) -> None:
         try:
@@ -99,7 +110,7 @@ class Feed:
         last_keepalive = 0.0
         while True:
             try:
-                if self.sock is None:
+                if self.sock is None or self._renew:
                     if not await self._connect():
                         await asyncio.sleep(RETRY_S)
                         continue
@@ -116,7 +127,7 @@ class Feed:
                     self._lose("silent")
                 elif not self.view.synced and t - self.connected_ms >= self.silence_ms and \
                         self.view.silent(t, self.silence_ms):
-                    self.close()  # never answered: a fresh socket (a restarted receiver, a new address)
+                    self._renew = True  # never answered: a fresh socket (a restarted receiver, a new address)
                 elif moved is not None:
                     log.warning("index feed of %s: %r now resolves to %s, not %s: following it there", self.endpoint,
                                 self._name.host, moved, self._name.address)
@@ -140,7 +151,7 @@ class Feed:
         if self.view.synced:
             self.view.lose()
             self._on_change(why)
-        self.close()
+        self._renew = True
 
     def _on_frame(self, frames: list[bytes]) -> None:
         try:  # what one pass of the receiver's loop had for us: one message or a batch (daemon.Outbox)

@@ -228,7 +228,11 @@ class EngineEvents:
         deadline = loop.time() + REPLAY_TIMEOUT_S
         first, upto = None, -1
         try:
-            target = await self._at(self.source.replay_endpoint, REPLAY_TIMEOUT_S)
+            hp = resolve.tcp_host_port(self.source.replay_endpoint)
+            if hp is not None and self._name is not None and hp[0] == self._name.host and self._name.address:
+                target = resolve.at_address(self.source.replay_endpoint, self._name.address)  # the publisher's
+            else:
+                target = await self._at(self.source.replay_endpoint, REPLAY_TIMEOUT_S)
         except Unresolved as e:
             log.warning("replay from %s failed: %s", self.source.replay_endpoint, e)
             return first, upto

@@ -11,6 +11,7 @@ alone (no keys), never refused for that.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 
@@ -84,7 +85,7 @@ class LocalTokens:
         self.tok = AutoTokenizer.from_pretrained(path)
         # threads of its own: the loop's default executor also resolves upstream host names (httpx), and a slow
         # DNS server must not queue tokenizing, and so every routing decision, behind its lookups
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="pdpush-tokens")
+        self._pool = ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="pdpush-tokens")
 
     def _ids(self, path: str, body: dict) -> list[int] | None:
         given = prompt_ids_given(path, body)

@@ -98,8 +98,8 @@ def _finish(out: Lookup, addresses: list[str], error: str | None) -> None:
 
 def tcp_host_port(endpoint: str) -> tuple[str, str] | None:
     """The host (brackets stripped) and port of a ``tcp://host:port`` zmq endpoint; None for another kind (``ipc://``,
-    ``inproc://``), which names no host."""
-    if not endpoint.startswith("tcp://"):
+    ``inproc://``), which names no host, or one with a source address (``tcp://src;host:port``), left to libzmq."""
+    if not endpoint.startswith("tcp://") or ";" in endpoint:
         return None
     host, sep, port = endpoint[len("tcp://"):].rpartition(":")
     if not sep or not host:
