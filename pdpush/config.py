@@ -414,6 +414,9 @@ class RouterConfig(_Settings):
     elsewhere (its engine is still at it)."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Deadline to connect to an upstream."""
+    client_write_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for a client to take the next part of a streamed answer (its socket's buffers full): past it, its
+    connection and the decode leg's are broken off (the engine aborts the request)."""
     health_interval_s: float = Field(1.0, gt=0)
     """How often every instance's /health is checked."""
     eject_after: int = Field(2, ge=1)

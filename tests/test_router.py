@@ -8,6 +8,7 @@ with real vLLM engines is tests/test_fleet.py.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import select
 import socket
@@ -155,6 +156,7 @@ class Upstream(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(200 if self.state.get("healthy", True) else 500, {})
         elif self.path == "/v1/models":
+            self.heard.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
             self._send(200, {"data": [{"id": "m"}]})
         else:
             self._send(404, {})
@@ -176,6 +178,29 @@ class Upstream(BaseHTTPRequestHandler):
             return
         if mode in ("fail500", "gw504"):
             self._send(int(mode[-3:]), {"error": {"message": "boom"}})
+            return
+        if mode == "fail500cut":  # an error answer whose body breaks off (its engine died writing it)
+            self.send_response(500)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"error": ')
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        if mode == "flood" and body.get("stream"):  # parts as fast as they are taken, up to 256 MiB
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            part = b"data: " + b"x" * (64 << 10) + b"\n\n"
+            try:
+                for _ in range(4096):
+                    self.wfile.write(part)
+                self.state["flood_ended"] = "whole"
+            except OSError:
+                self.state["flood_ended"] = "cut"  # the router broke the leg's connection off
+            self.close_connection = True
             return
         if mode == "drop":  # it took the request and died before answering (its health checks still pass)
             self.close_connection = True
@@ -236,8 +261,8 @@ def start_router(tmp_path):
     started = []
 
     def start(prefill, decode, **opts):
-        r = launch.start_router(tmp_path, prefill=prefill, decode=decode, health_interval_s=0.2,
-                                index_silence_s=2.0, **opts)
+        r = launch.start_router(tmp_path, prefill=prefill, decode=decode, **{"health_interval_s": 0.2,
+                                                                             "index_silence_s": 2.0, **opts})
         started.append(r)
         return r
 
@@ -737,8 +762,79 @@ def test_upstream_headers_pass_the_trace_context_and_never_the_routers_own_key()
     from pdpush.router.legs import upstream_headers
 
     inc = {"traceparent": "00-a-b-01", "authorization": "Bearer k", "cookie": "c", "tracestate": "x" * 600}
-    assert upstream_headers(inc, own_key=False) == {"traceparent": "00-a-b-01", "authorization": "Bearer k"}
-    assert upstream_headers(inc, own_key=True) == {"traceparent": "00-a-b-01"}
+    plain = {"accept-encoding": "identity"}  # answers uncompressed: a stream is relayed byte for byte
+    assert upstream_headers(inc, own_key=False) == {"traceparent": "00-a-b-01", "authorization": "Bearer k", **plain}
+    assert upstream_headers(inc, own_key=True) == {"traceparent": "00-a-b-01", **plain}
+    # what httpx cannot encode (it refused the leg, and the engine was counted failed) is dropped
+    odd = {"traceparent": "00-a-b-01", "tracestate": "a=\u00e9", "authorization": "Bearer \u00e9\n"}
+    assert upstream_headers(odd, own_key=False) == {"traceparent": "00-a-b-01", **plain}
+
+
+def test_headers_httpx_cannot_send_are_dropped_and_count_against_no_engine(upstreams, start_router):
+    """A client's trace header that is not ASCII (Starlette reads latin-1) made every leg fail to encode, counted
+    against the engine: two such requests ejected every prefill instance and the router answered 503."""
+    p_url, p, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], health_interval_s=30.0)
+    url = r.info["url"]
+    for i in range(4):
+        res = post(url, {"prompt": "a", "max_tokens": 2}, headers={"tracestate": "a=\u00e9".encode("latin-1"),
+                                                                   "traceparent": f"00-t{i}-b-01"})
+        assert res.status_code == 200, res.text
+    health = httpx.get(url + "/health").json()["instances"]
+    assert health[f"prefill:{p_url}"]["healthy"] and not health[f"prefill:{p_url}"]["failures"], health
+    assert p.heard[-1][1].get("traceparent") == "00-t3-b-01" and "tracestate" not in p.heard[-1][1]
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer engine-key"}).status_code == 200
+    assert d.heard[-1] == ("/v1/models", d.heard[-1][1]) and d.heard[-1][1]["authorization"] == "Bearer engine-key"
+
+
+def test_an_error_answer_broken_off_is_a_502_and_its_push_is_dropped(upstreams, start_router):
+    """The decode engine answers 500 and dies writing the body: a 502 naming it (not the router's 500 with a
+    traceback), nothing left in flight, and the push its prefill leg made is told unread to its receiver."""
+    p_url, _, _ = upstreams("prefill")
+    d_url, _, _ = upstreams("decode", mode="fail500cut")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs="false")
+    url = r.info["url"]
+    res = post(url, {"prompt": "a", "max_tokens": 2})
+    assert res.status_code == 502 and res.json()["error"]["type"] == "upstream_error", res.text
+    assert "broke off its 500 answer" in res.json()["error"]["message"], res.text
+    health = httpx.get(url + "/health").json()
+    assert health["instances"][f"decode:{d_url}"]["inflight"] == 0, health
+    assert health["unread_sent"] + health["unread_unsent"] == 1, health
+    assert "Traceback" not in r.log()
+
+
+def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_leg_with_it(upstreams, start_router):
+    """A streaming client that stays connected but takes nothing (suspended, stuck): past client_write_timeout_s its
+    connection is broken off, and the decode leg's too (the engine aborts the request); nothing stays in flight.
+    Before, the relay waited on the client's window for good, counted in flight."""
+    import socket as so
+
+    p_url, _, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode", mode="flood")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], client_write_timeout_s=1.0)
+    url = r.info["url"]
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "a", "max_tokens": 4, "stream": True}).encode()
+    c = so.socket()
+    c.setsockopt(so.SOL_SOCKET, so.SO_RCVBUF, 4096)
+    try:
+        c.connect((host, int(port)))
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert c.recv(4096).startswith(b"HTTP/1.1 200"), "the stream began"
+        until(lambda: d.state.get("flood_ended"), 30, "the decode leg ended")  # the client took nothing since
+        assert d.state["flood_ended"] == "cut"
+        until(lambda: httpx.get(url + "/health").json()["instances"][f"decode:{d_url}"]["inflight"] == 0, 10,
+              "the stream's count undone")
+        c.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while c.recv(1 << 20):  # what was buffered, then the end: the router closed the connection
+                pass
+    finally:
+        c.close()
+    log = r.log()
+    assert "took no part of its stream" in log and "Traceback" not in log, log
 
 
 def test_the_api_key_guards_the_front(upstreams, start_router, tmp_path):

@@ -69,6 +69,36 @@ class StreamCut(Exception):
     client's connection off too (no final chunk), rather than end the stream as if it were whole."""
 
 
+class ClientStalled(StreamCut):
+    """A streamed answer's client took no part of it within ``client_write_timeout_s`` (connected, not reading: a
+    process suspended, a consumer stuck). Its connection is broken off, and the decode leg's with it (its engine
+    aborts the request): otherwise the relay waited on the client's window for good, counted in flight, and
+    ``max_inflight`` such clients made the router answer 503 for good."""
+
+
+class _Relayed(StreamingResponse):
+    """A streamed answer whose client must take each part within ``write_timeout_s`` (``ClientStalled``); its relay
+    is closed however it ends (its ``finally`` gives its counts back and closes the decode leg's connection)."""
+
+    def __init__(self, content, write_timeout_s: float, on_stall, **kw) -> None:
+        super().__init__(content, **kw)
+        self.write_timeout_s, self.on_stall = write_timeout_s, on_stall
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                self.on_stall()
+                raise ClientStalled(f"no part taken within {self.write_timeout_s} s") from None
+
+        try:
+            await super().stream_response(timed)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _not_a_cut(record: logging.LogRecord) -> bool:
     """uvicorn's log filter: its "Exception in ASGI application" for a StreamCut (the relay logged the cut, once,
     as the decode's failure) goes unlogged; the router's own errors still come with their traceback."""
@@ -561,8 +591,8 @@ class Router:
             if not job.done():
                 job.cancel()
         if job.done() and not job.cancelled():
-            if job.exception() is None:
-                self._withdraw_unread(route, "no decode engine took a leg naming it")  # (failed, or recomputed)
+            # (failed, recomputed, or an error of the router's: a 500 below, its push unread all the same)
+            self._withdraw_unread(route, "no decode engine took a leg naming it")
             return job.result()
         with contextlib.suppress(asyncio.CancelledError):
             await job  # its cleanup (connections closed, counts undone)
@@ -676,13 +706,22 @@ class Router:
             route.decode_took &= legs.gateway_status(resp.status_code)
             try:
                 data = await resp.aread()
+            except httpx.HTTPError as e:  # its error answer broke off too
+                self._unreachable(decode, e)
+                self.metrics.requests.labels(path, "upstream_error").inc()
+                return error(504 if isinstance(e, httpx.TimeoutException) else 502,
+                             f"decode instance {decode.url} broke off its {resp.status_code} answer: "
+                             f"{type(e).__name__}: {e}", "upstream_error", {"X-Pdpush-Upstream": decode.url})
             finally:
                 await resp.aclose()
                 decode.inflight -= 1
                 self._settle_later(prefill_task, route)
             self.metrics.requests.labels(path, f"upstream_{resp.status_code}").inc()
+            passed = {"X-Pdpush-Upstream": decode.url}
+            if legs.sendable(after := resp.headers.get("retry-after")) and len(after) <= 64:  # (an engine's 503 says when to come back)
+                passed["Retry-After"] = after
             return Response(data, resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
-                            headers={"X-Pdpush-Upstream": decode.url})
+                            headers=passed)
         self.fleet.ok(decode)
         extra = {"X-Pdpush-Route": mode, "X-Pdpush-Decode": decode.url, "X-Pdpush-Push-Id": route.push_id}
         served = route.prefill_served or route.prefill  # a concurrent leg may not have answered yet: the planned one
@@ -713,14 +752,22 @@ class Router:
                     self.metrics.seconds.labels(mode).observe(time.monotonic() - t0)
                     self._settle_later(prefill_task, route)
 
-            return StreamingResponse(relay(), 200, media_type=resp.headers.get("content-type", "text/event-stream"),
-                                     headers=extra)
+            def stalled() -> None:
+                self.metrics.requests.labels(path, "client_stalled").inc()
+                log.warning("client of %s took no part of its stream for %.1f s: cut off", route.push_id,
+                            self.cfg.client_write_timeout_s,
+                            extra={"fields": {"event": "client_stalled", "push_id": route.push_id}})
+
+            return _Relayed(relay(), self.cfg.client_write_timeout_s, stalled, status_code=200,
+                            media_type=resp.headers.get("content-type", "text/event-stream"), headers=extra)
         try:
             data = await resp.aread()
         except httpx.HTTPError as e:
             self._unreachable(decode, e)
             self.metrics.requests.labels(path, "upstream_error").inc()
-            return error(502, f"decode instance {decode.url} broke off its answer: {e}", "upstream_error")
+            return error(504 if isinstance(e, httpx.TimeoutException) else 502,
+                         f"decode instance {decode.url} broke off its answer: {type(e).__name__}: {e}",
+                         "upstream_error", {"X-Pdpush-Upstream": decode.url})
         finally:
             await resp.aclose()
             decode.inflight -= 1
@@ -859,7 +906,8 @@ class Router:
             return error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
         for d in [d for d in self.fleet.decode if d.healthy]:
             try:
-                r = await self.client.get(d.url + "/v1/models", timeout=10)
+                r = await self.client.get(d.url + "/v1/models", timeout=10, headers=legs.upstream_headers(
+                    request.headers, own_key=self.api_key is not None))
             except httpx.HTTPError as e:
                 self._unreachable(d, e)
                 continue

@@ -27,13 +27,21 @@ PASSED_HEADERS = ("traceparent", "tracestate")  # W3C Trace Context
 MAX_PASSED_HEADER = 512  # tracestate: at most 32 members of 256 bytes is the spec; keep it short and bounded
 
 
+def sendable(v: str | None) -> bool:
+    """A header value the legs can carry: printable ASCII (httpx refuses anything else when it builds the request,
+    and that failure was counted against the engine: two such requests ejected every prefill instance)."""
+    return bool(v) and v.isascii() and v.isprintable()
+
+
 def upstream_headers(incoming: Mapping[str, str], own_key: bool) -> dict[str, str]:
     """The client's headers both legs carry: its trace context, and ``Authorization`` unless the router
     checked a key of its own (that key is not passed on). ``incoming`` is case-insensitive (Starlette's);
-    oversized values are dropped rather than forwarded."""
-    out = {k: v for k in PASSED_HEADERS if (v := incoming.get(k)) and len(v) <= MAX_PASSED_HEADER}
-    if not own_key and (auth := incoming.get("authorization")):
+    oversized values, and values not printable ASCII, are dropped rather than forwarded. Answers are asked for
+    uncompressed: a stream is relayed as its bytes come (a gateway's gzip would reach the client undeclared)."""
+    out = {k: v for k in PASSED_HEADERS if sendable(v := incoming.get(k)) and len(v) <= MAX_PASSED_HEADER}
+    if not own_key and sendable(auth := incoming.get("authorization")):
         out["authorization"] = auth
+    out["accept-encoding"] = "identity"
     return out
 
 

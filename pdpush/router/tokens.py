@@ -48,6 +48,10 @@ def _token_ids(p: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in p)
 
 
+# an engine's /tokenize answers within this or the request is routed by load alone (an engine that accepts connections
+# but has stopped answering kept every request from being placed for upstream_timeout_s, 300 s by default)
+TOKENIZE_TIMEOUT_S = 10.0
+
 _CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
               "add_special_tokens", "tools", "documents")
 
@@ -67,7 +71,7 @@ class EngineTokens:
                    "add_special_tokens": body.get("add_special_tokens", True)}
         else:
             return None  # a batch of prompts: routed by load
-        r = await client.post(base_url + "/tokenize", json=req)
+        r = await client.post(base_url + "/tokenize", json=req, timeout=TOKENIZE_TIMEOUT_S)
         if r.status_code == 400:
             raise PromptError(r.json().get("error", {}).get("message", r.text[:500]))
         r.raise_for_status()
