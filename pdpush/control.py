@@ -14,7 +14,7 @@ from pathlib import Path
 import zmq
 
 from pdpush import protocol
-from pdpush.errors import ConfigError, ConnectError
+from pdpush.errors import ConfigError, ConnectError, ResourceError
 from pdpush.protocol import Msg
 
 # zmq drops a peer that sends a frame over MAXMSGSIZE; keep some slack over our own cap so
@@ -55,7 +55,10 @@ def bind_router(endpoint_host: str, port: int, max_frame: int,
             sock.bind(f"tcp://{host}:{port}")
     except zmq.ZMQError as e:
         sock.close()
-        raise ConfigError(f"cannot bind control endpoint tcp://{host}:{port}: {e}") from e
+        why = f"cannot bind control endpoint tcp://{host}:{port}: {e}"
+        if e.errno == zmq.EADDRINUSE:  # the host's state, not the config's: a start-up failure (exit 3, restarted)
+            raise ResourceError(why) from e
+        raise ConfigError(why) from e
     return sock, f"tcp://{host}:{port}"
 
 

@@ -115,7 +115,8 @@ def test_systemd_units(tmp_path, unit):
     for needle in ("Type=notify", "LimitMEMLOCK=infinity", "NoNewPrivileges=yes", "ProtectSystem=strict",
                    "PrivateTmp=yes", "User=pdpush",
                    "RuntimeDirectoryPreserve=yes",  # the two units share /run/pdpush: one stopping keeps the other's
-                   "RestartPreventExitStatus=2"):  # a bad config is not restarted every 2 s
+                   "RestartPreventExitStatus=2",  # a bad config is not restarted every 2 s
+                   "StartLimitBurst=5"):  # nor a start that fails every time, or a crash loop, for good
         assert needle in text, needle
     if "receiver" in unit:  # READY=1 after the pool's prefault: longer than systemd's default 90 s on a big pool
         assert re.search(r"TimeoutStartSec=\d+min", text)

@@ -94,7 +94,7 @@ def test_compose_models_two_hosts(tmp_path):
 
     compose = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())
     svc = compose["services"]
-    sides = {"decode": ("receiver", "decode-check"), "prefill": ("sender", "prefill-check")}
+    sides = {"decode": ("receiver", "decode-check", "decode-ipc"), "prefill": ("sender", "prefill-check", "prefill-ipc")}
     assert set(svc) == {"keys", *sides["decode"], *sides["prefill"]}
     assert svc["receiver"]["restart"] == svc["sender"]["restart"] == "unless-stopped"  # a crashed daemon comes back
 
@@ -115,10 +115,15 @@ def test_compose_models_two_hosts(tmp_path):
         assert all(str(p).startswith("127.0.0.1:") for p in s.get("ports", []))
 
     run_volume, key_volume = {}, {}
-    for side, (daemon, check) in sides.items():
-        d, c = svc[daemon], svc[check]
-        # the daemon owns its side's IPC namespace; memlock for its shared memory (pool or staging)
-        assert d["ipc"] == "shareable" and d["ulimits"]["memlock"] == -1 and d["shm_size"]
+    for side, (daemon, check, holder) in sides.items():
+        d, c, h = svc[daemon], svc[check], svc[holder]
+        # the side's IPC namespace is held by a container of its own, which outlives the daemon's restarts (a daemon
+        # that owned it came back in a new one, its engine left in the old: the pool out of its sight)
+        assert h["ipc"] == "shareable" and h["network_mode"] == "none" and h["command"] == ["sleep", "infinity"]
+        assert h["restart"] == "unless-stopped" and h["init"] is True and not h.get("volumes")
+        # the daemon joins it; memlock for its shared memory (pool or staging)
+        assert d["ipc"] == f"service:{holder}" and d["ulimits"]["memlock"] == -1
+        assert d["depends_on"][holder]["condition"] == "service_started"
         assert (ROOT / "docker" / mounts(daemon)["/etc/pdpush"]).resolve() == (ROOT / "configs").resolve()
         hc = d["healthcheck"]["test"]
         assert hc[1:4] == ["pdpush", "status", "--config"] and host_path(hc[4]) == cfg_path[daemon]
@@ -128,7 +133,7 @@ def test_compose_models_two_hosts(tmp_path):
         assert lifeline.path_for(sock[daemon]).parent == sock[daemon].parent
         run_volume[side], key_volume[side] = mounts(daemon)[run_dir], mounts(daemon)["/keys"]
         # the engine's place: the daemon's IPC namespace and runtime volume, nothing else; checked once
-        assert c["ipc"] == f"service:{daemon}" and c["network_mode"] == "none" and c["ulimits"]["memlock"] == -1
+        assert c["ipc"] == f"service:{holder}" and c["network_mode"] == "none" and c["ulimits"]["memlock"] == -1
         assert mounts(check)[run_dir] == run_volume[side] and "/keys" not in mounts(check)
         assert c["depends_on"][daemon]["condition"] == "service_healthy"
         script = c["command"][-1]
@@ -138,7 +143,7 @@ def test_compose_models_two_hosts(tmp_path):
     for side, names in sides.items():  # no container joins the other side's IPC namespace or volumes
         other = "prefill" if side == "decode" else "decode"
         for n in names:
-            assert svc[n].get("ipc") != f"service:{sides[other][0]}"
+            assert svc[n].get("ipc") not in (f"service:{sides[other][0]}", f"service:{sides[other][2]}")
             assert not {run_volume[other], key_volume[other]} & set(mounts(n).values())
 
     # between the sides only the network: the receiver's control and UCX ports on `fabric`, CURVE on
@@ -147,7 +152,7 @@ def test_compose_models_two_hosts(tmp_path):
     assert tx.default_receiver == f"tcp://receiver:{rx.control_port}"
     assert rx.host == "0.0.0.0" and rx.curve_secret_key_file and rx.allowed_senders
     assert tx.curve_secret_key_file and tx.receiver_public_key
-    assert set(svc["sender"]["depends_on"]) == {"keys"}  # the prefill side does not wait for the decode side
+    assert set(svc["sender"]["depends_on"]) == {"keys", "prefill-ipc"}  # nor on the decode side
 
     # the keys script, run on local folders: each side gets what its config names, and no other secret
     k = svc["keys"]
