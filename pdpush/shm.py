@@ -147,13 +147,15 @@ def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
         a[off:off + step] = 0
 
 
-def mapping_end(address: int) -> int | None:
-    """The end of this process's mapping that holds ``address`` (/proc/self/maps); None if none does."""
+def mapping_of(address: int) -> tuple[int, int, str] | None:
+    """This process's mapping that holds ``address`` (/proc/self/maps): its start, its end and its path ("" for an
+    anonymous one); None if none does."""
     with open("/proc/self/maps") as f:
         for line in f:
-            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
             if lo <= address < hi:
-                return hi
+                return lo, hi, parts[5].strip() if len(parts) > 5 else ""
     return None
 
 
@@ -169,9 +171,10 @@ def populate(address: int, nbytes: int, stop=None, progress=None, step: int = 4 
     never allocates the owner's memory (nor is charged for it). Never past the mapping that holds ``address``. In ``step`` pieces (each holds this process's
     mmap lock for a millisecond or so), stopping before the next when ``stop()`` says so; ``progress(bytes)``
     after each. Returns the bytes populated."""
-    end_map = mapping_end(address)
-    if end_map is None:
+    m = mapping_of(address)
+    if m is None:
         return 0
+    end_map = m[1]
     end = min(-(-(address + nbytes) // _PAGE) * _PAGE, end_map)
     at = address // _PAGE * _PAGE
     vec = (ctypes.c_ubyte * (step // _PAGE))()

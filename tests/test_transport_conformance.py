@@ -328,6 +328,10 @@ def test_a_receiver_claiming_a_pool_larger_than_its_rkey_maps_here_is_refused(wo
         if ep.rkey.local_address(dst) is not None:
             with pytest.raises(TransferError, match="larger than the region its rkey maps here"):
                 ep.attach(pu, 1, (dst, 1 << 40))
+            # a base claimed off the segment's start: UCX maps it to wherever the offset lands in this process (a
+            # base claimed below it, at this process's own staging); the pool must start where the segment does
+            with pytest.raises(TransferError, match="is not the start of a shared-memory segment"):
+                ep.attach(pu, 1, (dst + 4096, REGION - 4096))
         else:
             assert env == TCP
         ep.attach(pu, 1, (dst, REGION))  # what it registered: taken

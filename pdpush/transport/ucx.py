@@ -240,10 +240,16 @@ class Endpoint(_Closable):
         if local is not None:  # a shared-memory lane: a put is this process's copy to local + offset, unchecked
             from pdpush import shm
 
-            end = shm.mapping_end(local)
-            if end is None or local + nbytes > end:
+            # UCX's rkey_ptr adds the offset to where it mapped the peer's segment, whatever the offset: the pool
+            # must be that whole segment's mapping from its start (a base claimed off it could land in any other
+            # mapping of this process, its own staging included), and fit in it
+            m = shm.mapping_of(local)
+            if m is None or m[0] != local or not m[2].startswith(("/SYSV", "/dev/shm/")):
+                raise TransferError(f"endpoint {self.name}: the receiver's pool base {base:#x} is not the start of a "
+                                    f"shared-memory segment its rkey maps here ({m[2] if m else 'nothing mapped'})")
+            if local + nbytes > m[1]:
                 raise TransferError(f"endpoint {self.name}: the receiver's pool ({nbytes} bytes from {base:#x}) is "
-                                    f"larger than the region its rkey maps here ({(end or local) - local} bytes)")
+                                    f"larger than the region its rkey maps here ({m[1] - local} bytes)")
         pusher.add_endpoint(eid, self.handle, self.rkey.handle, base, nbytes)
 
     def stream_send(self, payload: bytes, timeout_s: float) -> None:
