@@ -647,6 +647,87 @@ def test_the_router_follows_named_receivers_and_publishers_without_a_slow_name_s
                 dmn.stop()
 
 
+def test_a_decode_pod_restarted_on_another_host_under_its_names_is_followed_by_router_and_sender(tmp_path):
+    """A Kubernetes-shaped rolling restart: the decode side (its receiver and its engine) is named by DNS names only,
+    `rx` and `decode`, as a StatefulSet pod is, and comes back on another host at another address. The router (its
+    feed, its health checks, its legs) and the sender (which the prefill leg tells to push to `rx`) follow the names
+    there by themselves; requests fail while the pod is down, then land intact on the new host."""
+    names = ["r", "p", "d1", "d2"]
+    with Hosts.make(tmp_path, names) as hosts:
+        r, p = hosts["r"], hosts["p"]
+        table = tmp_path / "names.json"
+
+        def point(host) -> None:
+            (tmp_path / "names.tmp").write_text(json.dumps({"rx": host.addr, "decode": host.addr}))
+            os.replace(tmp_path / "names.tmp", table)
+
+        point(hosts["d1"])
+        procs: list = []
+        daemons: list = []
+
+        def decode_pod(host) -> tuple:
+            rx = launch.start_receiver(host.dir, prefix=host.prefix(), host="0.0.0.0", insecure=True, prefault=False,
+                                       local_socket=str(host.dir / "rx.sock"), control_port=5710, ucx_port=5711,
+                                       **rx_opts(LAY, pool_pages=64))
+            server = engine(host, "serve-decode", "--sock", str(host.dir / "rx.sock"), "--port", "8100")
+            assert next_line(server) == {"serving": 8100}
+            return rx, server
+
+        def ask(prompt: str) -> dict:
+            return lines(engine(r, "client", "--url", router.info["url"], "--prompts", prompt), 120)[-1]
+
+        router = None
+        try:
+            procs.append((dns_server(r, table), r))
+            for host in (r, p):  # the router and the prefill host resolve through it
+                host.etc("resolv.conf").write_text(f"nameserver {r.addr}\noptions timeout:2 attempts:1\n")
+            daemons.append(launch.start_sender(p.dir, prefix=p.prefix(), ingress_socket=str(p.dir / "tx.sock"),
+                                               staging_bytes=16 << 20, prefault=False, name_recheck_ms=1000,
+                                               control_timeout_ms=3000))
+            procs.append((engine(p, "serve-prefill", "--sock", str(p.dir / "tx.sock"), "--port", "8100"), p))
+            assert next_line(procs[-1][0]) == {"serving": 8100}
+            old_rx, old_server = decode_pod(hosts["d1"])
+            daemons.append(old_rx)
+            procs.append((old_server, hosts["d1"]))
+            router = launch.start_router(r.dir, prefix=r.prefix(), prefill=[f"http://{p.addr}:8100"],
+                                         decode=[{"url": "http://decode:8100", "receiver": "tcp://rx:5710"}],
+                                         health_interval_s=0.2, index_silence_s=2.0, name_recheck_s=1.0)
+            daemons.append(router)
+            got = ask("0:64")
+            assert (got["status"], got["text"], got["host"]) == (200, "intact", "d1"), got
+            # the pod goes, and comes back on d2 under the same names
+            stop(old_server, hosts["d1"])
+            old_rx.stop()
+            new_rx, new_server = decode_pod(hosts["d2"])
+            daemons.append(new_rx)
+            procs.append((new_server, hosts["d2"]))
+            t0 = time.monotonic()
+            point(hosts["d2"])
+            failed = []
+            while True:
+                got = ask(f"{(len(failed) + 1) * 1000}:{(len(failed) + 1) * 1000 + 64}")
+                if got["text"] == "intact" or time.monotonic() - t0 > 60:
+                    break
+                failed.append(got["status"])
+                time.sleep(0.5)
+            print(f"the decode pod moved: a request served again {time.monotonic() - t0:.1f} s after its names did; "
+                  f"before it, statuses {failed}")
+            assert (got["status"], got["text"], got["host"]) == (200, "intact", "d2"), (got, failed)
+
+            def synced() -> bool:  # the router's view of the receiver's index: the new pod's (the old one is gone)
+                m = lines(engine(r, "metrics", "--url", router.info["url"]), 30)[-1]["samples"]
+                return m.get('pdpush_router_index_synced{receiver="tcp://rx:5710"}') == 1.0
+
+            until(synced, 30, "the router's feed following the receiver's name to its new pod")
+            assert status(str(hosts["d2"].dir / "rx.sock"))["index_subscribers"] >= 1
+        finally:
+            for proc, host in procs:
+                if proc is not None:
+                    stop(proc, host)
+            for dmn in reversed(daemons):
+                dmn.stop()
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_vllm_prefill_and_decode_each_on_its_own_host_give_the_colocated_tokens(tmp_path):
