@@ -191,3 +191,33 @@ def test_a_send_that_fails_loses_every_question_in_flight_with_it(answerer):
     with pytest.raises(Lost) as e:
         asker.ask(_q(1), "Y", now)
     assert e.value.tags == ["X", "Y"] and not asker.inflight and asker.down(now)
+
+
+def test_a_receiver_restarted_with_questions_in_flight_loses_them_rather_than_answering_them_with_others(tmp_path):
+    """The receiver restarts while a question waits (it died unanswered): the socket reconnects to the new one by
+    itself, and its answers to later questions were matched, by order, to the lost ones until the deadline (a
+    question with one key answered "2 held"). The drop is seen now: the questions in flight are lost, named, and the
+    next ones, on a fresh socket, get their own answers."""
+    path = str(tmp_path / "rx.sock")
+    old = Answerer(path)
+    old.answering = False  # it dies with the question unanswered
+    a = Asker(path, timeout_s=5.0, retry_s=0.2, max_inflight=8)
+    new = None
+    try:
+        assert a.ask(_q(1), "lost", time.monotonic())
+        time.sleep(0.1)  # (the question reached the old receiver)
+        old.close()
+        new = Answerer(path)
+        time.sleep(0.5)  # the socket has reconnected to the new receiver
+        with pytest.raises(Lost, match="dropped") as e:
+            a.ask(_q(2), "next", time.monotonic())
+            a.wait(1.0)
+            a.answers(time.monotonic())  # (where the drop was not seen at the ask)
+        assert "lost" in e.value.tags and not a.inflight
+        time.sleep(0.25)  # retry_s
+        assert a.ask(_q(3), "again", time.monotonic())
+        assert [(t, m.held_prefix) for t, m in _until_answers(a, 1)] == [("again", 3)]
+    finally:
+        a.close()
+        if new is not None:
+            new.close()
