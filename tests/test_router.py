@@ -1297,3 +1297,54 @@ def test_the_cost_model_sends_the_prefill_leg_where_the_engines_own_cache_holds_
     finally:
         for pub in pubs:
             pub.stop()
+
+
+def test_a_feed_whose_receivers_name_stops_resolving_keeps_its_last_address(tmp_path, monkeypatch):
+    """A receiver named by a host name, and a DNS server that fails after the first lookup: a feed that must make a
+    new socket (silence, a restarted receiver) goes back to the address its name last gave, as the sender does,
+    rather than stay unsubscribed until the DNS answers again. The resolver is a stand-in (Python's getaddrinfo,
+    which pdpush's lookups use); the receiver and its feed are real."""
+    import asyncio
+    import socket as so
+
+    from pdpush.index import IndexView
+    from pdpush.router.feeds import Feed
+
+    real = so.getaddrinfo
+    dns = {"up": True}
+
+    def fake(host, *a, **kw):
+        if host == "rx-0.decode":
+            if not dns["up"]:
+                raise so.gaierror(so.EAI_AGAIN, "Temporary failure in name resolution")
+            return [(so.AF_INET, so.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+        return real(host, *a, **kw)
+
+    monkeypatch.setattr(so, "getaddrinfo", fake)
+    rx = launch.start_receiver(tmp_path, pool_pages=32, **LAY)
+    port = rx.info["control_endpoint"].rsplit(":", 1)[1]
+    view = IndexView()
+    feed = Feed(f"tcp://rx-0.decode:{port}", view, silence_s=2.0)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(feed.run())
+
+    def spin(pred, timeout_s: float, what: str) -> None:
+        end = time.monotonic() + timeout_s
+        while not pred():
+            assert time.monotonic() < end, f"timed out waiting for {what}"
+            loop.run_until_complete(asyncio.sleep(0.05))
+
+    try:
+        spin(lambda: view.synced, 10, "the first snapshot")
+        dns["up"] = False
+        first = feed.sock
+        view.lose()
+        feed._renew = True  # what silence does: a fresh socket, which looks the name up again
+        spin(lambda: feed.sock is not first and view.synced, 15, "a fresh socket at the last address, synced")
+        assert feed._name.address == "127.0.0.1"
+    finally:
+        task.cancel()
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+        loop.close()
+        feed.close()
+        rx.stop()

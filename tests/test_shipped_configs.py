@@ -121,6 +121,7 @@ def test_compose_models_two_hosts(tmp_path):
         # that owned it came back in a new one, its engine left in the old: the pool out of its sight)
         assert h["ipc"] == "shareable" and h["network_mode"] == "none" and h["command"] == ["sleep", "infinity"]
         assert h["restart"] == "unless-stopped" and h["init"] is True and not h.get("volumes")
+        assert h["shm_size"]  # the /dev/shm its joiners get (an engine's worker queues; Docker's default is 64 MB)
         # the daemon joins it; memlock for its shared memory (pool or staging)
         assert d["ipc"] == f"service:{holder}" and d["ulimits"]["memlock"] == -1
         assert d["depends_on"][holder]["condition"] == "service_started"

@@ -18,7 +18,7 @@ import time
 import zmq
 
 from pdpush import control, protocol
-from pdpush.errors import ConnectError, PdpushError
+from pdpush.errors import PdpushError
 from pdpush.index import IndexView
 from pdpush.protocol import IndexEvent, IndexSnapshot, IndexSubscribe, Unread, Withdraw
 from pdpush.transport import resolve
@@ -63,15 +63,15 @@ class Feed:
             address, self._moved_to = self._moved_to, None
             if address is None:
                 look = await resolve.settled(resolve.lookup(self._name.host), RESOLVE_TIMEOUT_S)
-                if look.address is None:
+                address = look.address or self._name.address  # a lookup that fails keeps the last address
+                if address is None:
                     return self._failing(f"cannot resolve {self._name.host!r}: "
                                          f"{look.error or f'no answer within {RESOLVE_TIMEOUT_S:.0f} s'}")
-                address = look.address
             target = resolve.at_address(self.endpoint, address)
         try:
             sock = control.async_dealer(target, MAX_FRAME, self._configure)
-        except ConnectError as e:
-            return self._failing(str(e))
+        except (PdpushError, zmq.ZMQError) as e:  # (a bad endpoint, no file descriptor, a CURVE option refused)
+            return self._failing(f"{type(e).__name__}: {e}")
         self.close()
         self.sock, self._renew, self._failed = sock, False, None
         if address is not None:

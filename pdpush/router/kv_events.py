@@ -136,7 +136,7 @@ class EngineEvents:
     count what could not be read (``bad_batches``)."""
 
     def __init__(self, source: Source, view: EngineCacheView, ctx: zmq.asyncio.Context | None = None,
-                 recheck_s: float = 30.0, address: str | None = None) -> None:
+                 recheck_s: float = 30.0, address: str | None = None, last: str | None = None) -> None:
         self.source, self.view = source, view
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sub: zmq.asyncio.Socket | None = None
@@ -147,6 +147,12 @@ class EngineEvents:
         hp = resolve.tcp_host_port(source.endpoint)
         self._name = resolve.Followed(hp[0], recheck_s) if hp and not resolve.is_address(hp[0]) else None
         self._address = address  # where the name was just seen to have moved (``Moved``): no lookup for it again
+        self._last = last  # where it was reached last: taken again where a lookup fails (a DNS server down)
+
+    @property
+    def reached(self) -> str | None:
+        """The address the publisher's name gave, where it is named and was reached."""
+        return self._name.address if self._name is not None else None
 
     async def _at(self, endpoint: str, timeout_s: float, followed: resolve.Followed | None = None) -> str:
         """``endpoint`` by address (``Unresolved`` where its name does not resolve within ``timeout_s``)."""
@@ -171,7 +177,15 @@ class EngineEvents:
             self._name.reached(self._address, time.monotonic())
             target = resolve.at_address(self.source.endpoint, self._address)
         else:
-            target = await self._at(self.source.endpoint, RESOLVE_TIMEOUT_S, self._name)
+            try:
+                target = await self._at(self.source.endpoint, RESOLVE_TIMEOUT_S, self._name)
+            except Unresolved as e:
+                if self._name is None or self._last is None:
+                    raise
+                log.warning("KV events at %s: %s; subscribing at its last address, %s", self.source.endpoint, e,
+                            self._last)
+                self._name.reached(self._last, time.monotonic())
+                target = resolve.at_address(self.source.endpoint, self._last)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)

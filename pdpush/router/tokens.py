@@ -71,7 +71,9 @@ class EngineTokens:
                    "add_special_tokens": body.get("add_special_tokens", True)}
         else:
             return None  # a batch of prompts: routed by load
-        r = await client.post(base_url + "/tokenize", json=req, timeout=TOKENIZE_TIMEOUT_S)
+        t = client.timeout  # (its connect and pool deadlines kept: the router's connect_timeout_s)
+        r = await client.post(base_url + "/tokenize", json=req, timeout=httpx.Timeout(
+            connect=t.connect, read=TOKENIZE_TIMEOUT_S, write=TOKENIZE_TIMEOUT_S, pool=t.pool))
         if r.status_code == 400:
             raise PromptError(r.json().get("error", {}).get("message", r.text[:500]))
         r.raise_for_status()

@@ -119,8 +119,9 @@ class Watches:
         """Follow a prefill engine's KV events while it is listed; a broken subscription starts again."""
         unresolved = None  # the last lookup failure logged
         moved_to = None  # the address its name was just seen to have moved to
+        last = None  # the address its name gave last (kept where a lookup fails)
         while True:
-            ev = EngineEvents(source, p.cache, recheck_s=recheck_s, address=moved_to)
+            ev = EngineEvents(source, p.cache, recheck_s=recheck_s, address=moved_to, last=last)
             moved_to = None
             try:
                 await ev.run()
@@ -141,4 +142,5 @@ class Watches:
                 unresolved = None
                 await asyncio.sleep(1.0)
             finally:
+                last = ev.reached or last
                 ev.close()

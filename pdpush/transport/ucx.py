@@ -246,7 +246,8 @@ class Endpoint(_Closable):
             m = shm.mapping_of(local)
             if m is None or m[0] != local or not m[2].startswith(("/SYSV", "/dev/shm/")):
                 raise TransferError(f"endpoint {self.name}: the receiver's pool base {base:#x} is not the start of a "
-                                    f"shared-memory segment its rkey maps here ({m[2] if m else 'nothing mapped'})")
+                                    f"shared-memory segment its rkey maps here ({m[2] if m else 'nothing mapped'}; "
+                                    "a same-host pool is SysV or posix shared memory, UCX's sysv or posix lanes)")
             if local + nbytes > m[1]:
                 raise TransferError(f"endpoint {self.name}: the receiver's pool ({nbytes} bytes from {base:#x}) is "
                                     f"larger than the region its rkey maps here ({m[1] - local} bytes)")
