@@ -61,12 +61,10 @@ class Feed:
         address = None
         if self._name is not None:
             address, self._moved_to = self._moved_to, None
-            if address is None:
-                look = await resolve.settled(resolve.lookup(self._name.host), RESOLVE_TIMEOUT_S)
-                address = look.address or self._name.address  # a lookup that fails keeps the last address
+            if address is None:  # (a lookup that fails keeps the last address)
+                address, why = await resolve.address_of(self._name.host, RESOLVE_TIMEOUT_S, self._name.address)
                 if address is None:
-                    return self._failing(f"cannot resolve {self._name.host!r}: "
-                                         f"{look.error or f'no answer within {RESOLVE_TIMEOUT_S:.0f} s'}")
+                    return self._failing(why)
             target = resolve.at_address(self.endpoint, address)
         try:
             sock = control.async_dealer(target, MAX_FRAME, self._configure)

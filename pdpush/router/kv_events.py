@@ -154,17 +154,21 @@ class EngineEvents:
         """The address the publisher's name gave, where it is named and was reached."""
         return self._name.address if self._name is not None else None
 
-    async def _at(self, endpoint: str, timeout_s: float, followed: resolve.Followed | None = None) -> str:
-        """``endpoint`` by address (``Unresolved`` where its name does not resolve within ``timeout_s``)."""
+    async def _at(self, endpoint: str, timeout_s: float, followed: resolve.Followed | None = None,
+                  last: str | None = None) -> str:
+        """``endpoint`` by address: its name looked up within ``timeout_s``, else ``last`` (the address it gave
+        before), else ``Unresolved``."""
         hp = resolve.tcp_host_port(endpoint)
         if hp is None or resolve.is_address(hp[0]):
             return endpoint
-        look = await resolve.settled(resolve.lookup(hp[0]), timeout_s)
-        if look.address is None:
-            raise Unresolved(f"cannot resolve {hp[0]!r}: {look.error or f'no answer within {timeout_s:.1f} s'}")
+        address, why = await resolve.address_of(hp[0], timeout_s, last)
+        if address is None:
+            raise Unresolved(why)
+        if why:
+            log.warning("KV events at %s: %s; subscribing at its last address, %s", endpoint, why, address)
         if followed is not None:
-            followed.reached(look.address, time.monotonic())
-        return resolve.at_address(endpoint, look.address)
+            followed.reached(address, time.monotonic())
+        return resolve.at_address(endpoint, address)
 
     @staticmethod
     def _connect(sock: zmq.asyncio.Socket, target: str) -> None:
@@ -177,15 +181,7 @@ class EngineEvents:
             self._name.reached(self._address, time.monotonic())
             target = resolve.at_address(self.source.endpoint, self._address)
         else:
-            try:
-                target = await self._at(self.source.endpoint, RESOLVE_TIMEOUT_S, self._name)
-            except Unresolved as e:
-                if self._name is None or self._last is None:
-                    raise
-                log.warning("KV events at %s: %s; subscribing at its last address, %s", self.source.endpoint, e,
-                            self._last)
-                self._name.reached(self._last, time.monotonic())
-                target = resolve.at_address(self.source.endpoint, self._last)
+            target = await self._at(self.source.endpoint, RESOLVE_TIMEOUT_S, self._name, self._last)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)

@@ -126,6 +126,15 @@ async def settled(look: Lookup, timeout_s: float) -> Lookup:
     return look
 
 
+async def address_of(host: str, timeout_s: float, last: str | None = None) -> tuple[str | None, str]:
+    """The address ``host`` gives, looked up off the loop within ``timeout_s`` (asyncio code), and "". Where the lookup
+    fails: ``last``, the address it gave before (a DNS server down is not a peer gone), or None, and why."""
+    look = await settled(lookup(host), timeout_s)
+    if look.address is not None:
+        return look.address, ""
+    return last, f"cannot resolve {host!r}: {look.error or f'no answer within {timeout_s:.1f} s'}"
+
+
 class Followed:
     """Where one connection to a host name went, and whether the name still gives it: a peer named by a host name
     (a Kubernetes pod) can move while the address reached still answers (the old pod not yet gone), or go silent
