@@ -341,6 +341,39 @@ def test_a_finish_record_the_sender_never_took_ends_in_a_typed_error_when_it_die
         pc.close()
 
 
+def test_a_finish_the_sender_never_answers_ends_in_a_typed_timeout(daemons):
+    """The sender is alive but stopped (SIGSTOP) when the engine finishes: ``poll_done`` answers None until the
+    client's ``timeout_s`` from ``finish_nowait``, then raises a typed TransportTimeout, never waits for good. The
+    sender, running again, commits the request; its late answer is dropped, and the next request is served."""
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=1.0)
+    k, v = kv(LAY, 30, seed=5)
+    try:
+        h = pc.begin("silent", list(range(30)))
+        for layer in range(LAY.layers):
+            h.put_layer(layer, k[layer], v[layer])
+        os.kill(_tx_pid(tx), signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            h.finish_nowait()
+            assert h.poll_done(0.2) is None
+            with pytest.raises(TransportTimeout, match="did not answer its finish within 1 s"):
+                while h.poll_done(0.1) is None:
+                    assert time.monotonic() - t0 < 10, "poll_done never gave up"
+            assert time.monotonic() - t0 >= 0.9
+        finally:
+            os.kill(_tx_pid(tx), signal.SIGCONT)
+        until(lambda: status(sock(tx))["requests_done"] >= 1, 10, "the sender committing the request")
+        h2 = pc.begin("next", list(range(100, 130)))
+        for layer in range(LAY.layers):
+            h2.put_layer(layer, k[layer], v[layer])
+        assert h2.finish(timeout_s=10).layers == LAY.layers
+        assert "silent" not in pc._conn.mail  # the late Done was dropped, not kept for an owner that is gone
+    finally:
+        pc.close()
+
+
 ENGINE = """
 import sys, time
 import numpy as np

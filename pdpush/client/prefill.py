@@ -88,6 +88,7 @@ class PushHandle:
         self._done: Done | None = None
         self._aborted: str | None = None
         self._finishing = False
+        self._finish_deadline = 0.0  # finish_nowait's: the client's timeout_s from the Finish, as finish()'s
 
     def new_chunks(self, layer: int) -> list[int]:
         """The chunks whose pages of ``layer`` this request writes (its layer group's new items)."""
@@ -374,24 +375,31 @@ class PushHandle:
         if self._done is None and not self._finishing:
             self._check_open()
             self._finishing = True
+            self._finish_deadline = time.monotonic() + self.client.timeout_s
             self._send_finish(self.client.timeout_s)
 
     def poll_done(self, timeout_s: float = 0.0) -> Done | None:
-        """The commit's outcome if it has come (raises its typed error if it failed), else None."""
+        """The commit's outcome if it has come (raises its typed error if it failed), else None; TransportTimeout
+        once the client's ``timeout_s`` from ``finish_nowait`` has passed with no answer (a sender alive but silent:
+        a late answer is then dropped)."""
         self._check_not_aborted()
         if self._done is not None:
             return self._done
         if not self._finishing:
             raise UnexpectedMessage(f"request {self.req_id!r}: poll_done before finish_nowait")
         try:
-            reply = self.client._conn.recv_for(self.req_id, time.monotonic() + timeout_s)
+            reply = self.client._conn.recv_for(self.req_id, min(time.monotonic() + timeout_s, self._finish_deadline))
         except TransportTimeout:
             try:  # no answer will come from a sender that died or restarted since (its finish record went with it)
                 self._check_sender()
             except BrokenResourceError:
                 self._end()
                 raise
-            return None
+            if time.monotonic() < self._finish_deadline:
+                return None
+            self._end()
+            raise TransportTimeout(f"request {self.req_id!r}: the sender did not answer its finish within "
+                                   f"{self.client.timeout_s:g} s", req_id=self.req_id) from None
         self._end()
         raise_error(reply)
         if not isinstance(reply, Done):
