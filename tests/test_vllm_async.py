@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from pdpush.client import PrefillClient
+from pdpush.client import PrefillClient, status
 from pdpush.layout import KVLayout
 from pdpush_tools.harness.vllm_cluster import VLLM_PY, build_model
 from pdpush_tools.harness.vllm_cluster import cluster as vllm_cluster
+from tests.helpers import until
 from tests.test_vllm import LAYOUT, LLM_ARGS
 
 COMMON = {"chunk_tokens": 48, "model_id": "tiny-vllm", "load_timeout_s": 5.0, "push_wait_s": 5.0, "timeout_s": 10.0,
@@ -111,6 +112,43 @@ def test_a_push_failing_mid_stream_is_recomputed_and_the_running_requests_are_un
     assert d["load_async_failed"] == 1 and d["load_failures"] == 1 and d["load_async"] == 0, d
     # the failed request was recomputed from its first token, and the running ones never saw it
     assert [o["tokens"] for o in outs] == ref
+
+
+def test_a_request_aborted_while_its_load_waits_frees_its_blocks_at_the_next_step(cluster):
+    """A decode request waiting outside the batch for a push still arriving (WAITING_FOR_REMOTE_KVS) is aborted, as
+    a client that hangs up: the worker hears of it at the next step (vLLM's ``finished_req_ids``), gives the load up
+    and reports it, so vLLM frees its blocks then; not once the push commits, nor at ``load_timeout_s`` (5 s here),
+    when it used to fail as a timeout. The running requests are unaffected, and the push, committed later, leaves
+    the receiver (its reader released it)."""
+    a, b, q = prompts(13, 45, 70, 110)
+    ref = [o["tokens"] for o in cluster["colocated"].generate_batch([a, b], RUNNING_TOKENS)[0]]
+    d0 = cluster["decode"].stats()
+    k = KVLayout(**LAYOUT)
+    pc = PrefillClient(k, cluster["tx_sock"], receiver=cluster["rx"].info["control_endpoint"])
+    result: list = []
+    try:
+        run = threading.Thread(target=lambda: result.append(cluster["decode"].generate_aborting(
+            [a, b, q], RUNNING_TOKENS, [None, None, {"pdpush_req_id": "aborted-waiting"}], [None, None, 1.0])),
+            daemon=True)
+        run.start()
+        time.sleep(0.05)
+        h = pc.begin("aborted-waiting", q)
+        h.layer_ready(0)  # one layer lands; the rest come after the decode has given the request up
+        run.join(300)
+        assert result, "the decode batch did not finish"
+        outs, stats = result[0]
+        for layer in range(1, k.layers):
+            h.layer_ready(layer)
+        h.finish(timeout_s=30)
+    finally:
+        pc.close()
+    d = delta(stats, d0)
+    assert [o["tokens"] for o in outs[:2]] == ref
+    assert outs[2]["aborted"] and outs[2]["freed_ms"] is not None, outs[2]
+    assert outs[2]["freed_ms"] < 2500, outs[2]  # the next step's, not load_timeout_s's (about 4 s after the abort)
+    assert d["match_async"] == 1 and d["push_unread"] == 1, d
+    assert d["load_failures"] == 0 and d["load_async"] == 0, d  # given up, not failed (nor recomputed: aborted)
+    until(lambda: status(cluster["rx_sock"])["requests_inflight"] == 0, 10, "the released push leaving the receiver")
 
 
 def test_a_committed_push_on_an_idle_engine_loads_layer_by_layer(cluster):

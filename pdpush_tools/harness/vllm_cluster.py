@@ -125,6 +125,14 @@ class Engine:
                        "kv_transfer_params": params or [None] * len(prompts)})
         return r["outputs"], r["stats"]
 
+    def generate_aborting(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None],
+                          abort_after_s: list[float | None]) -> tuple[list[dict], dict]:
+        """All prompts submitted together; prompt i is aborted ``abort_after_s[i]`` seconds later (None: never), its
+        result ``{"aborted": True, "freed_ms": ...}``: from the abort until vLLM freed its blocks."""
+        r = self.call({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens, "abort_after_s": abort_after_s,
+                       "kv_transfer_params": params})
+        return r["outputs"], r["stats"]
+
     def __enter__(self) -> Engine:
         try:
             self.ready()

@@ -7,6 +7,8 @@ Run with the vLLM venv's python (``make vllm-env``); ``pdpush_tools.harness.vllm
 Commands (one JSON object per line; one JSON reply per line on stdout):
     {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": [{...}|null, ...],
      "batch": false}   (batch: submit all prompts at once, so that they share engine steps)
+     "abort_after_s": [null|seconds, ...]}   (all at once, stepping the engine; some aborted after that long,
+     their results {"aborted": true, "freed_ms": ms from the abort until vLLM freed their blocks, or null})
     {"cmd": "stats"}
     {"cmd": "quit"}
 Also: ``--build-model DIR [--size tiny|bench|...]`` writes a random-init model (``MODELS``) + tokenizer and exits.
@@ -270,6 +272,37 @@ def _timed(llm, req, sp, external: list[int]) -> tuple:
     return final, ((end - t) * 1000, ((first or end) - t) * 1000, external[0], first or end)
 
 
+def _with_aborts(llm, reqs, sps, abort_after_s: list, limit_s: float = 120.0) -> list:
+    """All requests at once, stepping the engine's own loop; request i is aborted ``abort_after_s[i]`` seconds after
+    they went in (None: never), as a client that hangs up. Each result: (its last output, ms to its end); an aborted
+    one's is (None, ms from its abort until the engine's scheduler let go of it: its blocks freed), or (None, None)
+    where it still held it at ``limit_s``."""
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    ids = [f"stepped-{time.monotonic_ns()}-{i}" for i in range(len(reqs))]
+    t = time.monotonic()
+    for rid, req, sp in zip(ids, reqs, sps, strict=True):
+        engine.add_request(rid, req, sp)
+    results: dict[int, tuple] = {}
+    internal: dict[int, tuple[float, list[str]]] = {}  # aborted: (when, the engine's own ids of it)
+    while len(results) < len(ids) and time.monotonic() - t < limit_s:
+        now = time.monotonic()
+        for i, after in enumerate(abort_after_s):
+            if after is not None and i not in internal and now - t >= after:
+                own = engine.output_processor.abort_requests([ids[i]], False)  # (LLMEngine.abort_request's two
+                engine.engine_core.abort_requests(own)  # steps, keeping the engine's ids to look for)
+                internal[i] = (now, own)
+        for out in engine.step():
+            if out.finished and out.request_id in ids:
+                i = ids.index(out.request_id)
+                if i not in internal:
+                    results[i] = (out, (time.monotonic() - t) * 1000)
+        for i, (at, own) in internal.items():
+            if i not in results and not any(r in sched.requests for r in own):
+                results[i] = (None, (time.monotonic() - at) * 1000)
+    return [results.get(i, (None, None)) for i in range(len(ids))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
@@ -312,6 +345,8 @@ def main() -> int:
         reqs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
         if cmd.get("timed"):  # one at a time, stepping the engine: each request's time to first token too
             timed = [_timed(llm, req, sp, external) for req, sp in zip(reqs, sps, strict=True)]
+        elif cmd.get("abort_after_s"):  # all at once, some aborted (stepping the engine)
+            timed = _with_aborts(llm, reqs, sps, cmd["abort_after_s"])
         elif cmd.get("batch"):  # all at once: the engine batches them into shared steps
             t = time.monotonic()
             outs = llm.generate(reqs, sps, use_tqdm=False)
@@ -324,7 +359,7 @@ def main() -> int:
         results = [{"tokens": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
                     "num_cached_tokens": r.num_cached_tokens, "ms": ms[0] if isinstance(ms, tuple) else ms,
                     **({"ttft_ms": ms[1], "external_tokens": ms[2], "first_at": ms[3]} if isinstance(ms, tuple)
-                       else {})}
+                       else {})} if r is not None else {"aborted": True, "freed_ms": ms}
                    for r, ms in timed]
         out.write(json.dumps({"outputs": results, "stats": connector_stats(llm)[0] if connected else {}}) + "\n")
         out.flush()

@@ -118,10 +118,11 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Asynchronous loads (models of several KV cache groups) that completed, or failed: vLLM recomputes
-        a failed one from its first token (it cannot take block-level failures with several groups)."""
+        a failed one from its first token (it cannot take block-level failures with several groups); those of
+        requests vLLM has aborted (``finished_req_ids``) end at once."""
         if self._worker is None:
             return KVConnectorTransferResults()
-        done, failed = self._worker.poll_async_loads()
+        done, failed = self._worker.poll_async_loads(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -331,14 +331,18 @@ class LoadPath:
         self.stats.load_bytes += nt * nh * C * lay.row_bytes
         return True
 
-    def poll_async_loads(self) -> tuple[set[str], set[str]]:
+    def poll_async_loads(self, finished: set[str] | frozenset[str] = frozenset()) -> tuple[set[str], set[str]]:
         """Asynchronous loads (``load_mode``; always for a model of several KV cache groups, whose failed loads
         vLLM can only take as a failed request), once per engine step, outside the forward: the layers that
         have landed are copied in order, at most ``async_layers_per_step`` over all loads, so that no step
         pays for a whole request's copy; a load whose every layer is copied and whose push has committed
         gets its state (if any) and is done. One that failed, or whose push did not commit by its deadline, fails
         (vLLM recomputes it from its first token); one committed waits for the budget as long as it takes (a burst
-        of loads used to time out behind each other, their KV all there). Returns (loaded, failed) vLLM ids."""
+        of loads used to time out behind each other, their KV all there). ``finished``: the requests vLLM has ended
+        since the last step (its ``finished_req_ids``); one whose load still waits was aborted (its client hung up):
+        the load is given up now, its pool pages released and its id returned as loaded, so that vLLM frees its
+        blocks at once rather than once its push commits or ``load_timeout_s`` passes. Returns (loaded, failed) vLLM
+        ids."""
         self._holds.poll(_release_failed)  # loads whose copies to the device have completed since
         self.receiver.flush()  # (releases and give-ups sent without waiting, where the socket was full)
         done: set[str] = set()
@@ -347,6 +351,13 @@ class LoadPath:
         budget = self.settings.async_layers_per_step
         names = self._load_order
         for ld in list(self._async):
+            if ld.spec.req_id in finished:
+                self._async.remove(ld)
+                log.info("pdpush: load of %s (%s) given up: vLLM aborted the request", ld.spec.req_id, ld.spec.push_id)
+                done.add(ld.spec.req_id)  # (finished_recving of a finished request: vLLM frees its blocks)
+                if ld.req is not None:
+                    self._holds.release(ld.req, ld.copies, _release_failed)
+                continue
             if ld.failed is None:
                 try:
                     while (ld.layers_done < len(names) and budget > 0 and ld.failed is None

@@ -490,7 +490,9 @@ class SchedulerSide:
             r.pushed = True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._awaiting.discard(request.request_id)
+        if request.request_id in self._awaiting:  # aborted while its asynchronous load waits: the worker gives that
+            self._awaiting.discard(request.request_id)  # load up at the next step (``finished_req_ids``), its
+            self.stats.push_unread += 1  # pages released, and vLLM frees the blocks then
         self._live.discard(request.request_id)
         r = self.reqs.pop(request.request_id, None)
         if self.consumer:

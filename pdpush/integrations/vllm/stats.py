@@ -254,7 +254,7 @@ class SchedulerStats(_Counts):
     # the decode scheduler's choice per planned load (load_mode): outside the batch, or layer by layer
     match_async: int = 0
     match_layerwise: int = 0
-    push_unread: int = 0  # ended (aborted, or its prompt cached here) before its push was loaded: withdrawn
+    push_unread: int = 0  # ended (aborted, or its prompt cached here) before its push was loaded: withdrawn/released
     withdrawals_dropped: int = 0  # withdrawals beyond MAX_WITHDRAWALS waiting (its receiver down): never sent
     load_async_naps: int = 0  # empty steps while only asynchronous loads waited: napped IDLE_NAP_S, not spun
     recomputed: Counter[str] = field(default_factory=Counter)  # reason -> requests recomputed
