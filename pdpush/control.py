@@ -62,6 +62,33 @@ def bind_router(endpoint_host: str, port: int, max_frame: int,
     return sock, f"tcp://{host}:{port}"
 
 
+def check_port_free(host: str, port: int, what: str) -> None:
+    """ResourceError (a start-up failure: exit 3, restarted) where a process already listens on tcp ``host:port``.
+    A daemon checks its fixed ports before it faults in its pool or staging (about 1 s per GiB), which each try
+    of a restarted daemon would otherwise pay before finding its port taken. A look, not a reservation: the real
+    bind still says so where a process takes the port in between; any other error (an address not on this host, a
+    name that does not resolve) is left to the real bind to report."""
+    import errno
+    import socket
+
+    if port <= 0:
+        return
+    try:
+        infos = socket.getaddrinfo(None if host in ("", "*") else host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do: TIME_WAIT is no owner
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ResourceError(f"cannot bind {what} on {host}:{port}: another process listens "
+                                        "there") from e
+
+
 def private_dir(d: Path, create: bool = True) -> None:
     """Check (and with ``create``, make, mode 0700) the directory of a daemon's local sockets, lifelines and doorbell:
     a real directory, owned by this uid, that nobody else can write. Another local user who made it first (say

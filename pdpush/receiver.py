@@ -69,6 +69,10 @@ class Receiver:
         from pdpush.transport.auto import open_transport
 
         cfg = self.cfg
+        # the ports first too: one taken fails the start (exit 3) before a big pool's prefault, not after it
+        control.check_port_free(cfg.host, cfg.control_port, "the control endpoint")
+        control.check_port_free(cfg.host, cfg.ucx_port, "the UCX listener")
+        control.check_port_free(cfg.metrics_host, cfg.metrics_port, "the metrics endpoint")
         if cfg.curve_secret_key_file:  # the keys first: a bad key file fails the start before a big pool's prefault
             from pdpush import auth
 

@@ -235,16 +235,21 @@ def test_a_start_that_fails_on_the_host_exits_3_with_one_line_and_leaves_no_sock
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == code and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
             assert not list(tmp_path.glob(f"s{code}.sock*")), list(tmp_path.iterdir())
-        # the receiver's control port taken (an old receiver not yet gone): the host's state, restarted by systemd
-        # (exit 3), not a bad config (exit 2, which the units never restart)
-        f = tmp_path / "r.toml"
-        f.write_text(f"control_port = {taken.getsockname()[1]}\nucx_port = 0\nmetrics_port = 0\n"
-                     f"local_socket = '{tmp_path}/r.sock'\nprefault = false\n"
-                     + "".join(f"{k} = {json.dumps(v)}\n" for k, v in rx_opts(LAY).items() if v is not None))
-        r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(f)],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 3 and "Address already in use" in r.stderr and "Traceback" not in r.stderr, \
-            r.stderr[-3000:]
+        # the receiver's control, UCX or metrics port taken (an old receiver not yet gone): the host's state,
+        # restarted by systemd (exit 3), not a bad config (exit 2, which the units never restart); found before the
+        # pool is made and faulted in (about 1 s per GiB, which each restart used to pay first)
+        port = taken.getsockname()[1]
+        for which, ports in (("the control endpoint", (port, 0, 0)), ("the UCX listener", (0, port, 0)),
+                             ("the metrics endpoint", (0, 0, port))):
+            f = tmp_path / "r.toml"
+            f.write_text(f"control_port = {ports[0]}\nucx_port = {ports[1]}\nmetrics_port = {ports[2]}\n"
+                         f"local_socket = '{tmp_path}/r.sock'\nprefault = true\n"
+                         + "".join(f"{k} = {json.dumps(v)}\n" for k, v in rx_opts(LAY).items() if v is not None))
+            r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(f)],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 3 and f"cannot bind {which} on 127.0.0.1:{port}: another process listens" \
+                in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert "transports:" not in r.stderr, r.stderr[-3000:]  # (before UCX, its pool and its prefault)
     finally:
         taken.close()
 
