@@ -102,6 +102,10 @@ class PagePool:
             n += 1
         return n
 
+    def held(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` are held complete (an allocation would take no page for them)."""
+        return sum(k in self._index for k in keys)
+
     # ---- allocation ----
     def allocate(self, req_id: str, keys: list[bytes]) -> PoolRequest:
         """Pages for the chunks not held complete; held ones are pinned for this request."""

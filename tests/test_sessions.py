@@ -542,6 +542,55 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert reply[0].request_gone and not reply[0].request_committed
 
 
+def _hello(rx: ReceiverSession, ident: bytes) -> None:
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(ident, hello, 0), ToSender, protocol.HelloAck)
+
+
+def _alloc(rid: str, ids, lease_ms: int = 5000) -> protocol.AllocRequest:
+    return protocol.AllocRequest(req_id=rid, chunk_keys=chunk_keys(list(ids), LAY), last_chunk_tokens=16,
+                                 lease_ms=lease_ms)
+
+
+def test_a_late_commit_of_a_failed_push_is_never_acknowledged_by_an_earlier_push_of_its_id():
+    """A push committed, read and dropped is remembered (a late Commit or Abort of it is answered as done). The
+    same sender pushes that id again and this push fails (its lease expires): its late Commit gets an error, not
+    the CommitAck of the earlier push, which would tell the sender a push that holds no page was delivered."""
+    rx = receiver(lease_ms=100)
+    _hello(rx, b"s")
+    rx.on_control(b"s", _alloc("a", range(16)), 0)
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="a", layers=LAY.layers), 1), ToSender, protocol.CommitAck)
+    rx.on_local(DEC, protocol.Open(req_id="a"), 2)
+    rx.on_local(DEC, protocol.Release(req_id="a"), 3)
+    assert "a" not in rx.reqs  # read and dropped: a late Commit of it is still acknowledged
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="a", layers=LAY.layers), 4), ToSender, protocol.CommitAck)
+    assert msgs(rx.on_control(b"s", _alloc("a", range(100, 116)), 10), ToSender, protocol.AllocResponse)
+    rx.on_tick(200)  # the second push's lease ran out
+    assert "a" not in rx.reqs
+    out = rx.on_control(b"s", protocol.Commit(req_id="a", layers=LAY.layers), 201)
+    assert not msgs(out, ToSender, protocol.CommitAck) and msgs(out, ToSender, protocol.Error), out
+    rx.check()
+
+
+def test_the_per_sender_inflight_cap_counts_only_the_pages_a_push_takes():
+    """``max_inflight_bytes_per_sender`` counts a push's new pages: its chunks the pool holds already take none, so a
+    push of a cached prompt goes whatever the cap; one whose new pages would pass it is refused, typed."""
+    page_set = LAY.layers * LAY.page_bytes
+    rx = receiver(pages=16, max_inflight_bytes_per_sender=4 * page_set)
+    _hello(rx, b"s")
+    rx.on_control(b"s", _alloc("warm", range(64)), 0)  # 4 chunks, committed, read: held in the index
+    rx.on_control(b"s", protocol.Commit(req_id="warm", layers=LAY.layers), 0)
+    rx.on_local(DEC, protocol.Open(req_id="warm"), 0)
+    rx.on_local(DEC, protocol.Release(req_id="warm"), 0)
+    assert rx.pool.chunks_cached == 4
+    assert msgs(rx.on_control(b"s", _alloc("live", range(1000, 1016)), 1), ToSender, protocol.AllocResponse)
+    ok = msgs(rx.on_control(b"s", _alloc("again", range(64)), 2), ToSender, protocol.AllocResponse)
+    assert ok and sorted(ok[0].already_sent_indexes) == [0, 1, 2, 3]  # no new page: within the cap
+    err = msgs(rx.on_control(b"s", _alloc("more", range(2000, 2064)), 3), ToSender, protocol.Error)
+    assert err and err[0].code is ErrorCode.POOL_EXHAUSTED and "max_inflight_bytes_per_sender" in err[0].message
+    rx.check()
+
+
 def test_a_release_sent_without_waiting_is_never_answered_and_a_strangers_changes_nothing():
     """``Release(answer=False)`` (an engine's step releases without waiting): no Ok, and no error either, for it, a
     stranger's or an unknown one; a late answer would be taken as the answer to a later open of the same id."""

@@ -495,7 +495,7 @@ class ReceiverSession:
         self._look_at_words(now, out, at_most_each_ms=True)  # those that landed whole since: indexed, off the caps
         tokens = tokens_of(self.layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         keys = self.layout.item_keys(msg.chunk_keys, tokens)  # one per (group, chunk) it needs (plan.py)
-        self._check_sender_caps(principal, msg, len(keys), out)
+        self._check_sender_caps(principal, msg, len(keys) - self.pool.held(keys), out)
         try:
             check_prefill_tp(self.layout, msg.tp_size, self.geometry.shards)
             self.layout.check_state_tp(msg.tp_size)
@@ -535,6 +535,7 @@ class ReceiverSession:
         self.reqs[rid] = r
         self._due(r.expires_at_ms)
         self.finished.pop(rid, None)
+        self.dropped_committed.pop(rid, None)  # (an earlier push of this id, read and gone: never this one's answer)
         self.counters.add("requests_total")
         out.append(Count("chunks_hit", len(alloc.held_idx)))
         out.append(Log(logging.DEBUG, f"alloc {len(msg.chunk_keys)} chunks, {len(alloc.held_idx)} held", rid))
@@ -550,7 +551,8 @@ class ReceiverSession:
 
     def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int, out: list) -> None:
         """The per-sender caps, counted by key where CURVE is on (however many connections the key opens), else by
-        connection (loopback without authentication: one local sender process per connection). And its pushes that
+        connection (loopback without authentication: one local sender process per connection); ``items``: the new
+        request's items that need a page (those held already take none). And its pushes that
         took no page (every chunk held already), committed and unread: past ``MAX_UNREAD_PER_SENDER``, the oldest
         goes (a decode that opens it later is told it is gone, and recomputes), so that a sender whose pushes nobody
         reads cannot grow this receiver past what its pool bounds."""
