@@ -87,7 +87,12 @@ class _Closable:
         return self.error is None
 
     def on_close(self, cb: Callable) -> None:
+        """``cb(endpoint)`` once it has closed, from ``UcxWorker.dispatch_closed``; one registered after it closed
+        runs at the next dispatch (its close may have been dispatched already, with no callback to run)."""
         self._on_close.append(cb)
+        if self.error is not None and self not in self._worker._closed:
+            self._worker._closed.append(self)
+            self._worker._signal_closed()
 
     def _closed(self, why: str = "endpoint closed or peer died") -> None:
         # Runs inside a UCX callback: only record it. Tearing the endpoint down from
