@@ -111,4 +111,8 @@ class RequestPlan:
 
 
 def tokens_of(layout: KVLayout, chunks: int, last_chunk_tokens: int) -> int:
+    """A prompt's tokens, from its chunks and its last chunk's tokens (ValueError past a chunk's: a plan built from
+    such a count would hold a chunk's entry for every token of it)."""
+    if last_chunk_tokens > layout.chunk_tokens:
+        raise ValueError(f"last_chunk_tokens {last_chunk_tokens} exceeds chunk_tokens {layout.chunk_tokens}")
     return (chunks - 1) * layout.chunk_tokens + last_chunk_tokens

@@ -142,7 +142,7 @@ class AllocRequest(Msg):
     type: Literal["alloc"] = "alloc"
     req_id: ReqId
     chunk_keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_CHUNKS)]
-    last_chunk_tokens: Annotated[int, Field(ge=1)]
+    last_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)]
     lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
     tp_size: Annotated[int, Field(ge=1, le=4096)] = 1  # prefill ranks pushing it (their shares: layout.py)
     # "words": the sender sends no Commit if the receiver agrees (AllocResponse.completion): its readiness words,
@@ -230,7 +230,7 @@ class Begin(Msg):
     receiver: Annotated[str, Field(max_length=512)]
     layout: LayoutSpec
     chunk_keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_CHUNKS)]
-    last_chunk_tokens: Annotated[int, Field(ge=1)]
+    last_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)]
     # tensor parallelism: every rank sends its own Begin under the same req_id; one request on the wire
     tp_rank: Annotated[int, Field(ge=0, le=4095)] = 0
     tp_size: Annotated[int, Field(ge=1, le=4096)] = 1
@@ -398,7 +398,7 @@ class Claim(Msg):
     type: Literal["claim"] = "claim"
     req_id: ReqId
     chunk_keys: Annotated[list[Key], Field(min_length=1, max_length=MAX_CHUNKS)]
-    last_chunk_tokens: Annotated[int, Field(ge=1)]  # of the prompt's last chunk (used if every chunk is held)
+    last_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)]  # of the prompt's last chunk (used if every chunk is held)
     lease_ms: Annotated[int, Field(ge=1, le=3_600_000)]
     local_version: U32 = LOCAL_PROTOCOL_VERSION  # the engine's (_validate refuses another); absent on the wire: 0
 
@@ -613,7 +613,10 @@ def _check_local(obj: dict) -> None:
 
 
 def _validate(obj: dict) -> Msg:
-    if obj.get("type") in _VERSIONED:
+    t = obj.get("type")
+    if not isinstance(t, str | None):  # (a list or a map: unhashable, and no message's)
+        raise RemoteProtocolError(f"invalid message at type: a msgpack {type(t).__name__}, expected a string")
+    if t in _VERSIONED:
         _check_local(obj)
     try:
         return _adapter.validate_python(obj)

@@ -72,10 +72,26 @@ def test_messages_are_frozen():
     msgpack.packb({"type": "commit", "req_id": "r", "extra": 1}),
     msgpack.packb({"type": "hello", "version": 1, "fingerprint": "x", "layout": {"layers": 0}}),
     msgpack.packb({1: 2}),
+    msgpack.packb({"type": ["begin"]}), msgpack.packb({"type": {}, "req_id": "r"}),  # (unhashable: a TypeError was)
 ])
 def test_garbage_is_a_remote_protocol_error(frame):
     with pytest.raises(RemoteProtocolError):
         P.decode(frame)
+
+
+@pytest.mark.parametrize("kind", ["begin", "alloc", "claim"])
+def test_a_last_chunk_of_more_tokens_than_any_chunk_is_refused_at_decode(kind):
+    """A prompt's last chunk holds at most a chunk's tokens (at most 2**20): a count past that is refused before any
+    plan is made of it (a sender built one entry per token it implied: 10**12 took its memory)."""
+    obj = msgpack.unpackb(P.encode(next(m for m in SAMPLES if m.type == kind)))
+    for n, ok in ((1 << 20, True), ((1 << 20) + 1, False), (10**12, False)):
+        obj["last_chunk_tokens"] = n
+        if ok:
+            assert P.decode(msgpack.packb(obj)).last_chunk_tokens == n
+        else:
+            for fast in (True, False):
+                with pytest.raises(RemoteProtocolError, match="last_chunk_tokens"):
+                    P.decode(msgpack.packb(obj), fast=fast)
 
 
 def test_frame_cap():
@@ -92,7 +108,8 @@ def test_a_batch_carries_each_message_as_encoded_and_one_bad_entry_costs_only_it
     assert P.decode_batch(frame) == msgs
     assert P.encode_batch([P.encode(msgs[0])]) == P.encode(msgs[0])  # one message goes as itself
     assert P.decode_batch(P.encode(msgs[0])) == [msgs[0]]
-    got = P.decode_batch(P.encode_batch([P.encode(msgs[0]), msgpack.packb({"type": "nope"}), msgpack.packb(7)]))
+    got = P.decode_batch(P.encode_batch([P.encode(msgs[0]), msgpack.packb({"type": "nope"}), msgpack.packb(7),
+                                         msgpack.packb({"type": ["ok"], "req_id": "r"})]))
     assert got[0] == msgs[0] and all(isinstance(e, RemoteProtocolError) for e in got[1:])
     for bad in (msgpack.packb([]), msgpack.packb([{"type": "ok"}]), msgpack.packb([{"type": "ok"}] * (P.MAX_BATCH + 1)),
                 msgpack.packb(3)):
@@ -136,7 +153,9 @@ def test_random_bytes_never_escape_the_taxonomy(data):
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["type", "req_id", "layer", "chunk_keys", "code", "message", "x"]),
                        st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.text(max_size=8), st.binary(max_size=20),
-                                 st.sampled_from(["alloc", "commit", "layer_done", "error", "hello"])),
+                                 st.sampled_from(["alloc", "commit", "layer_done", "error", "hello"]),
+                                 st.lists(st.text(max_size=3), max_size=2),
+                                 st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2)),
                        max_size=6))
 def test_random_maps_never_escape_the_taxonomy(obj):
     try:

@@ -542,6 +542,22 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert reply[0].request_gone and not reply[0].request_committed
 
 
+def test_a_begin_whose_last_chunk_holds_more_than_a_chunk_is_refused_typed_before_any_plan():
+    """``last_chunk_tokens`` past the layout's ``chunk_tokens`` (within the wire's bound): the sender refuses the Begin
+    as a protocol error at once, rather than building a plan of every token it implies (10**12 of them took its
+    memory before the wire bounded it) or asking the receiver, which refuses it a round trip later."""
+    w = Wire()
+    b = begin("big-last", list(range(40)))
+    w.engine(b.model_copy(update={"last_chunk_tokens": LAY.chunk_tokens + 1}))
+    err = w.outcome("big-last")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.BAD_MESSAGE and "exceeds chunk_tokens" in err.message
+    assert "big-last" not in w.tx.reqs and w.tx.counters.values["internal_errors"] == 0
+    assert "out:alloc" not in w.wire  # refused here, not by the receiver a round trip later
+    w.push("fine", list(range(100, 140)))
+    w.complete()
+    assert isinstance(w.outcome("fine"), protocol.Done)
+
+
 def _hello(rx: ReceiverSession, ident: bytes) -> None:
     hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
     assert msgs(rx.on_control(ident, hello, 0), ToSender, protocol.HelloAck)

@@ -406,9 +406,10 @@ class SenderSession:
         try:
             check_prefill_tp(layout, msg.tp_size)
             layout.check_state_tp(msg.tp_size)
+            tokens = tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
-        self.grants.check(RequestPlan(layout, tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)))
+        self.grants.check(RequestPlan(layout, tokens))
         peer = self.peers.for_begin(msg, layout)
         first = msg.pp_rank * msg.tp_size + msg.tp_rank
         r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank.of(ident, msg, stage)}, peer, msg, layout,
