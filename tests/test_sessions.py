@@ -607,6 +607,27 @@ def test_the_per_sender_inflight_cap_counts_only_the_pages_a_push_takes():
     rx.check()
 
 
+def test_one_decode_connections_given_up_opens_never_refuse_anothers_open(monkeypatch):
+    """A decode connection that opens and gives up (``PendingOpen.abandon``) push after push leaves a mark of each, so
+    that a push beginning later counts its release. Past 4x ``PARKED_ALL`` ids the oldest marks make room: another
+    connection's Open still parks (it was refused "too many parked opens" for ``PARKED_OPEN_MS``), and is answered
+    when its push begins."""
+    import pdpush.sessions.receiver as rxmod
+
+    monkeypatch.setattr(rxmod, "PARKED_ALL", 8)
+    rx = receiver()
+    for i in range(4 * 8 + 5):
+        assert rx.on_local(DEC, protocol.Open(req_id=f"g{i}"), 0) == []  # parked
+        rx.on_local(DEC, protocol.Release(req_id=f"g{i}", answer=False), 0)
+    assert len(rx.parked) == 4 * 8 and rx.counters.values["parked_marks_forgotten"] == 5
+    assert "g0" not in rx.parked and "g36" in rx.parked  # the oldest went
+    assert rx.on_local(b"other", protocol.Open(req_id="mine"), 1) == []  # parked, not refused
+    _hello(rx, b"s")
+    out = rx.on_control(b"s", _alloc("mine", range(16)), 2)
+    assert [m.req_id for m in msgs(out, ToDecode, protocol.OpenOk)] == ["mine"]
+    rx.check()
+
+
 def test_a_release_sent_without_waiting_is_never_answered_and_a_strangers_changes_nothing():
     """``Release(answer=False)`` (an engine's step releases without waiting): no Ok, and no error either, for it, a
     stranger's or an unknown one; a late answer would be taken as the answer to a later open of the same id."""

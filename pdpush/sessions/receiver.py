@@ -260,7 +260,7 @@ class ReceiverSession:
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
             "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words",
-            "requests_withdrawn", "requests_given_up", "requests_unread_dropped")})
+            "requests_withdrawn", "requests_given_up", "requests_unread_dropped", "parked_marks_forgotten")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
@@ -843,11 +843,13 @@ class ReceiverSession:
             elif msg.exists:
                 raise UnknownRequest(f"request {msg.req_id!r} is not on this receiver (its push never began here)")
             else:
+                if msg.req_id not in self.parked and len(self.parked) >= 4 * PARKED_ALL:
+                    self._forget_marks()
                 waiters = self.parked.setdefault(msg.req_id, [])
                 mine = next((i for i, w in enumerate(waiters) if w[0] == ident and w[3]), None)
                 if (mine is None and len(waiters) >= 16) or self._parked_by.get(ident, 0) >= PARKED_PER_READER or (
-                        sum(self._parked_by.values()) >= PARKED_ALL or len(self.parked) > 4 * PARKED_ALL):
-                    # (one connection cannot fill them all; given-up marks, kept to count releases, count apart)
+                        sum(self._parked_by.values()) >= PARKED_ALL):
+                    # (one connection cannot fill them all; given-up marks, kept to count releases, make room)
                     if not waiters:
                         del self.parked[msg.req_id]
                     raise RequestTooLarge("too many parked opens")
@@ -925,6 +927,15 @@ class ReceiverSession:
                 self._unparked([ws[i]])
                 ws[i] = (who, since, tp, True)
                 n = None if n is None else n - 1
+
+    def _forget_marks(self) -> None:
+        """Room in ``parked`` (4x ``PARKED_ALL`` ids): the oldest id that holds given-up marks only goes. Live opens
+        are at most ``PARKED_ALL`` ids, so there is one; marks that one connection made by the thousand (an Open and
+        a Release of each) can then never refuse another connection's Open. That push, if it begins, is not told
+        of the releases: it waits for readers until its committed TTL."""
+        rid = next(rid for rid, ws in self.parked.items() if all(w[3] for w in ws))
+        del self.parked[rid]
+        self.counters.add("parked_marks_forgotten")
 
     def _unparked(self, waiters: list) -> list:
         """``waiters`` (parked opens) leave the parked: their connections' counts of live ones go down."""
