@@ -72,6 +72,13 @@ class Attached:
             err = ctypes.get_errno()
             raise ResourceError(f"shmat({shmid}) failed: errno {err}; is the owning daemon alive "
                                 "and running as the same user?")
+        # the size its daemon says is at most the segment's (the mapping's, page-rounded): views and native copies
+        # past it would fault in this process, not raise
+        m = mapping_of(addr)
+        if m is None or nbytes > m[1] - addr:
+            _libc.shmdt(ctypes.c_void_p(addr))
+            raise ResourceError(f"shared memory {shmid} said to hold {nbytes} bytes maps {m[1] - addr if m else 0}: its daemon "
+                                "and this client disagree (another pdpush version?)")
         self.address: int = addr
         self.nbytes = nbytes
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))

@@ -18,12 +18,14 @@ from pdpush.errors import (
     IncompatiblePeer,
     PdpushError,
     ProtocolError,
+    RemoteProtocolError,
     TransportTimeout,
     UnexpectedMessage,
 )
 from pdpush.layout import KVLayout, PoolGeometry, chunk_keys, rank_heads, runs
 from pdpush.plan import RequestPlan, tokens_of
 from pdpush.protocol import (
+    MAX_CHUNKS,
     Claim,
     ClaimOk,
     Committed,
@@ -50,6 +52,7 @@ class DecodeRequest:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.state_slot = ok.state_slot
         self.pages = list(ok.pages)  # one per item (plan.py): group 0's chunks, then each window group's
+        _check_open(ok)
         self.tokens = tokens_of(self.layout, ok.chunks or len(self.pages), ok.last_chunk_tokens)
         self.last_key = ok.last_key  # the request's last chunk key: it covers all its tokens (b"": not said)
         new = set(ok.new_idx)
@@ -72,8 +75,12 @@ class DecodeRequest:
         self._new_pages = [np.array([self.pages[i] for i in range(gp.first_item, gp.first_item + len(gp.chunks))
                                      if i in new], dtype=np.int64) for gp in self.plan.groups]
         kv, words = self.layout.kv_bytes(ok.pool_pages), self.layout.layers * ok.pool_pages * 8
-        self._words = (self._pool.array[kv:kv + words].view(np.uint64).reshape(self.layout.layers, ok.pool_pages)
-                       if ok.ready_in_pool and ok.lease_id else None)
+        try:
+            self._words = (self._pool.array[kv:kv + words].view(np.uint64).reshape(self.layout.layers, ok.pool_pages)
+                           if ok.ready_in_pool and ok.lease_id else None)
+        except ValueError:
+            client._segments.drop(ok.shmid)
+            raise
         # completion on the data path: every layer's readiness words in means committed (the receiver commits
         # such a request when it next looks, and never ends it any other way once its words are in)
         self.words = ok.completion == "words" and self._words is not None
@@ -328,6 +335,18 @@ class DecodeRequest:
         self.release()
 
 
+def _check_open(ok: OpenOk) -> None:
+    """The pages, items and state slot an OpenOk names lie within the pool it describes, and its chunks within a
+    request's (a plan is made of them, an entry each): a reader's views and copies are indexed by them."""
+    pages_out = bool(ok.pages) and max(ok.pages) >= ok.pool_pages
+    items_out = bool(ok.new_idx) and max(ok.new_idx) >= len(ok.pages)
+    slot_out = ok.state_slot >= 0 and ok.state_slot >= ok.state_slots
+    if pages_out or items_out or slot_out or ok.chunks > MAX_CHUNKS:
+        raise RemoteProtocolError(f"open of {ok.req_id!r}: the receiver's answer names pages, items, chunks or a "
+                                  f"state slot outside its pool of {ok.pool_pages} pages, {ok.state_slots} slots",
+                                  req_id=ok.req_id)
+
+
 class PendingOpen:
     """An Open sent and not answered yet (``DecodeClient.open_nowait``)."""
 
@@ -371,10 +390,19 @@ class PendingOpen:
             self.client._conn.end(self.req_id)
             raise
         if not isinstance(reply, OpenOk):
-            raise ProtocolError(f"unexpected {reply.type} in reply to open")
+            self.abandon()
+            raise RemoteProtocolError(f"unexpected {reply.type} in reply to open", req_id=self.req_id)
         if self.life is not None and not self.life.alive():
+            self.client._conn.end(self.req_id)  # (what it opened went with it)
             raise BrokenResourceError(f"open of {self.req_id!r}: the receiver that answered it died")
-        req = DecodeRequest(self.client, reply, self.tp_rank, self.tp_size)
+        try:
+            req = DecodeRequest(self.client, reply, self.tp_rank, self.tp_size)
+        except (ValueError, IndexError, PdpushError) as e:  # an answer this engine cannot take: released
+            self.abandon()
+            if isinstance(e, PdpushError):
+                raise
+            raise RemoteProtocolError(f"open of {self.req_id!r}: the receiver's answer does not hold: {e}",
+                                      req_id=self.req_id) from None
         req._life = self.life
         return req
 

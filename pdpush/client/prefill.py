@@ -7,6 +7,7 @@ Imports numpy; torch only when a torch tensor is passed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pdpush.errors import (
     IncompatiblePeer,
     PdpushError,
     ProtocolError,
+    RemoteProtocolError,
     TransportTimeout,
     UnexpectedMessage,
 )
@@ -71,11 +73,16 @@ class PushHandle:
         self.new_runs = g0.new_runs if g0 else []  # contiguous chunk-index ranges
         self.shares = self._shares[0] if g0 else None
         self._shmid = ok.staging_shmid
+        _check_staging_words(ok, self.plan.grant_words)
         st = client._segments.hold(ok.staging_shmid, ok.staging_bytes)
-        self._base = st.array  # the whole staging region: the sender grants each layer a block of it
-        self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
-        self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
-        self._bell = client._bell(ok.doorbell, ok.daemon_id) if self._ring is not None else None  # wakes it
+        try:
+            self._base = st.array  # the whole staging region: the sender grants each layer a block of it
+            self._grants = st.array[ok.staging_offset:ok.staging_offset + self.plan.grant_words * 8].view(np.uint64)
+            self._ring = client._ring(ok, st)  # this connection's hand-over ring, if the sender offers one
+            self._bell = client._bell(ok.doorbell, ok.daemon_id) if self._ring is not None else None  # wakes it
+        except BaseException:
+            client._segments.drop(ok.staging_shmid)
+            raise
         self._handle = ok.handle  # how its records name this request
         # how its Abort waits for writes into its staging still running elsewhere (a device's copies on a side
         # stream: device_copy.D2HStager sets it): after_writes(fn) calls fn once they are done
@@ -434,6 +441,18 @@ class PushHandle:
             conn.post(msg)
 
 
+def _check_staging_words(ok: BeginOk, grant_words: int) -> None:
+    """The words a BeginOk places in staging (its grant table, the ring and its idle word) lie within it, aligned:
+    the ring is written through raw addresses, where a word past the segment would fault the engine."""
+    spans = [(ok.staging_offset, grant_words * 8)]
+    if ok.ring_slots:
+        spans += [(ok.ring_offset, ok.ring_slots * 8), (ok.idle_offset, 8)]
+    for at, n in spans:
+        if at % 8 or at + n > ok.staging_bytes:
+            raise RemoteProtocolError(f"begin of {ok.req_id!r}: the sender's answer places {n} bytes at {at} of its "
+                                      f"{ok.staging_bytes}-byte staging", req_id=ok.req_id)
+
+
 class PendingBegin:
     """A Begin sent and not answered yet (``PrefillClient.begin_nowait``): the allocation's round trip to the
     receiver runs while the engine computes its first layers. ``wait()`` gives the request's handle."""
@@ -472,9 +491,18 @@ class PendingBegin:
             c._conn.end(self.req_id)
             raise
         if not isinstance(reply, BeginOk):
-            raise ProtocolError(f"unexpected {reply.type} in reply to begin")
-        return PushHandle(c, self.req_id, self.tokens, reply, self.tp_rank, self.tp_size,
-                          range(*self.layers) if self.layers else range(c.layout.push_layers))
+            self.abort(f"the engine could not take the sender's answer ({reply.type})")
+            raise RemoteProtocolError(f"unexpected {reply.type} in reply to begin", req_id=self.req_id)
+        try:
+            return PushHandle(c, self.req_id, self.tokens, reply, self.tp_rank, self.tp_size,
+                              range(*self.layers) if self.layers else range(c.layout.push_layers))
+        except (ValueError, IndexError, PdpushError) as e:  # an answer this engine cannot take: the sender ends it
+            with contextlib.suppress(PdpushError, OSError):
+                self.abort("the engine could not take the sender's answer")
+            if isinstance(e, PdpushError):
+                raise
+            raise RemoteProtocolError(f"begin of {self.req_id!r}: the sender's answer does not hold: {e}",
+                                      req_id=self.req_id) from None
 
     def abort(self, reason: str = "") -> None:
         """Give the request up before its answer is taken: the sender ends it (and its allocation), the answer is

@@ -1,0 +1,110 @@
+"""An engine's client takes no answer from its local daemon that it cannot hold: a segment said to be larger than it
+is, a ring or grant table placed past the staging, pages past the pool, indexes past the request. Each ends in a typed
+error, with the request given back to the daemon (an Abort, a Release) and nothing left in the client's mailboxes or
+segment counts; never a fault in the engine's process, which a view or a native write past a mapping would be.
+
+The daemon here is a stand-in on a real lifeline (its answers are what the test makes them), in a child process
+whose exit code says whether the engine survived: a regression faults the child, not the test run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pdpush_tools.harness.vllm_cluster import ROOT
+
+_SCRIPT = r"""
+import json, sys, threading, time
+from pdpush import lifeline, protocol, shm
+from pdpush.client import DecodeClient, PrefillClient
+from pdpush.layout import KVLayout, PoolGeometry
+
+LAY = KVLayout(layers=2, kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
+SPEC = protocol.LayoutSpec(**LAY.to_dict())
+work = sys.argv[1]
+shmid, _ = shm.create_private(PoolGeometry(LAY, 4).total_bytes)  # 4 pages' worth (a page of the host's at least)
+size = PoolGeometry(LAY, 4).total_bytes
+
+
+class Daemon:  # answers each Open or Begin with the next of ``answers``
+    def __init__(self, sock, answers):
+        self.lines = lifeline.Lifelines(lifeline.path_for(sock), protocol.DEFAULT_MAX_FRAME)
+        self.answers, self.seen, self.stop = list(answers), [], False
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        while not self.stop:
+            for ev in self.lines.service():
+                if ev.kind == lifeline.FRAME:
+                    m = protocol.decode(ev.payload)
+                    self.seen.append(m.type)
+                    if isinstance(m, (protocol.Open, protocol.Begin)):
+                        self.lines.send(ev.ident, protocol.encode(self.answers.pop(0).model_copy(
+                            update={"req_id": m.req_id})))
+            time.sleep(0.0005)
+
+    def close(self):
+        self.stop = True
+        self.t.join()
+        self.lines.close()
+
+
+def open_ok(**kw):
+    base = dict(req_id="x", shmid=shmid, pool_base=0, pool_pages=4, layout=SPEC, pages=[0], chunks=1,
+                last_chunk_tokens=16, layers_ready=[], committed=False)
+    return protocol.OpenOk(**{**base, **kw})
+
+
+def begin_ok(**kw):
+    base = dict(req_id="x", already_sent_indexes=[], staging_shmid=shmid, staging_bytes=size, staging_offset=0,
+                new_chunks=1, daemon_id="d")
+    return protocol.BeginOk(**{**base, **kw})
+
+
+cases = {
+    "pool larger than its segment": ("decode", open_ok(pool_pages=100_000, pages=[0])),
+    "page past the pool": ("decode", open_ok(pages=[7])),
+    "pages for more items than the request has": ("decode", open_ok(pages=[0, 1], chunks=1)),
+    "chunks past any request's": ("decode", open_ok(chunks=3_000_000)),
+    "staging larger than its segment": ("prefill", begin_ok(staging_bytes=1 << 30)),
+    "ring past the staging": ("prefill", begin_ok(ring_slots=4, ring_offset=1 << 40, idle_offset=0)),
+    "grant table past the staging": ("prefill", begin_ok(staging_offset=size)),
+    "held index past the request": ("prefill", begin_ok(already_sent_indexes=[5])),
+}
+out = {}
+for i, (name, (side, answer)) in enumerate(cases.items()):
+    sock = f"{work}/d{i}.sock"
+    d = Daemon(sock, [answer])
+    c = DecodeClient(sock, timeout_s=5) if side == "decode" else PrefillClient(LAY, sock, timeout_s=5)
+    try:
+        try:
+            c.open("r") if side == "decode" else c.begin("r", list(range(16)))
+            got = "taken"
+        except Exception as e:
+            got = type(e).__name__
+        deadline = time.monotonic() + 5
+        while len(d.seen) < 2 and time.monotonic() < deadline:  # the Release or Abort that gives it back
+            time.sleep(0.01)
+        c._conn.drain()
+        out[name] = {"raised": got, "daemon_saw": list(d.seen), "mail": sorted(map(str, c._conn.mail)),
+                     "segment_users": sum(c._segments._users.values())}
+    finally:
+        c.close()
+        d.close()
+print(json.dumps(out))
+"""
+
+
+def test_answers_the_client_cannot_hold_end_typed_and_give_the_request_back(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, f"the engine's process ended with {r.returncode}: {r.stderr[-3000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, got in out.items():
+        side_gives_back = "release" if got["daemon_saw"][0] == "open" else "abort"
+        typed = "ResourceError" if "larger than its segment" in name else "RemoteProtocolError"
+        assert got["raised"] == typed, (name, got)
+        assert got["daemon_saw"][1:] == [side_gives_back], (name, got)  # the request goes back to the daemon
+        assert got["mail"] == [] and got["segment_users"] == 0, (name, got)
