@@ -73,7 +73,7 @@ w = WorkerSide.__new__(WorkerSide)
 w.settings = NS(async_layers_per_step=4, load_timeout_s=60.0)
 w.layout = NS(layers=2, state_layers=[])
 w._load_order, w._layer_of, w._load_errors = [], {}, set()
-w.receiver, w._holds, w._loads, w._async = Link(), CopyHolds(), [], []
+w.receiver, w._holds, w._loads, w._async, w._binds = Link(), CopyHolds(), [], [], 0
 w.stats = WorkerStats()
 out = {}
 
@@ -236,6 +236,35 @@ for i, key in enumerate((b"k" * 16, b"", b"k" * 16, b"")):  # planned from an an
     w._open_load(LoadSpec(f"r{i}", f"p{i}", [[1, 2, 3]], 0, 32, 40, prefix_key=key))
 out["unreachable"] = {"opens": NoReceiver.opens, "failed": sum(ld.failed is not None for ld in w._loads),
                       "down": w._receiver_down_until > time.monotonic() + 20}
+
+# 9. vLLM's finished ids of a step give up the asynchronous loads of requests it aborted, opened at an earlier step;
+# a load of this step's under the same id (vLLM reuses an id aborted and sent again, where it does not randomise
+# them) stays: reporting it loaded would have vLLM run it on blocks nothing wrote
+w.settings = NS(async_layers_per_step=0, load_timeout_s=60.0)
+w.layout = NS(layers=2, state_layers=[])
+w._load_order, w._layer_of, w._holds, w._loads = ["a", "b"], {"a": 0, "b": 1}, CopyHolds(), []
+w.receiver = Link()
+old, new = load("r1", asynchronous=True), load("r1", asynchronous=True)
+old.req.landed = new.req.landed = lambda layer: False
+old.bound, new.bound, w._binds = 1, 2, 2
+w._async = [old, new]
+done, failed = w.poll_async_loads({"r1"})
+out["aborted"] = {"done": sorted(done), "failed": sorted(failed), "left": [ld is new for ld in w._async],
+                  "released": [old.req.released, new.req.released]}
+
+# 10. the scheduler side: a request whose asynchronous load ended (vLLM's finished_recving, update_connector_output)
+# no longer waits for a push: aborted then, it left none unread; one aborted while its load waits did
+from pdpush.integrations.vllm.scheduler import SchedulerSide
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout
+
+cs = ConnectorSettings(receiver_socket=str(__import__("tempfile").mkdtemp()) + "/none.sock")
+side = SchedulerSide(cs, Endpoints.of(cs), KVLayout(2, 1, 64, "float32", 16), "t", producer=False, consumer=False)
+side._awaiting.update({"loaded", "waiting"})
+side.loads_ended({"loaded"})
+for rid in ("loaded", "waiting"):
+    side.request_finished(NS(request_id=rid, kv_transfer_params=None, prompt_token_ids=[1]))
+out["unread"] = side.stats.totals().get("push_unread", 0)
 print(json.dumps(out))
 """
 
@@ -267,6 +296,8 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
                                    [[], ["waiting"]]], out["budget_steps"]
     assert out["prefetched"] == list(range(1, 1 + out["prefetch_layers"])) and out["prefetch_layers"] <= 4, out
     assert out["unreachable"] == {"opens": 1, "failed": 4, "down": True}, out
+    assert out["aborted"] == {"done": ["r1"], "failed": [], "left": [True], "released": [1, 0]}, out
+    assert out["unread"] == 1, out
 
 
 _PUSH_SCRIPT = """

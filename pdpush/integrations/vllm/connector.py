@@ -190,6 +190,11 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
                 self._events.loaded(load.req_id, now)
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' results of the step (all ranks'): the asynchronous loads that ended are no longer awaited."""
+        if self._sched is not None:
+            self._sched.loads_ended(connector_output.finished_recving or ())
+
     def take_events(self):
         """The receiver pool's chunks as vLLM KV events (events.py): a decode instance with
         ``--kv-events-config`` only."""

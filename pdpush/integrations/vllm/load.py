@@ -53,6 +53,7 @@ class _Load:
     opened: float = 0.0  # perf_counter at its open (an asynchronous load waits from then on)
     waited: float = 0.0  # seconds the forward spent on it (a layerwise load: its open and its layers)
     pending: PendingOpen | None = None  # its open, sent and not answered yet (``_settle``)
+    bound: int = 0  # the worker's metadata binds when it was opened (``poll_async_loads``: aborted before this step)
 
     @property
     def block_ids(self) -> set[int]:
@@ -113,7 +114,7 @@ class LoadPath:
                 dst.append(self._group_dst(spec, vi, group, lay.group_chunks(group, pushed).start))
         except (ValueError, IndexError) as e:  # the blocks do not cover the load: a bug, loud but not fatal
             log.exception("pdpush: load of %s (%s): %s", spec.req_id, spec.push_id, e)
-            failed = _Load(spec, None, [], [], [])
+            failed = _Load(spec, None, [], [], [], bound=self._binds)
             failed.fail(LoadFailure.BLOCKS, str(e))
             if spec.asynchronous:
                 self._async.append(failed)
@@ -124,7 +125,7 @@ class LoadPath:
             return
         t0 = time.perf_counter()
         load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
-                      deadline=time.monotonic() + self.settings.load_timeout_s, opened=t0)
+                      deadline=time.monotonic() + self.settings.load_timeout_s, opened=t0, bound=self._binds)
         (self._async if spec.asynchronous else self._loads).append(load_)
         # Planned from the prefill's answer (no question asked): the push is on the receiver already, or it never
         # began there (refused at once: ``exists``). Its open waits as long as a question would have (query_timeout_s);
@@ -351,7 +352,7 @@ class LoadPath:
         budget = self.settings.async_layers_per_step
         names = self._load_order
         for ld in list(self._async):
-            if ld.spec.req_id in finished:
+            if ld.spec.req_id in finished and ld.bound < self._binds:  # (not a load of this step's: its id reused)
                 self._async.remove(ld)
                 log.info("pdpush: load of %s (%s) given up: vLLM aborted the request", ld.spec.req_id, ld.spec.push_id)
                 done.add(ld.spec.req_id)  # (finished_recving of a finished request: vLLM frees its blocks)

@@ -433,6 +433,7 @@ class SchedulerSide:
             self._send_withdrawals(time.monotonic())  # (and the answers that came: the room they take is freed)
         idle = so.total_num_scheduled_tokens == 0
         self._nap_left = IDLE_NAP_S if idle else 0.0  # the next step's, spent by the first request waiting
+        self._live.difference_update(getattr(so, "preempted_req_ids", None) or ())  # (not running till scheduled)
         self._live.update(so.num_scheduled_tokens)
         for rid, r in self.reqs.items():  # asynchronous loads allocated this step (update_state_after_alloc)
             if r.async_blocks is not None and r.plan is not None:
@@ -488,6 +489,12 @@ class SchedulerSide:
         if computed_after >= len(r.token_ids):  # the prompt's KV is complete after this step
             meta.pushes.append(PushSpec(rid, r.push_id, r.token_ids, [list(b) for b in r.block_ids], r.receiver))
             r.pushed = True
+
+    def loads_ended(self, req_ids) -> None:
+        """Asynchronous loads the workers report ended (vLLM's ``finished_recving``): loaded, or failed and to be
+        recomputed. Their requests wait for a step to run, not for a push (no nap for them, and one aborted now
+        left no push unread)."""
+        self._awaiting.difference_update(req_ids)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if request.request_id in self._awaiting:  # aborted while its asynchronous load waits: the worker gives that

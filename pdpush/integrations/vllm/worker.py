@@ -104,6 +104,7 @@ class WorkerSide(PushPath, LoadPath):
         self._finishing: list[PushHandle] = []
         self._loads: list[_Load] = []
         self._async: list[_Load] = []  # asynchronous loads waiting for their push's commit (get_finished)
+        self._binds = 0  # metadata bound so far (each step's): which loads a step's finished ids can be about
         self._load_errors: set[int] = set()
         self._sender_down_until = 0.0
         self._receiver_down_until = 0.0  # loads fail at once until then: the receiver could not be reached (load.py)
@@ -277,6 +278,7 @@ class WorkerSide(PushPath, LoadPath):
     def bind_connector_metadata(self, meta: PdpushConnectorMetadata) -> None:
         # Bound before every forward; start_load_kv may come after it (vLLM starts it late when a
         # step has no synchronous loads), too late for a push's begin.
+        self._binds += 1
         self._reap_finishing()
         for spec in meta.pushes:
             self._begin_push(spec)
