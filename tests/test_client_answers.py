@@ -14,7 +14,7 @@ import sys
 
 from pdpush_tools.harness.vllm_cluster import ROOT
 
-_SCRIPT = r"""
+_PRELUDE = r"""
 import json, sys, threading, time
 from pdpush import lifeline, protocol, shm
 from pdpush.client import DecodeClient, PrefillClient
@@ -27,30 +27,33 @@ shmid, _ = shm.create_private(PoolGeometry(LAY, 4).total_bytes)  # 4 pages' wort
 size = PoolGeometry(LAY, 4).total_bytes
 
 
-class Daemon:  # answers each Open or Begin with the next of ``answers``
-    def __init__(self, sock, answers):
+class Daemon:  # a stand-in daemon on a real lifeline: ``answer(msg)`` gives its replies, each (delay_s, message)
+    def __init__(self, sock, answer):
         self.lines = lifeline.Lifelines(lifeline.path_for(sock), protocol.DEFAULT_MAX_FRAME)
-        self.answers, self.seen, self.stop = list(answers), [], False
+        self.answer, self.seen, self.stop = answer, [], False
         self.t = threading.Thread(target=self.run, daemon=True)
         self.t.start()
 
     def run(self):
+        later = []
         while not self.stop:
             for ev in self.lines.service():
                 if ev.kind == lifeline.FRAME:
                     m = protocol.decode(ev.payload)
                     self.seen.append(m.type)
-                    if isinstance(m, (protocol.Open, protocol.Begin)):
-                        self.lines.send(ev.ident, protocol.encode(self.answers.pop(0).model_copy(
-                            update={"req_id": m.req_id})))
+                    later += [(time.monotonic() + d, ev.ident, r) for d, r in self.answer(m)]
+            for item in [x for x in later if x[0] <= time.monotonic()]:
+                later.remove(item)
+                self.lines.send(item[1], protocol.encode(item[2]))
             time.sleep(0.0005)
 
     def close(self):
         self.stop = True
         self.t.join()
         self.lines.close()
+"""
 
-
+_SCRIPT = _PRELUDE + r"""
 def open_ok(**kw):
     base = dict(req_id="x", shmid=shmid, pool_base=0, pool_pages=4, layout=SPEC, pages=[0], chunks=1,
                 last_chunk_tokens=16, layers_ready=[], committed=False)
@@ -76,7 +79,8 @@ cases = {
 out = {}
 for i, (name, (side, answer)) in enumerate(cases.items()):
     sock = f"{work}/d{i}.sock"
-    d = Daemon(sock, [answer])
+    d = Daemon(sock, lambda m, a=answer: [(0, a.model_copy(update={"req_id": m.req_id}))]
+               if isinstance(m, (protocol.Open, protocol.Begin)) else [])
     c = DecodeClient(sock, timeout_s=5) if side == "decode" else PrefillClient(LAY, sock, timeout_s=5)
     try:
         try:
@@ -108,3 +112,110 @@ def test_answers_the_client_cannot_hold_end_typed_and_give_the_request_back(tmp_
         assert got["raised"] == typed, (name, got)
         assert got["daemon_saw"][1:] == [side_gives_back], (name, got)  # the request goes back to the daemon
         assert got["mail"] == [] and got["segment_users"] == 0, (name, got)
+
+
+_WAITS = _PRELUDE + r"""
+from pdpush.errors import TransportTimeout
+
+out = {}
+# 1. a Query that timed out: its late answer is dropped, never taken for the next Query's (it was, and every answer
+# after it was one behind)
+slow = [True]
+
+
+def queries(m):
+    if isinstance(m, protocol.Query):
+        first, slow[0] = slow[0], False
+        return [(0.3 if first else 0, protocol.QueryReply(held_prefix=len(m.chunk_keys)))]
+    return []
+
+
+d = Daemon(f"{work}/q.sock", queries)
+c = DecodeClient(f"{work}/q.sock", timeout_s=5)
+try:
+    try:
+        c.query(list(range(16 * 5)), LAY, timeout_s=0.1)
+        out["first"] = "answered"
+    except TransportTimeout:
+        out["first"] = "timeout"
+    time.sleep(0.5)
+    out["next"] = [c.query(list(range(16 * k)), LAY).held_prefix for k in (1, 2, 3)]
+finally:
+    c.close()
+    d.close()
+
+# 2. the receiver restarts while requests of it wait; the connection reaches the new one (another open): the waits on
+# the dead one's requests end at once, typed, not at their deadlines
+def opens(m):
+    if isinstance(m, protocol.Open) and m.req_id != "never":
+        return [(0, protocol.OpenOk(req_id=m.req_id, shmid=shmid, pool_base=0, pool_pages=4, layout=SPEC, pages=[0],
+                                    new_idx=[0], last_chunk_tokens=16, layers_ready=[], committed=False))]
+    return []
+
+
+sock = f"{work}/r.sock"
+d1 = Daemon(sock, opens)
+c = DecodeClient(sock, timeout_s=30)
+try:
+    req = c.open("r1")
+    pend = c.open_nowait("never", timeout_s=10)
+    d1.close()
+    d2 = Daemon(sock, opens)
+    try:
+        time.sleep(0.05)
+        c.open("r2")
+        for name, fn in (("open", pend.wait), ("layer", lambda: req.wait_layer(0, timeout_s=10))):
+            t = time.monotonic()
+            try:
+                fn()
+                out[name] = ["returned", 0]
+            except Exception as e:
+                out[name] = [type(e).__name__, time.monotonic() - t]
+    finally:
+        d2.close()
+finally:
+    c.close()
+
+# 3. the same for a Begin sent to a sender that died, the connection on a new one since
+def begins(m):
+    if isinstance(m, protocol.Begin) and m.req_id != "never":
+        return [(0, protocol.BeginOk(req_id=m.req_id, already_sent_indexes=[], staging_shmid=shmid, staging_bytes=size,
+                                     staging_offset=0, new_chunks=1, daemon_id="d"))]
+    return []
+
+
+sock = f"{work}/s.sock"
+d1 = Daemon(sock, begins)
+p = PrefillClient(LAY, sock, timeout_s=10)
+try:
+    pend = p.begin_nowait("never", list(range(16)))
+    d1.close()
+    d2 = Daemon(sock, begins)
+    try:
+        time.sleep(0.05)
+        p.begin("other", list(range(16)))
+        t = time.monotonic()
+        try:
+            pend.wait()
+            out["begin"] = ["returned", 0]
+        except Exception as e:
+            out["begin"] = [type(e).__name__, time.monotonic() - t]
+    finally:
+        d2.close()
+finally:
+    p.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_late_reply_answers_no_later_call_and_a_dead_daemons_requests_end_at_once(tmp_path):
+    """A call that timed out leaves its reply owed: it is dropped when it comes, not taken for the next call's (a
+    late Query answer made every later answer one behind). A daemon that restarts while requests of it wait: once the
+    connection reaches the new one, those waits end at once with BrokenResourceError, not at their deadlines (10 s)."""
+    r = subprocess.run([sys.executable, "-c", _WAITS, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["first"] == "timeout" and out["next"] == [1, 2, 3], out
+    for name in ("open", "layer", "begin"):
+        assert out[name][0] == "BrokenResourceError" and out[name][1] < 3, (name, out)

@@ -21,7 +21,7 @@ class _QuietReceiver:
         self.mail: dict = {}
         self.waits: list[float] = []  # how long each look at the mail was allowed to wait
 
-    def recv_for(self, req_id, deadline: float, grants: bool = False):
+    def recv_for(self, req_id, deadline: float, grants: bool = False, life=None):
         self.waits.append(deadline - time.monotonic())
         time.sleep(max(0.0, deadline - time.monotonic()))
         raise TransportTimeout("nothing")
@@ -30,7 +30,7 @@ class _QuietReceiver:
 def _request(policy: WaitPolicy, lands_after_s: float) -> tuple[DecodeRequest, _QuietReceiver]:
     conn = _QuietReceiver()
     r = DecodeRequest.__new__(DecodeRequest)
-    r.req_id, r.layout, r.ready = "r", KVLayout(2, 1, 8, "float16", 4), set()
+    r.req_id, r.layout, r.ready, r._life = "r", KVLayout(2, 1, 8, "float16", 4), set(), None
     r.client = type("Client", (), {"wait": policy, "timeout_s": 5.0, "_conn": conn})()
     due = time.monotonic() + lands_after_s
     r._landed = lambda layer: time.monotonic() >= due  # the layer's words in the pool from ``due`` on

@@ -17,6 +17,7 @@ from pathlib import Path
 from pdpush import lifeline, protocol
 from pdpush.errors import (
     BrokenResourceError,
+    ProtocolError,
     TransportTimeout,
     error_from_code,
 )
@@ -95,6 +96,7 @@ class Connection:
         self._closed = False
         self._lost = False  # a lifeline died and none replaced it yet (_reline)
         self._slice_s = 0.25
+        self._owed: dict[str | None, int] = {}  # replies still to come to calls that timed out, by request (call)
 
     def allow_posts(self, slice_s: float = 0.002) -> None:
         """Another thread will ``post``: wait for replies in ``slice_s`` slices, sending its frames between."""
@@ -193,11 +195,13 @@ class Connection:
                         del self._outbox[i]
                     return
 
-    def recv_for(self, req_id: str | None, deadline: float, grants: bool = False) -> Msg:
+    def recv_for(self, req_id: str | None, deadline: float, grants: bool = False, life: Lifeline | None = None) -> Msg:
         """Next message about ``req_id`` (others are kept for their owners). A ``StagingGranted`` is for
-        a wait on staging (``grants``); anyone else drops it (a late one, after its wait timed out)."""
+        a wait on staging (``grants``); anyone else drops it (a late one, after its wait timed out). ``life``: the
+        lifeline the request went out on: BrokenResourceError once that daemon is gone (its request with it), though
+        the connection has reached a restarted daemon since."""
         try:
-            return self._recv_for(req_id, deadline, grants)
+            return self._recv_for(req_id, deadline, grants, life)
         finally:
             self._flush_if_free()
 
@@ -245,7 +249,7 @@ class Connection:
                     raise TransportTimeout("no reply before the deadline")
                 life.wait(left)
 
-    def _recv_for(self, req_id: str | None, deadline: float, grants: bool) -> Msg:
+    def _recv_for(self, req_id: str | None, deadline: float, grants: bool, life: Lifeline | None = None) -> Msg:
         box = self.mail.get(req_id)
         while box:
             msg = box.pop(0)
@@ -261,7 +265,7 @@ class Connection:
                 if time.monotonic() < min(deadline, alive_check):
                     continue
                 alive_check = time.monotonic() + 0.25
-                if not self.daemon_alive():
+                if not self.daemon_alive() or (life is not None and not life.alive()):
                     raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)") from None
                 if time.monotonic() >= deadline:
                     raise
@@ -278,6 +282,7 @@ class Connection:
     def end(self, req_id: str) -> None:
         """This side is done with ``req_id``: drop its mail now and whatever arrives for it later."""
         self.mail.pop(req_id, None)
+        self._owed.pop(req_id, None)
         self._ended[req_id] = None
         self._ended.move_to_end(req_id)
         while len(self._ended) > 4096:
@@ -308,6 +313,7 @@ class Connection:
                     self._lost = True  # until another daemon answers, posts are for the dead one's requests
             self.life = Lifeline.connect(self._life_path, self.ident, self.max_frame)
             if self.life is not None:
+                self._owed.clear()  # (a new daemon answers none of the old one's calls)
                 with self._numbering:
                     self._lost = False
         return self.life
@@ -318,23 +324,42 @@ class Connection:
 
     def call(self, msg: Msg, req_id: str | None, timeout_s: float) -> Msg:
         """Send ``msg``, and its reply (its typed error raised). A notice about the request that comes first
-        (a layer landed, it committed) is not the reply: it stays in the request's mailbox, in order."""
+        (a layer landed, it committed) is not the reply: it stays in the request's mailbox, in order. A call that
+        times out leaves its reply owed: when it comes, it is dropped, never taken for the next call's."""
         self.send(msg, timeout_s)
-        return self.reply(req_id, time.monotonic() + timeout_s)
+        life = self.life
+        try:
+            return self.reply(req_id, time.monotonic() + timeout_s)
+        except TransportTimeout:
+            if self.life is life:  # (a restarted daemon owes nothing)
+                self._owed[req_id] = self._owed.get(req_id, 0) + 1
+            raise
 
-    def reply(self, req_id: str | None, deadline: float, check: bool = True) -> Msg:
+    def reply(self, req_id: str | None, deadline: float, check: bool = True, life: Lifeline | None = None) -> Msg:
         """The reply about ``req_id`` to a message already sent (its typed error raised, unless not ``check``),
-        by ``deadline`` (TransportTimeout); notices that come first stay in the request's mailbox, in order."""
+        by ``deadline`` (TransportTimeout); notices that come first stay in the request's mailbox, in order; replies
+        owed to calls that timed out are dropped. ``life``: as ``recv_for``'s."""
         notices: list[Msg] = []
         try:
-            while isinstance(reply := self.recv_for(req_id, deadline), NOTICES):
-                notices.append(reply)
+            while isinstance(reply := self.recv_for(req_id, deadline, life=life), NOTICES) or self._late(req_id):
+                if isinstance(reply, NOTICES):
+                    notices.append(reply)
         finally:
             if notices and req_id not in self._ended:
                 self.mail[req_id] = notices + self.mail.get(req_id, [])
         if check:
             raise_error(reply)
         return reply
+
+    def _late(self, req_id: str | None) -> bool:
+        """Whether the reply just taken about ``req_id`` is owed to an earlier call that timed out (then dropped)."""
+        n = self._owed.get(req_id, 0)
+        if n:
+            if n > 1:
+                self._owed[req_id] = n - 1
+            else:
+                del self._owed[req_id]
+        return bool(n)
 
     def close(self) -> None:
         """Close the lifeline, after what is queued that the socket takes now (the daemon reads it before the
@@ -395,13 +420,19 @@ class Attachments:
         self._users.clear()
 
 
+def status_of(conn: Connection, timeout_s: float) -> dict:
+    """The daemon's stats, over ``conn``."""
+    reply = conn.call(StatusRequest(), None, timeout_s)
+    if not isinstance(reply, StatusReply):
+        raise ProtocolError(f"unexpected {reply.type} in reply to a status request")
+    return dict(reply.stats)
+
+
 def status(sock_path: str | Path, timeout_s: float = 2.0) -> dict:
     """Ask a local daemon for its stats."""
     c = Connection(sock_path)
     try:
-        reply = c.call(StatusRequest(), None, timeout_s)
-        assert isinstance(reply, StatusReply)
-        return dict(reply.stats)
+        return status_of(c, timeout_s)
     finally:
         c.close()
 

@@ -91,7 +91,7 @@ class DecodeRequest:
 
     def _pump(self, deadline: float) -> None:
         try:
-            msg = self.client._conn.recv_for(self.req_id, deadline)
+            msg = self.client._conn.recv_for(self.req_id, deadline, life=self._life)
         except BrokenResourceError as e:
             self.broken = str(e)
             raise BrokenResourceError(f"request {self.req_id!r}: {e}; its pages are not valid") from None
@@ -359,13 +359,13 @@ class PendingOpen:
 
     def wait(self) -> DecodeRequest:
         """The opened request, or the receiver's typed error; TransportTimeout past the deadline."""
-        return self._request(self.client._conn.reply(self.req_id, self.deadline, check=False))
+        return self._request(self.client._conn.reply(self.req_id, self.deadline, check=False, life=self.life))
 
     def poll(self) -> DecodeRequest | None:
         """The opened request if its answer has come, else None (never waits); its typed error, or
         TransportTimeout once past the deadline."""
         try:
-            reply = self.client._conn.reply(self.req_id, time.monotonic(), check=False)
+            reply = self.client._conn.reply(self.req_id, time.monotonic(), check=False, life=self.life)
         except TransportTimeout:  # nothing yet (a typed error reply is raised below, never taken for this)
             if time.monotonic() >= self.deadline:
                 raise TransportTimeout(f"open of {self.req_id!r}: no answer from the receiver in time") from None

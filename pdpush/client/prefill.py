@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pdpush import kvcodec, ring
-from pdpush.client.connection import Attachments, Connection, on_host, raise_error
+from pdpush.client.connection import Attachments, Connection, on_host, raise_error, status_of
 from pdpush.config import default_sender_socket
 from pdpush.doorbell import Bell
 from pdpush.errors import (
@@ -43,7 +43,6 @@ from pdpush.protocol import (
     Msg,
     NeedStaging,
     StagingGranted,
-    StatusRequest,
     Wake,
 )
 from pdpush.shm import Attached
@@ -369,7 +368,7 @@ class PushHandle:
         deadline = time.monotonic() + t
         try:
             self._send_finish(t)
-            reply = self.client._conn.reply(self.req_id, deadline)
+            reply = self.client._conn.reply(self.req_id, deadline, life=self._life)
         finally:
             self._end()
         if not isinstance(reply, Done):
@@ -395,7 +394,12 @@ class PushHandle:
         if not self._finishing:
             raise UnexpectedMessage(f"request {self.req_id!r}: poll_done before finish_nowait")
         try:
-            reply = self.client._conn.recv_for(self.req_id, min(time.monotonic() + timeout_s, self._finish_deadline))
+            reply = self.client._conn.recv_for(self.req_id, min(time.monotonic() + timeout_s, self._finish_deadline),
+                                               life=self._life)
+        except BrokenResourceError:  # the sender it began on is gone: no answer can come
+            self._end()
+            raise BrokenResourceError(f"request {self.req_id!r}: the sender it began on died or restarted",
+                                      req_id=self.req_id) from None
         except TransportTimeout:
             try:  # no answer will come from a sender that died or restarted since (its finish record went with it)
                 self._check_sender()
@@ -463,6 +467,7 @@ class PendingBegin:
         self.tp_rank, self.tp_size, self.layers = tp_rank, tp_size, layers
         self.deadline = time.monotonic() + client.timeout_s  # from the send, as a blocking begin's
         self._aborted = False
+        self.life = client._conn.life  # the sender it goes to: one that died answers nothing (a restarted one neither)
 
     def answered(self) -> bool:
         """Whether ``wait()`` would not wait: the answer (or an error) is here, the begin was aborted, its
@@ -481,7 +486,7 @@ class PendingBegin:
         c = self.client
         if not c._conn.mail.get(self.req_id) and not c._conn.daemon_alive():  # (not after a wait for it to answer)
             raise BrokenResourceError("the local pdpush daemon died (its lifeline closed)", req_id=self.req_id)
-        reply = c._conn.recv_for(self.req_id, self.deadline)
+        reply = c._conn.recv_for(self.req_id, self.deadline, life=self.life)
         try:
             raise_error(reply)
         except IncompatiblePeer:  # (an answer of another local protocol, say): the sender ends what it began
@@ -571,8 +576,7 @@ class PrefillClient:
         return self._segments.populated(timeout_s)
 
     def status(self) -> dict:
-        reply = self._conn.call(StatusRequest(), None, self.timeout_s)
-        return dict(reply.stats)  # type: ignore[union-attr]
+        return status_of(self._conn, self.timeout_s)
 
     def _ring(self, ok: BeginOk, staging: Attached) -> ring.RingWriter | None:
         if not ok.ring_slots or not ring.available():
