@@ -265,6 +265,15 @@ side.loads_ended({"loaded"})
 for rid in ("loaded", "waiting"):
     side.request_finished(NS(request_id=rid, kv_transfer_params=None, prompt_token_ids=[1]))
 out["unread"] = side.stats.totals().get("push_unread", 0)
+
+# 11. a load whose blocks do not cover its tokens (a bug: loud, not fatal): only the blocks of the tokens it was to
+# load are reported invalid, not the prefix this engine computed itself (which other running requests may share)
+import logging
+logging.disable(logging.ERROR)
+w.layout = KVLayout(2, 1, 64, "float32", 16, "m")
+w.block_size, w._pgroup, w._loads, w._async, w._load_errors = 16, [0], [], [], set()
+w._open_load(LoadSpec("short", "p-short", [[1, 2, 3]], 32, 64, 65))  # tokens 32..63: blocks 3 and a 4th it lacks
+out["invalid"] = sorted(w._load_errors)
 print(json.dumps(out))
 """
 
@@ -298,6 +307,7 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     assert out["unreachable"] == {"opens": 1, "failed": 4, "down": True}, out
     assert out["aborted"] == {"done": ["r1"], "failed": [], "left": [True], "released": [1, 0]}, out
     assert out["unread"] == 1, out
+    assert out["invalid"] == [3], out
 
 
 _PUSH_SCRIPT = """
