@@ -315,6 +315,8 @@ def router(
 
     try:
         serve(cfg)
+    except ConfigError as e:  # (a setting found wrong only at start-up: a tokenizer it cannot load, say)
+        _fail_config(e)
     except OSError as e:
         typer.echo(f"pdpush router: cannot start: {e}", err=True)
         raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None

@@ -26,8 +26,7 @@ class Metrics:
                                 f"KV bytes {'pushed to receivers' if role == 'sender' else 'received into the pool'}",
                                 registry=r)
         self.layers = pc.Counter("pdpush_layers", "Layers transferred", registry=r)
-        self.layer_seconds = pc.Histogram("pdpush_layer_transfer_seconds", "Put+flush of one layer (sender) "
-                                          "or alloc-to-LayerDone spacing (receiver)", buckets=_LAT, registry=r)
+        self.layer_seconds = pc.Histogram("pdpush_layer_transfer_seconds", "Put+flush of one layer (sender)", buckets=_LAT, registry=r)
         self.alloc_rtt = pc.Histogram("pdpush_alloc_rtt_seconds", "AllocRequest -> AllocResponse round trip",
                                       buckets=_LAT, registry=r)
         self.request_seconds = pc.Histogram("pdpush_request_seconds", "End-to-end latency of a request "

@@ -151,6 +151,13 @@ def test_pool_exhausted_bounded_retry_then_clear_error_and_too_large(daemons):
             pc.begin("starved", list(range(500, 548)))  # needs 3
         assert 0.5 < time.monotonic() - t0 < 3
         assert status(sock(tx))["alloc_retries"] >= 2
+        # the receiver says so too, where its pool is (the PdpushPoolExhausted alert): each refusal counted
+        import urllib.request
+
+        scraped = urllib.request.urlopen(rx.info["metrics_endpoint"], timeout=5).read().decode()
+        refused = [float(line.rsplit(" ", 1)[1]) for line in scraped.splitlines()
+                   if line.startswith('pdpush_failures_total{reason="pool_exhausted"}')]
+        assert refused and refused[0] >= 3 and status(sock(rx))["allocs_refused"] == refused[0], scraped[-2000:]
         with pytest.raises(RequestTooLarge):
             pc.begin("whale", list(range(1000, 1000 + 16 * 9)))
         # backpressure resolves itself once the hog commits: its chunks become evictable after release

@@ -10,8 +10,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -678,6 +681,20 @@ def test_a_legs_setting_the_command_line_does_not_know_is_refused():
 
     r = CliRunner().invoke(cli.app, ["router", "--legs", "sometimes"])
     assert r.exit_code == 2 and "--legs 'sometimes': give auto, concurrent or sequential" in r.output, r.output
+
+
+def test_a_local_tokenizer_without_transformers_is_a_config_error_that_says_so(tmp_path):
+    """``tokenizer = "<dir>"`` in a router whose Python has no transformers (the ``router`` extra brings none): exit 2
+    with a line saying what to install, not a ModuleNotFoundError traceback."""
+    shim = tmp_path / "shim" / "transformers"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('No module named transformers (shim)')\n")
+    env = {**os.environ, "PYTHONPATH": f"{shim.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "router", "--port", "0", "--prefill",
+                        "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9=tcp://127.0.0.1:9", "--tokenizer",
+                        str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "needs transformers" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_a_failing_prefill_is_retried_once_elsewhere_and_a_dead_decode_is_ejected(upstreams, start_router):

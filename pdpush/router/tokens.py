@@ -15,6 +15,8 @@ import os
 
 import httpx
 
+from pdpush.errors import ConfigError
+
 
 class PromptError(ValueError):
     """The request's prompt is malformed (a 400 for the client)."""
@@ -86,7 +88,11 @@ class LocalTokens:
     def __init__(self, path: str) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from transformers import AutoTokenizer  # only where configured: a heavy import
+        try:
+            from transformers import AutoTokenizer  # only where configured: a heavy import
+        except ImportError as e:
+            raise ConfigError(f"tokenizer = {path!r} needs transformers in the router's Python (pip install "
+                              f"'pdpush[router,demo]', or transformers alone), or tokenizer = \"engine\": {e}") from None
 
         self.tok = AutoTokenizer.from_pretrained(path)
         # threads of its own: the loop's default executor also resolves upstream host names (httpx), and a slow

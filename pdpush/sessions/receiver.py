@@ -260,7 +260,8 @@ class ReceiverSession:
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
             "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words",
-            "requests_withdrawn", "requests_given_up", "requests_unread_dropped", "parked_marks_forgotten")})
+            "requests_withdrawn", "requests_given_up", "requests_unread_dropped", "parked_marks_forgotten",
+            "allocs_refused")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
@@ -285,6 +286,8 @@ class ReceiverSession:
         except PdpushError as e:
             if isinstance(e, ProtocolError):
                 self.counters.add("bad_messages")
+            if isinstance(msg, AllocRequest):  # a push refused here (a full pool: pdpush_failures_total's
+                self.counters.count(out, "allocs_refused", metric="failures", label=e.code.value)  # pool_exhausted)
             out.append(Log(logging.INFO, f"error reply to {msg.type}: {e.code.value}: {e}", e.req_id or rid))
             if answer:
                 out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid)))
