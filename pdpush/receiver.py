@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import time
 
@@ -71,7 +72,8 @@ class Receiver:
         cfg = self.cfg
         # the ports first too: one taken fails the start (exit 3) before a big pool's prefault, not after it
         control.check_port_free(cfg.host, cfg.control_port, "the control endpoint")
-        control.check_port_free(cfg.host, cfg.ucx_port, "the UCX listener")
+        if "rdmacm" not in {**os.environ, **cfg.ucx_env}.get("UCX_SOCKADDR_TLS", ""):  # (its own port space)
+            control.check_port_free(cfg.host, cfg.ucx_port, "the UCX listener")
         control.check_port_free(cfg.metrics_host, cfg.metrics_port, "the metrics endpoint")
         if cfg.curve_secret_key_file:  # the keys first: a bad key file fails the start before a big pool's prefault
             from pdpush import auth

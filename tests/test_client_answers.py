@@ -35,16 +35,16 @@ class Daemon:  # a stand-in daemon on a real lifeline: ``answer(msg)`` gives its
         self.t.start()
 
     def run(self):
-        later = []
+        later = []  # in the order answered: a delayed answer holds back those after it, as one stream would
         while not self.stop:
             for ev in self.lines.service():
                 if ev.kind == lifeline.FRAME:
                     m = protocol.decode(ev.payload)
                     self.seen.append(m.type)
                     later += [(time.monotonic() + d, ev.ident, r) for d, r in self.answer(m)]
-            for item in [x for x in later if x[0] <= time.monotonic()]:
-                later.remove(item)
-                self.lines.send(item[1], protocol.encode(item[2]))
+            while later and later[0][0] <= time.monotonic():
+                _, ident, r = later.pop(0)
+                self.lines.send(ident, protocol.encode(r))
             time.sleep(0.0005)
 
     def close(self):

@@ -343,11 +343,11 @@ def test_a_finish_record_the_sender_never_took_ends_in_a_typed_error_when_it_die
 
 def test_a_finish_the_sender_never_answers_ends_in_a_typed_timeout(daemons):
     """The sender is alive but stopped (SIGSTOP) when the engine finishes: ``poll_done`` answers None until the
-    client's ``timeout_s`` from ``finish_nowait``, then raises a typed TransportTimeout, never waits for good. The
+    client's ``finish_timeout_s`` from ``finish_nowait``, then raises a typed TransportTimeout, never waits for good. The
     sender, running again, commits the request; its late answer is dropped, and the next request is served."""
     rx = daemons.receiver(**rx_opts(LAY))
     tx = daemons.sender(rx)
-    pc = PrefillClient(LAY, sock(tx), timeout_s=1.0)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=1.0, finish_timeout_s=1.0)
     k, v = kv(LAY, 30, seed=5)
     try:
         h = pc.begin("silent", list(range(30)))

@@ -622,6 +622,9 @@ def test_one_decode_connections_given_up_opens_never_refuse_anothers_open(monkey
     assert len(rx.parked) == 4 * 8 and rx.counters.values["parked_marks_forgotten"] == 5
     assert "g0" not in rx.parked and "g36" in rx.parked  # the oldest went
     assert rx.on_local(b"other", protocol.Open(req_id="mine"), 1) == []  # parked, not refused
+    monkeypatch.setattr(rxmod, "PARKED_PER_READER", 1)  # an Open refused (its connection at its cap) forgets none
+    err = msgs(rx.on_local(b"other", protocol.Open(req_id="mine-2"), 1), ToDecode, protocol.Error)
+    assert err and "too many parked opens" in err[0].message and rx.counters.values["parked_marks_forgotten"] == 6
     _hello(rx, b"s")
     out = rx.on_control(b"s", _alloc("mine", range(16)), 2)
     assert [m.req_id for m in msgs(out, ToDecode, protocol.OpenOk)] == ["mine"]

@@ -329,11 +329,13 @@ class Connection:
         self.send(msg, timeout_s)
         life = self.life
         try:
-            return self.reply(req_id, time.monotonic() + timeout_s)
-        except TransportTimeout:
+            reply = self.reply(req_id, time.monotonic() + timeout_s, check=False)
+        except TransportTimeout:  # (no answer came: one that came and says "timeout" is raised below)
             if self.life is life:  # (a restarted daemon owes nothing)
                 self._owed[req_id] = self._owed.get(req_id, 0) + 1
             raise
+        raise_error(reply)
+        return reply
 
     def reply(self, req_id: str | None, deadline: float, check: bool = True, life: Lifeline | None = None) -> Msg:
         """The reply about ``req_id`` to a message already sent (its typed error raised, unless not ``check``),

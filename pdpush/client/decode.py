@@ -441,6 +441,7 @@ class DecodeClient:
         t = timeout_s if timeout_s is not None else self.timeout_s
         pending = PendingOpen(self, req_id, tp_rank, tp_size, time.monotonic() + t)
         self._conn.send(Open(req_id=req_id, tp_size=tp_size, exists=exists), t)
+        pending.life = self._conn.life  # the one it went out on (the send connects anew where the daemon died)
         return pending
 
     def held_prefix(self, token_ids, layout: KVLayout) -> int:

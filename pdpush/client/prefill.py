@@ -94,7 +94,7 @@ class PushHandle:
         self._done: Done | None = None
         self._aborted: str | None = None
         self._finishing = False
-        self._finish_deadline = 0.0  # finish_nowait's: the client's timeout_s from the Finish, as finish()'s
+        self._finish_deadline = 0.0  # finish_nowait's: the client's finish_timeout_s from the Finish
 
     def new_chunks(self, layer: int) -> list[int]:
         """The chunks whose pages of ``layer`` this request writes (its layer group's new items)."""
@@ -381,13 +381,13 @@ class PushHandle:
         if self._done is None and not self._finishing:
             self._check_open()
             self._finishing = True
-            self._finish_deadline = time.monotonic() + self.client.timeout_s
+            self._finish_deadline = time.monotonic() + self.client.finish_timeout_s
             self._send_finish(self.client.timeout_s)
 
     def poll_done(self, timeout_s: float = 0.0) -> Done | None:
         """The commit's outcome if it has come (raises its typed error if it failed), else None; TransportTimeout
-        once the client's ``timeout_s`` from ``finish_nowait`` has passed with no answer (a sender alive but silent:
-        a late answer is then dropped)."""
+        once the client's ``finish_timeout_s`` from ``finish_nowait`` has passed with no answer (a sender alive but
+        silent: a late answer is then dropped)."""
         self._check_not_aborted()
         if self._done is not None:
             return self._done
@@ -410,7 +410,7 @@ class PushHandle:
                 return None
             self._end()
             raise TransportTimeout(f"request {self.req_id!r}: the sender did not answer its finish within "
-                                   f"{self.client.timeout_s:g} s", req_id=self.req_id) from None
+                                   f"{self.client.finish_timeout_s:g} s", req_id=self.req_id) from None
         self._end()
         raise_error(reply)
         if not isinstance(reply, Done):
@@ -522,11 +522,16 @@ class PrefillClient:
     """Hands finished layers to the local sender daemon through shared staging memory."""
 
     def __init__(self, layout: KVLayout, sender_socket: str | Path | None = None, *,
-                 receiver: str = "", timeout_s: float = 30.0, pin_cuda: bool = False) -> None:
+                 receiver: str = "", timeout_s: float = 30.0, pin_cuda: bool = False,
+                 finish_timeout_s: float | None = None) -> None:
+        """``finish_timeout_s``: how long ``poll_done`` waits for the sender's answer to a finish (default: 60 s, or
+        ``timeout_s`` if longer). The sender ends a request its lease (30 s by default) did not see through, and says
+        so; this bounds the wait on a sender alive but silent, and must not cut a large push's puts short."""
         self.layout = layout
         self.spec = LayoutSpec(**layout.to_dict())
         self.receiver = receiver
         self.timeout_s = timeout_s
+        self.finish_timeout_s = finish_timeout_s if finish_timeout_s is not None else max(timeout_s, 60.0)
         self._conn = Connection(sender_socket or default_sender_socket())
         self._segments = Attachments()
         self._rings: dict[int, ring.RingWriter] = {}  # by staging shmid: this connection's ring in it
@@ -568,6 +573,7 @@ class PrefillClient:
         self._begun = True
         pending = PendingBegin(self, req_id, len(ids), tp_rank, tp_size, layers)
         self._conn.send(msg, self.timeout_s)
+        pending.life = self._conn.life  # the one it went out on (the send connects anew where the daemon died)
         return pending
 
     def wait_mapped(self, timeout_s: float) -> bool:

@@ -846,16 +846,15 @@ class ReceiverSession:
             elif msg.exists:
                 raise UnknownRequest(f"request {msg.req_id!r} is not on this receiver (its push never began here)")
             else:
-                if msg.req_id not in self.parked and len(self.parked) >= 4 * PARKED_ALL:
-                    self._forget_marks()
-                waiters = self.parked.setdefault(msg.req_id, [])
+                waiters = self.parked.get(msg.req_id, [])
                 mine = next((i for i, w in enumerate(waiters) if w[0] == ident and w[3]), None)
                 if (mine is None and len(waiters) >= 16) or self._parked_by.get(ident, 0) >= PARKED_PER_READER or (
                         sum(self._parked_by.values()) >= PARKED_ALL):
                     # (one connection cannot fill them all; given-up marks, kept to count releases, make room)
-                    if not waiters:
-                        del self.parked[msg.req_id]
                     raise RequestTooLarge("too many parked opens")
+                if msg.req_id not in self.parked and len(self.parked) >= 4 * PARKED_ALL:
+                    self._forget_marks()
+                waiters = self.parked.setdefault(msg.req_id, waiters)
                 self._parked_by[ident] = self._parked_by.get(ident, 0) + 1
                 if mine is not None:  # it gave one up before: that one is live again (its release is not counted)
                     waiters[mine] = (ident, now, msg.tp_size, False)

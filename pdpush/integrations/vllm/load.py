@@ -121,6 +121,7 @@ class LoadPath:
                 return
             bs = self.block_size  # the blocks of the tokens it was to load (those before are this engine's own,
             blocks = {b for ids in spec.block_ids for b in ids[spec.start // bs:-(-spec.end // bs)] if b}  # shared)
+            blocks = blocks or {b for ids in spec.block_ids for b in ids if b}  # (none there: all, to be recomputed)
             self.stats.load_fail(failed.path, LoadFailure.BLOCKS, 0.0, blocks=len(blocks))
             self._load_errors.update(blocks)
             return
