@@ -132,7 +132,9 @@ def die_with_launcher(signals: dict) -> None:
 
     parent = os.getppid()  # 0 where the parent is outside our PID namespace (a launcher entering a host's)
     die_with_parent(signal.SIGTERM)
-    if parent == 1 or os.getppid() != parent:  # it died before the prctl took effect: we were reparented
+    # it died before the prctl took effect: we were reparented (to init, unless the launcher is init itself: a
+    # container's entrypoint)
+    if os.getppid() != parent or (parent == 1 and launcher != "1"):
         signals["count"] += 1
 
 
@@ -143,12 +145,18 @@ def now_ms() -> float:
     return time.monotonic() * 1000
 
 
+class _StoppedStarting(BaseException):  # noqa: N818 - a signal, not an error (no ``except Exception`` takes it)
+    """SIGTERM or SIGINT while the daemon starts (its pool's prefault can take minutes): nothing to drain yet."""
+
+
 def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     log = logging.getLogger("pdpush.daemon")
-    signals = {"count": 0}
+    signals = {"count": 0, "started": False}
 
     def on_signal(signum, _frame) -> None:
         signals["count"] += 1
+        if not signals["started"]:
+            raise _StoppedStarting
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -159,8 +167,12 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     code = ExitCode.OK
     drain_deadline: float | None = None
     loop_errors = 0
+    wrote = False  # the ready file is this process's to remove (another instance's is not)
     try:  # (a start that fails part way closes what it opened: its sockets, its memory)
+        if signals["count"]:  # (the launcher had died already)
+            raise _StoppedStarting
         info = server.start()
+        signals["started"] = True
         # (after the start: UCX takes SIGHUP for its own debug handler, UCX_DEBUG_SIGNO, and swallowed it. The router
         # reloads on SIGHUP; a daemon's pool, staging and peers are made at start-up only, and it says so)
         signal.signal(signal.SIGHUP, lambda _s, _f: log.warning(
@@ -169,6 +181,7 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
         info["open_files_limit"] = open_files
         if ready_file:
             write_ready_file(ready_file, info)
+            wrote = True
         sd_notify("READY=1\nSTATUS=serving")
         log.info("ready: %s", json.dumps(info))
         while True:
@@ -178,8 +191,9 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
                 passed = True
             except Exception:  # noqa: BLE001 - the top-level guard: a bug in one pass never ends the daemon
                 loop_errors += 1
-                log.exception("internal error in the daemon loop (%d so far); serving on", loop_errors)
-                time.sleep(0.01)  # a fault that repeats every pass must not spin the log
+                if loop_errors & (loop_errors - 1) == 0:  # the 1st, 2nd, 4th, ...: one that repeats every pass
+                    log.exception("internal error in the daemon loop (%d so far); serving on", loop_errors)
+                time.sleep(0.01)  # must not spin, nor flood the log
             # (only a pass that completed feeds the watchdog: one that fails every pass is restarted by systemd)
             if watchdog_us and passed and time.monotonic() - last_wd > watchdog_us / 2e6:
                 sd_notify("WATCHDOG=1")
@@ -202,9 +216,12 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
                     server.abort_all("drain timeout")
                     code = ExitCode.FAILURE  # (work was lost: a supervisor should see it, as for a forced exit)
                     break
+    except _StoppedStarting:
+        log.info("stopped while starting: nothing was served")
     finally:
+        signals["started"] = True  # (a signal now is the drain's, or a second one's)
         server.close()
-        if ready_file:
+        if wrote:
             Path(ready_file).unlink(missing_ok=True)
     return int(code)
 

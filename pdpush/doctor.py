@@ -18,6 +18,7 @@ import re
 import resource
 from pathlib import Path
 
+from pdpush.errors import TransportError
 from pdpush.transport.ucx_lib import RDMA_COMPONENTS, RDMA_TRANSPORTS, parse_print_info
 
 CUDA_TRANSPORTS = {"cuda_copy", "cuda_ipc", "gdr_copy"}
@@ -105,7 +106,11 @@ def gather(ucx_env: dict | None = None, memlock_needed: int | None = None) -> di
 
     configure_env(ucx_env)
     _, build = ucx_lib.load()
-    ctx = ucp.Context(ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_WAKEUP | ucp.UCP_FEATURE_STREAM)
+    try:
+        ctx = ucp.Context(ucp.UCP_FEATURE_RMA | ucp.UCP_FEATURE_WAKEUP | ucp.UCP_FEATURE_STREAM)
+    except ucp.UcpError as e:  # (what doctor is for: said in a line, exit 2, as the daemons would fail)
+        raise TransportError(f"UCX {ucp.version_string()} from {build.library} cannot start: {e} (UCX_* settings: "
+                             f"{ {k: v for k, v in os.environ.items() if k.startswith('UCX_')} })") from None
     try:
         comps, res = parse_print_info(ctx.print_info())
     finally:

@@ -36,7 +36,14 @@ import zmq
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, endpoint_error, endpoint_host_port, is_loopback
 from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
-from pdpush.errors import ConnectError, IncompatiblePeer, PdpushError, RemoteProtocolError, TransportTimeout
+from pdpush.errors import (
+    ConnectError,
+    IncompatiblePeer,
+    PdpushError,
+    RemoteProtocolError,
+    TransferError,
+    TransportTimeout,
+)
 from pdpush.layout import PoolGeometry, combine_digests
 from pdpush.protocol import Abort, Msg, StatusReply, StatusRequest, Wake
 from pdpush.sessions.sender import (
@@ -632,10 +639,13 @@ class Sender:
                     self._populated[endpoint] = 0  # (the thread only updates it: stats() may sum meanwhile)
                     ep.populate_peer(*region, lambda n, endpoint=endpoint: self._populated.__setitem__(endpoint, n))
                 err = None
-            except PdpushError as e:
+            except Exception as e:  # noqa: BLE001 - any failure ends this wire-up (kept, it failed every pass)
                 if ep is not None:
                     ep.cancel_wireup()
-                err = e
+                err = e if isinstance(e, PdpushError) else TransferError(
+                    f"UCX connection to {endpoint}: {type(e).__name__}: {e}")
+                if not isinstance(e, PdpushError):
+                    log.exception("wiring up the UCX endpoint to %s", endpoint)
             del self._connecting[endpoint]
             self._apply(self.session.on_connected(endpoint, err, now_ms()))
 

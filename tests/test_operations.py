@@ -266,3 +266,65 @@ def test_a_receiver_on_ipv6_loopback_is_reached_byte_for_byte(daemons):
     finally:
         pc.close()
         dc.close()
+
+
+def _receiver_toml(tmp_path: Path, name: str, **over) -> Path:
+    f = tmp_path / f"{name}.toml"
+    opts = {**rx_opts(LAY), "control_port": 0, "ucx_port": 0, "metrics_port": -1,
+            "local_socket": str(tmp_path / f"{name}.sock"), "ready_file": str(tmp_path / f"{name}.ready"), **over}
+    f.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in opts.items() if v is not None))
+    return f
+
+
+def test_a_signal_while_the_daemon_starts_stops_it_then_and_a_failed_start_keeps_anothers_ready_file(tmp_path):
+    """SIGTERM while the receiver faults in its pool (minutes, on a big one) stops it there, exit 0, nothing served:
+    the signal used to be only counted until the start was done. And a second receiver whose start fails (its control
+    port is the first one's: exit 3) leaves the first one's ready file alone: it removed it, though it never wrote
+    it, and whatever waited on that file saw a live daemon as gone."""
+    log = tmp_path / "big.log"
+    cfg = _receiver_toml(tmp_path, "big", pool_pages=131072, prefault=True)  # 2 GiB: about 2 s of prefault here
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(cfg)],
+                             stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "transports:" not in log.read_text():  # logged just before the pool is made and faulted in
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.01)  # polling its log; bounded
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, log.read_text()[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    text = log.read_text()
+    assert "stopped while starting" in text and "ready:" not in text, text[-2000:]
+    assert not (tmp_path / "big.ready").exists()
+    # a live receiver's ready file, and a second receiver on its control port
+    first = launch.start_receiver(tmp_path, **rx_opts(LAY), prefault=False)
+    try:
+        port = int(first.info["control_endpoint"].rsplit(":", 1)[1])
+        ready = tmp_path / "first.ready"
+        ready.write_text(json.dumps(first.info))  # (as its own ready file: what a supervisor waits on)
+        cfg2 = _receiver_toml(tmp_path, "second", control_port=port, prefault=False, ready_file=str(ready))
+        r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(cfg2)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 3 and "another process listens" in r.stderr, r.stderr[-2000:]
+        assert ready.exists()
+    finally:
+        first.stop()
+
+
+@pytest.mark.parametrize("launcher, parent, drains", [("1", 1, False), ("4242", 1, True), ("4242", 4242, False)])
+def test_a_daemon_drains_at_start_only_where_its_launcher_died(monkeypatch, launcher, parent, drains):
+    """Started by a launcher (pdpush.launch: tests, bench, demo), a daemon drains if the launcher died before the
+    daemon could tie itself to it (it was reparented, to PID 1). A launcher that is PID 1 itself, a container's
+    entrypoint, is alive: its daemons used to drain right after they were ready."""
+    from pdpush import daemon
+
+    monkeypatch.setenv("PDPUSH_LAUNCHER_PID", launcher)
+    monkeypatch.setattr(launch, "die_with_parent", lambda sig: None)
+    monkeypatch.setattr(os, "getppid", lambda: parent)
+    signals = {"count": 0}
+    daemon.die_with_launcher(signals)
+    assert signals["count"] == int(drains)

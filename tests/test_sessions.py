@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdpush import protocol
-from pdpush.errors import ErrorCode, TransportTimeout
+from pdpush.errors import ErrorCode, PdpushError, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.protocol import ReqState, TxState
 from pdpush.sessions import Count, Log
@@ -781,6 +781,45 @@ def test_a_receivers_endpoint_dropped_takes_its_unsettled_aborts_with_it():
     s._unsettled = [(7, 1, "tcp://a:1", "r1"), (8, 2, "tcp://b:1", "r2"), (9, 1, "tcp://a:1", "r3")]
     s._drop_ep("tcp://a:1")
     assert s._unsettled == [(8, 2, "tcp://b:1", "r2")] and dropped == [1]
+
+
+def test_a_wire_up_that_raises_anything_ends_that_connection_not_every_pass_after():
+    """The sender shell: attaching a wired-up endpoint raises an untyped error (the native path refusing a receiver's
+    pool, say). That connection fails, typed, once; it used to stay in ``_connecting``, and every pass raised again
+    before serving anything else, with one more close callback on the endpoint each time."""
+    import time as _time
+
+    from pdpush import sender as shell
+    from pdpush.config import SenderConfig
+
+    s = shell.Sender(SenderConfig())
+
+    class Ep:
+        cbs: list = []
+
+        def wired_up(self):
+            return True
+
+        def on_close(self, cb):
+            self.cbs.append(cb)
+
+        def attach(self, pusher, eid, pool):
+            raise ValueError("a receiver's pool is empty or wraps")
+
+        def cancel_wireup(self):
+            pass
+
+    outcomes: list = []
+    s.session = types.SimpleNamespace(on_connected=lambda endpoint, err, now: outcomes.append((endpoint, err)) or [])
+    s._apply = lambda actions: None
+    w = shell._Wiring(None, (1 << 30, 1 << 20), _time.monotonic() + 30, types.SimpleNamespace(done=True))
+    w.ep = ep = Ep()
+    s._connecting["tcp://r:5710"] = w
+    s._eid = lambda endpoint: 1
+    for _ in range(3):
+        s._connects()
+    assert not s._connecting and len(ep.cbs) == 1 and len(outcomes) == 1
+    assert isinstance(outcomes[0][1], PdpushError) and "pool is empty or wraps" in str(outcomes[0][1])
 
 
 def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_the_batch_goes(monkeypatch):

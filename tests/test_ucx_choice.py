@@ -93,6 +93,15 @@ def test_doctor_names_the_transports_and_says_there_is_no_rdma_device():
         assert "RDMA: no (devices: none)" in text and "tcp/" in text, text
 
 
+def test_doctor_says_in_a_line_why_ucx_cannot_start():
+    """A UCX that cannot start (here: asked for a transport it lacks) is what doctor is for: one line naming it and
+    the UCX_* settings, exit 2 (as the daemons fail), not a traceback and exit 1 (which means "warnings")."""
+    r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "doctor"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "UCX_TLS": "no_such_transport"})
+    assert r.returncode == 2 and "cannot start" in r.stderr and "no_such_transport" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_doctor_judges_memlock_and_rdma_from_facts():
     from pdpush.doctor import judge
 
