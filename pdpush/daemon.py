@@ -35,7 +35,7 @@ class ExitCode(IntEnum):
 
 
 class Server(Protocol):
-    def start(self) -> dict: ...
+    def start(self, stop: Callable[[], bool] | None = None) -> dict: ...  # stop: a signal came, the start ends soon
     def step(self, timeout_ms: int) -> None: ...
     def begin_drain(self) -> None: ...
     def drained(self) -> bool: ...
@@ -132,10 +132,18 @@ def die_with_launcher(signals: dict) -> None:
 
     parent = os.getppid()  # 0 where the parent is outside our PID namespace (a launcher entering a host's)
     die_with_parent(signal.SIGTERM)
-    # it died before the prctl took effect: we were reparented (to init, unless the launcher is init itself: a
-    # container's entrypoint)
-    if os.getppid() != parent or (parent == 1 and launcher != "1"):
+    # it died before the prctl took effect: we were reparented, to init, unless init is the launcher itself (a
+    # container's entrypoint, in this daemon's own PID namespace)
+    if os.getppid() != parent or (parent == 1 and not (launcher == "1" and _same_pid_namespace())):
         signals["count"] += 1
+
+
+def _same_pid_namespace() -> bool:
+    """Whether this process's PID namespace is its launcher's (``PDPUSH_LAUNCHER_PIDNS``)."""
+    try:
+        return os.readlink("/proc/self/ns/pid") == os.environ.get("PDPUSH_LAUNCHER_PIDNS")
+    except OSError:
+        return False
 
 
 def now_ms() -> float:
@@ -145,18 +153,12 @@ def now_ms() -> float:
     return time.monotonic() * 1000
 
 
-class _StoppedStarting(BaseException):  # noqa: N818 - a signal, not an error (no ``except Exception`` takes it)
-    """SIGTERM or SIGINT while the daemon starts (its pool's prefault can take minutes): nothing to drain yet."""
-
-
 def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     log = logging.getLogger("pdpush.daemon")
-    signals = {"count": 0, "started": False}
+    signals = {"count": 0}
 
     def on_signal(signum, _frame) -> None:
         signals["count"] += 1
-        if not signals["started"]:
-            raise _StoppedStarting
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -169,10 +171,12 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     loop_errors = 0
     wrote = False  # the ready file is this process's to remove (another instance's is not)
     try:  # (a start that fails part way closes what it opened: its sockets, its memory)
-        if signals["count"]:  # (the launcher had died already)
-            raise _StoppedStarting
-        info = server.start()
-        signals["started"] = True
+        # a signal while it starts ends its prefault (minutes on a big pool) where it is, and the daemon stops
+        # having served nothing; only counted here, never raised (the launcher may have died already: counted)
+        info = server.start(stop=lambda: signals["count"] > 0)
+        if signals["count"]:
+            log.info("stopped while starting: nothing was served")
+            return int(code)
         # (after the start: UCX takes SIGHUP for its own debug handler, UCX_DEBUG_SIGNO, and swallowed it. The router
         # reloads on SIGHUP; a daemon's pool, staging and peers are made at start-up only, and it says so)
         signal.signal(signal.SIGHUP, lambda _s, _f: log.warning(
@@ -216,10 +220,7 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
                     server.abort_all("drain timeout")
                     code = ExitCode.FAILURE  # (work was lost: a supervisor should see it, as for a forced exit)
                     break
-    except _StoppedStarting:
-        log.info("stopped while starting: nothing was served")
     finally:
-        signals["started"] = True  # (a signal now is the drain's, or a second one's)
         server.close()
         if wrote:
             Path(ready_file).unlink(missing_ok=True)

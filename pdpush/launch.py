@@ -38,6 +38,14 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (its daemons tell a launcher that is PID 1 there, alive, from init)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 class Daemon:
     def __init__(self, role: str, args: list[str], workdir: Path, env: dict | None = None,
                  ready_timeout_s: float = 60.0, prefix: list[str] | None = None) -> None:
@@ -48,7 +56,8 @@ class Daemon:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("PDPUSH_")}
         # the daemon asks the kernel for SIGTERM when we die (daemon.die_with_parent): a runner
         # that is itself killed or crashes must not leave daemons running in their own sessions
-        full_env = {**inherited, **QUIET_UCX, "PDPUSH_LAUNCHER_PID": str(os.getpid()), **(env or {})}
+        full_env = {**inherited, **QUIET_UCX, "PDPUSH_LAUNCHER_PID": str(os.getpid()),
+                    "PDPUSH_LAUNCHER_PIDNS": _pid_namespace(), **(env or {})}
         exe = [*(prefix or []), sys.executable, "-m", "pdpush.cli_entry", role]  # prefix: e.g. ip netns exec
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(exe + args + ["--ready-file", str(self.ready_path)], stdout=self._log,

@@ -65,7 +65,8 @@ class Receiver:
         self._last_refresh = 0
 
     # ---- lifecycle ----
-    def start(self) -> dict:
+    def start(self, stop=None) -> dict:
+        """Make the pool and bind the endpoints; ``stop()``: a signal came, the pool's prefault ends where it is."""
         from pdpush import shm
         from pdpush.transport.auto import open_transport
 
@@ -85,7 +86,7 @@ class Receiver:
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(cfg.host) else f"host {cfg.host}", cfg.pool_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
         if cfg.prefault:
-            shm.prefault(self.region.address, self.region.length)
+            shm.prefault(self.region.address, self.region.length, stop=stop)
         # no cudaHostRegister here: pinning is per process, and the daemon copies nothing with CUDA;
         # a decode engine pins its own mapping of the pool (DecodeClient(pin_cuda=True))
         self.rkey = self.region.pack_rkey()

@@ -128,7 +128,8 @@ class Sender:
                                  else None)
 
     # ---- lifecycle ----
-    def start(self) -> dict:
+    def start(self, stop=None) -> dict:
+        """Make the staging and bind the engines' endpoints; ``stop()``: a signal came, its prefault ends there."""
         from pdpush import shm
         from pdpush.transport.auto import open_transport
 
@@ -140,7 +141,7 @@ class Sender:
                                 self.cfg.staging_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)
         if self.cfg.prefault:
-            shm.prefault(self.region.address, self.region.length)
+            shm.prefault(self.region.address, self.region.length, stop=stop)
         self.ingress, self.ingress_endpoint = control.bind_local(self.cfg.ingress_socket_path(),
                                                                  self.cfg.max_frame_bytes)
         # the engines' connections: their messages both ways, and their deaths (lifeline.py)
@@ -641,7 +642,10 @@ class Sender:
                 err = None
             except Exception as e:  # noqa: BLE001 - any failure ends this wire-up (kept, it failed every pass)
                 if ep is not None:
-                    ep.cancel_wireup()
+                    try:
+                        ep.cancel_wireup()
+                    except Exception:  # noqa: BLE001 - (the connection fails all the same)
+                        log.exception("cancelling the wire-up to %s", endpoint)
                 err = e if isinstance(e, PdpushError) else TransferError(
                     f"UCX connection to {endpoint}: {type(e).__name__}: {e}")
                 if not isinstance(e, PdpushError):

@@ -143,14 +143,16 @@ def array_at(address: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
-def prefault(address: int, nbytes: int, step: int = 64 << 20) -> None:
+def prefault(address: int, nbytes: int, step: int = 64 << 20, stop=None) -> None:
     """Fault every page of a fresh region in (only for memory nobody uses yet): allocated by the kernel
     without a byte written here (``populate``), or, where the kernel cannot (before Linux 5.14), by writing
-    zeros."""
-    if populate(address, nbytes, resident_only=False) >= nbytes:
+    zeros. ``stop()``: looked at between pieces; once it says so, the rest is left (a daemon told to stop)."""
+    if populate(address, nbytes, stop=stop, resident_only=False) >= nbytes:
         return
     a = array_at(address, nbytes)
     for off in range(0, nbytes, step):
+        if stop is not None and stop():
+            return
         a[off:off + step] = 0
 
 

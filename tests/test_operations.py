@@ -175,7 +175,7 @@ def test_an_exception_in_the_daemon_loop_is_logged_and_the_daemon_serves_on(capl
         steps = 0
         closed = False
 
-        def start(self) -> dict:
+        def start(self, stop=None) -> dict:
             return {}
 
         def step(self, timeout_ms: int) -> None:
@@ -315,16 +315,64 @@ def test_a_signal_while_the_daemon_starts_stops_it_then_and_a_failed_start_keeps
         first.stop()
 
 
-@pytest.mark.parametrize("launcher, parent, drains", [("1", 1, False), ("4242", 1, True), ("4242", 4242, False)])
-def test_a_daemon_drains_at_start_only_where_its_launcher_died(monkeypatch, launcher, parent, drains):
+@pytest.mark.parametrize("launcher, parent, same_ns, drains", [("1", 1, True, False), ("1", 1, False, True),
+                                                               ("4242", 1, True, True), ("4242", 4242, True, False)])
+def test_a_daemon_drains_at_start_only_where_its_launcher_died(monkeypatch, launcher, parent, same_ns, drains):
     """Started by a launcher (pdpush.launch: tests, bench, demo), a daemon drains if the launcher died before the
     daemon could tie itself to it (it was reparented, to PID 1). A launcher that is PID 1 itself, a container's
-    entrypoint, is alive: its daemons used to drain right after they were ready."""
+    entrypoint in the daemon's own PID namespace, is alive: its daemons used to drain right after they were ready.
+    PID 1 of another namespace (a launcher that entered a host's) is init there: its daemon was orphaned."""
     from pdpush import daemon
 
+    monkeypatch.setenv("PDPUSH_LAUNCHER_PIDNS", os.readlink("/proc/self/ns/pid") if same_ns else "pid:[1]")
     monkeypatch.setenv("PDPUSH_LAUNCHER_PID", launcher)
     monkeypatch.setattr(launch, "die_with_parent", lambda sig: None)
     monkeypatch.setattr(os, "getppid", lambda: parent)
     signals = {"count": 0}
     daemon.die_with_launcher(signals)
     assert signals["count"] == int(drains)
+
+
+@pytest.mark.parametrize("signals_sent", [1, 2])
+def test_a_signal_during_start_ends_it_having_served_nothing(tmp_path, signals_sent):
+    """``daemon.run`` with a stand-in server whose start waits, as a prefault does, until told to stop: SIGTERM (and
+    a second signal on its heels) ends the start, and the daemon exits 0 without a ready file or a pass of its loop.
+    The handler only counts: nothing is raised inside the start (a raise there could land between a segment's
+    creation and its removal mark, and leak it)."""
+    import threading
+
+    from pdpush import daemon
+
+    class Starting:
+        steps, closed, stopped = 0, False, False
+
+        def start(self, stop=None):
+            deadline = time.monotonic() + 30
+            while not stop():
+                assert time.monotonic() < deadline, "never told to stop"
+                time.sleep(0.005)
+            self.stopped = True
+            return {}
+
+        def step(self, timeout_ms):
+            self.steps += 1
+
+        def close(self):
+            self.closed = True
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = Starting()
+    timers = [threading.Timer(0.2 + 0.01 * i, os.kill, (os.getpid(), signal.SIGTERM if i == 0 else signal.SIGINT))
+              for i in range(signals_sent)]
+    try:
+        for t in timers:
+            t.start()
+        code = daemon.run(server, str(tmp_path / "ready.json"), drain_timeout_s=5)
+    finally:
+        for t in timers:  # every signal sent (and handled by the daemon's handler) before pytest's come back
+            t.join(10)
+        time.sleep(0.05)
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert code == 0 and server.stopped and server.closed and server.steps == 0
+    assert not (tmp_path / "ready.json").exists()

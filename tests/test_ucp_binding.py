@@ -88,6 +88,14 @@ def test_struct_layouts_match_headers(tmp_path):
     assert {k: int(v) for k, v in got.items()} == want
 
 
+def test_a_status_read_as_one_byte_is_signed():
+    """ucs_status_t is a packed enum: a call's status read through a C int can come back as its byte (-14 as 242). It
+    is read as UCX means it, so that BUSY from ucp_worker_arm is BUSY and an error is named (doctor said UCS_ERR(242))."""
+    assert ucp.signed_status(242) == -14 and ucp.status_name(242) == "NO_DEVICE(-14)"
+    assert ucp.signed_status(241) == ucp.UCS_ERR_BUSY and ucp.signed_status(-15) == -15
+    assert ucp.signed_status(ucp.UCS_OK) == 0 and ucp.signed_status(ucp.UCS_INPROGRESS) == 1
+
+
 def test_ptr_status_decoding():
     assert ucp._ptr_status(None) == (ucp.UCS_OK, None)
     assert ucp._ptr_status((1 << 64) - 25) == (-25, None)

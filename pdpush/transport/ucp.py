@@ -160,7 +160,13 @@ CONN_CB = CFUNCTYPE(None, c_void_p, c_void_p)  # (ucp_conn_request_h, void *arg)
 ERR_CB = CFUNCTYPE(None, c_void_p, c_void_p, c_int)  # (void *arg, ucp_ep_h, ucs_status_t)
 
 
+def signed_status(status: int) -> int:
+    """A ``ucs_status_t`` as UCX means it. The enum is packed (one byte): read through a C int, -14 came back as 242."""
+    return status - 256 if 128 <= status <= 255 else status
+
+
 def status_name(status: int) -> str:
+    status = signed_status(status)
     return f"{UCS_STATUS_NAMES.get(status, 'UCS_ERR')}({status})"
 
 
@@ -169,7 +175,7 @@ class UcpError(Exception):
 
     def __init__(self, what: str, status: int) -> None:
         super().__init__(f"{what} failed: {status_name(status)}")
-        self.status = status
+        self.status = signed_status(status)
 
 
 _lib: ctypes.CDLL | None = None
@@ -331,7 +337,7 @@ class Worker:
 
     def arm(self) -> bool:
         """True: nothing is pending, sleep on the fd; False: events are pending, progress again."""
-        st = lib().ucp_worker_arm(self.handle)
+        st = signed_status(lib().ucp_worker_arm(self.handle))
         if st == UCS_ERR_BUSY:
             return False
         _check("ucp_worker_arm", st)
@@ -440,7 +446,7 @@ def flush_nbx(ep: int) -> int | None:
 
 
 def request_status(req: int) -> int:
-    return lib().ucp_request_check_status(req)
+    return signed_status(lib().ucp_request_check_status(req))
 
 
 def request_free(req: int) -> None:
