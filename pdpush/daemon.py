@@ -171,8 +171,11 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     loop_errors = 0
     wrote = False  # the ready file is this process's to remove (another instance's is not)
     try:  # (a start that fails part way closes what it opened: its sockets, its memory)
+        if signals["count"]:  # its launcher died before it could tie itself to it
+            log.info("the launcher is gone: not starting")
+            return int(code)
         # a signal while it starts ends its prefault (minutes on a big pool) where it is, and the daemon stops
-        # having served nothing; only counted here, never raised (the launcher may have died already: counted)
+        # having served nothing; only counted here, never raised
         info = server.start(stop=lambda: signals["count"] > 0)
         if signals["count"]:
             log.info("stopped while starting: nothing was served")

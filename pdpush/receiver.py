@@ -87,6 +87,8 @@ class Receiver:
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
         if cfg.prefault:
             shm.prefault(self.region.address, self.region.length, stop=stop)
+            if stop is not None and stop():  # (told to stop: no endpoint is bound, close() frees the pool)
+                return {}
         # no cudaHostRegister here: pinning is per process, and the daemon copies nothing with CUDA;
         # a decode engine pins its own mapping of the pool (DecodeClient(pin_cuda=True))
         self.rkey = self.region.pack_rkey()

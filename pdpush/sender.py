@@ -142,6 +142,8 @@ class Sender:
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)
         if self.cfg.prefault:
             shm.prefault(self.region.address, self.region.length, stop=stop)
+            if stop is not None and stop():  # (told to stop: no endpoint is bound, close() frees the staging)
+                return {}
         self.ingress, self.ingress_endpoint = control.bind_local(self.cfg.ingress_socket_path(),
                                                                  self.cfg.max_frame_bytes)
         # the engines' connections: their messages both ways, and their deaths (lifeline.py)

@@ -376,3 +376,29 @@ def test_a_signal_during_start_ends_it_having_served_nothing(tmp_path, signals_s
             signal.signal(s, h)
     assert code == 0 and server.stopped and server.closed and server.steps == 0
     assert not (tmp_path / "ready.json").exists()
+
+
+def test_a_daemon_whose_launcher_is_gone_does_not_start(monkeypatch, tmp_path):
+    """The launcher died before the daemon could tie itself to it: the daemon exits 0 without making its pool or
+    binding a port (it used to start whole, announce itself ready, then drain)."""
+    from pdpush import daemon
+
+    class Never:
+        started = closed = False
+
+        def start(self, stop=None):
+            self.started = True
+            return {}
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(daemon, "die_with_launcher", lambda signals: signals.__setitem__("count", 1))
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = Never()
+    try:
+        code = daemon.run(server, str(tmp_path / "ready.json"), drain_timeout_s=5)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert code == 0 and not server.started and server.closed and not (tmp_path / "ready.json").exists()
