@@ -144,6 +144,33 @@ finally:
     c.close()
     d.close()
 
+# 1b. the same for a call about a request not open here (a claim): its late answer, dropped, pays what it owed
+slow = [True]
+
+
+def claims(m):
+    if isinstance(m, protocol.Claim):
+        first, slow[0] = slow[0], False
+        return [(0.3 if first else 0, protocol.ClaimOk(req_id=m.req_id, chunks=1 if first else 2))]
+    return []
+
+
+d = Daemon(f"{work}/c.sock", claims)
+c = DecodeClient(f"{work}/c.sock", timeout_s=5)
+try:
+    try:
+        c.claim("x", list(range(16)), LAY, timeout_s=0.1)
+        out["first_claim"] = "answered"
+    except TransportTimeout:
+        out["first_claim"] = "timeout"
+    time.sleep(0.5)
+    c._conn.drain()
+    out["next_claim"] = c.claim("x", list(range(16)), LAY, timeout_s=2)
+    out["claim_mail"] = len(c._conn.mail)
+finally:
+    c.close()
+    d.close()
+
 # 2. the receiver restarts while requests of it wait; the connection reaches the new one (another open): the waits on
 # the dead one's requests end at once, typed, not at their deadlines
 def opens(m):
@@ -217,5 +244,64 @@ def test_a_late_reply_answers_no_later_call_and_a_dead_daemons_requests_end_at_o
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["first"] == "timeout" and out["next"] == [1, 2, 3], out
+    assert out["first_claim"] == "timeout" and out["next_claim"] == 2 and out["claim_mail"] == 0, out
     for name in ("open", "layer", "begin"):
         assert out[name][0] == "BrokenResourceError" and out[name][1] < 3, (name, out)
+
+
+_FLOOD = _PRELUDE + r"""
+from pdpush.errors import TransportTimeout
+
+GHOSTS = [protocol.encode(protocol.LayerAvailable(req_id=f"ghost-{i}", layers=[0])) for i in range(5000)]
+
+
+class Flood(Daemon):  # a Query unanswered, and after it, for 3 s, notices about requests this client never had,
+    def run(self):  # as fast as its lifeline takes them
+        until = None
+        while not self.stop:
+            for ev in self.lines.service():
+                if ev.kind == lifeline.FRAME and isinstance(protocol.decode(ev.payload), protocol.Query):
+                    ident, until, i = ev.ident, time.monotonic() + 3, 0
+            while until is not None and time.monotonic() < until and len(self.lines._named[ident].wbuf) < 1 << 18:
+                self.lines.send(ident, GHOSTS[i % len(GHOSTS)])
+                i += 1
+            time.sleep(0.0001)
+
+
+import os, signal
+pid = os.fork()  # the flood in a process of its own: a thread of this one would wait on the client for the GIL
+if pid == 0:
+    Flood(f"{work}/f.sock", None)
+    time.sleep(60)
+    os._exit(0)
+c = DecodeClient(f"{work}/f.sock", timeout_s=5)
+out = {}
+try:
+    t = time.monotonic()
+    try:
+        c.query(list(range(16)), LAY, timeout_s=0.2)
+        out["query"] = "answered"
+    except TransportTimeout:
+        out["query"] = "timeout"
+    out["waited_s"] = time.monotonic() - t
+    time.sleep(0.5)
+    c._conn.drain()
+    out["mailboxes"] = len(c._conn.mail)
+finally:
+    c.close()
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(json.dumps(out))
+"""
+
+
+def test_a_flood_of_other_mail_neither_extends_a_wait_nor_makes_mailboxes(tmp_path):
+    """A wait ends at its deadline though frames keep coming (it was checked only when none was waiting: a daemon
+    sending without a pause held the engine's call for as long as it sent), and mail about a request this client does
+    not have open is dropped, not kept in a mailbox made for it (one was made for any id a daemon named, for good)."""
+    r = subprocess.run([sys.executable, "-c", _FLOOD, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["query"] == "timeout" and out["waited_s"] < 1.0, out
+    assert out["mailboxes"] == 0, out

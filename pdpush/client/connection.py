@@ -10,14 +10,16 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdpush import lifeline, protocol
 from pdpush.errors import (
     BrokenResourceError,
+    PdpushError,
     ProtocolError,
+    RemoteProtocolError,
     TransportTimeout,
     error_from_code,
 )
@@ -71,6 +73,14 @@ def raise_error(msg: Msg) -> None:
         raise error_from_code(msg.code, msg.message, msg.req_id, msg.retry_after_ms)
 
 
+def untakeable(e: Exception, what: str, req_id: str) -> PdpushError:
+    """What to raise for a daemon's answer this engine cannot take (``e``, from building on it): the typed error
+    itself, or a RemoteProtocolError that says which answer."""
+    if isinstance(e, PdpushError):
+        return e
+    return RemoteProtocolError(f"{what} of {req_id!r}: the daemon's answer does not hold: {e}", req_id=req_id)
+
+
 class Connection:
     """An engine's connection to its local daemon: messages both ways over its lifeline (lifeline.py), request and
     reply helpers, and a mailbox per request."""
@@ -82,7 +92,10 @@ class Connection:
         self._life_path = lifeline.path_for(str(sock_path))
         self.life: Lifeline | None = None
         self.mail: dict[str | None, list[Msg]] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()  # requests this side gave up on: late mail is dropped
+        # mail is kept only for a request this side has open (``begin`` to ``end``) or a call waits on; any other's,
+        # a late answer to one it ended or a daemon's mistake, is dropped: no mailbox is made for an id the daemon names
+        self._open: set[str] = set()
+        self._calls: dict[str | None, int] = {}  # calls waiting on a reply about a request, by request
         self.peer_id = ""  # learnt from BeginOk/OpenOk: the local daemon's start (a new one: it restarted)
         # The lifeline is used by one thread at a time, under ``lock``. A completion thread
         # (integrations/device_copy.py) never waits for it: ``post`` queues its frame in ``_outbox``, which
@@ -224,9 +237,20 @@ class Connection:
         if did := getattr(msg, "daemon_id", ""):
             self.peer_id = did
         rid = getattr(msg, "req_id", None)
-        if rid not in self._ended:
-            self.mail.setdefault(rid, []).append(msg)
+        self._keep(rid, msg)
         return rid
+
+    def _wanted(self, rid: str | None) -> bool:
+        """Whether mail about ``rid`` has a reader to come: a request open here, a call waiting, or none named."""
+        return rid is None or rid in self._open or rid in self._calls
+
+    def _keep(self, rid: str | None, msg: Msg) -> None:
+        """File ``msg`` in ``rid``'s mailbox if it has a reader to come; else drop it (a reply owed to a call that
+        timed out is paid with it: the next call about ``rid`` takes its own)."""
+        if self._wanted(rid):
+            self.mail.setdefault(rid, []).append(msg)
+        elif not isinstance(msg, NOTICES) and rid in self._owed:
+            self._late(rid)
 
     def _recv_one(self, deadline: float) -> Msg:
         """The next message from the daemon, by ``deadline`` (TransportTimeout); BrokenResourceError once it is
@@ -276,21 +300,20 @@ class Connection:
             if rid == req_id:
                 if grants or not isinstance(msg, StagingGranted):
                     return msg
-            elif rid not in self._ended:
-                self.mail.setdefault(rid, []).append(msg)
+            else:
+                self._keep(rid, msg)
+            if time.monotonic() >= deadline:  # other requests' mail, coming without a pause, does not extend a wait
+                raise TransportTimeout("no reply before the deadline")
 
     def end(self, req_id: str) -> None:
         """This side is done with ``req_id``: drop its mail now and whatever arrives for it later."""
         self.mail.pop(req_id, None)
         self._owed.pop(req_id, None)
-        self._ended[req_id] = None
-        self._ended.move_to_end(req_id)
-        while len(self._ended) > 4096:
-            self._ended.popitem(last=False)
+        self._open.discard(req_id)
 
     def begin(self, req_id: str) -> None:
-        """A new request under ``req_id``: its mail is wanted again."""
-        self._ended.pop(req_id, None)
+        """A new request under ``req_id``: its mail is wanted (until ``end``)."""
+        self._open.add(req_id)
 
     def lifeline(self) -> Lifeline | None:
         """This connection's lifeline to its daemon, opened anew when the daemon it had died (a restarted one
@@ -326,14 +349,23 @@ class Connection:
         """Send ``msg``, and its reply (its typed error raised). A notice about the request that comes first
         (a layer landed, it committed) is not the reply: it stays in the request's mailbox, in order. A call that
         times out leaves its reply owed: when it comes, it is dropped, never taken for the next call's."""
-        self.send(msg, timeout_s)
-        life = self.life
+        with self._numbering:
+            self._calls[req_id] = self._calls.get(req_id, 0) + 1  # its reply is filed for it, whoever reads it
         try:
-            reply = self.reply(req_id, time.monotonic() + timeout_s, check=False)
-        except TransportTimeout:  # (no answer came: one that came and says "timeout" is raised below)
-            if self.life is life:  # (a restarted daemon owes nothing)
-                self._owed[req_id] = self._owed.get(req_id, 0) + 1
-            raise
+            self.send(msg, timeout_s)
+            life = self.life
+            try:
+                reply = self.reply(req_id, time.monotonic() + timeout_s, check=False)
+            except TransportTimeout:  # (no answer came: one that came and says "timeout" is raised below)
+                if self.life is life:  # (a restarted daemon owes nothing)
+                    self._owed[req_id] = self._owed.get(req_id, 0) + 1
+                raise
+        finally:
+            with self._numbering:
+                if self._calls[req_id] > 1:
+                    self._calls[req_id] -= 1
+                else:
+                    del self._calls[req_id]
         raise_error(reply)
         return reply
 
@@ -347,7 +379,7 @@ class Connection:
                 if isinstance(reply, NOTICES):
                     notices.append(reply)
         finally:
-            if notices and req_id not in self._ended:
+            if notices and self._wanted(req_id):
                 self.mail[req_id] = notices + self.mail.get(req_id, [])
         if check:
             raise_error(reply)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pdpush import kvcodec
-from pdpush.client.connection import DEFAULT_WAIT, Attachments, Connection, WaitPolicy, raise_error
+from pdpush.client.connection import DEFAULT_WAIT, Attachments, Connection, WaitPolicy, raise_error, untakeable
 from pdpush.errors import (
     BrokenResourceError,
     IncompatiblePeer,
@@ -399,10 +399,7 @@ class PendingOpen:
             req = DecodeRequest(self.client, reply, self.tp_rank, self.tp_size)
         except (ValueError, IndexError, PdpushError) as e:  # an answer this engine cannot take: released
             self.abandon()
-            if isinstance(e, PdpushError):
-                raise
-            raise RemoteProtocolError(f"open of {self.req_id!r}: the receiver's answer does not hold: {e}",
-                                      req_id=self.req_id) from None
+            raise untakeable(e, "open", self.req_id) from None
         req._life = self.life
         return req
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pdpush import kvcodec, ring
-from pdpush.client.connection import Attachments, Connection, on_host, raise_error, status_of
+from pdpush.client.connection import Attachments, Connection, on_host, raise_error, status_of, untakeable
 from pdpush.config import default_sender_socket
 from pdpush.doorbell import Bell
 from pdpush.errors import (
@@ -504,10 +504,7 @@ class PendingBegin:
         except (ValueError, IndexError, PdpushError) as e:  # an answer this engine cannot take: the sender ends it
             with contextlib.suppress(PdpushError, OSError):
                 self.abort("the engine could not take the sender's answer")
-            if isinstance(e, PdpushError):
-                raise
-            raise RemoteProtocolError(f"begin of {self.req_id!r}: the sender's answer does not hold: {e}",
-                                      req_id=self.req_id) from None
+            raise untakeable(e, "begin", self.req_id) from None
 
     def abort(self, reason: str = "") -> None:
         """Give the request up before its answer is taken: the sender ends it (and its allocation), the answer is
