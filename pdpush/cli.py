@@ -128,7 +128,7 @@ def _serve(make_server, cfg) -> None:
     port taken, a socket path too long, memory) exits 3 (STARTUP), each with one line saying why."""
     import logging
 
-    from pdpush import daemon
+    from pdpush import control, daemon
 
     try:
         code = daemon.run(make_server(), cfg.ready_file, cfg.drain_timeout_s)
@@ -138,6 +138,9 @@ def _serve(make_server, cfg) -> None:
     except (PdpushError, OSError) as e:
         logging.getLogger("pdpush").error("start-up failed: %s", e)
         raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
+    finally:  # what the daemon queued for its peers as it closed (a farewell, last aborts) leaves, for 1 s at most
+        if not control.shutdown():
+            logging.getLogger("pdpush").warning("the control sockets did not close in time: what they queued is dropped")
     raise typer.Exit(code)
 
 

@@ -141,6 +141,28 @@ def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
     return sock, ep
 
 
+# How long a daemon that stops gives what it queued for its peer daemons to leave (a receiver's index farewell, a
+# sender's last aborts): closed with no linger, zmq dropped what a backlog held (frames queued behind large ones).
+FAREWELL_LINGER_MS = 1000
+
+
+def close_peer_socket(sock: zmq.Socket) -> None:
+    """Close a socket to peer daemons, keeping what it queued for them to send until ``shutdown`` (its linger)."""
+    sock.close(linger=FAREWELL_LINGER_MS)
+
+
+def shutdown(timeout_s: float = FAREWELL_LINGER_MS / 1000 + 1) -> bool:
+    """At a daemon process's end: close what is left open and wait, ``timeout_s`` at most, for what the closed
+    sockets queued to leave (each socket's linger bounds it; a thread keeps any other wait bounded too). Whether it
+    ended in time."""
+    import threading
+
+    t = threading.Thread(target=context().destroy, kwargs={"linger": 0}, name="zmq-shutdown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
+
+
 def close_local(sock: zmq.Socket, endpoint: str) -> None:
     """Close a ``bind_local`` socket and remove its file (zmq leaves it behind; the next start would find it stale)."""
     sock.close(0)

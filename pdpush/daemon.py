@@ -101,6 +101,17 @@ def write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, p)
 
 
+def remove_ready_file(path: str, pid: int) -> None:
+    """Remove the ready file at ``path`` if it still announces ``pid`` (another instance may have written its own
+    there since: a restarted one, under a supervisor that does not wait for this one's end)."""
+    p = Path(path)
+    try:
+        if json.loads(p.read_text()).get("pid") == pid:
+            p.unlink(missing_ok=True)
+    except (OSError, ValueError, AttributeError):
+        pass  # gone, unreadable, or not one of ours: left alone
+
+
 def raise_open_files(log: logging.Logger, wanted: int = OPEN_FILES_WANTED) -> int:
     """Raise this process's soft limit on open files to ``wanted``, or to its hard limit where that is lower, as
     servers do (Go's runtime does it for every program). A shell's or a container's soft limit is often 1,024
@@ -170,6 +181,7 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     drain_deadline: float | None = None
     loop_errors = 0
     wrote = False  # the ready file is this process's to remove (another instance's is not)
+    started = False  # past it, an error is no start-up failure (exit 3, which a supervisor retries as one)
     try:  # (a start that fails part way closes what it opened: its sockets, its memory)
         if signals["count"]:  # its launcher died before it could tie itself to it
             log.info("the launcher is gone: not starting")
@@ -191,6 +203,7 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
             wrote = True
         sd_notify("READY=1\nSTATUS=serving")
         log.info("ready: %s", json.dumps(info))
+        started = True
         while True:
             passed = False
             try:
@@ -223,10 +236,22 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
                     server.abort_all("drain timeout")
                     code = ExitCode.FAILURE  # (work was lost: a supervisor should see it, as for a forced exit)
                     break
+    except Exception:
+        if not started:
+            raise
+        log.exception("internal error while serving or draining: stopping")  # (a pass's own errors serve on)
+        code = ExitCode.FAILURE
     finally:
-        server.close()
-        if wrote:
-            Path(ready_file).unlink(missing_ok=True)
+        try:
+            server.close()
+        except Exception:
+            if not started:
+                raise
+            log.exception("closing the daemon")
+            code = ExitCode.FAILURE
+        finally:
+            if wrote:
+                remove_ready_file(ready_file, os.getpid())
     return int(code)
 
 

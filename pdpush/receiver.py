@@ -143,7 +143,7 @@ class Receiver:
             except Exception:  # noqa: BLE001 - closing goes on regardless
                 log.exception("sending the index farewell")
         if getattr(self, "router", None) is not None:
-            self.router.close(0)
+            control.close_peer_socket(self.router)  # (the farewell, queued, leaves by the process's end)
         if getattr(self, "local", None) is not None:
             control.close_local(self.local, self.local_endpoint)
         for ep in self.ucx_peers + [p[0] for p in self.ucx_pending]:

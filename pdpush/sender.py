@@ -180,7 +180,7 @@ class Sender:
             ep.close()
         self.eps.clear()
         for sock in self.socks.values():
-            sock.close(0)
+            control.close_peer_socket(sock)  # (the last aborts, queued, leave by the process's end)
         if getattr(self, "ingress", None) is not None:
             control.close_local(self.ingress, self.ingress_endpoint)
         if getattr(self, "lifelines", None) is not None:
