@@ -8,6 +8,7 @@ Imports no UCX or torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ class Server(Protocol):
     def drained(self) -> bool: ...
     def abort_all(self, reason: str) -> None: ...
     def close(self) -> None: ...
+    def internal_error(self) -> None: ...  # a loop pass raised (a bug): counted (pdpush_internal_errors_total)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -99,6 +101,15 @@ def write_ready_file(path: str, info: dict) -> None:
     tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(info))
     os.replace(tmp, p)
+
+
+def error_kind(e: BaseException) -> str:
+    """An error's kind, for counting its repeats: its type and where it was raised (file:line)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" at {Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}" if tb is not None else ""
+    return type(e).__name__ + where
 
 
 def remove_ready_file(path: str, pid: int) -> None:
@@ -179,7 +190,7 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
     last_wd = time.monotonic()
     code = ExitCode.OK
     drain_deadline: float | None = None
-    loop_errors = 0
+    loop_errors: dict[str, int] = {}  # by kind: a new bug is logged at once, whatever another repeats
     wrote = False  # the ready file is this process's to remove (another instance's is not)
     started = False  # past it, an error is no start-up failure (exit 3, which a supervisor retries as one)
     try:  # (a start that fails part way closes what it opened: its sockets, its memory)
@@ -209,10 +220,13 @@ def run(server: Server, ready_file: str | None, drain_timeout_s: float) -> int:
             try:
                 server.step(20)
                 passed = True
-            except Exception:  # noqa: BLE001 - the top-level guard: a bug in one pass never ends the daemon
-                loop_errors += 1
-                if loop_errors & (loop_errors - 1) == 0:  # the 1st, 2nd, 4th, ...: one that repeats every pass
-                    log.exception("internal error in the daemon loop (%d so far); serving on", loop_errors)
+            except Exception as e:  # noqa: BLE001 - the top-level guard: a bug in one pass never ends the daemon
+                kind = error_kind(e)
+                n = loop_errors[kind] = loop_errors.get(kind, 0) + 1
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... of each kind: one that repeats every pass
+                    log.exception("internal error in the daemon loop (%s, %d so far); serving on", kind, n)
+                with contextlib.suppress(Exception):
+                    server.internal_error()
                 time.sleep(0.01)  # must not spin, nor flood the log
             # (only a pass that completed feeds the watchdog: one that fails every pass is restarted by systemd)
             if watchdog_us and passed and time.monotonic() - last_wd > watchdog_us / 2e6:

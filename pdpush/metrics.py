@@ -37,6 +37,9 @@ class Metrics:
         self.inflight = pc.Gauge("pdpush_requests_inflight", "Requests in flight", registry=r)
         self.chunks_hit = pc.Counter("pdpush_chunks_hit", "Chunks skipped because the receiver already held them "
                                      "(already_sent_indexes)", registry=r)
+        self.internal_errors = pc.Counter("pdpush_internal_errors", "Errors inside the daemon that it served on "
+                                          "after: a bug (its log says where)", registry=r)
+        self._internal_seen = 0
         self.peer_transport = pc.Gauge("pdpush_peer_transport_info", "The UCX transport and device of each lane of "
                                        "each peer's endpoint (1 per lane)", ["peer", "transport", "device"], registry=r)
         if role == "receiver":
@@ -70,6 +73,9 @@ class Metrics:
     def refresh(self, stats: dict[str, Any]) -> None:
         """Set gauges from a stats snapshot (called on the daemon's own thread)."""
         self.inflight.set(stats["requests_inflight"])
+        if stats["loop_errors"] > self._internal_seen:  # (a count the daemon's shell keeps: it moves by the new ones)
+            self.internal_errors.inc(stats["loop_errors"] - self._internal_seen)
+            self._internal_seen = stats["loop_errors"]
         self.peer_transport.clear()
         for peer, lanes in json.loads(stats.get("ucx_transports") or "{}").items():
             for lane in lanes.split():

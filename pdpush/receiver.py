@@ -160,6 +160,10 @@ class Receiver:
         if getattr(self, "ucx", None) is not None:
             self.ucx.close()
 
+    def internal_error(self) -> None:
+        """A pass of the daemon's loop raised (daemon.run logs it): counted with the shell's own."""
+        self.shell_counters["loop_errors"] += 1
+
     def begin_drain(self) -> None:
         self.session.begin_drain()
 

@@ -192,6 +192,10 @@ class Sender:
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
 
+    def internal_error(self) -> None:
+        """A pass of the daemon's loop raised (daemon.run logs it): counted with the shell's own."""
+        self.shell_counters["loop_errors"] += 1
+
     def begin_drain(self) -> None:
         self.session.begin_drain()
 

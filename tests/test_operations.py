@@ -174,22 +174,28 @@ def test_an_exception_in_the_daemon_loop_is_logged_and_the_daemon_serves_on(capl
     class Flaky:
         steps = 0
         closed = False
+        internal = 0
 
         def start(self, stop=None) -> dict:
             return {}
 
         def step(self, timeout_ms: int) -> None:
             self.steps += 1
-            if self.steps == 2:
+            if 2 <= self.steps <= 5:
                 raise ValueError("a bug in one pass")
-            if self.steps == 5:
+            if self.steps == 6:
+                raise KeyError("another bug")
+            if self.steps == 7:
                 os.kill(os.getpid(), signal.SIGTERM)
 
         def begin_drain(self) -> None:
             pass
 
         def drained(self) -> bool:
-            return self.steps >= 6
+            return self.steps >= 8
+
+        def internal_error(self) -> None:
+            self.internal += 1
 
         def abort_all(self, reason: str) -> None:
             pass
@@ -205,8 +211,25 @@ def test_an_exception_in_the_daemon_loop_is_logged_and_the_daemon_serves_on(capl
     finally:
         signal.signal(signal.SIGTERM, old[0])
         signal.signal(signal.SIGINT, old[1])
-    assert server.steps >= 6 and server.closed
+    assert server.steps >= 8 and server.closed
     assert "a bug in one pass" in caplog.text and "serving on" in caplog.text
+    # each kind logged at its 1st, 2nd, 4th, ...: a new bug at once, though another repeated before it (the count
+    # was one for all kinds: the KeyError, the 5th error, went unlogged); every one counted for the metric
+    logged = [r.getMessage() for r in caplog.records if "internal error" in r.getMessage()]
+    assert [m.split(" at ")[0] for m in logged] == ["internal error in the daemon loop (ValueError"] * 3 + [
+        "internal error in the daemon loop (KeyError"], logged
+    assert server.internal == 5
+
+
+def test_internal_errors_are_exported_as_a_counter():
+    from pdpush.metrics import Metrics
+
+    m = Metrics("sender", "127.0.0.1", -1)
+    seen = []
+    for errors in (0, 3, 3, 5):
+        m.refresh({"requests_inflight": 0, "loop_errors": errors, "receivers_connected": 1, "staging_bytes_free": 0})
+        seen.append(m.registry.get_sample_value("pdpush_internal_errors_total"))
+    assert seen == [0, 3, 3, 5]
 
 
 @pytest.mark.parametrize("fails", ["drain", "close"])

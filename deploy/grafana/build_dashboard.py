@@ -75,6 +75,8 @@ def dashboard() -> dict:
     b.panel("Leases active, expired /s", [("sum by (instance) (pdpush_leases_active)", "active {{instance}}"),
                                           (rate("pdpush_leases_expired_total", "instance"), "expired/s {{instance}}")])
     b.panel("Senders fenced /s", [(rate("pdpush_senders_fenced_total", "instance"), "{{instance}}")], "ops")
+    b.panel("Internal errors /s (bugs; the log says where)",
+            [(rate("pdpush_internal_errors_total", "job, instance"), "{{job}} {{instance}}")], "ops")
     b.row("Data moved")
     b.panel("Bytes /s", [(rate("pdpush_bytes_pushed_total", "instance"), "pushed {{instance}}"),
                          (rate("pdpush_bytes_received_total", "instance"), "received {{instance}}")], "Bps")
