@@ -44,6 +44,9 @@ MAX_QUEUED_ALL = 256 << 20  # bytes queued either way (frames begun, answers unr
 NAMED, FRAME, GONE = "named", "frame", "gone"  # what ``Lifelines.service`` reports, in order
 _READ = 1 << 18  # bytes one recv takes
 _READ_PER_LOOK = 4 << 20  # bytes one look reads from one lifeline: one busy engine does not hold up the others
+# frames one look takes from one lifeline: 4 MiB of empty frames made a million events of one look (seconds of the
+# daemon's loop); the rest wait for the next look, and nothing more is read from that lifeline until they are taken
+FRAMES_PER_LOOK = 1024
 _IN = select.EPOLLIN | select.EPOLLRDHUP
 
 
@@ -118,7 +121,7 @@ class Event(NamedTuple):
 class _Line:
     """One engine connection's lifeline, at the daemon."""
 
-    __slots__ = ("sock", "ident", "rbuf", "wbuf", "deadline", "writing", "doomed")
+    __slots__ = ("sock", "ident", "rbuf", "wbuf", "deadline", "writing", "doomed", "ended")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock, self.deadline = sock, deadline
@@ -126,6 +129,7 @@ class _Line:
         self.rbuf, self.wbuf = bytearray(), bytearray()
         self.writing = False  # registered for EPOLLOUT: wbuf waits for room
         self.doomed = False  # closed at the next look: its engine does not read, or it holds the most
+        self.ended = False  # its end was read: it goes once the frames read before it are taken
 
 
 class Lifelines:
@@ -149,6 +153,7 @@ class Lifelines:
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._paused_until = 0.0  # out of fds: the listener is not watched until then (it would wake every look)
         self._lines: dict[int, _Line] = {}  # fd -> line, named or not yet
+        self._pending: set[int] = set()  # lines with whole frames read and not taken yet (over FRAMES_PER_LOOK)
         self._named: dict[bytes, _Line] = {}  # identity -> its lifeline (the latest, where it opened more)
         self._count: dict[bytes, int] = {}  # identity -> its lifelines open
         self._queued = 0  # bytes in every line's wbuf
@@ -164,6 +169,10 @@ class Lifelines:
     def has(self, ident: bytes) -> bool:
         return ident in self._count
 
+    def pending(self) -> bool:
+        """Whether frames read are still to be taken (``service`` takes them, without a wake-up of ``fileno``)."""
+        return bool(self._pending)
+
     def service(self, now: float | None = None) -> list[Event]:
         """Accept, read, write, reap, without waiting: what happened since the last call, in order. A connection
         is NAMED before its frames and GONE after them (what an engine sent before it went counts), and a
@@ -173,6 +182,7 @@ class Lifelines:
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0
             self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+        taken = set()
         for _ in range(4):  # an accept's hello may already be queued: read it in the same call
             events = self._epoll.poll(0)
             if not events:
@@ -187,7 +197,10 @@ class Lifelines:
                 if ev & select.EPOLLOUT:
                     self._write(line)
                 if ev & ~select.EPOLLOUT:
+                    taken.add(fd)
                     self._take(line, out)
+        for fd in [fd for fd in self._pending if fd not in taken]:  # frames read before: no event says so
+            self._take(self._lines[fd], out)
         for line in [ln for ln in self._lines.values() if ln.doomed or (not ln.ident and now > ln.deadline)]:
             self.dropped_for_bounds += line.doomed
             self._drop(line, out)
@@ -253,8 +266,10 @@ class Lifelines:
         a frame that breaks the framing (after the frames before it)."""
         if line.doomed:
             return
+        fd = line.sock.fileno()
         before = len(line.rbuf)
-        open_ = _read(line.sock, line.rbuf, _READ_PER_LOOK)
+        if fd not in self._pending and not line.ended and not _read(line.sock, line.rbuf, _READ_PER_LOOK):
+            line.ended = True
         sound = True
         if not line.ident:
             hello, sound = split(line.rbuf, MAX_IDENT, limit=1)
@@ -262,15 +277,21 @@ class Lifelines:
                 sound = False  # an empty identity
             elif hello:
                 self._name(line, hello[0], out)
+        more = False
         if line.ident and sound:
-            frames, sound = split(line.rbuf, self.max_frame)
+            frames, sound = split(line.rbuf, self.max_frame, limit=FRAMES_PER_LOOK)
             out.extend(Event(FRAME, line.ident, f) for f in frames)
+            more = len(frames) == FRAMES_PER_LOOK  # (maybe more whole frames: the next look takes them first)
         self._buffered += len(line.rbuf) - before
         if self._queued + self._buffered > max(MAX_QUEUED_ALL, 2 * self.max_frame):
             self._doom_biggest()
         if not sound:
             self.bad_frames += 1
-        if not (open_ and sound):
+        if more and sound:
+            self._pending.add(fd)
+        else:
+            self._pending.discard(fd)
+        if not sound or (line.ended and not more):
             self._drop(line, out)
 
     def _name(self, line: _Line, ident: bytes, out: list[Event]) -> None:
@@ -302,6 +323,7 @@ class Lifelines:
         fd = line.sock.fileno()
         self._epoll.unregister(fd)
         del self._lines[fd]
+        self._pending.discard(fd)
         self._queued -= len(line.wbuf)
         self._buffered -= len(line.rbuf)
         line.sock.close()

@@ -550,11 +550,11 @@ def _entry(o, i: int) -> Msg | RemoteProtocolError:
         if not isinstance(o, dict):
             raise RemoteProtocolError(f"batch entry {i} is a msgpack {type(o).__name__}, expected a map")
         return _validate(o)
-    except RemoteProtocolError as e:
+    except (RemoteProtocolError, IncompatiblePeer) as e:  # (another local protocol's entry: only itself refused)
         return e
 
 
-def decode_batch(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> list[Msg | RemoteProtocolError]:
+def decode_batch(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> list[Msg | PdpushError]:
     """A frame from a peer daemon: one message, or a batch of them (``encode_batch``). Each entry is a validated
     message or the RemoteProtocolError saying why it is not one, so one bad entry costs only itself. A frame that is
     not a message or a batch of 2..MAX_BATCH raises RemoteProtocolError (or FrameTooLarge)."""

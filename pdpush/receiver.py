@@ -178,7 +178,7 @@ class Receiver:
         """One pass. Only what woke the poll is looked at (a socket with a frame, a lifeline's change), and the
         rest each tick: over tcp every arrival of a sender's put wakes the loop for UCX progress alone."""
         self.ucx.progress()
-        events = dict(self.poller.poll(timeout_ms if self.ucx.arm() else 0))
+        events = dict(self.poller.poll(timeout_ms if self.ucx.arm() and not self.lifelines.pending() else 0))
         self.ucx.progress()
         self.ucx.dispatch_closed()
         if self.router in events:
@@ -191,7 +191,7 @@ class Receiver:
             self._check_ucx_peers()
         t = now_ms()
         due = t - self._last_tick >= 10
-        if due or self.lifelines.fileno() in events:  # a hello's deadline passes without an event: each tick
+        if due or self.lifelines.fileno() in events or self.lifelines.pending():  # (a hello's deadline: each tick)
             for ev in self.lifelines.service():
                 if ev.kind == lifeline.FRAME:
                     self._guarded(self._on_frame, ev.ident, ev.payload, True, on_lifeline=True)

@@ -225,8 +225,8 @@ class Sender:
             timeout_ms = min(timeout_ms, 1)  # wire-ups complete on progress, lookups on threads: look every ms
         self._flush_peers()  # nothing for a receiver waits on the wait
         fds, socks = self._watched()
-        if any(control.readable(s) for s in socks):  # (a zmq socket's fd tells only of what comes after a look)
-            timeout_ms = 0
+        if any(control.readable(s) for s in socks) or self.lifelines.pending():  # (a zmq socket's fd tells only of
+            timeout_ms = 0  # what comes after a look; an engine's frames read and not taken, of none)
         ready, rung, refused = self.pusher.wait(
             timeout_ms / 1000, fds, self.doorbell.fileno() if self.doorbell is not None else -1, self.ucx.epoll_fd,
             self._idle, SPIN_S, self.cfg.checksums or bool(self._unsettled) or self.session.wants_each_landing)
@@ -244,7 +244,8 @@ class Sender:
         for frames in control.recv_ready(self.ingress):
             if len(frames) >= 2:
                 self._guard(self._on_ingress_frame, frames[0], frames[-1], False)
-        if self.lifelines.fileno() in ready:  # after the ingress: what an engine sent before it went counts
+        # after the ingress: what an engine sent before it went counts
+        if self.lifelines.fileno() in ready or self.lifelines.pending():
             self._lifelines()
         self.pusher.post()  # everything handed over in this pass: one batch per receiver
         self._reap()

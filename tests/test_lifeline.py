@@ -42,9 +42,12 @@ class Pair:
         self.named: list[bytes] = []
         self.frames: list[bytes] = []
         self.gone: list[bytes] = []
+        self.looks: list[int] = []  # frames each look took
 
     def service(self) -> None:
-        for ev in self.daemon.service():
+        evs = self.daemon.service()
+        self.looks.append(sum(ev.kind == lifeline.FRAME for ev in evs))
+        for ev in evs:
             {lifeline.NAMED: self.named, lifeline.GONE: self.gone}.get(ev.kind, self.frames).append(
                 ev.payload if ev.kind == lifeline.FRAME else ev.ident)
 
@@ -381,3 +384,35 @@ def test_a_daemon_under_a_low_open_files_limit_raises_it_and_takes_more_than_102
         for d in reversed(started):
             d.stop()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft0, hard0))
+
+
+def test_one_look_takes_a_bounded_number_of_frames_and_the_rest_come_in_order_at_the_next(tmp_path):
+    """An engine that sends a flood of tiny frames costs the daemon at most ``FRAMES_PER_LOOK`` of them per look
+    (4 MiB of empty frames made a million events of one look: seconds of the daemon's loop); the rest come at the
+    next looks, in order, with no new event to wake them (``pending``), and its GONE after them."""
+    p = Pair(tmp_path)
+    p.look(lambda: p.named)
+    n = 5 * lifeline.FRAMES_PER_LOOK + 7
+    p.engine._sock.sendall(b"".join(lifeline.frame(i.to_bytes(4, "big")) for i in range(n)))  # (in the socket's
+    p.engine.close()  # buffer whole: one read takes it all, and its end)
+    time.sleep(0.05)
+    p.looks.clear()
+    deadline = time.monotonic() + 10
+    while not p.gone and time.monotonic() < deadline:
+        p.service()
+        if not p.daemon.pending():
+            time.sleep(0.001)
+    assert p.gone == [b"engine-1"]
+    assert [int.from_bytes(f, "big") for f in p.frames] == list(range(n))
+    assert max(p.looks) <= 4 * lifeline.FRAMES_PER_LOOK and sum(1 for k in p.looks if k) >= 2, p.looks
+    p.daemon.close()
+
+
+def test_a_flood_of_empty_frames_costs_each_look_a_bounded_number(tmp_path):
+    p = Pair(tmp_path)
+    p.look(lambda: p.named)
+    p.write_all(bytes(4 << 20), timeout_s=60)  # a million empty frames, the daemon looking as the engine writes
+    p.look(lambda: len(p.frames) == 1 << 20, until_s=60)
+    assert len(p.frames) == 1 << 20 and set(p.frames) == {b""}
+    assert max(p.looks) <= 4 * lifeline.FRAMES_PER_LOOK, max(p.looks)
+    p.close()

@@ -109,8 +109,12 @@ def test_a_batch_carries_each_message_as_encoded_and_one_bad_entry_costs_only_it
     assert P.encode_batch([P.encode(msgs[0])]) == P.encode(msgs[0])  # one message goes as itself
     assert P.decode_batch(P.encode(msgs[0])) == [msgs[0]]
     got = P.decode_batch(P.encode_batch([P.encode(msgs[0]), msgpack.packb({"type": "nope"}), msgpack.packb(7),
-                                         msgpack.packb({"type": ["ok"], "req_id": "r"})]))
-    assert got[0] == msgs[0] and all(isinstance(e, RemoteProtocolError) for e in got[1:])
+                                         msgpack.packb({"type": ["ok"], "req_id": "r"}),
+                                         msgpack.packb({"type": "query", "chunk_keys": [], "local_version": 3}),
+                                         P.encode(msgs[1])]))
+    assert got[0] == msgs[0] and all(isinstance(e, RemoteProtocolError) for e in got[1:4])
+    assert isinstance(got[4], IncompatiblePeer) and got[5] == msgs[1]  # (another local protocol's: it raised, and
+    # the whole batch was lost)
     for bad in (msgpack.packb([]), msgpack.packb([{"type": "ok"}]), msgpack.packb([{"type": "ok"}] * (P.MAX_BATCH + 1)),
                 msgpack.packb(3)):
         with pytest.raises(RemoteProtocolError):

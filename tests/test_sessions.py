@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pdpush import protocol
 from pdpush.errors import ErrorCode, PdpushError, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
+from pdpush.plan import RequestPlan
 from pdpush.protocol import ReqState, TxState
 from pdpush.sessions import Count, Log
 from pdpush.sessions.receiver import (
@@ -558,6 +559,24 @@ def test_a_begin_whose_last_chunk_holds_more_than_a_chunk_is_refused_typed_befor
     assert isinstance(w.outcome("fine"), protocol.Done)
 
 
+def test_a_begin_whose_metadata_cannot_fit_is_refused_before_it_is_planned(monkeypatch):
+    """A request's metadata in staging (8 bytes per layer and per item) is counted before its plan is built: a plan
+    holds every item of every group, and an engine's layout of 4,096 sliding-window groups over a long prompt made the
+    sender plan for minutes, in gigabytes, before refusing it (a review's probe: 2.6 GB for 16,000 chunks)."""
+    planned = []
+    init = RequestPlan.__init__
+    monkeypatch.setattr(RequestPlan, "__init__", lambda self, *a: planned.append(a) or init(self, *a))
+    lay = KVLayout(4096, 1, 8, "float16", 1, windows=tuple((1 << 30) + i for i in range(4096)))
+    w = Wire()
+    w.engine(begin("wide", list(range(100)), lay=lay))  # 4,096 groups x 100 chunks: 3.3 MB of words, of 2 MiB
+    err = w.outcome("wide")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.TOO_LARGE and "metadata" in err.message, err
+    assert not planned and "wide" not in w.tx.reqs
+    w.push("fine", list(range(100, 140)))
+    w.complete()
+    assert isinstance(w.outcome("fine"), protocol.Done) and planned
+
+
 def _hello(rx: ReceiverSession, ident: bytes) -> None:
     hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
     assert msgs(rx.on_control(ident, hello, 0), ToSender, protocol.HelloAck)
@@ -714,7 +733,8 @@ def test_an_unexpected_exception_between_an_allocation_and_its_record_loses_no_p
     rx.check()
 
 
-@pytest.mark.parametrize("runs", [[(64, 3)], [(62, 3)], [(3, 2), (4, 1)]], ids=["past", "across", "twice"])
+@pytest.mark.parametrize("runs", [[(64, 3)], [(62, 3)], [(3, 2), (4, 1)], [(0, (1 << 32) - 1)] * 4],
+                         ids=["past", "across", "twice", "huge"])
 def test_an_allocation_of_pages_outside_the_pool_fails_its_request_before_any_put(runs):
     """The puts' remote addresses come from the receiver's page runs, and nothing below the session checks them: a
     run past the pool's ``pool_pages`` (64 here), or one page twice, is the receiver's bug, and fails the request
@@ -731,7 +751,7 @@ def test_an_allocation_of_pages_outside_the_pool_fails_its_request_before_any_pu
     rx.on_control = liar
     w.engine(begin("r", list(range(40))))  # 3 new pages
     err = w.outcome("r")
-    assert isinstance(err, protocol.Error) and err.code is ErrorCode.BAD_MESSAGE and "outside a pool of 64" in err.message
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.BAD_MESSAGE and "a pool of 64" in err.message
     assert not w.handles and not w.posted and "r" not in w.tx.reqs
     assert w.wire[-2:] == ["out:abort", "in:ok"] and "r" not in rx.reqs  # the receiver told: its pages back
     rx.on_control = orig
@@ -1703,6 +1723,28 @@ def test_a_receiver_that_verifies_checksums_refuses_layers_and_commits_it_could_
         assert err and err[0].code is ErrorCode.CHECKSUM_MISMATCH and "checksums = true" in err[0].message, out
         assert rid not in rx.reqs and rx.pool.chunks_cached == 0
     assert not calls
+    rx.check()
+
+
+def test_a_layer_named_again_is_hashed_once():
+    """verify_checksums: a LayerDone that names a layer many times (or again, in a later one) costs one pass over its
+    pages; each name was hashed, so one message listing a big layer 4,096 times held the receiver's loop for 4,096
+    passes over it."""
+    tokens = (bytes([i]) * 32 for i in itertools.count(1))
+    info = PoolInfo(1 << 30, 8, 7, b"rkey", (1 << 30) + LAY.kv_bytes(8), "127.0.0.1", 9, "rx-42", 1)
+    calls: list = []
+    rx = ReceiverSession(LAY, 8, ReceiverLimits(verify_checksums=True), info, new_token=lambda: next(tokens),
+                         layer_checksum=lambda ranges: calls.append(ranges) or 7)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    assert msgs(rx.on_control(b"P", hello, 0), ToSender, protocol.HelloAck)
+    keys = chunk_keys(list(range(32)), LAY)
+    assert msgs(rx.on_control(b"P", protocol.AllocRequest(req_id="r", chunk_keys=keys, last_chunk_tokens=16,
+                                                          lease_ms=1000), 0), ToSender, protocol.AllocResponse)
+    out = rx.on_control(b"P", protocol.LayerDone(req_id="r", layers=[0] * 1000, checksums=[7] * 1000), 1)
+    assert not msgs(out, ToSender, protocol.Error), out
+    out = rx.on_control(b"P", protocol.LayerDone(req_id="r", layers=[0, 1], checksums=[7, 7]), 2)
+    assert not msgs(out, ToSender, protocol.Error), out
+    assert len(calls) == 2  # layer 0 once, layer 1 once
     rx.check()
 
 

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdpush.errors import PoolExhausted, RemoteProtocolError, RequestTooLarge
+from pdpush.layout import READY_WORD, KVLayout
 from pdpush.plan import RequestPlan
 from pdpush.protocol import StagingGranted, TxState
 from pdpush.sessions import Counters
@@ -49,8 +50,16 @@ class StagingGrants:
         self._held: dict[tuple[str, bytes], _Held] = {}  # by (req_id, engine)
 
     # ---- a request's life ----
-    def check(self, whole: RequestPlan) -> None:
-        """Raise ``RequestTooLarge`` unless the request (``whole``: nothing held) can ever move."""
+    def check(self, layout: KVLayout, tokens: int) -> None:
+        """Raise ``RequestTooLarge`` unless a ``tokens``-token request of ``layout`` can ever move. Its metadata is
+        counted before it is planned: a plan holds every item of every group (an engine's layout of 4,096 groups
+        and a long prompt made the sender plan for minutes, in gigabytes, before refusing it)."""
+        items = sum(len(layout.group_chunks(g, tokens)) for g in layout.groups)
+        if not self.meta.fits((layout.push_layers + items) * READY_WORD):
+            raise RequestTooLarge(f"the request's {items} items need {(layout.push_layers + items) * READY_WORD} "
+                                  f"bytes of staging metadata (of {self.meta.size}); raise staging_bytes "
+                                  f"({self.info.nbytes})")
+        whole = RequestPlan(layout, tokens)  # (nothing held)
         biggest = max((nb for _, nb in whole.staging_units()), default=0)
         if self.layers.rounded(biggest) > self.layers.size // 2 or not self.meta.fits(whole.meta_bytes):
             raise RequestTooLarge(f"one layer of the request needs {biggest} bytes of staging (at most half of its "

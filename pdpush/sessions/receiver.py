@@ -600,6 +600,8 @@ class ReceiverSession:
         elif self.limits.verify_checksums and self._layer_checksum is not None:
             shares: dict[int, StagingShares] = {}  # by layer group
             for layer, want in zip(msg.layers, msg.checksums, strict=True):
+                if layer in r.verified:  # (named again, in this message or an earlier one: hashed once, not each time)
+                    continue
                 if self.layout.is_state(layer):  # a state layer: each rank's units of its page in the slot
                     page = self.layout.state_page_bytes
                     at = self.geometry.state_at(r.state_slot) + (layer - self.layout.layers) * page

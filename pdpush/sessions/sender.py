@@ -125,8 +125,10 @@ def _pages_in(runs: list[tuple[int, int]], pool_pages: int) -> list[int]:
     """The pages of an allocation's ``page_runs``, each in the receiver's pool (its HelloAck's ``pool_pages``) and
     none twice: the puts' remote addresses are computed from them, and no layer below checks those (a receiver's
     bug must fail its request, not send a put outside its pool)."""
+    if sum(n for _, n in runs) > pool_pages or any(p + n > pool_pages for p, n in runs):  # (before they are listed:
+        raise ValueError(f"page runs {runs[:8]} outside a pool of {pool_pages} pages")  # runs of 2^32 pages were)
     pages = [p + i for p, n in runs for i in range(n)]
-    if any(p >= pool_pages for p in pages) or len(set(pages)) != len(pages):
+    if len(set(pages)) != len(pages):
         raise ValueError(f"page runs {runs[:8]} outside a pool of {pool_pages} pages, or overlapping")
     return pages
 
@@ -409,7 +411,7 @@ class SenderSession:
             tokens = tokens_of(layout, len(msg.chunk_keys), msg.last_chunk_tokens)
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
-        self.grants.check(RequestPlan(layout, tokens))
+        self.grants.check(layout, tokens)
         peer = self.peers.for_begin(msg, layout)
         first = msg.pp_rank * msg.tp_size + msg.tp_rank
         r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank.of(ident, msg, stage)}, peer, msg, layout,
