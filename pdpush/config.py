@@ -89,6 +89,20 @@ def endpoint_host_port(endpoint: str) -> tuple[str, int]:
     return m.group(1).strip("[]"), int(m.group(2))
 
 
+def url_error(url: str) -> str | None:
+    """Why ``url`` is not an engine's base URL (``http://host:port``, https too), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 - raises for a port that is not a number, or out of range
+    except ValueError as e:
+        return f"{url!r} is not an engine URL http://host:port: {e}"
+    if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
+        return f"{url!r} is not an engine URL http://host:port"
+    return None
+
+
 def endpoint_error(endpoint: str) -> str | None:
     """Why ``endpoint`` is not a receiver's control endpoint (``tcp://host:port``), or None: checked where a config
     or a request names one, so that a typo fails there, typed, rather than as a socket error in the daemon's loop."""
@@ -333,6 +347,14 @@ class DecodeInstance(BaseModel):
     receiver_public_key: str | None = None
     """The receiver's CURVE public key (Z85 or a ``.key`` file), where it is exposed with CURVE."""
 
+    @model_validator(mode="after")
+    def _check_addresses(self):
+        if (why := url_error(self.url)) is not None:
+            raise ValueError(f"url: {why}")
+        if (why := endpoint_error(self.receiver)) is not None:
+            raise ValueError(f"receiver: {why}")
+        return self
+
 
 class KvEventsSource(BaseModel):
     """Where a prefill vLLM instance publishes its KV events (its ``--kv-events-config``), as the router
@@ -346,6 +368,13 @@ class KvEventsSource(BaseModel):
     """Its replay endpoint (tcp://host:5558): gaps are filled from it; without one, a gap clears the view."""
     topic: str = ""
     """Its topic (``topic`` in --kv-events-config)."""
+
+    @model_validator(mode="after")
+    def _check_endpoints(self):  # (vLLM's own setting binds, tcp://*:5557: the router connects, to a host)
+        for name in ("endpoint", "replay_endpoint"):
+            if (v := getattr(self, name)) and (why := endpoint_error(v)) is not None:
+                raise ValueError(f"{name}: {why.replace('a receiver control endpoint', 'an endpoint to reach')}")
+        return self
 
 
 class RouterConfig(_Settings):
@@ -414,6 +443,11 @@ class RouterConfig(_Settings):
     elsewhere (its engine is still at it)."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Deadline to connect to an upstream."""
+    max_upstream_connections: int = Field(1024, ge=1)
+    """Connections to the engines the legs (and /tokenize) hold at once, every engine together: a stream holds one
+    for its whole answer. With all of them in use a request waits connect_timeout_s for one, then answers 503 (busy,
+    Retry-After); nothing is counted against an engine for it, and health checks have connections of their own.
+    Raise it above max_inflight x instances where that is higher."""
     client_write_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for a client to take the next part of a streamed answer (its socket's buffers full): past it, its
     connection and the decode leg's are broken off (the engine aborts the request)."""
@@ -439,6 +473,9 @@ class RouterConfig(_Settings):
     def _check_router(self):
         if not self.prefill:
             raise ValueError("prefill: give at least one prefill instance URL")
+        for u in self.prefill:
+            if (why := url_error(u)) is not None:
+                raise ValueError(f"prefill: {why}")
         if not self.decode:
             raise ValueError("decode: give at least one decode instance (url and receiver)")
         if any(d.receiver_public_key for d in self.decode) and not self.curve_secret_key_file:

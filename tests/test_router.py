@@ -409,6 +409,33 @@ def test_a_client_that_hangs_up_before_its_answer_cancels_its_legs(upstreams, st
     assert post(url, {"prompt": "abd", "max_tokens": 2}).status_code == 200  # it goes on
 
 
+def test_with_the_routers_connections_all_in_use_a_request_is_busy_and_no_engine_is_ejected(upstreams, start_router):
+    """Long answers hold every one of the router's upstream connections (max_upstream_connections): the health
+    checks, on connections of their own, keep every engine healthy (they waited for the legs' pool, timed out, and
+    ejected every engine: every request then 503 no_healthy), and a new request answers 503 busy, with Retry-After,
+    nothing counted against an engine."""
+    p_url, p, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode", mode="slow", sleep=20.0)
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], concurrent_legs=False,
+                     max_upstream_connections=2, connect_timeout_s=1.0, max_inflight=64)
+    url = r.info["url"]
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        held = [ex.submit(post, url, {"prompt": f"p{i}", "max_tokens": 2}, timeout=12.0) for i in range(2)]
+        until(lambda: len([b for path, b in d.seen if path == "/v1/completions"]) == 2, 10, "both decode legs")
+        time.sleep(2.5)  # health checks every 0.2 s, each over 1.4 s: ejected after two, before
+        health = httpx.get(url + "/health", timeout=5).json()
+        assert all(i["healthy"] for i in health["instances"].values()), health
+        res = post(url, {"prompt": "third", "max_tokens": 2}, timeout=10.0)
+        assert res.status_code == 503 and res.json()["error"]["type"] == "busy", res.text
+        assert res.headers["retry-after"] == "1"
+        for f in held:
+            with pytest.raises(httpx.ReadTimeout):
+                f.result()
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    assert "pdpush_router_upstream_errors_total{" not in metrics, metrics
+    assert all(i["healthy"] for i in httpx.get(url + "/health", timeout=5).json()["instances"].values())
+
+
 def test_a_prefill_leg_beside_a_decode_leg_that_failed_is_cancelled_at_once(upstreams, start_router):
     """Both legs at once; the decode instance answers its leg with an error. Nobody will read the push: the router
     hangs up on the prefill leg at once (vLLM aborts what its client hung up on), not ``prefill_leg_linger_s``

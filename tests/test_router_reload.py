@@ -338,3 +338,21 @@ def test_a_decode_instance_added_by_sighup_has_its_receivers_index_followed(upst
     finally:
         tx.stop()
         rx.stop()
+
+
+@pytest.mark.parametrize("bad", [
+    {"prefill": ["127.0.0.1:8100"]},  # no scheme
+    {"decode": [{"url": "http://d1:8200", "receiver": "127.0.0.1:5710"}]},
+    {"decode": [{"url": "http://d1:8200", "receiver": "http://d1:5710"}]},
+    {"decode": [{"url": "d1:8200", "receiver": "tcp://d1:5710"}]},
+    {"kv_events": {A: {"endpoint": "tcp://*:5557"}}},  # vLLM's bind, copied: the router connects, to a host
+    {"kv_events": {A: {"endpoint": "tcp://a:5557", "replay_endpoint": "a:5558"}}},
+], ids=["prefill", "receiver", "receiver-http", "decode-url", "kv-bind", "kv-replay"])
+def test_addresses_that_cannot_be_reached_are_refused_at_load_naming_the_field(bad):
+    """An engine URL without its scheme, a receiver or KV-events endpoint that is not tcp://host:port: refused when
+    the config is loaded, the field named (they were taken, and every request then failed or recomputed, or the
+    router retried "cannot resolve '*'" every second for good)."""
+    base = {"prefill": [A], "decode": [{"url": "http://d1:8200", "receiver": "tcp://d1:5710"}]}
+    with pytest.raises(ConfigError) as e:
+        cfgmod.load(RouterConfig, **{**base, **bad})
+    assert next(iter(bad)) in str(e.value)

@@ -181,6 +181,7 @@ class Router:
         self._started = False
         self.last_reload = ""  # what the last SIGHUP did (counted by outcome in /metrics)
         self.client: httpx.AsyncClient | None = None
+        self.health_client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "pushed": 0, "conditional": 0, "recomputed": 0, "prefill_retries": 0,
                          "decode_retries": 0, "rejected_503": 0, "rejected_slo": 0, "withdraw_sent": 0,
                          "withdrawn": 0, "withdraw_unsent": 0, "prefill_cancelled": 0, "unread_sent": 0,
@@ -198,12 +199,16 @@ class Router:
     # ---- lifecycle ----
     async def start(self) -> None:
         c = self.cfg
-        timeout = httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s)
+        timeout = httpx.Timeout(c.upstream_timeout_s, connect=c.connect_timeout_s, pool=c.connect_timeout_s)
         # a transport of its own: httpx then ignores HTTP_PROXY and the like (set for pip in many images), which
         # would take the legs through a proxy that breaks them or answers for an engine with its own 502 or 504;
         # SSL_CERT_FILE and SSL_CERT_DIR still count (trust_env=False would drop them too)
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=c.max_upstream_connections, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, transport=httpx.AsyncHTTPTransport(limits=limits))
+        # the health checks' own connections: with the legs' pool full of long streams, checks that waited for it
+        # timed out, and every engine, healthy, was ejected (every request then 503, no_healthy)
+        self.health_client = httpx.AsyncClient(timeout=timeout, transport=httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=256)))
         if c.curve_secret_key_file:
             self.watches.load_keypair(c.curve_secret_key_file)
         for p, pk in zip(self.fleet.prefill, reload.prefill_keys(c), strict=True):
@@ -222,6 +227,8 @@ class Router:
         await self.watches.close()
         if self.client is not None:
             await self.client.aclose()
+        if self.health_client is not None:
+            await self.health_client.aclose()
 
     def _feed_changed(self, d: Instance, kind: str) -> None:
         if kind == "snapshot" and d.index.resyncs:
@@ -316,7 +323,8 @@ class Router:
 
     async def _check(self, inst: Instance) -> None:
         try:
-            r = await self.client.get(inst.url + "/health", timeout=min(5.0, 2 * self.cfg.health_interval_s + 1))
+            r = await self.health_client.get(inst.url + "/health",
+                                             timeout=min(5.0, 2 * self.cfg.health_interval_s + 1))
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
             ok, why = False, f"/health: {type(e).__name__}: {e}"
@@ -338,6 +346,8 @@ class Router:
             inst.cache.clear("unreachable")
 
     def _unreachable(self, inst: Instance, e: Exception) -> None:
+        if isinstance(e, httpx.PoolTimeout):  # the router's own connections were all in use: the engine was not asked
+            return
         self.metrics.upstream_errors.labels(inst.url).inc()
         self._maybe_gone(inst, e)
         hard = _gone(e)
@@ -670,8 +680,9 @@ class Router:
                 resp = await self._open_decode(decode, path, legs.decode_body(body, params), headers,
                                                route if params is not None else None)
             except httpx.HTTPError as e:  # it could not be reached: another one, recomputing
-                if isinstance(e, httpx.ReadTimeout):  # its engine has the leg and is still at it: a 504, no second
-                    raise  # generation elsewhere, nor a failure counted against a healthy instance
+                if isinstance(e, (httpx.ReadTimeout, httpx.PoolTimeout)):  # its engine has the leg and is still at it
+                    raise  # (a 504), or the router's connections are all in use (a 503): no second generation
+                    # elsewhere, nor a failure counted against a healthy instance
                 route.decode_took = False  # (it failed the leg: it will not read the push)
                 self._settle_later(prefill_task, route)  # nor will anyone else: a leg beside it is cancelled now
                 prefill_task = None
@@ -692,8 +703,12 @@ class Router:
             raise
         except httpx.HTTPError as e:
             decode.inflight -= 1
-            self.metrics.requests.labels(path, "upstream_error").inc()
             self._settle_later(prefill_task, route)
+            if isinstance(e, httpx.PoolTimeout):
+                self.metrics.requests.labels(path, "busy").inc()
+                return error(503, f"the router's {self.cfg.max_upstream_connections} upstream connections are all "
+                             f"in use (max_upstream_connections)", "busy", {"Retry-After": "1"})
+            self.metrics.requests.labels(path, "upstream_error").inc()
             status = 504 if isinstance(e, httpx.TimeoutException) else 502
             return error(status, f"decode instance {decode.url}: {type(e).__name__}: {e}", "upstream_error",
                          {"X-Pdpush-Upstream": decode.url})

@@ -56,6 +56,10 @@ TOKENIZE_TIMEOUT_S = 10.0
 
 _CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
               "add_special_tokens", "tools", "documents")
+# chat_template_kwargs the local tokenizer sets itself (or that would change what it returns): the client's are dropped
+_OWN_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+                         "max_length", "add_generation_prompt", "continue_final_message", "chat_template", "tools",
+                         "documents", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class EngineTokens:
@@ -104,10 +108,19 @@ class LocalTokens:
         if given is not None:
             return given
         if "chat" in path:
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise PromptError("'chat_template_kwargs' must be an object")
+            if body.get("chat_template") is not None or kwargs.get("chat_template") is not None:
+                # a template of the client's own is not run here: a template is a program (a loop of 10^10 steps
+                # held a tokenizer thread each; six such requests stopped every request's routing). Its engine
+                # renders it, or refuses it (vLLM's --trust-request-chat-template); this one is routed by load
+                return None
             out = self.tok.apply_chat_template(
-                body["messages"], tokenize=True, add_generation_prompt=body.get("add_generation_prompt", True),
+                body["messages"], tools=body.get("tools"), documents=body.get("documents"), tokenize=True,
+                add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
-                **(body.get("chat_template_kwargs") or {}))
+                **{k: v for k, v in kwargs.items() if k not in _OWN_KWARGS})
             ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
             return [int(t) for t in ids]
         if isinstance(body.get("prompt"), str):
@@ -115,7 +128,8 @@ class LocalTokens:
         return None
 
     async def ids(self, client: httpx.AsyncClient, base_url: str, path: str, body: dict) -> list[int] | None:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._ids, path, body)
-        except (ValueError, TypeError, KeyError) as e:
-            raise PromptError(f"cannot tokenize the prompt: {e}") from None
+        """The ids, within TOKENIZE_TIMEOUT_S (TimeoutError past it); a template or tokenizer that fails on the prompt
+        raises as it does (the router routes it by load, and its engine answers it: vLLM takes content given as a
+        list of parts, say, which a template written for strings cannot join)."""
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._pool, self._ids, path, body),
+                                      TOKENIZE_TIMEOUT_S)
