@@ -347,12 +347,21 @@ class DecodeInstance(BaseModel):
     receiver_public_key: str | None = None
     """The receiver's CURVE public key (Z85 or a ``.key`` file), where it is exposed with CURVE."""
 
+    _key: str | None = PrivateAttr(None)  # the key itself, read at load: a key file replaced in place is another key
+
     @model_validator(mode="after")
     def _check_addresses(self):
         if (why := url_error(self.url)) is not None:
             raise ValueError(f"url: {why}")
         if (why := endpoint_error(self.receiver)) is not None:
             raise ValueError(f"receiver: {why}")
+        if self.receiver_public_key:
+            from pdpush import auth
+
+            try:
+                self._key = b",".join(auth.load_public_keys(self.receiver_public_key)).decode()
+            except (ConfigError, OSError, ValueError):
+                self._key = None  # (the router says why when it reads it to subscribe)
         return self
 
 
@@ -450,7 +459,8 @@ class RouterConfig(_Settings):
     Raise it above max_inflight x instances where that is higher."""
     client_write_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for a client to take the next part of a streamed answer (its socket's buffers full): past it, its
-    connection and the decode leg's are broken off (the engine aborts the request)."""
+    connection and the decode leg's are broken off (the engine aborts the request). A request's body must come whole
+    within it too (else 408)."""
     health_interval_s: float = Field(1.0, gt=0)
     """How often every instance's /health is checked."""
     eject_after: int = Field(2, ge=1)

@@ -172,6 +172,9 @@ class Upstream(BaseHTTPRequestHandler):
         self.heard.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
         mode = self.state.get("mode", "ok")
         if self.path == "/tokenize":
+            if self.state.get("tokenize") == "slow":  # an engine whose /tokenize has stopped answering
+                self._hung_up_within(30.0)
+                return
             self._send(200, {"tokens": list(range(1, 1 + len(body.get("prompt", "")))), "count": 0})
             return
         if "before" in self.state:
@@ -451,6 +454,22 @@ def test_a_prefill_leg_beside_a_decode_leg_that_failed_is_cancelled_at_once(upst
     assert time.monotonic() - t < 15.0
     health = httpx.get(url + "/health").json()
     assert health["prefill_cancelled"] == 1 and health["pushed"] == 0 and health["recomputed"] == 0, health
+
+
+def test_a_decode_leg_that_could_not_be_sent_is_retried_on_a_free_decode_whatever_the_prefill_instances(
+        upstreams, start_router):
+    """The retry recomputes on another decode instance and needs no prefill instance: with the only one at its
+    max_inflight (this request's own leg beside it), the healthy free decode instance went untried, the client had
+    a 502 and a rejection was counted for a request that was not rejected."""
+    p_url, p, _ = upstreams("prefill", mode="slow", sleep=3.0)
+    a_url, a, _ = upstreams("decode", mode="drop")  # placed first; its legs die unanswered
+    b_url, b, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": a_url, "receiver": DEAD_RECEIVER}, {"url": b_url, "receiver": DEAD_RECEIVER}],
+                     concurrent_legs=True, max_inflight=1)
+    res = post(r.info["url"], {"prompt": "abc", "max_tokens": 2})
+    assert res.status_code == 200 and res.headers["x-pdpush-decode"] == b_url, res.text
+    health = httpx.get(r.info["url"] + "/health").json()
+    assert health["decode_retries"] == 1 and health["rejected_503"] == 0, health
 
 
 def test_a_prefill_leg_beside_a_decode_leg_retried_elsewhere_is_cancelled_before_that_answer(upstreams,
@@ -879,6 +898,25 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_leg_with_it(up
         c.close()
     log = r.log()
     assert "took no part of its stream" in log and "Traceback" not in log, log
+    m = httpx.get(url + "/metrics").text
+    assert 'outcome="client_stalled",route="/v1/completions"} 1.0' in m and 'outcome="client_gone"' not in m, m
+
+
+def test_a_streaming_client_that_hangs_up_is_counted(upstreams, start_router):
+    """A streamed answer whose client hangs up part way: counted as client_gone (such a stream was counted under no
+    outcome at all), and its leg ends with it."""
+    p_url, _, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode", mode="flood")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}])
+    url = r.info["url"]
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "a", "max_tokens": 4, "stream": True},
+                      timeout=30) as res:
+        assert res.status_code == 200
+        next(res.iter_raw())
+    until(lambda: d.state.get("flood_ended"), 30, "the decode leg ended")
+    until(lambda: 'outcome="client_gone",route="/v1/completions"} 1.0' in httpx.get(url + "/metrics").text, 10,
+          "the hang-up counted")
+    assert 'outcome="ok"' not in httpx.get(url + "/metrics").text
 
 
 def test_the_api_key_guards_the_front(upstreams, start_router, tmp_path):
@@ -1341,6 +1379,38 @@ def test_the_cost_model_sends_the_prefill_leg_where_the_engines_own_cache_holds_
     finally:
         for pub in pubs:
             pub.stop()
+
+
+def test_a_body_that_does_not_come_whole_in_time_is_a_408(upstreams, start_router):
+    """A client that sends its headers and trickles its body (or stops) holds the connection for
+    client_write_timeout_s at most, then has a 408 (it was held for good, and not counted in flight)."""
+    p_url, _, _ = upstreams("prefill")
+    d_url, d, _ = upstreams("decode")
+    r = start_router([p_url], [{"url": d_url, "receiver": DEAD_RECEIVER}], client_write_timeout_s=1.0)
+    host, port = r.info["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        s.settimeout(10)
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert not [b for path, b in d.seen if path == "/v1/completions"]
+    assert post(r.info["url"], {"prompt": "fine", "max_tokens": 2}).status_code == 200
+
+
+def test_tokenize_goes_to_the_prefill_instances_in_turn_and_to_another_where_one_does_not_answer(upstreams,
+                                                                                                  start_router):
+    """tokenizer = "engine": the healthy prefill instances are asked in turn, and a second one where the first does
+    not answer in time. The first alone was asked: one whose /tokenize had stopped answering cost every request 10 s
+    and its cache-aware placement, while the others were never asked."""
+    p0_url, p0, _ = upstreams("prefill", tokenize="slow")
+    p1_url, p1, _ = upstreams("prefill")
+    d_url, _, _ = upstreams("decode")
+    r = start_router([p0_url, p1_url], [{"url": d_url, "receiver": DEAD_RECEIVER}])
+    for i in range(2):
+        assert post(r.info["url"], {"prompt": f"abc{i}", "max_tokens": 2}).status_code == 200
+    asked = lambda h: [b for path, b in h.seen if path == "/tokenize"]  # noqa: E731
+    assert len(asked(p1)) == 2 and len(asked(p0)) == 1, (asked(p0), asked(p1))
 
 
 def test_a_feed_whose_receivers_name_stops_resolving_keeps_its_last_address(tmp_path, monkeypatch):

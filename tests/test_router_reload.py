@@ -83,6 +83,26 @@ def test_a_config_the_running_router_cannot_take_is_refused_whole():
     assert dup.source == (0,) and dup.drop == (1,)
 
 
+def test_a_receivers_key_file_rewritten_in_place_is_a_changed_receiver(tmp_path):
+    """A receiver's public key given as a file, the file rotated in place (same path, another key): the decode
+    instance is dropped and added again, so its feed subscribes with the new key (it compared the path: unchanged,
+    and the feed stayed on the old key until a restart)."""
+    import zmq.auth
+
+    d = tmp_path / "keys"
+    d.mkdir()
+    key = lambda: zmq.auth.create_certificates(str(d), "rx")[0]  # noqa: E731 - (rx.key, rx.key_secret) anew
+    path = key()
+    decode = [{"url": "http://d1:8200", "receiver": "tcp://d1:5710", "receiver_public_key": path}]
+    old = RouterConfig(prefill=[A], curve_secret_key_file=str(d / "rx.key_secret"), decode=decode)
+    same = RouterConfig(prefill=[A], curve_secret_key_file=str(d / "rx.key_secret"), decode=decode)
+    assert not reload.plan(old, same).changed
+    assert key() == path  # rewritten in place
+    new = RouterConfig(prefill=[A], curve_secret_key_file=str(d / "rx.key_secret"), decode=decode)
+    p = reload.plan(old, new)
+    assert p.changed and p.decode.drop == (0,) and p.decode.source == (None,) and not p.refused
+
+
 def test_a_dropped_instance_is_retired_until_its_requests_in_flight_end():
     a, b, d = Instance("prefill", A), Instance("prefill", B), Instance("decode", "http://d1:8200")
     f = Fleet([a], [d])

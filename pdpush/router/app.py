@@ -57,8 +57,8 @@ from pdpush.router import costmodel, legs, reload
 from pdpush.router.engine_cache import EngineCacheView
 from pdpush.router.fleet import Fleet, Instance
 from pdpush.router.metrics import Metrics
-from pdpush.router.placement import Candidate, Weights, plan_legs
-from pdpush.router.tokens import EngineTokens, LocalTokens, PromptError, check_prompt
+from pdpush.router.placement import Candidate, Weights, choose_decode, plan_legs
+from pdpush.router.tokens import TOKENIZE_TIMEOUT_S, EngineTokens, LocalTokens, PromptError, check_prompt
 from pdpush.router.watch import Watches
 
 log = logging.getLogger("pdpush.router")
@@ -175,6 +175,7 @@ class Router:
         self.tokens = LocalTokens(cfg.tokenizer) if cfg.tokenizer != "engine" else EngineTokens()
         self.metrics = Metrics()
         self._last_decode = self._last_prefill = -1
+        self._tokenize_turn = 0  # which healthy prefill instance's /tokenize is asked first, in turn
         self._tasks: list[asyncio.Task] = []
         self._legs: set[asyncio.Task] = set()  # concurrent prefill legs still running
         self.watches = Watches(cfg.index_silence_s, self._feed_changed, self._withdrawn, cfg.name_recheck_s)
@@ -433,6 +434,14 @@ class Router:
         self.metrics.ttft_predicted.observe(b.ttft_s)
         return Route_(decode, prefill, f"{self.prefix}-{uuid.uuid4().hex}", n, dcs[b.decode].held_chunks, "cost", b)
 
+    def _retry_decode(self, exclude: Instance) -> Instance | None:
+        """Another decode instance for a request whose decode leg could not be sent, recomputing there: by load
+        alone, and no prefill instance needed (``place`` asked for one: with the prefill instances busy, or down,
+        a healthy free decode instance went untried and the client had a 502)."""
+        cands = [Candidate(d.healthy and d is not exclude, d.inflight) for d in self.fleet.decode]
+        dd = choose_decode(cands, 0, self.weights, self._last_decode, cache_aware=False)
+        return None if dd.index is None else self.fleet.decode[dd.index]
+
     def _busy(self, why: str) -> JSONResponse:
         self.counters["rejected_503"] += 1
         return error(503, f"every instance is busy or down: {why}; retry later", "overloaded",
@@ -542,13 +551,17 @@ class Router:
             except ValueError:
                 return error(400, "bad Content-Length")
         data = bytearray()
-        try:
-            async for part in request.stream():
-                data += part
-                if len(data) > cap:
-                    return error(413, f"body over {cap} bytes")
+        try:  # whole within client_write_timeout_s: a client trickling its body held a connection for good
+            async with asyncio.timeout(self.cfg.client_write_timeout_s):
+                async for part in request.stream():
+                    data += part
+                    if len(data) > cap:
+                        return error(413, f"body over {cap} bytes")
         except ClientDisconnect:
             return error(400, "client disconnected")
+        except TimeoutError:
+            return error(408, f"the body did not come whole within {self.cfg.client_write_timeout_s:g} s "
+                              "(client_write_timeout_s)")
         try:
             return legs.parse_body(bytes(data))
         except ValueError as e:  # (UnicodeDecodeError too)
@@ -615,16 +628,28 @@ class Router:
         return error(499, "the client closed the request", "client_closed")
 
     async def _ids(self, path: str, body: dict) -> list[int] | None | Response:
-        pre = [p for p in self.fleet.prefill if p.healthy] or [d for d in self.fleet.decode if d.healthy]
-        if not pre and isinstance(self.tokens, EngineTokens):
-            return None
-        try:
-            return await self.tokens.ids(self.client, pre[0].url if pre else "", path, body)
-        except PromptError as e:
-            return error(400, f"the engine cannot tokenize this prompt: {e}")
-        except Exception as e:  # noqa: BLE001 - an engine's or a chat template's failure: the engine answers it
-            log.warning("tokenizing for chunk keys failed (%s: %s); routing by load only", type(e).__name__, e)
-            return None
+        """The prompt's token ids, or None (routed by load). An engine's ``/tokenize`` is asked of the healthy
+        prefill instances in turn, a second one where the first fails, each within half of TOKENIZE_TIMEOUT_S: the
+        first one alone was asked, and one slow or broken there cost every request its wait and its cache-aware
+        placement."""
+        urls = [""]
+        if isinstance(self.tokens, EngineTokens):
+            pre = [p for p in self.fleet.prefill if p.healthy] or [d for d in self.fleet.decode if d.healthy]
+            if not pre:
+                return None
+            k = self._tokenize_turn % len(pre)
+            self._tokenize_turn += 1
+            urls = [i.url for i in pre[k:] + pre[:k]][:2]
+        for url in urls:
+            try:
+                return await asyncio.wait_for(self.tokens.ids(self.client, url, path, body),
+                                              TOKENIZE_TIMEOUT_S / len(urls))
+            except PromptError as e:
+                return error(400, f"the engine cannot tokenize this prompt: {e}")
+            except Exception as e:  # noqa: BLE001 - an engine's or a chat template's failure: the engine answers it
+                log.warning("tokenizing for chunk keys%s failed (%s: %s)%s", f" at {url}" if url else "",
+                            type(e).__name__, e, "; routing by load only" if url == urls[-1] else "; asking another")
+        return None
 
     async def _serve(self, request: Request, path: str, body: dict, route: Route_, t0: float) -> Response:
         headers = legs.upstream_headers(request.headers, own_key=self.api_key is not None)
@@ -687,14 +712,14 @@ class Router:
                 self._settle_later(prefill_task, route)  # nor will anyone else: a leg beside it is cancelled now
                 prefill_task = None
                 self._unreachable(decode, e)
-                other = self.place(None, exclude=decode)
-                if isinstance(other, Response):
+                other = self._retry_decode(decode)
+                if other is None:
                     raise
                 self.counters["decode_retries"] += 1
                 log.warning("decode %s failed for %s (%s); retrying on %s with recompute", decode.url, route.push_id,
-                            e, other.decode.url)
+                            e, other.url)
                 decode.inflight -= 1
-                decode = other.decode
+                decode = other
                 decode.inflight += 1
                 resp = await self._open_decode(decode, path, legs.decode_body(body, None), headers)
         except asyncio.CancelledError:  # its client gone (_unless_gone; _serve cancels a prefill leg beside it)
@@ -745,6 +770,8 @@ class Router:
             if route.estimate is not None and served is route.prefill:  # cost_model: its cache's predicted share
                 extra["X-Pdpush-Prefill-Cached"] = str(route.prompt_tokens - route.estimate.computed_tokens)
         if body.get("stream"):
+            counted = []  # the stream's outcome, once counted: else, at its end, its client went (or the router)
+
             async def relay():
                 first = True
                 try:
@@ -753,8 +780,10 @@ class Router:
                             first = False
                             self._observed(route, t0, True)
                         yield part
+                    counted.append("ok")
                     self.metrics.requests.labels(path, "ok").inc()
                 except httpx.HTTPError as e:  # the decode instance died mid-stream
+                    counted.append("upstream_error")
                     self._unreachable(decode, e)
                     self.metrics.requests.labels(path, "upstream_error").inc()
                     log.error("decode %s broke the stream of %s: %s", decode.url, route.push_id, e)
@@ -762,12 +791,15 @@ class Router:
                     # (or a proxy) then sees the stream cut (an incomplete chunked body), not a shorter answer
                     raise StreamCut(f"decode {decode.url} broke the stream of {route.push_id}") from e
                 finally:
+                    if not counted:  # (a stream whose client hung up was counted nowhere)
+                        self.metrics.requests.labels(path, "client_gone").inc()
                     await resp.aclose()
                     decode.inflight -= 1
                     self.metrics.seconds.labels(mode).observe(time.monotonic() - t0)
                     self._settle_later(prefill_task, route)
 
             def stalled() -> None:
+                counted.append("client_stalled")
                 self.metrics.requests.labels(path, "client_stalled").inc()
                 log.warning("client of %s took no part of its stream for %.1f s: cut off", route.push_id,
                             self.cfg.client_write_timeout_s,

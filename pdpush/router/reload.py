@@ -43,6 +43,7 @@ class DecodeKey:
     url: str
     receiver: str
     receiver_public_key: str | None
+    key: str | None = None  # the key it names, as read when the config was: a key file rotated in place changes it
 
     def __str__(self) -> str:
         return f"{self.url} (receiver {self.receiver})"
@@ -114,7 +115,7 @@ def prefill_keys(cfg: RouterConfig) -> list[PrefillKey]:
 
 
 def decode_keys(cfg: RouterConfig) -> list[DecodeKey]:
-    return [DecodeKey(d.url.rstrip("/"), d.receiver, d.receiver_public_key) for d in cfg.decode]
+    return [DecodeKey(d.url.rstrip("/"), d.receiver, d.receiver_public_key, d._key) for d in cfg.decode]
 
 
 def diff(old: Sequence[K], new: Sequence[K]) -> Diff[K]:
