@@ -27,6 +27,23 @@ def test_the_revision_on_the_path_wins_over_the_editable_install(tmp_path):
     assert out == str(fake / "__init__.py")
 
 
+def test_every_revision_is_measured_by_this_trees_measuring_code(tmp_path):
+    """A revision's own pdpush, but this tree's pdpush_tools: the revision's own measuring code (its observer, its
+    naps) credited its changes to the product."""
+    tree = tmp_path / "rev"
+    for pkg in ("pdpush", "pdpush_tools"):
+        (tree / pkg).mkdir(parents=True)
+        (tree / pkg / "__init__.py").write_text("")
+    (tmp_path / "finderless").mkdir()
+    (tmp_path / "finderless" / "sitecustomize.py").write_text(ab._FINDERLESS)
+    env = {**os.environ, "PYTHONPATH": ab.probe_path(tmp_path, tmp_path / "site", tree)}
+    out = subprocess.run([sys.executable, "-c", "import pdpush, pdpush_tools; print(pdpush.__file__); "
+                          "print(pdpush_tools.__file__)"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[0] == str(tree / "pdpush" / "__init__.py")
+    assert Path(out[1]).resolve() == ab.ROOT / "pdpush_tools" / "__init__.py"
+
+
 def test_a_revision_runs_its_own_code_through_real_daemons_and_is_read_back(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = ab.compare(["."], rounds=2, gap_s=0.001, requests=3, work=Path("rel"))  # (a relative folder, resolved)

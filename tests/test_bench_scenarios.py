@@ -59,7 +59,15 @@ def test_scenarios_and_report(tmp_path):
     assert len(g["footprint_put_samples_gbps"]) == len(g["transport_samples_gbps"]) == goodput.TRANSPORT_SAMPLES
     # beside it, the strict reference (posted at once, streamed source) and the push through a decode thread
     assert g["strict_put_gbps"] > 0 and g["transport_observed_gbps"] > 0
-    assert "x the strict reference" in text and "x through a decode thread" in text  # (report._transport_beside)
+    # the transport target against the strict reference; beside it the per-layer put+flush (its reference before)
+    assert "x a put+flush per layer through the footprint" in text and "x through a decode thread" in text
+    # the latency targets against the same puts posted at once with one flush; each waited for in turn beside
+    lat = res["latency"]
+    assert lat["raw_put_seq_us_per_layer"] > 0 and lat["ratio_one_chunk_seq"] > 0
+    assert "each put+flush waited for in turn" in text
+    # a run that did not verify every byte meets no target, whatever its speed
+    assert "| met |" in text and "| met |" not in report.markdown({**res, "verified": False}, "b.png")
+    report.markdown(res, "b.png")  # (the next report's gate is its own run's)
     assert g["footprint_put_gbps"] > 0 and g["footprint_copies"][1] == 3 <= 1 + g["footprint_copies"][0] and "a push's footprint" in text
 
 

@@ -71,11 +71,23 @@ def prepare(rev: str, work: Path) -> tuple[Path, Path]:
     return tree, site
 
 
+def probe_path(work: Path, site: Path, tree: Path) -> str:
+    """A probe's PYTHONPATH: the finder-less sitecustomize, the revision's native build, this tree's pdpush_tools
+    alone (a link to it), then the revision's tree (its pdpush)."""
+    tools = work / "tools"
+    tools.mkdir(parents=True, exist_ok=True)
+    if not (tools / "pdpush_tools").exists():
+        (tools / "pdpush_tools").symlink_to(ROOT / "pdpush_tools")
+    return os.pathsep.join(map(str, (work / "finderless", site, tools, tree)))
+
+
 def run_probe(tree: Path, site: Path, work: Path, gap_s: float, requests: int, probe: str = "begin",
               extra: tuple[str, ...] = ()) -> dict:
-    """One probe run importing ``tree``'s pdpush and ``site``'s pdpush_native, in a directory of its own (a
-    daemon's ``python -m`` looks in its working directory first); refused where it imported anything else."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (work / "finderless", site, tree)))}
+    """One probe run importing ``tree``'s pdpush and ``site``'s pdpush_native, and this tree's measuring code
+    (pdpush_tools: every revision measured by the same code; the revision's own credited its observer's changes to
+    the product), in a directory of its own (a daemon's ``python -m`` looks in its working directory first);
+    refused where it imported anything else."""
+    env = {**os.environ, "PYTHONPATH": probe_path(work, site, tree)}
     cwd = work / "cwd"
     cwd.mkdir(exist_ok=True)
     out = subprocess.run([sys.executable, str(Path(__file__).with_name(PROBES[probe][0])), str(gap_s), str(requests),
@@ -84,8 +96,10 @@ def run_probe(tree: Path, site: Path, work: Path, gap_s: float, requests: int, p
     if out.returncode:
         raise RuntimeError(f"the probe of {tree} failed ({out.returncode}): {out.stderr[-2000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    if not (Path(got["pdpush"]).is_relative_to(tree) and Path(got["pdpush_native"]).is_relative_to(site)):
-        raise RuntimeError(f"the probe of {tree} imported {got['pdpush']} and {got['pdpush_native']}")
+    if not (Path(got["pdpush"]).is_relative_to(tree) and Path(got["pdpush_native"]).is_relative_to(site)
+            and Path(got["pdpush_tools"]).resolve().is_relative_to(ROOT / "pdpush_tools")):
+        raise RuntimeError(f"the probe of {tree} imported {got['pdpush']}, {got['pdpush_native']} and "
+                           f"{got['pdpush_tools']}")
     return got
 
 

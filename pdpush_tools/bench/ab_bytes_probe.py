@@ -17,6 +17,7 @@ import numpy as np
 import pdpush_native
 
 import pdpush
+import pdpush_tools
 from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient, WaitPolicy
 from pdpush.layout import KVLayout
@@ -73,7 +74,7 @@ def main() -> None:
                     times[k].append(v * 1000)
             time.sleep(gap_s)
         out = {k: statistics.median(v) for k, v in times.items()}
-        print(json.dumps({**out, "verified": verified, "pdpush": pdpush.__file__,
+        print(json.dumps({**out, "verified": verified, "pdpush": pdpush.__file__, "pdpush_tools": pdpush_tools.__file__,
                           "pdpush_native": pdpush_native.__file__}))
     finally:
         tx.stop()

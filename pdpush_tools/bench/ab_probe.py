@@ -14,6 +14,7 @@ import numpy as np
 import pdpush_native
 
 import pdpush
+import pdpush_tools
 from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient
 from pdpush.layout import KVLayout
@@ -63,7 +64,7 @@ def main() -> None:
             time.sleep(gap_s)
         out = {k: statistics.median(v) for k, v in times.items()}
         out["probe_cpu_us_per_request"] = (time.process_time() - cpu0) / n * 1e6
-        print(json.dumps({**out, "verified": verified, "pdpush": pdpush.__file__,
+        print(json.dumps({**out, "verified": verified, "pdpush": pdpush.__file__, "pdpush_tools": pdpush_tools.__file__,
                           "pdpush_native": pdpush_native.__file__}))
     finally:
         tx.stop()

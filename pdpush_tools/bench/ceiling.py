@@ -144,12 +144,15 @@ def put_reference(layer_bytes: int, layers: int, src_copies: int = 1, dst_copies
             ref.close()
 
 
-def measure_put(layer_bytes: int, layers: int, reps: int = 5, peer: tuple[dict, str] | None = None) -> dict:
+def measure_put(layer_bytes: int, layers: int, reps: int = 5, peer: tuple[dict, str] | None = None,
+                batched: bool = False) -> dict:
     """Median GB/s of ``layers`` x (put ``layer_bytes`` + flush), between two processes: a peer started here,
     or ``peer`` (its info line and host), one already serving at least ``layer_bytes * layers``. The same
     source and destination every time: below a few MiB a request, they stay in cache (``PutReference``
-    with a push's footprint does not)."""
-    with put_reference(layer_bytes, layers, peer=peer) as ref:
+    with a push's footprint does not). ``batched``: every put posted at once, with one flush after them all, as
+    the sender posts a request's layers handed over together (each waited for from Python, one by one, costs a
+    small layer about twice its put)."""
+    with put_reference(layer_bytes, layers, peer=peer, batched=batched) as ref:
         rates = [ref.once() for _ in range(reps + 1)][1:]  # the first pass touches the remote pages
     return {"median_gbps": statistics.median(rates), "samples_gbps": rates}
 
