@@ -98,7 +98,6 @@ def receiver(
 @sender_app.command()
 def sender(
     config: Optional[Path] = _CONFIG,
-    bind: Optional[str] = _BIND,
     ingress_socket: Optional[str] = typer.Option(None, help="Unix socket for the local prefill engine."),
     staging_bytes: Optional[int] = typer.Option(None, help="Shared staging memory, bytes."),
     default_receiver: Optional[str] = typer.Option(None, help="Receiver control endpoint, e.g. tcp://h:5710."),
@@ -112,7 +111,7 @@ def sender(
     from pdpush import daemon
 
     try:
-        cfg = cfgmod.load(cfgmod.SenderConfig, config, host=bind, ingress_socket=ingress_socket,
+        cfg = cfgmod.load(cfgmod.SenderConfig, config, ingress_socket=ingress_socket,
                           staging_bytes=staging_bytes, default_receiver=default_receiver, checksums=checksums,
                           prefault=prefault, ready_file=ready_file, log_level=log_level, log_format=log_format)
     except ConfigError as e:
@@ -145,18 +144,29 @@ def _serve(make_server, cfg) -> None:
 
 
 def _daemon_config(config: Path, role: Optional[str] = None):
-    """The receiver's or the sender's config in CONFIG (``role``, or guessed from the file's keys)."""
+    """The receiver's or the sender's config in CONFIG (``role``, or told by the keys only one of them has), read
+    to find the daemon, not to serve: a receiver's exposure is not judged here (a daemon started with --insecure,
+    or PDPUSH_INSECURE in its own environment, has a config that its status and doctor must still read)."""
     import tomllib
 
     from pdpush import config as cfgmod
 
-    sender_keys = {"ingress_socket", "staging_bytes", "default_receiver", "receiver_public_key", "receiver_keys",
-                   "alloc_retry_budget_ms", "layer_timeout_ms", "control_timeout_ms", "checksums"}
     if role not in (None, "receiver", "sender"):
         raise ConfigError(f"--role must be receiver or sender, not {role!r}")
-    raw = tomllib.loads(config.read_text())
-    if role == "receiver" or (role is None and not sender_keys & set(raw)):
-        return cfgmod.load(cfgmod.ReceiverConfig, config)
+    if config.is_dir():
+        raise ConfigError(f"{config} is a directory, not a config file")
+    raw = set(tomllib.loads(config.read_text(encoding="utf-8")))
+    if role is None:
+        rx, tx = set(cfgmod.ReceiverConfig.model_fields), set(cfgmod.SenderConfig.model_fields)
+        if raw & (tx - rx):
+            role = "sender"
+        elif raw & (rx - tx) or not raw:
+            role = "receiver"
+        else:
+            raise ConfigError(f"{config}: its keys ({', '.join(sorted(raw))}) are a receiver's and a sender's "
+                              "alike: pass --role receiver or --role sender")
+    if role == "receiver":
+        return cfgmod.load(cfgmod.ReceiverConfig, config, insecure=True)
     return cfgmod.load(cfgmod.SenderConfig, config)
 
 
@@ -164,7 +174,7 @@ def _daemon_config(config: Path, role: Optional[str] = None):
 def status(
     config: Path = typer.Option(..., "--config", "-c", help="The daemon's TOML config."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    timeout: float = typer.Option(2.0, help="Seconds to wait for the daemon."),
+    timeout: float = typer.Option(2.0, help="Seconds to wait for the daemon (over 0, at most 3600)."),
     role: Optional[str] = typer.Option(None, help="receiver or sender (default: guessed from the config's keys)."),
 ) -> None:
     """Query the local daemon that CONFIG configures (receiver or sender)."""
@@ -173,9 +183,11 @@ def status(
     from pdpush import client
     from pdpush import config as cfgmod
 
+    if not 0 < timeout <= 3600:  # (nan too: every wait has a deadline)
+        _fail_config(ValueError(f"--timeout {timeout}: give seconds over 0, at most 3600"))
     try:
         cfg = _daemon_config(config, role)
-    except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
+    except (ConfigError, OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         _fail_config(e)
     sock = cfg.ingress_socket_path() if isinstance(cfg, cfgmod.SenderConfig) else cfg.local_socket_path()
     try:
@@ -202,6 +214,7 @@ def doctor(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="A daemon's TOML config: its ucx_env is "
                                           "applied, and memlock is checked against its pool or staging."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    role: Optional[str] = typer.Option(None, help="receiver or sender (default: told by the config's keys)."),
 ) -> None:
     """What this host's UCX can do for pdpush: version and library, transports and devices, RDMA, memlock,
     hugepages, CUDA. Exit code 1 where a check warns."""
@@ -214,8 +227,8 @@ def doctor(
     env, need = None, None
     if config is not None:
         try:
-            cfg = _daemon_config(config)
-        except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
+            cfg = _daemon_config(config, role)
+        except (ConfigError, OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             _fail_config(e)
         need = cfg.staging_bytes if isinstance(cfg, cfgmod.SenderConfig) else cfg.pool_bytes
         env = cfg.ucx_env
@@ -261,6 +274,9 @@ def keygen(
         pub, sec = auth.keygen(directory, name, force)
     except ConfigError as e:
         _fail_config(e)
+    except OSError as e:  # (a directory this user cannot write, say: sudo -u pdpush before /etc/pdpush/keys is its)
+        typer.echo(f"pdpush keygen: cannot write the key pair in {directory}: {e}", err=True)
+        raise typer.Exit(1) from None
     public = auth.load_public_keys(str(pub))[0].decode()
     typer.echo(f"public key:  {pub}\nsecret key:  {sec}\nZ85 public:  {public}")
 

@@ -116,14 +116,24 @@ def private_dir(d: Path, create: bool = True) -> None:
                           f"chmod go-w {d}")
 
 
+def check_local(path: Path) -> None:
+    """ConfigError where ``bind_local`` could not take ``path``: its directory not this user's alone (or not
+    creatable), or another process serving it. A daemon looks before it faults in its pool or staging (about 1 s
+    per GiB), as for its ports; ``bind_local`` looks again."""
+    try:
+        private_dir(path.parent)
+    except PermissionError as e:
+        raise ConfigError(f"cannot create the socket directory {path.parent}: {e}") from None
+    if (path.exists() or path.is_symlink()) and _answers(path):
+        raise ConfigError(f"another process serves {path}: give this daemon its own socket (local_socket / "
+                          "ingress_socket), or stop the other one")
+
+
 def bind_local(path: Path, max_frame: int) -> tuple[zmq.Socket, str]:
     """A ROUTER on a unix socket only this user can reach: its directory checked (``private_dir``), the socket
     created 0600 (no window where another user could connect)."""
-    private_dir(path.parent)
+    check_local(path)
     if path.exists() or path.is_symlink():
-        if _answers(path):
-            raise ConfigError(f"another process serves {path}: give this daemon its own socket (local_socket / "
-                              "ingress_socket), or stop the other one")
         path.unlink()  # a stale socket from a killed daemon
     sock = context().socket(zmq.ROUTER)
     _harden(sock, max_frame)

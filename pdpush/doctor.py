@@ -47,8 +47,12 @@ def judge(facts: dict) -> tuple[list[str], list[str]]:
                          f"{', '.join(nets) or 'no network transport'}")
     need, have = facts.get("memlock_needed_bytes"), facts["memlock_bytes"]
     if need and have != -1 and have < need:
-        out.append(f"the locked-memory limit ({have} bytes) is below the {need} bytes to register: raise it "
-                   "(LimitMEMLOCK=infinity, ulimit -l unlimited, --ulimit memlock=-1, or IPC_LOCK)")
+        if facts["rdma_capable"] or facts["rdma_devices"]:  # (only an RDMA registration locks the memory: as daemon.py)
+            out.append(f"the locked-memory limit ({have} bytes) is below the {need} bytes to register: raise it "
+                       "(LimitMEMLOCK=infinity, ulimit -l unlimited, --ulimit memlock=-1, or IPC_LOCK)")
+        else:
+            notes.append(f"the locked-memory limit ({have} bytes) is below the {need} bytes of the pool or staging: "
+                         "no matter without RDMA (nothing is registered); raise it on hosts that have RDMA")
     hard = facts.get("open_files", {}).get("hard", -1)
     if hard != -1 and hard < OPEN_FILES_NEEDED:
         out.append(f"the open-files hard limit ({hard}) is below the {OPEN_FILES_NEEDED} that a busy daemon needs (a "

@@ -76,6 +76,7 @@ class Receiver:
         if "rdmacm" not in {**os.environ, **cfg.ucx_env}.get("UCX_SOCKADDR_TLS", ""):  # (its own port space)
             control.check_port_free(cfg.host, cfg.ucx_port, "the UCX listener")
         control.check_port_free(cfg.metrics_host, cfg.metrics_port, "the metrics endpoint")
+        control.check_local(cfg.local_socket_path())  # (its directory, and no live daemon on it: before the prefault)
         if cfg.curve_secret_key_file:  # the keys first: a bad key file fails the start before a big pool's prefault
             from pdpush import auth
 

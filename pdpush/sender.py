@@ -135,6 +135,7 @@ class Sender:
 
         # (a taken port fails the start, exit 3, before the staging's prefault: receiver.py)
         control.check_port_free(self.cfg.metrics_host, self.cfg.metrics_port, "the metrics endpoint")
+        control.check_local(self.cfg.ingress_socket_path())  # (its directory, and no live daemon on it)
         self.ucx = open_transport(dict(self.cfg.ucx_env))
         remote = urlsplit(self.cfg.default_receiver).hostname or ""
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(remote) else f"default_receiver {remote}",

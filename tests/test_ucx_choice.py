@@ -108,8 +108,10 @@ def test_doctor_judges_memlock_and_rdma_from_facts():
     base = {"ucx": {"components": ["self", "tcp"], "resources": [["tcp", "eth0"]], "source": "wheel",
                     "library": "/x/libucp.so.0"}, "rdma_capable": False, "rdma_devices": [],
             "memlock_bytes": 8 << 20, "memlock_needed_bytes": 1 << 30}
-    warnings, notes = judge(base)
-    assert any("locked-memory limit" in w for w in warnings) and any("tcp/eth0" in n for n in notes)
+    warnings, notes = judge(base)  # no RDMA: nothing is registered, and the daemons do not warn (a note only)
+    assert warnings == [] and any("locked-memory limit" in n for n in notes) and any("tcp/eth0" in n for n in notes)
+    warnings, _ = judge({**base, "rdma_capable": True})
+    assert len(warnings) == 1 and "locked-memory limit" in warnings[0] and "LimitMEMLOCK" in warnings[0]
     warnings, _ = judge({**base, "rdma_devices": ["mlx5_0"], "memlock_bytes": -1})
     assert len(warnings) == 1 and "mlx5_0" in warnings[0] and "PDPUSH_UCX=system" in warnings[0]
     warnings, _ = judge({**base, "memlock_bytes": -1, "open_files": {"soft": 1024, "hard": 4096}})

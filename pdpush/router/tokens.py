@@ -92,13 +92,19 @@ class LocalTokens:
     def __init__(self, path: str) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        if not os.path.isdir(path):  # (transformers took any other name for a model hub's, and went to the internet)
+            raise ConfigError(f"tokenizer = {path!r}: no such directory (give the directory of the served model's "
+                              f"tokenizer files, or tokenizer = \"engine\")")
         try:
             from transformers import AutoTokenizer  # only where configured: a heavy import
         except ImportError as e:
             raise ConfigError(f"tokenizer = {path!r} needs transformers in the router's Python (pip install "
                               f"'pdpush[router,demo]', or transformers alone), or tokenizer = \"engine\": {e}") from None
 
-        self.tok = AutoTokenizer.from_pretrained(path)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"tokenizer = {path!r}: no tokenizer there: {e}") from None
         # threads of its own: the loop's default executor also resolves upstream host names (httpx), and a slow
         # DNS server must not queue tokenizing, and so every routing decision, behind its lookups
         self._pool = ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="pdpush-tokens")
