@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# where torch comes from (pip's --index-url): https://download.pytorch.org/whl/cpu for the CPU build off these
+# machines, where PyPI's torch is the multi-GB CUDA one; empty: pip's own index
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdpush-installed
 VLLM_VENV  ?= .venv-vllm
@@ -25,7 +29,7 @@ EXTRAS ?= daemons,router,demo,bench,test
 $(STAMP): requirements.txt pyproject.toml $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(TORCH_FROM) "$(TORCH)"
 	$(PY) -m pip uninstall -q -y pdpush-native 2>/dev/null
 	$(PY) -m pip install -q -c requirements.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
@@ -40,7 +44,7 @@ vllm-env: $(VLLM_STAMP)
 $(VLLM_STAMP): requirements-vllm.txt pyproject.toml $(NATIVE_SRC)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_FROM) "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y pdpush-native 2>/dev/null

@@ -134,6 +134,10 @@ def _serve(make_server, cfg) -> None:
     except ConfigError as e:
         logging.getLogger("pdpush").error("%s", e)
         raise typer.Exit(int(daemon.ExitCode.CONFIG)) from None
+    except ImportError as e:  # (an install without the daemons' extra: no retry mends it)
+        logging.getLogger("pdpush").error("the daemon needs %s (pip install 'pdpush[daemons]'): %s",
+                                          e.name or "a module", e)
+        raise typer.Exit(int(daemon.ExitCode.CONFIG)) from None
     except (PdpushError, OSError) as e:
         logging.getLogger("pdpush").error("start-up failed: %s", e)
         raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
@@ -330,7 +334,10 @@ def router(
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
-    from pdpush.router.app import serve
+    try:
+        from pdpush.router.app import serve
+    except ImportError as e:
+        _fail_config(ValueError(f"the router needs {e.name or 'a module'} (pip install 'pdpush[router]'): {e}"))
 
     try:
         serve(cfg)

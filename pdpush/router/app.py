@@ -171,7 +171,10 @@ class Router:
                            [self._instance(k) for k in reload.decode_keys(cfg)], eject_after=cfg.eject_after)
         self.weights = Weights(cfg.weight_load, cfg.weight_pool, cfg.max_inflight, cfg.max_imbalance)
         self.prefix = cfg.push_id_prefix or f"rt-{secrets.token_hex(4)}"
-        self.api_key = Path(cfg.api_key_file).read_text().strip() if cfg.api_key_file else None
+        try:
+            self.api_key = Path(cfg.api_key_file).read_text().strip() if cfg.api_key_file else None
+        except (OSError, UnicodeDecodeError) as e:  # (a setting: exit 2, not a start-up failure to retry)
+            raise ConfigError(f"api_key_file: cannot read {cfg.api_key_file}: {e}") from None
         self.tokens = LocalTokens(cfg.tokenizer) if cfg.tokenizer != "engine" else EngineTokens()
         self.metrics = Metrics()
         self._last_decode = self._last_prefill = -1
