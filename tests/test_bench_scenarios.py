@@ -131,6 +131,8 @@ def test_isolation_scenario():
     except netns.Unavailable as e:
         pytest.skip(str(e))
     assert res["verified"] and res["healthy_p99_ms_during"] > 0 and res["ratio"] > 0
+    # the baseline is the healthy receiver alone; beside A's pushes before the cut, reported too
+    assert res["healthy_p99_ms_baseline"] > 0 and res["healthy_p99_ms_loaded"] > 0 and res["ratio_loaded"] > 0
     # the partition really cut A: at most the request that was finishing as the link went down completed
     assert res["partitioned_requests_during"]["done"] <= 1
 

@@ -91,7 +91,10 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
                         ok = verify(req, src, layout) and ok
             return lat, ok
 
-        push(pc_b, "b-warm")
+        phase("warm")  # (untimed: the pool's pages first touched here, not in the baseline)
+        # the baseline: B alone. (Beside A's pushes, B's were measured on a busier box than during the partition,
+        # where A's stall in their timeouts and free the cores: 0.34x, "met", measured losing a neighbour.)
+        alone, ok0 = phase("alone")
         th = threading.Thread(target=background_a, daemon=True)
         th.start()
         base, ok1 = phase("base")
@@ -109,10 +112,14 @@ def run(layout: KVLayout, chunks: int = 4, per_phase: int = 60) -> dict:
         for d in reversed(daemons):
             d.stop()
         hosts.close()
-    p99_b, p99_d = _pct(base, 0.99) * 1000, _pct(during, 0.99) * 1000
+    p99_a, p99_b, p99_d = _pct(alone, 0.99) * 1000, _pct(base, 0.99) * 1000, _pct(during, 0.99) * 1000
     return {"scenario": "isolation", "layout": layout.to_dict(), "request_bytes": req_bytes,
-            "healthy_p50_ms_baseline": statistics.median(base) * 1000,
+            # the target's baseline: B alone, nothing pushed to A (A partitioned leaves B as good as alone, or not)
+            "healthy_p50_ms_baseline": statistics.median(alone) * 1000,
+            "healthy_p99_ms_baseline": p99_a,
+            # B beside A's pushes, before the cut (the baseline until 2026-12-07)
+            "healthy_p50_ms_loaded": statistics.median(base) * 1000, "healthy_p99_ms_loaded": p99_b,
             "healthy_p50_ms_during": statistics.median(during) * 1000,
-            "healthy_p99_ms_baseline": p99_b, "healthy_p99_ms_during": p99_d, "ratio": p99_d / p99_b,
-            "target_met": p99_d <= 1.2 * p99_b, "partitioned_requests_during": a_during,
-            "samples": per_phase, "verified": ok1 and ok2}
+            "healthy_p99_ms_during": p99_d, "ratio": p99_d / p99_a, "ratio_loaded": p99_d / p99_b,
+            "target_met": p99_d <= 1.2 * p99_a, "partitioned_requests_during": a_during,
+            "samples": per_phase, "verified": ok0 and ok1 and ok2}

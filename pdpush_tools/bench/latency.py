@@ -45,7 +45,7 @@ from pdpush import launch
 from pdpush.client import DecodeClient, PrefillClient, status
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import ceiling
-from pdpush_tools.bench.common import SPIN, Source, child, push_handed_over, verify
+from pdpush_tools.bench.common import SPIN, Source, StampedSource, child, push_handed_over, verify
 
 
 def _cpu_s(pid: int) -> float:
@@ -99,19 +99,23 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
         return
     cpu0 = time.process_time()
     try:
-        def settle(h, req) -> None:
+        def settle(h, req, s) -> None:
             nonlocal verified
             h.poll_done(60)
             if req is not None:
                 with req:
                     req.wait_committed()
-                    verified = verify(req, src, lay) and verified
+                    verified = verify(req, s, lay) and verified
 
         for i in range(n):
-            h = pc.begin(f"{tag}-{i}", [seed * 1_000_000 + i * lay.chunk_tokens + t for t in range(lay.chunk_tokens)])
+            ids = [seed * 1_000_000 + i * lay.chunk_tokens + t for t in range(lay.chunk_tokens)]
+            h = pc.begin(f"{tag}-{i}", ids)
             # a request to check is opened now: an open reader keeps it from leaving after committed_ttl_ms,
             # which on a loaded box can pass between its commit and this engine getting round to it
             req = dc.open(h.req_id) if i % 10 == 0 else None
+            # a request checked carries bytes of its own (the others, the same each time: a page left from an
+            # earlier request of this engine would pass for one checked against them)
+            s = StampedSource(lay, ids, seed * 100_000 + i) if req is not None else src
             if prestaged and req is None:
                 staged: list[int] = []
                 for layer in range(lay.layers):
@@ -123,13 +127,13 @@ def _engine(layout: dict, sock: str, rx_sock: str, tag: str, n: int, seed: int, 
                 h.layers_ready(staged)
             else:
                 for layer in range(lay.layers):
-                    h.put_layer(layer, *src.layer(layer))
+                    h.put_layer(layer, *s.layer(layer))
             h.finish_nowait()
-            in_flight.append((h, req))
+            in_flight.append((h, req, s))
             if len(in_flight) >= 4:
                 settle(*in_flight.pop(0))
-        for h, req in in_flight:
-            settle(h, req)
+        for h, req, s in in_flight:
+            settle(h, req, s)
         q.put({"error": None, "verified": verified, "cpu_s": time.process_time() - cpu0})
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
         q.put({"error": f"{type(e).__name__}: {e}", "verified": False})
