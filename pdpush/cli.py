@@ -123,8 +123,10 @@ def sender(
 
 
 def _serve(make_server, cfg) -> None:
-    """Build the daemon and run it: a bad setting found there exits 2 (CONFIG), a start that fails on the host (a
-    port taken, a socket path too long, memory) exits 3 (STARTUP), each with one line saying why."""
+    """Build the daemon and run it: a bad setting found there (a socket directory it cannot use, a key file, a
+    missing module) exits 2 (CONFIG), a start that fails on the host (a port taken, memory) exits 3 (STARTUP), each
+    with one line saying why; an error after the start exits 1 (daemon.run). A socket path too long is refused
+    when the config loads (2)."""
     import logging
 
     from pdpush import control, daemon
