@@ -98,6 +98,7 @@ def receiver(
 @sender_app.command()
 def sender(
     config: Optional[Path] = _CONFIG,
+    bind: Optional[str] = typer.Option(None, "--bind", hidden=True, help="Ignored: a sender opens no network port."),
     ingress_socket: Optional[str] = typer.Option(None, help="Unix socket for the local prefill engine."),
     staging_bytes: Optional[int] = typer.Option(None, help="Shared staging memory, bytes."),
     default_receiver: Optional[str] = typer.Option(None, help="Receiver control endpoint, e.g. tcp://h:5710."),
@@ -111,7 +112,7 @@ def sender(
     from pdpush import daemon
 
     try:
-        cfg = cfgmod.load(cfgmod.SenderConfig, config, ingress_socket=ingress_socket,
+        cfg = cfgmod.load(cfgmod.SenderConfig, config, host=bind, ingress_socket=ingress_socket,
                           staging_bytes=staging_bytes, default_receiver=default_receiver, checksums=checksums,
                           prefault=prefault, ready_file=ready_file, log_level=log_level, log_format=log_format)
     except ConfigError as e:
@@ -136,10 +137,10 @@ def _serve(make_server, cfg) -> None:
     except ConfigError as e:
         logging.getLogger("pdpush").error("%s", e)
         raise typer.Exit(int(daemon.ExitCode.CONFIG)) from None
-    except ImportError as e:  # (an install without the daemons' extra: no retry mends it)
-        logging.getLogger("pdpush").error("the daemon needs %s (pip install 'pdpush[daemons]'): %s",
-                                          e.name or "a module", e)
-        raise typer.Exit(int(daemon.ExitCode.CONFIG)) from None
+    except ImportError as e:  # (an install without the daemons' extra, or one being replaced: restarted, as 3)
+        logging.getLogger("pdpush").error("start-up failed: the daemon cannot import %s (pip install "
+                                          "'pdpush[daemons]', or a broken install): %s", e.name or "a module", e)
+        raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None
     except (PdpushError, OSError) as e:
         logging.getLogger("pdpush").error("start-up failed: %s", e)
         raise typer.Exit(int(daemon.ExitCode.STARTUP)) from None

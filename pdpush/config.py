@@ -333,9 +333,6 @@ class SenderConfig(_Base):
     def _check_socket(self):
         if (why := socket_path_error(self.ingress_socket_path())) is not None:
             raise ValueError(f"ingress_socket: {why}")
-        if self.host != "127.0.0.1":  # (it was taken and ignored: a sender connects to its receivers, binds nothing)
-            raise ValueError(f"host: a sender opens no network port, so there is no address to bind ({self.host!r}); "
-                             "its /metrics address is metrics_host")
         return self
 
 

@@ -196,7 +196,7 @@ class Lifelines:
                     continue
                 if ev & select.EPOLLOUT:
                     self._write(line)
-                if ev & ~select.EPOLLOUT:
+                if ev & ~select.EPOLLOUT and fd not in taken:  # (one look a call: its next frames at the next)
                     taken.add(fd)
                     self._take(line, out)
         for fd in [fd for fd in self._pending if fd not in taken]:  # frames read before: no event says so

@@ -305,3 +305,47 @@ def test_a_flood_of_other_mail_neither_extends_a_wait_nor_makes_mailboxes(tmp_pa
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["query"] == "timeout" and out["waited_s"] < 1.0, out
     assert out["mailboxes"] == 0, out
+
+
+_POLL = _PRELUDE + r"""
+from pdpush.client.connection import Connection
+from pdpush.errors import TransportTimeout
+
+
+def answer(m):  # for a Release of "a": 50 notices about "b", then the answer
+    if isinstance(m, protocol.Release) and m.req_id == "a":
+        return [(0, protocol.Committed(req_id="b"))] * 50 + [(0, protocol.Ok(req_id="a"))]
+    return []
+
+
+d = Daemon(f"{work}/p.sock", answer)
+c = Connection(f"{work}/p.sock")
+try:
+    c.begin("a")
+    c.begin("b")
+    c.send(protocol.Release(req_id="a"), 5)
+    time.sleep(0.3)  # every answer is in the engine's socket by now
+    looks = 0
+    while looks < 100:
+        looks += 1
+        try:
+            got = c.reply("a", time.monotonic(), check=False).type  # a zero-timeout look, as PendingOpen.poll's
+            break
+        except TransportTimeout:
+            pass
+    print(json.dumps({"looks": looks, "got": got, "b": len(c.mail.get("b", []))}))
+finally:
+    c.close()
+    d.close()
+"""
+
+
+def test_a_zero_timeout_look_takes_an_answer_already_read_behind_other_mail(tmp_path):
+    """A poll (a deadline of now) takes an answer that is in already, behind other requests' mail: the wait's
+    deadline counts once nothing read is left (checked after each other frame, the answer behind 50 notices took
+    51 looks, a vLLM step each)."""
+    r = subprocess.run([sys.executable, "-c", _POLL, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"looks": 1, "got": "ok", "b": 50}, out

@@ -404,7 +404,7 @@ def test_one_look_takes_a_bounded_number_of_frames_and_the_rest_come_in_order_at
             time.sleep(0.001)
     assert p.gone == [b"engine-1"]
     assert [int.from_bytes(f, "big") for f in p.frames] == list(range(n))
-    assert max(p.looks) <= 4 * lifeline.FRAMES_PER_LOOK and sum(1 for k in p.looks if k) >= 2, p.looks
+    assert max(p.looks) <= lifeline.FRAMES_PER_LOOK and sum(1 for k in p.looks if k) >= 5, p.looks
     p.daemon.close()
 
 
@@ -414,5 +414,5 @@ def test_a_flood_of_empty_frames_costs_each_look_a_bounded_number(tmp_path):
     p.write_all(bytes(4 << 20), timeout_s=60)  # a million empty frames, the daemon looking as the engine writes
     p.look(lambda: len(p.frames) == 1 << 20, until_s=60)
     assert len(p.frames) == 1 << 20 and set(p.frames) == {b""}
-    assert max(p.looks) <= 4 * lifeline.FRAMES_PER_LOOK, max(p.looks)
+    assert max(p.looks) <= lifeline.FRAMES_PER_LOOK, max(p.looks)
     p.close()
