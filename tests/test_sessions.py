@@ -1699,11 +1699,8 @@ def test_a_connection_naming_anothers_handle_in_its_ring_learns_nothing_and_chan
     assert [m for m in w.to_client if isinstance(m, protocol.Done) and m.req_id == "secret-id"]
 
 
-def test_a_receiver_that_verifies_checksums_refuses_layers_and_commits_it_could_not_verify():
-    """verify_checksums: readers are told a layer is there only once its checksum matched (OpenOk's ready_in_pool is
-    False). A LayerDone without checksums, or a Commit with a layer that moved bytes and was never verified (its
-    sender sends no checksums), fails the request, typed, and nothing is indexed. Before, both went through: the
-    layers were announced and the chunks indexed for other requests, unverified."""
+def _verifying_receiver() -> tuple[ReceiverSession, list]:
+    """A receiver session with verify_checksums, a sender's hello taken; the ranges it hashed, each a checksum of 7."""
     tokens = (bytes([i]) * 32 for i in itertools.count(1))
     info = PoolInfo(1 << 30, 8, 7, b"rkey", (1 << 30) + LAY.kv_bytes(8), "127.0.0.1", 9, "rx-42", 1)
     calls: list = []
@@ -1711,6 +1708,15 @@ def test_a_receiver_that_verifies_checksums_refuses_layers_and_commits_it_could_
                          layer_checksum=lambda ranges: calls.append(ranges) or 7)
     hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
     assert msgs(rx.on_control(b"P", hello, 0), ToSender, protocol.HelloAck)
+    return rx, calls
+
+
+def test_a_receiver_that_verifies_checksums_refuses_layers_and_commits_it_could_not_verify():
+    """verify_checksums: readers are told a layer is there only once its checksum matched (OpenOk's ready_in_pool is
+    False). A LayerDone without checksums, or a Commit with a layer that moved bytes and was never verified (its
+    sender sends no checksums), fails the request, typed, and nothing is indexed. Before, both went through: the
+    layers were announced and the chunks indexed for other requests, unverified."""
+    rx, calls = _verifying_receiver()
     keys = chunk_keys(list(range(32)), LAY)
     for rid, first in (("no-sums", protocol.LayerDone(req_id="no-sums", layers=[0, 1])),
                        ("commit-only", protocol.Commit(req_id="commit-only", layers=LAY.push_layers))):
@@ -1730,13 +1736,7 @@ def test_a_layer_named_again_is_hashed_once():
     """verify_checksums: a LayerDone that names a layer many times (or again, in a later one) costs one pass over its
     pages; each name was hashed, so one message listing a big layer 4,096 times held the receiver's loop for 4,096
     passes over it."""
-    tokens = (bytes([i]) * 32 for i in itertools.count(1))
-    info = PoolInfo(1 << 30, 8, 7, b"rkey", (1 << 30) + LAY.kv_bytes(8), "127.0.0.1", 9, "rx-42", 1)
-    calls: list = []
-    rx = ReceiverSession(LAY, 8, ReceiverLimits(verify_checksums=True), info, new_token=lambda: next(tokens),
-                         layer_checksum=lambda ranges: calls.append(ranges) or 7)
-    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
-    assert msgs(rx.on_control(b"P", hello, 0), ToSender, protocol.HelloAck)
+    rx, calls = _verifying_receiver()
     keys = chunk_keys(list(range(32)), LAY)
     assert msgs(rx.on_control(b"P", protocol.AllocRequest(req_id="r", chunk_keys=keys, last_chunk_tokens=16,
                                                           lease_ms=1000), 0), ToSender, protocol.AllocResponse)
