@@ -283,6 +283,10 @@ class KVLayout:
             return range(n)
         return range(max(0, tokens - group.window) // self.chunk_tokens, n)
 
+    def item_count(self, tokens: int) -> int:
+        """How many items ``items`` lists, without listing them."""
+        return sum(len(self.group_chunks(g, tokens)) for g in self.groups)
+
     def items(self, tokens: int) -> list[tuple[int, int]]:
         """A request's items, (group, chunk) in order: group 0's chunks, then group 1's, ... Each item
         is one page of every layer of its group; the pool, the index and the wire count items."""

@@ -45,6 +45,11 @@ class GroupPlan:
         return self.layout_local[layer]
 
 
+def meta_bytes(layout: KVLayout, new_items: int) -> int:
+    """A request's metadata in staging (``RequestPlan.meta_bytes``), from its count of new items alone."""
+    return (layout.push_layers + new_items) * READY_WORD
+
+
 class RequestPlan:
     """Items of a ``tokens``-token request, by group, with ``held`` item indexes already in the pool."""
 
@@ -76,7 +81,7 @@ class RequestPlan:
     @property
     def meta_bytes(self) -> int:
         """The request's metadata in staging: its grant table, then a readiness word per new item."""
-        return (self.grant_words + self.n_new) * READY_WORD
+        return meta_bytes(self.layout, self.n_new)
 
     def staging_units(self) -> list[tuple[int, int]]:
         """(layer, bytes) of every staging block the request needs: each layer with new pages, then each

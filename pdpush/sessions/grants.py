@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdpush.errors import PoolExhausted, RemoteProtocolError, RequestTooLarge
-from pdpush.layout import READY_WORD, KVLayout
-from pdpush.plan import RequestPlan
+from pdpush.layout import KVLayout
+from pdpush.plan import RequestPlan, meta_bytes
 from pdpush.protocol import StagingGranted, TxState
 from pdpush.sessions import Counters
 from pdpush.sessions.tx_actions import FillWords, PlanGrants, StagingInfo, ToClient
@@ -54,17 +54,15 @@ class StagingGrants:
         """Raise ``RequestTooLarge`` unless a ``tokens``-token request of ``layout`` can ever move. Its metadata is
         counted before it is planned: a plan holds every item of every group (an engine's layout of 4,096 groups
         and a long prompt made the sender plan for minutes, in gigabytes, before refusing it)."""
-        items = sum(len(layout.group_chunks(g, tokens)) for g in layout.groups)
-        if not self.meta.fits((layout.push_layers + items) * READY_WORD):
-            raise RequestTooLarge(f"the request's {items} items need {(layout.push_layers + items) * READY_WORD} "
-                                  f"bytes of staging metadata (of {self.meta.size}); raise staging_bytes "
-                                  f"({self.info.nbytes})")
+        items = layout.item_count(tokens)
+        if not self.meta.fits(need := meta_bytes(layout, items)):
+            raise RequestTooLarge(f"the request's {items} items need {need} bytes of staging metadata (of "
+                                  f"{self.meta.size}); raise staging_bytes ({self.info.nbytes})")
         whole = RequestPlan(layout, tokens)  # (nothing held)
         biggest = max((nb for _, nb in whole.staging_units()), default=0)
-        if self.layers.rounded(biggest) > self.layers.size // 2 or not self.meta.fits(whole.meta_bytes):
+        if self.layers.rounded(biggest) > self.layers.size // 2:
             raise RequestTooLarge(f"one layer of the request needs {biggest} bytes of staging (at most half of its "
-                                  f"{self.layers.size} layer bytes) and {whole.meta_bytes} of metadata (of "
-                                  f"{self.meta.size}); raise staging_bytes ({self.info.nbytes})")
+                                  f"{self.layers.size} layer bytes); raise staging_bytes ({self.info.nbytes})")
 
     def open(self, r: TxRequest, out: list) -> None:
         """The request's metadata, its grant table cleared (raises ``PoolExhausted`` when full)."""
