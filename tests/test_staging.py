@@ -212,6 +212,23 @@ def test_a_failed_request_keeps_its_staging_until_its_engine_says_it_stopped(fin
     assert w.tx.stats()["staging_held_bytes"] == 0
 
 
+def test_a_request_that_fails_before_its_begin_ok_gives_its_grant_table_back_at_once(monkeypatch):
+    """No engine learned where its grant table is (no BeginOk went out), so none can write it: the table goes
+    back when the allocation's answer cannot be used, not a lease later."""
+    from pdpush.sessions import sender as tx_session
+
+    def unusable(r):
+        raise ValueError("a pool this request cannot be put into")
+
+    monkeypatch.setattr(tx_session.put_plan, "layer_puts", unusable)
+    w = _wire(lease_ms=60_000)
+    meta_free = w.tx.grants.meta.free_bytes
+    w.engine(begin("a", BIG, lay=LAY), ident=b"a")
+    assert "a" not in w.tx.reqs
+    assert [m.code for i, m in w.by_client if i == b"a"] == [ErrorCode.INCOMPATIBLE_PEER]
+    assert w.tx.stats()["staging_held_bytes"] == 0 and w.tx.grants.meta.free_bytes == meta_free
+
+
 def test_an_engine_that_never_says_it_stopped_gets_its_staging_back_after_the_lease():
     w = _wire(lease_ms=5000)
     w.engine(begin("a", BIG, lay=LAY), ident=b"a")

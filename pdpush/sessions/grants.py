@@ -113,16 +113,17 @@ class StagingGrants:
         if off is not None:
             self.layers.free(off)
 
-    def release(self, r: TxRequest, now: int) -> None:
+    def release(self, r: TxRequest, now: int, told: bool = True) -> None:
         """The request ended. Committed: its staging goes back now (every layer landed; its engines wait in
         ``finish()``). Failed: an engine that has not heard may still read its grant table and write its
-        blocks, so they are held until each engine has said it stopped, died, or ``lease_ms`` passed."""
+        blocks, so they are held until each engine has said it stopped, died, or ``lease_ms`` passed; unless
+        no engine was ever ``told`` where they are (it failed before its BeginOk): they go back now."""
         blocks = [(self.layers, off) for off in r.grant.blocks.values()]
         if r.grant.meta_off is not None:
             blocks.append((self.meta, r.grant.meta_off))
         r.grant.blocks.clear()
         r.grant.meta_off = None
-        if r.state is TxState.DONE:
+        if r.state is TxState.DONE or not told:
             for alloc, off in blocks:
                 alloc.free(off)
             return

@@ -652,8 +652,9 @@ class SenderSession:
                                                rank_puts=k.puts, layers=len(r.layers_done),
                                                chunks_skipped=r.skipped, layer_done_ms=r.layer_done_ms)))
 
-    def _release(self, r: TxRequest, now: int, out: list) -> None:
-        self.grants.release(r, now)
+    def _release(self, r: TxRequest, now: int, out: list, told: bool = True) -> None:
+        """``told``: an engine may know the request's staging (a BeginOk went out)."""
+        self.grants.release(r, now, told)
         out.append(Unplan(r.seq))
         self.reqs.pop(r.req_id, None)
         self._by_seq.pop(r.seq, None)
@@ -667,9 +668,10 @@ class SenderSession:
             planned = r.state is not TxState.ALLOCATING  # puts may be in flight: the shell says when they settle
             out.append(ToPeer(r.peer.endpoint, Abort(req_id=r.req_id, reason=str(err)[:1000], settled=not planned),
                               r.seq if planned else 0))
+        told = r.state in (TxState.STREAMING, TxState.COMMITTING)  # its BeginOk went out (``_on_alloc``)
         r.state = SENDER_REQUEST.next(r.state, TxEvent.FAIL, f"request {r.req_id!r}")
         r.failure = err
-        self._release(r, now, out)
+        self._release(r, now, out, told)
         self.counters.count(out, "requests_failed", metric="failures", label=err.code.value)
         reply = protocol.error_reply(err, r.req_id)
         out.extend(ToClient(c, reply) for c in r.clients)
