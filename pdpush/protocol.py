@@ -32,9 +32,11 @@ from pdpush.errors import (
     UnexpectedMessage,
 )
 
-PROTOCOL_VERSION = 6  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
+PROTOCOL_VERSION = 7  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
 # 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers);
-# 6: completion on the data path (AllocRequest.completion): the readiness words commit a request, no Commit
+# 6: completion on the data path (AllocRequest.completion): the readiness words commit a request, no Commit;
+# 7: an AllocResponse names the attempt it answers (AllocRequest.attempt): a late answer to an earlier attempt of
+# the same id is never taken for a retry's (its pages, since given to another request, would be written)
 # An engine and its local daemon (Begin/BeginOk, Open/OpenOk, Query/QueryReply, and what follows on that connection:
 # the hand-over ring's records, the staging and pool views): their pdpush must speak the same one, or it is refused
 # (``_validate``, before the message's fields are read: a newer one may have more). Engines and daemons often come
@@ -148,6 +150,10 @@ class AllocRequest(Msg):
     # "words": the sender sends no Commit if the receiver agrees (AllocResponse.completion): its readiness words,
     # put after each layer's bytes are flushed, say every layer landed, and the receiver commits on seeing them all
     completion: Completion = "commit"
+    # the sender's number for this attempt of the request (never 0; a retry of the id has another), which the
+    # AllocResponse echoes: answers come in order, but one that came too late for an attempt the sender gave up on
+    # can come while a retry of the same id waits for its own
+    attempt: Annotated[int, Field(ge=1, lt=1 << 32)] = 1
 
 
 class AllocResponse(Msg):
@@ -164,6 +170,7 @@ class AllocResponse(Msg):
     # how this request completes: "words" only where asked, with new pages, no state layer and no checksum to
     # verify (those need a message after the bytes); else "commit" (a Commit and its CommitAck)
     completion: Completion = "commit"
+    attempt: Annotated[int, Field(ge=1, lt=1 << 32)] = 1  # the AllocRequest's it answers
 
 
 Layers = Annotated[list[U32], Field(min_length=1, max_length=4096)]

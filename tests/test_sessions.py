@@ -482,6 +482,46 @@ def test_control_deadlines_come_from_the_driven_clock():
     assert not w.tx.reqs
 
 
+def test_a_late_answer_to_an_earlier_attempt_is_never_taken_for_a_retrys():
+    """Attempt 1's AllocResponse comes too late (the sender has failed it, and its Abort ended the allocation at the
+    receiver), behind the engine's retry of the id: it names attempt 1, so the retry waits for its own answer and
+    puts into its own pages; taken for the retry's, the retry's puts went to attempt 1's pages, which the receiver
+    had freed for other requests, and the receiver's allocation of the retry was aborted as settled."""
+    e = "tcp://rx-a:1"
+    w = Wire(control_timeout_ms=100)
+    w.push("warm", list(range(100, 120)))  # the peer is up
+    w.complete()
+    rx = w.rx[e]
+
+    def held_answers(msg) -> list:
+        """``msg`` (an engine's) goes to the sender; its AllocRequest reaches the receiver, whose answer is held."""
+        out = w.tx.on_ingress(ENG, msg, w.now)
+        asks = [a for a in out if isinstance(a, ToPeer) and isinstance(a.msg, protocol.AllocRequest)]
+        w.run([a for a in out if a not in asks])
+        return [b.msg for a in asks for b in rx.on_control(b"tx", a.msg, w.rx_now) if isinstance(b, ToSender)]
+
+    late = held_answers(begin("x", list(range(20))))
+    w.tick(101)  # no answer in time: attempt 1 fails; its Abort (settled: nothing was put) reaches the receiver
+    assert isinstance(w.outcome("x"), protocol.Error) and "x" not in rx.reqs
+    first_pages = late[0].page_runs
+    own = held_answers(begin("x", list(range(20))))  # the engine retries the id
+    assert own[0].page_runs != first_pages and own[0].attempt != late[0].attempt
+    w.wire.clear()
+    w.run(w.tx.on_peer(e, late[0], w.now))  # attempt 1's answer, late
+    assert w.tx.reqs["x"].state is TxState.ALLOCATING and w.wire == []  # dropped: no Abort naming x went out
+    assert w.tx.counters.values["stale_replies"] == 1 and rx.reqs["x"].state is protocol.ReqState.ALLOCATED
+    w.run(w.tx.on_peer(e, own[0], w.now))
+    r = w.tx.reqs["x"]
+    assert r.state is TxState.STREAMING and [(p, n) for _, p, n in r.plan.groups[0].page_runs] == own[0].page_runs
+    w.run(w.tx.on_peer(e, own[0], w.now))  # a receiver's duplicate: no settled Abort while the puts may be in flight
+    assert r.state is TxState.STREAMING and w.wire == [] and rx.reqs["x"].state is protocol.ReqState.ALLOCATED
+    for layer in range(LAY.push_layers):
+        w.engine(protocol.LayerReady(req_id="x", layers=[layer]))
+    w.engine(protocol.Finish(req_id="x"))
+    w.complete()
+    assert isinstance(w.outcome("x"), protocol.Done) and rx.reqs["x"].state is protocol.ReqState.COMMITTED
+
+
 def test_pool_exhausted_backs_off_then_gives_up_within_its_budget():
     w = Wire(alloc_retry_budget_ms=200)
     w.rx["tcp://rx-a:1"] = receiver(pages=2)

@@ -550,7 +550,8 @@ class ReceiverSession:
                 out.append(self._open_ok(dident, r))
         return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
                              page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
-                             lease_ms=lease, state_slot=r.state_slot, completion="words" if r.words else "commit")
+                             lease_ms=lease, state_slot=r.state_slot, completion="words" if r.words else "commit",
+                             attempt=msg.attempt)
 
     def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int, out: list) -> None:
         """The per-sender caps, counted by key where CURVE is on (however many connections the key opens), else by

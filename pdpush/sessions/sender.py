@@ -147,7 +147,7 @@ class SenderSession:
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
             "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks",
-            "handovers_stale", "handovers_refused", "rings_refused", "finishes_ring")})
+            "handovers_stale", "handovers_refused", "rings_refused", "finishes_ring", "stale_replies")})
         self.grants = StagingGrants(staging, self.counters, limits.lease_ms)  # the staging, by request
         self.rings = HandoverRings(self.grants.meta, staging.address, limits.ring_slots, self.counters)
         self._swept_ms = 0  # when on_tick last forgot the receivers nothing uses
@@ -466,7 +466,8 @@ class SenderSession:
         out.append(ToPeer(r.peer.endpoint, AllocRequest(req_id=r.req_id, chunk_keys=b.chunk_keys,
                                                         last_chunk_tokens=b.last_chunk_tokens,
                                                         lease_ms=self.limits.lease_ms, tp_size=r.tp,
-                                                        completion="words" if self.limits.words else "commit")))
+                                                        completion="words" if self.limits.words else "commit",
+                                                        attempt=r.seq)))
 
     def _layer_ready(self, ident: bytes, msg: LayerReady, now: int, out: list) -> None:
         """Layers handed over by message: the native path takes them as it takes ring records."""
@@ -544,8 +545,15 @@ class SenderSession:
             self.peers.hello_ack(p, msg, out)
         elif isinstance(msg, AllocResponse):
             r = self.reqs.get(msg.req_id)
-            if r is not None and r.peer is p and r.state is TxState.ALLOCATING:
+            if r is not None and r.peer is p and r.state is TxState.ALLOCATING and msg.attempt == r.seq:
                 self._on_alloc(r, msg, now, out)
+            elif r is not None and r.peer is p:  # an earlier attempt's, late (its Abort went before this attempt's
+                # AllocRequest: the receiver has ended it), or a receiver's mistake: an Abort naming the id now would
+                # end this attempt's pages at the receiver, settled, while its puts may be in flight
+                self.counters.add("stale_replies")
+                out.append(Log(logging.WARNING, f"an answer to another attempt of the request from {p.endpoint} "
+                                                f"(attempt {msg.attempt}, this one {r.seq}, {r.state.value}): dropped",
+                               r.req_id))
             else:  # we gave up on it; do not hold the receiver's pages
                 out.append(ToPeer(p.endpoint, Abort(req_id=msg.req_id, reason="sender no longer wants it",
                                                     settled=True)))  # nothing was ever put to its pages
