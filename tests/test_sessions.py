@@ -773,25 +773,31 @@ def test_an_unexpected_exception_between_an_allocation_and_its_record_loses_no_p
     rx.check()
 
 
-@pytest.mark.parametrize("runs", [[(64, 3)], [(62, 3)], [(3, 2), (4, 1)], [(0, (1 << 32) - 1)] * 4],
-                         ids=["past", "across", "twice", "huge"])
-def test_an_allocation_of_pages_outside_the_pool_fails_its_request_before_any_put(runs):
+@pytest.mark.parametrize("runs, pool, says", [
+    ([(64, 3)], 64, "a pool of 64"), ([(62, 3)], 64, "a pool of 64"), ([(3, 2), (4, 1)], 64, "overlapping"),
+    ([(0, (1 << 32) - 1)] * 4, 64, "17179869180 pages for 3"),
+    ([(0, (1 << 32) - 1)], (1 << 32) - 1, "4294967295 pages for 3")],  # a pool said to be that large: not listed
+    ids=["past", "across", "twice", "huge", "huge-pool"])
+def test_an_allocation_of_pages_outside_the_pool_fails_its_request_before_any_put(runs, pool, says):
     """The puts' remote addresses come from the receiver's page runs, and nothing below the session checks them: a
-    run past the pool's ``pool_pages`` (64 here), or one page twice, is the receiver's bug, and fails the request
-    with a typed error, the receiver told, before anything is planned or put."""
+    run past the pool's ``pool_pages`` (64 here), one page twice, or more pages than the request's new items, is the
+    receiver's bug, and fails the request with a typed error, the receiver told, before anything is planned or put
+    (or listed: a receiver that said its pool was 2^32 pages made the sender list 2^32 of them)."""
     w = Wire()
     rx = w.rx["tcp://rx-a:1"]
     orig = rx.on_control
 
     def liar(ident, msg, now, *a, **k):
         return [ToSender(b.ident, b.msg.model_copy(update={"page_runs": runs}))
-                if isinstance(b, ToSender) and isinstance(b.msg, protocol.AllocResponse) else b
+                if isinstance(b, ToSender) and isinstance(b.msg, protocol.AllocResponse) else
+                ToSender(b.ident, b.msg.model_copy(update={"pool_pages": pool}))
+                if isinstance(b, ToSender) and isinstance(b.msg, protocol.HelloAck) else b
                 for b in orig(ident, msg, now, *a, **k)]
 
     rx.on_control = liar
     w.engine(begin("r", list(range(40))))  # 3 new pages
     err = w.outcome("r")
-    assert isinstance(err, protocol.Error) and err.code is ErrorCode.BAD_MESSAGE and "a pool of 64" in err.message
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.BAD_MESSAGE and says in err.message
     assert not w.handles and not w.posted and "r" not in w.tx.reqs
     assert w.wire[-2:] == ["out:abort", "in:ok"] and "r" not in rx.reqs  # the receiver told: its pages back
     rx.on_control = orig

@@ -121,12 +121,15 @@ class SenderLimits:
 
 
 
-def _pages_in(runs: list[tuple[int, int]], pool_pages: int) -> list[int]:
-    """The pages of an allocation's ``page_runs``, each in the receiver's pool (its HelloAck's ``pool_pages``) and
-    none twice: the puts' remote addresses are computed from them, and no layer below checks those (a receiver's
-    bug must fail its request, not send a put outside its pool)."""
-    if sum(n for _, n in runs) > pool_pages or any(p + n > pool_pages for p, n in runs):  # (before they are listed:
-        raise ValueError(f"page runs {runs[:8]} outside a pool of {pool_pages} pages")  # runs of 2^32 pages were)
+def _pages_in(runs: list[tuple[int, int]], pool_pages: int, want: int) -> list[int]:
+    """The ``want`` pages of an allocation's ``page_runs``, each in the receiver's pool (its HelloAck's
+    ``pool_pages``) and none twice: the puts' remote addresses are computed from them, and no layer below checks
+    those (a receiver's bug must fail its request, not send a put outside its pool). Counted before they are listed:
+    runs of 2^32 pages were listed first, and a pool said to be that large passes the pool's check."""
+    if (got := sum(n for _, n in runs)) != want:
+        raise ValueError(f"{got} pages for {want} new items")
+    if any(p + n > pool_pages for p, n in runs):
+        raise ValueError(f"page runs {runs[:8]} outside a pool of {pool_pages} pages")
     pages = [p + i for p, n in runs for i in range(n)]
     if len(set(pages)) != len(pages):
         raise ValueError(f"page runs {runs[:8]} outside a pool of {pool_pages} pages, or overlapping")
@@ -598,7 +601,7 @@ class SenderSession:
         b = r.begin
         try:  # the items by layer group (plan.py): the receiver's held ones, and pages for the rest
             r.plan = RequestPlan(layout, tokens_of(layout, len(b.chunk_keys), b.last_chunk_tokens), r.held)
-            r.plan.set_pages(_pages_in(a.page_runs, r.peer.ack.pool_pages))
+            r.plan.set_pages(_pages_in(a.page_runs, r.peer.ack.pool_pages, r.plan.n_new))
         except ValueError as e:
             self._fail(r, RemoteProtocolError(f"receiver's allocation does not fit the request: {e}"), now, out,
                        tell_receiver=True)
