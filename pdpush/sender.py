@@ -620,6 +620,14 @@ class Sender:
             self._regions[a.endpoint] = pool
         return []
 
+    def _ep_closed(self, endpoint: str, ep) -> None:
+        """UCX endpoint ``ep`` to ``endpoint`` closed: its receiver is lost, unless ``ep`` was replaced already (it
+        failed, this loop reset the peer in the same pass, and a new request dialled it again: its close, dispatched
+        later, would fail the new connection's request)."""
+        if self.eps.get(endpoint) is ep:
+            self._apply(self.session.on_peer_lost(endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)",
+                                                  now_ms()))
+
     def _dial(self, endpoint: str, w: _Wiring) -> None:
         """The receiver's UCX host is resolved: its endpoint, wiring up (or a typed error)."""
         if w.lookup.address is None:
@@ -644,8 +652,7 @@ class Sender:
                     raise TransportTimeout(f"UCX connection to {endpoint} did not complete within "
                                            f"{self.cfg.control_timeout_ms} ms" + (
                                                "" if ep else f": resolving {w.lookup.host!r} took all of it"))
-                ep.on_close(lambda _e, endpoint=endpoint: self._apply(self.session.on_peer_lost(
-                    endpoint, f"UCX endpoint to {endpoint} closed (receiver died?)", now_ms())))
+                ep.on_close(lambda e, endpoint=endpoint: self._ep_closed(endpoint, e))
                 ep.attach(self.pusher, self._eid(endpoint), pool)
                 if (region := self._regions.pop(endpoint, None)) is not None:
                     self._populated[endpoint] = 0  # (the thread only updates it: stats() may sum meanwhile)

@@ -849,6 +849,24 @@ def test_a_receivers_endpoint_dropped_takes_its_unsettled_aborts_with_it():
     assert s._unsettled == [(8, 2, "tcp://b:1", "r2")] and dropped == [1]
 
 
+def test_a_replaced_endpoints_close_does_not_fail_the_new_connection():
+    """The sender shell: a receiver's endpoint failed and its peer was reset in one pass, and a request dialled the
+    receiver again before the old endpoint's close was dispatched: that close is the old endpoint's, not the new
+    connection's, whose requests it failed (and whose socket it reset)."""
+    from pdpush import sender as shell
+
+    lost: list = []
+    s = shell.Sender.__new__(shell.Sender)
+    s.session = types.SimpleNamespace(on_peer_lost=lambda endpoint, why, now: lost.append(endpoint) or [])
+    s._apply = lambda actions: None
+    old, new = object(), object()
+    s.eps = {"tcp://a:1": new}
+    s._ep_closed("tcp://a:1", old)
+    assert lost == []
+    s._ep_closed("tcp://a:1", new)
+    assert lost == ["tcp://a:1"]
+
+
 def test_a_wire_up_that_raises_anything_ends_that_connection_not_every_pass_after():
     """The sender shell: attaching a wired-up endpoint raises an untyped error (the native path refusing a receiver's
     pool, say). That connection fails, typed, once; it used to stay in ``_connecting``, and every pass raised again
