@@ -207,6 +207,8 @@ def test_claim_pins_the_held_prefix_and_opens_like_a_committed_push():
     ok = claim(w, "c1", longer)
     assert isinstance(ok, protocol.ClaimOk) and ok.chunks == 3
     assert claim(w, "c1", longer).chunks == 3  # idempotent
+    other = claim(w, "c1", list(range(1000, 1048)))  # the id claimed again for another prompt: not its pages
+    assert isinstance(other, protocol.Error) and other.code is ErrorCode.DUPLICATE_REQUEST
     r = rx.reqs["c1"]
     assert r.state is protocol.ReqState.COMMITTED and r.claimed and r.alloc.new_idx == []
     # pinned: a full pool does not evict them
@@ -219,6 +221,7 @@ def test_claim_pins_the_held_prefix_and_opens_like_a_committed_push():
     [opened] = [a.msg for a in rx.on_local(b"d", protocol.Open(req_id="c1"), w.now) if isinstance(a, ToDecode)]
     assert opened.committed and opened.layers_ready == list(range(LAY.layers)) and len(opened.pages) == 3
     assert opened.last_chunk_tokens == LAY.chunk_tokens
+    assert opened.last_key == chunk_keys(longer, LAY)[2]  # the last chunk it claimed: an open can tell the prompt
     rx.on_local(b"d", protocol.Release(req_id="c1"), w.now)
     assert "c1" not in rx.reqs
     rx.check()

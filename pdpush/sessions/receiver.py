@@ -960,7 +960,9 @@ class ReceiverSession:
         if r is not None:
             if not r.claimed:
                 raise DuplicateRequest(f"request {rid!r} already exists (pushed)", req_id=rid)
-            return ClaimOk(req_id=rid, chunks=r.chunks)
+            if list(msg.chunk_keys[:r.chunks]) != r.keys:  # another prompt's: its open would get these pages
+                raise DuplicateRequest(f"request {rid!r} already exists, claimed for another prompt", req_id=rid)
+            return ClaimOk(req_id=rid, chunks=r.chunks)  # (the same claim again: a retry's)
         self._refuse_withdrawn(rid)
         if rid in self.finished:
             raise UnknownRequest(f"request {rid!r} is gone: {self.finished[rid]}", req_id=rid)
@@ -978,6 +980,7 @@ class ReceiverSession:
                       committed_at_ms=now, layers_done=set(range(self.layout.layers)),
                       ttl_ms=min(msg.lease_ms, self.limits.lease_ms), claimed=True, chunks=held)
         r.plan = RequestPlan(self.layout, tokens_of(self.layout, held, last), range(len(keys)))
+        r.keys = list(msg.chunk_keys[:held])  # what it claimed: a Claim of the id again must name them
         self._next_lease += 1
         self.reqs[rid] = r
         self._due(now + r.ttl_ms)
@@ -1027,7 +1030,7 @@ class ReceiverSession:
                                       layers_ready=sorted(r.layers_done), committed=r.state is ReqState.COMMITTED,
                                       completion="words" if r.words else "commit",
                                       daemon_id=i.daemon_id, pool_shards=i.shards,
-                                      last_key=r.keys[-1] if r.keys else b""))  # a push's (a claim has none)
+                                      last_key=r.keys[-1] if r.keys else b""))  # a push's, or a claim's last
 
     # ---- state -------------------------------------------------------------------------
     def stats(self) -> dict:
