@@ -125,7 +125,7 @@ class Receiver:
         self.session = ReceiverSession(self.layout, cfg.pool_pages, limits_of(cfg, self.reader_keys), info,
                                        new_token=lambda: secrets.token_bytes(TOKEN_BYTES),
                                        layer_checksum=self._layer_checksum, words_landed=self._words_landed,
-                                       epoch=secrets.token_hex(8))
+                                       epoch=secrets.token_hex(8), new_lease=lambda: secrets.randbits(64) or 1)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.local, zmq.POLLIN)

@@ -53,6 +53,7 @@ Imports no zmq, UCX, torch or clock.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -215,8 +216,12 @@ class ReceiverSession:
     def __init__(self, layout: KVLayout, pool_pages: int, limits: ReceiverLimits, pool_info: PoolInfo, *,
                  new_token: Callable[[], bytes], layer_checksum: Callable[[list[list[tuple[int, int]]]], int]
                  | None = None, words_landed: Callable[[RxRequest], bool] | None = None,
-                 epoch: str = "0") -> None:
+                 epoch: str = "0", new_lease: Callable[[], int] | None = None) -> None:
         """``epoch``: new on every start (the chunk-index feed's; index.py).
+        ``new_lease()``: a request's lease id (its readiness words' value), 1..2**64-1; the daemon's are random, so
+        that nobody who saw one (an engine sees its own requests' in staging) can tell another's: set ahead in
+        pages a later request gets, a word would say that request's layer is there before it is. By default 1, 2,
+        3, ... (tests).
         ``layer_checksum(ranges)``: ``layout.combine_digests`` of each rank's pool byte ranges
         (offset, bytes) hashed in order.
         ``words_landed(r)``: whether every readiness word of ``r`` (``r.plan.ready_cells()``) holds its lease id;
@@ -234,6 +239,7 @@ class ReceiverSession:
             raise ValueError("a layout with state layers needs state slots in the pool")
         self.geometry = PoolGeometry(layout, pool_pages, pool_info.shards, pool_info.state_slots)
         self._new_token = new_token
+        self._new_lease = new_lease or itertools.count(1).__next__
         self.feed = IndexFeed(epoch, self.spec)
         self._layer_checksum = layer_checksum
         self._words_landed = words_landed
@@ -254,7 +260,6 @@ class ReceiverSession:
         self.words_live: set[str] = set()  # live requests that complete by their readiness words (``_by_words``)
         self._words_looked = -1  # when _look_at_words last looked (ms)
         self.draining = False
-        self._next_lease = 1
         self._next_check = 0  # no lease, TTL or parked open is due before this (ms): ticks before it skip the scan
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_committed", "requests_failed", "bad_messages", "bytes_received",
@@ -513,8 +518,7 @@ class ReceiverSession:
                 self.state_pool.abort(rid, now, published=False)
             raise
         lease = min(msg.lease_ms, self.limits.lease_ms)
-        r = RxRequest(rid, ident, alloc, self._next_lease, now + lease, msg.last_chunk_tokens, now)
-        self._next_lease += 1
+        r = RxRequest(rid, ident, alloc, self._new_lease(), now + lease, msg.last_chunk_tokens, now)
         r.new_runs = runs(alloc.new_pages)
         try:
             r.plan = RequestPlan(self.layout, tokens, alloc.held_idx)
@@ -976,12 +980,11 @@ class ReceiverSession:
             return ClaimOk(req_id=rid, chunks=0)
         alloc = self.pool.allocate(rid, keys)  # every item held: pinned, no new page
         self.pool.commit(rid)
-        r = RxRequest(rid, b"", alloc, self._next_lease, now, last, now, state=ReqState.COMMITTED,
+        r = RxRequest(rid, b"", alloc, self._new_lease(), now, last, now, state=ReqState.COMMITTED,
                       committed_at_ms=now, layers_done=set(range(self.layout.layers)),
                       ttl_ms=min(msg.lease_ms, self.limits.lease_ms), claimed=True, chunks=held)
         r.plan = RequestPlan(self.layout, tokens_of(self.layout, held, last), range(len(keys)))
         r.keys = list(msg.chunk_keys[:held])  # what it claimed: a Claim of the id again must name them
-        self._next_lease += 1
         self.reqs[rid] = r
         self._due(now + r.ttl_ms)
         self.counters.add("requests_claimed")
