@@ -1835,8 +1835,32 @@ def test_one_decode_connection_cannot_fill_the_parked_opens_for_every_other(monk
         assert not msgs(rx.on_local(who, protocol.Open(req_id=f"real-{i}"), 1), ToDecode, protocol.Error)
     assert msgs(rx.on_local(b"dec2", protocol.Open(req_id="real-12"), 1), ToDecode, protocol.Error)  # all 12 live
     rx.check()
-    rx.on_tick(rxmod.PARKED_OPEN_MS + 2)  # and all of them expire
+    out = rx.on_tick(rxmod.PARKED_OPEN_MS + 2)  # and all of them expire, each live one told (the junk's are marks)
     assert not rx.parked and not rx._parked_by
+    told = [(a.ident, a.msg.req_id) for a in out if isinstance(a, ToDecode) and isinstance(a.msg, protocol.Error)
+            and a.msg.code is ErrorCode.TIMEOUT]
+    assert sorted(told) == sorted([(DEC, f"real-{i}") for i in range(8)] + [(b"dec2", f"real-{i}") for i in (8, 9, 10, 11)])
+    rx.check()
+
+
+def test_an_open_parked_before_a_claim_of_its_id_is_answered_by_the_claim():
+    """A decode's Open parks until its id begins here; a Claim begins it as a push does. The Open was never answered:
+    it waited its own deadline, then ``PARKED_OPEN_MS`` later its parked entry went, unanswered."""
+    rx = receiver(pages=16)
+    keys = chunk_keys(list(range(48)), LAY)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC), 0)
+    msgs(rx.on_control(b"s", protocol.AllocRequest(req_id="p", chunk_keys=keys, last_chunk_tokens=16, lease_ms=80), 0),
+         ToSender, protocol.AllocResponse)
+    rx.on_control(b"s", protocol.Commit(req_id="p", layers=LAY.layers), 1)
+    rx.on_local(DEC, protocol.Open(req_id="p"), 1)
+    rx.on_local(DEC, protocol.Release(req_id="p"), 1)  # held, unpinned
+    assert not rx.on_local(b"early", protocol.Open(req_id="c"), 2)  # parked
+    out = rx.on_local(DEC, protocol.Claim(req_id="c", chunk_keys=keys, last_chunk_tokens=16, lease_ms=500), 3)
+    [ok] = [a.msg for a in out if isinstance(a, ToDecode) and a.ident == b"early"]
+    assert isinstance(ok, protocol.OpenOk) and ok.committed and len(ok.pages) == 3
+    assert msgs(out, ToDecode, protocol.ClaimOk)[0].chunks == 3 and not rx.parked
+    rx.on_local(b"early", protocol.Release(req_id="c"), 4)
+    assert "c" not in rx.reqs  # its one reader released it
     rx.check()
 
 
@@ -1859,6 +1883,36 @@ def test_a_live_request_whose_failure_path_breaks_still_gets_its_sender_fenced_b
     assert FenceSender(b"s") in rx.on_tick(2)
     assert rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
     rx.check()
+
+
+def test_a_failure_path_that_breaks_in_the_pool_leaves_no_request_behind(monkeypatch):
+    """The pool raising as a live request fails (an Abort): the request stayed, ended (its state changed first), with
+    its pages, for good, and its id refused as a duplicate. Its state changes only once its pages are in hand, so the
+    guard sees it live, fails it again, and nothing is left."""
+    rx = receiver(pages=8, lease_ms=30_000, quarantine_ms=50)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC), 0)
+    alloc = protocol.AllocRequest(req_id="a", chunk_keys=chunk_keys(list(range(48)), LAY), last_chunk_tokens=16,
+                                  lease_ms=30_000)
+    assert msgs(rx.on_control(b"s", alloc, 0), ToSender, protocol.AllocResponse)
+    real, calls = rx.pool.abort, []
+
+    def once(*a, **k):
+        calls.append(a)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the pool's accounting")
+        return real(*a, **k)
+
+    monkeypatch.setattr(rx.pool, "abort", once)
+    [err] = msgs(rx.on_control(b"s", protocol.Abort(req_id="a", settled=True), 1), ToSender, protocol.Error)
+    assert err.code is ErrorCode.INTERNAL and "a" not in rx.reqs and len(calls) == 2
+    rx.check()
+    # (the guard's failure is not the settled Abort's: the pages wait for a settled Abort or the sender's fence)
+    assert FenceSender(b"s") in rx.on_tick(30_002)
+    rx.on_tick(30_060)  # out of quarantine
+    assert rx.pool.free_pages == 8
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC),
+                  30_061)
+    assert msgs(rx.on_control(b"s", alloc, 30_061), ToSender, protocol.AllocResponse)  # the id again: no duplicate
 
 
 def test_a_senders_pushes_that_nobody_reads_are_capped(monkeypatch):

@@ -75,6 +75,7 @@ from pdpush.errors import (
     RemoteProtocolError,
     RequestTooLarge,
     ShuttingDown,
+    TransportTimeout,
     UnexpectedMessage,
     UnknownRequest,
 )
@@ -396,7 +397,10 @@ class ReceiverSession:
             elif r.state is ReqState.COMMITTED and r.readers == 0:
                 self._due(r.committed_at_ms + self._ttl(r))
         for rid, waiters in list(self.parked.items()):
-            self._unparked([w for w in waiters if now - w[1] >= PARKED_OPEN_MS])
+            for dident, _, _, given_up in self._unparked([w for w in waiters if now - w[1] >= PARKED_OPEN_MS]):
+                if not given_up:  # its engine still waits, unless its own deadline came first: told, typed
+                    out.append(ToDecode(dident, protocol.error_reply(TransportTimeout(
+                        f"request {rid!r}: its push did not begin here within {PARKED_OPEN_MS} ms", req_id=rid), rid)))
             waiters[:] = [w for w in waiters if now - w[1] < PARKED_OPEN_MS]
             if not waiters:
                 del self.parked[rid]
@@ -546,16 +550,20 @@ class ReceiverSession:
         self.counters.add("requests_total")
         out.append(Count("chunks_hit", len(alloc.held_idx)))
         out.append(Log(logging.DEBUG, f"alloc {len(msg.chunk_keys)} chunks, {len(alloc.held_idx)} held", rid))
-        for dident, _, tp, given_up in self._unparked(self.parked.pop(rid, [])):
+        self._answer_parked(r, out)
+        return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
+                             page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
+                             lease_ms=lease, state_slot=r.state_slot, completion="words" if r.words else "commit",
+                             attempt=msg.attempt)
+
+    def _answer_parked(self, r: RxRequest, out: list) -> None:
+        """The opens parked on ``r``'s id, which has just begun here: answered (a given-up one counts its release)."""
+        for dident, _, tp, given_up in self._unparked(self.parked.pop(r.req_id, [])):
             r.decode_ranks = max(r.decode_ranks, tp)
             if given_up:
                 r.releases += 1
             else:
                 out.append(self._open_ok(dident, r))
-        return AllocResponse(req_id=rid, already_sent_indexes=alloc.held_idx,
-                             page_runs=[(p, n) for _, p, n in r.new_runs], lease_id=r.lease_id,
-                             lease_ms=lease, state_slot=r.state_slot, completion="words" if r.words else "commit",
-                             attempt=msg.attempt)
 
     def _check_sender_caps(self, principal: str, msg: AllocRequest, items: int, out: list) -> None:
         """The per-sender caps, counted by key where CURVE is on (however many connections the key opens), else by
@@ -738,11 +746,12 @@ class ReceiverSession:
             return
         if r.state in _LIVE:
             event = ReqEvent.EXPIRE if isinstance(err, LeaseExpired) else ReqEvent.ABORT
-            r.state = protocol.transition(r.state, event, r.req_id)
+            state = protocol.transition(r.state, event, r.req_id)
             fenced = settled or not r.sender
             self.pool.abort(r.req_id, now, fenced=fenced)
             if self.state_pool is not None:
                 self.state_pool.abort(r.req_id, now, fenced=fenced)
+            r.state = state  # (once its pages are in hand: a failure before leaves it live, for the guard to drop)
             if not fenced:  # an expired lease: the sender did not end it in time, fence it now
                 self.unfenced[r.req_id] = (r.sender, now if event is ReqEvent.EXPIRE else now + self.limits.lease_ms)
                 self._due(self.unfenced[r.req_id][1])
@@ -987,6 +996,7 @@ class ReceiverSession:
         r.keys = list(msg.chunk_keys[:held])  # what it claimed: a Claim of the id again must name them
         self.reqs[rid] = r
         self._due(now + r.ttl_ms)
+        self._answer_parked(r, out)  # opens that came before the claim: answered as a push's would be
         self.counters.add("requests_claimed")
         self.counters.add("chunks_claimed", held)
         out.append(Log(logging.DEBUG, f"claimed {held} held chunks of {len(msg.chunk_keys)}", rid))
