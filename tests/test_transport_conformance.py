@@ -572,3 +572,52 @@ def test_the_native_path_drops_a_receiver_with_batches_in_flight(world):
             w.progress()
     finally:
         pu.close()
+
+
+def test_a_receiver_added_again_under_its_id_takes_its_old_flights_off_the_count(world):
+    """``add_endpoint`` over an id that has batches in flight (the session's reconnection drops the old one first,
+    but nothing below made it): its flights went with it and stayed counted, and every wait after slept at most
+    1 ms (in_flight) for good."""
+    make, peer = world
+    w, src = make(TCP)
+    p, ep = peer(w, TCP)
+    pu = _pusher(w, src)
+    try:
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        _request(pu, src, p, 1, layers=16)
+        assert pu.hand(3, 1, 0, 16) == 0
+        pu.post()
+        assert pu.in_flight == 1
+        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
+        assert pu.in_flight == 0 and pu.stats()["puts_in_flight"] == 0
+        ep.close()
+        os.kill(p.proc.pid, signal.SIGCONT)
+        for _ in range(100):
+            w.progress()
+    finally:
+        pu.close()
+
+
+def test_a_flooded_doorbell_is_drained_a_bounded_amount_a_wake(world):
+    """An engine that keeps writing the doorbell FIFO (the same uid may) cannot hold the sender's wait reading it:
+    a wake reads at most 64 KiB, the rest at the next looks (it stays readable), so a wait ends near its deadline.
+    Before, a wake read until the FIFO was empty: 1 MiB in one wake here, and an engine writing as fast as it could
+    held a wait of 10 ms for 50 ms."""
+    import fcntl
+
+    make, _ = world
+    w, src = make(TCP)
+    bell_r, bell_w = os.pipe()
+    os.set_blocking(bell_r, False)
+    fcntl.fcntl(bell_w, 1031, 1 << 20)  # F_SETPIPE_SZ: room for 1 MiB of rings
+    os.write(bell_w, b"\x01" * (1 << 20))
+    pu = _pusher(w, src)
+    try:
+        _, rung, _ = pu.wait(1e-4, [], bell_r, w.epoll_fd, 0, 0.0, False)  # a wake or a few, 64 KiB each
+        assert 0 < rung < 1 << 20
+        assert len(os.read(bell_r, 1 << 20)) == (1 << 20) - rung  # the rest is still there
+    finally:
+        pu.close()
+        os.close(bell_r)
+        os.close(bell_w)

@@ -40,8 +40,8 @@ class Batches {
     ~Batches() { drop_all(); }
 
     // Post the puts (each split at max_put bytes) and one flush, due by ``deadline`` (CLOCK_MONOTONIC
-    // seconds); returns the puts posted. On an error nothing of the batch stays posted: its requests are
-    // freed and it throws UcpFailure.
+    // seconds); returns the puts posted. On an error it throws UcpFailure, the batch's requests freed; puts
+    // issued before the failing call may still land (the caller takes the endpoint for dead: never settled).
     size_t post(const std::vector<Op> &ops, double deadline) {
         Batch b;
         b.deadline = deadline;

@@ -134,6 +134,7 @@ class Pusher {
         e.batches = std::make_unique<Batches>(ep, rkey, max_put_);
         e.base = base;
         e.end = base + bytes;
+        drop_endpoint(eid);  // one under this id already: its flights leave the count with it
         eps_[eid] = std::move(e);
     }
 
@@ -389,8 +390,12 @@ class Pusher {
             looked = now = monotonic();
             if (!slept) break;
             if (doorbell >= 0 && pfds[mine].revents) {
+                // a bounded drain: an engine that keeps writing cannot hold the loop here (the FIFO stays readable,
+                // and the next look wakes on it again)
                 char buf[4096];
-                for (ssize_t n; (n = ::read(doorbell, buf, sizeof buf)) > 0;) rung += static_cast<uint64_t>(n);
+                ssize_t n = 0;
+                for (int reads = 0; reads < 16 && (n = ::read(doorbell, buf, sizeof buf)) > 0; ++reads)
+                    rung += static_cast<uint64_t>(n);
             }
             // (a readable fd of the session's ends the wait at the top, after the rings rung meanwhile are taken)
         }
