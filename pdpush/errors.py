@@ -19,6 +19,7 @@ class ErrorCode(str, Enum):
 
     BAD_MESSAGE = "bad_message"  # undecodable or invalid frame
     UNEXPECTED = "unexpected"  # valid message, wrong state
+    NO_SESSION = "no_session"  # a receiver has no session for the sender's connection: it must say Hello again
     INCOMPATIBLE_PEER = "incompatible_peer"  # version or layout mismatch
     FORBIDDEN = "forbidden"  # the peer's key may not do this (a reader's key pushing, say)
     POOL_EXHAUSTED = "pool_exhausted"
@@ -86,6 +87,14 @@ class UnexpectedMessage(RemoteProtocolError):
     """A valid message that the request's or peer's state does not allow."""
 
     code = ErrorCode.UNEXPECTED
+
+
+class NoSession(UnexpectedMessage):
+    """A receiver has no session for the connection a sender's message came on: none was made (no Hello), it was
+    forgotten (the least recently heard of ``MAX_SESSIONS``), or the connection is another since (ZeroMQ made it
+    again after it broke, and the receiver knows it by another routing id). The sender says Hello again."""
+
+    code = ErrorCode.NO_SESSION
 
 
 class UnknownRequest(RemoteProtocolError):
@@ -185,6 +194,7 @@ class HandOverTimeout(TransportTimeout):
 _BY_CODE: dict[ErrorCode, type[PdpushError]] = {
     ErrorCode.BAD_MESSAGE: RemoteProtocolError,
     ErrorCode.UNEXPECTED: UnexpectedMessage,
+    ErrorCode.NO_SESSION: NoSession,
     ErrorCode.INCOMPATIBLE_PEER: IncompatiblePeer,
     ErrorCode.FORBIDDEN: Forbidden,
     ErrorCode.POOL_EXHAUSTED: PoolExhausted,

@@ -100,3 +100,67 @@ def round_trip(tx: launch.Daemon, rx: launch.Daemon, layout: KVLayout, req_id: s
     finally:
         pc.close()
         dc.close()
+
+
+class TcpCutter:
+    """A TCP forwarder on loopback to ``target`` (host, port), whose live connections ``cut()`` closes, as a
+    middlebox or a link reset would (both ends see it end; new connections are forwarded again). Threads; ``close``
+    stops it and ends every connection."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+        import threading
+
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self._pairs: list = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed:
+            try:
+                a, _ = self.listener.accept()
+                b = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                continue
+            with self._lock:
+                self.accepted += 1
+                self._pairs.append((a, b))
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):  # either end gone: the other goes too
+            try:
+                s.shutdown(2)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for a, b in pairs:
+            for s in (a, b):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()

@@ -591,3 +591,44 @@ def test_a_release_without_waiting_returns_while_the_receiver_is_stopped_and_sti
             dc.open("nowait")
     finally:
         dc.close()
+
+
+def test_a_control_connection_made_again_after_it_broke_gets_a_hello_again(daemons):
+    """The TCP connection between a sender and a receiver breaks (a middlebox's idle timeout, a link reset) and
+    ZeroMQ makes it again by itself: the receiver knows the new one by another routing id, with no session. Every
+    request after was refused "alloc before hello", for good, while the sender took the receiver for up. Now the
+    receiver says so (NoSession), the request at hand fails, typed, and the next says Hello again and is served,
+    every byte checked."""
+    from pdpush.config import endpoint_host_port
+    from tests.helpers import TcpCutter
+
+    lay = KVLayout(3, 2, 64, "float16", 16)
+    rx = daemons.receiver(**rx_opts(lay))
+    cutter = TcpCutter(endpoint_host_port(rx.info["control_endpoint"]))
+    tx = daemons.sender()
+    pc = PrefillClient(lay, sock(tx), receiver=f"tcp://127.0.0.1:{cutter.port}", timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+
+    def round_trip(rid: str, seed: int) -> str:
+        ids = list(range(seed * 1000, seed * 1000 + 40))
+        k, v = kv(lay, len(ids), seed)
+        try:
+            push(pc, rid, ids, k, v)
+        except PdpushError as e:
+            return e.code.value
+        got_k, got_v = read_back(dc, rid, lay, len(ids))
+        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+        return "ok"
+
+    try:
+        assert round_trip("before", 1) == "ok" and cutter.accepted == 1
+        cutter.cut()
+        until(lambda: cutter.accepted == 2, 10, "ZeroMQ to make the connection again")
+        outcomes = [round_trip(f"after-{i}", 2 + i) for i in range(3)]
+        assert outcomes in (["peer_dead", "ok", "ok"], ["ok", "ok", "ok"]), outcomes
+        assert cutter.accepted == 3  # the sender's connection afresh, with its Hello
+        assert status(sock(tx))["sessions_lost"] == 1
+    finally:
+        pc.close()
+        dc.close()
+        cutter.close()

@@ -522,6 +522,29 @@ def test_a_late_answer_to_an_earlier_attempt_is_never_taken_for_a_retrys():
     assert isinstance(w.outcome("x"), protocol.Done) and rx.reqs["x"].state is protocol.ReqState.COMMITTED
 
 
+def test_a_receiver_that_has_no_session_for_the_connection_gets_a_hello_again():
+    """The receiver forgot the sender's session (past MAX_SESSIONS), or ZeroMQ made the connection again after it
+    broke, which the receiver knows by another routing id: every request then got "alloc before hello", for good
+    (the sender took the peer for up). NoSession fails the request at hand and resets the peer: the next one says
+    Hello and is served."""
+    e = "tcp://rx-a:1"
+    w = Wire()
+    w.push("a", list(range(20)))
+    w.complete()
+    rx = w.rx[e]
+    rx.sessions.clear()
+    w.wire.clear()
+    actions = w.tx.on_ingress(ENG, begin("b", list(range(100, 120))), w.now)
+    w.run(actions)
+    err = w.outcome("b")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.PEER_DEAD and "no session" in err.message
+    assert w.wire[:2] == ["out:alloc", "in:error"] and w.tx.counters.values["sessions_lost"] == 1
+    w.wire.clear()
+    w.push("c", list(range(200, 220)))
+    w.complete()
+    assert isinstance(w.outcome("c"), protocol.Done) and w.wire[:2] == ["out:hello", "in:hello_ack"]
+
+
 def test_pool_exhausted_backs_off_then_gives_up_within_its_budget():
     w = Wire(alloc_retry_budget_ms=200)
     w.rx["tcp://rx-a:1"] = receiver(pages=2)

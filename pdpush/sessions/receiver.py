@@ -69,6 +69,7 @@ from pdpush.errors import (
     Forbidden,
     IncompatiblePeer,
     LeaseExpired,
+    NoSession,
     PdpushError,
     PoolExhausted,
     ProtocolError,
@@ -443,7 +444,7 @@ class ReceiverSession:
             out.append(ToSender(ident, self._hello(ident, msg)))
             return
         if ident not in self.sessions:
-            raise UnexpectedMessage(f"{msg.type} before hello")
+            raise NoSession(f"{msg.type} before hello on this connection (none, forgotten, or made again since)")
         self.sessions.move_to_end(ident)
         if isinstance(msg, AllocRequest):
             out.append(ToSender(ident, self._alloc(ident, msg, now, out, peer or ident.hex())))

@@ -49,6 +49,7 @@ from pdpush import protocol
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
+    ErrorCode,
     IncompatiblePeer,
     PdpushError,
     PoolExhausted,
@@ -150,7 +151,8 @@ class SenderSession:
         self.counters = Counters({k: 0 for k in (
             "requests_total", "requests_done", "requests_failed", "bytes_pushed", "puts", "layers_pushed",
             "chunks_skipped", "alloc_retries", "internal_errors", "staging_waits", "staging_asks",
-            "handovers_stale", "handovers_refused", "rings_refused", "finishes_ring", "stale_replies")})
+            "handovers_stale", "handovers_refused", "rings_refused", "finishes_ring", "stale_replies",
+            "sessions_lost")})
         self.grants = StagingGrants(staging, self.counters, limits.lease_ms)  # the staging, by request
         self.rings = HandoverRings(self.grants.meta, staging.address, limits.ring_slots, self.counters)
         self._swept_ms = 0  # when on_tick last forgot the receivers nothing uses
@@ -564,6 +566,12 @@ class SenderSession:
             r = self.reqs.get(msg.req_id)
             if r is not None and r.peer is p and r.state is TxState.COMMITTING:
                 self._done(r, now, out)
+        elif isinstance(msg, Error) and msg.code is ErrorCode.NO_SESSION:
+            # the receiver does not know this connection (any more): it forgot it, or ZeroMQ made the connection again
+            # after it broke (another routing id there). Its requests fail; the next request says Hello afresh
+            self.counters.add("sessions_lost")
+            self._peer_failed(p, BrokenResourceError(f"receiver {p.endpoint} has no session for this connection "
+                                                     f"({msg.message}); saying Hello again"), now, out)
         elif isinstance(msg, Error):
             r = self.reqs.get(msg.req_id) if msg.req_id else None
             if r is not None and r.peer is p:
