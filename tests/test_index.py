@@ -231,6 +231,30 @@ def test_claim_pins_the_held_prefix_and_opens_like_a_committed_push():
     assert claim(w, "c2", list(range(200, 240))).chunks == 3 and rx.reqs["c2"].last_chunk_tokens == 8
 
 
+def test_one_decode_connection_holds_a_bounded_number_of_claims(monkeypatch):
+    """Each claim pins its chunks until read or its lease: one connection claiming one prompt under id after id
+    (20,000 of them held ~90 MB and pinned every chunk, so pushes found the pool exhausted) is refused past
+    CLAIMS_PER_READER, typed; another connection is not, and a claim read and released makes room."""
+    from pdpush.sessions import receiver as rxmod
+
+    monkeypatch.setattr(rxmod, "CLAIMS_PER_READER", 3)
+    w = Wire()
+    rx = w.rx[RX]
+    w.push("p", list(range(48)))
+    w.complete()
+    rx.on_local(b"d", protocol.Open(req_id="p"), w.now)
+    rx.on_local(b"d", protocol.Release(req_id="p"), w.now)
+    assert [claim(w, f"c{i}", list(range(48))).chunks for i in range(3)] == [3, 3, 3]
+    err = claim(w, "c3", list(range(48)))
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.TOO_LARGE and "c3" not in rx.reqs
+    assert claim(w, "other", list(range(48)), ident=b"e").chunks == 3
+    rx.check()
+    rx.on_local(b"d", protocol.Open(req_id="c0"), w.now)
+    rx.on_local(b"d", protocol.Release(req_id="c0"), w.now)
+    assert claim(w, "c3", list(range(48))).chunks == 3
+    rx.check()
+
+
 def test_claim_of_nothing_held_makes_nothing_and_an_unopened_claim_ends_at_its_lease():
     w = Wire()
     rx = w.rx[RX]

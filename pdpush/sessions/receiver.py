@@ -118,6 +118,8 @@ PARKED_OPEN_MS = 120_000
 MAX_UNREAD_PER_SENDER = 4096  # pushes of one sender that took no page, committed and not opened, kept at most
 PARKED_PER_READER = 4096  # opens one decode connection may have waiting for pushes not yet begun
 PARKED_ALL = 65536  # and every connection together (the requests parked on, given-up marks too: 4x)
+CLAIMS_PER_READER = 4096  # claims one decode connection may hold at once (each pins its chunks until read or its
+# lease: 20,000 claims of one prompt held ~90 MB and pinned every chunk, so that pushes found the pool exhausted)
 MAX_TOKENS = 4096
 MAX_SESSIONS = 4096  # sender connections remembered as having said Hello (the least recently heard go first)
 MAX_FINISHED = 4096
@@ -205,6 +207,7 @@ class RxRequest:
     ttl_ms: int = 0  # committed and unread for this long: dropped (0: the receiver's committed_ttl_ms)
     given_up: str = ""  # its decode withdrew it while live: why; remembered as withdrawn once it leaves
     claimed: bool = False  # made by a Claim from held chunks, not pushed
+    claimant: bytes = b""  # the decode connection whose Claim made it
     chunks: int = 0  # the prompt's chunks (its items, by group: plan)
     plan: RequestPlan | None = None
     state_slot: int = -1  # its recurrent state's slot in the pool (-1: none)
@@ -259,6 +262,7 @@ class ReceiverSession:
         # of one (its words were in, but late for the sender's clock) is acknowledged, not refused as unknown
         self.dropped_committed: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
         self.unfenced: dict[str, tuple[bytes, int]] = {}  # ended uncommitted: req_id -> (sender, fence at ms)
+        self._claims_by: dict[bytes, int] = {}  # live claims by the decode connection that made them
         self.words_live: set[str] = set()  # live requests that complete by their readiness words (``_by_words``)
         self._words_looked = -1  # when _look_at_words last looked (ms)
         self.draining = False
@@ -846,6 +850,11 @@ class ReceiverSession:
 
     def _forget(self, req_id: str, why: str) -> None:
         r = self.reqs.pop(req_id, None)
+        if r is not None and r.claimed:
+            if (left := self._claims_by[r.claimant] - 1) > 0:
+                self._claims_by[r.claimant] = left
+            else:
+                del self._claims_by[r.claimant]
         if r is not None and r.given_up:  # its decode no longer waits for it: a push of it again is refused
             _keep_recent(self.withdrawn, req_id, r.given_up, MAX_FINISHED)
         _keep_recent(self.finished, req_id, why, MAX_FINISHED)
@@ -895,7 +904,7 @@ class ReceiverSession:
             if msg.answer:
                 out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
-            out.append(ToDecode(ident, self._claim(msg, now, out)))
+            out.append(ToDecode(ident, self._claim(ident, msg, now, out)))
         elif isinstance(msg, Withdraw):  # the decode engine stopped waiting for this push: "Withdrawn pushes" above
             out.append(ToDecode(ident, Ok(req_id=msg.req_id if self._withdraw(msg, out, by_decode=True) else None)))
         elif isinstance(msg, Query):
@@ -967,7 +976,7 @@ class ReceiverSession:
                     del self._parked_by[who]
         return waiters
 
-    def _claim(self, msg: Claim, now: int, out: list) -> ClaimOk:
+    def _claim(self, ident: bytes, msg: Claim, now: int, out: list) -> ClaimOk:
         """A committed request made of the held leading chunks: opened and released like a pushed one."""
         rid = msg.req_id
         r = self.reqs.get(rid)
@@ -988,14 +997,18 @@ class ReceiverSession:
         held, keys, last = self._claimable(msg) if not self.layout.state_layers else (0, [], 0)
         if held == 0:  # (a state is never held: a model with state layers has nothing to claim)
             return ClaimOk(req_id=rid, chunks=0)
+        if self._claims_by.get(ident, 0) >= CLAIMS_PER_READER:
+            raise RequestTooLarge(f"this connection holds {CLAIMS_PER_READER} claims: read or release some first",
+                                  req_id=rid)
         alloc = self.pool.allocate(rid, keys)  # every item held: pinned, no new page
         self.pool.commit(rid)
         r = RxRequest(rid, b"", alloc, self._new_lease(), now, last, now, state=ReqState.COMMITTED,
                       committed_at_ms=now, layers_done=set(range(self.layout.layers)),
-                      ttl_ms=min(msg.lease_ms, self.limits.lease_ms), claimed=True, chunks=held)
+                      ttl_ms=min(msg.lease_ms, self.limits.lease_ms), claimed=True, chunks=held, claimant=ident)
         r.plan = RequestPlan(self.layout, tokens_of(self.layout, held, last), range(len(keys)))
         r.keys = list(msg.chunk_keys[:held])  # what it claimed: a Claim of the id again must name them
         self.reqs[rid] = r
+        self._claims_by[ident] = self._claims_by.get(ident, 0) + 1
         self._due(now + r.ttl_ms)
         self._answer_parked(r, out)  # opens that came before the claim: answered as a push's would be
         self.counters.add("requests_claimed")
@@ -1078,6 +1091,11 @@ class ReceiverSession:
                 if not given_up:
                     live[who] = live.get(who, 0) + 1
         assert live == self._parked_by, f"parked opens {live} counted as {self._parked_by}"
+        claims: dict[bytes, int] = {}
+        for r in self.reqs.values():
+            if r.claimed:
+                claims[r.claimant] = claims.get(r.claimant, 0) + 1
+        assert claims == self._claims_by, f"claims {claims} counted as {self._claims_by}"
         for r in self.reqs.values():
             assert r.alloc is self.pool.requests[r.req_id]
             assert (r.state is ReqState.COMMITTED) == r.alloc.indexed
