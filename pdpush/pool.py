@@ -51,6 +51,7 @@ class PoolRequest:
     indexed: bool = False       # committed: its new pages went to the index (or stayed private)
     pinned: list[bytes] = field(default_factory=list)
     private: list[int] = field(default_factory=list)
+    owner: str = ""  # whom its pages count against while they wait after an abort (``held_by``): its sender
 
     @property
     def new_pages(self) -> list[int]:
@@ -70,8 +71,9 @@ class PagePool:
         self.retry_after_ms = retry_after_ms
         self._free = np.ones(num_pages, dtype=bool)
         self._nfree = num_pages
-        self._quarantine: list[tuple[int, list[int]]] = []  # (release_at_ms, pages)
+        self._quarantine: list[tuple[int, list[int], str]] = []  # (release_at_ms, pages, owner)
         self._unfenced: dict[str, list[int]] = {}  # req_id -> pages a late write may still reach
+        self._unfenced_owner: dict[str, str] = {}  # req_id -> the owner of its unfenced pages
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self.requests: dict[str, PoolRequest] = {}
         self.counters = {"chunks_evicted": 0, "chunks_hit": 0, "exhausted": 0}
@@ -84,7 +86,7 @@ class PagePool:
 
     @property
     def quarantined_pages(self) -> int:
-        return sum(len(p) for _, p in self._quarantine)
+        return sum(len(p) for _, p, _ in self._quarantine)
 
     @property
     def unfenced_pages(self) -> int:
@@ -102,13 +104,20 @@ class PagePool:
             n += 1
         return n
 
+    def held_by(self, owner: str) -> tuple[int, int]:
+        """What ``owner``'s aborted requests keep out of use: (requests whose late writes may still land, pages
+        unfenced or in quarantine). An owner that aborts request after request holds them as it held its leases."""
+        waiting = [rid for rid, o in self._unfenced_owner.items() if o == owner]
+        return len(waiting), (sum(len(self._unfenced[rid]) for rid in waiting)
+                              + sum(len(p) for _, p, o in self._quarantine if o == owner))
+
     def held(self, keys: list[bytes]) -> int:
         """How many of ``keys`` are held complete (an allocation would take no page for them)."""
         return sum(k in self._index for k in keys)
 
     # ---- allocation ----
-    def allocate(self, req_id: str, keys: list[bytes]) -> PoolRequest:
-        """Pages for the chunks not held complete; held ones are pinned for this request."""
+    def allocate(self, req_id: str, keys: list[bytes], owner: str = "") -> PoolRequest:
+        """Pages for the chunks not held complete; held ones are pinned for this request (``owner``: its sender)."""
         if req_id in self.requests:
             raise DuplicateRequest(f"request {req_id!r} already exists")
         if len(set(keys)) != len(keys):
@@ -124,7 +133,8 @@ class PagePool:
             self.counters["exhausted"] += 1
             raise PoolExhausted(
                 f"pool exhausted: request {req_id!r} needs {len(new)} pages, {self._nfree} free, "
-                f"{self.quarantined_pages} quarantined", req_id=req_id, retry_after_ms=self.retry_after_ms)
+                f"{self.quarantined_pages} quarantined, {self.unfenced_pages} waiting for their writers' fence",
+                req_id=req_id, retry_after_ms=self.retry_after_ms)
         new_pages = self._take(len(new))
         pages = [0] * len(keys)
         for i, p in zip(new, new_pages, strict=False):
@@ -137,7 +147,7 @@ class PagePool:
             pages[i] = e.page
             pinned.append(keys[i])
         self.counters["chunks_hit"] += len(held)
-        req = PoolRequest(req_id, list(keys), pages, new, held, pinned=pinned)
+        req = PoolRequest(req_id, list(keys), pages, new, held, pinned=pinned, owner=owner)
         self.requests[req_id] = req
         return req
 
@@ -225,8 +235,9 @@ class PagePool:
             raise UnexpectedMessage(f"request {req_id!r} is committed; cannot abort")
         if published and not fenced:
             self._unfenced.setdefault(req_id, []).extend(req.new_pages)
+            self._unfenced_owner[req_id] = req.owner
         elif published:
-            self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages))
+            self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages, req.owner))
         else:
             self._give(req.new_pages)
         self._unpin(req)
@@ -235,8 +246,9 @@ class PagePool:
     def settle(self, req_id: str, now_ms: int) -> None:
         """No write to aborted ``req_id``'s pages can land any more: they go to quarantine."""
         pages = self._unfenced.pop(req_id, None)
+        owner = self._unfenced_owner.pop(req_id, "")
         if pages:
-            self._quarantine.append((now_ms + self.quarantine_ms, pages))
+            self._quarantine.append((now_ms + self.quarantine_ms, pages, owner))
 
     def drop(self, req_id: str) -> None:
         """A committed request nobody reads any more: unpin its chunks, free its private pages."""
@@ -258,11 +270,11 @@ class PagePool:
         """Release quarantined pages whose grace period is over."""
         if self._quarantine:
             keep = []
-            for at, pages in self._quarantine:
+            for at, pages, owner in self._quarantine:
                 if now_ms >= at:
                     self._give(pages)
                 else:
-                    keep.append((at, pages))
+                    keep.append((at, pages, owner))
             self._quarantine = keep
 
     def get(self, req_id: str) -> PoolRequest:
@@ -278,7 +290,7 @@ class PagePool:
         """Assert the accounting invariant: every page in exactly one place."""
         owner = np.zeros(self.num_pages, dtype=np.int32)
         owner[self._free] += 1
-        for _, pages in self._quarantine:
+        for _, pages, _ in self._quarantine:
             owner[pages] += 1
         for pages in self._unfenced.values():
             owner[pages] += 1
@@ -289,6 +301,7 @@ class PagePool:
                 owner[r.new_pages] += 1
             else:
                 owner[r.private] += 1
+        assert set(self._unfenced_owner) == set(self._unfenced), "unfenced pages without their owner"
         bad = np.flatnonzero(owner != 1)
         assert len(bad) == 0, f"pages not in exactly one place: {bad[:10].tolist()} counts {owner[bad[:10]].tolist()}"
         assert self._nfree == int(self._free.sum())

@@ -689,6 +689,36 @@ def test_the_per_sender_inflight_cap_counts_only_the_pages_a_push_takes():
     rx.check()
 
 
+@pytest.mark.parametrize("settled", [False, True], ids=["unfenced", "quarantined"])
+def test_a_sender_that_aborts_request_after_request_stays_within_its_caps(settled):
+    """An Abort ends a lease at once, but not its pages: they wait for the sender's late writes to settle (unfenced,
+    up to a lease), then in quarantine. They were counted against nobody, so a sender that allocated and aborted in a
+    loop held the whole pool past its caps and another sender was refused. They count against their sender now:
+    unsettled ones as leases and pages, quarantined ones as pages; another sender is served."""
+    page_set = LAY.layers * LAY.page_bytes
+    rx = receiver(pages=16, quarantine_ms=1000, max_leases_per_sender=2, max_inflight_bytes_per_sender=8 * page_set)
+    _hello(rx, b"s")
+    _hello(rx, b"t")
+    refused = None
+    for i in range(4):
+        out = rx.on_control(b"s", _alloc(f"r{i}", range(1000 * i, 1000 * i + 64)), i)  # 4 new pages
+        if (err := msgs(out, ToSender, protocol.Error)):
+            refused = (i, err[0])
+            break
+        rx.on_control(b"s", protocol.Abort(req_id=f"r{i}", settled=settled), i)
+    assert refused is not None and refused[1].code is ErrorCode.POOL_EXHAUSTED
+    assert refused[0] == 2, refused  # two aborted requests' pages (8) fill its byte cap; unsettled, its lease cap too
+    assert ("leases and 2 ended ones" if not settled else "max_inflight_bytes_per_sender") in refused[1].message
+    assert msgs(rx.on_control(b"t", _alloc("other", range(9000, 9064)), 3), ToSender, protocol.AllocResponse)
+    rx.check()
+    if not settled:
+        for i in range(2):
+            rx.on_control(b"s", protocol.Abort(req_id=f"r{i}", settled=True), 4)  # its writes settled: quarantined
+    rx.on_tick(1100)  # out of quarantine: its caps are its own again
+    assert msgs(rx.on_control(b"s", _alloc("again", range(5000, 5064)), 1101), ToSender, protocol.AllocResponse)
+    rx.check()
+
+
 def test_one_decode_connections_given_up_opens_never_refuse_anothers_open(monkeypatch):
     """A decode connection that opens and gives up (``PendingOpen.abandon``) push after push leaves a mark of each, so
     that a push beginning later counts its release. Past 4x ``PARKED_ALL`` ids the oldest marks make room: another

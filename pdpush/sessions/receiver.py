@@ -521,7 +521,7 @@ class ReceiverSession:
         if self.state_pool is not None:  # its state slot first: the pages' allocation may evict, a slot never
             slot = self.state_pool.allocate(rid, [rid.encode()]).new_pages[0]
         try:
-            alloc = self.pool.allocate(rid, keys)
+            alloc = self.pool.allocate(rid, keys, owner=principal)
         except PdpushError:
             if self.state_pool is not None:  # never told to the sender: free at once, not quarantined
                 self.state_pool.abort(rid, now, published=False)
@@ -588,13 +588,17 @@ class ReceiverSession:
                     out.append(Log(logging.WARNING, f"a sender's pushes go unread: {MAX_UNREAD_PER_SENDER} committed "
                                                     f"and never opened; the oldest dropped ({n} so far)"))
         mine = [r for r in ours if r.state in _LIVE]
-        if len(mine) >= self.limits.max_leases_per_sender:
-            raise PoolExhausted(f"sender holds {len(mine)} leases (max_leases_per_sender)", req_id=msg.req_id)
+        # and its aborted ones: pages waiting for its late writes to settle, or in quarantine (an Abort, or an
+        # expired lease, frees the lease at once: aborting request after request held the whole pool past the caps)
+        ended, ended_pages = self.pool.held_by(principal)
+        if len(mine) + ended >= self.limits.max_leases_per_sender:
+            raise PoolExhausted(f"sender holds {len(mine)} leases and {ended} ended ones whose writes may still land "
+                                "(max_leases_per_sender)", req_id=msg.req_id, retry_after_ms=self.pool.retry_after_ms)
         cap = self.limits.max_inflight_bytes_per_sender
         if cap:
             page_set = self.layout.layers * self.layout.page_bytes  # one page index in every layer
             st = self.layout.state_slot_bytes  # and a state slot each, where the model has state
-            held = sum(len(r.alloc.new_idx) * page_set + st for r in mine)
+            held = sum(len(r.alloc.new_idx) * page_set + st for r in mine) + ended_pages * page_set
             if held + items * page_set + st > cap:
                 raise PoolExhausted(f"sender would hold {held + items * page_set + st} bytes "
                                     f"uncommitted (max_inflight_bytes_per_sender={cap})", req_id=msg.req_id)
