@@ -195,6 +195,8 @@ class Sender:
             self.region.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
+        if getattr(self, "ucx", None) is not None:  # its close-signal pipe and listener (the receiver's did already)
+            self.ucx.close()
 
     def internal_error(self) -> None:
         """A pass of the daemon's loop raised (daemon.run logs it): counted with the shell's own."""

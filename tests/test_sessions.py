@@ -953,10 +953,16 @@ def test_a_wire_up_that_raises_anything_ends_that_connection_not_every_pass_afte
     w.ep = ep = Ep()
     s._connecting["tcp://r:5710"] = w
     s._eid = lambda endpoint: 1
-    for _ in range(3):
-        s._connects()
-    assert not s._connecting and len(ep.cbs) == 1 and len(outcomes) == 1
-    assert isinstance(outcomes[0][1], PdpushError) and "pool is empty or wraps" in str(outcomes[0][1])
+    try:
+        for _ in range(3):
+            s._connects()
+        assert not s._connecting and len(ep.cbs) == 1 and len(outcomes) == 1
+        assert isinstance(outcomes[0][1], PdpushError) and "pool is empty or wraps" in str(outcomes[0][1])
+    finally:
+        closed: list = []
+        s.ucx = types.SimpleNamespace(close=lambda: closed.append(True))
+        s.close()
+    assert closed == [True]  # its UCX worker too: its close-signal pipe and listener (a sender's close left them)
 
 
 def test_an_action_the_shell_cannot_carry_out_fails_its_request_and_the_rest_of_the_batch_goes(monkeypatch):
