@@ -599,6 +599,24 @@ def test_a_receiver_added_again_under_its_id_takes_its_old_flights_off_the_count
         pu.close()
 
 
+def test_an_endpoints_transports_are_asked_of_ucx_until_it_is_wired_up_then_kept(world, monkeypatch):
+    """The daemons' metrics name each endpoint's lanes every refresh (100 ms); below UCX 1.14 each answer is printed
+    to a file and parsed (~0.4 ms an endpoint, in the daemon's loop). A wired-up endpoint's are asked once."""
+    from pdpush.transport import ucp
+
+    make, peer = world
+    w, _ = make(TCP)
+    p, ep = peer(w, TCP)
+    real, calls = ucp.ep_transports, []
+    monkeypatch.setattr(ucp, "ep_transports", lambda h: calls.append(h) or real(h))
+    rkey, ep.rkey = ep.rkey, None  # as while it wires up: asked each time
+    first = ep.transports()
+    assert ep.transports() == first and len(calls) == 2
+    ep.rkey = rkey  # wired up
+    assert ep.transports() == first and ep.transports() == first and len(calls) == 3
+    assert any(t.startswith("tcp/") for t in first), first
+
+
 def test_a_flooded_doorbell_is_drained_a_bounded_amount_a_wake(world):
     """An engine that keeps writing the doorbell FIFO (the same uid may) cannot hold the sender's wait reading it:
     a wake reads at most 64 KiB, the rest at the next looks (it stays readable), so a wait ends near its deadline.

@@ -81,6 +81,7 @@ class _Closable:
         self.name = name
         self.error: str | None = None
         self._on_close: list[Callable] = []
+        self._transports: list[str] = []  # its lanes', once UCX could say (``transports``)
 
     @property
     def alive(self) -> bool:
@@ -109,10 +110,21 @@ class _Closable:
         return (ucp.ep_remote(self.handle) if self.handle is not None else "") or self.name
 
     def transports(self) -> list[str]:
-        """The UCX transports and devices its lanes use, as ``tcp/eth0``; empty where UCX cannot say."""
+        """The UCX transports and devices its lanes use, as ``tcp/eth0``; empty where UCX cannot say. Asked of UCX
+        until it says, then kept: a wired-up endpoint keeps its lanes, and below UCX 1.14 (Debian's 1.13, the RDMA
+        build) each answer is printed to a file and parsed, ~0.4 ms an endpoint, which the metrics' refresh every
+        100 ms paid for every receiver in the daemon's loop."""
         from pdpush.transport import ucp
 
-        return [] if self.handle is None else [f"{t}/{d}" for t, d in ucp.ep_transports(self.handle)]
+        if self._transports or self.handle is None:
+            return self._transports
+        lanes = [f"{t}/{d}" for t, d in ucp.ep_transports(self.handle)]
+        if self._lanes_final():  # (while it wires up, UCX may still change them)
+            self._transports = lanes
+        return lanes
+
+    def _lanes_final(self) -> bool:
+        return True  # an accepted endpoint is asked only once it presented its token: its lanes are set
 
     def _run_close_callbacks(self) -> None:
         log.info("ucx endpoint %s closed: %s", self.name, self.error)
@@ -206,6 +218,9 @@ class Endpoint(_Closable):
                 ucp.request_free(r)
             raise TransferError(f"wire-up of {self.name} failed: {e}") from e
         self._wireup = (reqs, buf, packed_rkey)
+
+    def _lanes_final(self) -> bool:
+        return self._wireup is None and self.rkey is not None  # its wire-up has completed
 
     def wired_up(self) -> bool:
         """Whether the wire-up ``begin_wireup`` started has completed (then the rkey is unpacked); never waits
