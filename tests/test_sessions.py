@@ -545,6 +545,34 @@ def test_a_receiver_that_has_no_session_for_the_connection_gets_a_hello_again():
     assert isinstance(w.outcome("c"), protocol.Done) and w.wire[:2] == ["out:hello", "in:hello_ack"]
 
 
+def test_a_receiver_that_did_not_come_up_is_not_tried_again_for_a_moment():
+    """A receiver whose hello went unanswered (or was refused, or whose data plane did not open) failed its requests,
+    and every request after made a socket, a hello and an endpoint of its own that failed the same way, at the
+    engines' request rate. For min(HOLD_MS, control_timeout_ms) they fail at once, typed, with a retry hint; then it
+    is tried again. One that was up and was lost (a restart) is tried again at once."""
+    e = "tcp://rx-a:1"
+    w = Wire(control_timeout_ms=100)
+    w.partitioned.add(e)
+    w.engine(begin("a", list(range(20))))
+    w.tick(101)
+    assert w.outcome("a").code is ErrorCode.TIMEOUT
+    w.partitioned.discard(e)
+    w.wire.clear()
+    w.tick(50)
+    w.engine(begin("b", list(range(100, 120))))
+    err = w.outcome("b")
+    assert err.code is ErrorCode.TIMEOUT and "tried again" in err.message and 0 < err.retry_after_ms <= 50
+    assert w.wire == [] and "b" not in w.tx.reqs  # no hello went out for it
+    w.tick(50)
+    w.push("c", list(range(200, 220)))
+    w.complete()
+    assert isinstance(w.outcome("c"), protocol.Done) and w.wire[:2] == ["out:hello", "in:hello_ack"]
+    w.run(w.tx.on_peer_lost(e, "receiver restarted", w.now))  # up, then lost: the next request tries at once
+    w.push("d", list(range(300, 320)))
+    w.complete()
+    assert isinstance(w.outcome("d"), protocol.Done)
+
+
 def test_pool_exhausted_backs_off_then_gives_up_within_its_budget():
     w = Wire(alloc_retry_budget_ms=200)
     w.rx["tcp://rx-a:1"] = receiver(pages=2)

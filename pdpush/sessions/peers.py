@@ -4,7 +4,10 @@ A receiver's ``Peer`` is made by the first request for it (``for_begin``, which 
 whose layout is not the one the receiver said it serves). Its first waiting request sends ``Hello``
 (``wait``); the ``HelloAck`` opens the data plane (``Connect``); the shell says it is up (``ready``).
 A refused hello (``refused``), a hello unanswered in time (``expired``), a lost socket or failed puts
-(``fail``) end it, and the next request says hello afresh.
+(``fail``) end it, and the next request says hello afresh; except where it never came up (a hello refused or
+unanswered, a data plane that did not open): then, for ``HOLD_MS``, requests for it fail at once with that error
+(``for_begin``), rather than each making a socket, a hello and an endpoint that fail the same way, at the
+engines' request rate.
 
 The requests are the session's: the table says which wait on a peer and which peers failed; the
 session advances or fails the requests, and resets the peer (``ResetPeer``) after.
@@ -25,6 +28,8 @@ from pdpush.protocol import SENDER_PEER, Begin, Error, Hello, HelloAck, LayoutSp
 from pdpush.sessions import Log
 from pdpush.sessions.tx_actions import Connect, ToPeer
 
+HOLD_MS = 1000  # how long a receiver that did not come up is not tried again (at most control_timeout_ms)
+
 
 @dataclass
 class Peer:
@@ -33,6 +38,8 @@ class Peer:
     ack: HelloAck | None = None
     deadline_ms: int = 0
     waiting: list[str] = field(default_factory=list)  # req_ids waiting for it to be READY
+    held_until_ms: int = 0  # it did not come up: not tried again before then (``for_begin``)
+    held_error: PdpushError | None = None  # why
 
     def layout_error(self, spec: LayoutSpec) -> IncompatiblePeer | None:
         """A request's layout against the one the receiver acknowledged (None: the same)."""
@@ -56,9 +63,10 @@ class PeerTable:
     def get(self, endpoint: str) -> Peer | None:
         return self.peers.get(endpoint)
 
-    def for_begin(self, begin: Begin, layout: KVLayout) -> Peer:
+    def for_begin(self, begin: Begin, layout: KVLayout, now: int) -> Peer:
         """The peer a new request (its ``begin``, of ``layout``) goes to, made if it is new: the receiver it
-        names or the default one; one not allowed, or known to serve another layout, is refused."""
+        names or the default one; one not allowed, known to serve another layout, or held down after it did not
+        come up, is refused."""
         receiver = begin.receiver or self.default_receiver
         if not receiver:
             raise RemoteProtocolError("no receiver named and no default_receiver configured")
@@ -71,7 +79,15 @@ class PeerTable:
                                    f"{layout.mismatch(theirs)} (receiver {theirs.describe()})")
         if peer is None:
             peer = self.peers[receiver] = Peer(receiver)
+        elif peer.state in (PeerState.NEW, PeerState.DEAD) and now < peer.held_until_ms and peer.held_error:
+            err = peer.held_error
+            raise type(err)(f"{err} ({peer.held_until_ms - now} ms before receiver {receiver} is tried again)",
+                            retry_after_ms=peer.held_until_ms - now)
         return peer
+
+    def _hold(self, p: Peer, err: PdpushError, now: int) -> None:
+        """``p`` did not come up: requests for it fail with ``err`` for ``HOLD_MS``."""
+        p.held_until_ms, p.held_error = now + min(HOLD_MS, self.control_timeout_ms), err
 
     def wait(self, peer: Peer, req_id: str, begin: Begin, now: int, out: list) -> None:
         """``req_id`` waits for ``peer`` to be READY; a peer with no hello in flight says hello."""
@@ -90,11 +106,12 @@ class PeerTable:
             p.ack = msg
             out.append(Connect(p.endpoint, msg))
 
-    def refused(self, p: Peer, msg: Error, out: list) -> PdpushError:
+    def refused(self, p: Peer, msg: Error, now: int, out: list) -> PdpushError:
         """The receiver refused hello (``p`` is HELLO_SENT): the error its waiting requests fail with."""
         err = error_from_code(msg.code, f"receiver refused hello: {msg.message}")
         out.append(Log(logging.WARNING, str(err)))
         p.state = SENDER_PEER.next(p.state, PeerEvent.REFUSED, f"receiver {p.endpoint}")
+        self._hold(p, err, now)
         return err
 
     def connecting(self, endpoint: str) -> Peer | None:
@@ -123,10 +140,12 @@ class PeerTable:
                 for p in self.peers.values()
                 if p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING) and now > p.deadline_ms]
 
-    @staticmethod
-    def fail(p: Peer, err: PdpushError, out: list) -> None:
-        """``p`` failed: DEAD until the next request says hello (the session fails its requests)."""
+    def fail(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
+        """``p`` failed: DEAD until the next request says hello (the session fails its requests); held down
+        first where it never came up."""
         out.append(Log(logging.WARNING, f"receiver {p.endpoint} failed: {err}"))
+        if p.state in (PeerState.HELLO_SENT, PeerState.CONNECTING):
+            self._hold(p, err, now)
         if SENDER_PEER.allows(p.state, PeerEvent.FAIL):
             p.state = SENDER_PEER.next(p.state, PeerEvent.FAIL, f"receiver {p.endpoint}")
         p.ack = None

@@ -417,7 +417,7 @@ class SenderSession:
         except ValueError as e:
             raise RemoteProtocolError(str(e)) from None
         self.grants.check(layout, tokens)
-        peer = self.peers.for_begin(msg, layout)
+        peer = self.peers.for_begin(msg, layout, now)
         first = msg.pp_rank * msg.tp_size + msg.tp_rank
         r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank.of(ident, msg, stage)}, peer, msg, layout,
                       now + self.limits.control_timeout_ms, now, tp=msg.tp_size, pp=msg.pp_size)
@@ -582,7 +582,7 @@ class SenderSession:
                                                   msg.retry_after_ms), now, out,
                                tell_receiver=r.state in (TxState.STREAMING, TxState.COMMITTING))
             elif p.state is PeerState.HELLO_SENT:
-                self._fail_waiting(p, self.peers.refused(p, msg, out), now, out)
+                self._fail_waiting(p, self.peers.refused(p, msg, now, out), now, out)
             else:
                 out.append(Log(logging.WARNING, f"error from receiver {p.endpoint}: {msg.code.value} {msg.message}",
                                msg.req_id))
@@ -702,7 +702,7 @@ class SenderSession:
         p.waiting = []
 
     def _peer_failed(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
-        self.peers.fail(p, err, out)  # DEAD until the next request
+        self.peers.fail(p, err, now, out)  # DEAD until the next request (held down, where it never came up)
         self._fail_waiting(p, err, now, out)
         out.append(ResetPeer(p.endpoint))
 
