@@ -199,10 +199,12 @@ class ReceiverConfig(_Base):
     without them (its sender's ``checksums = false``) fails, typed (checksum_mismatch), and is never indexed."""
     max_leases_per_sender: int = Field(1024, ge=1)
     """Cap on uncommitted allocations one sender may hold: per CURVE key where authentication is on (whatever
-    connections it opens), else per connection."""
+    connections it opens), else per connection. Its ended requests whose late writes may still land (aborted
+    unsettled, or expired, until its Abort says settled or it is fenced) count too."""
     max_inflight_bytes_per_sender: int = Field(0, ge=0)
     """Cap on pool bytes one sender (as ``max_leases_per_sender`` counts senders) may hold uncommitted (0 = the
-    whole pool)."""
+    whole pool), its ended requests' pages (and state slots) too while they wait for its late writes or sit in
+    quarantine."""
     curve_secret_key_file: str | None = None
     """This receiver's CURVE secret key (``.key_secret`` from ``pdpush keygen``): turns on authentication."""
     allowed_senders: list[str] = Field(default_factory=list)

@@ -53,8 +53,9 @@ After the KV comes the readiness area: one 8-byte word per (layer, page),
 rank's data puts flushed, which means remote completion), the sender puts the
 request's lease id into ``ready[l, p]`` for each of its new pages ``p``. A
 decode client reading its zero-copy mapping sees a layer ready when every word
-of its new pages equals its lease id. Lease ids are unique and never 0, so a
-zeroed word or a late write from an older lease never reads as ready.
+of its new pages equals its lease id. Lease ids are random 64-bit values, never 0
+(1 in 2**64 that two match), so a zeroed word or a late write from an older lease never
+reads as ready, and nobody who saw one lease id can set words for another ahead.
 
 Chunk keys and the fingerprint describe the model's whole KV (every field of the description,
 all heads), not a rank's or a pool's split, so prefix reuse works across TP configurations, and

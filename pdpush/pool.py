@@ -74,6 +74,8 @@ class PagePool:
         self._quarantine: list[tuple[int, list[int], str]] = []  # (release_at_ms, pages, owner)
         self._unfenced: dict[str, list[int]] = {}  # req_id -> pages a late write may still reach
         self._unfenced_owner: dict[str, str] = {}  # req_id -> the owner of its unfenced pages
+        self._held_reqs: dict[str, int] = {}  # owner -> its requests with unfenced pages (``held_by``)
+        self._held_pages: dict[str, int] = {}  # owner -> its pages unfenced or in quarantine
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self.requests: dict[str, PoolRequest] = {}
         self.counters = {"chunks_evicted": 0, "chunks_hit": 0, "exhausted": 0}
@@ -107,9 +109,14 @@ class PagePool:
     def held_by(self, owner: str) -> tuple[int, int]:
         """What ``owner``'s aborted requests keep out of use: (requests whose late writes may still land, pages
         unfenced or in quarantine). An owner that aborts request after request holds them as it held its leases."""
-        waiting = [rid for rid, o in self._unfenced_owner.items() if o == owner]
-        return len(waiting), (sum(len(self._unfenced[rid]) for rid in waiting)
-                              + sum(len(p) for _, p, o in self._quarantine if o == owner))
+        return self._held_reqs.get(owner, 0), self._held_pages.get(owner, 0)
+
+    @staticmethod
+    def _count(d: dict[str, int], owner: str, n: int) -> None:
+        if v := d.get(owner, 0) + n:
+            d[owner] = v
+        else:
+            d.pop(owner, None)
 
     def held(self, keys: list[bytes]) -> int:
         """How many of ``keys`` are held complete (an allocation would take no page for them)."""
@@ -236,8 +243,11 @@ class PagePool:
         if published and not fenced:
             self._unfenced.setdefault(req_id, []).extend(req.new_pages)
             self._unfenced_owner[req_id] = req.owner
+            self._count(self._held_reqs, req.owner, 1)
+            self._count(self._held_pages, req.owner, len(req.new_idx))
         elif published:
             self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages, req.owner))
+            self._count(self._held_pages, req.owner, len(req.new_idx))
         else:
             self._give(req.new_pages)
         self._unpin(req)
@@ -246,9 +256,11 @@ class PagePool:
     def settle(self, req_id: str, now_ms: int) -> None:
         """No write to aborted ``req_id``'s pages can land any more: they go to quarantine."""
         pages = self._unfenced.pop(req_id, None)
-        owner = self._unfenced_owner.pop(req_id, "")
+        owner = self._unfenced_owner.pop(req_id, None)
+        if owner is not None:
+            self._count(self._held_reqs, owner, -1)
         if pages:
-            self._quarantine.append((now_ms + self.quarantine_ms, pages, owner))
+            self._quarantine.append((now_ms + self.quarantine_ms, pages, owner or ""))
 
     def drop(self, req_id: str) -> None:
         """A committed request nobody reads any more: unpin its chunks, free its private pages."""
@@ -273,6 +285,7 @@ class PagePool:
             for at, pages, owner in self._quarantine:
                 if now_ms >= at:
                     self._give(pages)
+                    self._count(self._held_pages, owner, -len(pages))
                 else:
                     keep.append((at, pages, owner))
             self._quarantine = keep
@@ -302,6 +315,14 @@ class PagePool:
             else:
                 owner[r.private] += 1
         assert set(self._unfenced_owner) == set(self._unfenced), "unfenced pages without their owner"
+        reqs: dict[str, int] = {}
+        pages_of: dict[str, int] = {}
+        for rid, o in self._unfenced_owner.items():
+            self._count(reqs, o, 1)
+            self._count(pages_of, o, len(self._unfenced[rid]))
+        for _, p, o in self._quarantine:
+            self._count(pages_of, o, len(p))
+        assert (reqs, pages_of) == (self._held_reqs, self._held_pages), "held_by's counts drift"
         bad = np.flatnonzero(owner != 1)
         assert len(bad) == 0, f"pages not in exactly one place: {bad[:10].tolist()} counts {owner[bad[:10]].tolist()}"
         assert self._nfree == int(self._free.sum())

@@ -128,6 +128,7 @@ class TcpCutter:
             try:
                 a, _ = self.listener.accept()
                 b = socket.create_connection(self.target, timeout=5)
+                b.settimeout(None)  # (the connect's timeout only: a quiet link is no reason to end it)
             except OSError:
                 continue
             with self._lock:

@@ -238,6 +238,7 @@ def test_one_decode_connection_holds_a_bounded_number_of_claims(monkeypatch):
     from pdpush.sessions import receiver as rxmod
 
     monkeypatch.setattr(rxmod, "CLAIMS_PER_READER", 3)
+    monkeypatch.setattr(rxmod, "CLAIMS_ALL", 4)  # and all connections together (one made again is another)
     w = Wire()
     rx = w.rx[RX]
     w.push("p", list(range(48)))
@@ -248,6 +249,8 @@ def test_one_decode_connection_holds_a_bounded_number_of_claims(monkeypatch):
     err = claim(w, "c3", list(range(48)))
     assert isinstance(err, protocol.Error) and err.code is ErrorCode.TOO_LARGE and "c3" not in rx.reqs
     assert claim(w, "other", list(range(48)), ident=b"e").chunks == 3
+    err = claim(w, "third", list(range(48)), ident=b"f")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.TOO_LARGE and "the receiver holds" in err.message
     rx.check()
     rx.on_local(b"d", protocol.Open(req_id="c0"), w.now)
     rx.on_local(b"d", protocol.Release(req_id="c0"), w.now)

@@ -503,6 +503,10 @@ def test_a_late_answer_to_an_earlier_attempt_is_never_taken_for_a_retrys():
     late = held_answers(begin("x", list(range(20))))
     w.tick(101)  # no answer in time: attempt 1 fails; its Abort (settled: nothing was put) reaches the receiver
     assert isinstance(w.outcome("x"), protocol.Error) and "x" not in rx.reqs
+    # an Abort of an id the receiver does not hold (another, late) is answered Ok: an error would be taken for the
+    # answer to a retry of the id begun meanwhile, and fail it
+    again = rx.on_control(b"tx", protocol.Abort(req_id="x", reason="sender no longer wants it", settled=True), w.now)
+    assert [type(a.msg) for a in again if isinstance(a, ToSender)] == [protocol.Ok]
     first_pages = late[0].page_runs
     own = held_answers(begin("x", list(range(20))))  # the engine retries the id
     assert own[0].page_runs != first_pages and own[0].attempt != late[0].attempt
@@ -1946,6 +1950,8 @@ def test_an_open_parked_before_a_claim_of_its_id_is_answered_by_the_claim():
     [ok] = [a.msg for a in out if isinstance(a, ToDecode) and a.ident == b"early"]
     assert isinstance(ok, protocol.OpenOk) and ok.committed and len(ok.pages) == 3
     assert msgs(out, ToDecode, protocol.ClaimOk)[0].chunks == 3 and not rx.parked
+    answers = [type(a.msg) for a in out if isinstance(a, ToDecode)]  # the claim's answer first: a connection that
+    assert answers == [protocol.ClaimOk, protocol.OpenOk]  # opened, then claimed, waits for it (its call's reply)
     rx.on_local(b"early", protocol.Release(req_id="c"), 4)
     assert "c" not in rx.reqs  # its one reader released it
     rx.check()

@@ -585,14 +585,16 @@ def test_a_receiver_added_again_under_its_id_takes_its_old_flights_off_the_count
     try:
         pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
         os.kill(p.proc.pid, signal.SIGSTOP)
-        _request(pu, src, p, 1, layers=16)
-        assert pu.hand(3, 1, 0, 16) == 0
-        pu.post()
-        assert pu.in_flight == 1
-        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
-        assert pu.in_flight == 0 and pu.stats()["puts_in_flight"] == 0
-        ep.close()
-        os.kill(p.proc.pid, signal.SIGCONT)
+        try:
+            _request(pu, src, p, 1, layers=16)
+            assert pu.hand(3, 1, 0, 16) == 0
+            pu.post()
+            assert pu.in_flight == 1
+            pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
+            assert pu.in_flight == 0 and pu.stats()["puts_in_flight"] == 0
+            ep.close()
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
         for _ in range(100):
             w.progress()
     finally:

@@ -356,10 +356,17 @@ class PendingOpen:
         # the receiver it went to: a restarted one's lifeline replaces it on the connection, and an answer from
         # the dead one must not hand out views of its pool
         self.life = client._conn.life
+        self._abandoned = False
 
     def wait(self) -> DecodeRequest:
-        """The opened request, or the receiver's typed error; TransportTimeout past the deadline."""
-        return self._request(self.client._conn.reply(self.req_id, self.deadline, check=False, life=self.life))
+        """The opened request, or the receiver's typed error; TransportTimeout past the deadline (the open is then
+        given up: its answer, or the receiver's word that it waited too long, never answers a later open)."""
+        try:
+            reply = self.client._conn.reply(self.req_id, self.deadline, check=False, life=self.life)
+        except TransportTimeout:
+            self.abandon()
+            raise
+        return self._request(reply)
 
     def poll(self) -> DecodeRequest | None:
         """The opened request if its answer has come, else None (never waits); its typed error, or
@@ -368,6 +375,7 @@ class PendingOpen:
             reply = self.client._conn.reply(self.req_id, time.monotonic(), check=False, life=self.life)
         except TransportTimeout:  # nothing yet (a typed error reply is raised below, never taken for this)
             if time.monotonic() >= self.deadline:
+                self.abandon()  # (as ``wait``'s)
                 raise TransportTimeout(f"open of {self.req_id!r}: no answer from the receiver in time") from None
             return None
         return self._request(reply)
@@ -375,6 +383,9 @@ class PendingOpen:
     def abandon(self) -> None:
         """Give the open up unanswered (a failed load): its answer is dropped when it comes, and the receiver
         releases what it opened (Release after Open, in order on one connection; an error reply is dropped)."""
+        if self._abandoned:
+            return
+        self._abandoned = True
         conn = self.client._conn
         conn.end(self.req_id)
         # without waiting (an engine's step gives loads up), and unanswered: a late answer would answer a later open

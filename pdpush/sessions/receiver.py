@@ -120,6 +120,7 @@ PARKED_PER_READER = 4096  # opens one decode connection may have waiting for pus
 PARKED_ALL = 65536  # and every connection together (the requests parked on, given-up marks too: 4x)
 CLAIMS_PER_READER = 4096  # claims one decode connection may hold at once (each pins its chunks until read or its
 # lease: 20,000 claims of one prompt held ~90 MB and pinned every chunk, so that pushes found the pool exhausted)
+CLAIMS_ALL = 65536  # and every connection together (a connection made again is another)
 MAX_TOKENS = 4096
 MAX_SESSIONS = 4096  # sender connections remembered as having said Hello (the least recently heard go first)
 MAX_FINISHED = 4096
@@ -461,10 +462,12 @@ class ReceiverSession:
                 self._settle(msg.req_id, now)
                 out.append(ToSender(ident, Ok(req_id=msg.req_id)))
                 return
-            if self._dropped_of(ident, msg.req_id) is not None:
-                out.append(ToSender(ident, Ok(req_id=msg.req_id)))  # committed, read and gone: nothing to end
+            r = self.reqs.get(msg.req_id)
+            if r is None or r.sender != ident:  # none of this sender's here (committed, read and gone; ended; never
+                # allocated): nothing to end. An error would be taken for the answer to a retry of the id that the
+                # sender has begun meanwhile, and fail it
+                out.append(ToSender(ident, Ok(req_id=msg.req_id)))
                 return
-            r = self._owned(ident, msg.req_id)
             if r.words and r.state is ReqState.COMMITTED:  # it landed whole first (its words): nothing to end
                 out.append(ToSender(ident, Ok(req_id=msg.req_id)))
                 return
@@ -519,7 +522,7 @@ class ReceiverSession:
         except ValueError as e:
             raise RemoteProtocolError(str(e), req_id=rid) from None
         if self.state_pool is not None:  # its state slot first: the pages' allocation may evict, a slot never
-            slot = self.state_pool.allocate(rid, [rid.encode()]).new_pages[0]
+            slot = self.state_pool.allocate(rid, [rid.encode()], owner=principal).new_pages[0]
         try:
             alloc = self.pool.allocate(rid, keys, owner=principal)
         except PdpushError:
@@ -598,7 +601,8 @@ class ReceiverSession:
         if cap:
             page_set = self.layout.layers * self.layout.page_bytes  # one page index in every layer
             st = self.layout.state_slot_bytes  # and a state slot each, where the model has state
-            held = sum(len(r.alloc.new_idx) * page_set + st for r in mine) + ended_pages * page_set
+            ended_slots = self.state_pool.held_by(principal)[1] if self.state_pool is not None else 0
+            held = sum(len(r.alloc.new_idx) * page_set + st for r in mine) + ended_pages * page_set + ended_slots * st
             if held + items * page_set + st > cap:
                 raise PoolExhausted(f"sender would hold {held + items * page_set + st} bytes "
                                     f"uncommitted (max_inflight_bytes_per_sender={cap})", req_id=msg.req_id)
@@ -908,7 +912,11 @@ class ReceiverSession:
             if msg.answer:
                 out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
-            out.append(ToDecode(ident, self._claim(ident, msg, now, out)))
+            opened: list = []  # the opens parked on its id, answered after the claim's own answer (a connection that
+            ok = self._claim(ident, msg, now, opened)  # opened and then claimed the id waits for the ClaimOk first)
+            out.extend(a for a in opened if not isinstance(a, ToDecode))
+            out.append(ToDecode(ident, ok))
+            out.extend(a for a in opened if isinstance(a, ToDecode))
         elif isinstance(msg, Withdraw):  # the decode engine stopped waiting for this push: "Withdrawn pushes" above
             out.append(ToDecode(ident, Ok(req_id=msg.req_id if self._withdraw(msg, out, by_decode=True) else None)))
         elif isinstance(msg, Query):
@@ -1004,6 +1012,8 @@ class ReceiverSession:
         if self._claims_by.get(ident, 0) >= CLAIMS_PER_READER:
             raise RequestTooLarge(f"this connection holds {CLAIMS_PER_READER} claims: read or release some first",
                                   req_id=rid)
+        if sum(self._claims_by.values()) >= CLAIMS_ALL:
+            raise RequestTooLarge(f"the receiver holds {CLAIMS_ALL} claims: read or release some first", req_id=rid)
         alloc = self.pool.allocate(rid, keys)  # every item held: pinned, no new page
         self.pool.commit(rid)
         r = RxRequest(rid, b"", alloc, self._new_lease(), now, last, now, state=ReqState.COMMITTED,

@@ -552,14 +552,16 @@ class SenderSession:
             r = self.reqs.get(msg.req_id)
             if r is not None and r.peer is p and r.state is TxState.ALLOCATING and msg.attempt == r.seq:
                 self._on_alloc(r, msg, now, out)
-            elif r is not None and r.peer is p:  # an earlier attempt's, late (its Abort went before this attempt's
-                # AllocRequest: the receiver has ended it), or a receiver's mistake: an Abort naming the id now would
-                # end this attempt's pages at the receiver, settled, while its puts may be in flight
+            elif r is not None and r.peer is p and (msg.attempt != r.seq or r.state in (TxState.STREAMING,
+                                                                                        TxState.COMMITTING)):
+                # an earlier attempt's, late (its Abort went before this attempt's AllocRequest: the receiver has
+                # ended it), or a receiver's duplicate: an Abort naming the id now would end this attempt's pages at
+                # the receiver, settled, while its puts may be in flight
                 self.counters.add("stale_replies")
                 out.append(Log(logging.WARNING, f"an answer to another attempt of the request from {p.endpoint} "
                                                 f"(attempt {msg.attempt}, this one {r.seq}, {r.state.value}): dropped",
                                r.req_id))
-            else:  # we gave up on it; do not hold the receiver's pages
+            else:  # we gave up on it (or this attempt backs off: a retry asks again); do not hold its pages
                 out.append(ToPeer(p.endpoint, Abort(req_id=msg.req_id, reason="sender no longer wants it",
                                                     settled=True)))  # nothing was ever put to its pages
         elif isinstance(msg, CommitAck):

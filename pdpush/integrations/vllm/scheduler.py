@@ -395,7 +395,8 @@ class SchedulerSide:
             except PdpushError as e:
                 log.error("pdpush: claim of held chunks for %s failed; computing the prompt here: %s",
                           request.request_id, e)
-                self.receiver.reset()
+                if not isinstance(e, CLAIM_REFUSED):  # (a refusal was answered: the connection is sound; made again,
+                    self.receiver.reset()  # it would count as another for the receiver's caps on claims)
                 r.claimed, r.claim_unsure = 0, not isinstance(e, CLAIM_REFUSED)
                 if (isinstance(e, (TransportError, BrokenResourceError)) or protocol.local_mismatch(e)) \
                         and self.asker is not None:
