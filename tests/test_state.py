@@ -186,6 +186,36 @@ def test_a_state_slot_taken_by_an_allocation_that_then_fails_is_free_at_once():
     rx.check()
 
 
+def test_an_aborted_requests_state_slot_counts_against_its_sender_until_it_is_free():
+    """A sender's ended requests count against ``max_inflight_bytes_per_sender`` while their pages wait or sit in
+    quarantine, and so do their state slots (a state slot each: a model with state layers could otherwise have its
+    slots held by a sender aborting request after request)."""
+    from pdpush import protocol
+    from pdpush.errors import ErrorCode
+    from pdpush.layout import chunk_keys
+    from tests.test_sessions import receiver
+
+    page_set = LAY.layers * LAY.page_bytes
+    slot = LAY.state_slot_bytes  # what one request takes beside its pages
+    rx = receiver(pages=8, lay=LAY, quarantine_ms=1000, max_inflight_bytes_per_sender=3 * page_set + 2 * slot)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(),
+                                       layout=protocol.LayoutSpec(**LAY.to_dict())), 0)
+
+    def alloc(rid: str, first: int, now: int):
+        return rx.on_control(b"s", protocol.AllocRequest(req_id=rid, chunk_keys=chunk_keys(list(range(first, first + 32)),
+                                                                                         LAY),
+                                                         last_chunk_tokens=32, lease_ms=1000), now)[-1].msg
+
+    assert isinstance(alloc("a", 0, 0), protocol.AllocResponse)  # one page and a slot
+    rx.on_control(b"s", protocol.Abort(req_id="a", settled=True), 1)  # its page and slot in quarantine
+    assert isinstance(alloc("b", 100, 2), protocol.AllocResponse)  # a's page and slot + b's: within the cap
+    err = alloc("c", 200, 3)  # a's, b's and c's slots: past it (their pages alone would not be)
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.POOL_EXHAUSTED
+    rx.on_tick(1002)  # a's page and slot out of quarantine
+    assert isinstance(alloc("c", 200, 1003), protocol.AllocResponse)
+    rx.check()
+
+
 def test_an_allocation_of_a_state_slot_outside_the_pool_fails_its_request_before_any_put():
     """A state slot is a remote address too: one at or past the receiver's ``state_slots`` fails the request,
     however few it says it has (none, here: a receiver that cannot hold state)."""
