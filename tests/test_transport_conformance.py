@@ -552,32 +552,11 @@ def test_the_native_path_reports_a_dead_receiver(world, env):
         pu.close()
 
 
-def test_the_native_path_drops_a_receiver_with_batches_in_flight(world):
-    make, peer = world
-    w, src = make(TCP)
-    p, ep = peer(w, TCP)
-    pu = _pusher(w, src)
-    try:
-        pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
-        os.kill(p.proc.pid, signal.SIGSTOP)
-        _request(pu, src, p, 1, layers=16)
-        assert pu.hand(3, 1, 0, 16) == 0
-        pu.post()
-        assert pu.in_flight == 1
-        pu.drop_endpoint(1)
-        assert pu.in_flight == 0 and pu.poll() == ([], []) and pu.hand(3, 1, 0, 1) == 1
-        ep.close()  # UCX completes the dropped requests as canceled, later
-        os.kill(p.proc.pid, signal.SIGCONT)
-        for _ in range(100):
-            w.progress()
-    finally:
-        pu.close()
-
-
-def test_a_receiver_added_again_under_its_id_takes_its_old_flights_off_the_count(world):
-    """``add_endpoint`` over an id that has batches in flight (the session's reconnection drops the old one first,
-    but nothing below made it): its flights went with it and stayed counted, and every wait after slept at most
-    1 ms (in_flight) for good."""
+@pytest.mark.parametrize("how", ["dropped", "added again"])
+def test_the_native_path_forgets_a_receivers_flights_when_it_is_dropped_or_added_again(world, how):
+    """A receiver dropped with batches in flight, or added again under its id (the session's reconnection drops the
+    old one first, but nothing below made it: its flights stayed counted, and every wait after slept at most 1 ms,
+    for good): its flights leave the count, and UCX completes them as canceled later."""
     make, peer = world
     w, src = make(TCP)
     p, ep = peer(w, TCP)
@@ -590,8 +569,12 @@ def test_a_receiver_added_again_under_its_id_takes_its_old_flights_off_the_count
             assert pu.hand(3, 1, 0, 16) == 0
             pu.post()
             assert pu.in_flight == 1
-            pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
-            assert pu.in_flight == 0 and pu.stats()["puts_in_flight"] == 0
+            if how == "dropped":
+                pu.drop_endpoint(1)
+                assert pu.in_flight == 0 and pu.poll() == ([], []) and pu.hand(3, 1, 0, 1) == 1
+            else:
+                pu.add_endpoint(1, ep.handle, ep.rkey.handle, p.info["address"], REGION)
+                assert pu.in_flight == 0 and pu.stats()["puts_in_flight"] == 0
             ep.close()
         finally:
             os.kill(p.proc.pid, signal.SIGCONT)
