@@ -7,6 +7,7 @@ errors here; ``zmq.Again`` never escapes. Imports no UCX or torch.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,9 @@ def bind_router(endpoint_host: str, port: int, max_frame: int,
     if configure is not None:
         configure(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot go says so (``send``), never vanishes
+    # a peer that names its connection (a sender's DEALER: ``dealer(routing_id=)``) and makes it again after it broke
+    # takes its name over, though this end has not yet seen the old connection end (a silent drop)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if hwm:
         sock.setsockopt(zmq.SNDHWM, hwm)
     host = f"[{endpoint_host}]" if ":" in endpoint_host else endpoint_host
@@ -193,10 +197,12 @@ def _answers(path: Path) -> bool:
 
 
 def _connect(sock: zmq.Socket, endpoint: str, max_frame: int, hwm: int,
-             configure: Callable[[zmq.Socket], None] | None) -> zmq.Socket:
+             configure: Callable[[zmq.Socket], None] | None, routing_id: bytes | None = None) -> zmq.Socket:
     _harden(sock, max_frame)
     if configure is not None:  # CURVE client options must be set before connect
         configure(sock)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.SNDHWM, hwm)
     if "://[" in endpoint:  # an IPv6 address: libzmq refuses to reach one unless told (a bracketed one got nothing)
         sock.setsockopt(zmq.IPV6, 1)
@@ -208,10 +214,14 @@ def _connect(sock: zmq.Socket, endpoint: str, max_frame: int, hwm: int,
     return sock
 
 
-def dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
+def dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None,
+           named: bool = False) -> zmq.Socket:
+    """``named``: the socket names its connection (a random routing id, which ZeroMQ presents again when it makes the
+    connection again after it broke), so that the peer's ROUTER knows it for the same one, and keeps its session."""
     # Frames queue until the peer connects; every caller waits with a deadline, and a peer
     # declared dead gets a fresh socket, so nothing stale is replayed to a restarted peer.
-    return _connect(context().socket(zmq.DEALER), endpoint, max_frame, 10000, configure)
+    routing_id = b"\x01" + secrets.token_bytes(15) if named else None  # (never a zero byte first: libzmq's own ids)
+    return _connect(context().socket(zmq.DEALER), endpoint, max_frame, 10000, configure, routing_id)
 
 
 def async_dealer(endpoint: str, max_frame: int, configure: Callable[[zmq.Socket], None] | None = None):

@@ -596,7 +596,7 @@ class Sender:
             def configure(sock):
                 auth.make_client(sock, keys, server_key)
 
-        return control.dealer(address, self.cfg.max_frame_bytes, configure)
+        return control.dealer(address, self.cfg.max_frame_bytes, configure, named=True)
 
     def _connect(self, a: Connect) -> list:
         """Start the data plane to a receiver and return at once: the loop finishes it (``_connects``) while it
