@@ -44,7 +44,7 @@ def bind_router(endpoint_host: str, port: int, max_frame: int,
     if configure is not None:
         configure(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot go says so (``send``), never vanishes
-    # a peer that names its connection (a sender's DEALER: ``dealer(routing_id=)``) and makes it again after it broke
+    # a peer that names its connection (a sender's DEALER: ``dealer(named=True)``) and makes it again after it broke
     # takes its name over, though this end has not yet seen the old connection end (a silent drop)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if hwm:

@@ -72,8 +72,7 @@ class PagePool:
         self._free = np.ones(num_pages, dtype=bool)
         self._nfree = num_pages
         self._quarantine: list[tuple[int, list[int], str]] = []  # (release_at_ms, pages, owner)
-        self._unfenced: dict[str, list[int]] = {}  # req_id -> pages a late write may still reach
-        self._unfenced_owner: dict[str, str] = {}  # req_id -> the owner of its unfenced pages
+        self._unfenced: dict[str, tuple[str, list[int]]] = {}  # req_id -> (owner, pages a late write may still reach)
         self._held_reqs: dict[str, int] = {}  # owner -> its requests with unfenced pages (``held_by``)
         self._held_pages: dict[str, int] = {}  # owner -> its pages unfenced or in quarantine
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -92,7 +91,7 @@ class PagePool:
 
     @property
     def unfenced_pages(self) -> int:
-        return sum(len(p) for p in self._unfenced.values())
+        return sum(len(p) for _, p in self._unfenced.values())
 
     @property
     def chunks_cached(self) -> int:
@@ -241,9 +240,10 @@ class PagePool:
         if req.indexed:
             raise UnexpectedMessage(f"request {req_id!r} is committed; cannot abort")
         if published and not fenced:
-            self._unfenced.setdefault(req_id, []).extend(req.new_pages)
-            self._unfenced_owner[req_id] = req.owner
-            self._count(self._held_reqs, req.owner, 1)
+            if req_id not in self._unfenced:
+                self._unfenced[req_id] = (req.owner, [])
+                self._count(self._held_reqs, req.owner, 1)
+            self._unfenced[req_id][1].extend(req.new_pages)
             self._count(self._held_pages, req.owner, len(req.new_idx))
         elif published:
             self._quarantine.append((now_ms + self.quarantine_ms, req.new_pages, req.owner))
@@ -255,12 +255,12 @@ class PagePool:
 
     def settle(self, req_id: str, now_ms: int) -> None:
         """No write to aborted ``req_id``'s pages can land any more: they go to quarantine."""
-        pages = self._unfenced.pop(req_id, None)
-        owner = self._unfenced_owner.pop(req_id, None)
-        if owner is not None:
-            self._count(self._held_reqs, owner, -1)
+        if req_id not in self._unfenced:
+            return
+        owner, pages = self._unfenced.pop(req_id)
+        self._count(self._held_reqs, owner, -1)
         if pages:
-            self._quarantine.append((now_ms + self.quarantine_ms, pages, owner or ""))
+            self._quarantine.append((now_ms + self.quarantine_ms, pages, owner))
 
     def drop(self, req_id: str) -> None:
         """A committed request nobody reads any more: unpin its chunks, free its private pages."""
@@ -305,7 +305,7 @@ class PagePool:
         owner[self._free] += 1
         for _, pages, _ in self._quarantine:
             owner[pages] += 1
-        for pages in self._unfenced.values():
+        for _, pages in self._unfenced.values():
             owner[pages] += 1
         for e in self._index.values():
             owner[e.page] += 1
@@ -314,12 +314,11 @@ class PagePool:
                 owner[r.new_pages] += 1
             else:
                 owner[r.private] += 1
-        assert set(self._unfenced_owner) == set(self._unfenced), "unfenced pages without their owner"
         reqs: dict[str, int] = {}
         pages_of: dict[str, int] = {}
-        for rid, o in self._unfenced_owner.items():
+        for o, p in self._unfenced.values():
             self._count(reqs, o, 1)
-            self._count(pages_of, o, len(self._unfenced[rid]))
+            self._count(pages_of, o, len(p))
         for _, p, o in self._quarantine:
             self._count(pages_of, o, len(p))
         assert (reqs, pages_of) == (self._held_reqs, self._held_pages), "held_by's counts drift"
