@@ -86,6 +86,7 @@ class Metrics:
             self.pool_pages.labels("free").set(stats["pool_pages_free"])
             self.pool_pages.labels("quarantined").set(stats["pool_pages_quarantined"])
             self.pool_pages.labels("unfenced").set(stats["pool_pages_unfenced"])
+            self.pool_pages.labels("read_held").set(stats["pool_pages_read_held"])
             self.chunks_cached.set(stats["chunks_cached"])
             self.leases_active.set(stats["leases_active"])
         else:

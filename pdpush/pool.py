@@ -11,6 +11,9 @@ Every page is in exactly one place at any time (``check()`` asserts it):
                  the endpoint carrying them is closed), then goes to quarantine
   quarantine  -> reclaimed from an expired or aborted lease; a one-sided write
                  cannot be revoked, so it waits out a grace period before reuse
+  read-held   -> an aborted request's record, while a decode that opened it may still be reading its
+                 pages (pushed ones, and the held chunks it pinned): nothing of it moves, its pins stay,
+                 until its readers let go (``abort_held``), when it is aborted as above
 
 The pool knows which pages a request holds, not where the request is in its
 life: leases, deadlines, readers and TTLs belong to the receiver session, which
@@ -73,6 +76,8 @@ class PagePool:
         self._nfree = num_pages
         self._quarantine: list[tuple[int, list[int], str]] = []  # (release_at_ms, pages, owner)
         self._unfenced: dict[str, tuple[str, list[int]]] = {}  # req_id -> (owner, pages a late write may still reach)
+        self._read_held: dict[int, PoolRequest] = {}  # hold -> an aborted request's record its readers keep (``hold``)
+        self._holds = 0
         self._held_reqs: dict[str, int] = {}  # owner -> its requests with unfenced pages (``held_by``)
         self._held_pages: dict[str, int] = {}  # owner -> its pages unfenced or in quarantine
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -105,9 +110,18 @@ class PagePool:
             n += 1
         return n
 
+    @property
+    def read_holds(self) -> list[int]:
+        return list(self._read_held)
+
+    @property
+    def read_held_pages(self) -> int:
+        return sum(len(r.new_idx) for r in self._read_held.values())
+
     def held_by(self, owner: str) -> tuple[int, int]:
-        """What ``owner``'s aborted requests keep out of use: (requests whose late writes may still land, pages
-        unfenced or in quarantine). An owner that aborts request after request holds them as it held its leases."""
+        """What ``owner``'s aborted requests keep out of use: (requests whose late writes may still land, or whose
+        readers keep them; pages unfenced, read-held or in quarantine). An owner that aborts request after request
+        holds them as it held its leases."""
         return self._held_reqs.get(owner, 0), self._held_pages.get(owner, 0)
 
     @staticmethod
@@ -239,6 +253,32 @@ class PagePool:
         req = self._get(req_id)
         if req.indexed:
             raise UnexpectedMessage(f"request {req_id!r} is committed; cannot abort")
+        self._abort(req, now_ms, published, fenced)
+        del self.requests[req_id]
+
+    def hold(self, req_id: str) -> int:
+        """Abort uncommitted ``req_id`` while a decode that opened it may still read its pages: its record leaves
+        (a retry of the id can allocate) but keeps its pages and its pins, out of use, until ``abort_held``. Returns
+        the hold."""
+        req = self._get(req_id)
+        if req.indexed:
+            raise UnexpectedMessage(f"request {req_id!r} is committed; cannot abort")
+        self._holds += 1
+        self._read_held[self._holds] = req
+        del self.requests[req_id]
+        self._count(self._held_reqs, req.owner, 1)
+        self._count(self._held_pages, req.owner, len(req.new_idx))
+        return self._holds
+
+    def abort_held(self, hold: int, now_ms: int, fenced: bool = True) -> None:
+        """The readers of held request ``hold`` let go: it is aborted as ``abort`` does (its pages published)."""
+        req = self._read_held.pop(hold)
+        self._count(self._held_reqs, req.owner, -1)
+        self._count(self._held_pages, req.owner, -len(req.new_idx))
+        self._abort(req, now_ms, True, fenced)
+
+    def _abort(self, req: PoolRequest, now_ms: int, published: bool, fenced: bool) -> None:
+        req_id = req.req_id
         if published and not fenced:
             if req_id not in self._unfenced:
                 self._unfenced[req_id] = (req.owner, [])
@@ -251,7 +291,6 @@ class PagePool:
         else:
             self._give(req.new_pages)
         self._unpin(req)
-        del self.requests[req_id]
 
     def settle(self, req_id: str, now_ms: int) -> None:
         """No write to aborted ``req_id``'s pages can land any more: they go to quarantine."""
@@ -309,7 +348,7 @@ class PagePool:
             owner[pages] += 1
         for e in self._index.values():
             owner[e.page] += 1
-        for r in self.requests.values():
+        for r in [*self.requests.values(), *self._read_held.values()]:
             if not r.indexed:
                 owner[r.new_pages] += 1
             else:
@@ -321,10 +360,13 @@ class PagePool:
             self._count(pages_of, o, len(p))
         for _, p, o in self._quarantine:
             self._count(pages_of, o, len(p))
+        for r in self._read_held.values():
+            self._count(reqs, r.owner, 1)
+            self._count(pages_of, r.owner, len(r.new_idx))
         assert (reqs, pages_of) == (self._held_reqs, self._held_pages), "held_by's counts drift"
         bad = np.flatnonzero(owner != 1)
         assert len(bad) == 0, f"pages not in exactly one place: {bad[:10].tolist()} counts {owner[bad[:10]].tolist()}"
         assert self._nfree == int(self._free.sum())
         for k, e in self._index.items():
-            expect = sum(r.pinned.count(k) for r in self.requests.values())
+            expect = sum(r.pinned.count(k) for r in [*self.requests.values(), *self._read_held.values()])
             assert e.refs == expect, f"refcount drift on a chunk: {e.refs} != {expect}"

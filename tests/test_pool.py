@@ -76,6 +76,25 @@ def test_aborted_lease_goes_through_quarantine():
     p.check()
 
 
+def test_a_read_held_abort_keeps_its_pages_and_pins_until_its_readers_let_go():
+    p = PagePool(4, quarantine_ms=500)
+    p.allocate("base", keys(1, 2))
+    p.commit("base")
+    p.drop("base")  # two chunks indexed, unpinned
+    p.allocate("a", keys(1, 3), owner="s")  # holds them, one new page
+    hold = p.hold("a")
+    assert "a" not in p.requests and p.read_held_pages == 1 and p.held_by("s") == (1, 1)
+    with pytest.raises(PoolExhausted):  # the pinned chunks cannot be evicted for it
+        p.allocate("b", keys(2, 3))
+    p.allocate("a", keys(3, 1))  # a retry of the id is another record
+    p.check()
+    p.abort("a", 0, published=False)
+    p.abort_held(hold, 100, fenced=True)
+    assert p.read_held_pages == 0 and p.quarantined_pages == 1 and p.held_by("s") == (0, 1)
+    p.allocate("b", keys(2, 2))  # evicts the unpinned chunks now
+    p.check()
+
+
 def test_duplicate_unknown_and_wrong_order_are_typed():
     p = PagePool(4)
     p.allocate("a", keys(1, 1))
@@ -111,6 +130,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = PagePool(16, quarantine_ms=50)
         self.now = 0
         self.n = 0
+        self.holds: list[int] = []
 
     @rule(prefix=st.integers(0, 3), n=st.integers(1, 6))
     def allocate(self, prefix, n):
@@ -125,14 +145,22 @@ class PoolMachine(RuleBasedStateMachine):
         if not self.pool.requests:
             return
         rid = data.draw(st.sampled_from(sorted(self.pool.requests)))
-        op = data.draw(st.sampled_from(["commit", "abort", "drop"]))
+        op = data.draw(st.sampled_from(["commit", "abort", "drop", "hold"]))
         try:
             if op == "abort":
                 self.pool.abort(rid, self.now)
+            elif op == "hold":
+                self.holds.append(self.pool.hold(rid))
             else:
                 getattr(self.pool, op)(rid)
         except RemoteProtocolError:
             pass
+
+    @rule(data=st.data())
+    def let_go(self, data):
+        if self.holds:
+            hold = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+            self.pool.abort_held(hold, self.now, fenced=data.draw(st.booleans()))
 
     @rule(dt=st.integers(0, 400))
     def tick(self, dt):

@@ -56,6 +56,35 @@ def test_sender_killed_midway_fails_its_request_at_once_and_pages_return_through
         dc.close()
 
 
+def test_a_push_that_fails_while_its_decode_has_it_open_keeps_its_pages_until_that_decode_releases_it(daemons):
+    """The sender dies while a decode has its push open: that decode may be reading the pages (it may have
+    taken the push as whole from its readiness words a moment before the failure), so they stay out of use
+    until it releases them. Its client, told of the failure, says so itself."""
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=16), lease_ms=20_000, quarantine_ms=300)
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = kv(LAY, 100, 1)
+        h = pc.begin("doomed", list(range(100)))
+        h.put_layer(0, k[0], v[0])
+        req = dc.open("doomed")
+        tx.kill()
+        pc.close()
+        st = until(lambda: (s := status(sock(rx)))["requests_failed"] == 1 and s, 10, "the request failing")
+        assert st["pool_pages_read_held"] == 7 and st["pool_pages_free"] == 9  # 7 chunks, none reused yet
+        time.sleep(0.5)  # past the quarantine: still held
+        assert status(sock(rx))["pool_pages_read_held"] == 7
+        with pytest.raises(PdpushError) as e:
+            req.wait_committed(10)
+        assert e.value.code is ErrorCode.PEER_DEAD
+        req.release()
+        until(lambda: status(sock(rx))["pool_pages_free"] == 16, 5, "the pages back, through quarantine")
+        assert status(sock(rx))["pool_pages_read_held"] == 0
+    finally:
+        dc.close()
+
+
 def test_receiver_killed_midway_fails_requests_fast_other_receivers_unaffected_and_reconnect(daemons):
     cport, uport = free_ports(2)
     rx1 = daemons.receiver(**rx_opts(LAY), control_port=cport, ucx_port=uport)

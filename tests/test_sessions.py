@@ -609,7 +609,11 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.LEASE_EXPIRED
     # the sender did not end it in time: its writes may still come, so its endpoints are closed (fenced) at once
     assert FenceSender(b"s") in out
-    assert "a" not in rx.reqs and rx.pool.quarantined_pages == 3 and rx.pool.unfenced_pages == 0
+    # its decode has it open and may be reading it: its pages stay as they are until that open is released
+    assert "a" not in rx.reqs and rx.pool.read_held_pages == 3 and rx.pool.quarantined_pages == 0
+    rx.check()
+    assert msgs(rx.on_local(DEC, protocol.Release(req_id="a"), 120), ToDecode, protocol.Ok)  # (its client, told)
+    assert rx.pool.read_held_pages == 0 and rx.pool.quarantined_pages == 3 and rx.pool.unfenced_pages == 0
     rx.check()
     # committed, read and released: dropped; committed and never read: dropped after its TTL
     def query(rid):  # what a decode scheduler asks of a live push (load_mode: committed or still arriving)
@@ -1049,7 +1053,7 @@ _RX_MSG = st.one_of(
     st.builds(lambda r, lay, c: protocol.LayerDone(req_id=r, layers=lay, checksums=None if c is None else [c] * len(lay)),
               _RID, st.lists(st.integers(0, 3), min_size=1, max_size=3), st.none() | st.integers(0, 3)),
     st.builds(lambda r, n: protocol.Commit(req_id=r, layers=n), _RID, st.sampled_from([0, LAY.layers - 1, LAY.layers])),
-    st.builds(lambda r: protocol.Abort(req_id=r), _RID),
+    st.builds(lambda r, settled: protocol.Abort(req_id=r, settled=settled), _RID, st.booleans()),
     st.builds(lambda r: protocol.Open(req_id=r), _RID),
     st.builds(lambda r, a: protocol.Release(req_id=r, answer=a), _RID, st.booleans()),
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
@@ -1062,13 +1066,15 @@ _RX_MSG = st.one_of(
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from([b"s1", b"s2"]), st.booleans(), _RX_MSG | st.tuples(st.just("words"), _RID),
+@given(st.lists(st.tuples(st.sampled_from([b"s1", b"s2"]), st.booleans(), _RX_MSG | st.tuples(st.just("words"), _RID)
+                          | st.tuples(st.sampled_from(["reader_gone", "sender_lost"]), st.just("")),
                           st.just(0) | st.integers(0, 20) | st.integers(0, 120)), min_size=20, max_size=60),
        st.booleans())
 def test_receiver_session_fuzz(steps, verify):
-    """Random messages in random order on both endpoints, and the readiness words of random requests landing
-    whole: every reply typed, the accounting whole, and a request that completes by its words committed at
-    the next look, never ended another way."""
+    """Random messages in random order on both endpoints, the readiness words of random requests landing
+    whole, and connections ending (a reader's lifeline, a sender's data plane): every reply typed, the
+    accounting whole (a failed request's read holds too), and a request that completes by its words committed
+    at the next look, never ended another way."""
     words_in: set[tuple[str, int]] = set()  # (req_id, lease id): every readiness word of that request is in
     rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300,
                                                  max_leases_per_sender=3, verify_checksums=verify),
@@ -1081,7 +1087,12 @@ def test_receiver_session_fuzz(steps, verify):
                                             layout=SPEC), now)
     for ident, local, msg, dt in steps:
         now += dt
-        if isinstance(msg, tuple):  # the words of the request under that id land (if it is there)
+        if isinstance(msg, tuple) and msg[0] == "reader_gone":
+            out = rx.on_reader_gone(ident, now)
+            assert not any(ident in t.readers for ts in rx.tombs.values() for t in ts)
+        elif isinstance(msg, tuple) and msg[0] == "sender_lost":
+            out = rx.on_sender_lost(ident, now)
+        elif isinstance(msg, tuple):  # the words of the request under that id land (if it is there)
             if (r := rx.reqs.get(msg[1])) is not None:
                 words_in.add((r.req_id, r.lease_id))
             out = []
@@ -1094,6 +1105,7 @@ def test_receiver_session_fuzz(steps, verify):
         assert not (verify and rx.counters.values["requests_committed_by_words"])  # checksums: by Commit only
         for r in rx.reqs.values():  # looked at by the tick: a words request whose words are in is committed
             assert not (r.words and (r.req_id, r.lease_id) in words_in and r.state is not ReqState.COMMITTED)
+        assert not any(now >= t.until_ms for ts in rx.tombs.values() for t in ts)  # a read hold is bounded
         for r in rx.reqs.values():  # a tick that skips its scan never misses a deadline that is due
             assert not (r.state in (ReqState.ALLOCATED, ReqState.STREAMING) and now >= r.expires_at_ms)
             assert not (r.state is ReqState.COMMITTED and r.readers == 0 and now >= r.committed_at_ms + 300)
@@ -1800,8 +1812,59 @@ def test_a_senders_data_plane_closing_fails_its_live_requests_at_once_and_fences
     assert msgs(rx.on_local(DEC, protocol.Open(req_id="r"), w.rx_now), ToDecode, protocol.OpenOk)
     out = rx.on_sender_lost(b"tx", w.rx_now)
     assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.PEER_DEAD
-    assert "r" not in rx.reqs and rx.pool.unfenced_pages == 0 and rx.pool.quarantined_pages == 3
-    assert rx.on_sender_lost(b"another", w.rx_now) == [] and rx.pool.quarantined_pages == 3
+    # fenced, but open at its decode, which may be reading it: held until that reader lets go (here its engine dies)
+    assert "r" not in rx.reqs and rx.pool.unfenced_pages == 0 and rx.pool.read_held_pages == 3
+    assert rx.on_sender_lost(b"another", w.rx_now) == [] and rx.pool.read_held_pages == 3
+    rx.check()
+    rx.on_reader_gone(DEC, w.rx_now)
+    assert rx.pool.read_held_pages == 0 and rx.pool.quarantined_pages == 3 and not rx.tombs
+    rx.check()
+
+
+def test_a_failed_request_its_decode_has_open_keeps_its_pages_and_pinned_chunks_until_that_reader_lets_go():
+    """A decode that saw a push's last readiness words land just after the receiver failed it (before the Error
+    came) reads it as whole. Before, the failure unpinned the prefix-cache chunks it held at once: a new push
+    could evict them and write there under that reader's views. Now they stay pinned, and its own pages out of
+    use, until its reader releases it (another connection's Release does not count), or for ``lease_ms``."""
+    rx = receiver(pages=4, lease_ms=100)
+    hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)
+    rx.on_control(b"s", hello, 0)
+
+    def alloc(rid, ids, now):
+        return rx.on_control(b"s", protocol.AllocRequest(req_id=rid, chunk_keys=chunk_keys(ids, LAY),
+                                                         last_chunk_tokens=16, lease_ms=5000), now)
+
+    alloc("base", list(range(32)), 0)  # two chunks, committed, read, dropped: in the index, unpinned
+    assert msgs(rx.on_control(b"s", protocol.Commit(req_id="base", layers=LAY.layers), 1), ToSender,
+                protocol.CommitAck)
+    rx.on_local(DEC, protocol.Open(req_id="base"), 2)
+    rx.on_local(DEC, protocol.Release(req_id="base"), 3)
+    assert "base" not in rx.reqs and rx.pool.chunks_cached == 2
+    assert msgs(alloc("a", list(range(48)), 4), ToSender, protocol.AllocResponse)  # holds both, one new page
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 5), ToDecode, protocol.OpenOk)
+    out = rx.on_control(b"s", protocol.Abort(req_id="a", reason="engine gave up"), 6)  # writes may be in flight
+    assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.ABORTED and "a" not in rx.reqs
+    assert rx.pool.read_held_pages == 1 and rx.stats()["pool_pages_read_held"] == 1
+    rx.check()
+    # a push that needs the held chunks' pages: they are still pinned, so it cannot evict them
+    err = msgs(alloc("b", list(range(500, 548)), 7), ToSender, protocol.Error)
+    assert err and err[0].code is ErrorCode.POOL_EXHAUSTED and rx.pool.chunks_cached == 2
+    msgs(rx.on_local(DEC + b"x", protocol.Release(req_id="a", answer=False), 8), ToDecode, protocol.Error)
+    assert rx.pool.read_held_pages == 1  # another connection's release is not its reader's
+    assert rx.on_local(DEC, protocol.Release(req_id="a", answer=False), 9) == []  # its reader, told, lets go
+    assert rx.pool.read_held_pages == 0 and rx.pool.unfenced_pages == 1 and not rx.tombs  # (its sender never settled)
+    rx.check()
+    assert msgs(alloc("b", list(range(500, 548)), 10), ToSender, protocol.AllocResponse)  # evicts them now
+    rx.check()
+    # a reader that never lets go holds it for lease_ms at most
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="b"), 11), ToDecode, protocol.OpenOk)
+    rx.on_control(b"s", protocol.Abort(req_id="b", reason="engine gave up", settled=True), 12)
+    assert rx.pool.read_held_pages == 3
+    rx.on_tick(111)  # ("a"'s sender never settled it: fenced at its lease, so "a"'s page is quarantined, fenced)
+    assert rx.pool.read_held_pages == 3
+    out = rx.on_tick(112)
+    assert rx.pool.read_held_pages == 0 and rx.pool.quarantined_pages == 3 + 1 and rx.counters.values[  # (+ "a"'s,
+        "read_holds_expired"] == 1 and any(isinstance(a, Log) and "readers kept it" in a.message for a in out)
     rx.check()
 
 

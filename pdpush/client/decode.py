@@ -317,8 +317,12 @@ class DecodeRequest:
         if not self._released:
             self._released = True
             self.client._segments.drop(self._shmid)
-            if self.broken is not None:
-                self.client._conn.end(self.req_id)
+            if self.broken is not None:  # failed: the receiver keeps its pages out of use until this Release (or
+                # this connection's end), since they may have been read; a receiver that died took them with it
+                conn = self.client._conn
+                conn.end(self.req_id)
+                if self._life is None or (self._life is conn.life and self._life.alive()):
+                    conn.post(Release(req_id=self.req_id, answer=False))
                 return
             try:
                 if wait:

@@ -14,6 +14,12 @@ connection that would carry them is gone), or they closed themselves. Until then
 (pool.py). A lease that expires means the sender did not end its request in time: it is fenced at once; a
 request failed without a settled Abort is fenced once ``lease_ms`` passes with none.
 
+Read holds: a request that fails while a decode has it open may still be read there (a decode that saw its
+last readiness words land a moment after the receiver gave up on them, and before the Error came, takes it
+as whole). Its pages and the held chunks it pinned then stay as they are, out of use (``Tomb``), until every
+such open is released (the client sends Release after an error too) or its reader's lifeline closes, or, for
+a reader that never lets go, ``lease_ms`` passes; only then are they reclaimed as above.
+
 Completion: a request asked for with ``completion = "words"`` (and granted it: new pages, no state layer, no
 checksum to verify) needs no Commit. The sender puts each layer's readiness words only once that layer's bytes
 are flushed, so when every word of the request holds its lease id it has landed whole: the session commits it
@@ -184,6 +190,18 @@ class ReceiverLimits:
 
 
 @dataclass
+class Tomb:
+    """A request that failed while a decode had it open: what it held stays out of use until its readers let go
+    ("Read holds" above)."""
+
+    req_id: str
+    holds: tuple[int, int | None]  # its pool hold, its state slot's (None: no state pool)
+    readers: dict[bytes, int]  # decode connection -> its opens of it not yet released
+    fenced: bool  # no late write of its sender can land (else ``unfenced`` holds its id until it settles)
+    until_ms: int  # its pages are reclaimed by then, whatever its readers say
+
+
+@dataclass
 class RxRequest:
     """One request, its whole life on the receiver."""
 
@@ -263,6 +281,7 @@ class ReceiverSession:
         # of one (its words were in, but late for the sender's clock) is acknowledged, not refused as unknown
         self.dropped_committed: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
         self.unfenced: dict[str, tuple[bytes, int]] = {}  # ended uncommitted: req_id -> (sender, fence at ms)
+        self.tombs: dict[str, list[Tomb]] = {}  # failed while open: req_id -> what its readers keep (oldest first)
         self._claims_by: dict[bytes, int] = {}  # live claims by the decode connection that made them
         self.words_live: set[str] = set()  # live requests that complete by their readiness words (``_by_words``)
         self._words_looked = -1  # when _look_at_words last looked (ms)
@@ -273,7 +292,7 @@ class ReceiverSession:
             "layers_received", "checksum_failures", "leases_expired", "internal_errors", "requests_claimed",
             "chunks_claimed", "readers_gone", "releases_refused", "requests_committed_by_words",
             "requests_withdrawn", "requests_given_up", "requests_unread_dropped", "parked_marks_forgotten",
-            "allocs_refused")})
+            "allocs_refused", "read_holds", "read_holds_expired")})
 
     # ---- entry points ------------------------------------------------------------------
     def on_control(self, ident: bytes, msg: Msg, now: int, peer: str = "") -> list:
@@ -395,8 +414,16 @@ class ReceiverSession:
         for r in [r for r in self.reqs.values() if r.state is ReqState.COMMITTED and r.readers == 0
                   and now >= r.committed_at_ms + self._ttl(r)]:
             self._drop(r, "committed, unread past its TTL")
+        for t in [t for ts in self.tombs.values() for t in ts if now >= t.until_ms]:
+            out.append(Log(logging.WARNING, f"a failed request's readers kept it past {self.limits.lease_ms} ms "
+                                            "(lease_ms): its pages are reclaimed", t.req_id))
+            self.counters.add("read_holds_expired")
+            self._bury(t, now)
         for _, at in self.unfenced.values():
             self._due(at)
+        for ts in self.tombs.values():
+            for t in ts:
+                self._due(t.until_ms)
         for r in self.reqs.values():
             if r.state in _LIVE:
                 self._due(r.expires_at_ms)
@@ -753,7 +780,8 @@ class ReceiverSession:
 
     def _fail(self, r: RxRequest, err: PdpushError, now: int, out: list, settled: bool = False) -> None:
         """End a live request: its pages go to quarantine once fenced (``settled``: the sender said no write
-        to them is in flight; else they wait, unfenced), its watchers get the typed error. A "words" request
+        to them is in flight; else they wait, unfenced), and once its readers let go where it is open (a
+        ``Tomb``); its watchers get the typed error. A "words" request
         whose every word is set commits instead (``_by_words``)."""
         if self._by_words(r, now, out):
             return
@@ -761,9 +789,16 @@ class ReceiverSession:
             event = ReqEvent.EXPIRE if isinstance(err, LeaseExpired) else ReqEvent.ABORT
             state = protocol.transition(r.state, event, r.req_id)
             fenced = settled or not r.sender
-            self.pool.abort(r.req_id, now, fenced=fenced)
-            if self.state_pool is not None:
-                self.state_pool.abort(r.req_id, now, fenced=fenced)
+            if readers := {i: n for i, n in r.opens.items() if n > 0}:  # they may be reading it: held for them
+                holds = (self.pool.hold(r.req_id), self.state_pool.hold(r.req_id) if self.state_pool is not None else None)
+                tomb = Tomb(r.req_id, holds, readers, fenced, now + self.limits.lease_ms)
+                self.tombs.setdefault(r.req_id, []).append(tomb)
+                self._due(tomb.until_ms)
+                self.counters.add("read_holds")
+            else:
+                self.pool.abort(r.req_id, now, fenced=fenced)
+                if self.state_pool is not None:
+                    self.state_pool.abort(r.req_id, now, fenced=fenced)
             r.state = state  # (once its pages are in hand: a failure before leaves it live, for the guard to drop)
             if not fenced:  # an expired lease: the sender did not end it in time, fence it now
                 self.unfenced[r.req_id] = (r.sender, now if event is ReqEvent.EXPIRE else now + self.limits.lease_ms)
@@ -778,6 +813,33 @@ class ReceiverSession:
         self.pool.settle(req_id, now)
         if self.state_pool is not None:
             self.state_pool.settle(req_id, now)
+        for t in self.tombs.get(req_id, []):  # (one attempt of an id at a time is unfenced: ``_alloc``)
+            t.fenced = True
+
+    def _let_go(self, req_id: str, ident: bytes, n: int | None, now: int) -> bool:
+        """``n`` opens (None: all) of failed ``req_id`` that connection ``ident`` held are released: whether
+        it held any. A tomb whose last reader let go is reclaimed."""
+        for t in self.tombs.get(req_id, []):
+            if ident in t.readers:
+                if n is not None and t.readers[ident] > n:
+                    t.readers[ident] -= n
+                else:
+                    del t.readers[ident]
+                    if not t.readers:
+                        self._bury(t, now)
+                return True
+        return False
+
+    def _bury(self, t: Tomb, now: int) -> None:
+        """Nobody reads failed ``t`` any more (or may, past ``until_ms``): its pages are reclaimed as a failed
+        request's are, from now (quarantine, or unfenced until its sender settles)."""
+        self.pool.abort_held(t.holds[0], now, fenced=t.fenced)
+        if t.holds[1] is not None:
+            self.state_pool.abort_held(t.holds[1], now, fenced=t.fenced)
+        ts = self.tombs[t.req_id]
+        ts.remove(t)
+        if not ts:
+            del self.tombs[t.req_id]
 
     def _fence(self, ident: bytes, now: int, out: list) -> None:
         """Sender ``ident``'s UCX endpoints are closed (or being closed by our ``FenceSender``): none of its
@@ -898,7 +960,9 @@ class ReceiverSession:
                 self._due(now + PARKED_OPEN_MS)
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
-            if r is not None:
+            if self._let_go(msg.req_id, ident, 1, now):  # a failed one's (its client read the error): an earlier
+                pass  # try's, where the id is live again, since that open came first
+            elif r is not None:
                 if not r.opens.get(ident):  # only an open of this connection's own: another's reader would
                     # lose its pages under its zero-copy views
                     self.counters.add("releases_refused")
@@ -950,6 +1014,9 @@ class ReceiverSession:
         out: list = []
         for r in [r for r in self.reqs.values() if ident in r.opens or ident in r.watchers]:
             self._release(r, ident, r.opens.get(ident, 0))
+        for rid in [rid for rid, ts in self.tombs.items() if any(ident in t.readers for t in ts)]:
+            while self._let_go(rid, ident, None, now):
+                pass
         for rid in [rid for rid, ws in self.parked.items() if any(w[0] == ident for w in ws)]:
             self._unpark(rid, ident, None)
         self.counters.add("readers_gone")
@@ -1079,6 +1146,7 @@ class ReceiverSession:
         live = sum(1 for r in self.reqs.values() if r.state in _LIVE)
         return {"pool_pages_total": p.num_pages, "pool_pages_free": p.free_pages,
                 "pool_pages_quarantined": p.quarantined_pages, "pool_pages_unfenced": p.unfenced_pages,
+                "pool_pages_read_held": p.read_held_pages,
                 "chunks_cached": p.chunks_cached,
                 "chunks_hit": p.counters["chunks_hit"], "leases_active": live, "requests_inflight": live,
                 "draining": self.draining, "index_subscribers": len(self.feed.subscribers),
@@ -1098,6 +1166,10 @@ class ReceiverSession:
             self.state_pool.check()
             assert set(self.state_pool.requests) == {r.req_id for r in self.reqs.values() if r.state_slot >= 0}
         assert set(self.pool.requests) == set(self.reqs), "pool and session disagree on requests"
+        tombs = [t for ts in self.tombs.values() for t in ts]
+        assert sorted(t.holds[0] for t in tombs) == sorted(self.pool.read_holds), "tombs and pool holds disagree"
+        assert all(t.readers and all(n > 0 for n in t.readers.values()) for t in tombs), "a tomb nobody reads"
+        assert all(t.fenced or t.req_id in self.unfenced for t in tombs), "an unfenced tomb nobody will fence"
         assert not any(rid in self.reqs for rid in self.withdrawn), "a withdrawn push is live"
         live: dict[bytes, int] = {}
         for ws in self.parked.values():
