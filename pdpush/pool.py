@@ -153,7 +153,8 @@ class PagePool:
             self.counters["exhausted"] += 1
             raise PoolExhausted(
                 f"pool exhausted: request {req_id!r} needs {len(new)} pages, {self._nfree} free, "
-                f"{self.quarantined_pages} quarantined, {self.unfenced_pages} waiting for their writers' fence",
+                f"{self.quarantined_pages} quarantined, {self.unfenced_pages} waiting for their writers' fence, "
+                f"{self.read_held_pages} for their readers",
                 req_id=req_id, retry_after_ms=self.retry_after_ms)
         new_pages = self._take(len(new))
         pages = [0] * len(keys)

@@ -43,8 +43,9 @@ PROTOCOL_VERSION = 7  # 4: leases travel as durations (AllocResponse.lease_ms), 
 # from separate images. 0: a pdpush from before it was numbered; 2: a decode scheduler's Query and its answer carry it
 # too (a Query may come before any Open); 3: an engine's connection sends and receives its messages on its lifeline,
 # a stream (lifeline.py), not the daemon's ZeroMQ socket; 4: a Release may ask for no answer (``Release.answer``: an
-# engine's step releases without waiting)
-LOCAL_PROTOCOL_VERSION = 4
+# engine's step releases without waiting); 5: a Release names the open it gives up (``Release.lease_id``, its
+# OpenOk's), so that a failed request's read hold is let go only by a release of that open
+LOCAL_PROTOCOL_VERSION = 5
 Completion = Literal["commit", "words"]
 DEFAULT_MAX_FRAME = 8 << 20
 MAX_BATCH = 256  # messages in one frame between the daemons (``encode_batch``)
@@ -378,6 +379,7 @@ class Release(Msg):
     type: Literal["release"] = "release"
     req_id: ReqId
     answer: bool = True  # False: nobody waits for the answer, so none goes (a late one would answer a later open)
+    lease_id: U64 = 0  # the OpenOk's: which of the id's opens it gives up (0: an open never answered, or the oldest)
 
 
 class Query(Msg):

@@ -1055,7 +1055,9 @@ _RX_MSG = st.one_of(
     st.builds(lambda r, n: protocol.Commit(req_id=r, layers=n), _RID, st.sampled_from([0, LAY.layers - 1, LAY.layers])),
     st.builds(lambda r, settled: protocol.Abort(req_id=r, settled=settled), _RID, st.booleans()),
     st.builds(lambda r: protocol.Open(req_id=r), _RID),
-    st.builds(lambda r, a: protocol.Release(req_id=r, answer=a), _RID, st.booleans()),
+    st.builds(lambda r: protocol.Open(req_id=r), _RID),  # (twice as likely: failures with readers, read holds)
+    st.builds(lambda r, a, lease: protocol.Release(req_id=r, answer=a, lease_id=lease), _RID, st.booleans(),
+              st.just(0) | st.integers(1, 12)),  # (the fuzz's lease ids count 1, 2, 3, ...)
     st.builds(lambda ks, r: protocol.Query(chunk_keys=ks, req_id=r), st.lists(st.sampled_from(_KEYS), max_size=3),
               st.none() | _RID),
     st.builds(lambda r, kind: kind(req_id=r), st.sampled_from(["d", "w"]),
@@ -1076,7 +1078,7 @@ def test_receiver_session_fuzz(steps, verify):
     accounting whole (a failed request's read holds too), and a request that completes by its words committed
     at the next look, never ended another way."""
     words_in: set[tuple[str, int]] = set()  # (req_id, lease id): every readiness word of that request is in
-    rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=100, quarantine_ms=50, committed_ttl_ms=300,
+    rx = ReceiverSession(LAY, 12, ReceiverLimits(lease_ms=400, quarantine_ms=50, committed_ttl_ms=300,
                                                  max_leases_per_sender=3, verify_checksums=verify),
                          PoolInfo(1 << 30, 12, 1, b"k", 1 << 31, "127.0.0.1", 1, "rx-1"), new_token=lambda: b"t" * 32,
                          layer_checksum=lambda ranges: 2,
@@ -1849,7 +1851,7 @@ def test_a_failed_request_its_decode_has_open_keeps_its_pages_and_pinned_chunks_
     # a push that needs the held chunks' pages: they are still pinned, so it cannot evict them
     err = msgs(alloc("b", list(range(500, 548)), 7), ToSender, protocol.Error)
     assert err and err[0].code is ErrorCode.POOL_EXHAUSTED and rx.pool.chunks_cached == 2
-    msgs(rx.on_local(DEC + b"x", protocol.Release(req_id="a", answer=False), 8), ToDecode, protocol.Error)
+    assert rx.on_local(DEC + b"x", protocol.Release(req_id="a", answer=False), 8) == []
     assert rx.pool.read_held_pages == 1  # another connection's release is not its reader's
     assert rx.on_local(DEC, protocol.Release(req_id="a", answer=False), 9) == []  # its reader, told, lets go
     assert rx.pool.read_held_pages == 0 and rx.pool.unfenced_pages == 1 and not rx.tombs  # (its sender never settled)
@@ -1865,6 +1867,37 @@ def test_a_failed_request_its_decode_has_open_keeps_its_pages_and_pinned_chunks_
     out = rx.on_tick(112)
     assert rx.pool.read_held_pages == 0 and rx.pool.quarantined_pages == 3 + 1 and rx.counters.values[  # (+ "a"'s,
         "read_holds_expired"] == 1 and any(isinstance(a, Log) and "readers kept it" in a.message for a in out)
+    rx.check()
+
+
+def test_a_release_names_the_try_it_gives_up_where_a_failed_one_and_its_retry_are_open_on_one_connection():
+    rx = receiver(pages=8, lease_ms=1000)
+    rx.on_control(b"s", protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC),
+                  0)
+    alloc = protocol.AllocRequest(req_id="x", chunk_keys=chunk_keys(list(range(32)), LAY), last_chunk_tokens=16,
+                                  lease_ms=5000)
+    rx.on_control(b"s", alloc, 0)
+    first = msgs(rx.on_local(DEC, protocol.Open(req_id="x"), 1), ToDecode, protocol.OpenOk)[0]
+    rx.on_control(b"s", protocol.Abort(req_id="x", reason="gave up", settled=True), 2)  # held for its reader
+    rx.on_control(b"s", alloc, 3)  # the retry
+    rx.on_control(b"s", protocol.Commit(req_id="x", layers=LAY.layers), 4)
+    retry = msgs(rx.on_local(DEC, protocol.Open(req_id="x"), 5), ToDecode, protocol.OpenOk)[0]
+    assert retry.lease_id != first.lease_id and rx.pool.read_held_pages == 2
+    # the retry's release first: the failed try's reader (the same connection) still reads its pages
+    assert msgs(rx.on_local(DEC, protocol.Release(req_id="x", lease_id=retry.lease_id), 6), ToDecode, protocol.Ok)
+    assert rx.pool.read_held_pages == 2 and "x" not in rx.reqs  # (the retry, released by its only reader: dropped)
+    rx.check()
+    assert rx.on_local(DEC, protocol.Release(req_id="x", lease_id=first.lease_id, answer=False), 7) == []
+    assert rx.pool.read_held_pages == 0 and rx.pool.quarantined_pages == 2 and not rx.tombs
+    rx.check()
+    # and the other way round: the failed try's release leaves the retry's open alone
+    rx.on_control(b"s", alloc.model_copy(update={"req_id": "y"}), 10)
+    first = msgs(rx.on_local(DEC, protocol.Open(req_id="y"), 11), ToDecode, protocol.OpenOk)[0]
+    rx.on_control(b"s", protocol.Abort(req_id="y", reason="gave up", settled=True), 12)
+    rx.on_control(b"s", alloc.model_copy(update={"req_id": "y"}), 13)
+    msgs(rx.on_local(DEC, protocol.Open(req_id="y"), 14), ToDecode, protocol.OpenOk)
+    rx.on_local(DEC, protocol.Release(req_id="y", lease_id=first.lease_id, answer=False), 15)
+    assert rx.reqs["y"].readers == 1 and not rx.tombs
     rx.check()
 
 

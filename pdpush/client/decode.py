@@ -322,13 +322,14 @@ class DecodeRequest:
                 conn = self.client._conn
                 conn.end(self.req_id)
                 if self._life is None or (self._life is conn.life and self._life.alive()):
-                    conn.post(Release(req_id=self.req_id, answer=False))
+                    conn.post(Release(req_id=self.req_id, answer=False, lease_id=self.lease_id))
                 return
             try:
                 if wait:
-                    self.client._conn.call(Release(req_id=self.req_id), self.req_id, self.client.timeout_s)
+                    self.client._conn.call(Release(req_id=self.req_id, lease_id=self.lease_id), self.req_id,
+                                           self.client.timeout_s)
                 else:
-                    self.client._conn.post(Release(req_id=self.req_id, answer=False))
+                    self.client._conn.post(Release(req_id=self.req_id, answer=False, lease_id=self.lease_id))
             finally:
                 self.client._conn.end(self.req_id)
 

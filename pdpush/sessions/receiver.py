@@ -195,6 +195,7 @@ class Tomb:
     ("Read holds" above)."""
 
     req_id: str
+    lease_id: int  # its OpenOk's: a Release that names it is one of these readers'
     holds: tuple[int, int | None]  # its pool hold, its state slot's (None: no state pool)
     readers: dict[bytes, int]  # decode connection -> its opens of it not yet released
     fenced: bool  # no late write of its sender can land (else ``unfenced`` holds its id until it settles)
@@ -791,7 +792,7 @@ class ReceiverSession:
             fenced = settled or not r.sender
             if readers := {i: n for i, n in r.opens.items() if n > 0}:  # they may be reading it: held for them
                 holds = (self.pool.hold(r.req_id), self.state_pool.hold(r.req_id) if self.state_pool is not None else None)
-                tomb = Tomb(r.req_id, holds, readers, fenced, now + self.limits.lease_ms)
+                tomb = Tomb(r.req_id, r.lease_id, holds, readers, fenced, now + self.limits.lease_ms)
                 self.tombs.setdefault(r.req_id, []).append(tomb)
                 self._due(tomb.until_ms)
                 self.counters.add("read_holds")
@@ -816,11 +817,12 @@ class ReceiverSession:
         for t in self.tombs.get(req_id, []):  # (one attempt of an id at a time is unfenced: ``_alloc``)
             t.fenced = True
 
-    def _let_go(self, req_id: str, ident: bytes, n: int | None, now: int) -> bool:
-        """``n`` opens (None: all) of failed ``req_id`` that connection ``ident`` held are released: whether
-        it held any. A tomb whose last reader let go is reclaimed."""
+    def _let_go(self, req_id: str, ident: bytes, n: int | None, now: int, lease_id: int = 0) -> bool:
+        """``n`` opens (None: all) of failed ``req_id`` that connection ``ident`` held are released (``lease_id``:
+        of the try with that lease id; 0: its oldest): whether it held any. A tomb whose last reader let go is
+        reclaimed."""
         for t in self.tombs.get(req_id, []):
-            if ident in t.readers:
+            if ident in t.readers and lease_id in (0, t.lease_id):
                 if n is not None and t.readers[ident] > n:
                     t.readers[ident] -= n
                 else:
@@ -960,9 +962,9 @@ class ReceiverSession:
                 self._due(now + PARKED_OPEN_MS)
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
-            if self._let_go(msg.req_id, ident, 1, now):  # a failed one's (its client read the error): an earlier
-                pass  # try's, where the id is live again, since that open came first
-            elif r is not None:
+            if self._let_go(msg.req_id, ident, 1, now, msg.lease_id):  # a failed one's (its client read the error;
+                pass  # named by its lease id, else the oldest: an earlier try's, where the id is live again)
+            elif r is not None and msg.lease_id in (0, r.lease_id):
                 if not r.opens.get(ident):  # only an open of this connection's own: another's reader would
                     # lose its pages under its zero-copy views
                     self.counters.add("releases_refused")
@@ -971,8 +973,9 @@ class ReceiverSession:
                 r.watchers.discard(ident)  # (releasing: it hears nothing more of it)
                 self._by_words(r, now, out)  # landed whole: committed, so the last release drops it
                 self._release(r, ident, 1)
-            else:  # an open given up before its push began (PendingOpen.abandon): it is never answered
+            elif not msg.lease_id:  # an open given up before its push began (PendingOpen.abandon): never answered
                 self._unpark(msg.req_id, ident, 1)
+            # (else an open of a try that failed and whose hold has gone, past lease_ms: nothing holds it now)
             if msg.answer:
                 out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
@@ -1168,6 +1171,8 @@ class ReceiverSession:
         assert set(self.pool.requests) == set(self.reqs), "pool and session disagree on requests"
         tombs = [t for ts in self.tombs.values() for t in ts]
         assert sorted(t.holds[0] for t in tombs) == sorted(self.pool.read_holds), "tombs and pool holds disagree"
+        assert sorted(t.holds[1] for t in tombs if t.holds[1] is not None) == sorted(
+            self.state_pool.read_holds if self.state_pool is not None else []), "tombs and state holds disagree"
         assert all(t.readers and all(n > 0 for n in t.readers.values()) for t in tombs), "a tomb nobody reads"
         assert all(t.fenced or t.req_id in self.unfenced for t in tombs), "an unfenced tomb nobody will fence"
         assert not any(rid in self.reqs for rid in self.withdrawn), "a withdrawn push is live"
