@@ -38,6 +38,7 @@ _STATE_KIND = {"qwen3_next": "gdn", "qwen3_5": "gdn", "qwen3_5_text": "gdn", "ne
                "granitemoehybrid": "mamba2", "mamba2": "mamba2"}
 _STATE_NAMES = ("linear_attention", "mamba", "mamba2")
 _PATTERN = {"*": "full", "M": "mamba2", "-": "none", "E": "none"}  # Nemotron-H's hybrid_override_pattern
+_EVERY_PTH_FULL = {"gemma2": 2}  # sliding-window models whose configs say neither layer_types nor a pattern
 ATTENTION = ("full", "sliding")
 STATE = ("gdn", "mamba2")
 
@@ -75,13 +76,21 @@ def layer_kinds(cfg: dict, where: str = "model config", layers: int | None = Non
         return [kinds[str(t)] for t in types]
     n = int(cfg["num_hidden_layers"])
     w = cfg.get("sliding_window")
-    return ["sliding" if w and cfg.get("use_sliding_window", True) else "full"] * n
+    if not w or not cfg.get("use_sliding_window", True):
+        return ["full"] * n
+    # no layer_types: every p-th layer full, the others sliding, as transformers reads these configs (Gemma 3,
+    # Cohere2: ``sliding_window_pattern``; Gemma 2: every other layer); else one window for every layer (Mistral)
+    p = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or _EVERY_PTH_FULL.get(mt)
+    if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
+        raise ModelConfigError(f"{where}: sliding_window_pattern {p!r} is not a positive integer")
+    return ["sliding" if p is None or (i + 1) % p else "full" for i in range(n)]
 
 
 def windows_of(cfg: dict, where: str = "model config", layers: int | None = None) -> tuple[int, ...]:
     """Each attention layer's sliding window (0: full attention), in order: ``layer_types`` with
-    ``sliding_window`` (Gemma 3, gpt-oss), or one ``sliding_window`` for every layer where no
-    ``layer_types`` says otherwise and ``use_sliding_window`` is not off (Mistral 7B v0.1)."""
+    ``sliding_window`` (gpt-oss, Gemma 3 as transformers saves it), or without them the layers that
+    ``sliding_window_pattern`` (Gemma 3, Cohere2) or the model (Gemma 2: every other one) makes sliding, or
+    else one ``sliding_window`` for every layer where ``use_sliding_window`` is not off (Mistral 7B v0.1)."""
     kinds = [k for k in layer_kinds(cfg, where, layers) if k in ATTENTION]
     w = cfg.get("sliding_window")
     if "sliding" in kinds and not w:

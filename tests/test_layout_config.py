@@ -13,7 +13,7 @@ from pdpush import launch
 from pdpush.config import ReceiverConfig, load
 from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, chunk_keys, runs
-from pdpush.model_layout import ModelConfigError, layout_of
+from pdpush.model_layout import ModelConfigError, layout_of, windows_of
 
 
 def test_page_geometry():
@@ -160,6 +160,23 @@ def test_pdpush_layout_reads_gqa_mla_and_refuses_hybrids(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "layout", "--model", str(qnext)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "hybrid model" in bad.stderr
+
+
+@pytest.mark.parametrize("model_type, extra", [("gemma2", {}), ("gemma3_text", {"sliding_window_pattern": 6}),
+                                               ("cohere2", {"sliding_window_pattern": 4}), ("mistral", {})])
+def test_sliding_layers_of_a_config_without_layer_types_are_those_transformers_makes(model_type, extra):
+    """Gemma 2, Gemma 3 and Cohere2 configs as published say no ``layer_types``: transformers makes every p-th
+    layer full and the others sliding. Read as all sliding, the full layers' KV before the window was never
+    pushed (a decode reading those layers would miss it)."""
+    from transformers import AutoConfig
+
+    cfg = {"model_type": model_type, "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 256, "head_dim": 64, "sliding_window": 512, **extra}
+    theirs = AutoConfig.for_model(**cfg)
+    want = tuple(512 if t == "sliding_attention" else 0 for t in getattr(theirs, "layer_types", None)
+                 or ["sliding_attention"] * 12)
+    assert windows_of(cfg) == want
+    assert (0 in want) is (model_type != "mistral")  # (each has full layers but Mistral)
 
 
 def test_a_receiver_config_takes_the_model_directory(tmp_path):
