@@ -577,6 +577,24 @@ def test_a_receiver_that_did_not_come_up_is_not_tried_again_for_a_moment():
     assert isinstance(w.outcome("d"), protocol.Done)
 
 
+def test_a_receiver_coming_up_sends_only_its_own_waiting_requests_not_a_later_one_under_an_ended_ones_id():
+    """A request for receiver A ends while A's hello is under way; another under the same id begins for B. A's data
+    plane coming up must not send B's request on: before, it went to B before B was up, checked against A's
+    layout, and with A's geometry its puts could reach pages B never granted."""
+    a, b = "tcp://rx-a:1", "tcp://rx-b:1"
+    tx = sender()
+    assert any(isinstance(x, ToPeer) and x.endpoint == a for x in tx.on_ingress(ENG, begin("x", list(range(20)), a), 0))
+    tx.on_ingress(ENG, protocol.Abort(req_id="x", reason="engine gave up"), 1)
+    tx.on_ingress(ENG, begin("x", list(range(20)), b), 2)
+    ack = msgs(receiver().on_control(b"tx", protocol.Hello(version=protocol.PROTOCOL_VERSION,
+                                                           fingerprint=LAY.fingerprint(), layout=SPEC), 3),
+               ToSender, protocol.HelloAck)[0]
+    tx.on_peer(a, ack, 3)
+    out = tx.on_connected(a, None, 4)
+    assert not any(isinstance(x, ToPeer) and isinstance(x.msg, protocol.AllocRequest) for x in out)
+    assert tx.reqs["x"].state is TxState.WAIT_PEER and tx.reqs["x"].peer.endpoint == b
+
+
 def test_pool_exhausted_backs_off_then_gives_up_within_its_budget():
     w = Wire(alloc_retry_budget_ms=200)
     w.rx["tcp://rx-a:1"] = receiver(pages=2)
@@ -1688,6 +1706,31 @@ def _pp_begin(w: Wire, req_id: str, ids: list[int], stages=((0, 0, 2), (1, 2, 3)
     for s, first, end in stages:
         w.tx.on_lifeline(RANKS[s])
         w.engine(begin(req_id, ids, pp_rank=s, pp_size=2, first_layer=first, end_layer=end), RANKS[s])
+
+
+def test_a_later_stages_ranks_are_timed_from_that_stages_first_begin_not_the_requests():
+    """A later pipeline stage begins once the stage before it has computed (seconds later for a long prompt): its
+    TP ranks begin together, and only a rank missing control_timeout_ms after its own stage's first fails it."""
+    w = Wire(control_timeout_ms=500)
+    ranks = [b"s0r0", b"s0r1", b"s1r0", b"s1r1"]
+    for ident in ranks:
+        w.tx.on_lifeline(ident)
+
+    def stage_rank(s, t):
+        w.engine(begin("p", list(range(40)), pp_rank=s, pp_size=2, tp_rank=t, tp_size=2, first_layer=2 * s,
+                       end_layer=2 + s), ranks[2 * s + t])
+
+    stage_rank(0, 0)
+    stage_rank(0, 1)
+    w.tick(2000)  # stage 0 computes
+    stage_rank(1, 0)
+    w.tick(1)
+    assert "p" in w.tx.reqs  # before, stage 1's rank 1 was late from here: 2001 ms after the request's first Begin
+    w.tick(499)
+    assert "p" in w.tx.reqs
+    w.tick(1)
+    err = _for(w, ranks[0], protocol.Error)[-1]
+    assert err.code is ErrorCode.TIMEOUT and "stage 1 of 2, rank 1 of 2 did not begin" in err.message
 
 
 def test_two_stages_share_one_allocation_push_only_their_layers_and_commit_once():

@@ -254,8 +254,8 @@ class SenderSession:
             return out
         for rid in self.peers.ready(p, out):
             r = self.reqs.get(rid)
-            if r is None or r.state is not TxState.WAIT_PEER:
-                continue
+            if r is None or r.state is not TxState.WAIT_PEER or r.peer is not p:  # (ended: the id may be another
+                continue  # request's now, waiting for another receiver)
             if (err := p.layout_error(r.begin.layout)) is not None:
                 self._fail(r, err, now, out)
             else:
@@ -350,7 +350,7 @@ class SenderSession:
             self._swept_ms = now
             out.extend(ForgetPeer(e) for e in self.peers.forget_idle({r.peer.endpoint for r in self.reqs.values()}))
         for r in list(self.reqs.values()):
-            if (err := r.late_error(now - r.t0_ms, lim.control_timeout_ms)) is not None:
+            if (err := r.late_error(now, lim.control_timeout_ms)) is not None:
                 self._fail(r, err, now, out, tell_receiver=True)  # a stage's ranks did not all begin in time
             elif r.state is TxState.ALLOC_BACKOFF and now >= r.deadline_ms:
                 self._send_alloc(r, TxEvent.RETRY, now, out)
@@ -419,7 +419,7 @@ class SenderSession:
         self.grants.check(layout, tokens)
         peer = self.peers.for_begin(msg, layout, now)
         first = msg.pp_rank * msg.tp_size + msg.tp_rank
-        r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank.of(ident, msg, stage)}, peer, msg, layout,
+        r = TxRequest(msg.req_id, self._next_seq(), {first: TxRank.of(ident, msg, stage, now)}, peer, msg, layout,
                       now + self.limits.control_timeout_ms, now, tp=msg.tp_size, pp=msg.pp_size)
         self.reqs[r.req_id] = r
         self._by_seq[r.seq] = r
@@ -435,7 +435,7 @@ class SenderSession:
         if err is not None:
             self._fail(r, err, now, out, tell_receiver=True)
             raise err
-        r.ranks[part] = TxRank.of(ident, msg, stage)
+        r.ranks[part] = TxRank.of(ident, msg, stage, now)
         if r.state is TxState.STREAMING:
             out.append(self._plan_rank(r, r.ranks[part]))
             out.append(ToClient(ident, self._begin_ok(r, ident, out)))

@@ -31,11 +31,12 @@ class TxRank:
     finish: bool = False
     ring: bool = False  # its Begin asked for a hand-over ring
     puts: int = 0
+    began_ms: int = 0  # when its Begin came
 
     @classmethod
-    def of(cls, client: bytes, msg: Begin, stage: range) -> TxRank:
-        """The rank that sent ``msg`` on ``client``, pushing the layers ``stage``."""
-        return cls(client, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring)
+    def of(cls, client: bytes, msg: Begin, stage: range, now: int = 0) -> TxRank:
+        """The rank that sent ``msg`` on ``client`` at ``now``, pushing the layers ``stage``."""
+        return cls(client, msg.tp_rank, msg.pp_rank, stage, ring=msg.handover_ring, began_ms=now)
 
 
 class Participants:
@@ -58,23 +59,27 @@ class Participants:
     def finished(self) -> bool:
         return len(self.ranks) == self.world and all(k.finish for k in self.ranks.values())
 
-    def late(self) -> list[int]:
-        """Participants missing from a stage whose other ranks have begun."""
-        begun = {k.pp_rank for k in self.ranks.values()}
-        return [p for s in sorted(begun) for p in range(s * self.tp, (s + 1) * self.tp) if p not in self.ranks]
+    def late(self, began_before: int | None = None) -> list[int]:
+        """Participants missing from a stage whose other ranks have begun (``began_before``: whose first rank
+        began before then)."""
+        first: dict[int, int] = {}
+        for k in self.ranks.values():
+            first[k.pp_rank] = min(first.get(k.pp_rank, k.began_ms), k.began_ms)
+        return [p for s in sorted(first) if began_before is None or first[s] < began_before
+                for p in range(s * self.tp, (s + 1) * self.tp) if p not in self.ranks]
 
     def rank_of(self, client: bytes) -> int | None:
         """The participant that ``client`` is, if it is one."""
         return next((rank for rank, k in self.ranks.items() if k.client == client), None)
 
-    def late_error(self, waited_ms: int, timeout_ms: int) -> PdpushError | None:
-        """The error for a stage whose ranks have not all begun ``timeout_ms`` after the first did (the TP ranks
-        of a stage begin together; a later pipeline stage may begin a forward later: it has until the lease
-        deadline)."""
-        if len(self.ranks) < self.world and waited_ms > timeout_ms and (late := self.late()):
+    def late_error(self, now: int, timeout_ms: int) -> PdpushError | None:
+        """The error for a stage whose ranks have not all begun ``timeout_ms`` after that stage's first did (the
+        TP ranks of a stage begin together; a later pipeline stage may begin a forward later: it has until the
+        lease deadline, and its ranks are timed from its own first)."""
+        if len(self.ranks) < self.world and (late := self.late(now - timeout_ms)):
             more = f" and {len(late) - 8} more" if len(late) > 8 else ""
             return TransportTimeout(f"{', '.join(self.who(k) for k in late[:8])}{more} did not begin the request "
-                                    f"within {timeout_ms} ms of the first")
+                                    f"within {timeout_ms} ms of the first of its stage")
         return None
 
     def who(self, participant: int) -> str:
