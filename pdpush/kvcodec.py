@@ -44,7 +44,8 @@ def _items(x, row_bytes: int):
     """Row bytes ``[..., row_bytes]`` (uint8) as ``[..., k]`` row items, so that transposes move whole
     rows in wide lanes: 8-byte lanes where the row is a multiple of 8 bytes (numpy moved them 15% faster
     than one ``void`` item per row, out of cache), else numpy's ``void`` of the row (k = 1); torch's widest
-    integer dividing it. Every array of one copy gets the same kind, as the rule depends on the row only."""
+    integer dividing it and the tensor's offset in its storage (a view), so two tensors of one copy may get
+    different lanes: ``_copy`` then copies their bytes."""
     if not _is_torch(x):
         return x.view(np.uint64) if row_bytes % 8 == 0 else x.view(np.dtype((np.void, row_bytes)))
     import torch
@@ -87,6 +88,8 @@ def _copy(dst, src) -> None:
     if native is not None and (not _is_torch(dst) or dst.device.type == "cpu") and \
             (not _is_torch(src) or src.device.type == "cpu") and _is_torch(dst) == _is_torch(src) and dst.ndim:
         native(_row_bytes_view(dst), _row_bytes_view(src))
+    elif tuple(dst.shape) != tuple(src.shape):  # lanes of different widths (``_items``): never broadcast
+        _row_bytes_view(dst)[...] = _row_bytes_view(src)
     else:
         dst[...] = src
 

@@ -470,7 +470,7 @@ class PoolGeometry:
         return -(-self.region_bytes // 64) * 64
 
     def state_at(self, slot: int) -> int:
-        """Offset of state slot ``slot``: ``[units, state_layers, unit bytes]`` (layout.state_slot_bytes)."""
+        """Offset of state slot ``slot``: ``[state_layers, units, unit bytes]`` (layout.state_slot_bytes)."""
         return self.state_offset + slot * self.layout.state_slot_bytes
 
     @property

@@ -97,6 +97,22 @@ def test_each_staging_path_round_trips(kind, heads, dim, tp, shards, chunk, nati
         _round_trip(lay, tp, shards, 3 * chunk + 3, {1}, [5, 0, 2, 4], 7, torch_dst)
 
 
+def test_a_torch_staging_view_at_an_odd_offset_gets_every_byte_not_a_broadcast(monkeypatch):
+    """Without the native copy (a CUDA tensor, an engine without pdpush_native) torch lanes follow a view's offset
+    as well as the row: a destination 2 bytes into its storage got 2-byte lanes beside a source's 8-byte ones,
+    and the assignment broadcast each source row's first lane over the row."""
+    monkeypatch.setattr(kc, "_NATIVE", [None])
+    lay = KVLayout(1, 2, 4, "float16", 2)  # rows of 8 bytes
+    sh = StagingShares(lay, 1, 1, 1)
+    k = torch.arange(2 * 2 * 4, dtype=torch.float16).reshape(2, 2, 4)
+    segs = kc.segments([(0, 0, 1)], 2, 2)
+    dst = torch.zeros(sh.share_bytes + 2, dtype=torch.uint8)[2:]
+    kc.stage(dst, [k, k + 100], sh, 0, segs)
+    want = np.zeros(sh.share_bytes, np.uint8)
+    kc.stage(want, [k.numpy(), (k + 100).numpy()], sh, 0, segs)
+    assert np.array_equal(dst.numpy(), want)
+
+
 def test_native_copy_rows_walks_any_strides_and_refuses_what_it_cannot_copy():
     from pdpush_native._copy import copy_rows
 
