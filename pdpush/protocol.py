@@ -151,7 +151,8 @@ class AllocRequest(Msg):
     # "words": the sender sends no Commit if the receiver agrees (AllocResponse.completion): its readiness words,
     # put after each layer's bytes are flushed, say every layer landed, and the receiver commits on seeing them all
     completion: Completion = "commit"
-    # the sender's number for this attempt of the request (never 0; a retry of the id has another), which the
+    # the sender's number for this attempt of the request (never 0; an engine's retry of the id has another, its
+    # AllocRequests again after pool_exhausted the same: one is answered before the next goes), which the
     # AllocResponse echoes: answers come in order, but one that came too late for an attempt the sender gave up on
     # can come while a retry of the same id waits for its own
     attempt: Annotated[int, Field(ge=1, lt=1 << 32)] = 1

@@ -608,6 +608,20 @@ def test_pool_exhausted_backs_off_then_gives_up_within_its_budget():
     assert w.tx.counters.values["alloc_retries"] >= 2
 
 
+def test_an_error_that_comes_while_a_request_backs_off_answers_nothing_it_asked_and_is_dropped():
+    """An Error names no attempt: a late pool_exhausted for an earlier request of the id, coming while its retry
+    backs off (or its retry's own, after a late one was taken for it), failed the retry at once."""
+    w = Wire()
+    w.rx["tcp://rx-a:1"] = receiver(pages=2)
+    w.engine(begin("big", list(range(16 * 2))))  # takes the whole pool
+    w.engine(begin("r", list(range(500, 520))))
+    assert w.tx.reqs["r"].state is TxState.ALLOC_BACKOFF
+    stale = protocol.Error(code=ErrorCode.POOL_EXHAUSTED, message="an earlier request's", req_id="r",
+                           retry_after_ms=50)
+    w.run(w.tx.on_peer("tcp://rx-a:1", stale, w.now))
+    assert w.tx.reqs["r"].state is TxState.ALLOC_BACKOFF and w.tx.counters.values["stale_replies"] == 1
+
+
 def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     rx = receiver(lease_ms=100, committed_ttl_ms=1000)
     hello = protocol.Hello(version=protocol.PROTOCOL_VERSION, fingerprint=LAY.fingerprint(), layout=SPEC)

@@ -576,7 +576,13 @@ class SenderSession:
                                                      f"({msg.message}); saying Hello again"), now, out)
         elif isinstance(msg, Error):
             r = self.reqs.get(msg.req_id) if msg.req_id else None
-            if r is not None and r.peer is p:
+            if r is not None and r.peer is p and r.state in (TxState.ALLOC_BACKOFF, TxState.WAIT_PEER):
+                # it has asked nothing (it backs off, or waits for hello): the answer to an earlier request of the id
+                # (an Error names no attempt). Taken, a late pool_exhausted failed a retry backing off
+                self.counters.add("stale_replies")
+                out.append(Log(logging.WARNING, f"an error from {p.endpoint} while the request asked nothing "
+                                                f"({r.state.value}): {msg.code.value} {msg.message}: dropped", r.req_id))
+            elif r is not None and r.peer is p:
                 if r.state is TxState.ALLOCATING and isinstance(error_from_code(msg.code, ""), PoolExhausted):
                     self._backoff(r, msg.retry_after_ms or 20, msg.message, now, out)
                 else:  # the receiver ended it: where it had pages, say when our writes to them have settled
