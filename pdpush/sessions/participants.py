@@ -16,7 +16,8 @@ rank (``pp_size * tp_size`` participants); a layer lands when its stage's ranks'
 the commit goes out once every participant has finished; a dead stage fails it for all.
 
 Here: the checks of a Begin (``check_begin``) and of a rank joining (``check_join``), and the requests ended lately
-(``Ended``), so that a rank that begins one late is told rather than starting a request of its own.
+(``Ended``), so that a rank that begins one late is told rather than starting a request of its own (a rank that had
+begun it, beginning it again, is the engine's retry).
 The session (sender.py) allocates, fails and replies.
 
 Imports no zmq, UCX, torch or clock.
@@ -73,21 +74,26 @@ def check_join(r: TxRequest, client: bytes, msg: Begin, stage: range) -> tuple[i
 
 
 class Ended:
-    """Multi-rank requests ended lately (bounded): req_id -> the error that ended it, None if it completed."""
+    """Multi-rank requests ended lately (bounded): req_id -> the error that ended it (None if it completed), and
+    the participants that had begun it."""
 
     def __init__(self) -> None:
-        self.ended: OrderedDict[str, PdpushError | None] = OrderedDict()
+        self.ended: OrderedDict[str, tuple[PdpushError | None, frozenset[int]]] = OrderedDict()
 
     def add(self, r: TxRequest) -> None:
         if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
-            self.ended[r.req_id] = r.failure
+            self.ended[r.req_id] = (r.failure, frozenset(r.ranks))
             while len(self.ended) > ENDED_KEPT:
                 self.ended.popitem(last=False)
 
     def check(self, msg: Begin) -> None:
-        """A Begin of no request in flight: a late rank of one that ended gets what the others got."""
+        """A Begin of no request in flight: a late rank of one that ended gets what the others got. One from a
+        rank that had begun it is the engine's retry of the id (a preempted request, say): a new request."""
         if msg.tp_size * msg.pp_size > 1 and msg.req_id in self.ended:
-            why = self.ended[msg.req_id]
+            why, began = self.ended[msg.req_id]
+            if msg.pp_rank * msg.tp_size + msg.tp_rank in began:
+                del self.ended[msg.req_id]  # (its other ranks join the retry as they begin it)
+                return
             who = (f"stage {msg.pp_rank} " if msg.pp_size > 1 else "") + f"rank {msg.tp_rank}"
             if why is None:
                 raise UnknownRequest(f"request {msg.req_id!r} already completed without {who}")
