@@ -85,6 +85,42 @@ def test_a_push_that_fails_while_its_decode_has_it_open_keeps_its_pages_until_th
         dc.close()
 
 
+def test_a_push_begun_again_while_its_aborted_tries_copies_still_write_staging_waits_for_them(daemons):
+    """An engine aborts a push while a device's copies into its staging are still queued (``after_writes``: its
+    Abort waits for them), and begins the id again (a preempted request's retry). The Begin waits for that Abort:
+    sent first, the sender took it for the engine's word that it stopped writing the old staging, and handed it
+    to other requests under the queued copies (and it refused the new push as a duplicate of the live one)."""
+    import threading
+
+    rx = daemons.receiver(**rx_opts(LAY))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=10)
+    dc = DecodeClient(sock(rx), timeout_s=10)
+    try:
+        k, v = kv(LAY, 50, 3)
+        h = pc.begin("again", list(range(50)))
+        h.put_layer(0, k[0], v[0])
+        copies_end: list = []
+        h.after_writes = copies_end.append  # (a device's copies still queued: the Abort goes when they end)
+        h.abort("preempted")
+        begun: list = []
+        t = threading.Thread(target=lambda: begun.append(pc.begin("again", list(range(50)))), daemon=True)
+        t.start()
+        t.join(0.5)
+        assert not begun and t.is_alive()  # it waits for the earlier try's copies
+        copies_end[0]()  # they end: its Abort goes, then the Begin
+        t.join(10)
+        h2 = begun[0]
+        for layer in range(LAY.layers):
+            h2.put_layer(layer, k[layer], v[layer])
+        h2.finish(timeout_s=30)
+        k2, v2 = read_back(dc, "again", LAY, 50)
+        assert np.array_equal(k2, k) and np.array_equal(v2, v)
+    finally:
+        pc.close()
+        dc.close()
+
+
 def test_receiver_killed_midway_fails_requests_fast_other_receivers_unaffected_and_reconnect(daemons):
     cport, uport = free_ports(2)
     rx1 = daemons.receiver(**rx_opts(LAY), control_port=cport, ucx_port=uport)

@@ -1340,6 +1340,18 @@ def test_one_rank_dying_fails_the_request_for_every_rank_and_frees_the_lease():
     assert oks[0].req_id == oks[1].req_id == "t" and w.tx.reqs["t"].state is TxState.STREAMING
 
 
+def test_an_engines_abort_is_answered_to_the_other_ranks_never_to_itself():
+    """An engine reads no answer to its Abort; one about the id would be taken for its next Begin of that id (a
+    preempted request's retry), and fail it."""
+    w = Wire()
+    _tp_begin(w, "t", list(range(40)))
+    before = len(_for(w, RANKS[0], protocol.Error))
+    w.engine(protocol.Abort(req_id="t", reason="preempted"), RANKS[0])
+    assert _for(w, RANKS[1], protocol.Error)[-1].code is ErrorCode.ABORTED and "t" not in w.tx.reqs
+    w.engine(protocol.Abort(req_id="never", reason="preempted"), RANKS[0])  # (nothing of it here: not told either)
+    assert len(_for(w, RANKS[0], protocol.Error)) == before
+
+
 def test_a_rank_that_disagrees_fails_the_request_and_a_second_begin_of_a_rank_is_a_duplicate():
     w = Wire()
     _tp_begin(w, "t", list(range(40)), ranks=(0,))

@@ -438,11 +438,52 @@ class PushHandle:
         ``wait``: sent now, waiting up to the client's timeout, where nothing else writes."""
         conn = self.client._conn
         if self.after_writes is not None:
-            self.after_writes(lambda: conn.post(msg))
+            stopping = self.client._stopping
+            stopping.begins(self.req_id)  # (a Begin of the id again waits for this Abort: ``Stopping``)
+
+            def stopped() -> None:
+                conn.post(msg)
+                stopping.ends(self.req_id)
+
+            self.after_writes(stopped)
         elif wait:
             conn.send(msg, self.client.timeout_s)
         else:
             conn.post(msg)
+
+
+class Stopping:
+    """Request ids whose ended push's Abort waits for a device's copies into its staging (``after_writes``). A Begin
+    of such an id waits for that Abort to go first: the sender takes a Begin of an id whose earlier push failed as
+    that engine's word that it stopped writing the earlier one's staging, and would grant it to other requests
+    while the copies still write it; and an Abort sent after the Begin would end the new push, not the old."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._cv = threading.Condition()
+
+    def begins(self, req_id: str) -> None:
+        with self._cv:
+            self._ids[req_id] = self._ids.get(req_id, 0) + 1
+
+    def ends(self, req_id: str) -> None:
+        with self._cv:
+            if (n := self._ids.get(req_id, 0) - 1) > 0:
+                self._ids[req_id] = n
+            else:
+                self._ids.pop(req_id, None)
+            self._cv.notify_all()
+
+    def wait(self, req_id: str, timeout_s: float) -> None:
+        """Until no Abort of ``req_id`` waits for copies; TransportTimeout after ``timeout_s`` (copies that never
+        end send none: that id cannot be pushed again from this client)."""
+        if not self._ids:  # (every Begin asks: the common case takes no lock)
+            return
+        with self._cv:
+            if not self._cv.wait_for(lambda: req_id not in self._ids, timeout_s):
+                raise TransportTimeout(f"request {req_id!r}: the copies of its earlier push into staging have not "
+                                       f"ended within {timeout_s:g} s; it is not begun again until they have",
+                                       req_id=req_id)
 
 
 def _check_staging_words(ok: BeginOk, grant_words: int) -> None:
@@ -535,6 +576,7 @@ class PrefillClient:
         self._bells: dict[tuple[str, int], Bell] = {}  # by (path, sender pid): the sender's doorbell (doorbell.py)
         self._rings_lock = threading.Lock()
         self._begun = False  # a Begin went out: close() says Bye, so the sender may reuse this one's ring
+        self._stopping = Stopping()
         if pin_cuda:  # staging is page-locked in this process, for asynchronous device-to-host copies
             self._segments.pin_all()
 
@@ -560,6 +602,7 @@ class PrefillClient:
         if not ids:
             raise ValueError("empty prompt")
         keys = chunk_keys(ids, self.layout)
+        self._stopping.wait(req_id, self.timeout_s)
         self._conn.begin(req_id)
         self._conn.lifeline()  # before the Begin: the sender fails the request if this process dies
         msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,

@@ -181,7 +181,7 @@ class SenderSession:
                 r, rank = self._client_req(ident, msg.req_id)
                 who = f" ({r.who(rank)})" if r.world > 1 else ""
                 self._fail(r, Aborted(f"aborted by prefill engine{who}: {msg.reason or 'no reason given'}"), now,
-                           out, tell_receiver=True)
+                           out, tell_receiver=True, quiet=ident)  # (it reads no answer: ``except`` below)
                 self.grants.stopped(r.req_id, ident, out)  # the engine that aborts has stopped writing
             elif isinstance(msg, Bye):
                 self.rings.close(ident, out)
@@ -190,7 +190,10 @@ class SenderSession:
             else:
                 raise UnexpectedMessage(f"sender does not accept {msg.type} on the ingress")
         except PdpushError as e:
-            out.append(ToClient(ident, protocol.error_reply(e, rid)))
+            if not isinstance(msg, Abort):  # an engine reads no answer to its Abort: one about the id would be taken
+                out.append(ToClient(ident, protocol.error_reply(e, rid)))  # for its next Begin of it (a retry)'s
+            else:
+                out.append(Log(logging.DEBUG, f"an engine's abort not taken: {e.code.value}: {e}", rid))
         except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
             self._internal(msg.type, exc, rid, now, out, reply_to=ident)
         return out
@@ -687,7 +690,9 @@ class SenderSession:
         self._by_seq.pop(r.seq, None)
         self.ended.add(r)
 
-    def _fail(self, r: TxRequest, err: PdpushError, now: int, out: list, tell_receiver: bool = False) -> None:
+    def _fail(self, r: TxRequest, err: PdpushError, now: int, out: list, tell_receiver: bool = False,
+              quiet: bytes = b"") -> None:
+        """End ``r`` with ``err``, told to each of its engines but ``quiet`` (the one that aborted it)."""
         if self.reqs.get(r.req_id) is not r:
             return
         out.append(Log(logging.WARNING, f"request failed: {err.code.value}: {err}", r.req_id))
@@ -701,7 +706,7 @@ class SenderSession:
         self._release(r, now, out, told)
         self.counters.count(out, "requests_failed", metric="failures", label=err.code.value)
         reply = protocol.error_reply(err, r.req_id)
-        out.extend(ToClient(c, reply) for c in r.clients)
+        out.extend(ToClient(c, reply) for c in r.clients if c != quiet)
         self.grants.pump(out)  # its place in the queue goes to the next
 
     def _fail_waiting(self, p: Peer, err: PdpushError, now: int, out: list) -> None:
