@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpush import kvcodec, protocol
+from pdpush.client.prefill import Stopping
 from pdpush.errors import HandOverTimeout, RemoteProtocolError
 from pdpush.handover import HandOverQueue
 from pdpush.layout import KVLayout, StagingShares, rank_heads, runs
@@ -127,6 +128,7 @@ class _Client:
         self.layout = layout
         self._conn = self
         self.slices: list[float] = []
+        self._stopping = Stopping()  # (as PrefillClient's)
 
     def allow_posts(self, slice_s: float = 0.002) -> None:
         self.slices.append(slice_s)
@@ -199,6 +201,25 @@ def _stager(mode: str, **kw) -> tuple[dc.D2HStager, list[Fence]]:
         return fences[-1]
 
     return dc.D2HStager("cpu", mode=mode, fence=fence, **kw), fences
+
+
+def test_a_begin_of_an_id_whose_abort_waits_for_copies_waits_driving_their_hand_over_then_fails_typed():
+    from pdpush.errors import DuplicateRequest
+
+    s = Stopping()
+    s.wait("x", 0)  # nothing waits: no wait
+    s.begins("x")
+    s.wait("y", 0)  # another id's Abort: no wait
+    calls: list = []
+    s.progress = lambda: calls.append(1) or (len(calls) == 3 and s.ends("x"))  # the third hand-over sends it
+    s.wait("x", 5)
+    assert len(calls) == 3
+    s.begins("x")
+    s.progress = None
+    t = time.monotonic()
+    with pytest.raises(DuplicateRequest, match="have not ended"):  # (one push of the id fails, not the connection)
+        s.wait("x", 0.05)
+    assert time.monotonic() - t < 1
 
 
 def test_thread_mode_hands_layers_over_from_its_thread_in_copy_order():
@@ -496,6 +517,13 @@ def test_an_abort_waits_for_the_copies_still_writing_its_staging(daemons, monkey
         else:
             time.sleep(0.3)
             assert status(sock(tx))["requests_inflight"] == 1  # no Abort: kept until its lease runs out
+            if mode == "poll":  # they end later: a later hand-over sends it, here a Begin of the id again's, first
+                for f in fences:
+                    f.done.set()
+                h2 = pc.begin("gone", list(range(1, 25)))
+                st = status(sock(tx))
+                assert h2.req_id == "gone" and st["requests_failed"] == 1 and st["requests_inflight"] == 1
+                h2.abort("done")
     finally:
         for f in fences:
             f.done.set()

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdpush import protocol
-from pdpush.errors import ErrorCode, PdpushError, TransportTimeout
+from pdpush.errors import ErrorCode, PdpushError, RequestTooLarge, TransportTimeout
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.plan import RequestPlan
 from pdpush.protocol import ReqState, TxState
@@ -1333,6 +1333,12 @@ def test_one_rank_dying_fails_the_request_for_every_rank_and_frees_the_lease():
     assert late.code is ErrorCode.PEER_DEAD and "ended before rank 1 began it" in late.message and "u" not in w.tx.reqs
     # a rank that had begun it begins it again: the engine's retry of the id (before, refused as a late rank while
     # the id was among the last 4096 ended)
+    refuse = w.tx.grants.check  # a retry refused (here its staging check) leaves the ended one known: a late rank of
+    w.tx.grants.check = lambda *a: (_ for _ in ()).throw(RequestTooLarge("no room"))  # it is still told
+    w.tx.on_lifeline(RANKS[0])
+    w.engine(begin("u", list(range(40)), tp_rank=0, tp_size=2), RANKS[0])
+    assert _for(w, RANKS[0], protocol.Error)[-1].code is ErrorCode.TOO_LARGE and "u" in w.tx.ended.ended
+    w.tx.grants.check = refuse
     _tp_begin(w, "t", list(range(40)), ranks=(0, 1))
     w.complete()  # (its first try's puts settle: the receiver takes the retry once they have)
     w.tick(100)
@@ -1349,6 +1355,12 @@ def test_an_engines_abort_is_answered_to_the_other_ranks_never_to_itself():
     w.engine(protocol.Abort(req_id="t", reason="preempted"), RANKS[0])
     assert _for(w, RANKS[1], protocol.Error)[-1].code is ErrorCode.ABORTED and "t" not in w.tx.reqs
     w.engine(protocol.Abort(req_id="never", reason="preempted"), RANKS[0])  # (nothing of it here: not told either)
+    assert len(_for(w, RANKS[0], protocol.Error)) == before
+    _tp_begin(w, "v", list(range(40)))  # an internal error handling its Abort: the request fails, told to the others
+    before = len(_for(w, RANKS[0], protocol.Error))
+    w.tx._client_req = lambda *a: 1 / 0
+    w.engine(protocol.Abort(req_id="v", reason="preempted"), RANKS[0])
+    assert _for(w, RANKS[1], protocol.Error)[-1].code is ErrorCode.INTERNAL and "v" not in w.tx.reqs
     assert len(_for(w, RANKS[0], protocol.Error)) == before
 
 
@@ -1976,6 +1988,16 @@ def test_a_release_names_the_try_it_gives_up_where_a_failed_one_and_its_retry_ar
     msgs(rx.on_local(DEC, protocol.Open(req_id="y"), 14), ToDecode, protocol.OpenOk)
     rx.on_local(DEC, protocol.Release(req_id="y", lease_id=first.lease_id, answer=False), 15)
     assert rx.reqs["y"].readers == 1 and not rx.tombs
+    rx.check()
+    # a release naming no try (an open given up before its client took the answer) gives up the connection's newest
+    # open of the id: the retry's, never the failed try's its reader still reads
+    rx.on_control(b"s", alloc.model_copy(update={"req_id": "z"}), 20)
+    msgs(rx.on_local(DEC, protocol.Open(req_id="z"), 21), ToDecode, protocol.OpenOk)
+    rx.on_control(b"s", protocol.Abort(req_id="z", reason="gave up", settled=True), 22)
+    rx.on_control(b"s", alloc.model_copy(update={"req_id": "z"}), 23)
+    msgs(rx.on_local(DEC, protocol.Open(req_id="z"), 24), ToDecode, protocol.OpenOk)
+    assert rx.on_local(DEC, protocol.Release(req_id="z", answer=False), 25) == []
+    assert rx.reqs["z"].readers == 0 and len(rx.tombs["z"]) == 1
     rx.check()
 
 

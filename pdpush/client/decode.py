@@ -385,16 +385,19 @@ class PendingOpen:
             return None
         return self._request(reply)
 
-    def abandon(self) -> None:
+    def abandon(self, lease_id: int = 0) -> None:
         """Give the open up unanswered (a failed load): its answer is dropped when it comes, and the receiver
-        releases what it opened (Release after Open, in order on one connection; an error reply is dropped)."""
+        releases what it opened (Release after Open, in order on one connection; an error reply is dropped).
+        ``lease_id``: its OpenOk's, where that came and could not be taken (else the receiver takes the newest open
+        of the id on this connection)."""
         if self._abandoned:
             return
         self._abandoned = True
         conn = self.client._conn
         conn.end(self.req_id)
         # without waiting (an engine's step gives loads up), and unanswered: a late answer would answer a later open
-        conn.post(Release(req_id=self.req_id, answer=False))  # (no receiver: its lifeline ends what this opened)
+        conn.post(Release(req_id=self.req_id, answer=False, lease_id=lease_id))  # (no receiver: its lifeline ends
+        # what this opened)
 
     def _request(self, reply: Msg) -> DecodeRequest:
         try:
@@ -414,7 +417,7 @@ class PendingOpen:
         try:
             req = DecodeRequest(self.client, reply, self.tp_rank, self.tp_size)
         except (ValueError, IndexError, PdpushError) as e:  # an answer this engine cannot take: released
-            self.abandon()
+            self.abandon(reply.lease_id)
             raise untakeable(e, "open", self.req_id) from None
         req._life = self.life
         return req

@@ -22,6 +22,7 @@ from pdpush.doorbell import Bell
 from pdpush.errors import (
     Aborted,
     BrokenResourceError,
+    DuplicateRequest,
     IncompatiblePeer,
     PdpushError,
     ProtocolError,
@@ -452,6 +453,9 @@ class PushHandle:
             conn.post(msg)
 
 
+STOPPING_WAIT_S = 2.0  # how long a Begin waits for its id's earlier push's copies to end (an engine's step waits)
+
+
 class Stopping:
     """Request ids whose ended push's Abort waits for a device's copies into its staging (``after_writes``). A Begin
     of such an id waits for that Abort to go first: the sender takes a Begin of an id whose earlier push failed as
@@ -461,6 +465,9 @@ class Stopping:
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
         self._cv = threading.Condition()
+        # where no thread of its own sees copies end (poll and sync modes), what hands over those that have (and so
+        # sends their Aborts): ``wait`` calls it while it waits
+        self.progress: Callable[[], object] | None = None
 
     def begins(self, req_id: str) -> None:
         with self._cv:
@@ -475,15 +482,23 @@ class Stopping:
             self._cv.notify_all()
 
     def wait(self, req_id: str, timeout_s: float) -> None:
-        """Until no Abort of ``req_id`` waits for copies; TransportTimeout after ``timeout_s`` (copies that never
-        end send none: that id cannot be pushed again from this client)."""
+        """Until no Abort of ``req_id`` waits for copies; ``DuplicateRequest`` after ``timeout_s`` (this push of
+        the id fails, no other: its earlier one's copies have not ended)."""
         if not self._ids:  # (every Begin asks: the common case takes no lock)
             return
-        with self._cv:
-            if not self._cv.wait_for(lambda: req_id not in self._ids, timeout_s):
-                raise TransportTimeout(f"request {req_id!r}: the copies of its earlier push into staging have not "
-                                       f"ended within {timeout_s:g} s; it is not begun again until they have",
-                                       req_id=req_id)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.progress is not None:
+                self.progress()
+            with self._cv:
+                if req_id not in self._ids:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DuplicateRequest(f"request {req_id!r}: the copies of its earlier push into staging have not "
+                                           f"ended within {timeout_s:g} s: not begun again until they have",
+                                           req_id=req_id)
+                self._cv.wait(min(left, 0.001) if self.progress is not None else left)
 
 
 def _check_staging_words(ok: BeginOk, grant_words: int) -> None:
@@ -602,7 +617,7 @@ class PrefillClient:
         if not ids:
             raise ValueError("empty prompt")
         keys = chunk_keys(ids, self.layout)
-        self._stopping.wait(req_id, self.timeout_s)
+        self._stopping.wait(req_id, min(self.timeout_s, STOPPING_WAIT_S))
         self._conn.begin(req_id)
         self._conn.lifeline()  # before the Begin: the sender fails the request if this process dies
         msg = Begin(req_id=req_id, receiver=receiver or self.receiver, layout=self.spec, chunk_keys=keys,

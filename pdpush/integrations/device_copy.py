@@ -131,6 +131,8 @@ class D2HStager:
             handle.after_writes = lambda fn, handle=handle: self.after_writes(handle, fn)  # its Abort waits
             if self.mode == "thread":
                 handle.client._conn.allow_posts()
+            else:  # a Begin of an id whose Abort waits for copies hands over those that ended (``Stopping``)
+                handle.client._stopping.progress = lambda: self._hand_over(post=False)
         if self.mode != "thread" and not handle.granted(layer):
             self._settle()  # this thread hands copies over: those queued must go, their blocks come back
         dst = torch.from_numpy(handle.staging_layer(layer)).view(-1)
@@ -199,7 +201,8 @@ class D2HStager:
         which the sender then grants to other requests: a copy still queued on the side stream would write into
         theirs. Thread mode: the completion thread calls it when the last one ends, and the engine's thread goes on
         meanwhile. Poll and sync modes: this thread waits for them, up to ``QUIESCE_S``; copies that have not ended
-        by then send no Abort (the sender keeps the blocks until the request's lease runs out)."""
+        by then send it from a later hand-over, once they have (until then the sender keeps the blocks, up to the
+        request's lease)."""
         with self._cv:
             if self.mode == "thread" and self._queue.running(handle) is not None:
                 self._after.setdefault(handle, []).append(fn)
@@ -207,6 +210,9 @@ class D2HStager:
                 return
         if self.mode == "thread" or self.quiesce(handle, min(self.timeout_s, QUIESCE_S)):
             fn()
+            return
+        with self._cv:
+            self._after.setdefault(handle, []).append(fn)
 
     def quiesce(self, handle, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``handle``'s copies still writing its staging (dropped ones too): True once

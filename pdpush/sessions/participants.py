@@ -78,21 +78,25 @@ class Ended:
     the participants that had begun it."""
 
     def __init__(self) -> None:
-        self.ended: OrderedDict[str, tuple[PdpushError | None, frozenset[int]]] = OrderedDict()
+        self.ended: OrderedDict[str, tuple[PdpushError | None, frozenset[int], int]] = OrderedDict()
 
     def add(self, r: TxRequest) -> None:
         if r.world > 1:  # a rank that begins it late is told, rather than starting a request of its own
-            self.ended[r.req_id] = (r.failure, frozenset(r.ranks))
+            self.ended[r.req_id] = (r.failure, frozenset(r.ranks), r.tp)
             while len(self.ended) > ENDED_KEPT:
                 self.ended.popitem(last=False)
 
+    def begun(self, req_id: str) -> None:
+        """A request of ``req_id`` is in flight again (a retry)."""
+        self.ended.pop(req_id, None)
+
     def check(self, msg: Begin) -> None:
         """A Begin of no request in flight: a late rank of one that ended gets what the others got. One from a
-        rank that had begun it is the engine's retry of the id (a preempted request, say): a new request."""
+        rank that had begun it is the engine's retry of the id (a preempted request, say): a new request (``begun``
+        forgets the ended one once it is, so that its other ranks join it)."""
         if msg.tp_size * msg.pp_size > 1 and msg.req_id in self.ended:
-            why, began = self.ended[msg.req_id]
-            if msg.pp_rank * msg.tp_size + msg.tp_rank in began:
-                del self.ended[msg.req_id]  # (its other ranks join the retry as they begin it)
+            why, began, tp = self.ended[msg.req_id]
+            if tp == msg.tp_size and msg.pp_rank * msg.tp_size + msg.tp_rank in began:
                 return
             who = (f"stage {msg.pp_rank} " if msg.pp_size > 1 else "") + f"rank {msg.tp_rank}"
             if why is None:

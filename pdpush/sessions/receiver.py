@@ -791,6 +791,8 @@ class ReceiverSession:
             state = protocol.transition(r.state, event, r.req_id)
             fenced = settled or not r.sender
             if readers := {i: n for i, n in r.opens.items() if n > 0}:  # they may be reading it: held for them
+                if self.state_pool is not None:
+                    self.state_pool.get(r.req_id)  # (both records there, or neither is held: a hold is all or none)
                 holds = (self.pool.hold(r.req_id), self.state_pool.hold(r.req_id) if self.state_pool is not None else None)
                 tomb = Tomb(r.req_id, r.lease_id, holds, readers, fenced, now + self.limits.lease_ms)
                 self.tombs.setdefault(r.req_id, []).append(tomb)
@@ -819,9 +821,9 @@ class ReceiverSession:
 
     def _let_go(self, req_id: str, ident: bytes, n: int | None, now: int, lease_id: int = 0) -> bool:
         """``n`` opens (None: all) of failed ``req_id`` that connection ``ident`` held are released (``lease_id``:
-        of the try with that lease id; 0: its oldest): whether it held any. A tomb whose last reader let go is
+        of the try with that lease id; 0: its newest): whether it held any. A tomb whose last reader let go is
         reclaimed."""
-        for t in self.tombs.get(req_id, []):
+        for t in reversed(self.tombs.get(req_id, [])):
             if ident in t.readers and lease_id in (0, t.lease_id):
                 if n is not None and t.readers[ident] > n:
                     t.readers[ident] -= n
@@ -962,20 +964,11 @@ class ReceiverSession:
                 self._due(now + PARKED_OPEN_MS)
         elif isinstance(msg, Release):
             r = self.reqs.get(msg.req_id)
-            if self._let_go(msg.req_id, ident, 1, now, msg.lease_id):  # a failed one's (its client read the error;
-                pass  # named by its lease id, else the oldest: an earlier try's, where the id is live again)
-            elif r is not None and msg.lease_id in (0, r.lease_id):
-                if not r.opens.get(ident):  # only an open of this connection's own: another's reader would
-                    # lose its pages under its zero-copy views
-                    self.counters.add("releases_refused")
-                    raise UnknownRequest(f"request {msg.req_id!r} has no open of this connection to release",
-                                         req_id=msg.req_id)
-                r.watchers.discard(ident)  # (releasing: it hears nothing more of it)
-                self._by_words(r, now, out)  # landed whole: committed, so the last release drops it
-                self._release(r, ident, 1)
-            elif not msg.lease_id:  # an open given up before its push began (PendingOpen.abandon): never answered
-                self._unpark(msg.req_id, ident, 1)
-            # (else an open of a try that failed and whose hold has gone, past lease_ms: nothing holds it now)
+            if not self._release_open(r, msg, ident, now, out) and r is not None and msg.lease_id in (0, r.lease_id):
+                # only an open of this connection's own: another's reader would lose its pages under its views
+                self.counters.add("releases_refused")
+                raise UnknownRequest(f"request {msg.req_id!r} has no open of this connection to release",
+                                     req_id=msg.req_id)
             if msg.answer:
                 out.append(ToDecode(ident, Ok(req_id=msg.req_id)))
         elif isinstance(msg, Claim):
@@ -997,6 +990,20 @@ class ReceiverSession:
                 request_committed=self._committed(msg.req_id))))
         else:
             raise UnexpectedMessage(f"receiver does not accept {msg.type} on the local endpoint")
+
+    def _release_open(self, r: RxRequest | None, msg: Release, ident: bytes, now: int, out: list) -> bool:
+        """The open ``msg`` gives up, whether there was one: the live request's, where its lease id names it (or
+        none is named and this connection has it open); else a failed try's it names (its read hold); else, named
+        by none (an open never answered to its client: ``PendingOpen.abandon``), this connection's newest of the
+        id: parked, else a failed try's. (One named by a try whose hold has gone, past ``lease_ms``: none.)"""
+        if r is not None and r.opens.get(ident) and msg.lease_id in (0, r.lease_id):
+            r.watchers.discard(ident)  # (releasing: it hears nothing more of it)
+            self._by_words(r, now, out)  # landed whole: committed, so the last release drops it
+            self._release(r, ident, 1)
+            return True
+        if msg.lease_id:
+            return self._let_go(msg.req_id, ident, 1, now, msg.lease_id)
+        return self._unpark(msg.req_id, ident, 1) or self._let_go(msg.req_id, ident, 1, now)
 
     def _release(self, r: RxRequest, ident: bytes, n: int) -> None:
         r.watchers.discard(ident)
@@ -1026,10 +1033,12 @@ class ReceiverSession:
         self._publish(now, out)
         return out
 
-    def _unpark(self, rid: str, ident: bytes, n: int | None) -> None:
+    def _unpark(self, rid: str, ident: bytes, n: int | None) -> bool:
         """``n`` of connection ``ident``'s parked opens of ``rid`` (None: all of them) go unanswered: it released
-        them, or it died. Each stays as a given-up mark, so that the request counts its release when it arrives."""
+        them, or it died. Each stays as a given-up mark, so that the request counts its release when it arrives.
+        Whether there was one."""
         ws = self.parked.get(rid, [])
+        found = False
         for i, (who, since, tp, given_up) in enumerate(ws):
             if n == 0:
                 break
@@ -1037,6 +1046,8 @@ class ReceiverSession:
                 self._unparked([ws[i]])
                 ws[i] = (who, since, tp, True)
                 n = None if n is None else n - 1
+                found = True
+        return found
 
     def _forget_marks(self) -> None:
         """Room in ``parked`` (4x ``PARKED_ALL`` ids): the oldest id that holds given-up marks only goes. Live opens

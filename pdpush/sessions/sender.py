@@ -195,7 +195,9 @@ class SenderSession:
             else:
                 out.append(Log(logging.DEBUG, f"an engine's abort not taken: {e.code.value}: {e}", rid))
         except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
-            self._internal(msg.type, exc, rid, now, out, reply_to=ident)
+            aborting = isinstance(msg, Abort)  # (an engine reads no answer to its Abort: above)
+            self._internal(msg.type, exc, rid, now, out, reply_to=None if aborting else ident,
+                           quiet=ident if aborting else b"")
         return out
 
     def on_refused(self, ident: bytes, refused: list[tuple[int, int, int, int]], now: int) -> list:
@@ -381,14 +383,16 @@ class SenderSession:
         return out
 
     def _internal(self, what: str, exc: Exception, rid: str | None, now: int, out: list,
-                  reply_to: bytes | None = None) -> None:
+                  reply_to: bytes | None = None, quiet: bytes = b"") -> None:
+        """An exception handling ``what``: the request it concerned fails (told to its engines but ``quiet``), and
+        ``reply_to`` is answered."""
         err, line = internal_error(what, exc, rid)
         self.counters.add("internal_errors")
         out.append(line)
         r = self.reqs.get(rid) if rid else None
         if r is not None:
             try:
-                self._fail(r, err, now, out, tell_receiver=True)
+                self._fail(r, err, now, out, tell_receiver=True, quiet=quiet)
                 return  # its client got the error
             except Exception as exc2:  # noqa: BLE001 - the failure path itself is broken: drop the request
                 out.append(internal_error("failing a request", exc2, rid)[1])
@@ -411,7 +415,7 @@ class SenderSession:
         if r is not None:
             self._join(r, ident, msg, stage, now, out)
             return
-        self.ended.check(msg)  # a late rank of a request that ended: it gets what the others got
+        self.ended.check(msg)  # a late rank of a request that ended: it gets what the others got (else a retry)
         layout = msg.layout.kv_layout
         try:
             check_prefill_tp(layout, msg.tp_size)
@@ -426,6 +430,7 @@ class SenderSession:
                       now + self.limits.control_timeout_ms, now, tp=msg.tp_size, pp=msg.pp_size)
         self.reqs[r.req_id] = r
         self._by_seq[r.seq] = r
+        self.ended.begun(r.req_id)
         self.counters.add("requests_total")
         if peer.state is PeerState.READY:
             self._send_alloc(r, TxEvent.PEER_READY, now, out)
