@@ -380,7 +380,8 @@ class Release(Msg):
     type: Literal["release"] = "release"
     req_id: ReqId
     answer: bool = True  # False: nobody waits for the answer, so none goes (a late one would answer a later open)
-    lease_id: U64 = 0  # the OpenOk's: which of the id's opens it gives up (0: an open never answered, or the oldest)
+    lease_id: U64 = 0  # the OpenOk's: which of the id's opens it gives up (0: one never answered: this connection's
+    # open of the live request, else its parked one; never a failed try's, whose hold then lasts until lease_ms)
 
 
 class Query(Msg):

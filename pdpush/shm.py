@@ -250,9 +250,29 @@ def pin_if_cuda(address: int, nbytes: int, readonly: bool = False) -> bool:
         return False
     rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_READ_ONLY if readonly else 0)
     if int(rc) != 0:
-        log.warning("cudaHostRegister of %d bytes failed (%s); using pageable memory", nbytes, rc)
+        cleared = _clear_cuda_error()
+        log.warning("cudaHostRegister of %d bytes failed (%s); using pageable memory%s", nbytes, rc,
+                    "" if cleared else " (its error could not be cleared: the next kernel launch may raise it)")
         return False
     return True
+
+
+def _clear_cuda_error() -> bool:
+    """Read (and so clear) this thread's last CUDA runtime error: a failed ``cudaHostRegister`` leaves it set, and
+    PyTorch's check after its next kernel launch would raise it. Through the runtime library torch loaded (found by
+    name, never loaded here); whether it was found."""
+    import ctypes
+    import os
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        lib.cudaGetLastError.restype = ctypes.c_int
+        lib.cudaGetLastError()
+        return True
+    return False
 
 
 def unpin_cuda(address: int) -> None:

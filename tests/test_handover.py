@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import types
 import time
 
 import numpy as np
@@ -208,18 +209,50 @@ def test_a_begin_of_an_id_whose_abort_waits_for_copies_waits_driving_their_hand_
 
     s = Stopping()
     s.wait("x", 0)  # nothing waits: no wait
-    s.begins("x")
-    s.wait("y", 0)  # another id's Abort: no wait
     calls: list = []
-    s.progress = lambda: calls.append(1) or (len(calls) == 3 and s.ends("x"))  # the third hand-over sends it
+    s.begins("x", lambda: calls.append(1) or (len(calls) == 3 and s.ends("x")))  # its third hand-over sends it
+    s.begins("y", lambda: calls.append("y"))  # (another stager's: never driven for "x")
+    s.wait("z", 0)  # another id's Abort: no wait
     s.wait("x", 5)
-    assert len(calls) == 3
-    s.begins("x")
-    s.progress = None
+    assert calls == [1, 1, 1]
+    s.begins("x")  # (thread mode: no hand-over to drive, its thread sends it)
     t = time.monotonic()
     with pytest.raises(DuplicateRequest, match="have not ended"):  # (one push of the id fails, not the connection)
         s.wait("x", 0.05)
     assert time.monotonic() - t < 1
+
+
+def test_closing_waits_for_the_copies_still_writing_staging_and_sends_the_aborts_that_waited_for_them():
+    """The engine closes its staging after the stager: a copy still queued would write into unmapped (or another
+    engine's) memory, and an Abort waiting for it was dropped."""
+    st_, fences = _stager("thread", timeout_s=30)
+    h = Handle(KVLayout(layers=2, kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=8), 16)
+    k = torch.zeros(16, 2, 16, dtype=torch.bfloat16)
+    st_.put_layer(h, 0, k, k)
+    st_.put_layer(h, 1, k, k)
+    st_.drop(h)
+    sent: list = []
+    st_.after_writes(h, lambda: sent.append("abort"))
+    threading.Timer(0.2, fences[0].done.set).start()  # (the completion thread waits on the first, then stopped)
+    threading.Timer(0.4, fences[1].done.set).start()
+    t = time.monotonic()
+    st_.close(timeout_s=5)
+    assert sent == ["abort"] and 0.35 < time.monotonic() - t < 4
+
+
+def test_a_failed_page_lock_clears_its_cuda_error_where_it_can(monkeypatch):
+    """cudaHostRegister's failure stays as the thread's last CUDA error, which PyTorch's next kernel launch check
+    raises: the fallback to pageable memory would have crashed the forward."""
+    from pdpush import shm
+
+    cleared: list = []
+    monkeypatch.setattr(shm, "_clear_cuda_error", lambda: cleared.append(1) or True)
+    monkeypatch.setattr("os.path.exists", lambda p: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: types.SimpleNamespace(cudaHostRegister=lambda *a: 1))
+    assert shm.pin_if_cuda(4096, 4096) is False and cleared == [1]
+    monkeypatch.undo()
+    assert shm._clear_cuda_error() is False  # (no CUDA runtime loaded here: nothing to clear, nothing raised)
 
 
 def test_thread_mode_hands_layers_over_from_its_thread_in_copy_order():

@@ -81,7 +81,19 @@ def test_a_push_that_fails_while_its_decode_has_it_open_keeps_its_pages_until_th
         req.release()
         until(lambda: status(sock(rx))["pool_pages_free"] == 16, 5, "the pages back, through quarantine")
         assert status(sock(rx))["pool_pages_read_held"] == 0
+        # an open whose answer came but was never taken, given up after its push failed: its Release names it
+        tx2 = daemons.sender(rx)
+        pc = PrefillClient(LAY, sock(tx2), timeout_s=10)
+        h = pc.begin("doomed-too", list(range(100)))
+        pending = dc.open_nowait("doomed-too")
+        until(lambda: status(sock(rx))["requests_total"] == 2 and (dc._conn.drain() or dc._conn.mail.get(
+            "doomed-too")), 5, "the open's answer")
+        h.abort("gave up")
+        until(lambda: status(sock(rx))["pool_pages_read_held"] == 7, 5, "the failed push held for its reader")
+        pending.abandon()
+        until(lambda: status(sock(rx))["pool_pages_read_held"] == 0, 5, "the abandoned open let go")
     finally:
+        pc.close()
         dc.close()
 
 

@@ -644,7 +644,8 @@ def test_receiver_lease_expiry_readers_and_ttl_on_the_driven_clock():
     # its decode has it open and may be reading it: its pages stay as they are until that open is released
     assert "a" not in rx.reqs and rx.pool.read_held_pages == 3 and rx.pool.quarantined_pages == 0
     rx.check()
-    assert msgs(rx.on_local(DEC, protocol.Release(req_id="a"), 120), ToDecode, protocol.Ok)  # (its client, told)
+    assert msgs(rx.on_local(DEC, protocol.Release(req_id="a", lease_id=ok[0].lease_id), 120), ToDecode,
+                protocol.Ok)  # (its client, told)
     assert rx.pool.read_held_pages == 0 and rx.pool.quarantined_pages == 3 and rx.pool.unfenced_pages == 0
     rx.check()
     # committed, read and released: dropped; committed and never read: dropped after its TTL
@@ -1933,7 +1934,7 @@ def test_a_failed_request_its_decode_has_open_keeps_its_pages_and_pinned_chunks_
     rx.on_local(DEC, protocol.Release(req_id="base"), 3)
     assert "base" not in rx.reqs and rx.pool.chunks_cached == 2
     assert msgs(alloc("a", list(range(48)), 4), ToSender, protocol.AllocResponse)  # holds both, one new page
-    assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 5), ToDecode, protocol.OpenOk)
+    opened = msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 5), ToDecode, protocol.OpenOk)[0]
     out = rx.on_control(b"s", protocol.Abort(req_id="a", reason="engine gave up"), 6)  # writes may be in flight
     assert msgs(out, ToDecode, protocol.Error)[0].code is ErrorCode.ABORTED and "a" not in rx.reqs
     assert rx.pool.read_held_pages == 1 and rx.stats()["pool_pages_read_held"] == 1
@@ -1941,9 +1942,14 @@ def test_a_failed_request_its_decode_has_open_keeps_its_pages_and_pinned_chunks_
     # a push that needs the held chunks' pages: they are still pinned, so it cannot evict them
     err = msgs(alloc("b", list(range(500, 548)), 7), ToSender, protocol.Error)
     assert err and err[0].code is ErrorCode.POOL_EXHAUSTED and rx.pool.chunks_cached == 2
-    assert rx.on_local(DEC + b"x", protocol.Release(req_id="a", answer=False), 8) == []
+    assert rx.on_local(DEC + b"x", protocol.Release(req_id="a", answer=False, lease_id=opened.lease_id), 8) == []
     assert rx.pool.read_held_pages == 1  # another connection's release is not its reader's
-    assert rx.on_local(DEC, protocol.Release(req_id="a", answer=False), 9) == []  # its reader, told, lets go
+    # nor one naming no try (an open of the id given up unanswered: maybe a refused one, while this reads on)
+    assert msgs(rx.on_local(DEC, protocol.Open(req_id="a"), 8), ToDecode, protocol.Error)  # (gone)
+    assert rx.on_local(DEC, protocol.Release(req_id="a", answer=False), 8) == []
+    assert rx.pool.read_held_pages == 1
+    assert rx.on_local(DEC, protocol.Release(req_id="a", answer=False, lease_id=opened.lease_id), 9) == []  # its
+    # reader, told, lets go
     assert rx.pool.read_held_pages == 0 and rx.pool.unfenced_pages == 1 and not rx.tombs  # (its sender never settled)
     rx.check()
     assert msgs(alloc("b", list(range(500, 548)), 10), ToSender, protocol.AllocResponse)  # evicts them now

@@ -6,6 +6,7 @@ Imports numpy; torch only when a torch tensor is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -394,6 +395,10 @@ class PendingOpen:
             return
         self._abandoned = True
         conn = self.client._conn
+        if not lease_id:  # its answer may have come, not taken: the Release names that open (a push that then failed
+            with contextlib.suppress(PdpushError):  # keeps an open named by none until its lease_ms)
+                conn.drain()
+            lease_id = next((m.lease_id for m in conn.mail.get(self.req_id, ()) if isinstance(m, OpenOk)), 0)
         conn.end(self.req_id)
         # without waiting (an engine's step gives loads up), and unanswered: a late answer would answer a later open
         conn.post(Release(req_id=self.req_id, answer=False, lease_id=lease_id))  # (no receiver: its lifeline ends

@@ -87,6 +87,9 @@ class PushHandle:
         # how its Abort waits for writes into its staging still running elsewhere (a device's copies on a side
         # stream: device_copy.D2HStager sets it): after_writes(fn) calls fn once they are done
         self.after_writes: Callable[[Callable[[], None]], None] | None = None
+        # and, where no thread of the stager's own sees them end (poll and sync modes), what hands over those that have
+        # (sending a waiting Abort): a Begin of the id again calls it while it waits (``Stopping``)
+        self.progress: Callable[[], object] | None = None
         # the Finish goes as a record after the layers' records (ring.py FINISH), while no layer went by message
         self._ring_finish = ok.ring_finish and self._ring is not None
         self._daemon_id = ok.daemon_id  # the sender whose staging (and ring) this request writes
@@ -440,11 +443,13 @@ class PushHandle:
         conn = self.client._conn
         if self.after_writes is not None:
             stopping = self.client._stopping
-            stopping.begins(self.req_id)  # (a Begin of the id again waits for this Abort: ``Stopping``)
+            stopping.begins(self.req_id, self.progress)  # (a Begin of the id again waits for this Abort: ``Stopping``)
 
             def stopped() -> None:
-                conn.post(msg)
-                stopping.ends(self.req_id)
+                try:
+                    conn.post(msg)
+                finally:
+                    stopping.ends(self.req_id)
 
             self.after_writes(stopped)
         elif wait:
@@ -464,14 +469,16 @@ class Stopping:
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
+        # where no thread of the stager's own sees copies end (poll and sync modes), what hands over those that have
+        # (and so sends their Aborts), by id: ``wait`` calls it while it waits
+        self._progress: dict[str, Callable[[], object]] = {}
         self._cv = threading.Condition()
-        # where no thread of its own sees copies end (poll and sync modes), what hands over those that have (and so
-        # sends their Aborts): ``wait`` calls it while it waits
-        self.progress: Callable[[], object] | None = None
 
-    def begins(self, req_id: str) -> None:
+    def begins(self, req_id: str, progress: Callable[[], object] | None = None) -> None:
         with self._cv:
             self._ids[req_id] = self._ids.get(req_id, 0) + 1
+            if progress is not None:
+                self._progress[req_id] = progress
 
     def ends(self, req_id: str) -> None:
         with self._cv:
@@ -479,6 +486,7 @@ class Stopping:
                 self._ids[req_id] = n
             else:
                 self._ids.pop(req_id, None)
+                self._progress.pop(req_id, None)
             self._cv.notify_all()
 
     def wait(self, req_id: str, timeout_s: float) -> None:
@@ -488,8 +496,8 @@ class Stopping:
             return
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.progress is not None:
-                self.progress()
+            if (progress := self._progress.get(req_id)) is not None:
+                progress()
             with self._cv:
                 if req_id not in self._ids:
                     return
@@ -498,7 +506,7 @@ class Stopping:
                     raise DuplicateRequest(f"request {req_id!r}: the copies of its earlier push into staging have not "
                                            f"ended within {timeout_s:g} s: not begun again until they have",
                                            req_id=req_id)
-                self._cv.wait(min(left, 0.001) if self.progress is not None else left)
+                self._cv.wait(min(left, 0.001) if progress is not None else left)
 
 
 def _check_staging_words(ok: BeginOk, grant_words: int) -> None:

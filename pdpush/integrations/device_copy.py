@@ -65,6 +65,8 @@ class D2HStager:
                  clock: Callable[[], float] = time.monotonic, fence: Callable[[], Any] | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # "cuda": the current one (the completion thread sets it by index)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.mode = mode or ("thread" if self.cuda else "sync")
         if self.mode not in MODES:
             raise ConfigError(f"hand-over mode {self.mode!r}: choose one of {MODES}")
@@ -80,6 +82,7 @@ class D2HStager:
         # (req_id, layer, clock) of recent hand-overs, for measurements
         self.handed_over: deque[tuple[str, int, float]] = deque(maxlen=4096)
         self._stop = False
+        self._dead = ""  # why the completion thread stopped, where it did without being asked
         self._thread: threading.Thread | None = None
         if self.mode == "thread":
             self._thread = threading.Thread(target=self._run, name="pdpush-d2h", daemon=True)
@@ -99,6 +102,7 @@ class D2HStager:
             self.handed_over.append((handle.req_id, layer, self._clock()))
             return
         self._raise_failed(handle)
+        given = comps  # (a gather's function holds its index tensors: kept with the copy, which reads them)
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
@@ -109,7 +113,8 @@ class D2HStager:
                     dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event(blocking=self.mode == "thread")
                 done.record(self._stream)
-            keep: Any = (comps, src)
+            keep: Any = (given, comps, src)  # until the copy completes: freed before, the allocator hands
+            # their memory to the compute stream, which overwrites it while the side stream still reads it
         else:
             comps, dst, src = self._stage(handle, layer, comps, new_only)
             if src is not None:
@@ -131,8 +136,8 @@ class D2HStager:
             handle.after_writes = lambda fn, handle=handle: self.after_writes(handle, fn)  # its Abort waits
             if self.mode == "thread":
                 handle.client._conn.allow_posts()
-            else:  # a Begin of an id whose Abort waits for copies hands over those that ended (``Stopping``)
-                handle.client._stopping.progress = lambda: self._hand_over(post=False)
+            else:  # a Begin of its id again, while its Abort waits for copies, hands over those that ended
+                handle.progress = lambda: self._hand_over(post=False)
         if self.mode != "thread" and not handle.granted(layer):
             self._settle()  # this thread hands copies over: those queued must go, their blocks come back
         dst = torch.from_numpy(handle.staging_layer(layer)).view(-1)
@@ -166,6 +171,9 @@ class D2HStager:
                                               f"in {limit:.1f} s",
                                               req_id=handle.req_id)
                     if self.mode == "thread":
+                        if self._dead:
+                            self._queue.drop(handle)
+                            raise HandOverTimeout(f"request {handle.req_id!r}: {self._dead}", req_id=handle.req_id)
                         self._cv.wait(min(0.05, max(0.0, deadline - self._clock())))
                         continue
                     head = self._queue.head()
@@ -177,8 +185,9 @@ class D2HStager:
             handle.abort("device-to-host copies timed out")
             raise
         finally:
-            if not self._queue.pending(handle):
-                self._index.pop(handle, None)
+            with self._cv:  # (the completion thread pops the queue meanwhile)
+                if not self._queue.pending(handle):
+                    self._index.pop(handle, None)
 
     def _settle(self) -> None:
         """Poll and sync modes: wait for every queued copy and hand it over (bounded by ``timeout_s``), before
@@ -248,11 +257,15 @@ class D2HStager:
             return self._queue.pending(handle)
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop, once the copies still writing staging have ended (up to ``timeout_s``: the engine closes that
+        staging next), sending the Aborts that waited for them."""
+        self.quiesce_where(lambda h: True, timeout_s)
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self._run_due()
 
     # ---- hand-over (the completion thread, or the engine's thread in poll mode) ----
     def _raise_failed(self, handle) -> None:
@@ -293,17 +306,27 @@ class D2HStager:
                 self.handed_over.extend((handle.req_id, la, now) for la in layers)
             if ready:
                 self._cv.notify_all()
+        self._run_due()
+        return len(ready)
+
+    def _run_due(self) -> None:
+        """The Aborts whose requests' copies have all ended (``after_writes``)."""
+        with self._cv:
             due = [fn for h in [h for h in self._after if self._queue.running(h) is None] for fn in self._after.pop(h)]
         for fn in due:  # (outside the lock: an Abort's post may take the connection's)
             try:
                 fn()
-            except PdpushError as e:  # its engine's connection is gone: so is what it would have told
-                log.warning("pdpush: an abort after its copies ended: %s", e)
-        return len(ready)
+            except Exception as e:  # noqa: BLE001 - its engine's connection is gone (so is what it would have told);
+                log.warning("pdpush: an abort after its copies ended: %s", e)  # the other Aborts still go
 
     def _run(self) -> None:
         if self.cuda:
-            torch.cuda.set_device(self.device)  # this thread's events and waits are on the engine's device
+            try:
+                torch.cuda.set_device(self.device)  # this thread's events and waits are on the engine's device
+            except Exception as e:  # noqa: BLE001 - said at each wait, never a silent thread gone
+                log.exception("pdpush: the device-to-host hand-over thread cannot start")
+                self._dead = f"the hand-over thread could not start: {e}"
+                return
         while True:
             with self._cv:
                 while not self._stop and self._queue.head() is None:

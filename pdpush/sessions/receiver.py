@@ -994,8 +994,10 @@ class ReceiverSession:
     def _release_open(self, r: RxRequest | None, msg: Release, ident: bytes, now: int, out: list) -> bool:
         """The open ``msg`` gives up, whether there was one: the live request's, where its lease id names it (or
         none is named and this connection has it open); else a failed try's it names (its read hold); else, named
-        by none (an open never answered to its client: ``PendingOpen.abandon``), this connection's newest of the
-        id: parked, else a failed try's. (One named by a try whose hold has gone, past ``lease_ms``: none.)"""
+        by none (an open never answered to its client: ``PendingOpen.abandon``), a parked one. Never a failed try's
+        unnamed: that open may have been refused (its id gone), and the release would then let go of a hold its
+        connection's earlier open still reads; an unnamed open of a try that then failed is held until
+        ``lease_ms``. (One named by a try whose hold has gone, past ``lease_ms``: none.)"""
         if r is not None and r.opens.get(ident) and msg.lease_id in (0, r.lease_id):
             r.watchers.discard(ident)  # (releasing: it hears nothing more of it)
             self._by_words(r, now, out)  # landed whole: committed, so the last release drops it
@@ -1003,7 +1005,7 @@ class ReceiverSession:
             return True
         if msg.lease_id:
             return self._let_go(msg.req_id, ident, 1, now, msg.lease_id)
-        return self._unpark(msg.req_id, ident, 1) or self._let_go(msg.req_id, ident, 1, now)
+        return self._unpark(msg.req_id, ident, 1)
 
     def _release(self, r: RxRequest, ident: bytes, n: int) -> None:
         r.watchers.discard(ident)

@@ -198,6 +198,8 @@ class SenderSession:
             aborting = isinstance(msg, Abort)  # (an engine reads no answer to its Abort: above)
             self._internal(msg.type, exc, rid, now, out, reply_to=None if aborting else ident,
                            quiet=ident if aborting else b"")
+            if aborting and rid:  # it has stopped writing that request's staging, whatever went wrong here
+                self.grants.stopped(rid, ident, out)
         return out
 
     def on_refused(self, ident: bytes, refused: list[tuple[int, int, int, int]], now: int) -> list:
