@@ -7,8 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import types
 import time
+import types
 
 import numpy as np
 import pytest
