@@ -264,7 +264,10 @@ def _clear_cuda_error() -> bool:
     import ctypes
     import os
 
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0]  # torch's own first: another library may have loaded another
+    for name in ([f"libcudart.so.{major}"] if major else []) + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
             lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:

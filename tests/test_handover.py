@@ -240,6 +240,23 @@ def test_closing_waits_for_the_copies_still_writing_staging_and_sends_the_aborts
     assert sent == ["abort"] and 0.35 < time.monotonic() - t < 4
 
 
+def test_closing_after_a_cuda_error_stops_all_the_same():
+    """A CUDA error poisons every event: waiting for the copies at close raises, and the engine's shutdown must
+    still stop the stager (and go on closing its connections)."""
+    class Poisoned:
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+        synchronize = query
+
+    st_ = dc.D2HStager("cpu", mode="thread", fence=Poisoned, timeout_s=30)
+    h = Handle(KVLayout(layers=2, kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=8), 16)
+    k = torch.zeros(16, 2, 16, dtype=torch.bfloat16)
+    st_.put_layer(h, 0, k, k)
+    st_.close(timeout_s=2)
+    assert not st_._thread.is_alive()
+
+
 def test_a_failed_page_lock_clears_its_cuda_error_where_it_can(monkeypatch):
     """cudaHostRegister's failure stays as the thread's last CUDA error, which PyTorch's next kernel launch check
     raises: the fallback to pageable memory would have crashed the forward."""
@@ -252,7 +269,8 @@ def test_a_failed_page_lock_clears_its_cuda_error_where_it_can(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: types.SimpleNamespace(cudaHostRegister=lambda *a: 1))
     assert shm.pin_if_cuda(4096, 4096) is False and cleared == [1]
     monkeypatch.undo()
-    assert shm._clear_cuda_error() is False  # (no CUDA runtime loaded here: nothing to clear, nothing raised)
+    found = shm._clear_cuda_error()  # (nothing raised, whatever torch this is)
+    assert found is False or torch.version.cuda is not None  # a CPU torch loads no CUDA runtime
 
 
 def test_thread_mode_hands_layers_over_from_its_thread_in_copy_order():

@@ -6,7 +6,7 @@ Imports numpy; torch only when a torch tensor is asked for.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import time
 from pathlib import Path
 
@@ -39,6 +39,8 @@ from pdpush.protocol import (
     QueryReply,
     Release,
 )
+
+log = logging.getLogger(__name__)
 
 
 class DecodeRequest:
@@ -396,8 +398,10 @@ class PendingOpen:
         self._abandoned = True
         conn = self.client._conn
         if not lease_id:  # its answer may have come, not taken: the Release names that open (a push that then failed
-            with contextlib.suppress(PdpushError):  # keeps an open named by none until its lease_ms)
+            try:  # keeps an open named by none until its lease_ms)
                 conn.drain()
+            except PdpushError as e:  # (a frame that could not be read: the connection's next reader says so too)
+                log.warning("pdpush: reading the daemon's answers while giving up an open of %r: %s", self.req_id, e)
             lease_id = next((m.lease_id for m in conn.mail.get(self.req_id, ()) if isinstance(m, OpenOk)), 0)
         conn.end(self.req_id)
         # without waiting (an engine's step gives loads up), and unanswered: a late answer would answer a later open

@@ -213,11 +213,12 @@ class D2HStager:
         by then send it from a later hand-over, once they have (until then the sender keeps the blocks, up to the
         request's lease)."""
         with self._cv:
-            if self.mode == "thread" and self._queue.running(handle) is not None:
+            threaded = self.mode == "thread" and not self._dead  # (a thread that could not start sends none)
+            if threaded and self._queue.running(handle) is not None:
                 self._after.setdefault(handle, []).append(fn)
                 self._cv.notify_all()
                 return
-        if self.mode == "thread" or self.quiesce(handle, min(self.timeout_s, QUIESCE_S)):
+        if threaded or self.quiesce(handle, min(self.timeout_s, QUIESCE_S)):
             fn()
             return
         with self._cv:
@@ -259,13 +260,20 @@ class D2HStager:
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop, once the copies still writing staging have ended (up to ``timeout_s``: the engine closes that
         staging next), sending the Aborts that waited for them."""
-        self.quiesce_where(lambda h: True, timeout_s)
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self._run_due()
+        try:
+            self.quiesce_where(lambda h: True, timeout_s)
+        except Exception as e:  # noqa: BLE001 - a CUDA error poisoned the context: stop all the same
+            log.warning("pdpush: the copies into staging could not be waited for at close: %s", e)
+        finally:
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            if self._thread is not None:
+                self._thread.join(timeout_s)
+            try:
+                self._run_due()
+            except Exception as e:  # noqa: BLE001 - (as above: the events cannot be asked)
+                log.warning("pdpush: the aborts waiting for copies could not be sent at close: %s", e)
 
     # ---- hand-over (the completion thread, or the engine's thread in poll mode) ----
     def _raise_failed(self, handle) -> None:
