@@ -32,11 +32,13 @@ from pdpush.errors import (
     UnexpectedMessage,
 )
 
-PROTOCOL_VERSION = 7  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
+PROTOCOL_VERSION = 8  # 4: leases travel as durations (AllocResponse.lease_ms), never as clock readings;
 # 5: no LayerDone without a checksum (the Commit says every layer landed: Commit.layers);
 # 6: completion on the data path (AllocRequest.completion): the readiness words commit a request, no Commit;
 # 7: an AllocResponse names the attempt it answers (AllocRequest.attempt): a late answer to an earlier attempt of
-# the same id is never taken for a retry's (its pages, since given to another request, would be written)
+# the same id is never taken for a retry's (its pages, since given to another request, would be written);
+# 8: an Error that answers an AllocRequest names its attempt too (Error.attempt): a late error for an earlier attempt
+# (a pool_exhausted, a refusal) is never taken for a retry's, which it failed
 # An engine and its local daemon (Begin/BeginOk, Open/OpenOk, Query/QueryReply, and what follows on that connection:
 # the hand-over ring's records, the staging and pool views): their pdpush must speak the same one, or it is refused
 # (``_validate``, before the message's fields are read: a newer one may have more). Engines and daemons often come
@@ -220,6 +222,8 @@ class Error(Msg):
     message: Annotated[str, Field(max_length=4096)]
     req_id: str | None = None
     retry_after_ms: U32 | None = None
+    # the AllocRequest's attempt where this answers one (protocol 8; AllocRequest.attempt); 0: it names none
+    attempt: Annotated[int, Field(ge=0, lt=1 << 32)] = 0
 
 
 class StatusRequest(Msg):
@@ -659,10 +663,11 @@ def decode_answer(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Msg:
         return error_reply(e)
 
 
-def error_reply(err: PdpushError, req_id: str | None = None) -> Error:
-    """The one place an exception becomes a wire ``Error``: its code comes from its class."""
+def error_reply(err: PdpushError, req_id: str | None = None, attempt: int = 0) -> Error:
+    """The one place an exception becomes a wire ``Error``: its code comes from its class. ``attempt``: the
+    AllocRequest's it answers, if it answers one."""
     return Error(code=type(err).code, message=str(err)[:4096], req_id=req_id if req_id is not None else err.req_id,
-                 retry_after_ms=err.retry_after_ms)
+                 retry_after_ms=err.retry_after_ms, attempt=attempt)
 
 
 # ---- state machines --------------------------------------------------------------------------

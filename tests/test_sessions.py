@@ -526,6 +526,58 @@ def test_a_late_answer_to_an_earlier_attempt_is_never_taken_for_a_retrys():
     assert isinstance(w.outcome("x"), protocol.Done) and rx.reqs["x"].state is protocol.ReqState.COMMITTED
 
 
+def test_a_late_error_for_an_earlier_attempt_never_fails_the_retry_that_allocates():
+    """Attempt 1's AllocRequest is refused (the receiver drains), but the refusal comes after the sender gave up on
+    it and the engine's retry of the id has asked for its own allocation. The Error names attempt 1 (protocol 8):
+    the retry drops it and takes its own answer. Before, an Error named no attempt and failed the retry at once."""
+    e = "tcp://rx-a:1"
+    w = Wire(control_timeout_ms=100)
+    w.push("warm", list(range(100, 120)))
+    w.complete()
+    rx = w.rx[e]
+
+    def held_answers(msg) -> list:
+        out = w.tx.on_ingress(ENG, msg, w.now)
+        asks = [a for a in out if isinstance(a, ToPeer) and isinstance(a.msg, protocol.AllocRequest)]
+        w.run([a for a in out if a not in asks])
+        return [b.msg for a in asks for b in rx.on_control(b"tx", a.msg, w.rx_now) if isinstance(b, ToSender)]
+
+    rx.draining = True
+    late = held_answers(begin("x", list(range(20))))
+    assert isinstance(late[0], protocol.Error) and late[0].code is ErrorCode.SHUTTING_DOWN and late[0].attempt >= 1
+    w.tick(101)  # no answer in time: attempt 1 fails
+    assert isinstance(w.outcome("x"), protocol.Error)
+    rx.draining = False
+    own = held_answers(begin("x", list(range(20))))  # the engine retries the id
+    assert isinstance(own[0], protocol.AllocResponse) and own[0].attempt != late[0].attempt
+    w.wire.clear()
+    w.run(w.tx.on_peer(e, late[0], w.now))  # attempt 1's refusal, late
+    assert w.tx.reqs["x"].state is TxState.ALLOCATING and w.tx.counters.values["stale_replies"] == 1
+    # an error that names no attempt answers no allocation (an earlier attempt's Commit, late): dropped too
+    w.run(w.tx.on_peer(e, protocol.Error(code=ErrorCode.UNKNOWN_REQUEST, message="late", req_id="x"), w.now))
+    assert w.tx.reqs["x"].state is TxState.ALLOCATING and w.tx.counters.values["stale_replies"] == 2
+    w.run(w.tx.on_peer(e, own[0], w.now))
+    assert w.tx.reqs["x"].state is TxState.STREAMING
+    for layer in range(LAY.push_layers):
+        w.engine(protocol.LayerReady(req_id="x", layers=[layer]))
+    w.engine(protocol.Finish(req_id="x"))
+    w.complete()
+    assert isinstance(w.outcome("x"), protocol.Done) and rx.reqs["x"].state is protocol.ReqState.COMMITTED
+
+
+def test_an_error_naming_the_allocating_attempt_ends_it():
+    """The receiver's refusal of this attempt's AllocRequest names it, and fails the request, typed."""
+    e = "tcp://rx-a:1"
+    w = Wire()
+    w.push("warm", list(range(100, 120)))
+    w.complete()
+    w.rx[e].draining = True
+    w.engine(begin("x", list(range(20))))
+    w.complete()
+    err = w.outcome("x")
+    assert isinstance(err, protocol.Error) and err.code is ErrorCode.SHUTTING_DOWN and "x" not in w.tx.reqs
+
+
 def test_a_receiver_that_has_no_session_for_the_connection_gets_a_hello_again():
     """The receiver forgot the sender's session (past MAX_SESSIONS), or ZeroMQ made the connection again after it
     broke, which the receiver knows by another routing id: every request then got "alloc before hello", for good
@@ -1202,7 +1254,9 @@ _TX_EVENT = st.one_of(
     st.builds(lambda r: ("ring_finish", r), _RID),  # a finish record in the engine's ring, naming r's last handle
     st.builds(lambda r: ("ingress", protocol.Abort(req_id=r)), _RID),
     st.builds(lambda ok: ("complete", ok), st.booleans()),
-    st.builds(lambda r, c: ("peer", protocol.Error(code=c, message="x", req_id=r)), _RID, st.sampled_from(ErrorCode)),
+    # an error naming no attempt, or one (the sender's handles are small numbers: some name the attempt that asks)
+    st.builds(lambda r, c, a: ("peer", protocol.Error(code=c, message="x", req_id=r, attempt=a)), _RID,
+              st.sampled_from(ErrorCode), st.integers(0, 12)),
     st.builds(lambda r: ("peer", protocol.CommitAck(req_id=r, chunks_committed=1)), _RID),
     st.just(("lost", None)),
 )

@@ -312,6 +312,7 @@ class ReceiverSession:
     def _guarded(self, ident: bytes, msg: Msg, now: int, handler, reply_cls) -> list:
         out: list = []
         rid = getattr(msg, "req_id", None)
+        attempt = msg.attempt if isinstance(msg, AllocRequest) else 0  # an error answering it names its attempt
         answer = getattr(msg, "answer", True)  # (a Release sent without waiting: nobody would read an error reply)
         try:
             handler(ident, msg, now, out)
@@ -322,7 +323,7 @@ class ReceiverSession:
                 self.counters.count(out, "allocs_refused", metric="failures", label=e.code.value)  # pool_exhausted)
             out.append(Log(logging.INFO, f"error reply to {msg.type}: {e.code.value}: {e}", e.req_id or rid))
             if answer:
-                out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid)))
+                out.append(reply_cls(ident, protocol.error_reply(e, e.req_id or rid, attempt)))
         except Exception as exc:  # noqa: BLE001 - the top-level guard: one message never ends the daemon
             err, line = internal_error(msg.type, exc, rid)
             self.counters.add("internal_errors")
@@ -339,7 +340,7 @@ class ReceiverSession:
             if rid and rid not in self.reqs:
                 self._reclaim_orphan(rid, now, out, writer)
             if answer:
-                out.append(reply_cls(ident, protocol.error_reply(err, rid)))
+                out.append(reply_cls(ident, protocol.error_reply(err, rid, attempt)))
         self._publish(now, out)
         return out
 

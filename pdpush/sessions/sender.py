@@ -586,12 +586,16 @@ class SenderSession:
                                                      f"({msg.message}); saying Hello again"), now, out)
         elif isinstance(msg, Error):
             r = self.reqs.get(msg.req_id) if msg.req_id else None
-            if r is not None and r.peer is p and r.state in (TxState.ALLOC_BACKOFF, TxState.WAIT_PEER):
-                # it has asked nothing (it backs off, or waits for hello): the answer to an earlier request of the id
-                # (an Error names no attempt). Taken, a late pool_exhausted failed a retry backing off
+            if r is not None and r.peer is p and (r.state in (TxState.ALLOC_BACKOFF, TxState.WAIT_PEER) or (
+                    msg.attempt != r.seq if r.state is TxState.ALLOCATING else msg.attempt not in (0, r.seq))):
+                # it answers another attempt, or nothing this one asked: it has asked nothing (it backs off, or waits
+                # for hello), or it allocates and the error does not name its AllocRequest's attempt (one naming
+                # none answers an earlier attempt's Commit or LayerDone, late). Taken, a late pool_exhausted or
+                # refusal for an earlier attempt of the id failed its retry
                 self.counters.add("stale_replies")
-                out.append(Log(logging.WARNING, f"an error from {p.endpoint} while the request asked nothing "
-                                                f"({r.state.value}): {msg.code.value} {msg.message}: dropped", r.req_id))
+                out.append(Log(logging.WARNING, f"an error from {p.endpoint} for another attempt of the request "
+                                                f"(attempt {msg.attempt}, this one {r.seq}, {r.state.value}): "
+                                                f"{msg.code.value} {msg.message}: dropped", r.req_id))
             elif r is not None and r.peer is p:
                 if r.state is TxState.ALLOCATING and isinstance(error_from_code(msg.code, ""), PoolExhausted):
                     self._backoff(r, msg.retry_after_ms or 20, msg.message, now, out)
