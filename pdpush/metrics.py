@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# the daemon's counts of errors it served on after (a bug each): pdpush_internal_errors_total moves by all of them
+INTERNAL_ERRORS = ("loop_errors", "action_errors", "internal_errors")
 _LAT = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -40,6 +42,7 @@ class Metrics:
         self.internal_errors = pc.Counter("pdpush_internal_errors", "Errors inside the daemon that it served on "
                                           "after: a bug (its log says where)", registry=r)
         self._internal_seen = 0
+        self._lanes: set[tuple[str, str, str]] = set()  # (peer, transport, device) set in peer_transport
         self.peer_transport = pc.Gauge("pdpush_peer_transport_info", "The UCX transport and device of each lane of "
                                        "each peer's endpoint (1 per lane)", ["peer", "transport", "device"], registry=r)
         if role == "receiver":
@@ -73,14 +76,22 @@ class Metrics:
     def refresh(self, stats: dict[str, Any]) -> None:
         """Set gauges from a stats snapshot (called on the daemon's own thread)."""
         self.inflight.set(stats["requests_inflight"])
-        if stats["loop_errors"] > self._internal_seen:  # (a count the daemon's shell keeps: it moves by the new ones)
-            self.internal_errors.inc(stats["loop_errors"] - self._internal_seen)
-            self._internal_seen = stats["loop_errors"]
-        self.peer_transport.clear()
-        for peer, lanes in json.loads(stats.get("ucx_transports") or "{}").items():
-            for lane in lanes.split():
+        # counts the daemon keeps (it moves by the new ones): its shell's loop and actions, and its session's
+        # handlers, which answer a message that raised with an internal error and serve on
+        internal = sum(stats.get(k, 0) for k in INTERNAL_ERRORS)
+        if internal > self._internal_seen:
+            self.internal_errors.inc(internal - self._internal_seen)
+            self._internal_seen = internal
+        lanes = set()
+        for peer, named in json.loads(stats.get("ucx_transports") or "{}").items():
+            for lane in named.split():
                 transport, _, device = lane.partition("/")
-                self.peer_transport.labels(peer, transport, device).set(1)
+                lanes.add((peer, transport, device))
+        for gone in self._lanes - lanes:  # the current ones stay set meanwhile: a scrape never finds none
+            self.peer_transport.remove(*gone)
+        for lane in lanes - self._lanes:
+            self.peer_transport.labels(*lane).set(1)
+        self._lanes = lanes
         if self.role == "receiver":
             self.pool_pages.labels("total").set(stats["pool_pages_total"])
             self.pool_pages.labels("free").set(stats["pool_pages_free"])

@@ -226,10 +226,37 @@ def test_internal_errors_are_exported_as_a_counter():
 
     m = Metrics("sender", "127.0.0.1", -1)
     seen = []
-    for errors in (0, 3, 3, 5):
-        m.refresh({"requests_inflight": 0, "loop_errors": errors, "receivers_connected": 1, "staging_bytes_free": 0})
+    # the shell's loop and actions, and the session's handlers (the errors it answers "internal" and serves on:
+    # they were only in ``pdpush status``, and the alert on this counter never fired for them)
+    for loop, action, session in ((0, 0, 0), (3, 0, 0), (3, 0, 0), (5, 0, 0), (5, 1, 0), (5, 1, 4)):
+        m.refresh({"requests_inflight": 0, "loop_errors": loop, "action_errors": action, "internal_errors": session,
+                   "receivers_connected": 1, "staging_bytes_free": 0})
         seen.append(m.registry.get_sample_value("pdpush_internal_errors_total"))
-    assert seen == [0, 3, 3, 5]
+    assert seen == [0, 3, 3, 5, 6, 10]
+
+
+def test_a_peers_transport_lanes_stay_set_between_refreshes_and_go_when_gone():
+    """The lanes are set, not cleared and set again on every refresh (a scrape in between found none), and a lane
+    that went is removed."""
+    import json
+
+    from pdpush.metrics import Metrics
+
+    m = Metrics("sender", "127.0.0.1", -1)
+    base = {"requests_inflight": 0, "loop_errors": 0, "receivers_connected": 1, "staging_bytes_free": 0}
+    removed = []
+    real = m.peer_transport.remove
+    m.peer_transport.remove = lambda *lab: (removed.append(lab), real(*lab))
+    lanes = {"rx": "tcp/lo sysv/memory"}
+    for _ in range(3):
+        m.refresh({**base, "ucx_transports": json.dumps(lanes)})
+    assert removed == []
+    got = m.registry.get_sample_value
+    assert got("pdpush_peer_transport_info", {"peer": "rx", "transport": "sysv", "device": "memory"}) == 1
+    m.refresh({**base, "ucx_transports": json.dumps({"rx": "tcp/lo"})})
+    assert removed == [("rx", "sysv", "memory")]
+    assert got("pdpush_peer_transport_info", {"peer": "rx", "transport": "sysv", "device": "memory"}) is None
+    assert got("pdpush_peer_transport_info", {"peer": "rx", "transport": "tcp", "device": "lo"}) == 1
 
 
 @pytest.mark.parametrize("fails", ["drain", "close"])
