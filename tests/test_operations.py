@@ -476,6 +476,24 @@ def test_a_daemon_drains_at_start_only_where_its_launcher_died(monkeypatch, laun
     assert signals["count"] == int(drains)
 
 
+def test_a_router_whose_launcher_died_before_it_was_up_does_not_serve(monkeypatch):
+    """The router ignored what ``die_with_launcher`` found: orphaned in its own session, it served on with nobody
+    to stop it. It now returns before it builds or binds anything."""
+    from pdpush.config import RouterConfig
+    from pdpush.router import app
+
+    monkeypatch.setenv("PDPUSH_LAUNCHER_PIDNS", os.readlink("/proc/self/ns/pid"))
+    monkeypatch.setenv("PDPUSH_LAUNCHER_PID", "4242")
+    monkeypatch.setattr(launch, "die_with_parent", lambda sig: None)
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # reparented: the launcher is gone
+
+    def built(*a, **k):
+        raise AssertionError("the router was built")
+
+    monkeypatch.setattr(app, "Router", built)
+    app.serve(RouterConfig(prefill=["http://a:8100"], decode=[{"url": "http://b:8100", "receiver": "tcp://127.0.0.1:1"}]))
+
+
 @pytest.mark.parametrize("signals_sent", [1, 2])
 def test_a_signal_during_start_ends_it_having_served_nothing(tmp_path, signals_sent):
     """``daemon.run`` with a stand-in server whose start waits, as a prefault does, until told to stop: SIGTERM (and

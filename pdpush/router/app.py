@@ -1014,7 +1014,11 @@ def serve(cfg: RouterConfig) -> None:
 
     from pdpush.daemon import die_with_launcher, raise_open_files, write_ready_file
 
-    die_with_launcher({"count": 0})  # started by pdpush.launch: SIGTERM when the launcher dies
+    orphaned = {"count": 0}
+    die_with_launcher(orphaned)  # started by pdpush.launch: SIGTERM when the launcher dies
+    if orphaned["count"]:  # it died before we could tie ourselves to it: nobody would stop us
+        log.warning("the process that started the router (PDPUSH_LAUNCHER_PID) died before it was up: not serving")
+        return
     open_files = raise_open_files(log)  # 1,024 connections to the engines, and the clients' beside them
     router = Router(cfg)
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
