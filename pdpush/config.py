@@ -467,8 +467,10 @@ class RouterConfig(_Settings):
     """How often every instance's /health is checked."""
     eject_after: int = Field(2, ge=1)
     """Failed checks in a row that eject an instance (a refused connection ejects at once)."""
-    index_silence_s: float = Field(3.5, gt=0)
-    """A receiver feed unheard for this long is distrusted (and re-subscribed)."""
+    index_silence_s: float = Field(3.5, ge=2.0, le=3600)
+    """A receiver feed unheard for this long is distrusted (and re-subscribed). At least two of the receivers' 1 s
+    heartbeats: under one, every feed went silent between beats, and its socket was made again and again (each
+    renewal a new subscriber at the receiver, which keeps the old ones for 15 s)."""
     name_recheck_s: float = Field(30.0, gt=0)
     """A receiver or KV-events publisher named by a host name is reached at the address the name gave; the name is
     looked up again this often, and one that moved (a pod rescheduled) is followed to its new address."""

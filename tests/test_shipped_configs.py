@@ -81,6 +81,18 @@ def test_concurrent_legs_takes_auto_true_or_false_from_the_environment_and_refus
         load(RouterConfig, ROOT / "configs/router.toml")
 
 
+def test_an_index_silence_shorter_than_two_heartbeats_is_refused(monkeypatch):
+    """Under the receivers' 1 s heartbeat every feed went silent between beats and was made again and again."""
+    from pdpush.config import RouterConfig, load
+    from pdpush.errors import ConfigError
+
+    monkeypatch.setenv("PDPUSH_INDEX_SILENCE_S", "0.5")
+    with pytest.raises(ConfigError, match="index_silence_s"):
+        load(RouterConfig, ROOT / "configs/router.toml")
+    monkeypatch.setenv("PDPUSH_INDEX_SILENCE_S", "2.0")
+    assert load(RouterConfig, ROOT / "configs/router.toml").index_silence_s == 2.0
+
+
 def test_compose_models_two_hosts(tmp_path):
     """docker/compose.yaml is two hosts: a decode side (receiver) and a prefill side (sender), each with its own
     IPC namespace, runtime volume and keys, and only the `fabric` network between them. No Docker engine runs
