@@ -16,7 +16,7 @@ bounds (``ge``/``gt``/``le``/``lt``, lengths, literals, enums) and no extra fiel
 - Fields named in ``pinned`` must be present and hold that value (``local_version``: a frame without it, or of
   another version, is refused by the authoritative path with ``IncompatiblePeer``, never defaulted here).
 - ``Codec.encode`` writes a model's fields in their order, as ``msgpack.packb(model.model_dump())`` did, byte for
-  byte, without building the dict.
+  byte, without building the dict; a ``sparse`` field that holds its given value is left out.
 """
 
 from __future__ import annotations
@@ -84,9 +84,13 @@ def _unmodelled(model: type[BaseModel]) -> str | None:
 class Codec:
     """Derives the types of ``models`` (each with a ``type`` literal, its tag) and decodes frames into them."""
 
-    def __init__(self, models: list[type[BaseModel]], pinned: dict[str, Any], base: type[BaseModel]):
+    def __init__(self, models: list[type[BaseModel]], pinned: dict[str, Any], base: type[BaseModel],
+                 sparse: dict[type[BaseModel], dict[str, Any]] | None = None):
         self._pinned = pinned
         self._base = base
+        # fields left out of a message's encoding where they hold this value (decoding defaults them to it): a field
+        # added to a message that peers of the version before read, and refuse as unknown, wherever it is not used
+        self._sparse = sparse or {}
         self._structs: dict[type[BaseModel], type] = {}  # nested models with no validators
         # struct -> (its model, its tag, the fields to convert: (name, how, the model of a raw field))
         self._build: dict[type, tuple[type[BaseModel], str | None, tuple]] = {}
@@ -232,7 +236,11 @@ class Codec:
         unchecked) gives its ``model_dump``, as encoding did before: its fields alone."""
         if isinstance(obj, self._base):
             d = obj.__dict__
-            return d if len(d) == len(type(obj).model_fields) else obj.model_dump(mode="python")
+            if len(d) != len(type(obj).model_fields):
+                d = obj.model_dump(mode="python")
+            if (sparse := self._sparse.get(type(obj))) and any(d[k] == v for k, v in sparse.items()):
+                d = {k: v for k, v in d.items() if k not in sparse or v != sparse[k]}
+            return d
         raise NotImplementedError(f"not a protocol message: {type(obj).__name__}")
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# the daemon's counts of errors it served on after (a bug each): pdpush_internal_errors_total moves by all of them
-INTERNAL_ERRORS = ("loop_errors", "action_errors", "internal_errors")
+# the daemon's counts of errors it served on after (a bug each): pdpush_internal_errors_total moves by all of them.
+# (Not the sender's action_errors: each is an internal error of its session's too, on_action_failed)
+INTERNAL_ERRORS = ("loop_errors", "internal_errors")
 _LAT = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -76,8 +77,8 @@ class Metrics:
     def refresh(self, stats: dict[str, Any]) -> None:
         """Set gauges from a stats snapshot (called on the daemon's own thread)."""
         self.inflight.set(stats["requests_inflight"])
-        # counts the daemon keeps (it moves by the new ones): its shell's loop and actions, and its session's
-        # handlers, which answer a message that raised with an internal error and serve on
+        # counts the daemon keeps (it moves by the new ones): its shell's loop, and its session's handlers (which
+        # answer a message that raised with an internal error and serve on) and failed actions
         internal = sum(stats.get(k, 0) for k in INTERNAL_ERRORS)
         if internal > self._internal_seen:
             self.internal_errors.inc(internal - self._internal_seen)

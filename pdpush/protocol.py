@@ -516,8 +516,11 @@ _adapter: TypeAdapter = TypeAdapter(Message)
 # every message's msgspec twin (fastcodec.py): it decodes, in C, the frames it accepts into the same messages, and
 # leaves the others to msgpack and pydantic (``_unpack``, ``_validate``), which stay the authority. A versioned
 # message takes the fast path only with this local protocol's version on the wire (``_check_local`` judges others).
+# ``Error.attempt`` (protocol 8) is absent from an Error that names no attempt: every Error on the local path, and
+# a Hello's refusal, then reads as before it, to an engine or a sender of the version before (their models refuse an
+# unknown field, and an Error they cannot read fails another request than its own, or none)
 _fast = fastcodec.Codec(list(typing.get_args(typing.get_args(Message)[0])),
-                        pinned={"local_version": LOCAL_PROTOCOL_VERSION}, base=Msg)
+                        pinned={"local_version": LOCAL_PROTOCOL_VERSION}, base=Msg, sparse={Error: {"attempt": 0}})
 
 
 def encode(msg: Msg) -> bytes:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpush import protocol as P
-from pdpush.errors import IncompatiblePeer, PdpushError
+from pdpush.errors import ErrorCode, IncompatiblePeer, PdpushError
 from pdpush.layout import KVLayout
 from pdpush_tools.bench import codec, report
 from tests.test_protocol import KEY, SAMPLES
@@ -43,8 +43,24 @@ def test_every_message_type_is_derived():
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.type)
 def test_encode_is_byte_for_byte_the_dict_encoding_and_the_fast_path_takes_it_back(msg):
-    assert P.encode(msg) == msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+    d = msg.model_dump(mode="python")
+    if isinstance(msg, P.Error) and msg.attempt == 0:  # (sparse: absent where it names no attempt)
+        del d["attempt"]
+    assert P.encode(msg) == msgpack.packb(d, use_bin_type=True)
     assert _same(P.encode(msg))
+
+
+def test_an_error_that_names_no_attempt_reads_as_before_protocol_8():
+    """An engine or sender of protocol 7 refuses unknown fields: an Error naming no attempt (every one on the local
+    path, a Hello's refusal) leaves the field out, and is the frame protocol 7 wrote; one that names it carries it."""
+    err = P.Error(code=ErrorCode.POOL_EXHAUSTED, message="full", req_id="r", retry_after_ms=5)
+    assert P.encode(err) == msgpack.packb({"type": "error", "code": "pool_exhausted", "message": "full", "req_id": "r",
+                                           "retry_after_ms": 5}, use_bin_type=True)
+    assert P.decode(P.encode(err)) == err
+    named = err.model_copy(update={"attempt": 7})
+    assert msgpack.unpackb(P.encode(named))["attempt"] == 7 and P.decode(P.encode(named)) == named
+    assert msgpack.unpackb(P.encode(P.error_reply(IncompatiblePeer("old")))).keys() == {
+        "type", "code", "message", "req_id", "retry_after_ms"}
 
 
 def test_a_layout_is_checked_by_its_validator_on_the_fast_path_too():
