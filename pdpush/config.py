@@ -212,7 +212,8 @@ class ReceiverConfig(_Base):
     allowed_readers: list[str] = Field(default_factory=list)
     """Router public keys admitted with CURVE only to subscribe to the chunk-index feed, to withdraw a push that has
     not begun (``Withdraw``) and one nobody will read (``Unread``: a begun push nobody has open too): no Hello, so no
-    pool rkey and no UCX token (a compromised HTTP-facing router cannot write KV). Same forms as ``allowed_senders``."""
+    pool rkey and no UCX token (a compromised HTTP-facing router cannot write KV). Same forms as ``allowed_senders``;
+    a key named here is a reader's though ``allowed_senders`` names it too (a directory of keys)."""
     insecure: bool = False
     """Allow binding a non-loopback address without CURVE authentication (logs a warning)."""
     ucx_token_timeout_ms: int = Field(5000, ge=10)

@@ -81,8 +81,14 @@ class Receiver:
             from pdpush import auth
 
             keys = auth.load_keypair(cfg.curve_secret_key_file)
-            allowed = [k for spec in cfg.allowed_senders for k in auth.load_public_keys(spec)]
-            readers = [k for spec in cfg.allowed_readers for k in auth.load_public_keys(spec) if k not in allowed]
+            readers = [k for spec in cfg.allowed_readers for k in auth.load_public_keys(spec)]
+            # a key listed as a reader is a reader only, though allowed_senders names it too (a directory of keys,
+            # as `pdpush keygen --dir` fills one, holds the router's beside the senders'): it had a sender's rights
+            listed = [k for spec in cfg.allowed_senders for k in auth.load_public_keys(spec)]
+            allowed = [k for k in listed if k not in readers]
+            if len(allowed) < len(listed):
+                log.warning("%d key(s) in both allowed_senders and allowed_readers: readers only (no Hello, no "
+                            "writes)", len(listed) - len(allowed))
         self.ucx = open_transport(dict(cfg.ucx_env))
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(cfg.host) else f"host {cfg.host}", cfg.pool_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)

@@ -1127,11 +1127,14 @@ def test_a_curve_receivers_feed_is_served_only_to_an_allowed_router(upstreams, s
 
     from pdpush import auth, control, protocol
 
-    keys = {n: auth.keygen(tmp_path / "keys", n) for n in ("receiver", "router", "stranger", "sender")}
+    keys = {n: auth.keygen(tmp_path / "keys", n) for n in ("receiver", "router", "sender")}
+    keys["stranger"] = auth.keygen(tmp_path / "elsewhere", "stranger")
     p_url, _, _ = upstreams("prefill")
     d_url, _, _ = upstreams("decode")
+    # the senders as a directory of keys, which holds the router's too (as `pdpush keygen --dir` fills one): the
+    # router's key, named a reader's, is a reader's only (it had a sender's rights)
     rx = launch.start_receiver(tmp_path, pool_pages=32, curve_secret_key_file=str(keys["receiver"][1]),
-                               allowed_senders=[str(keys["sender"][0])], allowed_readers=[str(keys["router"][0])],
+                               allowed_senders=[str(tmp_path / "keys")], allowed_readers=[str(keys["router"][0])],
                                **LAY)
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20, curve_secret_key_file=str(keys["sender"][1]),
                              receiver_public_key=str(keys["receiver"][0]))
