@@ -34,6 +34,8 @@ def keygen(directory: Path, name: str, force: bool = False) -> tuple[Path, Path]
     have = [f for f in (directory / f"{name}.key", directory / f"{name}.key_secret") if f.exists()]
     if have and not force:
         raise ConfigError(f"{have[0]} exists: --force replaces the pair (then give its peers the new public key)")
+    for f in have:  # made afresh: an existing file keeps its mode (0644, say) while the new secret is written to it,
+        f.unlink()  # and a link there would be followed
     old = os.umask(0o077)
     try:
         pub, sec = zmq.auth.create_certificates(directory, name)

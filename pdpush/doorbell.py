@@ -43,7 +43,11 @@ class Doorbell:
                 os.unlink(path)
         os.mkfifo(path, 0o600)  # in the sender's checked socket directory (control.private_dir)
         self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # ours: no writer left is never a hang-up
+        try:
+            self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # ours: no writer left: no hang-up
+        except OSError:
+            os.close(self._r)
+            raise
         if not stat.S_ISFIFO(os.fstat(self._r).st_mode):
             self.close()
             raise OSError(f"{path} is not the FIFO this sender made")

@@ -215,6 +215,16 @@ def test_key_files_that_would_let_in_no_one_or_anyone_are_refused(tmp_path, keys
     pub, sec = auth.keygen(d, "receiver", True)
     assert auth.load_public_keys(str(pub)) != before
     assert (os.stat(pub).st_mode & 0o777, os.stat(sec).st_mode & 0o777) == (0o644, 0o600)
+    # --force makes the files afresh: the new secret is never written into an existing file (its mode, 0644 say,
+    # kept meanwhile) nor through a link there
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    os.chmod(victim, 0o644)
+    os.unlink(sec)
+    os.symlink(victim, sec)
+    pub, sec = auth.keygen(d, "receiver", True)
+    assert victim.read_text() == "untouched" and not os.path.islink(sec)
+    assert os.stat(sec).st_mode & 0o777 == 0o600 and auth.load_keypair(str(sec)).secret
     f = tmp_path / "r.toml"
     f.write_text(f"curve_secret_key_file = '{keys['receiver'][1]}'\nallowed_senders = ['{empty}']\n"
                  f"local_socket = '{tmp_path}/r.sock'\ncontrol_port = 0\nucx_port = 0\nmetrics_port = 0\n")
