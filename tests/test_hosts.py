@@ -423,6 +423,25 @@ def test_freeze_and_thaw(box):
     until(lambda: count(n) > frozen + 5, 5, "counting again")
 
 
+def test_freeze_reaches_a_container_within_the_host(box):
+    """A process in a PID namespace of its own inside the host (a container's engine: ``unshare --pid``) is the
+    host's too: frozen with it. Matched by the host's namespace alone, it counted on while the host was frozen."""
+    a = box.make(["a"])["a"]
+    n = box.tmp / "n"
+    p = a.popen(["unshare", "--pid", "--fork", "--kill-child", PY, str(box.tmp / "counter.py"), str(n)],
+                stdout=subprocess.PIPE, text=True)
+    box.procs.append(p)
+    assert line(p, 15) == "ready"
+    until(lambda: count(n) > 3, 10, "counting")
+    a.freeze()
+    time.sleep(0.1)
+    frozen = count(n)
+    time.sleep(0.4)
+    assert count(n) == frozen, "the container's process counted on while its host was frozen"
+    a.thaw()
+    until(lambda: count(n) > frozen + 5, 5, "counting again")
+
+
 def test_crash_kills_everything_and_the_rest_lives(box):
     hosts = box.make({"a": HostSpec(link=LinkSpec(relay=True)), "b": HostSpec()})
     a, b = hosts["a"], hosts["b"]

@@ -47,6 +47,7 @@ The links, and how faithful each impairment is:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import random
@@ -140,6 +141,32 @@ def _ns_id(pid: int, ns: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+NS_GET_PARENT = 0xB702  # ioctl on a namespace's fd: its parent's (linux/nsfs.h, _IO(0xb7, 0x2))
+
+
+def _pidns_within(pid: int, ns: tuple[int, int]) -> bool:
+    """Whether ``pid``'s PID namespace is ``ns`` or one nested inside it (a container's within a host: ``unshare
+    --pid``), walked up through its parents."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        for _ in range(32):  # (the kernel nests PID namespaces 32 deep at most)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == ns:
+                return True
+            try:
+                parent = fcntl.ioctl(fd, NS_GET_PARENT)
+            except OSError:  # the root of what this process sees
+                return False
+            os.close(fd)
+            fd = parent
+        return False
+    finally:
+        os.close(fd)
+
+
 def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
@@ -208,11 +235,13 @@ class Host:
         return path
 
     def pids(self) -> list[int]:
-        """Every live process of this host (its PID namespace), as root-namespace pids, the init included.
-        (Zombies are left out: see ``kill`` for the ones a SIGKILLed launcher leaves.)"""
+        """Every live process of this host (its PID namespace, and those nested in it: a container's), as
+        root-namespace pids, the init included. (Zombies are left out: see ``kill`` for the ones a SIGKILLed
+        launcher leaves.)"""
         if self._pidns is None:
             return []
-        return [p for p in _all_pids() if _ns_id(p, "pid") == self._pidns and _state(p) not in ("Z", None)]
+        return [p for p in _all_pids() if (_ns_id(p, "pid") == self._pidns or _pidns_within(p, self._pidns))
+                and _state(p) not in ("Z", None)]
 
     def inner_pid(self, outer_pid: int, timeout_s: float = 5.0) -> int:
         """The root-namespace pid of the command that the ``enter`` launcher ``outer_pid`` runs."""
