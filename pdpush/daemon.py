@@ -348,6 +348,29 @@ def count_skewed(counters: dict, err: Exception, log: logging.Logger) -> None:
                     "the engines and the daemons): %s", n, err)
 
 
+def settle_interface(address: str, route: bool) -> str | None:
+    """Before the daemon makes its UCX context, which lists its tcp devices once: the interface that holds
+    ``address`` (a receiver's bind address), or that ``route`` reaches it through (a sender's receiver), running,
+    waited for a while where it is up without (netif.py). Returns the interface's name where it still is not."""
+    from pdpush import netif
+
+    name = netif.route_interface(address) if route else netif.interface_of(address)
+    if name is None:
+        return None
+    t0 = time.monotonic()
+    late = netif.wait_running([name])
+    waited = time.monotonic() - t0
+    log = logging.getLogger("pdpush.daemon")
+    if late:
+        log.warning("network interface %s (for %s) is up without a carrier %.1f s on: UCX starts without it, so "
+                    "peers that reach this daemon through it are refused until it restarts with it running", name,
+                    address, waited)
+        return name
+    if waited > 0.05:
+        log.info("waited %.2f s for network interface %s (for %s) to run before starting UCX", waited, name, address)
+    return None
+
+
 def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
     """Log which UCX the daemon runs (version, library, how chosen), what it can use, and what the host offers
     (memlock against the ``registered_bytes`` of its pool or staging, hugepages, CUDA); where it talks to other

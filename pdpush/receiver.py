@@ -33,7 +33,16 @@ import zmq
 
 from pdpush import control, lifeline, protocol
 from pdpush.config import ReceiverConfig, is_loopback
-from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
+from pdpush.daemon import (
+    Outbox,
+    WireCount,
+    count_dropped,
+    count_skewed,
+    log_ucx,
+    now_ms,
+    settle_interface,
+    ucx_stats,
+)
 from pdpush.errors import PdpushError
 from pdpush.layout import READY_WORD, combine_digests
 from pdpush.protocol import Msg, Query, StatusReply, StatusRequest, Withdraw
@@ -89,6 +98,8 @@ class Receiver:
             if len(allowed) < len(listed):
                 log.warning("%d key(s) in both allowed_senders and allowed_readers: readers only (no Hello, no "
                             "writes)", len(listed) - len(allowed))
+        if not is_loopback(cfg.host):  # (UCX lists its devices once: the one that takes senders' connections runs)
+            settle_interface(cfg.host, route=False)
         self.ucx = open_transport(dict(cfg.ucx_env))
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(cfg.host) else f"host {cfg.host}", cfg.pool_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)

@@ -35,7 +35,16 @@ import zmq
 
 from pdpush import control, lifeline, protocol, ring
 from pdpush.config import SenderConfig, endpoint_error, endpoint_host_port, is_loopback
-from pdpush.daemon import Outbox, WireCount, count_dropped, count_skewed, log_ucx, now_ms, ucx_stats
+from pdpush.daemon import (
+    Outbox,
+    WireCount,
+    count_dropped,
+    count_skewed,
+    log_ucx,
+    now_ms,
+    settle_interface,
+    ucx_stats,
+)
 from pdpush.errors import (
     ConnectError,
     IncompatiblePeer,
@@ -139,8 +148,10 @@ class Sender:
         # (a taken port fails the start, exit 3, before the staging's prefault: receiver.py)
         control.check_port_free(self.cfg.metrics_host, self.cfg.metrics_port, "the metrics endpoint")
         control.check_local(self.cfg.ingress_socket_path())  # (its directory, and no live daemon on it)
-        self.ucx = open_transport(dict(self.cfg.ucx_env))
         remote = urlsplit(self.cfg.default_receiver).hostname or ""
+        if remote and not is_loopback(remote):  # (UCX lists its devices once: the one toward the receiver runs)
+            settle_interface(remote, route=True)
+        self.ucx = open_transport(dict(self.cfg.ucx_env))
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(remote) else f"default_receiver {remote}",
                                 self.cfg.staging_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)
