@@ -349,18 +349,21 @@ def count_skewed(counters: dict, err: Exception, log: logging.Logger) -> None:
 
 
 def settle_interface(address: str, route: bool) -> str | None:
-    """Before the daemon makes its UCX context, which lists its tcp devices once: the interface that holds
-    ``address`` (a receiver's bind address), or that ``route`` reaches it through (a sender's receiver), running,
+    """Before the daemon makes its UCX context, which lists its tcp devices once: the interface that takes
+    connections to ``address`` (a receiver's bind address, netif.listening_interface), or that ``route`` reaches it
+    through (a sender's receiver), running,
     waited for a while where it is up without (netif.py). Returns the interface's name where it still is not."""
     from pdpush import netif
 
-    name = netif.route_interface(address) if route else netif.interface_of(address)
-    if name is None:
-        return None
-    t0 = time.monotonic()
-    late = netif.wait_running([name])
-    waited = time.monotonic() - t0
     log = logging.getLogger("pdpush.daemon")
+    t0 = time.monotonic()
+    try:
+        name = netif.route_interface(address) if route else netif.listening_interface(address)
+        late = netif.wait_running([name]) if name is not None else []
+    except (OSError, ValueError) as e:  # advice only: a host whose interfaces cannot be read starts as before
+        log.info("could not read the network interfaces for %s: %s", address, e)
+        return None
+    waited = time.monotonic() - t0
     if late:
         log.warning("network interface %s (for %s) is up without a carrier %.1f s on: UCX starts without it, so "
                     "peers that reach this daemon through it are refused until it restarts with it running", name,

@@ -12,6 +12,7 @@ by the same script, or right after its network, falls in it. ``wait_running`` le
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
 import struct
 import time
@@ -26,7 +27,7 @@ def flags(name: str) -> int | None:
     """An interface's flags (``SIOCGIFFLAGS``), or None where it is gone."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            raw = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("16sH22x", name.encode()[:15], 0))
+            raw = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("16sH22x", os.fsencode(name)[:15], 0))
         except OSError:
             return None
     return struct.unpack("16sH22x", raw)[1]
@@ -50,13 +51,24 @@ def interface_of(address: str) -> str | None:
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
+            # the address asked for in the request: the kernel answers with it where the interface holds it (a
+            # secondary address too), else with its first
+            ask = struct.pack("16sHH4s16x", os.fsencode(name)[:15], socket.AF_INET, 0, packed)
             try:
-                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("16sH22x", name.encode()[:15], socket.AF_INET))
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, ask)
             except OSError:  # (no IPv4 address)
                 continue
             if raw[20:24] == packed:
                 return name
     return None
+
+
+def listening_interface(host: str) -> str | None:
+    """The interface a daemon bound to ``host`` takes its peers' connections on: the one that holds it, or for a
+    wildcard (0.0.0.0, ::) the default route's (peers most often come that way; none: None)."""
+    if host in ("0.0.0.0", "::"):
+        return route_interface("192.0.2.1" if host == "0.0.0.0" else "2001:db8::1")  # (documentation addresses)
+    return interface_of(host)
 
 
 def route_interface(address: str) -> str | None:

@@ -20,7 +20,12 @@ def test_fp32_exact_logits_pipelined_eager_and_prefix_reuse():
     assert len(set(res["reference_tokens"])) > 2  # the model does not just repeat one token
     # prefix reuse: 150 shared tokens = 9 full chunks held; only the rest moved
     assert res["already_sent_indexes_second"] == list(range(9))
-    assert res["chunks_skipped_second"] == 9
+    assert res["chunks_skipped_second"] == res["expected_chunks_skipped_second"] == 9
+    assert demo.failures(res) == []
+    # what the demo's exit status says: each promise it did not keep fails it (it used to look at the tokens alone)
+    assert demo.failures({**res, "logits_match": False}) and demo.failures({**res, "chunks_skipped_second": 0})
+    assert demo.failures({**res, "tokens_match": False})
+    assert demo.failures({**res, "bytes_sent": {**res["bytes_sent"], "second": res["bytes_full_request"]}})
     page = 16 * 2 * 2 * 32 * 4
     assert res["bytes_sent"]["first"] == 4 * 13 * page and res["bytes_sent"]["second"] == 4 * 4 * page
     # pipelining, by event order: layer l is on the receiver before prefill finishes layer l+2

@@ -37,6 +37,9 @@ def test_the_interfaces_of_addresses_and_routes_here():
     assert netif.interface_of("0.0.0.0") is None and netif.interface_of("not-an-address") is None
     assert netif.route_interface("receiver.example") is None  # (a name is never looked up here)
     assert netif.not_running(["lo", "no-such-interface"]) == []
+    # a wildcard bind takes connections on every interface: the default route's is the one waited for
+    assert netif.listening_interface("0.0.0.0") == netif.route_interface("192.0.2.1")
+    assert netif.listening_interface("127.0.0.1") == "lo"
 
 
 def _ip(*args: str) -> None:
@@ -61,23 +64,26 @@ def test_ucx_made_after_the_wait_lists_a_veth_end_that_had_no_carrier_yet(tmp_pa
         for ns, dev, addr in ((p, vp, "10.213.78.1/30"), (d, vd, "10.213.78.2/30")):
             _ip("-n", ns, "addr", "add", addr, "dev", dev)
             _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", d, "addr", "add", "10.213.78.6/30", "dev", vd)  # a secondary address (a VIP) is found too
         _ip("-n", p, "link", "set", vp, "up")
         t_up = time.monotonic()
         _ip("-n", d, "link", "set", vd, "up")  # (the end whose carrier comes late)
         probe = ("import json, sys, time\n"
-                 "from pdpush import netif\n"
+                 "from pdpush import daemon, netif\n"
                  "t0 = time.monotonic()\n"
-                 "pending = netif.wait_running([netif.interface_of('10.213.78.2')])\n"
+                 "late = daemon.settle_interface('10.213.78.2', route=False)\n"  # (as the receiver's start does)
                  "waited = time.monotonic() - t0\n"
                  "from pdpush.transport.auto import open_transport\n"
                  "t = open_transport({'UCX_TLS': 'tcp', 'UCX_NET_DEVICES': 'all'})\n"
-                 "print(json.dumps({'pending': pending, 'waited': waited, 'available': t.describe()['available']}))\n"
+                 "print(json.dumps({'late': late, 'waited': waited, 'available': t.describe()['available'],\n"
+                 "                  'vip': netif.interface_of('10.213.78.6')}))\n"
                  "t.close()\n")
         r = subprocess.run(["ip", "netns", "exec", d, sys.executable, "-c", probe], capture_output=True, text=True,
                            timeout=60, cwd=ROOT, env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert out["pending"] == [] and f"tcp/{vd}" in out["available"], (out, time.monotonic() - t_up)
+        assert out["late"] is None and f"tcp/{vd}" in out["available"], (out, time.monotonic() - t_up)
+        assert out["vip"] == vd
         assert netif.flags(vd) is None  # (not in this namespace: the probe read its own)
     finally:
         for ns in made:  # (the pair goes with them)

@@ -225,6 +225,9 @@ def run_demo(*, layers: int = 8, hidden: int = 256, heads: int = 4, kv_heads: in
         "bytes_sent": {"first": pipe["prefill"]["bytes_sent"], "second": second["prefill"]["bytes_sent"]},
         "bytes_full_request": full_bytes,
         "chunks_skipped_second": second["prefill"]["chunks_skipped"],
+        # the chunks whole within the prefix it shares: held, with daemons of the demo's own (running daemons may
+        # have evicted some since the first request, or hold more of an earlier run)
+        "expected_chunks_skipped_second": shared // chunk_tokens if receiver_config is None else None,
         "already_sent_indexes_second": second["prefill"]["already_sent_indexes"],
         "pipelined_layer_end": layer_end, "pipelined_layer_arrival": arrivals,
         "puts_per_layer": pipe["prefill"]["puts"] / layers,
@@ -256,6 +259,23 @@ def print_report(res: dict, console) -> None:
                   f"bytes ({saved:,} saved)")
 
 
+def failures(res: dict) -> list[str]:
+    """What the run did not show, of what the demo promises: the same tokens as colocated; on CPU the same logits
+    at every step too (the decode engine computes over the very bytes the prefill engine made); and the second
+    request skipping the chunks it shares with the first, so that fewer bytes moved."""
+    out = []
+    if not res["tokens_match"]:
+        out.append("the disaggregated tokens differ from the colocated ones")
+    if res.get("device", "cpu") == "cpu" and not res["logits_match"]:
+        out.append(f"the logits differ from the colocated ones ({res['per_request_match']})")
+    want = res.get("expected_chunks_skipped_second")
+    if want is not None and res["chunks_skipped_second"] != want:
+        out.append(f"prefix reuse: the second request skipped {res['chunks_skipped_second']} chunks, not {want}")
+    if want and res["bytes_sent"]["second"] >= res["bytes_full_request"]:
+        out.append("prefix reuse: the second request moved every byte")
+    return out
+
+
 def main_cli(json_path: Path | None, **kw) -> int:
     from rich.console import Console
 
@@ -267,4 +287,7 @@ def main_cli(json_path: Path | None, **kw) -> int:
     console.print(f"done in {time.monotonic() - t0:.1f}s")
     if json_path:
         json_path.write_text(json.dumps(res, indent=2))
-    return 0 if res["tokens_match"] else 1
+    bad = failures(res)
+    for why in bad:
+        console.print(f"[bold red]FAILED:[/] {why}")
+    return 1 if bad else 0
