@@ -107,9 +107,17 @@ def endpoint_error(endpoint: str) -> str | None:
     """Why ``endpoint`` is not a receiver's control endpoint (``tcp://host:port``), or None: checked where a config
     or a request names one, so that a typo fails there, typed, rather than as a socket error in the daemon's loop."""
     m = _ENDPOINT.fullmatch(endpoint)
-    if m is None or not 0 < int(m.group(2)) < 65536:
-        return f"{endpoint!r} is not a receiver control endpoint tcp://host:port"
+    if m is None or not 0 < int(m.group(2)) < 65536 or (m.group(1).startswith("[") and not _ipv6(m.group(1)[1:-1])):
+        return f"{endpoint!r} is not a receiver control endpoint tcp://host:port"  # (brackets: an IPv6 address only)
     return None
+
+
+def _ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return "%" not in text  # (a zone: ZeroMQ's endpoints take none)
 
 
 class _Base(_Settings):

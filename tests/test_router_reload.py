@@ -376,3 +376,10 @@ def test_addresses_that_cannot_be_reached_are_refused_at_load_naming_the_field(b
     with pytest.raises(ConfigError) as e:
         cfgmod.load(RouterConfig, **{**base, **bad})
     assert next(iter(bad)) in str(e.value)
+
+
+def test_brackets_in_an_endpoint_hold_an_ipv6_address_only():
+    """``tcp://[1.2.3.4]:5710`` was taken, and the sender's start then died in urlsplit with a traceback."""
+    assert cfgmod.endpoint_error("tcp://[::1]:5710") is None and cfgmod.endpoint_error("tcp://[::ffff:1.2.3.4]:1") is None
+    for bad in ("tcp://[1.2.3.4]:5710", "tcp://[1:2]:5710", "tcp://[]:5710"):
+        assert cfgmod.endpoint_error(bad), bad
