@@ -31,7 +31,8 @@ def keygen(directory: Path, name: str, force: bool = False) -> tuple[Path, Path]
     """``directory/name.key`` and ``name.key_secret`` (0600 from the start). An existing pair is kept unless
     ``force``: its public key is on the peers' allowlists, and a new one would lock this daemon out of them."""
     directory.mkdir(parents=True, exist_ok=True)
-    have = [f for f in (directory / f"{name}.key", directory / f"{name}.key_secret") if f.exists()]
+    # (a link counts, a dangling one too: exists() follows it, and the secret was written through it)
+    have = [f for f in (directory / f"{name}.key", directory / f"{name}.key_secret") if os.path.lexists(f)]
     if have and not force:
         raise ConfigError(f"{have[0]} exists: --force replaces the pair (then give its peers the new public key)")
     for f in have:  # made afresh: an existing file keeps its mode (0644, say) while the new secret is written to it,

@@ -348,7 +348,7 @@ def count_skewed(counters: dict, err: Exception, log: logging.Logger) -> None:
                     "the engines and the daemons): %s", n, err)
 
 
-def settle_interface(address: str, route: bool) -> str | None:
+def settle_interface(address: str, route: bool, stop: Callable[[], bool] | None = None) -> str | None:
     """Before the daemon makes its UCX context, which lists its tcp devices once: the interface that takes
     connections to ``address`` (a receiver's bind address, netif.listening_interface), or that ``route`` reaches it
     through (a sender's receiver), running,
@@ -359,7 +359,7 @@ def settle_interface(address: str, route: bool) -> str | None:
     t0 = time.monotonic()
     try:
         name = netif.route_interface(address) if route else netif.listening_interface(address)
-        late = netif.wait_running([name]) if name is not None else []
+        late = netif.wait_running([name], stop=stop) if name is not None else []
     except (OSError, ValueError) as e:  # advice only: a host whose interfaces cannot be read starts as before
         log.info("could not read the network interfaces for %s: %s", address, e)
         return None

@@ -47,6 +47,8 @@ class Doorbell:
             self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # ours: no writer left: no hang-up
         except OSError:
             os.close(self._r)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             raise
         if not stat.S_ISFIFO(os.fstat(self._r).st_mode):
             self.close()

@@ -11,6 +11,7 @@ by the same script, or right after its network, falls in it. ``wait_running`` le
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import socket
@@ -18,7 +19,7 @@ import struct
 import time
 from collections.abc import Callable
 
-SIOCGIFFLAGS, SIOCGIFADDR = 0x8913, 0x8915
+SIOCGIFCONF, SIOCGIFFLAGS = 0x8912, 0x8913
 IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x1, 0x8, 0x40
 SETTLE_S = 2.0  # a daemon's start waits at most this long for its interfaces (the kernel's own delay: up to 1 s)
 
@@ -49,25 +50,46 @@ def interface_of(address: str) -> str | None:
         except OSError:
             pass
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            # the address asked for in the request: the kernel answers with it where the interface holds it (a
-            # secondary address too), else with its first
-            ask = struct.pack("16sHH4s16x", os.fsencode(name)[:15], socket.AF_INET, 0, packed)
-            try:
-                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, ask)
-            except OSError:  # (no IPv4 address)
-                continue
-            if raw[20:24] == packed:
-                return name
+    for label, held in _ipv4_addresses():
+        if held == packed:
+            return label.split(":")[0]  # (an address with a label of its own, eth0:vip, is eth0's)
     return None
+
+
+def _ipv4_addresses(most: int = 1024) -> list[tuple[str, bytes]]:
+    """Every IPv4 address here, with its label (``SIOCGIFCONF``: secondary addresses and labelled ones too)."""
+    buf = ctypes.create_string_buffer(most * 40)  # struct ifreq: 40 bytes, its sockaddr_in from byte 16
+    conf = struct.pack("iL", ctypes.sizeof(buf), ctypes.addressof(buf))  # struct ifconf: length, then the buffer
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        length = struct.unpack("iL", fcntl.ioctl(s.fileno(), SIOCGIFCONF, conf))[0]
+    raw = buf.raw[:length]
+    return [(os.fsdecode(raw[i:i + 16].split(b"\0", 1)[0]), raw[i + 20:i + 24]) for i in range(0, len(raw) - 39, 40)]
+
+
+def default_interface(ipv6: bool = False) -> str | None:
+    """The interface of this host's default route (the lowest metric), from /proc; None where it has none."""
+    best: tuple[int, str] | None = None
+    try:
+        with open("/proc/net/ipv6_route" if ipv6 else "/proc/net/route") as f:
+            for line in f:
+                c = line.split()
+                if ipv6:  # destination, its prefix length, source, its length, next hop, metric, ..., device
+                    if len(c) == 10 and int(c[0], 16) == 0 and c[1] == "00" and c[9] != "lo":
+                        metric = int(c[5], 16)
+                        best = min(best or (metric, c[9]), (metric, c[9]))
+                elif len(c) >= 8 and c[1] == "00000000" and c[7] == "00000000" and int(c[3], 16) & 1:  # RTF_UP
+                    metric = int(c[6])
+                    best = min(best or (metric, c[0]), (metric, c[0]))
+    except (OSError, ValueError):
+        return None
+    return best[1] if best else None
 
 
 def listening_interface(host: str) -> str | None:
     """The interface a daemon bound to ``host`` takes its peers' connections on: the one that holds it, or for a
     wildcard (0.0.0.0, ::) the default route's (peers most often come that way; none: None)."""
     if host in ("0.0.0.0", "::"):
-        return route_interface("192.0.2.1" if host == "0.0.0.0" else "2001:db8::1")  # (documentation addresses)
+        return default_interface(ipv6=host == "::")
     return interface_of(host)
 
 
@@ -96,12 +118,14 @@ def not_running(names: list[str]) -> list[str]:
 
 
 def wait_running(names: list[str], timeout_s: float = SETTLE_S, look: Callable[[list[str]], list[str]] = not_running,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> list[str]:
-    """Wait, up to ``timeout_s``, until none of ``names`` is up without running; those that still are then (a
-    link with no carrier: the caller says so, and UCX goes without them)."""
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 stop: Callable[[], bool] | None = None) -> list[str]:
+    """Wait, up to ``timeout_s`` (or until ``stop`` says so: the daemon was told to stop), until none of ``names``
+    is up without running; those that still are then (a link with no carrier: the caller says so, and UCX goes
+    without them)."""
     deadline = clock() + timeout_s
     while True:
         pending = look(names) if names else []
-        if not pending or clock() >= deadline:
+        if not pending or clock() >= deadline or (stop is not None and stop()):
             return pending
         sleep(0.01)  # a kernel flag, no event to wait on here; bounded by the deadline

@@ -525,7 +525,7 @@ _fast = fastcodec.Codec(list(typing.get_args(typing.get_args(Message)[0])),
 
 def encode(msg: Msg) -> bytes:
     """A message's fields in order, as a msgpack map (what ``msgpack.packb(msg.model_dump())`` gives, byte for
-    byte)."""
+    byte, but for a sparse field at its default: ``Error.attempt`` 0 is left out)."""
     if not isinstance(msg, Msg):
         raise LocalProtocolError(f"not a protocol message: {type(msg).__name__}")
     return _fast.encode(msg)

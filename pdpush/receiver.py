@@ -43,7 +43,7 @@ from pdpush.daemon import (
     settle_interface,
     ucx_stats,
 )
-from pdpush.errors import PdpushError
+from pdpush.errors import ConfigError, PdpushError
 from pdpush.layout import READY_WORD, combine_digests
 from pdpush.protocol import Msg, Query, StatusReply, StatusRequest, Withdraw
 from pdpush.sessions.receiver import FenceSender, PoolInfo, ReceiverLimits, ReceiverSession, ToDecode, ToSender
@@ -95,11 +95,14 @@ class Receiver:
             # as `pdpush keygen --dir` fills one, holds the router's beside the senders'): it had a sender's rights
             listed = [k for spec in cfg.allowed_senders for k in auth.load_public_keys(spec)]
             allowed = [k for k in listed if k not in readers]
+            if listed and not allowed:  # (the same folder in both lists, say: every Hello would be refused)
+                raise ConfigError("every key in allowed_senders is in allowed_readers too: no sender could push "
+                                  "(a reader's key is a reader's only)")
             if len(allowed) < len(listed):
                 log.warning("%d key(s) in both allowed_senders and allowed_readers: readers only (no Hello, no "
                             "writes)", len(listed) - len(allowed))
         if not is_loopback(cfg.host):  # (UCX lists its devices once: the one that takes senders' connections runs)
-            settle_interface(cfg.host, route=False)
+            settle_interface(cfg.host, route=False, stop=stop)
         self.ucx = open_transport(dict(cfg.ucx_env))
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(cfg.host) else f"host {cfg.host}", cfg.pool_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)

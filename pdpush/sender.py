@@ -150,7 +150,7 @@ class Sender:
         control.check_local(self.cfg.ingress_socket_path())  # (its directory, and no live daemon on it)
         remote = urlsplit(self.cfg.default_receiver).hostname or ""
         if remote and not is_loopback(remote):  # (UCX lists its devices once: the one toward the receiver runs)
-            settle_interface(remote, route=True)
+            settle_interface(remote, route=True, stop=stop)
         self.ucx = open_transport(dict(self.cfg.ucx_env))
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(remote) else f"default_receiver {remote}",
                                 self.cfg.staging_bytes)

@@ -89,4 +89,4 @@ def test_the_daemons_heap_and_open_files_do_not_grow_with_requests(daemons):
         # is bounded: the receiver's memory of recently ended ids (4,096 kept, ~300 B each) is not full yet at
         # these counts (measured: +350-410 KiB a round; the sender's heap did not move)
         assert grown_kib < 2048, (d, marks)
-        assert fds <= 0, (d, marks)
+        assert fds <= 2, (d, marks)  # (one left a request would be 1,200)

@@ -30,6 +30,11 @@ def test_wait_running_returns_once_none_is_pending_and_at_its_deadline_at_most()
                               sleep=lambda s: clock.__setitem__("t", clock["t"] + s)) == ["eth1"]
     assert 2.0 <= clock["t"] < 2.05
     assert netif.wait_running([], 2.0, look=lambda names: pytest.fail("looked with nothing to wait for")) == []
+    clock["t"] = 0.0  # a daemon told to stop meanwhile stops waiting
+    assert netif.wait_running(["eth1"], 2.0, look=lambda names: names, clock=lambda: clock["t"],
+                              sleep=lambda s: clock.__setitem__("t", clock["t"] + s),
+                              stop=lambda: clock["t"] > 0.1) == ["eth1"]
+    assert clock["t"] < 0.15
 
 
 def test_the_interfaces_of_addresses_and_routes_here():
@@ -38,7 +43,7 @@ def test_the_interfaces_of_addresses_and_routes_here():
     assert netif.route_interface("receiver.example") is None  # (a name is never looked up here)
     assert netif.not_running(["lo", "no-such-interface"]) == []
     # a wildcard bind takes connections on every interface: the default route's is the one waited for
-    assert netif.listening_interface("0.0.0.0") == netif.route_interface("192.0.2.1")
+    assert netif.listening_interface("0.0.0.0") == netif.default_interface()
     assert netif.listening_interface("127.0.0.1") == "lo"
 
 
@@ -64,7 +69,8 @@ def test_ucx_made_after_the_wait_lists_a_veth_end_that_had_no_carrier_yet(tmp_pa
         for ns, dev, addr in ((p, vp, "10.213.78.1/30"), (d, vd, "10.213.78.2/30")):
             _ip("-n", ns, "addr", "add", addr, "dev", dev)
             _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", d, "addr", "add", "10.213.78.6/30", "dev", vd)  # a secondary address (a VIP) is found too
+        _ip("-n", d, "addr", "add", "10.213.78.6/30", "dev", vd)  # a secondary address (a VIP) is found too,
+        _ip("-n", d, "addr", "add", "10.213.78.10/30", "dev", vd, "label", f"{vd}:v")  # and one with a label
         _ip("-n", p, "link", "set", vp, "up")
         t_up = time.monotonic()
         _ip("-n", d, "link", "set", vd, "up")  # (the end whose carrier comes late)
@@ -76,14 +82,17 @@ def test_ucx_made_after_the_wait_lists_a_veth_end_that_had_no_carrier_yet(tmp_pa
                  "from pdpush.transport.auto import open_transport\n"
                  "t = open_transport({'UCX_TLS': 'tcp', 'UCX_NET_DEVICES': 'all'})\n"
                  "print(json.dumps({'late': late, 'waited': waited, 'available': t.describe()['available'],\n"
-                 "                  'vip': netif.interface_of('10.213.78.6')}))\n"
+                 "                  'vip': netif.interface_of('10.213.78.6'),\n"
+                 "                  'labelled': netif.interface_of('10.213.78.10'),\n"
+                 "                  'default': netif.listening_interface('0.0.0.0')}))\n"
                  "t.close()\n")
         r = subprocess.run(["ip", "netns", "exec", d, sys.executable, "-c", probe], capture_output=True, text=True,
                            timeout=60, cwd=ROOT, env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["late"] is None and f"tcp/{vd}" in out["available"], (out, time.monotonic() - t_up)
-        assert out["vip"] == vd
+        assert out["vip"] == out["labelled"] == vd
+        assert out["default"] is None  # (no default route in there: nothing to wait for)
         assert netif.flags(vd) is None  # (not in this namespace: the probe read its own)
     finally:
         for ns in made:  # (the pair goes with them)

@@ -225,12 +225,26 @@ def test_key_files_that_would_let_in_no_one_or_anyone_are_refused(tmp_path, keys
     pub, sec = auth.keygen(d, "receiver", True)
     assert victim.read_text() == "untouched" and not os.path.islink(sec)
     assert os.stat(sec).st_mode & 0o777 == 0o600 and auth.load_keypair(str(sec)).secret
+    dangling = d / "other.key_secret"  # a link to nothing: it is there (exists() said not, and keygen wrote through it)
+    os.symlink(tmp_path / "nowhere", dangling)
+    with pytest.raises(C.ConfigError, match="--force"):
+        auth.keygen(d, "other")
+    auth.keygen(d, "other", True)
+    assert not (tmp_path / "nowhere").exists() and not os.path.islink(dangling)
     f = tmp_path / "r.toml"
     f.write_text(f"curve_secret_key_file = '{keys['receiver'][1]}'\nallowed_senders = ['{empty}']\n"
                  f"local_socket = '{tmp_path}/r.sock'\ncontrol_port = 0\nucx_port = 0\nmetrics_port = 0\n")
     r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(f)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no public key" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    # the same folder of keys in both lists: every sender a reader only, so none could push: refused at start
+    both = Path(keys["sender"][0]).parent
+    f.write_text(f"curve_secret_key_file = '{keys['receiver'][1]}'\nallowed_senders = ['{both}']\n"
+                 f"allowed_readers = ['{both}']\n"
+                 f"local_socket = '{tmp_path}/r.sock'\ncontrol_port = 0\nucx_port = 0\nmetrics_port = 0\n")
+    r = subprocess.run([sys.executable, "-m", "pdpush.cli_entry", "receiver", "--config", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no sender could push" in r.stderr, r.stderr[-2000:]
 
 
 def test_a_start_that_fails_on_the_host_exits_3_with_one_line_and_leaves_no_socket(tmp_path, keys):
