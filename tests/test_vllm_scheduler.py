@@ -298,3 +298,83 @@ def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(t
     finally:
         tx.stop()
         rx.stop()
+
+
+_BEYOND = """
+import json, sys, time
+from types import SimpleNamespace as NS
+
+from pdpush import kv_params
+from pdpush.integrations.vllm.scheduler import SchedulerSide
+from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+from pdpush.layout import KVLayout
+
+sock, lay, pushes = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+settings = ConnectorSettings(receiver_socket=sock, receiver="tcp://127.0.0.1:5710")
+side = SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=True, consumer=True)
+extras = {"lora": {"lora_request": NS(lora_name="tenant-a", lora_path="/adapters/a")},
+          "mm": {"mm_features": [NS(identifier="img-1", mm_position=NS(offset=2, length=8))]},
+          "salt": {"cache_salt": "tenant-a"}, "plain": {}}
+out = {"decode": {}, "prefill": {}}
+for (kind, extra), (push_id, ids) in zip(extras.items(), pushes):
+    base = dict(lora_request=None, mm_features=[], cache_salt=None, prompt_embeds=None, prompt_token_ids=ids,
+                num_prompt_tokens=len(ids))
+    dec = NS(request_id=f"d-{kind}", kv_transfer_params=kv_params.for_decode(push_id), **{**base, **extra})
+    side.on_new_request(dec)
+    got = side.get_num_new_matched_tokens(dec, 0)
+    deadline = time.monotonic() + 30
+    while got[0] is None and time.monotonic() < deadline:  # (the plain one asks the receiver)
+        time.sleep(0.005)
+        got = side.get_num_new_matched_tokens(dec, 0)
+    out["decode"][kind] = got[0]
+    side.update_state_after_alloc(dec, NS(get_block_ids=lambda: ([1, 2],)), 0)  # (its load not taken: it ends)
+    side.request_finished(dec)
+    pre = NS(request_id=f"p-{kind}", kv_transfer_params=kv_params.for_prefill("tcp://127.0.0.1:5710", f"x-{kind}"),
+             **{**base, **extra})
+    side.on_new_request(pre)
+    side.get_num_new_matched_tokens(pre, 0)
+    so = NS(total_num_scheduled_tokens=len(ids), num_scheduled_tokens={pre.request_id: len(ids)},
+            scheduled_new_reqs=[NS(req_id=pre.request_id, block_ids=([1, 2],), num_computed_tokens=0)],
+            scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()))
+    out["prefill"][kind] = [p.push_id for p in side.build_connector_meta(so).pushes]
+deadline = time.monotonic() + 30
+while (side._to_withdraw or side.asker.inflight) and time.monotonic() < deadline:
+    side.build_connector_meta(NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+                                 scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                          resumed_req_ids=set())))
+    time.sleep(0.002)
+t = side.stats.totals()
+out["stats"] = {k: v for k, v in t.items() if "beyond" in k}
+print(json.dumps(out))
+"""
+
+
+def test_a_request_whose_kv_depends_on_more_than_its_tokens_is_neither_pushed_nor_loaded(tmp_path):
+    """Chunk keys hash the token ids alone; vLLM's block hashes add the LoRA adapter, each image's hash and the
+    cache_salt (beyond.py). Such a request pushed under token-only keys would find another's chunks with the same
+    token ids "already sent", and its decode would load that other request's KV (another image's, another
+    tenant's). The connector pushes none of them and loads none: each decode computes its prompt (recomputed:
+    beyond_tokens), and the push it named is withdrawn; a plain request with the same tokens is loaded and pushed."""
+    ids = [list(range(k * 100, k * 100 + 40)) for k in range(4)]
+    rx = launch.start_receiver(tmp_path, pool_pages=64, **LAY)
+    tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
+    try:
+        for k in range(4):  # committed, the same tokens as the decode requests below
+            push(tx, rx, f"q{k}", ids[k])
+        pushes = [[f"q{k}", ids[k]] for k in range(4)]
+        r = subprocess.run([str(VLLM_PY), "-c", _BEYOND, rx.info["local_endpoint"].removeprefix("ipc://"),
+                            json.dumps(LAY), json.dumps(pushes)], capture_output=True, text=True, timeout=300,
+                           cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["decode"] == {"lora": 0, "mm": 0, "salt": 0, "plain": 39}, out  # (the last token is computed)
+        assert out["prefill"] == {"lora": [], "mm": [], "salt": [], "plain": ["x-plain"]}, out
+        assert out["stats"] == {"recomputed:beyond_tokens": 3, "push_failed:beyond_tokens": 3}, out
+        assert r.stderr.count("besides its token ids") == 6, r.stderr[-3000:]  # each request once, however asked
+        after = rx_status(rx)
+        # every push named and not loaded (the plain one's load was not taken here either): withdrawn, not left
+        # for its TTL
+        assert after["requests_given_up"] == 4, after
+    finally:
+        tx.stop()
+        rx.stop()

@@ -21,9 +21,10 @@ from pdpush.errors import (
     UnknownRequest,
 )
 from pdpush.integrations.vllm.asker import Asker, Lost
+from pdpush.integrations.vllm.beyond import beyond_tokens
 from pdpush.integrations.vllm.metadata import LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
-from pdpush.integrations.vllm.stats import Recompute, SchedulerStats
+from pdpush.integrations.vllm.stats import PushFailure, Recompute, SchedulerStats
 from pdpush.kv_params import KvParams
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.protocol import Query, QueryReply, Withdraw
@@ -86,6 +87,7 @@ class _Req:
     asynchronous: bool = False  # the load planned is asynchronous (loads_async)
     prefix_key: bytes = b""  # planned from the prefill's answer, not asked: the key the push's open must show
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
+    beyond: str = ""  # what besides its token ids its KV depends on (beyond.py): neither pushed nor loaded
 
 
 class SchedulerSide:
@@ -119,6 +121,8 @@ class SchedulerSide:
         prompt token continues (as vLLM's NixlConnector does: ``_truncate_request_for_prefill``)."""
         params = request.kv_transfer_params
         kp = KvParams.parse(params)
+        if beyond_tokens(request):  # neither pushed nor loaded (get_num_new_matched_tokens says so, and counts it)
+            return
         if self.consumer and kp.pdpush_req_id and not kp.pdpush_claim and not kp.from_prefill(self.layout):
             self._ask_early(request, str(kp.pdpush_req_id))  # (the prefill's answer says what it pushed: no question)
         if not (self.producer and self.layout.state_layers and kp.do_remote_decode):
@@ -139,6 +143,9 @@ class SchedulerSide:
         params = KvParams.parse(request.kv_transfer_params)
         rid = request.request_id
         r = self.reqs.get(rid)
+        if (self.producer and params.do_remote_decode or self.consumer and params.pdpush_req_id) and (
+                beyond := beyond_tokens(request)):
+            return self._beyond(rid, beyond, params)
         if self.producer and params.do_remote_decode and (r is None or not r.push_id):
             receiver = str(params.pdpush_receiver or self.settings.receiver or "")
             if self.endpoints.receiver_allowed(receiver):
@@ -189,6 +196,20 @@ class SchedulerSide:
         r.prefix_key = b""
         return self._plan(rid, r, str(push_id), min(want, reply.request_chunks * self.layout.chunk_tokens), want,
                           num_computed_tokens, reply.request_committed)
+
+    def _beyond(self, rid: str, beyond: str, params: KvParams) -> tuple[int, bool]:
+        """A request whose KV depends on more than its token ids (beyond.py): not pushed (a prefill), not loaded (a
+        decode: it computes the prompt itself, and the push it names is withdrawn when it ends). Counted once."""
+        r = self.reqs.setdefault(rid, _Req())
+        if not r.beyond:
+            r.beyond = beyond
+            if self.producer and params.do_remote_decode:
+                self.stats.refuse_push(PushFailure.BEYOND_TOKENS)
+            if self.consumer and params.pdpush_req_id:
+                self.stats.recompute(Recompute.BEYOND_TOKENS)
+            log.warning("pdpush: request %s: its KV depends on %s besides its token ids, which pdpush's chunk keys "
+                        "do not cover: neither pushed nor loaded (its decode computes the prompt)", rid, beyond)
+        return 0, False
 
     def _from_answer(self, rid: str, r: _Req, push_id: str, pushed: tuple[int, bytes], want: int,
                      computed: int) -> tuple[int, bool]:

@@ -73,12 +73,14 @@ class Recompute(str, Enum):
     PUSH_TIMEOUT = "push_timeout"  # the push did not reach the receiver within push_wait_s
     PARTIAL = "partial"  # a model with recurrent state whose push does not cover the prompt
     NOTHING_HELD = "nothing_held"  # a claim found none of the prompt's chunks
+    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on more than its token ids (LoRA, images, cache_salt): beyond.py
 
 
 class PushFailure(str, Enum):
     """Why a prefill request marked for a push was not pushed, or its push failed (its decode recomputes)."""
 
     NOT_ALLOWED = "not_allowed"  # it names a receiver outside allowed_receivers (scheduler)
+    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on more than its token ids (scheduler; beyond.py)
     SENDER_DOWN = "sender_down"  # the sender failed recently: not tried (sender_retry_s)
     SENDER = "sender"  # the sender did not answer the begin, or died
     REFUSED = "refused"  # the begin was refused (pool exhausted, request too large, ...)
@@ -244,7 +246,7 @@ class SchedulerStats(_Counts):
     """The scheduler side's counts."""
 
     push_truncated: int = 0  # a model with state: a prefill stopped one token short (on_new_request)
-    push_refused: int = 0  # names a receiver outside allowed_receivers: not pushed
+    push_refused: int = 0  # not pushed: names a receiver outside allowed_receivers, or its KV is beyond its tokens
     match_queries: int = 0
     match_params: int = 0  # loads planned from the prefill's answer (kv_transfer_params), no query
     match_query_us: int = 0  # microseconds the scheduler thread spent asking about pushes (asker.py: never a round trip)
@@ -264,9 +266,9 @@ class SchedulerStats(_Counts):
         self.match_missing += 1
         self.recomputed[reason.value] += 1
 
-    def refuse_push(self) -> None:
+    def refuse_push(self, reason: PushFailure = PushFailure.NOT_ALLOWED) -> None:
         self.push_refused += 1
-        self.push_failed[PushFailure.NOT_ALLOWED.value] += 1
+        self.push_failed[reason.value] += 1
 
 
 def engine_totals(worker: WorkerStats | None, scheduler: SchedulerStats | None) -> dict[str, int]:
