@@ -274,6 +274,25 @@ w.layout = KVLayout(2, 1, 64, "float32", 16, "m")
 w.block_size, w._pgroup, w._loads, w._async, w._load_errors = 16, [0], [], [], set()
 w._open_load(LoadSpec("short", "p-short", [[1, 2, 3]], 32, 64, 65))  # tokens 32..63: blocks 3 and a 4th it lacks
 out["invalid"] = sorted(w._load_errors)
+
+# 12. a step's asynchronous loads: every open sent before any answer is waited for, so that a receiver that answers
+# none holds the step one load_timeout_s, not one per load (they were sent and waited for one at a time)
+events = []
+
+
+class Silent:
+    def open_nowait(self, push_id, **k):
+        events.append(("open", push_id))
+        return NS(wait=lambda: (events.append(("wait", push_id)), (_ for _ in ()).throw(_Late("no answer")))[1],
+                  abandon=lambda: None)
+
+
+w.settings = NS(load_timeout_s=10.0, query_timeout_s=0.5, receiver_retry_s=30.0)
+w._pgroup, w._loads, w._async, w._load_errors, w._receiver_down_until = [0], [], [], set(), 0.0
+w.receiver = NS(get=lambda: Silent())
+w._open_loads([LoadSpec(f"a{i}", f"pa{i}", [[1, 2, 3]], 0, 32, 40, asynchronous=True) for i in range(3)])
+out["async_opens"] = events
+out["async_failed"] = [ld.reason.value if ld.reason else None for ld in w._async]
 print(json.dumps(out))
 """
 
@@ -308,6 +327,9 @@ def test_the_pool_stays_mapped_under_async_loads_and_pages_go_back_only_after_th
     assert out["aborted"] == {"done": ["r1"], "failed": [], "left": [True], "released": [1, 0]}, out
     assert out["unread"] == 1, out
     assert out["invalid"] == [3], out
+    # every open out before the first answer is waited for (then each waits from its own send: overlapped)
+    assert out["async_opens"] == [["open", f"pa{i}"] for i in range(3)] + [["wait", f"pa{i}"] for i in range(3)], out
+    assert out["async_failed"] == ["timeout"] * 3, out
 
 
 _PUSH_SCRIPT = """

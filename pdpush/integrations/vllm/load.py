@@ -99,7 +99,24 @@ def _comps(rows: torch.Tensor, dtype: str, kv: torch.Tensor) -> list[torch.Tenso
 class LoadPath:
     """The load path's methods (``WorkerSide`` holds the state)."""
 
-    def _open_load(self, spec: LoadSpec) -> None:
+    def _open_loads(self, specs: list[LoadSpec]) -> None:
+        """This step's loads: every open sent first, then the answers taken that are needed before the forward
+        (asynchronous loads, states). Sent and waited for one at a time, a receiver that answered none held the
+        step a full ``load_timeout_s`` per load (8 loads: 80 s), every running request with it; their waits
+        overlap now, each from its own send."""
+        due = [ld for spec in specs if (ld := self._open_load(spec)) is not None]
+        for ld in due:
+            t0 = time.perf_counter()
+            try:
+                self._settle(ld)
+            finally:
+                spent = time.perf_counter() - t0
+                ld.waited += spent
+                self.stats.load_wait_us += int(spent * 1e6)
+
+    def _open_load(self, spec: LoadSpec) -> _Load | None:
+        """A load's open, sent without waiting; the load where its answer is needed before the forward
+        (``_open_loads`` takes it then), else None (a layerwise load takes it at its first layer)."""
         lay = self.layout
         prompt = spec.tokens or spec.end + 1
         pushed = prompt - 1 if lay.state_layers else prompt  # a model with state: the prefill stopped one short
@@ -118,13 +135,13 @@ class LoadPath:
             failed.fail(LoadFailure.BLOCKS, str(e))
             if spec.asynchronous:
                 self._async.append(failed)
-                return
+                return None
             bs = self.block_size  # the blocks of the tokens it was to load (those before are this engine's own,
             blocks = {b for ids in spec.block_ids for b in ids[spec.start // bs:-(-spec.end // bs)] if b}  # shared)
             blocks = blocks or {b for ids in spec.block_ids for b in ids if b}  # (none there: all, to be recomputed)
             self.stats.load_fail(failed.path, LoadFailure.BLOCKS, 0.0, blocks=len(blocks))
             self._load_errors.update(blocks)
-            return
+            return None
         t0 = time.perf_counter()
         load_ = _Load(spec, None, dst, [], [], state_blocks=state_blocks,
                       deadline=time.monotonic() + self.settings.load_timeout_s, opened=t0, bound=self._binds)
@@ -147,16 +164,13 @@ class LoadPath:
                 load_.fail_on(e, "open")
                 if isinstance(e, (TransportError, BrokenResourceError)) or protocol.local_mismatch(e):
                     self._receiver_down_until = time.monotonic() + s.receiver_retry_s
-        try:
-            # a layerwise load takes the answer at its first layer (wait_for_layer_load), its round trip under the
-            # compute before it; a state goes in before the forward (Mamba layers have no load hook), and an
-            # asynchronous load would wait a step for it: those take it now
-            if spec.asynchronous or lay.state_layers:
-                self._settle(load_)
-        finally:
-            spent = time.perf_counter() - t0
-            load_.waited += spent
-            self.stats.load_wait_us += int(spent * 1e6)
+        spent = time.perf_counter() - t0
+        load_.waited += spent
+        self.stats.load_wait_us += int(spent * 1e6)
+        # a layerwise load takes the answer at its first layer (wait_for_layer_load), its round trip under the
+        # compute before it; a state goes in before the forward (Mamba layers have no load hook), and an
+        # asynchronous load would wait a step for it: those take it before the forward (_open_loads)
+        return load_ if spec.asynchronous or lay.state_layers else None
 
     def _settle(self, ld: _Load) -> None:
         """A load's open, sent without waiting (``_open_load``): wait for its answer (up to the load's timeout

@@ -282,8 +282,7 @@ class WorkerSide(PushPath, LoadPath):
         self._reap_finishing()
         for spec in meta.pushes:
             self._begin_push(spec)
-        for lspec in meta.loads:
-            self._open_load(lspec)
+        self._open_loads(meta.loads)
 
     # ---- prefill: push ----
 
