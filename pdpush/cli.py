@@ -241,7 +241,7 @@ def doctor(
         env = cfg.ucx_env
     try:
         facts = doc.gather(env, need)
-    except PdpushError as e:
+    except (PdpushError, ImportError, OSError) as e:  # (libucp that cannot load: a missing libnuma, a partial build)
         typer.echo(f"pdpush doctor: {type(e).__name__}: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(facts, indent=2) if as_json else doc.render(facts))

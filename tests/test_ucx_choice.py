@@ -102,6 +102,21 @@ def test_doctor_says_in_a_line_why_ucx_cannot_start():
     assert "Traceback" not in r.stderr
 
 
+def test_doctor_says_in_a_line_why_libucp_cannot_load(monkeypatch):
+    """A libucp that cannot load (a library it needs missing, a partial native build) raised OSError or ImportError
+    out of doctor: a traceback, and exit 1, which means "warnings". One line and exit 2, as for a UCX that cannot
+    start."""
+    from typer.testing import CliRunner
+
+    from pdpush import doctor
+    from pdpush.cli import app
+
+    for exc in (OSError("libnuma.so.1: cannot open shared object file"), ImportError("pdpush_native._dataplane")):
+        monkeypatch.setattr(doctor, "gather", lambda *a, exc=exc: (_ for _ in ()).throw(exc))
+        r = CliRunner().invoke(app, ["doctor"])
+        assert r.exit_code == 2 and f"{type(exc).__name__}: {exc}" in r.output, (r.exit_code, r.output, r.exception)
+
+
 def test_doctor_judges_memlock_and_rdma_from_facts():
     from pdpush.doctor import judge
 
