@@ -338,6 +338,9 @@ class SchedulerSide:
             return
         if kp.pdpush_claim and not (r is not None and (r.claimed or r.claim_unsure)):
             return
+        if r is not None and r.beyond:  # not loaded by choice (``_beyond``, counted and logged there): withdrawn
+            self._withdraw(str(kp.pdpush_req_id), time.monotonic(), f"its KV depends on {r.beyond} too")
+            return
         self.stats.push_unread += 1
         log.info("pdpush: request %s ended without loading %s %s: withdrawing it", request.request_id,
                  "its claim" if kp.pdpush_claim else "push", kp.pdpush_req_id)
