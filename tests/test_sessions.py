@@ -482,6 +482,15 @@ def test_control_deadlines_come_from_the_driven_clock():
     assert not w.tx.reqs
 
 
+def _held_answers(w: Wire, rx, msg) -> list:
+    """``msg`` (an engine's) goes to the sender; its AllocRequest reaches receiver ``rx``, whose answers are held
+    (returned, not delivered): a test delivers them late."""
+    out = w.tx.on_ingress(ENG, msg, w.now)
+    asks = [a for a in out if isinstance(a, ToPeer) and isinstance(a.msg, protocol.AllocRequest)]
+    w.run([a for a in out if a not in asks])
+    return [b.msg for a in asks for b in rx.on_control(b"tx", a.msg, w.rx_now) if isinstance(b, ToSender)]
+
+
 def test_a_late_answer_to_an_earlier_attempt_is_never_taken_for_a_retrys():
     """Attempt 1's AllocResponse comes too late (the sender has failed it, and its Abort ended the allocation at the
     receiver), behind the engine's retry of the id: it names attempt 1, so the retry waits for its own answer and
@@ -492,15 +501,7 @@ def test_a_late_answer_to_an_earlier_attempt_is_never_taken_for_a_retrys():
     w.push("warm", list(range(100, 120)))  # the peer is up
     w.complete()
     rx = w.rx[e]
-
-    def held_answers(msg) -> list:
-        """``msg`` (an engine's) goes to the sender; its AllocRequest reaches the receiver, whose answer is held."""
-        out = w.tx.on_ingress(ENG, msg, w.now)
-        asks = [a for a in out if isinstance(a, ToPeer) and isinstance(a.msg, protocol.AllocRequest)]
-        w.run([a for a in out if a not in asks])
-        return [b.msg for a in asks for b in rx.on_control(b"tx", a.msg, w.rx_now) if isinstance(b, ToSender)]
-
-    late = held_answers(begin("x", list(range(20))))
+    late = _held_answers(w, rx, begin("x", list(range(20))))
     w.tick(101)  # no answer in time: attempt 1 fails; its Abort (settled: nothing was put) reaches the receiver
     assert isinstance(w.outcome("x"), protocol.Error) and "x" not in rx.reqs
     # an Abort of an id the receiver does not hold (another, late) is answered Ok: an error would be taken for the
@@ -508,7 +509,7 @@ def test_a_late_answer_to_an_earlier_attempt_is_never_taken_for_a_retrys():
     again = rx.on_control(b"tx", protocol.Abort(req_id="x", reason="sender no longer wants it", settled=True), w.now)
     assert [type(a.msg) for a in again if isinstance(a, ToSender)] == [protocol.Ok]
     first_pages = late[0].page_runs
-    own = held_answers(begin("x", list(range(20))))  # the engine retries the id
+    own = _held_answers(w, rx, begin("x", list(range(20))))  # the engine retries the id
     assert own[0].page_runs != first_pages and own[0].attempt != late[0].attempt
     w.wire.clear()
     w.run(w.tx.on_peer(e, late[0], w.now))  # attempt 1's answer, late
@@ -535,20 +536,13 @@ def test_a_late_error_for_an_earlier_attempt_never_fails_the_retry_that_allocate
     w.push("warm", list(range(100, 120)))
     w.complete()
     rx = w.rx[e]
-
-    def held_answers(msg) -> list:
-        out = w.tx.on_ingress(ENG, msg, w.now)
-        asks = [a for a in out if isinstance(a, ToPeer) and isinstance(a.msg, protocol.AllocRequest)]
-        w.run([a for a in out if a not in asks])
-        return [b.msg for a in asks for b in rx.on_control(b"tx", a.msg, w.rx_now) if isinstance(b, ToSender)]
-
     rx.draining = True
-    late = held_answers(begin("x", list(range(20))))
+    late = _held_answers(w, rx, begin("x", list(range(20))))
     assert isinstance(late[0], protocol.Error) and late[0].code is ErrorCode.SHUTTING_DOWN and late[0].attempt >= 1
     w.tick(101)  # no answer in time: attempt 1 fails
     assert isinstance(w.outcome("x"), protocol.Error)
     rx.draining = False
-    own = held_answers(begin("x", list(range(20))))  # the engine retries the id
+    own = _held_answers(w, rx, begin("x", list(range(20))))  # the engine retries the id
     assert isinstance(own[0], protocol.AllocResponse) and own[0].attempt != late[0].attempt
     w.wire.clear()
     w.run(w.tx.on_peer(e, late[0], w.now))  # attempt 1's refusal, late
