@@ -349,10 +349,10 @@ def count_skewed(counters: dict, err: Exception, log: logging.Logger) -> None:
 
 
 def settle_interface(address: str, route: bool, stop: Callable[[], bool] | None = None) -> str | None:
-    """Before the daemon makes its UCX context, which lists its tcp devices once: the interface that takes
-    connections to ``address`` (a receiver's bind address, netif.listening_interface), or that ``route`` reaches it
-    through (a sender's receiver), running,
-    waited for a while where it is up without (netif.py). Returns the interface's name where it still is not."""
+    """Before the daemon makes its UCX context, which lists its tcp devices once (netif.py): wait a while for the
+    interface that takes connections to ``address`` (a receiver's bind address: netif.listening_interface), or that
+    ``route`` reaches it through (a sender's receiver), where it is up but not running yet. Returns that
+    interface's name where it still is not running, else None."""
     from pdpush import netif
 
     log = logging.getLogger("pdpush.daemon")
