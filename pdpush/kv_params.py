@@ -16,6 +16,7 @@ field of the wrong kind is dropped with a warning, never a failed request.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -72,18 +73,19 @@ class KvParams(BaseModel):
         return bool(self.pdpush_req_id and not self.pdpush_claim and self.pdpush_tokens
                     and self.pdpush_layout == layout.fingerprint())
 
-    def pushed_prefix(self, prompt: list[int], layout: KVLayout) -> tuple[int, bytes] | None:
+    def pushed_prefix(self, prompt: list[int], layout: KVLayout,
+                      extra: Sequence[bytes] = ()) -> tuple[int, bytes] | None:
         """What the prefill's answer says it pushed of ``prompt``: (tokens, the chunk key of ``prompt[:tokens]``).
         The decode plans its load from it with no round trip to the receiver, as vLLM's NixlConnector plans from
         its ``kv_transfer_params``; the key is what makes that safe: it covers every token of that prefix
         (``chunk_keys``), and the receiver's answer to the load's open carries the pushed request's own
         (``OpenOk.last_key``): another prompt, or another count of tokens, fails the load, recomputed. None where
         the answer says nothing (a router's decode leg, a claim), is of another layout, or of more tokens than
-        the prompt has."""
+        the prompt has. ``extra``: the prompt's chunks' extra keys (``chunk_keys``)."""
         n = self.pdpush_tokens
         if not self.from_prefill(layout) or n is None or n > len(prompt):
             return None
-        return n, chunk_keys(prompt[:n], layout)[-1]
+        return n, chunk_keys(prompt[:n], layout, extra)[-1]
 
     def dump(self) -> dict[str, Any]:
         """As a ``kv_transfer_params`` dict: the fields set, and the others' as they came."""

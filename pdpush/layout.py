@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -361,22 +362,36 @@ class Group(NamedTuple):
         return "sliding" if self.window else "full"
 
 
-def chunk_keys(token_ids: list[int] | tuple[int, ...], layout: KVLayout) -> list[bytes]:
+EXTRA_SEED = 0x7064707573686578  # a chunk with an extra is hashed with this seed (chunk_keys)
+
+
+def chunk_keys(token_ids: list[int] | tuple[int, ...], layout: KVLayout,
+               extra: Sequence[bytes] = ()) -> list[bytes]:
     """Hash chain over token ids plus the layout fingerprint (16-byte keys).
 
     key_i = xxh3_128(key_{i-1} || tokens of chunk i as little-endian int64).
     Because each key covers its whole prefix, P and D derive identical keys
     from identical prompts, and a held key implies its whole prefix matches.
     Never uses Python's ``hash()`` (salted per process).
+
+    ``extra[i]``: what besides its tokens chunk i's KV depends on (a LoRA adapter, an image's hash, a
+    tenant's salt: the vLLM connector's ``extra_keys.chunk_extras``). Such a chunk is hashed apart, with
+    seed ``EXTRA_SEED``: ``xxh3_128(key_{i-1} || len(extra[i]) as u64 || extra[i] || tokens)``, so that no
+    token ids, whatever their values, hash like an extra. An empty one, or one past the list, adds nothing
+    (the key is the token-only one). Through the chain, an extra in chunk i is in every key from i on.
     """
     import struct
 
     prev = bytes.fromhex(layout.fingerprint()).rjust(16, b"\0")
     keys: list[bytes] = []
     T = layout.chunk_tokens
-    for start in range(0, len(token_ids), T):
+    for i, start in enumerate(range(0, len(token_ids), T)):
         chunk = token_ids[start:start + T]
-        h = xxhash.xxh3_128(prev)
+        if i < len(extra) and extra[i]:
+            h = xxhash.xxh3_128(prev, seed=EXTRA_SEED)
+            h.update(struct.pack("<Q", len(extra[i])) + extra[i])
+        else:
+            h = xxhash.xxh3_128(prev)
         h.update(struct.pack(f"<{len(chunk)}q", *chunk))
         prev = h.digest()
         keys.append(prev)

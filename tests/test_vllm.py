@@ -239,6 +239,36 @@ def test_the_prefill_s_answer_for_another_prompt_is_never_loaded(cluster):
     assert out["tokens"] == cluster["colocated"].generate(longer, NEW_TOKENS)[0]["tokens"]
 
 
+def test_a_salted_prompt_is_pushed_and_loaded_under_its_salt_alone(cluster):
+    """vLLM's cache_salt keeps one tenant's cached KV from another's, and pdpush's chunk keys carry it
+    (``pdpush.extra_keys``). The same prompt under two salts and none: each push stages every token (nothing of
+    another's taken as already sent on the receiver); a salted decode loads its own push, tokens equal to
+    colocated; and tenant b's answer given with tenant a's request fails its load at the open (the push's last
+    chunk key is not a's), recomputed."""
+    rnd = random.Random(23)
+    prompt = [rnd.randrange(3, 500) for _ in range(130)]
+    ref = cluster["colocated"].generate(prompt, NEW_TOKENS)[0]["tokens"]
+    answers = {}
+    for salt in ("tenant-a", "tenant-b", None):
+        p0 = cluster["prefill"].stats()
+        pre, pstats = cluster["prefill"].generate(prompt, 1, {"do_remote_decode": True}, cache_salt=salt)
+        answers[salt] = pre["kv_transfer_params"]
+        assert answers[salt] and answers[salt]["pdpush_req_id"], pre
+        pd = delta(pstats, p0)
+        assert pd["push_tokens_staged"] == len(prompt) and pd["push_failures"] == 0, (salt, pd)
+    for salt, answer in (("tenant-a", "tenant-a"), (None, None)):
+        d0 = cluster["decode"].stats()
+        out, dstats = cluster["decode"].generate(prompt, NEW_TOKENS, answers[answer], cache_salt=salt)
+        d = delta(dstats, d0)
+        assert d["match_params"] == 1 and d["load_requests"] == 1 and d["load_failures"] == 0, (salt, d)
+        assert out["tokens"] == ref, salt
+    d0 = cluster["decode"].stats()
+    out, dstats = cluster["decode"].generate(prompt, NEW_TOKENS, answers["tenant-b"], cache_salt="tenant-a")
+    d = delta(dstats, d0)
+    assert d["load_failures"] == 1 and d["load_requests"] == 0, d
+    assert out["tokens"] == ref
+
+
 def test_an_answer_whose_push_never_began_here_is_recomputed_at_once(cluster):
     """The prefill's answer says a push went, but it never began on this receiver (its Begin failed, or it went to
     another): the load's open is refused at once (``Open.exists``), not parked until a push that will not come,

@@ -300,7 +300,7 @@ def test_a_claim_its_request_never_loaded_is_withdrawn_and_its_chunks_unpinned(t
         rx.stop()
 
 
-_BEYOND = """
+_EXTRAS = """
 import json, sys, time
 from types import SimpleNamespace as NS
 
@@ -309,34 +309,40 @@ from pdpush.integrations.vllm.scheduler import SchedulerSide
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
 from pdpush.layout import KVLayout
 
-sock, lay, pushes = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-settings = ConnectorSettings(receiver_socket=sock, receiver="tcp://127.0.0.1:5710")
+sock, lay, kinds, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+settings = ConnectorSettings(receiver_socket=sock, receiver="tcp://127.0.0.1:5710", push_wait_s=0.3)
 side = SchedulerSide(settings, Endpoints.of(settings), KVLayout(**lay), "t", producer=True, consumer=True)
-extras = {"lora": {"lora_request": NS(lora_name="tenant-a", lora_path="/adapters/a")},
-          "mm": {"mm_features": [NS(identifier="img-1", mm_position=NS(offset=2, length=8))]},
-          "salt": {"cache_salt": "tenant-a"}, "plain": {}}
+
+
+def attrs(kind):
+    a = dict(lora_request=None, mm_features=[], cache_salt=None, prompt_embeds=None)
+    for k, v in kinds[kind].items():
+        a[k] = NS(**v) if k == "lora_request" else [NS(identifier=f["identifier"], mm_position=NS(**f["mm_position"]))
+                                                    for f in v] if k == "mm_features" else v
+    return a
+
+
 out = {"decode": {}, "prefill": {}}
-for (kind, extra), (push_id, ids) in zip(extras.items(), pushes):
-    base = dict(lora_request=None, mm_features=[], cache_salt=None, prompt_embeds=None, prompt_token_ids=ids,
-                num_prompt_tokens=len(ids))
-    dec = NS(request_id=f"d-{kind}", kv_transfer_params=kv_params.for_decode(push_id), **{**base, **extra})
+for name, (kind, push_id, ids) in cases.items():
+    base = dict(prompt_token_ids=ids, num_prompt_tokens=len(ids), **attrs(kind))
+    dec = NS(request_id=f"d-{name}", kv_transfer_params=kv_params.for_decode(push_id), **base)
     side.on_new_request(dec)
     got = side.get_num_new_matched_tokens(dec, 0)
     deadline = time.monotonic() + 30
-    while got[0] is None and time.monotonic() < deadline:  # (the plain one asks the receiver)
+    while got[0] is None and time.monotonic() < deadline:  # (asks the receiver, and waits push_wait_s for a push)
         time.sleep(0.005)
         got = side.get_num_new_matched_tokens(dec, 0)
-    out["decode"][kind] = got[0]
+    out["decode"][name] = got[0]
     side.update_state_after_alloc(dec, NS(get_block_ids=lambda: ([1, 2],)), 0)  # (its load not taken: it ends)
     side.request_finished(dec)
-    pre = NS(request_id=f"p-{kind}", kv_transfer_params=kv_params.for_prefill("tcp://127.0.0.1:5710", f"x-{kind}"),
-             **{**base, **extra})
+    pre = NS(request_id=f"p-{name}", kv_transfer_params=kv_params.for_prefill("tcp://127.0.0.1:5710", f"x-{name}"),
+             **base)
     side.on_new_request(pre)
     side.get_num_new_matched_tokens(pre, 0)
     so = NS(total_num_scheduled_tokens=len(ids), num_scheduled_tokens={pre.request_id: len(ids)},
             scheduled_new_reqs=[NS(req_id=pre.request_id, block_ids=([1, 2],), num_computed_tokens=0)],
             scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()))
-    out["prefill"][kind] = [p.push_id for p in side.build_connector_meta(so).pushes]
+    out["prefill"][name] = [[p.push_id, [e.decode() for e in p.extra]] for p in side.build_connector_meta(so).pushes]
 deadline = time.monotonic() + 30
 while (side._to_withdraw or side.asker.inflight) and time.monotonic() < deadline:
     side.build_connector_meta(NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
@@ -344,38 +350,69 @@ while (side._to_withdraw or side.asker.inflight) and time.monotonic() < deadline
                                                           resumed_req_ids=set())))
     time.sleep(0.002)
 t = side.stats.totals()
-out["stats"] = {k: v for k, v in t.items() if "beyond" in k or k == "push_unread"}
+out["stats"] = {k: v for k, v in t.items() if "beyond" in k or k in ("push_unread", "recomputed:push_timeout")}
 print(json.dumps(out))
 """
 
+# what besides its tokens each kind of request's KV depends on, as vLLM's Request has it
+_KINDS = {"lora": {"lora_request": {"lora_name": "tenant-a", "lora_path": "/adapters/a"}},
+          "lora_b": {"lora_request": {"lora_name": "tenant-a", "lora_path": "/adapters/b"}},
+          "mm": {"mm_features": [{"identifier": "img-1", "mm_position": {"offset": 18, "length": 8}}]},
+          "mm_b": {"mm_features": [{"identifier": "img-2", "mm_position": {"offset": 18, "length": 8}}]},
+          "salt": {"cache_salt": "tenant-a"}, "salt_b": {"cache_salt": "tenant-b"}, "plain": {},
+          "embeds": {"prompt_embeds": "a tensor"}}
 
-def test_a_request_whose_kv_depends_on_more_than_its_tokens_is_neither_pushed_nor_loaded(tmp_path):
-    """Chunk keys hash the token ids alone; vLLM's block hashes add the LoRA adapter, each image's hash and the
-    cache_salt (beyond.py). Such a request pushed under token-only keys would find another's chunks with the same
-    token ids "already sent", and its decode would load that other request's KV (another image's, another
-    tenant's). The connector pushes none of them and loads none: each decode computes its prompt (recomputed:
-    beyond_tokens), and the push it named is withdrawn; a plain request with the same tokens is loaded and pushed."""
-    ids = [list(range(k * 100, k * 100 + 40)) for k in range(4)]
+
+def _extra(kind: str) -> list[bytes]:
+    from types import SimpleNamespace as NS
+
+    from pdpush.extra_keys import chunk_extras
+
+    k = _KINDS[kind]
+    lora = NS(**k["lora_request"]) if "lora_request" in k else None
+    mm = [NS(identifier=f["identifier"], mm_position=NS(**f["mm_position"])) for f in k.get("mm_features", ())]
+    return chunk_extras(NS(lora_request=lora, mm_features=mm, cache_salt=k.get("cache_salt")), LAY["chunk_tokens"])
+
+
+def test_requests_whose_kv_depends_on_more_than_their_tokens_are_pushed_and_loaded_under_their_own_keys(tmp_path):
+    """vLLM's block hashes add the LoRA adapter, each image's hash and the cache_salt to the token ids; so do
+    pdpush's chunk keys (extra_keys.py). Four pushes of the same 40 tokens, plain, with an adapter, an image and a
+    salt, each hold their own chunks on the receiver (none finds another's "already sent"); each decode loads its
+    own push, and one naming a push of another adapter path, image or salt (or of none: plain) finds nothing of it
+    and recomputes. A prefill pushes under the keys the decode asks with. Prompt embeddings are the one thing not
+    covered: neither pushed nor loaded, and the push such a decode named is withdrawn."""
+    ids = list(range(500, 540))
     rx = launch.start_receiver(tmp_path, pool_pages=64, **LAY)
     tx = launch.start_sender(tmp_path, staging_bytes=8 << 20)
     try:
-        for k in range(4):  # committed, the same tokens as the decode requests below
-            push(tx, rx, f"q{k}", ids[k])
-        pushes = [[f"q{k}", ids[k]] for k in range(4)]
-        r = subprocess.run([str(VLLM_PY), "-c", _BEYOND, rx.info["local_endpoint"].removeprefix("ipc://"),
-                            json.dumps(LAY), json.dumps(pushes)], capture_output=True, text=True, timeout=300,
-                           cwd=ROOT)
+        held = {kind: push(tx, rx, f"q-{kind}", ids, _extra(kind)) for kind in ("plain", "lora", "mm", "salt")}
+        # plain first: the others' chunks 0 (adapter, salt) and 1, 2 (the image at tokens 18-25) are their own;
+        # the image's chunk 0 has no extra, so it is the plain one's
+        assert held == {"plain": [], "lora": [], "mm": [0], "salt": []}, held
+        for push_id, kind in (("r-lora", "lora"), ("r-mm", "mm"), ("r-salt", "salt"), ("s-salt", "salt"),
+                              ("e-plain", "plain")):  # (each decode below that does not load its push withdraws it)
+            push(tx, rx, push_id, ids, _extra(kind))
+        cases = {"lora": ["lora", "q-lora", ids], "mm": ["mm", "q-mm", ids], "salt": ["salt", "q-salt", ids],
+                 "plain": ["plain", "q-plain", ids],
+                 # another adapter path, image or salt, or none: nothing of that push is its KV (the image's
+                 # chunk 0, before it, is)
+                 "lora_b": ["lora_b", "r-lora", ids], "mm_b": ["mm_b", "r-mm", ids], "salt_b": ["salt_b", "r-salt", ids],
+                 "plain_salted": ["plain", "s-salt", ids], "embeds": ["embeds", "e-plain", ids]}
+        r = subprocess.run([str(VLLM_PY), "-c", _EXTRAS, rx.info["local_endpoint"].removeprefix("ipc://"),
+                            json.dumps(LAY), json.dumps(_KINDS), json.dumps(cases)], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert out["decode"] == {"lora": 0, "mm": 0, "salt": 0, "plain": 39}, out  # (the last token is computed)
-        assert out["prefill"] == {"lora": [], "mm": [], "salt": [], "plain": ["x-plain"]}, out
-        # (push_unread: the plain one, whose load was not taken here; those skipped by choice are not "unread")
-        assert out["stats"] == {"recomputed:beyond_tokens": 3, "push_failed:beyond_tokens": 3, "push_unread": 1}, out
-        assert r.stderr.count("besides its token ids") == 6, r.stderr[-3000:]  # each request once, however asked
+        assert out["decode"] == {"lora": 39, "mm": 39, "salt": 39, "plain": 39,  # (the last token is computed)
+                                 "lora_b": 0, "mm_b": 16, "salt_b": 0, "plain_salted": 0, "embeds": 0}, out
+        assert out["prefill"] == {name: [] if kind == "embeds" else [[f"x-{name}", [e.decode() for e in _extra(kind)]]]
+                                  for name, (kind, _, _) in cases.items()}, out
+        assert out["stats"] == {"recomputed:beyond_tokens": 1, "push_failed:beyond_tokens": 1,
+                                "recomputed:push_timeout": 3, "push_unread": 5}, out
+        assert r.stderr.count("besides its token ids") == 2, r.stderr[-3000:]  # each request once, however asked
         after = rx_status(rx)
-        # every push named and not loaded (the plain one's load was not taken here either): withdrawn, not left
-        # for its TTL
-        assert after["requests_given_up"] == 4, after
+        # every push named and not loaded (the loads were not taken here): withdrawn, not left for its TTL
+        assert after["requests_given_up"] == 9, after
     finally:
         tx.stop()
         rx.stop()

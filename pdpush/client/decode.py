@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -474,22 +475,23 @@ class DecodeClient:
         return self.query(token_ids, layout).held_prefix
 
     def query(self, token_ids, layout: KVLayout, req_id: str | None = None,
-              timeout_s: float | None = None) -> QueryReply:
+              timeout_s: float | None = None, extra: Sequence[bytes] = ()) -> QueryReply:
         """Ask the chunk index about a prompt: chunks held complete, and (with ``req_id``) how many
-        of its leading chunks that pushed request, possibly still arriving, carries."""
-        msg = Query(chunk_keys=chunk_keys([int(t) for t in token_ids], layout), req_id=req_id)
+        of its leading chunks that pushed request, possibly still arriving, carries. ``extra``: the prompt's
+        chunks' extra keys (``layout.chunk_keys``), as its push named them."""
+        msg = Query(chunk_keys=chunk_keys([int(t) for t in token_ids], layout, extra), req_id=req_id)
         reply = self._conn.call(msg, None, timeout_s if timeout_s is not None else self.timeout_s)
         if not isinstance(reply, QueryReply):
             raise ProtocolError(f"unexpected {reply.type} in reply to query")
         return reply
 
     def claim(self, req_id: str, token_ids, layout: KVLayout, lease_ms: int = 30_000,
-              timeout_s: float | None = None) -> int:
+              timeout_s: float | None = None, extra: Sequence[bytes] = ()) -> int:
         """Make ``req_id`` a request of the prompt's leading chunks the receiver already holds, with
         no push: ``open`` then reads it like a pushed one. Returns the chunks claimed (0: none held,
-        nothing made). They stay pinned until released, or ``lease_ms`` if never opened."""
+        nothing made). They stay pinned until released, or ``lease_ms`` if never opened. ``extra``: as ``query``'s."""
         ids = [int(t) for t in token_ids]
-        keys = chunk_keys(ids, layout)
+        keys = chunk_keys(ids, layout, extra)
         last = len(ids) - (len(keys) - 1) * layout.chunk_tokens
         reply = self._conn.call(Claim(req_id=req_id, chunk_keys=keys, last_chunk_tokens=last, lease_ms=lease_ms),
                                 req_id, timeout_s if timeout_s is not None else self.timeout_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -605,26 +605,27 @@ class PrefillClient:
 
     def begin(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,
               tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-              layers: tuple[int, int] | None = None) -> PushHandle:
+              layers: tuple[int, int] | None = None, extra: Sequence[bytes] = ()) -> PushHandle:
         """Allocate on the receiver; returns a handle that says which chunks to send.
 
         Tensor parallelism: each of ``tp_size`` ranks begins the same ``req_id`` with the same prompt
         and pushes its own share of each page (``StagingShares``); they share one allocation, and the
         request commits once every rank has finished. Every rank gets the same ``already_sent_indexes``.
         Pipeline parallelism: each stage's ranks do the same with ``pp_rank``/``pp_size`` and their
-        stage's ``layers`` ``(first, end)``, and push only those."""
+        stage's ``layers`` ``(first, end)``, and push only those. ``extra``: what besides its tokens each chunk's KV
+        depends on (``layout.chunk_keys``: a LoRA adapter, an image, a tenant's salt); its decode must name the same."""
         return self.begin_nowait(req_id, token_ids, receiver, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                                 pp_size=pp_size, layers=layers).wait()
+                                 pp_size=pp_size, layers=layers, extra=extra).wait()
 
     def begin_nowait(self, req_id: str, token_ids, receiver: str | None = None, *, tp_rank: int = 0,
                      tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-                     layers: tuple[int, int] | None = None) -> PendingBegin:
+                     layers: tuple[int, int] | None = None, extra: Sequence[bytes] = ()) -> PendingBegin:
         """``begin`` without waiting for the allocation: call it before the forward, and ``wait()`` on the result
         once ``answered()`` (or at the forward's end), so that the round trip to the receiver overlaps the compute."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("empty prompt")
-        keys = chunk_keys(ids, self.layout)
+        keys = chunk_keys(ids, self.layout, extra)
         self._stopping.wait(req_id, min(self.timeout_s, STOPPING_WAIT_S))
         self._conn.begin(req_id)
         self._conn.lifeline()  # before the Begin: the sender fails the request if this process dies

@@ -106,9 +106,10 @@ class Engine:
         return [tuple(e) for e in self.call({"cmd": "stats"})["events"]]
 
 
-    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> tuple[dict, dict]:
+    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None,
+                 cache_salt: str | None = None) -> tuple[dict, dict]:
         r = self.call({"cmd": "generate", "prompts": [prompt], "max_tokens": max_tokens,
-                       "kv_transfer_params": [params]})
+                       "kv_transfer_params": [params], "cache_salts": [cache_salt]})
         return r["outputs"][0], r["stats"]
 
     def generate_timed(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> tuple[dict, dict]:

@@ -6,7 +6,8 @@ Run with the vLLM venv's python (``make vllm-env``); ``pdpush_tools.harness.vllm
 
 Commands (one JSON object per line; one JSON reply per line on stdout):
     {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": [{...}|null, ...],
-     "batch": false}   (batch: submit all prompts at once, so that they share engine steps)
+     "batch": false, "cache_salts": [null|str, ...]}   (batch: submit all prompts at once, so that they share engine
+     steps; cache_salts: each prompt's vLLM cache_salt)
      "abort_after_s": [null|seconds, ...]}   (all at once, stepping the engine; some aborted after that long,
      their results {"aborted": true, "freed_ms": ms from the abort until vLLM freed their blocks, or null})
     {"cmd": "stats"}
@@ -342,7 +343,9 @@ def main() -> int:
         params = cmd.get("kv_transfer_params") or [None] * len(prompts)
         sps = [SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], detokenize=False, ignore_eos=True,
                               extra_args={"kv_transfer_params": p} if p else None) for p in params]
-        reqs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+        salts = cmd.get("cache_salts") or [None] * len(prompts)
+        reqs = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": s} if s else {}))
+                for ids, s in zip(prompts, salts, strict=True)]
         if cmd.get("timed"):  # one at a time, stepping the engine: each request's time to first token too
             timed = [_timed(llm, req, sp, external) for req, sp in zip(reqs, sps, strict=True)]
         elif cmd.get("abort_after_s"):  # all at once, some aborted (stepping the engine)

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from pdpush.extra_keys import chunk_extras
 from pdpush.integrations.vllm import stats as _stats
 from pdpush.integrations.vllm.events import PoolEvents
 from pdpush.integrations.vllm.metadata import PdpushConnectorMetadata
@@ -166,7 +167,9 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         n, load_async = self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-        if n and self._events is not None:
+        if n and self._events is not None and not chunk_extras(request, self.layout.chunk_tokens):
+            # (vLLM's events carry token ids: chunks keyed with extras, which a router cannot derive from
+            # those, are not announced)
             self._events.planned(request.request_id, request.prompt_token_ids)
         return n, load_async
 

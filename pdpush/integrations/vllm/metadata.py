@@ -20,6 +20,7 @@ class PushSpec:
     token_ids: list[int]  # the prompt
     block_ids: list[list[int]]  # one list per vLLM KV cache group (one with the hybrid manager off)
     receiver: str
+    extra: list[bytes] = field(default_factory=list)  # its chunks' extra keys (extra_keys.py)
 
 
 @dataclass

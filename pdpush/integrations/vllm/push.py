@@ -49,7 +49,7 @@ class PushPath:
             pending = self._asked(spec, lambda: self._sender().begin_nowait(
                 spec.push_id, spec.token_ids, spec.receiver or None, tp_rank=self.tp_rank, tp_size=self.tp_size,
                 pp_rank=self.pp_rank, pp_size=self.pp_size,
-                layers=(self.stage.start, self.stage.stop) if self.pp_size > 1 else None))
+                layers=(self.stage.start, self.stage.stop) if self.pp_size > 1 else None, extra=spec.extra))
             if pending is not None:
                 self._pending.append((spec, pending))
         finally:

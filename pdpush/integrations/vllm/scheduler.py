@@ -20,8 +20,8 @@ from pdpush.errors import (
     TransportError,
     UnknownRequest,
 )
+from pdpush.extra_keys import beyond_tokens, chunk_extras
 from pdpush.integrations.vllm.asker import Asker, Lost
-from pdpush.integrations.vllm.beyond import beyond_tokens
 from pdpush.integrations.vllm.metadata import LoadSpec, PdpushConnectorMetadata, PushSpec
 from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints, ReceiverLink
 from pdpush.integrations.vllm.stats import PushFailure, Recompute, SchedulerStats
@@ -67,6 +67,7 @@ class _Req:
     push_id: str = ""
     receiver: str = ""
     token_ids: list[int] = field(default_factory=list)
+    extra: list[bytes] = field(default_factory=list)  # its chunks' extra keys (extra_keys.py), prefill and decode
     block_ids: list[list[int]] = field(default_factory=list)  # one list per KV cache group
     pushed: bool = False
     # decode: the load planned for this step (push id, start, end), and how long we have asked for it
@@ -87,7 +88,7 @@ class _Req:
     asynchronous: bool = False  # the load planned is asynchronous (loads_async)
     prefix_key: bytes = b""  # planned from the prefill's answer, not asked: the key the push's open must show
     async_blocks: list[list[int]] | None = None  # an asynchronous load's blocks (update_state_after_alloc)
-    beyond: str = ""  # what besides its token ids its KV depends on (beyond.py): neither pushed nor loaded
+    beyond: str = ""  # what its KV depends on that chunk keys cannot cover (extra_keys.py): neither pushed nor loaded
 
 
 class SchedulerSide:
@@ -152,6 +153,7 @@ class SchedulerSide:
                 r = self.reqs.setdefault(rid, _Req())
                 r.push_id, r.receiver, r.token_ids = (params.push_id_or(f"{self.engine_tag}-{rid}"), receiver,
                                                       list(request.prompt_token_ids or []))
+                r.extra = chunk_extras(request, self.layout.chunk_tokens)
             else:
                 self.stats.refuse_push()
                 log.warning("pdpush: request %s names receiver %r, which is not in allowed_receivers; "
@@ -165,9 +167,10 @@ class SchedulerSide:
             return 0, False
         r = self.reqs.setdefault(rid, _Req())
         r.prompt_tokens = len(prompt)
+        r.extra = r.extra or chunk_extras(request, self.layout.chunk_tokens)
         if params.pdpush_claim:
             return self._claim(request, r, str(push_id), prompt, want, num_computed_tokens)
-        if (pushed := params.pushed_prefix(prompt, self.layout)) is not None:
+        if (pushed := params.pushed_prefix(prompt, self.layout, r.extra)) is not None:
             return self._from_answer(rid, r, str(push_id), pushed, want, num_computed_tokens)
         reply = self._answer(rid, r, prompt[:want] if self.layout.state_layers else prompt, str(push_id))
         if reply is None or isinstance(reply, int):
@@ -198,7 +201,7 @@ class SchedulerSide:
                           num_computed_tokens, reply.request_committed)
 
     def _beyond(self, rid: str, beyond: str, params: KvParams) -> tuple[int, bool]:
-        """A request whose KV depends on more than its token ids (beyond.py): not pushed (a prefill), not loaded (a
+        """A request whose KV depends on what chunk keys cannot cover (extra_keys.py): not pushed (a prefill), not loaded (a
         decode: it computes the prompt itself, and the push it names is withdrawn when it ends). Counted once."""
         r = self.reqs.setdefault(rid, _Req())
         if not r.beyond:
@@ -260,8 +263,9 @@ class SchedulerSide:
             return
         t0 = time.perf_counter()
         try:
-            r.query = Query(chunk_keys=chunk_keys(prompt[:-1] if self.layout.state_layers else prompt, self.layout),
-                            req_id=push_id)
+            r.extra = r.extra or chunk_extras(request, self.layout.chunk_tokens)
+            r.query = Query(chunk_keys=chunk_keys(prompt[:-1] if self.layout.state_layers else prompt, self.layout,
+                                                  r.extra), req_id=push_id)
             r.asking = self.asker.ask(r.query, request.request_id, time.monotonic())
             self.stats.match_queries += r.asking
         except Lost as e:
@@ -292,7 +296,7 @@ class SchedulerSide:
             if self.asker.down(now):  # it did not answer recently: do not ask now
                 self.stats.recompute(Recompute.RECEIVER_DOWN)
                 return 0
-            r.query = r.query or Query(chunk_keys=chunk_keys(prompt, self.layout), req_id=push_id)
+            r.query = r.query or Query(chunk_keys=chunk_keys(prompt, self.layout, r.extra), req_id=push_id)
             try:
                 r.asking = self.asker.ask(r.query, rid, now)
             except Lost as e:
@@ -415,7 +419,8 @@ class SchedulerSide:
                 return 0, False
             self.stats.match_queries += 1
             try:
-                r.claimed = self.receiver.get().claim(push_id, prompt, self.layout, timeout_s=self.settings.query_timeout_s)
+                r.claimed = self.receiver.get().claim(push_id, prompt, self.layout, extra=r.extra,
+                                                      timeout_s=self.settings.query_timeout_s)
             except PdpushError as e:
                 log.error("pdpush: claim of held chunks for %s failed; computing the prompt here: %s",
                           request.request_id, e)
@@ -512,7 +517,8 @@ class SchedulerSide:
 
     def _maybe_push(self, meta: PdpushConnectorMetadata, rid: str, r: _Req, computed_after: int) -> None:
         if computed_after >= len(r.token_ids):  # the prompt's KV is complete after this step
-            meta.pushes.append(PushSpec(rid, r.push_id, r.token_ids, [list(b) for b in r.block_ids], r.receiver))
+            meta.pushes.append(PushSpec(rid, r.push_id, r.token_ids, [list(b) for b in r.block_ids], r.receiver,
+                                        r.extra))
             r.pushed = True
 
     def loads_ended(self, req_ids) -> None:

@@ -73,14 +73,14 @@ class Recompute(str, Enum):
     PUSH_TIMEOUT = "push_timeout"  # the push did not reach the receiver within push_wait_s
     PARTIAL = "partial"  # a model with recurrent state whose push does not cover the prompt
     NOTHING_HELD = "nothing_held"  # a claim found none of the prompt's chunks
-    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on more than its token ids (LoRA, images, cache_salt): beyond.py
+    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on what chunk keys cannot cover (prompt embeddings): extra_keys.py
 
 
 class PushFailure(str, Enum):
     """Why a prefill request marked for a push was not pushed, or its push failed (its decode recomputes)."""
 
     NOT_ALLOWED = "not_allowed"  # it names a receiver outside allowed_receivers (scheduler)
-    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on more than its token ids (scheduler; beyond.py)
+    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on what chunk keys cannot cover (scheduler; extra_keys.py)
     SENDER_DOWN = "sender_down"  # the sender failed recently: not tried (sender_retry_s)
     SENDER = "sender"  # the sender did not answer the begin, or died
     REFUSED = "refused"  # the begin was refused (pool exhausted, request too large, ...)
