@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 
 from pdpush import launch
 from pdpush.client import PrefillClient
+from pdpush.extra_keys import extras
 from pdpush.layout import KVLayout
 from pdpush.router.placement import Candidate, Weights, choose_decode, choose_prefill, local_prefill, plan_legs
 from tests.helpers import low_nofile_prefix, nofile_limits, until
@@ -1056,16 +1057,18 @@ def test_fuzz_bad_input_gets_a_4xx_and_the_router_keeps_serving(fuzz_router, pat
 LAY = dict(layers=2, kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16, model_id="router-test")
 
 
-def push(tx, rx, rid: str, ids: list[int]) -> None:
+def push(tx, rx, rid: str, ids: list[int], extra: list[bytes] | None = None) -> list[int]:
+    """Push ``ids`` (zeros) as ``rid``, its chunks' extra keys ``extra``; the items the receiver held already."""
     layout = KVLayout(**LAY)
     pc = PrefillClient(layout, tx.info["ingress_endpoint"].removeprefix("ipc://"),
                        receiver=rx.info["control_endpoint"])
     try:
-        h = pc.begin(rid, ids)
+        h = pc.begin(rid, ids, extra=extra or ())
         z = np.zeros((len(ids), layout.kv_heads, layout.head_dim), np.float16)
         for layer in range(layout.layers):
             h.put_layer(layer, z, z)
         h.finish()
+        return h.already_sent_indexes
     finally:
         pc.close()
 
@@ -1105,6 +1108,14 @@ def test_the_router_follows_receivers_indexes_and_rebuilds_after_a_restart(upstr
         metrics = httpx.get(url + "/metrics").text
         assert 'pdpush_router_decisions_total{leg="decode",reason="prefix_hit"} 1.0' in metrics
         assert "pdpush_router_hit_chunks_total 2.0" in metrics
+        # a cache_salt is in the chunk keys (pdpush.extra_keys), the router's as the engines': the same tokens under a
+        # salt hit nothing of the plain push, and a salted push is hit only under its salt
+        push(tx, rx, "s", list(range(300, 340)), extras(LAY["chunk_tokens"], salt="tenant-a"))
+        until(lambda: view()["index_chunks"] == 9, 10, "the salted push's stored event")
+        for salt, prompt, hits in (("tenant-a", list(range(32)), 2), ("tenant-b", list(range(300, 332)), 2),
+                                   ("tenant-a", list(range(300, 332)), 4)):
+            assert post(url, {"prompt": prompt + [999] * 5, "max_tokens": 1, "cache_salt": salt}).status_code == 200
+            assert f"pdpush_router_hit_chunks_total {hits}.0" in httpx.get(url + "/metrics").text, (salt, hits)
         # the receiver restarts (its index is empty): the router's view follows
         port = int(rx.info["control_endpoint"].rsplit(":", 1)[1])
         rx.stop()

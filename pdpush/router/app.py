@@ -38,6 +38,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,14 @@ from pdpush.router.engine_cache import EngineCacheView
 from pdpush.router.fleet import Fleet, Instance
 from pdpush.router.metrics import Metrics
 from pdpush.router.placement import Candidate, Weights, choose_decode, plan_legs
-from pdpush.router.tokens import TOKENIZE_TIMEOUT_S, EngineTokens, LocalTokens, PromptError, check_prompt
+from pdpush.router.tokens import (
+    TOKENIZE_TIMEOUT_S,
+    EngineTokens,
+    LocalTokens,
+    PromptError,
+    check_prompt,
+    prompt_extras,
+)
 from pdpush.router.watch import Watches
 
 log = logging.getLogger("pdpush.router")
@@ -366,11 +374,15 @@ class Router:
                 return d.index.layout.kv_layout
         return None
 
-    def place(self, ids: list[int] | None, exclude: Instance | None = None) -> Route_ | JSONResponse:
+    def place(self, ids: list[int] | None, exclude: Instance | None = None,
+              extra: Sequence[bytes] | None = ()) -> Route_ | JSONResponse:
+        """Where to run a prompt of token ids ``ids`` (None: not known). ``extra``: its chunks' extra keys
+        (``tokens.prompt_extras``; None where the router cannot tell them: no hits are counted)."""
         layout = self._layout()
-        keys = chunk_keys(ids, layout) if ids and layout is not None else []
+        keys = chunk_keys(ids, layout, extra) if ids and layout is not None and extra is not None else []
         if self.cfg.policy == "cost_model":
-            return self._place_by_cost(ids or [], layout, keys, exclude)
+            # (an engine's own cache is seen through vLLM's events of blocks with no extra keys: kv_events.py)
+            return self._place_by_cost(ids or [], layout, keys, exclude, cached=extra is not None and not extra)
         decodes = [Candidate(d.healthy and d is not exclude, d.inflight, d.index.held_prefix(keys) if keys else 0,
                              d.index.load.pages_free if d.index.load and d.index.synced else None,
                              d.index.load.pages_total if d.index.load and d.index.synced else None)
@@ -398,8 +410,8 @@ class Router:
         self._last_prefill = pd.index
         return Route_(decode, self.fleet.prefill[pd.index], push_id, n, dd.hit_chunks, dd.reason)
 
-    def _place_by_cost(self, ids: list[int], layout: KVLayout | None, keys: list, exclude: Instance | None
-                       ) -> Route_ | JSONResponse:
+    def _place_by_cost(self, ids: list[int], layout: KVLayout | None, keys: list, exclude: Instance | None,
+                       cached: bool = True) -> Route_ | JSONResponse:
         """Every (prefill, decode) pair's predicted TTFT (costmodel.py), and the least under load caps."""
         est = self.estimates
         n = len(ids)
@@ -407,7 +419,8 @@ class Router:
         prompt = costmodel.Prompt(n, layout.chunk_tokens if layout else 1,
                                   layout.page_bytes * layout.push_layers if layout else 0, layout.layers if layout else 1)
         pcs = [costmodel.PrefillCand(p.healthy, p.inflight, est.prefill_speed(p.url), p.pending_tokens,
-                                     p.cache.held_tokens(ids, keys_by_size) if p.cache is not None and ids else 0,
+                                     p.cache.held_tokens(ids, keys_by_size) if p.cache is not None and ids and cached
+                                     else 0,
                                      est.prefill_overhead(p.url))
                for p in self.fleet.prefill]
         dcs = [costmodel.DecodeCand(d.healthy and d is not exclude, d.inflight, est.push_speed(d.url),
@@ -592,7 +605,7 @@ class Router:
         if isinstance(ids, Response):
             self.metrics.requests.labels(path, "bad_request").inc()
             return ids
-        route = self.place(ids)
+        route = self.place(ids, extra=prompt_extras(path, body, self._chunk_tokens()))
         if isinstance(route, Response):
             self.metrics.requests.labels(path, "busy").inc()
             return route

@@ -16,6 +16,7 @@ import os
 import httpx
 
 from pdpush.errors import ConfigError
+from pdpush.extra_keys import extras
 
 
 class PromptError(ValueError):
@@ -44,6 +45,24 @@ def check_prompt(path: str, body: dict) -> None:
             return
         raise PromptError("'prompt' must be a string, a list of token ids (integers from 0 below 2**63), or a list "
                           "of them")
+
+
+def prompt_extras(path: str, body: dict, chunk_tokens: int) -> list[bytes] | None:
+    """What besides its tokens the prompt's chunk keys hash (``pdpush.extra_keys``), as far as the router can tell:
+    its ``cache_salt``. None where it cannot tell: an image, audio or video part in a chat message, or prompt
+    embeddings (the engine hashes what only it knows), or a salt that is not a string (the engine refuses it). Such
+    a prompt is placed by load, with no hits counted. A LoRA adapter is not told either (``docs/operations.md``)."""
+    if body.get("prompt_embeds") is not None:
+        return None
+    if "chat" in path:
+        for m in body.get("messages") or ():
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in c):
+                return None
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return None
+    return extras(chunk_tokens, salt=salt)
 
 
 def _token_ids(p: list) -> bool:
