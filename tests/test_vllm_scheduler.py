@@ -323,9 +323,9 @@ def attrs(kind):
 
 
 out = {"decode": {}, "prefill": {}}
-for name, (kind, push_id, ids) in cases.items():
+for name, (kind, push_id, ids, claim) in cases.items():
     base = dict(prompt_token_ids=ids, num_prompt_tokens=len(ids), **attrs(kind))
-    dec = NS(request_id=f"d-{name}", kv_transfer_params=kv_params.for_decode(push_id), **base)
+    dec = NS(request_id=f"d-{name}", kv_transfer_params=kv_params.for_decode(push_id, claim), **base)
     side.on_new_request(dec)
     got = side.get_num_new_matched_tokens(dec, 0)
     deadline = time.monotonic() + 30
@@ -350,7 +350,8 @@ while (side._to_withdraw or side.asker.inflight) and time.monotonic() < deadline
                                                           resumed_req_ids=set())))
     time.sleep(0.002)
 t = side.stats.totals()
-out["stats"] = {k: v for k, v in t.items() if "beyond" in k or k in ("push_unread", "recomputed:push_timeout")}
+out["stats"] = {k: v for k, v in t.items() if "beyond" in k or k in ("push_unread", "recomputed:push_timeout",
+                                                                       "recomputed:nothing_held")}
 print(json.dumps(out))
 """
 
@@ -397,22 +398,28 @@ def test_requests_whose_kv_depends_on_more_than_their_tokens_are_pushed_and_load
                  # another adapter path, image or salt, or none: nothing of that push is its KV (the image's
                  # chunk 0, before it, is)
                  "lora_b": ["lora_b", "r-lora", ids], "mm_b": ["mm_b", "r-mm", ids], "salt_b": ["salt_b", "r-salt", ids],
-                 "plain_salted": ["plain", "s-salt", ids], "embeds": ["embeds", "e-plain", ids]}
+                 "plain_salted": ["plain", "s-salt", ids], "embeds": ["embeds", "e-plain", ids],
+                 # no push: a claim of the chunks the receiver holds under the same keys (conditional
+                 # disaggregation), made under this request's own id
+                 "claim_salt": ["salt", "c-salt", ids], "claim_salt_b": ["salt_b", "c-salt-b", ids]}
+        cases = {name: [*case, name.startswith("claim")] for name, case in cases.items()}
         r = subprocess.run([str(VLLM_PY), "-c", _EXTRAS, rx.info["local_endpoint"].removeprefix("ipc://"),
                             json.dumps(LAY), json.dumps(_KINDS), json.dumps(cases)], capture_output=True, text=True,
                            timeout=300, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["decode"] == {"lora": 39, "mm": 39, "salt": 39, "plain": 39,  # (the last token is computed)
-                                 "lora_b": 0, "mm_b": 16, "salt_b": 0, "plain_salted": 0, "embeds": 0}, out
+                                 "lora_b": 0, "mm_b": 16, "salt_b": 0, "plain_salted": 0, "embeds": 0,
+                                 "claim_salt": 39, "claim_salt_b": 0}, out
         assert out["prefill"] == {name: [] if kind == "embeds" else [[f"x-{name}", [e.decode() for e in _extra(kind)]]]
-                                  for name, (kind, _, _) in cases.items()}, out
+                                  for name, (kind, _, _, _) in cases.items()}, out
         assert out["stats"] == {"recomputed:beyond_tokens": 1, "push_failed:beyond_tokens": 1,
-                                "recomputed:push_timeout": 3, "push_unread": 5}, out
+                                "recomputed:push_timeout": 3, "recomputed:nothing_held": 1, "push_unread": 6}, out
         assert r.stderr.count("besides its token ids") == 2, r.stderr[-3000:]  # each request once, however asked
         after = rx_status(rx)
-        # every push named and not loaded (the loads were not taken here): withdrawn, not left for its TTL
-        assert after["requests_given_up"] == 9, after
+        # every push named and not loaded (the loads were not taken here), and the claim made: withdrawn, not left
+        # for its TTL
+        assert after["requests_given_up"] == 10, after
     finally:
         tx.stop()
         rx.stop()
