@@ -12,7 +12,11 @@ KV loaded in its place: a wrong answer, and another tenant's data.
 first chunk, which the chain carries into every key after it), so that the prefill, its decode and the receiver's
 index all tell such a request's chunks from another's: the prefill pushes under those keys and the decode asks,
 claims and checks its load's open under them. Both engines must serve the same adapter under one name and path,
-as they must serve one model. The router keys a request's ``cache_salt`` the same way (``extras``), and knows
+as they must serve one model, and clear the receiver's pool when an adapter's files change under the same name and
+path (its chunks outlive the engines). An item's identifier is vLLM's hash of its content, or the client's
+``multi_modal_uuids`` word for word (vLLM's own cache trusts those too; across engines sharing a receiver, so does
+pdpush); an engine that hashes no content names items by a per-process count, and its multimodal requests are
+beyond the keys (``mm_content_hashed``). The router keys a request's ``cache_salt`` the same way (``extras``), and knows
 neither adapters nor images. Prompt embeddings are the one thing not covered (``beyond_tokens``): such a request
 is neither pushed nor loaded, and its decode computes the prompt.
 """
@@ -24,13 +28,30 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def beyond_tokens(request: Any) -> str:
-    """What ``request``'s KV depends on that chunk keys cannot cover, or "" for nothing."""
+def beyond_tokens(request: Any, mm_hashed: bool = True) -> str:
+    """What ``request``'s KV depends on that chunk keys cannot cover, or "" for nothing. ``mm_hashed``: the engine
+    names each multimodal item by a hash of its content (``mm_content_hashed``); where it does not, an item's name
+    is a count that starts again in every engine process, and two images would share it."""
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt embeddings"
-    if any(getattr(f, "identifier", None) is None for f in getattr(request, "mm_features", None) or ()):
+    mm = getattr(request, "mm_features", None) or ()
+    if mm and not mm_hashed:
+        return "multimodal inputs its engine names without a content hash"
+    if any(getattr(f, "identifier", None) is None for f in mm):
         return "a multimodal input with no hash"
     return ""
+
+
+def mm_content_hashed(vllm_config: Any) -> bool:
+    """Whether an engine of ``vllm_config`` names each multimodal item by a hash of its content. vLLM 0.32 skips the
+    hashing where both its caches that need it are off (``mm_processor_cache_gb == 0`` and no prefix caching:
+    ``renderers/base.py: _process_mm_uuids``) and names an item ``renderer<rank>-mm-<count>-<modality>-<i>``,
+    counted from 1 in every process: the first image of every engine, and of every restart, has the same name."""
+    mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+    if mm is None:
+        return True
+    return not (getattr(mm, "mm_processor_cache_gb", None) == 0
+                and not getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", True))
 
 
 def chunk_extras(request: Any, chunk_tokens: int) -> list[bytes]:

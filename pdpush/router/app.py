@@ -444,7 +444,8 @@ class Router:
         prefill = None if b.prefill is None else self.fleet.prefill[b.prefill]
         if prefill is not None:
             self._last_prefill = b.prefill
-            self.metrics.decisions.labels("prefill", "own_cache" if prefill.cache is not None else "no_events").inc()
+            self.metrics.decisions.labels("prefill", "no_events" if prefill.cache is None else
+                                          "own_cache" if cached else "extra_keys").inc()
         else:
             self.metrics.decisions.labels("prefill", "skipped_held").inc()
         self.metrics.ttft_predicted.observe(b.ttft_s)

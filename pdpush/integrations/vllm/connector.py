@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from pdpush.extra_keys import chunk_extras
+from pdpush.extra_keys import chunk_extras, mm_content_hashed
 from pdpush.integrations.vllm import stats as _stats
 from pdpush.integrations.vllm.events import PoolEvents
 from pdpush.integrations.vllm.metadata import PdpushConnectorMetadata
@@ -77,7 +77,8 @@ class PdpushConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._sched = SchedulerSide(self.settings, endpoints, self.layout, self.engine_tag, self.is_producer,
                                         self.is_consumer,
-                                        len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1)
+                                        len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1,
+                                        mm_content_hashed(vllm_config))
             kec = getattr(vllm_config, "kv_events_config", None)
             if self.is_consumer and kec is not None and kec.enable_kv_cache_events:
                 s = self.settings

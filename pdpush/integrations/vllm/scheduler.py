@@ -93,8 +93,9 @@ class _Req:
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, endpoints: Endpoints, layout: KVLayout, engine_tag: str,
-                 producer: bool, consumer: bool, kv_groups: int = 1) -> None:
+                 producer: bool, consumer: bool, kv_groups: int = 1, mm_hashed: bool = True) -> None:
         self.settings, self.endpoints, self.layout = settings, endpoints, layout
+        self.mm_hashed = mm_hashed  # the engine names multimodal items by their content's hash (extra_keys.py)
         self.engine_tag = engine_tag
         self.producer, self.consumer = producer, consumer
         self.reqs: dict[str, _Req] = {}
@@ -122,7 +123,7 @@ class SchedulerSide:
         prompt token continues (as vLLM's NixlConnector does: ``_truncate_request_for_prefill``)."""
         params = request.kv_transfer_params
         kp = KvParams.parse(params)
-        if beyond_tokens(request):  # neither pushed nor loaded (get_num_new_matched_tokens says so, and counts it)
+        if beyond_tokens(request, self.mm_hashed):  # neither pushed nor loaded (get_num_new_matched_tokens says so, and counts it)
             return
         if self.consumer and kp.pdpush_req_id and not kp.pdpush_claim and not kp.from_prefill(self.layout):
             self._ask_early(request, str(kp.pdpush_req_id))  # (the prefill's answer says what it pushed: no question)
@@ -145,7 +146,7 @@ class SchedulerSide:
         rid = request.request_id
         r = self.reqs.get(rid)
         if (self.producer and params.do_remote_decode or self.consumer and params.pdpush_req_id) and (
-                beyond := beyond_tokens(request)):
+                beyond := beyond_tokens(request, self.mm_hashed)):
             return self._beyond(rid, beyond, params)
         if self.producer and params.do_remote_decode and (r is None or not r.push_id):
             receiver = str(params.pdpush_receiver or self.settings.receiver or "")
