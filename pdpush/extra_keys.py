@@ -14,8 +14,8 @@ index all tell such a request's chunks from another's: the prefill pushes under 
 claims and checks its load's open under them. Both engines must serve the same adapter under one name and path,
 as they must serve one model, and clear the receiver's pool when an adapter's files change under the same name and
 path (its chunks outlive the engines). An item's identifier is vLLM's hash of its content, or the client's
-``multi_modal_uuids`` word for word (vLLM's own cache trusts those too; across engines sharing a receiver, so does
-pdpush); an engine that hashes no content names items by a per-process count, and its multimodal requests are
+``multi_modal_uuids`` or a separate renderer's hashes word for word (vLLM's own cache trusts those too; across
+engines sharing a receiver, so does pdpush); an engine that hashes no content names items by a per-process count, and its multimodal requests are
 beyond the keys (``mm_content_hashed``). The router keys a request's ``cache_salt`` the same way (``extras``), and knows
 neither adapters nor images. Prompt embeddings are the one thing not covered (``beyond_tokens``): such a request
 is neither pushed nor loaded, and its decode computes the prompt.
@@ -46,12 +46,16 @@ def mm_content_hashed(vllm_config: Any) -> bool:
     """Whether an engine of ``vllm_config`` names each multimodal item by a hash of its content. vLLM 0.32 skips the
     hashing where both its caches that need it are off (``mm_processor_cache_gb == 0`` and no prefix caching:
     ``renderers/base.py: _process_mm_uuids``) and names an item ``renderer<rank>-mm-<count>-<modality>-<i>``,
-    counted from 1 in every process: the first image of every engine, and of every restart, has the same name."""
+    counted from 1 in every process: the first image of every engine, and of every restart, has the same name. A
+    multimodal model whose config lacks either setting (another vLLM) is taken as hashing nothing."""
     mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
     if mm is None:
         return True
-    return not (getattr(mm, "mm_processor_cache_gb", None) == 0
-                and not getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", True))
+    gb = getattr(mm, "mm_processor_cache_gb", None)
+    prefix = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", None)
+    if gb is None or prefix is None:
+        return False
+    return not (gb == 0 and not prefix)
 
 
 def chunk_extras(request: Any, chunk_tokens: int) -> list[bytes]:

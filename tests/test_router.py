@@ -1392,9 +1392,11 @@ def test_the_cost_model_sends_the_prefill_leg_where_the_engines_own_cache_holds_
         assert f'pdpush_router_prefill_view_blocks{{instance="{p2_url}"}} 3.0' in m
         # the same prompt under a cache_salt: the engine's blocks of it (its events leave salted blocks out) are
         # not its, and no cache view is counted
-        assert post(url, {"prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-a"}).status_code == 200
+        res = post(url, {"prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-a"})
+        assert res.status_code == 200 and res.headers["X-Pdpush-Prefill-Cached"] == "0", res.headers
+        assert post(url, {"prompt": prompt, "max_tokens": 2}).headers["X-Pdpush-Prefill-Cached"] == "12"
         m = httpx.get(url + "/metrics").text
-        assert 'pdpush_router_decisions_total{leg="prefill",reason="own_cache"} 3.0' in m
+        assert 'pdpush_router_decisions_total{leg="prefill",reason="own_cache"} 4.0' in m
         assert 'pdpush_router_decisions_total{leg="prefill",reason="extra_keys"} 1.0' in m
     finally:
         for pub in pubs:

@@ -73,7 +73,7 @@ class Recompute(str, Enum):
     PUSH_TIMEOUT = "push_timeout"  # the push did not reach the receiver within push_wait_s
     PARTIAL = "partial"  # a model with recurrent state whose push does not cover the prompt
     NOTHING_HELD = "nothing_held"  # a claim found none of the prompt's chunks
-    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on what chunk keys cannot cover (prompt embeddings): extra_keys.py
+    BEYOND_TOKENS = "beyond_tokens"  # its KV depends on what chunk keys cannot cover (prompt embeddings, unhashed images): extra_keys.py
 
 
 class PushFailure(str, Enum):
