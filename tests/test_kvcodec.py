@@ -270,8 +270,9 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
     lines (rows of 128, 256 and 512 bytes inlined, other multiples of 64 by 64 bytes; anything else cached). A
     layer staged, and rows gathered (runs of a map row, and K tiles: AVX2's passes, then SSE2's), each way into
     the same places: the same bytes, each where it belongs, nothing written around them; the calls say whether
-    they streamed (so a path that never does shows), and ``set_streaming(False)`` turns it off."""
-    from pdpush_native._copy import gather_rows, set_streaming, set_wide_tiles, stage_pages
+    they streamed (so a path that never does shows), and ``set_streaming(False)`` turns it off. A staged row is
+    streamed 64, 32 or 16 bytes a store (``set_stream_width``: AVX-512, AVX2, SSE2, as far as the CPU has them)."""
+    from pdpush_native._copy import gather_rows, set_stream_width, set_streaming, set_wide_tiles, stage_pages
 
     rng = np.random.default_rng(row + at + eb)
     T, hu, units, C, tokens, n = 4, 2, 2, 2, 11, 3
@@ -288,15 +289,16 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
     if not (set_streaming(True) or not whole_lines):
         pytest.skip("this CPU has no SSE2: nothing streams")
     out = {}
-    was_wide = set_wide_tiles(wide)
+    was_wide, was_width = set_wide_tiles(wide), set_stream_width(64)
     try:
-        for how in ("stream", "cached", "switched off"):
+        for how in ("stream", "stream32", "stream16", "cached", "switched off"):
             set_streaming(how != "switched off")
+            set_stream_width(int(how[6:] or 64) if how.startswith("stream") else 64)
             staged = _aligned(units * n * hu * C * T * row, 0xEE, at)
             gathered = _aligned(rows * row, 0xEE, at).reshape(rows, row)
             streamed = (stage_pages(staged, comps, 0, units, hu, T, segs, stream=how != "cached"),
                         gather_rows(gathered, src, base, sel, emap, eb, stream=how != "cached"))
-            assert streamed == ((whole_lines and how == "stream"),) * 2, (how, streamed)
+            assert streamed == ((whole_lines and how.startswith("stream")),) * 2, (how, streamed)
             for x in (staged, gathered):  # nothing written around them
                 at0 = x.ctypes.data - x.base.ctypes.data
                 assert (x.base[:at0] == 0xEE).all() and (x.base[at0 + x.nbytes:] == 0xEE).all(), how
@@ -304,7 +306,8 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
     finally:
         set_streaming(True)
         set_wide_tiles(was_wide)
-    for how in ("cached", "switched off"):
+        set_stream_width(was_width)
+    for how in ("stream32", "stream16", "cached", "switched off"):
         assert np.array_equal(out["stream"][0], out[how][0]) and np.array_equal(out["stream"][1], out[how][1]), how
     pages = out["stream"][0].reshape(units, n, hu, C, T, row)
     for u, j, i, c, t in np.ndindex(units, n, hu, C, T):
