@@ -275,9 +275,10 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
     from pdpush_native._copy import gather_rows, set_stream_width, set_streaming, set_wide_tiles, stage_pages
 
     rng = np.random.default_rng(row + at + eb)
-    T, hu, units, C, tokens, n = 4, 2, 2, 2, 11, 3
-    comps = [rng.integers(0, 256, (tokens, units * hu, row), dtype=np.uint8) for _ in range(C)]
-    segs = np.array([[0, 0, tokens]], np.int64)
+    T, hu, units, C, tokens, n, h0 = 4, 2, 2, 2, 11, 5, 1
+    comps = [rng.integers(0, 256, (tokens, h0 + units * hu + 1, row), dtype=np.uint8) for _ in range(C)]
+    # a rank's heads from h0 on; two segments, each ending in a partial page, the second from page 3 on
+    segs = np.array([[0, 0, 5], [3, 5, 6]], np.int64)
     N, D = 16 // eb * 2, row // eb  # a K tile (dimension-major: two of SSE2's G tokens) and V rows
     d, k = np.arange(D)[None, :], np.arange(N)[:, None]
     emap = np.concatenate([d * N + k, N * D + k * D + d]).astype(np.int32)
@@ -296,7 +297,7 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
             set_stream_width(int(how[6:] or 64) if how.startswith("stream") else 64)
             staged = _aligned(units * n * hu * C * T * row, 0xEE, at)
             gathered = _aligned(rows * row, 0xEE, at).reshape(rows, row)
-            streamed = (stage_pages(staged, comps, 0, units, hu, T, segs, stream=how != "cached"),
+            streamed = (stage_pages(staged, comps, h0, units, hu, T, segs, stream=how != "cached"),
                         gather_rows(gathered, src, base, sel, emap, eb, stream=how != "cached"))
             assert streamed == ((whole_lines and how.startswith("stream")),) * 2, (how, streamed)
             for x in (staged, gathered):  # nothing written around them
@@ -310,10 +311,17 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
     for how in ("stream32", "stream16", "cached", "switched off"):
         assert np.array_equal(out["stream"][0], out[how][0]) and np.array_equal(out["stream"][1], out[how][1]), how
     pages = out["stream"][0].reshape(units, n, hu, C, T, row)
+    token_at = {}  # (page, row) -> source token; the rows of a segment's partial last page past it: zeroed
+    for j0, s0, m in segs.tolist():
+        for r in range(-(-m // T) * T):
+            token_at[j0 + r // T, r % T] = s0 + r if r < m else None
     for u, j, i, c, t in np.ndindex(units, n, hu, C, T):
-        tok = j * T + t
-        want = comps[c][tok, u * hu + i] if tok < tokens else 0
+        if (j, t) not in token_at:
+            continue  # a page no segment writes (page 2): left as it was
+        tok = token_at[j, t]
+        want = comps[c][tok, h0 + u * hu + i] if tok is not None else 0
         assert (pages[u, j, i, c, t] == want).all(), (u, j, i, c, t)
+    assert (pages[:, 2] == 0xEE).all()
     elems = src.view(np.uint16 if eb == 2 else np.uint32)
     for r in range(rows):
         b, m = base[r] // eb, sel[r]

@@ -251,11 +251,15 @@ using Segs = nb::ndarray<const int64_t, nb::ndim<2>, nb::device::cpu, nb::c_cont
 // ``dst`` is the share's bytes ``[U, n, hu, C, T, rb]``; ``comps`` the C components ``[tokens, heads, rb]``
 // (a row's bytes contiguous, any strides on the rest), of which heads ``[h0, h0 + U * hu)`` are written; each
 // segment (j0, s0, m) puts source token rows ``[s0, s0 + m)`` into new pages j0, j0 + 1, ..., and the rows of a
-// partial last page past ``m`` are zeroed. Walked in blocks of token rows (each head's run of a block is 4 KiB
-// of its page: the block's source, heads x 4 KiB, stays in the caches while its heads are written one after
-// the other), so the reads stream and the writes go to one place at a time. Token by token, a row to each
-// head's page in turn, the 1 MiB layers' copy ran at 0.59x memcpy here, blocked at 0.79x (256 KiB layers:
-// 0.79x, 0.83x). One Python call per layer instead of a dozen array views per component.
+// partial last page past ``m`` are zeroed. Streamed (staging's case), the rows are walked token by token, each
+// head's row of a token to its page: the source is read in its memory order and every store is a whole line, so
+// the H places written at once cost nothing (no line is read to be written). Cached, a place written in part
+// pulls its line in, so the rows go in blocks (each head's run of a block is 4 KiB of its page, the writes to
+// one place at a time). On an AMD EPYC (Zen 4), 256 KiB to 16 MiB layers against a memcpy into the same ring
+// (medians of paired runs, issue #36): streamed in blocks 0.82-0.89x (the source's strided rows leave most of
+// their lines to demand misses), streamed token by token 1.18-1.38x, at any store width. Cached, token by token
+// the 1 MiB layers' copy ran at 0.59x in a loop over one buffer (2026-12-05), in blocks 0.79x. One Python call
+// per layer instead of a dozen array views per component.
 // Every shape and index is checked before any byte moves.
 bool stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, size_t hu, size_t T, Segs segs,
                  bool stream) {
@@ -295,24 +299,31 @@ bool stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
     const int64_t unit_stride = static_cast<int64_t>(n * page), head_stride = static_cast<int64_t>(C * T * rb);
     const size_t block = std::max<size_t>(1, 4096 / rb);  // token rows a head's run covers: 4 KiB of its page
     const bool nt = stream && streaming;
+    const bool by_token = nt && stream_ok(d0, rb);  // whole lines: every row of every head's page streams
+    std::vector<uint8_t *> dh(H);
     bool streamed = false;
     nb::gil_scoped_release unlocked;
     const StreamFence fence{nt};
     for (size_t c = 0; c < C; ++c) {
         for (size_t k = 0; k < S; ++k) {
             const size_t j0 = sg[3 * k], s0 = sg[3 * k + 1], m = sg[3 * k + 2];
-            // token rows [r0, r1) of the segment (page j0 + r0 / T, rows r0 % T on), then each head's run of them
+            // token rows [r0, r1) of the segment (page j0 + r0 / T, rows r0 % T on): streamed, token by token
+            // (each head's row of a token to its page); cached, each head's run of a block of them
             for (size_t r0 = 0; r0 < m;) {
-                const size_t r1 = std::min({m, r0 + block, (r0 / T + 1) * T});
+                const size_t r1 = std::min({m, by_token ? m : r0 + block, (r0 / T + 1) * T});
                 const uint8_t *s = base[c] + static_cast<int64_t>(s0 + r0) * ts[c] + static_cast<int64_t>(h0) * hs[c];
                 uint8_t *d = d0 + ((j0 + r0 / T) * hu * C + c) * T * rb + (r0 % T) * rb;
-                for (size_t h = 0; h < H; ++h) {
-                    uint8_t *dh = d + static_cast<int64_t>(h / hu) * unit_stride + static_cast<int64_t>(h % hu) * head_stride;
-                    const uint8_t *sh = s + static_cast<int64_t>(h) * hs[c];
-                    if (nt && stream_strided(dh, sh, r1 - r0, static_cast<int64_t>(rb), ts[c], rb))
-                        streamed = true;
-                    else
-                        copy_strided(dh, sh, r1 - r0, static_cast<int64_t>(rb), ts[c], rb);
+                for (size_t h = 0; h < H; ++h)
+                    dh[h] = d + static_cast<int64_t>(h / hu) * unit_stride + static_cast<int64_t>(h % hu) * head_stride;
+                if (by_token) {
+                    streamed = true;
+                    for (size_t i = 0; i < r1 - r0; ++i, s += ts[c])
+                        for (size_t h = 0; h < H; ++h)
+                            if (!stream_strided(dh[h] + i * rb, s + static_cast<int64_t>(h) * hs[c], 1, 0, 0, rb))
+                                copy_strided(dh[h] + i * rb, s + static_cast<int64_t>(h) * hs[c], 1, 0, 0, rb);
+                } else {
+                    for (size_t h = 0; h < H; ++h)
+                        copy_strided(dh[h], s + static_cast<int64_t>(h) * hs[c], r1 - r0, static_cast<int64_t>(rb), ts[c], rb);
                 }
                 r0 = r1;
             }
