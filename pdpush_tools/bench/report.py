@@ -543,6 +543,15 @@ layer in that day's run): against it, each row above would read about 4.5 us hig
   Streaming stores (later that day) skip that read: 43 us a layer in the push, `put_layer` 0.045 against 0.10
   ms, end to end at 256 KiB 1.6-2.0 against 1.3-1.4 GB/s. In a loop over one buffer they are slower (7
   against 11 GB/s), so the bench now writes a ring of staging memory, against a memcpy into the same ring.
+- The staging copy on an AMD EPYC (Zen 4, 2026-12-07), streamed in those blocks: 0.66-0.79x memcpy with 16-byte
+  stores, 0.80-1.09x with 32-byte ones. The stores were not the cost: a block's reads are each head's 256-byte
+  part of 16 token rows 2 KiB apart, which the prefetchers leave to demand misses. Streamed token by token
+  instead (the source read in its memory order; every store a whole line, so the eight pages written at once
+  read nothing in), 1.18-1.54x at 256 KiB to 16 MiB, whatever the store width (paired A/B medians). Cached
+  stores keep the blocks. The pipelining row's worst point, c/t = 0.25 (the engine's compute a quarter of a
+  layer's transfer, so the sender's puts set the pace), measured 9.0 ms in the `make bench` run after this
+  change and 4.2 ms in the scenario run alone minutes later (`pdpush bench --scenario pipeline --tokens 2048`;
+  4.1 before the change): this row's swings between runs are larger than the change.
 - The 1 MiB capacity's reference stays in the caches (2026-12-05): its native loop cycles through 32 MiB (one
   request's worth), while the sender copies from 1 GiB of staging into 1.5 GiB of pool. The same loop over 256
   MiB to 1 GiB ran 6,800 puts/s against 13,900 over 32 MiB (a probe, and the "out of the caches" figures in the
