@@ -18,6 +18,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -122,7 +124,8 @@ bool set_streaming(bool on) {
 // 16-byte stores, 0.80-1.09x with 32-byte ones and 0.82-1.04x with 64-byte ones (medians of paired runs, issue
 // #36). 32 bytes is the default: no better than 64 measured, and no AVX-512 frequency drop on older Xeons. Since
 // stage_pages walks streamed rows token by token (the source in its memory order), the width moves nothing
-// measurable there (16, 32 and 64 bytes all 1.2-1.6x memcpy on the same host).
+// measurable there (16, 32 and 64 bytes all 1.2-1.6x memcpy on the same host): the reason above held for the
+// blocks it walked before, each head's rows of 16 tokens, 2 KiB apart.
 __attribute__((target("avx2"))) void stream_rows32(uint8_t *d, const uint8_t *s, size_t n, int64_t ds, int64_t ss,
                                                    size_t row) {
     for (; n; --n, d += ds, s += ss)
@@ -259,7 +262,7 @@ using Segs = nb::ndarray<const int64_t, nb::ndim<2>, nb::device::cpu, nb::c_cont
 // pulls its line in, so the rows go in blocks (each head's run of a block is 4 KiB of its page, the writes to
 // one place at a time). On an AMD EPYC (Zen 4), 256 KiB to 16 MiB layers against a memcpy into the same ring
 // (medians of paired runs, issue #36): streamed in blocks 0.82-0.89x (the source's strided rows leave most of
-// their lines to demand misses), streamed token by token 1.18-1.38x, at any store width. Cached, token by token
+// their lines to demand misses), streamed token by token 1.18-1.54x, at any store width. Cached, token by token
 // the 1 MiB layers' copy ran at 0.59x in a loop over one buffer (2026-12-05), in blocks 0.79x. One Python call
 // per layer instead of a dozen array views per component.
 // Every shape and index is checked before any byte moves.
@@ -318,10 +321,11 @@ bool stage_pages(Flat dst, std::vector<Comp> comps, size_t h0, size_t units, siz
                 for (size_t h = 0; h < H; ++h)
                     dh[h] = d + static_cast<int64_t>(h / hu) * unit_stride + static_cast<int64_t>(h % hu) * head_stride;
                 if (by_token) {
-                    streamed = true;
                     for (size_t i = 0; i < r1 - r0; ++i, s += ts[c])
                         for (size_t h = 0; h < H; ++h)
-                            if (!stream_strided(dh[h] + i * rb, s + static_cast<int64_t>(h) * hs[c], 1, 0, 0, rb))
+                            if (stream_strided(dh[h] + i * rb, s + static_cast<int64_t>(h) * hs[c], 1, 0, 0, rb))
+                                streamed = true;
+                            else  // (not reached: by_token holds every place whole lines)
                                 copy_strided(dh[h] + i * rb, s + static_cast<int64_t>(h) * hs[c], 1, 0, 0, rb);
                 } else {
                     for (size_t h = 0; h < H; ++h)
@@ -358,6 +362,12 @@ using Map = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_conti
 // memcpy; rows of a dimension-major K tile go G tokens at a time through an SSE2 transpose (by_tiles; a
 // 16-row transpose written plainly measured slower: its strided stores do not vectorise); any other map
 // element by element.
+// ``dst_rows`` (optional): entry ``r`` of the table fills destination row ``dst_rows[r]`` instead of row ``r``,
+// so that a table sorted by its source addresses (``kvcodec.source_order``) reads the engine's cache in its
+// memory order: each block's heads' tiles one after the other, instead of staging's order (a head's tiles of
+// every block, then the next head's), which jumps between blocks every 8 KiB. On an AMD EPYC, vLLM CPU_ATTN's
+// blocks of 32 slots, 1 MiB to 4 MiB layers: 5.1 -> 7.6 GB/s. It must be a permutation of [0, R): a row
+// written twice and another never would leave a staging row's old bytes, another request's, in the push.
 // Every address is checked against ``src``: a bad table raises, it never reads outside.
 // An element map's rows, read once: each row's lowest and highest offset, and whether its offsets are
 // consecutive (the row is then one memcpy).
@@ -602,13 +612,26 @@ void by_tiles(size_t R, size_t G, size_t q, Tile tile, Row row) {
     for (; r0 < R; ++r0) row(r0);
 }
 
-bool gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb, bool stream) {
+bool gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb, bool stream,
+                 std::optional<Bases> dst_rows) {
     const size_t R = dst.shape(0), rb = dst.shape(1);
     const MapRows mr(emap, eb, rb, "gather_rows");
     const size_t D = mr.D;
     if (rb > 1 && dst.stride(1) != 1) throw std::invalid_argument("gather_rows: a row's bytes must be contiguous");
     if (base.shape(0) != R || sel.shape(0) != R)
         throw std::invalid_argument("gather_rows: base and sel need one entry per row");
+    const int64_t *dr = nullptr;  // entry r's destination row: dr[r], else r
+    if (dst_rows) {
+        if (dst_rows->shape(0) != R) throw std::invalid_argument("gather_rows: dst_rows needs one entry per row");
+        dr = dst_rows->data();
+        std::vector<char> seen(R, 0);
+        for (size_t r = 0; r < R; ++r) {
+            if (dr[r] < 0 || static_cast<uint64_t>(dr[r]) >= R || seen[dr[r]])
+                throw std::invalid_argument("gather_rows: dst_rows is not a permutation of the rows (entry " +
+                                            std::to_string(r) + ")");
+            seen[dr[r]] = 1;
+        }
+    }
     const int32_t *map = emap.data();
     const int64_t S = static_cast<int64_t>(src.shape(0));
     const int64_t *bs = base.data();
@@ -624,8 +647,9 @@ bool gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb,
         if (!mr.inside(sl[r], bs[r], S, eb))
             throw std::out_of_range("gather_rows: row " + std::to_string(r) + " reaches outside the source");
     };
+    auto place = [&](size_t r) { return d0 + (dr ? dr[r] : static_cast<int64_t>(r)) * dstride; };
     auto row = [&](size_t r) {
-        uint8_t *d = d0 + static_cast<int64_t>(r) * dstride;
+        uint8_t *d = place(r);
         const int64_t b = bs[r];
         if (b < 0) {
             std::memset(d, 0, rb);
@@ -657,7 +681,7 @@ bool gather_rows(Rows dst, Bytes src, Bases base, Sels sel, Map emap, size_t eb,
         uint8_t *d[8];
         uintptr_t at = rb;  // the rows' places and length or'ed: streamed where all are whole cache lines
         for (size_t i = 0; i < G; ++i)
-            checked(r + i * q), d[i] = d0 + static_cast<int64_t>(r + i * q) * dstride, at |= reinterpret_cast<uintptr_t>(d[i]);
+            checked(r + i * q), d[i] = place(r + i * q), at |= reinterpret_cast<uintptr_t>(d[i]);
         const uint8_t *s = s0 + bs[r];
         const int32_t *o = map + static_cast<size_t>(sl[r]) * D;
         if (nt && at % 64 == 0) {
@@ -793,9 +817,11 @@ NB_MODULE(_copy, m) {
           "returns whether any were.");
     m.def("gather_rows", &gather_rows, nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("base").noconvert(),
           nb::arg("sel").noconvert(), nb::arg("emap").noconvert(), nb::arg("elem_bytes"), nb::arg("stream") = false,
+          nb::arg("dst_rows").noconvert() = nb::none(),
           "Row r of dst ([R, D * B]) = the D elements of B bytes at src[base[r] + emap[sel[r], d] * B] (src: flat "
           "bytes; base: int64 bytes, < 0 zeroes the row; sel: int32; emap: int32 [M, D]), every address checked. "
-          "stream: as stage_pages'; returns whether any row was streamed.");
+          "stream: as stage_pages'; dst_rows: int64 [R], a permutation: entry r fills row dst_rows[r] (a table in "
+          "its source's order, kvcodec.source_order); returns whether any row was streamed.");
     m.def("scatter_rows", &scatter_rows, nb::arg("dst").noconvert(), nb::arg("base").noconvert(),
           nb::arg("sel").noconvert(), nb::arg("emap").noconvert(), nb::arg("elem_bytes"), nb::arg("src").noconvert(),
           nb::arg("src_off").noconvert(),

@@ -227,6 +227,11 @@ def _across_rows(a: dict | None) -> list[str]:
     ]
 
 
+def _paged_order(g: dict) -> str:
+    v = g.get("paged_staging_order_gbps")
+    return "" if v is None else f" (read in staging's order instead: {v:.2f} GB/s)"
+
+
 def _met(ok: bool) -> str:
     if not _VERIFIED:
         return "**not met** (bytes not verified)"
@@ -329,7 +334,8 @@ def markdown(res: dict, plot_rel: str) -> str:
         *nixl_row,
         _staging_row(g, sweep),
         f"| the vLLM connector's copy from paged blocks (CPU_ATTN tiles, K dimension-major) into staging, one pass, "
-        f"against a memcpy into the same ring (reported; no target) | {g['paged_stage_gbps']:.2f} GB/s, {g['ratio_paged_stage']:.2f}x memcpy; the two "
+        f"read in the cache's memory order, against a memcpy into the same ring (reported; no target) | "
+        f"{g['paged_stage_gbps']:.2f} GB/s, {g['ratio_paged_stage']:.2f}x memcpy{_paged_order(g)}; the two "
         f"passes it replaced (gather, then stage) {g['paged_two_pass_gbps']:.2f} GB/s | |"
         if g.get("paged_stage_gbps") else "| paged copy into staging | not measured | |",
         f"| latency: 1-chunk request, {lat['layout']['layers']} layers, hand-over -> decode-visible, p50 <= 1.3x "
@@ -546,8 +552,8 @@ layer in that day's run): against it, each row above would read about 4.5 us hig
 - The staging copy on an AMD EPYC (Zen 4, 2026-12-07), streamed in those blocks: 0.66-0.79x memcpy with 16-byte
   stores, 0.80-1.09x with 32-byte ones. The stores were not the cost: a block's reads are each head's 256-byte
   part of 16 token rows 2 KiB apart, which the prefetchers leave to demand misses. Streamed token by token
-  instead (the source read in its memory order; every store a whole line, so the eight pages written at once
-  read nothing in), 1.18-1.54x at 256 KiB to 16 MiB, whatever the store width (paired A/B medians). Cached
+  instead (the source read in its memory order; every store a whole line, so the page per head written at
+  once reads nothing in), 1.18-1.54x at 256 KiB to 16 MiB, whatever the store width (paired A/B medians). Cached
   stores keep the blocks. The pipelining row's worst point, c/t = 0.25 (the engine's compute a quarter of a
   layer's transfer, so the sender's puts set the pace), measured 9.0 ms in the `make bench` run after this
   change and 4.2 ms in the scenario run alone minutes later (`pdpush bench --scenario pipeline --tokens 2048`;
