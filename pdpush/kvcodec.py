@@ -371,14 +371,28 @@ def can_gather() -> bool:
     return hasattr(_native(), "gather_rows")
 
 
-def gather(dst, shares: StagingShares, src, base, sel, emap, stream: bool = False) -> None:
+def gather(dst, shares: StagingShares, src, base, sel, emap, stream: bool = False, dst_rows=None) -> None:
     """Fill a rank's share of a layer (``dst``, its staging bytes) straight from an engine's own memory, in
     one pass (native/src/copy.cpp): share row ``r`` (``share_rows``' order) is the ``D`` elements at byte
     ``base[r] + emap[sel[r], d] * B`` of ``src`` (flat host bytes; ``base`` int64, < 0 zeroes the row;
     ``sel`` int32; ``emap`` int32 ``[M, D]`` element offsets). Every address is checked against ``src``.
-    ``stream``: as ``stage_planned``'s."""
+    ``stream``: as ``stage_planned``'s. ``dst_rows``: the table is in another order (``source_order``'s):
+    its entry ``r`` fills share row ``dst_rows[r]``."""
     lay = shares.layout
-    _native().gather_rows(dst.reshape(-1, lay.row_bytes), src, base, sel, emap, DTYPES[lay.dtype].bytes, stream)
+    _native().gather_rows(dst.reshape(-1, lay.row_bytes), src, base, sel, emap, DTYPES[lay.dtype].bytes, stream,
+                          dst_rows)
+
+
+def source_order(base, sel, emap) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``gather``'s table sorted by where its rows are read (``base``, then ``sel``), for ``gather``'s
+    ``dst_rows``: ``(base, sel, emap, dst_rows)``. In an engine's paged cache that is its memory order (a
+    block's heads one after the other, each head's K rows then its V rows), where staging's order takes a
+    head's rows from every block before the next head's; rows of consecutive tokens stay consecutive, so the
+    transposed tiles are found as before. Computed once per request and group, with the table."""
+    base, sel = np.asarray(base, dtype=np.int64), np.asarray(sel, dtype=np.int32)
+    order = np.lexsort((sel, base))
+    return (np.ascontiguousarray(base[order]), np.ascontiguousarray(sel[order]), emap,
+            np.ascontiguousarray(order, dtype=np.int64))
 
 
 def pool_row_offsets(geom: PoolGeometry, layer: int, page_of, row_of, heads: tuple[int, int]) -> np.ndarray:

@@ -292,13 +292,18 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
     out = {}
     was_wide, was_width = set_wide_tiles(wide), set_stream_width(64)
     try:
-        for how in ("stream", "stream32", "stream16", "cached", "switched off"):
+        # the gather's table in another order (its groups of 2N rows, each one base, last first), dst_rows saying
+        # where each entry goes, as kvcodec.source_order's: the tiles within a group are found as before
+        perm = np.arange(rows).reshape(3, 2 * N)[::-1].reshape(-1).copy()
+        for how in ("stream", "stream32", "stream16", "cached", "switched off", "stream, reordered"):
             set_streaming(how != "switched off")
-            set_stream_width(int(how[6:] or 64) if how.startswith("stream") else 64)
+            set_stream_width(int(how[6:] or 64) if how.startswith("stream") and how[6:].isdigit() else 64)
             staged = _aligned(units * n * hu * C * T * row, 0xEE, at)
             gathered = _aligned(rows * row, 0xEE, at).reshape(rows, row)
+            table = (base[perm], sel[perm], emap, eb, how != "cached", perm) if "reordered" in how else \
+                (base, sel, emap, eb, how != "cached")
             streamed = (stage_pages(staged, comps, h0, units, hu, T, segs, stream=how != "cached"),
-                        gather_rows(gathered, src, base, sel, emap, eb, stream=how != "cached"))
+                        gather_rows(gathered, src, *table))
             assert streamed == ((whole_lines and how.startswith("stream")),) * 2, (how, streamed)
             for x in (staged, gathered):  # nothing written around them
                 at0 = x.ctypes.data - x.base.ctypes.data
@@ -308,7 +313,7 @@ def test_streaming_stores_into_staging_write_what_cached_stores_do(row, at, wide
         set_streaming(True)
         set_wide_tiles(was_wide)
         set_stream_width(was_width)
-    for how in ("stream32", "stream16", "cached", "switched off"):
+    for how in ("stream32", "stream16", "cached", "switched off", "stream, reordered"):
         assert np.array_equal(out["stream"][0], out[how][0]) and np.array_equal(out["stream"][1], out[how][1]), how
     pages = out["stream"][0].reshape(units, n, hu, C, T, row)
     token_at = {}  # (page, row) -> source token; the rows of a segment's partial last page past it: zeroed

@@ -257,6 +257,13 @@ def test_one_pass_gather_from_paged_blocks_equals_gather_then_stage(case):
         got = np.full(sh.share_bytes, 7, np.uint8)
         kc.gather(got.reshape(sh.share_shape()), sh, vl.storage(kv), *paged.rows(kv, blk, off, *what))
         assert np.array_equal(got, want), rank
+        # the table in the cache's memory order (what the connector gathers with): the same bytes
+        base, sel, emap, dst_rows = kc.source_order(*paged.rows(kv, blk, off, *what))
+        assert sorted(dst_rows.tolist()) == list(range(len(base))) and (np.diff(dst_rows) != 1).any(), rank
+        assert (np.diff(base) >= 0).all(), rank
+        got = np.full(sh.share_bytes, 7, np.uint8)
+        kc.gather(got.reshape(sh.share_shape()), sh, vl.storage(kv), base, sel, emap, dst_rows=dst_rows)
+        assert np.array_equal(got, want), rank
 
 
 @pytest.mark.parametrize("eb", [1, 2, 4, 8])
@@ -345,6 +352,16 @@ def test_one_pass_gather_refuses_addresses_outside_the_cache():
         gather_rows(dst, src, np.array([0, 0], np.int64), np.array([0, 1], np.int32), emap, 2)
     with pytest.raises(ValueError, match="rows of"):
         gather_rows(dst, src, np.array([0, 0], np.int64), np.zeros(2, np.int32), emap, 4)
+    # a table in another order says which row each entry fills: a permutation, else nothing is written (a row
+    # filled twice and one never would push a staging row's old bytes)
+    gather_rows(dst, src, np.array([8, 0], np.int64), np.zeros(2, np.int32), emap, 2, dst_rows=np.array([1, 0]))
+    assert dst[0].tolist() == list(range(8)) and dst[1].tolist() == list(range(8, 16))
+    dst[:] = 0
+    for bad in ([0, 0], [1, 2], [-1, 0], [0]):
+        with pytest.raises(ValueError, match="dst_rows"):
+            gather_rows(dst, src, np.array([8, 0], np.int64), np.zeros(2, np.int32), emap, 2,
+                        dst_rows=np.array(bad, np.int64))
+        assert not dst.any(), bad
 
 
 def test_one_pass_gather_refuses_a_reversed_row_and_an_empty_map():

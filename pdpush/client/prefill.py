@@ -201,13 +201,15 @@ class PushHandle:
         return kvcodec.share_rows(self.layer_shares(layer), self.tp_rank, self.layer_segments(layer, True),
                                   src_heads)
 
-    def stage_gathered(self, layer: int, src, base, sel, emap, hand_over: bool = False) -> None:
+    def stage_gathered(self, layer: int, src, base, sel, emap, dst_rows=None, hand_over: bool = False) -> None:
         """Copy layer ``layer``'s share into staging straight from an engine's own memory (a paged KV
         cache's host bytes ``src``), one pass, no copy between (``kvcodec.gather``: rows addressed by
-        ``base``/``sel``/``emap`` in ``share_rows``' order); hand it over as ``stage_layer``'s, or here
-        (``hand_over``: ``layer_ready`` without looking at the request's mail again)."""
+        ``base``/``sel``/``emap`` in ``share_rows``' order, or in another with ``dst_rows``:
+        ``kvcodec.source_order``); hand it over as ``stage_layer``'s, or here (``hand_over``: ``layer_ready``
+        without looking at the request's mail again)."""
         try:
-            kvcodec.gather(self.staging_layer(layer), self.layer_shares(layer), src, base, sel, emap, stream=True)
+            kvcodec.gather(self.staging_layer(layer), self.layer_shares(layer), src, base, sel, emap, stream=True,
+                           dst_rows=dst_rows)
         except (ValueError, IndexError) as e:
             raise ValueError(f"layer {layer}: {e}") from None
         if hand_over:

@@ -281,8 +281,9 @@ def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
 def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> dict:
     """Median GB/s of the vLLM connector's staging copy from paged blocks (CPU_ATTN's tiles: K
     dimension-major ``[D, N]``, V token-major, blocks scattered) into staging (a ``StagingRing``),
-    ``layout.layers`` layers: one pass (``kvcodec.gather``, what the connector does; ``ratio``: against a memcpy
-    paired with each repetition) and, for comparison, the two passes it replaced (gather token-major rows, then
+    ``layout.layers`` layers: one pass (``kvcodec.gather``, what the connector does, its table in the cache's
+    memory order; ``ratio``: against a memcpy paired with each repetition) and, for comparison, the same in
+    staging's order (``staging_order_*``) and the two passes it replaced (gather token-major rows, then
     ``kvcodec.stage``)."""
     import torch
 
@@ -308,14 +309,20 @@ def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> 
     sh = StagingShares(layout, 1, 1, chunks)
     segs = kvcodec.segments([(0, 0, chunks)], tokens, layout.chunk_tokens, new_only=True)
     per = sh.share_bytes
-    rows = paged.rows(caches[0], blk, off, *kvcodec.share_rows(sh, 0, segs, H))
+    # in the cache's memory order, as the connector reads it (kvcodec.source_order)
+    table = paged.rows(caches[0], blk, off, *kvcodec.share_rows(sh, 0, segs, H))
+    base, sel, emap, dst_rows = kvcodec.source_order(*table)
 
     def layer_of(place: np.ndarray, layer: int) -> np.ndarray:
         return place[layer * per:(layer + 1) * per].reshape(sh.share_shape())
 
     def one_pass(place: np.ndarray) -> None:
         for layer, kv in enumerate(caches):
-            kvcodec.gather(layer_of(place, layer), sh, vl.storage(kv), *rows, stream=True)
+            kvcodec.gather(layer_of(place, layer), sh, vl.storage(kv), base, sel, emap, stream=True, dst_rows=dst_rows)
+
+    def staging_order(place: np.ndarray) -> None:
+        for layer, kv in enumerate(caches):
+            kvcodec.gather(layer_of(place, layer), sh, vl.storage(kv), *table, stream=True)
 
     def two_pass(place: np.ndarray) -> None:
         for layer, kv in enumerate(caches):
@@ -323,8 +330,10 @@ def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> 
 
     one = paired_with_memcpy(one_pass, per * layout.layers, layout.layers, reps)
     two = paired_with_memcpy(two_pass, per * layout.layers, layout.layers, reps)
+    staged = paired_with_memcpy(staging_order, per * layout.layers, layout.layers, reps)
     return {"one_pass_gbps": one["median_gbps"], "one_pass_ratio": one["ratio"], "memcpy_gbps": one["memcpy_gbps"],
-            "two_pass_gbps": two["median_gbps"]}
+            "two_pass_gbps": two["median_gbps"], "staging_order_gbps": staged["median_gbps"],
+            "staging_order_ratio": staged["ratio"]}
 
 
 def measure_two_copy(layer_bytes: int, layers: int, slots: int = 4, reps: int = 3, ring_bytes: int = 0,

@@ -186,6 +186,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         # the vLLM connector's copy from paged blocks (CPU_ATTN tiles) into staging: one pass, and the two it replaced
         "paged_stage_gbps": paged.get("one_pass_gbps"),
         "paged_two_pass_gbps": paged.get("two_pass_gbps"),
+        "paged_staging_order_gbps": paged.get("staging_order_gbps"),  # its table in staging's order, not the cache's
         "ratio_paged_stage": paged.get("one_pass_ratio"),
         "client_copy_ms_per_layer": statistics.median(r["client_copy_s"] for r in results) * 1000 / layout.layers,
         "sender_put_ms_per_layer": ((put_after[0] - put_before[0]) / (put_after[1] - put_before[1]) * 1000

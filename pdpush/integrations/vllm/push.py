@@ -230,8 +230,8 @@ class PushPath:
             if kv_layer.device.type == "cpu" and kvcodec.can_gather():
                 heads = 1 if isinstance(self._paged, vl.PagedLatent) else kv_layer.shape[1]
                 what = p.handle.share_rows(layer, heads)
-                if what is not None:
-                    rows = self._paged.rows(kv_layer, *p.src[vg].addresses(n), *what)
+                if what is not None:  # read in the cache's memory order
+                    rows = kvcodec.source_order(*self._paged.rows(kv_layer, *p.src[vg].addresses(n), *what))
             p.rows[key] = rows
         return p.rows[key]
 
