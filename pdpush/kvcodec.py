@@ -423,6 +423,18 @@ def scatter(dst, base, sel, emap, elem_bytes: int, src, src_off) -> None:
     _native().scatter_rows(dst, base, sel, emap, elem_bytes, src, src_off)
 
 
+def scatter_order(base, sel, src_off) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``scatter``'s table ``(base, sel, src_off)`` sorted by where its rows are read (``src_off``: the pool's
+    head-major pages, a head's rows of consecutive tokens back to back), as ``source_order`` sorts ``gather``'s.
+    Every row says where it goes, so the order is free (rows write different bytes). A table made token by token
+    reads each token's heads from pages apart: on an AMD EPYC, vLLM CPU_ATTN blocks of 32 slots, 8 heads x 128
+    bf16, 1 to 16 MiB layers out of the caches, 2.5-3.3 GB/s that way, 3.2-4.9 sorted (1.26-1.55x)."""
+    src_off = np.asarray(src_off, dtype=np.int64)
+    order = np.argsort(src_off, kind="stable")
+    return (np.ascontiguousarray(np.asarray(base, dtype=np.int64)[order]),
+            np.ascontiguousarray(np.asarray(sel, dtype=np.int32)[order]), np.ascontiguousarray(src_off[order]))
+
+
 def _as_torch(a, like):
     import torch
 

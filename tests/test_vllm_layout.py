@@ -266,6 +266,37 @@ def test_one_pass_gather_from_paged_blocks_equals_gather_then_stage(case):
         assert np.array_equal(got, want), rank
 
 
+@pytest.mark.parametrize("writer", [transposed_k_writer, token_major_writer])
+def test_the_decode_s_scatter_in_the_pool_s_order_writes_what_the_token_order_does(writer):
+    """The decode connector's table (a row per token, head and component, as ``load.py`` makes it) sorted by
+    where its rows are read (``kvcodec.scatter_order``: the pool's head-major pages) fills vLLM's blocks with the
+    same bytes as the table in token order: every row says where it goes."""
+    import numpy as np
+
+    from pdpush import kvcodec as kc
+
+    D, N, H, C, T, tokens = 16, 8, 2, 2, 8, 29  # a partial last page
+    maps = vl.learn_tile_map(N, D, torch.bfloat16, writer)
+    paged = vl.PagedKV("CPU_ATTN", D, maps)
+    sm = vl.SlotMap([6, 2, 7, 0, 5], N, torch.arange(tokens), T)  # scattered blocks
+    blk, off = sm.addresses(N)
+    rb = D * 2
+    pool = np.random.default_rng(4).integers(0, 256, 5 * H * C * T * rb, dtype=np.uint8)
+    idx = np.arange(tokens * H * C)
+    comp, tok, head = idx % C, idx // (H * C), idx // C % H
+    src_off = ((tok // T) * H * C * T + (head * C + comp) * T + tok % T) * rb  # head-major pages
+    out = []
+    for sort in (False, True):
+        kv = torch.zeros(8, H, N, 2 * D, dtype=torch.bfloat16)
+        base, sel, emap = paged.rows(kv, blk, off, comp, tok, head)
+        table = kc.scatter_order(base, sel, src_off) if sort else (np.asarray(base), np.asarray(sel), src_off)
+        if sort:
+            assert (np.diff(table[2]) > 0).all() and sorted(table[2].tolist()) == sorted(src_off.tolist())
+        kc.scatter(vl.storage(kv), table[0], table[1], emap, 2, pool, table[2])
+        out.append(kv.view(torch.int16).clone())  # (the bits: random bytes hold NaNs)
+    assert out[0].any() and torch.equal(out[0], out[1])
+
+
 @pytest.mark.parametrize("eb", [1, 2, 4, 8])
 @pytest.mark.parametrize("D", [16, 20, 3, 44])
 @pytest.mark.parametrize("wide", [True, False], ids=["avx2", "sse2"])

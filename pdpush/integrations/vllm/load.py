@@ -340,10 +340,11 @@ class LoadPath:
             idx = np.arange(nt * nh * C)
             base, sel, emap = self._paged.rows(kv, blk, off, idx % C, idx // (nh * C), idx // C % nh)
             ld.rows[key] = None if emap.shape[1] * eb != lay.row_bytes else (  # None: rows are not the map's
-                base, sel, emap, kvcodec.pool_row_offsets(geom, 0, ld.src_page[vg], dst.chunk_rows, (h0, h1)))
+                emap, *kvcodec.scatter_order(  # read in the pool's memory order
+                    base, sel, kvcodec.pool_row_offsets(geom, 0, ld.src_page[vg], dst.chunk_rows, (h0, h1))))
         if ld.rows[key] is None:
             return False
-        base, sel, emap, at0 = ld.rows[key]
+        emap, base, sel, at0 = ld.rows[key]
         kvcodec.scatter(src, base, sel, emap, eb, pool, at0 + geom.offset(layer, 0, 0))
         self.stats.load_bytes += nt * nh * C * lay.row_bytes
         return True
