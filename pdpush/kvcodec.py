@@ -388,9 +388,11 @@ def source_order(base, sel, emap) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     ``dst_rows``: ``(base, sel, emap, dst_rows)``. In an engine's paged cache that is its memory order (a
     block's heads one after the other, each head's K rows then its V rows), where staging's order takes a
     head's rows from every block before the next head's; rows of consecutive tokens stay consecutive, so the
-    transposed tiles are found as before. Computed once per request and group, with the table."""
+    transposed tiles are found as before. Zeroed rows (a negative base: a partial chunk's tail) go last: first,
+    they would hide the tiles from ``gather_rows``, which learns their step from the first rows. Computed once
+    per request and group, with the table."""
     base, sel = np.asarray(base, dtype=np.int64), np.asarray(sel, dtype=np.int32)
-    order = np.lexsort((sel, base))
+    order = np.lexsort((sel, base, base < 0))
     return (np.ascontiguousarray(base[order]), np.ascontiguousarray(sel[order]), emap,
             np.ascontiguousarray(order, dtype=np.int64))
 

@@ -578,12 +578,14 @@ void scatter_tile(uint8_t *d, const int32_t *o, const uint8_t *const *s, size_t 
 constexpr size_t tile_rows(size_t) { return 0; }
 #endif
 
-// How far apart a table's rows of consecutive tokens of one tile are: the first row, among the first few,
-// whose next token (same base, next map row) follows within 256 rows gives it (1 in staging's order, heads x
-// components in the pool's token-major one); 0: none (no tiles).
+// How far apart a table's rows of consecutive tokens of one tile are: the first row, among the first few that
+// are read from somewhere (a zeroed row's base is negative), whose next token (same base, next map row) follows
+// within 256 rows gives it (1 in a table sorted by its source, kvcodec.source_order's and scatter_order's, and
+// in staging's order; heads x components in a token-major one); 0: none (no tiles).
 size_t tile_step(const int64_t *bs, const int32_t *sl, size_t R) {
-    for (size_t a = 0; a < std::min<size_t>(R, 8); ++a) {
+    for (size_t a = 0, looked = 0; a < R && looked < 8; ++a) {
         if (bs[a] < 0) continue;
+        ++looked;
         for (size_t k = 1; a + k < std::min<size_t>(R, a + 257); ++k)
             if (bs[a + k] == bs[a] && static_cast<int64_t>(sl[a + k]) == static_cast<int64_t>(sl[a]) + 1) return k;
     }
@@ -601,11 +603,20 @@ bool is_tile(const MapRows &mr, const int64_t *bs, const int32_t *sl, size_t r, 
 }
 
 // Visit rows [0, R) as tiles where they form them (``tile(r, q)``: rows r + i * q), else one by one (``row(r)``):
-// blocks of G * q rows, each q tiles of G, then the rows left.
+// blocks of G * q rows, each q tiles of G, then the rows left. Consecutive rows (q = 1, a sorted table) are
+// tried from every row a tile missed at, so a run of tiles that starts mid-block (a push from a block's middle,
+// zeroed or V rows before it) is found whatever its offset.
 template <typename Tile, typename Row>
 void by_tiles(size_t R, size_t G, size_t q, Tile tile, Row row) {
     size_t r0 = 0;
-    if (G && q) {
+    if (G && q == 1) {
+        while (r0 + G <= R) {
+            if (tile(r0, 1))
+                r0 += G;
+            else
+                row(r0++);
+        }
+    } else if (G && q) {
         for (; r0 + G * q <= R; r0 += G * q)
             for (size_t j = 0; j < q; ++j)
                 if (!tile(r0 + j, q))
