@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from pdpush import launch
+from pdpush_tools.bench import report
 from pdpush_tools.bench.report import save
 from pdpush_tools.harness.fleet import openai_fleet
 from pdpush_tools.harness.vllm_cluster import build_model
@@ -177,6 +178,7 @@ def markdown(res: dict) -> str:
              f"from the decode instance; in the arrivals phase {s['arrivals']} requests of {s['arrival_tokens']} "
              f"prompt tokens arrive through the router, one every {s['gap_ms']} ms. ITL: gaps between the running "
              "streams' tokens while arrivals are in flight (quiet: over the same streams with no arrivals).", "",
+             *([report.machine_line(res["machine"]), ""] if res.get("machine") else []),
              "| load_mode | quiet ITL p50 | quiet ITL p99 | arrivals ITL p50 | arrivals ITL p99 | p99 ratio | "
              "arrivals TTFT p50 | scheduler asking per arrival | tokens = colocated |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -214,7 +216,8 @@ def main() -> int:
     a = ap.parse_args()
     work = launch.scratch_dir("pdpush-itl-bench-")
     model = build_model(work / "model", "bench")
-    res = {"modes": {m: run_mode(work, model, m, a) for m in a.modes.split(",")},
+    host = report.machine()
+    res = {"machine": host, "modes": {m: run_mode(work, model, m, a) for m in a.modes.split(",")},
            "setup": {k: getattr(a, k) for k in ("streams", "stream_prompt", "stream_tokens", "arrivals",
                                                  "arrival_tokens", "arrival_new", "gap_ms")}}
     save(a.json, res)

@@ -23,6 +23,15 @@ def run_all(shape: dict | None = None, tokens: int = 4096, compare_nixl: bool = 
     return out
 
 
+def machine_line(m: dict | None) -> str:
+    """A report's line naming the host its numbers come from (``machine()``, taken when the run began): they move
+    ~1.8x between the hosts these benchmarks run on. Empty for results saved before runs recorded it."""
+    if not m:
+        return ""
+    return (f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}, UCX {m['ucx']}, "
+            f"{m['date']}.")
+
+
 def machine() -> dict:
     cpu = "?"
     try:
@@ -305,8 +314,7 @@ def markdown(res: dict, plot_rel: str) -> str:
         "the same run** (a raw UCX put+flush between two processes with the same UCX configuration and",
         "sizes, and a memcpy).",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}, UCX {m['ucx']},"
-        f" {m['date']}. UCX: error handling on, `UCX_SYSV_ERROR_HANDLING=y UCX_POSIX_ERROR_HANDLING=y`,",
+        f"{machine_line(m)} UCX: error handling on, `UCX_SYSV_ERROR_HANDLING=y UCX_POSIX_ERROR_HANDLING=y`,",
         "pool allocated by UCX in SysV shm (the safe-and-fast configuration of notes/ucx.md).",
         "",
         f"![goodput and pipelining]({plot_rel})",

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from pdpush import kv_params, launch
+from pdpush_tools.bench import report
 from pdpush_tools.bench.report import save
 from pdpush_tools.harness.vllm_cluster import Engine, build_model, cluster, pinned_pair, push_timeline
 
@@ -213,6 +214,7 @@ def markdown(res: dict, new_tokens: int) -> str:
         f"Model: {res['model']}. Prompts: {res['prompt_tokens']} random tokens, {res['prompts']} of them "
         f"(after 2 warm-ups). KV per request: {mb:.1f} MiB.",
         "",
+        *([report.machine_line(res["machine"]), ""] if res.get("machine") else []),
         "| | median |",
         "|---|---|",
         f"| recompute: the colocated engine's prefill (time to first token) | {m['recompute_ms']:.1f} ms |",
@@ -339,7 +341,9 @@ def main() -> int:
     ap.add_argument("--side-by-side-tokens", type=int, default=300, help="their length (tokens)")
     a = ap.parse_args()
     wd = launch.scratch_dir("pdpush-vllm-bench-")
+    host = report.machine()
     res = run(a.prompts, a.tokens, a.new_tokens, wd)
+    res["machine"] = host
     sb = None
     if a.side_by_side:
         try:
