@@ -10,6 +10,7 @@ Imports no UCX or torch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -177,6 +179,32 @@ def scratch_dir(prefix: str = "pdpush-") -> Path:
         atexit.register(_remove_scratch)
     _SCRATCH.append(d)
     return d
+
+
+@contextlib.contextmanager
+def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)):
+    """While in this block, ``signals`` end the process as ``sys.exit(128 + signo)`` would, so that its ``finally``
+    blocks stop the daemons it started (by pid) and its scratch directories go (``_remove_scratch`` runs at exit,
+    which a signal's default action skips: a bench stopped with SIGTERM left them in /tmp). The first signal
+    raises; a second acts as it would have (a stop that hangs can still be ended). The handlers before are back
+    after the block. For tools (bench, demo) in their main thread; elsewhere it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in signals}
+
+    def raise_exit(signo: int, _frame) -> None:
+        for s in signals:
+            signal.signal(s, signal.SIG_DFL)
+        raise SystemExit(128 + signo)
+
+    for s in signals:
+        signal.signal(s, raise_exit)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _remove_scratch() -> None:

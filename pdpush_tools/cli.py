@@ -5,12 +5,14 @@ Imports only typer here; each command imports its modules when it runs, so ``pdp
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from pdpush import launch
 from pdpush.errors import PdpushError
 from pdpush_tools.bench.registry import SCENARIOS, BenchArgs
 
@@ -107,7 +109,19 @@ def bench(
         raise typer.Exit(1)
 
 
+def _stoppable(command):
+    """``command`` run under ``launch.exit_on_signals``: a SIGTERM or SIGHUP stops its daemons (by pid) and removes
+    its scratch directories, as a normal exit does."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        with launch.exit_on_signals():
+            return command(*args, **kwargs)
+
+    return run
+
+
 def register(app: typer.Typer) -> None:
     """Add the tooling's commands to the product CLI."""
-    app.command()(demo)
-    app.command()(bench)
+    app.command()(_stoppable(demo))
+    app.command()(_stoppable(bench))

@@ -389,6 +389,43 @@ def test_scratch_directories_go_at_exit_unless_a_failure_needs_their_logs(tmp_pa
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_tool_stopped_by_sigterm_stops_its_daemons_and_removes_its_scratch_directory():
+    """A bench or demo told to stop (SIGTERM, as a CI timeout or ``kill`` sends) runs its ``finally`` blocks and
+    exit hooks (``launch.exit_on_signals``): the receiver it started is stopped by pid and its scratch
+    directory goes. A signal's default action skipped both, and left the directory in /tmp."""
+    code = ("import time; from pdpush import launch\n"
+            "with launch.exit_on_signals():\n"
+            "    d = launch.scratch_dir('pdpush-scratch-test-')\n"
+            "    rx = launch.start_receiver(d, pool_pages=2, layers=2, kv_heads=1, head_dim=16, dtype='float16',"
+            " chunk_tokens=8)\n"
+            "    try:\n"
+            "        print(d, rx.pid, flush=True)\n"
+            "        time.sleep(120)\n"
+            "    finally:\n"
+            "        rx.stop()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PDPUSH_KEEP_SCRATCH"}
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    d, rx_pid = None, None
+    try:
+        line = p.stdout.readline().split()
+        assert len(line) == 2, p.stderr.read() if p.poll() is not None else line
+        d, rx_pid = Path(line[0]), int(line[1])
+        assert d.exists() and launch.pid_alive(rx_pid)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 128 + signal.SIGTERM, p.stderr.read()
+        assert not d.exists(), p.stderr.read()
+        assert not launch.pid_alive(rx_pid)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        if rx_pid is not None and launch.pid_alive(rx_pid):
+            os.kill(rx_pid, signal.SIGKILL)
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def test_a_receiver_on_ipv6_loopback_is_reached_byte_for_byte(daemons):
     """A receiver bound to an IPv6 address, named by it (``tcp://[::1]:port``): the sender's control socket must
     be told IPv6 (libzmq otherwise sent it nothing, and every request waited out its deadline). UCX's tcp lanes

@@ -423,4 +423,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pdpush import launch
+
+    with launch.exit_on_signals():  # SIGTERM stops its daemons and removes its scratch directories
+        sys.exit(main())

@@ -228,4 +228,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with launch.exit_on_signals():  # SIGTERM stops its daemons and removes its scratch directories
+        sys.exit(main())

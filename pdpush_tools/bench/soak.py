@@ -221,4 +221,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with launch.exit_on_signals():  # SIGTERM stops its daemons and removes its scratch directories
+        main()
