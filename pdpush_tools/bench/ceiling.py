@@ -215,26 +215,39 @@ def paired_with_memcpy(write, nbytes: int, layers: int, reps: int) -> dict:
     repetition paired with a memcpy of as many bytes layer by layer into the ring's place just before it:
     ``ratio`` is the median of the pairs' ratios, which a drift of this shared box's speed between two separate
     measurements (0.59x and 0.85x of memcpy at 1 MiB layers in two runs of one code) does not move."""
+    return interleaved_with_memcpy({"write": write}, nbytes, layers, reps)["write"]
+
+
+def interleaved_with_memcpy(writes: dict, nbytes: int, layers: int, reps: int) -> dict[str, dict]:
+    """``paired_with_memcpy`` for several ways of writing the same bytes (``writes``: name -> write), taken in
+    turn within each repetition, in an order rotated each time, each paired with its own memcpy just before it:
+    the ways are compared in the same stretch of this box's speed, not one after the other."""
     ring = StagingRing(nbytes)
     src = np.ones(nbytes, dtype=np.uint8)
     per = nbytes // layers
-    rates, mems = [], []
+    names = list(writes)
+    rates: dict[str, list[float]] = {k: [] for k in names}
+    mems: dict[str, list[float]] = {k: [] for k in names}
     try:
-        for _ in range(reps + 1):
-            b = ring.next()
-            t = time.perf_counter()
-            for layer in range(layers):
-                np.copyto(b[layer * per:(layer + 1) * per], src[layer * per:(layer + 1) * per])
-            mems.append(nbytes / (time.perf_counter() - t) / 1e9)
-            place = ring.next()
-            t = time.perf_counter()
-            write(place)
-            rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+        for rep in range(reps + 1):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                b = ring.next()
+                t = time.perf_counter()
+                for layer in range(layers):
+                    np.copyto(b[layer * per:(layer + 1) * per], src[layer * per:(layer + 1) * per])
+                mems[name].append(nbytes / (time.perf_counter() - t) / 1e9)
+                place = ring.next()
+                t = time.perf_counter()
+                writes[name](place)
+                rates[name].append(nbytes / (time.perf_counter() - t) / 1e9)
     finally:
         ring.close()
-    rates, mems = rates[1:], mems[1:]
-    return {"median_gbps": statistics.median(rates), "samples_gbps": rates, "memcpy_gbps": statistics.median(mems),
-            "ratio": statistics.median(r / m for r, m in zip(rates, mems, strict=True))}
+    out = {}
+    for name in names:
+        r, m = rates[name][1:], mems[name][1:]  # the first repetition warms up
+        out[name] = {"median_gbps": statistics.median(r), "samples_gbps": r, "memcpy_gbps": statistics.median(m),
+                     "ratio": statistics.median(x / y for x, y in zip(r, m, strict=True))}
+    return out
 
 
 def _streaming(on: bool) -> bool | None:
@@ -268,14 +281,18 @@ def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
             kvcodec.stage_planned(place[layer * per:(layer + 1) * per].reshape(sh.share_shape()), tuple(src[layer]),
                                   plan, stream=True)
 
-    was = _streaming(False)
-    try:
-        cached = paired_with_memcpy(write, per * layout.layers, layout.layers, reps)
-    finally:
-        if was is not None:
-            _streaming(was)
-    out = paired_with_memcpy(write, per * layout.layers, layout.layers, reps)
-    return {**out, "cached_gbps": cached["median_gbps"], "cached_ratio": cached["ratio"]}
+    def write_cached(place: np.ndarray) -> None:
+        was = _streaming(False)
+        try:
+            write(place)
+        finally:
+            if was is not None:
+                _streaming(was)
+
+    got = interleaved_with_memcpy({"streamed": write, "cached": write_cached}, per * layout.layers, layout.layers,
+                                  reps)
+    cached = got["cached"]
+    return {**got["streamed"], "cached_gbps": cached["median_gbps"], "cached_ratio": cached["ratio"]}
 
 
 def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> dict:
@@ -284,7 +301,7 @@ def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> 
     ``layout.layers`` layers: one pass (``kvcodec.gather``, what the connector does, its table in the cache's
     memory order; ``ratio``: against a memcpy paired with each repetition) and, for comparison, the same in
     staging's order (``staging_order_*``) and the two passes it replaced (gather token-major rows, then
-    ``kvcodec.stage``)."""
+    ``kvcodec.stage``), the three taken in turn in each repetition (``interleaved_with_memcpy``)."""
     import torch
 
     from pdpush import kvcodec
@@ -328,9 +345,9 @@ def measure_paged_stage(layout, tokens: int, slots: int = 32, reps: int = 5) -> 
         for layer, kv in enumerate(caches):
             kvcodec.stage(layer_of(place, layer), paged.gather(kv, blk, off), sh, 0, segs)
 
-    one = paired_with_memcpy(one_pass, per * layout.layers, layout.layers, reps)
-    two = paired_with_memcpy(two_pass, per * layout.layers, layout.layers, reps)
-    staged = paired_with_memcpy(staging_order, per * layout.layers, layout.layers, reps)
+    got = interleaved_with_memcpy({"one": one_pass, "two": two_pass, "staged": staging_order}, per * layout.layers,
+                                  layout.layers, reps)
+    one, two, staged = got["one"], got["two"], got["staged"]
     return {"one_pass_gbps": one["median_gbps"], "one_pass_ratio": one["ratio"], "memcpy_gbps": one["memcpy_gbps"],
             "two_pass_gbps": two["median_gbps"], "staging_order_gbps": staged["median_gbps"],
             "staging_order_ratio": staged["ratio"]}
