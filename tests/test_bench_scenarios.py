@@ -65,6 +65,8 @@ def test_scenarios_and_report(tmp_path):
     lat = res["latency"]
     assert lat["raw_put_seq_us_per_layer"] > 0 and lat["ratio_one_chunk_seq"] > 0
     assert "each put+flush waited for in turn" in text
+    # and the same puts through a push's footprint (how much of the ratio is where the bytes are)
+    assert lat["footprint_put_ms"] > 0 and lat["ratio_one_chunk_footprint"] > 0 and "through a push's footprint (" in text
     # a run that did not verify every byte meets no target, whatever its speed; a scenario skipped (isolation and
     # across_hosts here: their own tests) checked no byte and unverifies nothing
     assert res["isolation"]["skipped"] and "| met |" in text

@@ -255,7 +255,10 @@ def _seq(lat: dict, key: str) -> str:
     if key not in lat:
         return ""
     if key == "ratio_one_chunk_seq":
-        return f"; against each put+flush waited for in turn, this row's reference until 2026-12-07: {lat[key]:.2f}x"
+        fp = (f"; against the same puts through a push's footprint (sources streamed into a ring of staging's "
+              f"requests, into the next of the pool's; {lat['footprint_put_ms']:.2f} ms): "
+              f"{lat['ratio_one_chunk_footprint']:.2f}x" if "ratio_one_chunk_footprint" in lat else "")
+        return f"; against each put+flush waited for in turn, this row's reference until 2026-12-07: {lat[key]:.2f}x{fp}"
     return f"; each put+flush waited for in turn: {lat[key]:.1f} us"
 
 
