@@ -65,7 +65,11 @@ class Daemon:
         self.proc = subprocess.Popen(exe + args + ["--ready-file", str(self.ready_path)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         self.pid = self.proc.pid
-        self.info = self._wait_ready(ready_timeout_s)
+        try:
+            self.info = self._wait_ready(ready_timeout_s)
+        except BaseException:  # (a SystemExit from exit_on_signals, say): the caller has no daemon to stop
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -182,23 +186,25 @@ def scratch_dir(prefix: str = "pdpush-") -> Path:
 
 
 @contextlib.contextmanager
-def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)):
+def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM,)):
     """While in this block, ``signals`` end the process as ``sys.exit(128 + signo)`` would, so that its ``finally``
     blocks stop the daemons it started (by pid) and its scratch directories go (``_remove_scratch`` runs at exit,
     which a signal's default action skips: a bench stopped with SIGTERM left them in /tmp). The first signal
-    raises; a second acts as it would have (a stop that hangs can still be ended). The handlers before are back
-    after the block. For tools (bench, demo) in their main thread; elsewhere it changes nothing."""
+    raises; a second acts as it would have before (a stop that hangs can still be ended). A signal ignored before
+    (``nohup``) stays ignored, and the handlers before are back after the block. For tools (bench, demo) in their
+    main thread; elsewhere it changes nothing. (Not SIGHUP: UCX, once loaded, installs its own handler for it.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = {s: signal.getsignal(s) for s in signals}
+    before = {s: signal.SIG_DFL if h is None else h for s, h in before.items() if h is not signal.SIG_IGN}
 
     def raise_exit(signo: int, _frame) -> None:
-        for s in signals:
-            signal.signal(s, signal.SIG_DFL)
+        for s, h in before.items():
+            signal.signal(s, h)
         raise SystemExit(128 + signo)
 
-    for s in signals:
+    for s in before:
         signal.signal(s, raise_exit)
     try:
         yield

@@ -1,6 +1,7 @@
 """The tooling's commands, ``pdpush demo`` and ``pdpush bench``, added to the product CLI by ``register``.
 
-Imports only typer here; each command imports its modules when it runs, so ``pdpush --help`` stays fast.
+Imports only typer and light pdpush modules here; each command imports the rest when it runs, so ``pdpush --help``
+stays fast.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def bench(
 
 
 def _stoppable(command):
-    """``command`` run under ``launch.exit_on_signals``: a SIGTERM or SIGHUP stops its daemons (by pid) and removes
-    its scratch directories, as a normal exit does."""
+    """``command`` run under ``launch.exit_on_signals``: a SIGTERM stops its daemons (by pid) and removes its
+    scratch directories, as a normal exit does."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):

@@ -109,3 +109,44 @@ def test_a_stamped_source_makes_the_same_bytes_again_and_passes_for_no_other_req
         mine[0][:] = 0  # a copy: the next one is whole again
         assert np.array_equal(a.layer(layer)[1], again.layer(layer)[1]) and a.layer(layer)[0].any()
 
+
+
+def test_a_bench_stopped_by_sigterm_stops_its_daemons_and_leaves_no_scratch_directory():
+    """``pdpush bench`` told to stop mid-run (SIGTERM: a CI timeout, ``kill``) exits 143 through its ``finally``
+    blocks (``launch.exit_on_signals``): its daemons stopped by pid, its scratch directory (their sockets and
+    logs, made under TMPDIR) gone. The signal's default action left both behind for PR_SET_PDEATHSIG and /tmp."""
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    from pdpush import launch
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="pdpush-t-"))  # short: its daemons' unix socket paths go under it
+    env = {k: v for k, v in os.environ.items() if k != "PDPUSH_KEEP_SCRATCH"}
+    env["TMPDIR"] = str(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "pdpush.cli_entry", "bench", "--scenario", "goodput", "--layers", "2",
+                          "--kv-heads", "1", "--head-dim", "16", "--dtype", "float16", "--tokens", "64",
+                          "--chunk-tokens", "16", "--requests", "1000000"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2:  # the receiver and the sender, ready
+            assert p.poll() is None, p.stderr.read()
+            assert time.monotonic() < deadline, list(tmp_path.rglob("*"))
+            pids = [json.loads(f.read_text())["pid"] for f in tmp_path.glob("pdpush-bench-*/*.ready.json")]
+            time.sleep(0.05)  # polling the ready files the daemons write once; bounded by the deadline
+        time.sleep(0.5)  # pushing by now
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 128 + signal.SIGTERM, p.stderr.read()
+        assert not [d for d in tmp_path.iterdir() if d.name.startswith("pdpush-")], list(tmp_path.rglob("*"))
+        assert not [pid for pid in pids if launch.pid_alive(pid)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        for pid in pids:
+            if launch.pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp_path, ignore_errors=True)

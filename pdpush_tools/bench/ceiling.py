@@ -218,10 +218,12 @@ def paired_with_memcpy(write, nbytes: int, layers: int, reps: int) -> dict:
     return interleaved_with_memcpy({"write": write}, nbytes, layers, reps)["write"]
 
 
-def interleaved_with_memcpy(writes: dict, nbytes: int, layers: int, reps: int) -> dict[str, dict]:
+def interleaved_with_memcpy(writes: dict, nbytes: int, layers: int, reps: int,
+                            streaming: dict[str, bool] | None = None) -> dict[str, dict]:
     """``paired_with_memcpy`` for several ways of writing the same bytes (``writes``: name -> write), taken in
     turn within each repetition, in an order rotated each time, each paired with its own memcpy just before it:
-    the ways are compared in the same stretch of this box's speed, not one after the other."""
+    the ways are compared in the same stretch of this box's speed, not one after the other. ``streaming``: the
+    native copies' streaming stores on or off for a way (``_streaming``), set outside its clock."""
     ring = StagingRing(nbytes)
     src = np.ones(nbytes, dtype=np.uint8)
     per = nbytes // layers
@@ -230,16 +232,22 @@ def interleaved_with_memcpy(writes: dict, nbytes: int, layers: int, reps: int) -
     mems: dict[str, list[float]] = {k: [] for k in names}
     try:
         for rep in range(reps + 1):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            turn = (rep - 1) % len(names)  # (the repetitions kept start at the first way)
+            for name in names[turn:] + names[:turn]:
                 b = ring.next()
                 t = time.perf_counter()
                 for layer in range(layers):
                     np.copyto(b[layer * per:(layer + 1) * per], src[layer * per:(layer + 1) * per])
                 mems[name].append(nbytes / (time.perf_counter() - t) / 1e9)
                 place = ring.next()
-                t = time.perf_counter()
-                writes[name](place)
-                rates[name].append(nbytes / (time.perf_counter() - t) / 1e9)
+                was = _streaming(streaming[name]) if streaming and name in streaming else None
+                try:
+                    t = time.perf_counter()
+                    writes[name](place)
+                    rates[name].append(nbytes / (time.perf_counter() - t) / 1e9)
+                finally:
+                    if was is not None:
+                        _streaming(was)
     finally:
         ring.close()
     out = {}
@@ -281,16 +289,8 @@ def measure_stage(layout, tokens: int, reps: int = 7) -> dict:
             kvcodec.stage_planned(place[layer * per:(layer + 1) * per].reshape(sh.share_shape()), tuple(src[layer]),
                                   plan, stream=True)
 
-    def write_cached(place: np.ndarray) -> None:
-        was = _streaming(False)
-        try:
-            write(place)
-        finally:
-            if was is not None:
-                _streaming(was)
-
-    got = interleaved_with_memcpy({"streamed": write, "cached": write_cached}, per * layout.layers, layout.layers,
-                                  reps)
+    got = interleaved_with_memcpy({"streamed": write, "cached": write}, per * layout.layers, layout.layers, reps,
+                                  streaming={"cached": False})
     cached = got["cached"]
     return {**got["streamed"], "cached_gbps": cached["median_gbps"], "cached_ratio": cached["ratio"]}
 
