@@ -173,7 +173,7 @@ def _daemon_config(config: Path, role: Optional[str] = None):
             raise ConfigError(f"{config}: its keys ({', '.join(sorted(raw))}) are a receiver's and a sender's "
                               "alike: pass --role receiver or --role sender")
     if role == "receiver":
-        return cfgmod.load(cfgmod.ReceiverConfig, config, insecure=True)
+        return cfgmod.read_receiver(config)
     return cfgmod.load(cfgmod.SenderConfig, config)
 
 

@@ -535,6 +535,14 @@ def load(cls: type[_Settings], path: str | os.PathLike | None = None, **override
         _toml_path.reset(token)
 
 
+def read_receiver(path: str | os.PathLike) -> ReceiverConfig:
+    """A receiver's config read to find the daemon (its sockets, its layout), not to serve: its exposure is not
+    judged here. A receiver exposed with ``--insecure`` or ``PDPUSH_INSECURE`` in its own environment has a file
+    that its engines' connector, ``pdpush status`` and ``doctor`` must still read (the connector refused it, and
+    the decode engine would not start)."""
+    return load(ReceiverConfig, path, insecure=True)
+
+
 def reload(cfg: _Settings):
     """``cfg`` built again as ``load`` built it: its file as it is now, the environment, the same overrides (flags).
     Raises ConfigError as ``load`` does, or where ``cfg`` came from no file (nothing to read again)."""

@@ -160,6 +160,21 @@ def test_insecure_exposure_is_explicit_and_logged(tmp_path):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def test_an_exposed_receiver_started_insecure_has_a_config_its_engines_and_tools_still_read(tmp_path):
+    """A receiver exposed with ``--insecure`` (or PDPUSH_INSECURE in its own environment) keeps a TOML that, read to
+    serve, is refused; its decode engine's connector reads that file for the receiver's socket and layout, and
+    refused it too, so the decode vLLM engine did not start. Read to find the daemon (``read_receiver``), it is
+    not judged: the connector, ``pdpush status`` / ``doctor`` and the demo and bench all read it that way."""
+    from pdpush.integrations.vllm.settings import ConnectorSettings, Endpoints
+
+    toml = tmp_path / "receiver.toml"
+    toml.write_text('host = "0.0.0.0"\nlocal_socket = "/run/pdpush/rx-test.sock"\nchunk_tokens = 32\n')
+    with pytest.raises(C.ConfigError, match="without authentication"):
+        C.load(C.ReceiverConfig, toml)  # to serve: refused, as the daemon without --insecure refuses it
+    assert str(C.read_receiver(toml).local_socket_path()) == "/run/pdpush/rx-test.sock"
+    assert Endpoints.of(ConnectorSettings(receiver_config=str(toml))).receiver_socket == "/run/pdpush/rx-test.sock"
+
+
 def test_config_validation_of_auth(tmp_path, keys):
     with pytest.raises(C.ConfigError, match="allowed_senders"):
         C.load(C.ReceiverConfig, curve_secret_key_file=keys["receiver"][1])

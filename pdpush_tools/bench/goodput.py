@@ -36,7 +36,7 @@ def run(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, c
         if receiver_config is not None:
             from pdpush import config as cfgmod
 
-            rcfg = cfgmod.load(cfgmod.ReceiverConfig, receiver_config)
+            rcfg = cfgmod.read_receiver(receiver_config)
             scfg = cfgmod.load(cfgmod.SenderConfig, sender_config)
             layout = rcfg.layout
             chunks = layout.num_chunks(tokens)

@@ -88,7 +88,7 @@ class Cluster:
             if receiver_config is not None and sender_config is not None:  # daemons already running
                 from pdpush import config as cfgmod
 
-                rcfg = cfgmod.load(cfgmod.ReceiverConfig, receiver_config)
+                rcfg = cfgmod.read_receiver(receiver_config)
                 scfg = cfgmod.load(cfgmod.SenderConfig, sender_config)
                 if rcfg.layout.fingerprint() != lay.fingerprint():
                     raise PdpushError(f"the receiver serves {rcfg.layout}, the demo model needs {lay}: "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdpush.client import DecodeClient
-from pdpush.config import ReceiverConfig, SenderConfig, load
+from pdpush.config import SenderConfig, load, read_receiver
 from pdpush.errors import ConfigError
 from pdpush.layout import KVLayout, check_prefill_tp, dtype_name, rank_heads
 from pdpush.model_layout import ATTENTION, ModelConfigError, layer_kinds, state_of, windows_of
@@ -102,7 +102,7 @@ class Endpoints:
             default_receiver = default_receiver or sc.default_receiver
         receiver_sock = s.receiver_socket
         if not receiver_sock and s.receiver_config:
-            receiver_sock = str(load(ReceiverConfig, s.receiver_config).local_socket_path())
+            receiver_sock = str(read_receiver(s.receiver_config).local_socket_path())
         allowed = frozenset(r for r in (s.receiver, default_receiver, *s.allowed_receivers) if r)
         return cls(sender_sock, default_receiver, receiver_sock, allowed)
 
@@ -182,7 +182,7 @@ def derive_layout(vllm_config: VllmConfig, s: ConnectorSettings, kv_cache_config
     chunk, model_id = s.chunk_tokens, s.model_id
     rc = None
     if s.receiver_config:
-        rc = load(ReceiverConfig, s.receiver_config)
+        rc = read_receiver(s.receiver_config)
         chunk = chunk or rc.chunk_tokens
         model_id = model_id or rc.model_id
     dtype, scales = cache_dtype_of(str(mc.dtype), cc.cache_dtype, _platform_fp8())
