@@ -379,7 +379,7 @@ def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
     (memlock against the ``registered_bytes`` of its pool or staging, hugepages, CUDA); where it talks to other
     hosts (``exposed`` names the address that says so), warn once if none of that is RDMA."""
     from pdpush.doctor import host_facts  # (the module is loaded already: its name is looked up where it is used)
-    from pdpush.transport.ucx_lib import no_rdma_warning
+    from pdpush.transport.ucx_lib import no_rdma_warning, open_tcp_warning
 
     info = transport.describe()
     info["host"] = host = host_facts(sorted({a.split("/")[0] for a in info["available"]}), registered_bytes)
@@ -388,9 +388,9 @@ def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
     log.info("UCX %s (%s) from %s; transports: %s; memlock %s for %d bytes; hugepages %d free; CUDA transports: %s",
              info["version"], info["source"], info["library"], " ".join(info["available"]), memlock,
              registered_bytes, host["hugepages"]["free"], " ".join(host["cuda"]["ucx_transports"]) or "none")
-    warning = no_rdma_warning(info, exposed) if exposed else None
-    if warning:
-        log.warning("%s", warning)
+    for warning in (no_rdma_warning(info, exposed) if exposed else None, open_tcp_warning(info)):
+        if warning:
+            log.warning("%s", warning)
     if info["rdma"] and host["memlock_bytes"] != -1 and host["memlock_bytes"] < registered_bytes:
         log.warning("the locked-memory limit (%s) is below the %d bytes the NIC must register: raise it "
                     "(LimitMEMLOCK=infinity, --ulimit memlock=-1, IPC_LOCK)", memlock, registered_bytes)

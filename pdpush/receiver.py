@@ -78,6 +78,7 @@ class Receiver:
         """Make the pool and bind the endpoints; ``stop()``: a signal came, the pool's prefault ends where it is."""
         from pdpush import shm
         from pdpush.transport.auto import open_transport
+        from pdpush.transport.ucx import local_only_env
 
         cfg = self.cfg
         # the ports first too: one taken fails the start (exit 3) before a big pool's prefault, not after it
@@ -103,7 +104,7 @@ class Receiver:
                             "writes)", len(listed) - len(allowed))
         if not is_loopback(cfg.host):  # (UCX lists its devices once: the one that takes senders' connections runs)
             settle_interface(cfg.host, route=False, stop=stop)
-        self.ucx = open_transport(dict(cfg.ucx_env))
+        self.ucx = open_transport(local_only_env(cfg.ucx_env, is_loopback(cfg.host)))
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(cfg.host) else f"host {cfg.host}", cfg.pool_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(cfg.pool_bytes)
         if cfg.prefault:

@@ -151,7 +151,7 @@ class Sender:
         remote = urlsplit(self.cfg.default_receiver).hostname or ""
         if remote and not is_loopback(remote):  # (UCX lists its devices once: the one toward the receiver runs)
             settle_interface(remote, route=True, stop=stop)
-        self.ucx = open_transport(dict(self.cfg.ucx_env))
+        self.ucx = open_transport(dict(self.cfg.ucx_env))  # (not pinned: a request may name any receiver)
         self.ucx_info = log_ucx(self.ucx, None if is_loopback(remote) else f"default_receiver {remote}",
                                 self.cfg.staging_bytes)
         self.region, self.shmid, self.backing = self.ucx.alloc_shared(self.cfg.staging_bytes)

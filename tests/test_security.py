@@ -175,6 +175,65 @@ def test_an_exposed_receiver_started_insecure_has_a_config_its_engines_and_tools
     assert Endpoints.of(ConnectorSettings(receiver_config=str(toml))).receiver_socket == "/run/pdpush/rx-test.sock"
 
 
+def _listening(pid: int) -> list[str]:
+    """The addresses of ``pid``'s listening tcp sockets (/proc: its socket inodes against /proc/net/tcp{,6})."""
+    import socket as so
+    import struct
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for family, path in ((so.AF_INET, "/proc/net/tcp"), (so.AF_INET6, "/proc/net/tcp6")):
+        with open(path) as f:
+            rows = f.read().splitlines()[1:]
+        for row in rows:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            raw = b"".join(struct.pack("<I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))
+            out.append(f"{so.inet_ntop(family, raw)}:{int(port, 16)}")
+    return out
+
+
+def test_a_receiver_on_loopback_listens_on_no_other_interface_and_a_sender_that_does_says_so(daemons):
+    """A receiver bound to loopback (the default) opens no port on another interface: UCX's tcp lanes, which listen
+    on every interface unless told otherwise, are pinned to the loopback device (``ucx.local_only_env``): no
+    other host reaches its listener, so no peer is lost. Anyone who reaches a UCX tcp port can write anywhere in
+    that daemon's memory, with no hello and no token (UCX's tcp puts and software RMA check no rkey: SECURITY.md).
+    A sender is not pinned (a request may name a receiver on any host): where its tcp lanes listen beyond
+    loopback, it logs the warning that says so and what to pin. (A host with loopback alone shows neither.)"""
+    import ipaddress
+
+    from pdpush.transport.ucx import local_only_env
+
+    rx = daemons.receiver(**rx_opts(LAY, pool_pages=4))
+    tx = daemons.sender(rx)
+    pc = PrefillClient(LAY, sock(tx), timeout_s=30)
+    try:
+        h = pc.begin("local-only", list(range(40)))  # the data plane up between them (its lanes wired)
+        k, v = kv(LAY, 40, 1)
+        for layer in range(LAY.layers):
+            h.put_layer(layer, k[layer], v[layer])
+        h.finish(timeout_s=30)
+    finally:
+        pc.close()
+    ports = _listening(rx.pid)
+    assert ports and all(ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback for a in ports), ports
+    assert "tcp/lo" in status(sock(rx))["ucx_transports"] and "UCX's tcp lanes listen on" not in rx.log()
+    beyond = [a for a in _listening(tx.pid) if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
+    assert ("UCX's tcp lanes listen on tcp/" in tx.log()) == bool(beyond), (beyond, tx.log()[-2000:])
+    # the rule itself: the operator's choice (ucx_env, then the environment) stands; peers elsewhere: untouched
+    assert local_only_env({}, True, {}) == {"UCX_NET_DEVICES": "lo"}
+    assert local_only_env({"UCX_NET_DEVICES": "eth1"}, True, {}) == {"UCX_NET_DEVICES": "eth1"}
+    assert local_only_env({}, True, {"UCX_NET_DEVICES": "mlx5_0:1"}) == {}
+    assert local_only_env({"UCX_TLS": "tcp"}, False, {}) == {"UCX_TLS": "tcp"}
+
+
 def test_config_validation_of_auth(tmp_path, keys):
     with pytest.raises(C.ConfigError, match="allowed_senders"):
         C.load(C.ReceiverConfig, curve_secret_key_file=keys["receiver"][1])

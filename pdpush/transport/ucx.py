@@ -41,6 +41,21 @@ SAFE_DEFAULTS: dict[str, str] = {
 MAX_PUT_BYTES = (4 << 30) - (1 << 20)  # a single put above 4 GiB falls back to tcp
 
 
+def local_only_env(ucx_env: Mapping[str, str], local_only: bool,
+                   environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``ucx_env`` for a daemon whose UCX peers are all on this host (``local_only``: a receiver bound to loopback,
+    whose listener no other host reaches): UCX's network devices pinned to the loopback one, unless
+    ``UCX_NET_DEVICES`` is set already (in ``ucx_env`` or the environment). UCX's tcp lanes otherwise listen on
+    every interface, and UCX trusts whoever connects to them: its tcp puts and its software RMA carry raw
+    addresses and check no rkey, so a peer that reaches such a port can write anywhere in the daemon's memory
+    without a hello or a token (SECURITY.md). On one host the KV moves over shared memory: nothing is lost."""
+    env = dict(ucx_env)
+    if local_only and "UCX_NET_DEVICES" not in env and "UCX_NET_DEVICES" not in (os.environ if environ is None
+                                                                                  else environ):
+        env["UCX_NET_DEVICES"] = "lo"
+    return env
+
+
 def configure_env(overrides: Mapping[str, str] | None = None) -> None:
     """Set UCX_* variables before the first UCX context is created.
 

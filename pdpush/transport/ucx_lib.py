@@ -46,6 +46,18 @@ def no_rdma_warning(info: dict, where: str) -> str | None:
             "see `pdpush doctor`")
 
 
+def open_tcp_warning(info: dict) -> str | None:
+    """UCX's tcp lanes on a device other than loopback: any peer that reaches their ports can write anywhere in
+    this daemon's memory (UCX's tcp puts and its software RMA carry raw addresses and check no rkey; no hello or
+    token is needed). The warning that says so and what to pin; None where tcp listens on loopback only."""
+    nets = [a for a in info["available"] if a.startswith("tcp/") and a != "tcp/lo"]
+    if not nets:
+        return None
+    return (f"UCX's tcp lanes listen on {' '.join(nets)}: a peer that reaches their ports can write anywhere in "
+            "this daemon's memory, with no hello or token (UCX checks no rkey over tcp). Pin ucx_env UCX_NET_DEVICES "
+            "to the data network's device, firewall UCX_TCP_PORT_RANGE to the peer hosts (SECURITY.md)")
+
+
 @dataclass(frozen=True)
 class Build:
     source: str  # "wheel" | "system"
