@@ -388,9 +388,10 @@ def log_ucx(transport, exposed: str | None, registered_bytes: int) -> dict:
     log.info("UCX %s (%s) from %s; transports: %s; memlock %s for %d bytes; hugepages %d free; CUDA transports: %s",
              info["version"], info["source"], info["library"], " ".join(info["available"]), memlock,
              registered_bytes, host["hugepages"]["free"], " ".join(host["cuda"]["ucx_transports"]) or "none")
-    for warning in (no_rdma_warning(info, exposed) if exposed else None, open_tcp_warning(info)):
-        if warning:
-            log.warning("%s", warning)
+    if warning := no_rdma_warning(info, exposed) if exposed else None:
+        log.warning("%s", warning)
+    if tcp := open_tcp_warning(info):  # (an operator who chose the devices hears it once, quietly)
+        log.log(logging.INFO if os.environ.get("UCX_NET_DEVICES") else logging.WARNING, "%s", tcp)
     if info["rdma"] and host["memlock_bytes"] != -1 and host["memlock_bytes"] < registered_bytes:
         log.warning("the locked-memory limit (%s) is below the %d bytes the NIC must register: raise it "
                     "(LimitMEMLOCK=infinity, --ulimit memlock=-1, IPC_LOCK)", memlock, registered_bytes)

@@ -143,7 +143,8 @@ class Sender:
         from pdpush.transport.auto import open_transport
 
         if self.cfg.host != "127.0.0.1":  # (PDPUSH_HOST may be a receiver's or a router's on the same host)
-            log.warning("host %r is ignored: a sender opens no network port (its /metrics address is metrics_host)",
+            log.warning("host %r is ignored: a sender opens no control port (its /metrics address is metrics_host; "
+                        "UCX's lanes listen where ucx_env UCX_NET_DEVICES says)",
                         self.cfg.host)
         # (a taken port fails the start, exit 3, before the staging's prefault: receiver.py)
         control.check_port_free(self.cfg.metrics_host, self.cfg.metrics_port, "the metrics endpoint")

@@ -82,7 +82,7 @@ def test_a_config_of_keys_both_roles_have_asks_for_the_role(tmp_path):
 
 
 def test_a_sender_says_it_has_no_address_to_bind(tmp_path):
-    """A sender opens no network port: ``host`` (its config, PDPUSH_HOST shared with a receiver, or --bind, kept
+    """A sender opens no control port: ``host`` (its config, PDPUSH_HOST shared with a receiver, or --bind, kept
     for the scripts that pass it to both daemons) is ignored, and it says so at start (it said nothing; --bind's help
     claimed it set the network endpoints, and it is hidden now)."""
     taken = socket.socket()
@@ -93,7 +93,7 @@ def test_a_sender_says_it_has_no_address_to_bind(tmp_path):
         cfg.write_text(f'host = "0.0.0.0"\ningress_socket = "{tmp_path}/tx.sock"\n'
                        f"metrics_port = {taken.getsockname()[1]}\nprefault = false\n")
         r = _run("sender", "--config", str(cfg))
-        assert r.returncode == 3 and "opens no network port" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode == 3 and "opens no control port" in r.stderr and "Traceback" not in r.stderr, r.stderr
         r = _run("sender", "--config", str(cfg), "--bind", "10.9.9.9")
         assert r.returncode == 3 and "'10.9.9.9' is ignored" in r.stderr, r.stderr
     r = _run("sender", "--help")

@@ -195,12 +195,12 @@ def _listening(pid: int) -> list[str]:
             if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
                 continue
             addr, port = fields[1].split(":")
-            raw = b"".join(struct.pack("<I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))
+            raw = b"".join(struct.pack("=I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))  # (host order)
             out.append(f"{so.inet_ntop(family, raw)}:{int(port, 16)}")
     return out
 
 
-def test_a_receiver_on_loopback_listens_on_no_other_interface_and_a_sender_that_does_says_so(daemons):
+def test_a_receiver_on_loopback_listens_on_no_other_interface_and_a_sender_that_does_says_so(daemons, monkeypatch):
     """A receiver bound to loopback (the default) opens no port on another interface: UCX's tcp lanes, which listen
     on every interface unless told otherwise, are pinned to the loopback device (``ucx.local_only_env``): no
     other host reaches its listener, so no peer is lost. Anyone who reaches a UCX tcp port can write anywhere in
@@ -211,6 +211,7 @@ def test_a_receiver_on_loopback_listens_on_no_other_interface_and_a_sender_that_
 
     from pdpush.transport.ucx import local_only_env
 
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # (the daemons inherit this environment: their defaults)
     rx = daemons.receiver(**rx_opts(LAY, pool_pages=4))
     tx = daemons.sender(rx)
     pc = PrefillClient(LAY, sock(tx), timeout_s=30)
@@ -224,7 +225,9 @@ def test_a_receiver_on_loopback_listens_on_no_other_interface_and_a_sender_that_
         pc.close()
     ports = _listening(rx.pid)
     assert ports and all(ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback for a in ports), ports
-    assert "tcp/lo" in status(sock(rx))["ucx_transports"] and "UCX's tcp lanes listen on" not in rx.log()
+    lanes = " ".join(json.loads(status(sock(rx))["ucx_transports"]).values()).split()
+    assert all(t == "tcp/lo" for t in lanes if t.startswith("tcp/")), lanes
+    assert "UCX's tcp lanes listen on" not in rx.log()
     beyond = [a for a in _listening(tx.pid) if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
     assert ("UCX's tcp lanes listen on tcp/" in tx.log()) == bool(beyond), (beyond, tx.log()[-2000:])
     # the rule itself: the operator's choice (ucx_env, then the environment) stands; peers elsewhere: untouched
