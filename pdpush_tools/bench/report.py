@@ -569,6 +569,14 @@ layer in that day's run): against it, each row above would read about 4.5 us hig
   layer's transfer, so the sender's puts set the pace), measured 9.0 ms in the `make bench` run after this
   change and 4.2 ms in the scenario run alone minutes later (`pdpush bench --scenario pipeline --tokens 2048`;
   4.1 before the change): this row's swings between runs are larger than the change.
+- Where the bytes are, for the 1-chunk request (2026-12-08): its target's reference puts one request's 2 MiB again
+  and again, in this core's caches. The row now also gives the same puts through a push's footprint (sources
+  streamed into 64 of staging's request places in turn, into 64 of the pool's): 0.15 ms against 0.09-0.13 ms in
+  cache, where the push took 0.33-0.49 ms (two runs): 2.2-3.3x the footprint's. So the gap is pdpush's path
+  (the engine's hand-over, ~0.1 ms with the doorbell's write; the sender's wake-up; the readiness words after the
+  flush), not the memory. The pipelining row met its target in this run (worst 2.12 ms against t + 2 = 3.09 ms),
+  where the run before read 3.29 against 3.11 and the one before that 5.59 against 3.26: its worst point,
+  c/t = 0.25, swings with the box.
 - The 1 MiB capacity's reference stays in the caches (2026-12-05): its native loop cycles through 32 MiB (one
   request's worth), while the sender copies from 1 GiB of staging into 1.5 GiB of pool. The same loop over 256
   MiB to 1 GiB ran 6,800 puts/s against 13,900 over 32 MiB (a probe, and the "out of the caches" figures in the
