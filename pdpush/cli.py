@@ -98,7 +98,9 @@ def receiver(
 @sender_app.command()
 def sender(
     config: Optional[Path] = _CONFIG,
-    bind: Optional[str] = typer.Option(None, "--bind", hidden=True, help="Ignored: a sender opens no control port (UCX's lanes: ucx_env UCX_NET_DEVICES)."),
+    bind: Optional[str] = typer.Option(None, "--bind", hidden=True,
+                                       help="Ignored: a sender opens no control port (UCX's lanes: ucx_env "
+                                            "UCX_NET_DEVICES)."),
     ingress_socket: Optional[str] = typer.Option(None, help="Unix socket for the local prefill engine."),
     staging_bytes: Optional[int] = typer.Option(None, help="Shared staging memory, bytes."),
     default_receiver: Optional[str] = typer.Option(None, help="Receiver control endpoint, e.g. tcp://h:5710."),

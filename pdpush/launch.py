@@ -196,8 +196,8 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM,)):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {s: signal.getsignal(s) for s in signals}
-    before = {s: signal.SIG_DFL if h is None else h for s, h in before.items() if h is not signal.SIG_IGN}
+    before = {s: signal.getsignal(s) or signal.SIG_DFL for s in signals}  # (None: a handler not set from Python)
+    before = {s: h for s, h in before.items() if h is not signal.SIG_IGN}
 
     def raise_exit(signo: int, _frame) -> None:
         for s, h in before.items():

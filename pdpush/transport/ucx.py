@@ -49,9 +49,8 @@ def local_only_env(ucx_env: Mapping[str, str], local_only: bool,
     every interface, and UCX trusts whoever connects to them: its tcp puts and its software RMA carry raw
     addresses and check no rkey, so a peer that reaches such a port can write anywhere in the daemon's memory
     without a hello or a token (SECURITY.md). On one host the KV moves over shared memory: nothing is lost."""
-    env = dict(ucx_env)
-    if local_only and "UCX_NET_DEVICES" not in env and "UCX_NET_DEVICES" not in (os.environ if environ is None
-                                                                                  else environ):
+    env, environ = dict(ucx_env), os.environ if environ is None else environ
+    if local_only and "UCX_NET_DEVICES" not in env and "UCX_NET_DEVICES" not in environ:
         env["UCX_NET_DEVICES"] = "lo"
     return env
 
